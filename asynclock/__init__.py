@@ -1,0 +1,57 @@
+"""asyncio-native distributed locks with leases, fencing tokens and cancellation on loss.
+
+.. code-block:: python
+
+    async with asynclock.connect("etcd://127.0.0.1:2379") as locks:
+        async with locks.lock("orders/42", ttl=10) as lease:
+            await write(order, fence=lease.token)
+"""
+
+from ._client import LockClient as LockClient
+from ._client import connect as connect
+from ._errors import AcquireTimeout as AcquireTimeout
+from ._errors import BackendTimeout as BackendTimeout
+from ._errors import BackendUnavailable as BackendUnavailable
+from ._errors import InvalidArgument as InvalidArgument
+from ._errors import InvalidURL as InvalidURL
+from ._errors import LeaseLost as LeaseLost
+from ._errors import LockError as LockError
+from ._errors import MissingDependency as MissingDependency
+from ._errors import NotHeld as NotHeld
+from ._errors import StaleToken as StaleToken
+from ._errors import UnsupportedFeature as UnsupportedFeature
+from ._fencing import current_lease as current_lease
+from ._fencing import current_token as current_token
+from ._fencing import held_leases as held_leases
+from ._lease import Lease as Lease
+from ._scope import LockContext as LockContext
+from .abc import Capabilities as Capabilities
+
+__all__ = (
+    "AcquireTimeout",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "Capabilities",
+    "InvalidArgument",
+    "InvalidURL",
+    "Lease",
+    "LeaseLost",
+    "LockClient",
+    "LockContext",
+    "LockError",
+    "MissingDependency",
+    "NotHeld",
+    "StaleToken",
+    "UnsupportedFeature",
+    "connect",
+    "current_lease",
+    "current_token",
+    "held_leases",
+)
+
+# Tracebacks and docs show the public path, not the private module (as anyio does).
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("asynclock."):
+        _obj.__module__ = __name__
+del _name, _obj

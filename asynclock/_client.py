@@ -1,0 +1,343 @@
+"""``connect(url)``: the client that owns a backend, its connections and the renewal task."""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Collection
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+from anyio.abc import TaskGroup
+
+from . import _fencing, _validate
+from ._errors import (
+    AcquireTimeout,
+    BackendTimeout,
+    BackendUnavailable,
+    LockError,
+    UnsupportedFeature,
+)
+from ._lease import Lease, OnLost
+from ._registry import make_backend, redact
+from ._scope import LockContext
+from ._supervisor import Supervisor
+from .abc import Backend, Capabilities, Grant, LockRequest
+
+logger = logging.getLogger("asynclock")
+
+_CAPABILITY_NAMES = ("fencing", "fifo", "loss_detection", "quorum", "cross_process")
+
+
+def connect(
+    url: str,
+    /,
+    *,
+    require: Collection[str] = (),
+    drift: float = 0.01,
+    margin: float | None = None,
+    connect_timeout: float = 10.0,
+    release_timeout: float = 5.0,
+    **options: Any,
+) -> LockClient:
+    """Make a lock client for ``url``; use it as ``async with asynclock.connect(url) as locks:``.
+
+    The URL scheme picks the backend (``sqlite:///path``, ``redis://``, ``redlock://``,
+    ``etcd://``, ``zookeeper://``, ``postgresql://``, ``memory://``). Backend options can be given
+    in the query string or as keyword arguments; keyword arguments win.
+
+    ``require`` names capabilities the backend must have (``"fencing"``, ``"fifo"``,
+    ``"loss_detection"``, ``"quorum"``, ``"cross_process"``); a backend without one is refused with
+    :class:`UnsupportedFeature` before anything connects.
+
+    ``drift`` (share of the ttl) and ``margin`` (seconds; default ``min(1, ttl / 10)``) shorten the
+    local deadline so that the body is cancelled before the server can expire the lock, even if
+    the two clocks run at slightly different rates.
+    """
+    drift = _validate.positive_seconds(drift, "drift") if drift else 0.0
+    if drift >= 0.5:
+        raise _validate.InvalidArgument(f"drift is a share of the ttl below 0.5, got {drift!r}")
+    if margin is not None:
+        margin = _validate.positive_seconds(margin, "margin")
+    connect_timeout = _validate.positive_seconds(connect_timeout, "connect_timeout")
+    release_timeout = _validate.positive_seconds(release_timeout, "release_timeout")
+    unknown = set(require) - set(_CAPABILITY_NAMES)
+    if unknown:
+        raise _validate.InvalidArgument(
+            f"unknown capabilities in require: {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(_CAPABILITY_NAMES)})"
+        )
+    backend = make_backend(url, options)
+    missing = [name for name in require if not getattr(backend.capabilities, name)]
+    if missing:
+        raise UnsupportedFeature(
+            f"{redact(url)} does not provide {', '.join(missing)}; see the backend guide for one "
+            "that does (etcd, ZooKeeper and PostgreSQL provide fencing and loss detection)"
+        )
+    return LockClient(
+        backend,
+        drift=drift,
+        margin=margin,
+        connect_timeout=connect_timeout,
+        release_timeout=release_timeout,
+    )
+
+
+class LockClient:
+    """Locks on one backend. Made by :func:`connect`; enter it before use.
+
+    Leaving the ``async with`` releases every lease still held and closes the backend, also when
+    the block is cancelled.
+    """
+
+    def __init__(
+        self,
+        backend: Backend[Grant],
+        *,
+        drift: float,
+        margin: float | None,
+        connect_timeout: float,
+        release_timeout: float,
+    ) -> None:
+        self._backend = backend
+        self._drift = drift
+        self._margin = margin
+        self._connect_timeout = connect_timeout
+        self._release_timeout = release_timeout
+        self._supervisor = Supervisor(backend)
+        self._task_group: TaskGroup | None = None
+        self._state = "new"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._state != "new":
+            raise RuntimeError("a LockClient can be entered once; call asynclock.connect() again")
+        self._state = "opening"
+        with anyio.move_on_after(self._connect_timeout) as scope:
+            await self._backend.open()
+        if scope.cancelled_caught:
+            with anyio.CancelScope(shield=True):
+                await self._backend.aclose()
+            self._state = "closed"
+            raise BackendTimeout(
+                f"{self._backend.describe()} did not answer within {self._connect_timeout:g} s; "
+                "check that the server runs and the URL's host and port are right, or raise "
+                "connect_timeout"
+            )
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        task_group.start_soon(self._supervisor.run, name="asynclock renewal")
+        self._task_group = task_group
+        self._state = "open"
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            await self.aclose()
+        finally:
+            if self._task_group is not None:
+                task_group, self._task_group = self._task_group, None
+                task_group.cancel_scope.cancel()
+                return await task_group.__aexit__(exc_type, exc, tb)
+        return None
+
+    async def aclose(self) -> None:
+        """Release every lease still held and close the backend. Idempotent and shielded."""
+        if self._state in ("closing", "closed"):
+            return
+        self._state = "closing"
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as task_group:
+                for lease in self._supervisor.leases:
+                    task_group.start_soon(lease.release)
+            if self._task_group is not None:
+                self._task_group.cancel_scope.cancel()
+            await self._backend.aclose()
+        self._state = "closed"
+
+    # -- locks -------------------------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the backend guarantees."""
+        return self._backend.capabilities
+
+    @property
+    def backend(self) -> Backend[Grant]:
+        """The backend instance (for tests and diagnostics)."""
+        return self._backend
+
+    @property
+    def held(self) -> frozenset[Lease]:
+        """Every lease this client holds now."""
+        return self._supervisor.leases
+
+    @property
+    def renew_calls(self) -> int:
+        """How many renewal round trips the client has made (batched over all held leases)."""
+        return self._supervisor.renew_calls
+
+    def lock(
+        self,
+        name: str,
+        *,
+        ttl: float = 30.0,
+        timeout: float | None = None,
+        on_lost: OnLost = "cancel",
+    ) -> LockContext:
+        """Hold the lock ``name`` for the body of an ``async with``; yields the :class:`Lease`.
+
+        ``timeout=None`` waits forever, ``timeout=0`` tries once; past it,
+        :class:`AcquireTimeout` is raised. The lease is renewed in the background. If it is lost,
+        the body is cancelled (``on_lost="cancel"``, the default) and the ``async with`` raises
+        :class:`LeaseLost`; with ``on_lost="flag"`` the body runs on, ``lease.lost`` becomes true
+        and ``lease.wait_lost()`` returns.
+        """
+        self._check_on_lost(on_lost)
+        name, ttl, timeout = self._check(name, ttl, timeout)
+        return LockContext(
+            lambda: self._acquire(name, ttl, timeout, on_lost, track_context=False), on_lost
+        )
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        ttl: float = 30.0,
+        timeout: float | None = None,
+        on_lost: OnLost = "flag",
+    ) -> Lease:
+        """Take the lock and return its :class:`Lease`; release it with ``await lease.release()``.
+
+        There is no body to cancel here, so loss is only flagged (``lease.lost``,
+        ``lease.wait_lost()``). ``current_token()`` sees the lease in this task until released.
+        """
+        self._check_on_lost(on_lost)
+        name, ttl, timeout = self._check(name, ttl, timeout)
+        return await self._acquire(name, ttl, timeout, on_lost, track_context=True)
+
+    async def try_acquire(self, name: str, *, ttl: float = 30.0) -> Lease | None:
+        """Take the lock if it is free right now; ``None`` if someone else holds it."""
+        name, ttl, _ = self._check(name, ttl, 0)
+        try:
+            return await self._acquire(name, ttl, 0, "flag", track_context=True)
+        except AcquireTimeout:
+            return None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check(self, name: object, ttl: object, timeout: object) -> tuple[str, float, float | None]:
+        checked_name = _validate.lock_name(name)
+        checked_ttl = _validate.positive_seconds(ttl, "ttl")
+        self._backend.check_ttl(checked_ttl)
+        return checked_name, checked_ttl, _validate.timeout(timeout)
+
+    @staticmethod
+    def _check_on_lost(on_lost: object) -> None:
+        if on_lost not in ("cancel", "flag"):
+            raise _validate.InvalidArgument(f"on_lost must be 'cancel' or 'flag', got {on_lost!r}")
+
+    def _margin_for(self, ttl: float) -> float:
+        margin = self._margin if self._margin is not None else min(1.0, ttl / 10.0)
+        # The first renewal happens at ttl / 3; a deadline before it would lose every lease.
+        if ttl * (1.0 - self._drift) - margin <= ttl / 3.0:
+            raise _validate.InvalidArgument(
+                f"margin {margin:g} s leaves no time to renew a {ttl:g} s lease: use a larger ttl "
+                "or a smaller margin"
+            )
+        return margin
+
+    async def _acquire(
+        self,
+        name: str,
+        ttl: float,
+        timeout: float | None,
+        on_lost: OnLost,
+        *,
+        track_context: bool,
+    ) -> Lease:
+        if self._state != "open":
+            raise RuntimeError(
+                "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
+            )
+        margin = self._margin_for(ttl)
+        holder: list[Lease] = []
+        early_loss: list[str] = []
+
+        def lost(reason: str) -> None:
+            if holder:
+                holder[0]._mark_lost(reason)
+            else:
+                early_loss.append(reason)
+
+        request = LockRequest(name=name, ttl=ttl, owner=uuid.uuid4().hex, on_lost=lost)
+        grant: Grant | None = None
+        try:
+            if timeout == 0:
+                grant = await self._backend.try_acquire(request)
+            else:
+                deadline = math.inf if timeout is None else anyio.current_time() + timeout
+                with anyio.CancelScope(deadline=deadline):
+                    grant = await self._backend.acquire(request)
+        except LockError:
+            raise
+        except Exception as exc:
+            # A backend is meant to translate its driver's errors; one that slips through still
+            # reaches the user as one of ours, with the original attached.
+            raise BackendUnavailable(
+                f"acquiring {name!r} on {self._backend.describe()} failed: {exc!r}"
+            ) from exc
+        if grant is None:
+            raise AcquireTimeout(name, timeout or 0.0)
+        # No await from here until the lease is registered: a cancellation cannot strand it.
+        lease = Lease(
+            grant,
+            on_lost=on_lost,
+            drift=self._drift,
+            margin=margin,
+            fencing=self._backend.capabilities.fencing,
+            releaser=self._release,
+        )
+        holder.append(lease)
+        for reason in early_loss:
+            lease._mark_lost(reason)
+        self._supervisor.add(lease)
+        if track_context:
+            _fencing.push(lease)
+        return lease
+
+    async def _release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease._check_deadline()
+        lease._mark_released()
+        self._supervisor.discard(lease)
+        _fencing.discard(lease)
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self._release_timeout) as scope:
+                try:
+                    await self._backend.release(lease.grant)
+                except Exception as exc:
+                    logger.warning(
+                        "asynclock: releasing %r on %s failed (%r); the server frees it when "
+                        "its ttl runs out",
+                        lease.name,
+                        self._backend.describe(),
+                        exc,
+                    )
+            if scope.cancelled_caught:
+                logger.warning(
+                    "asynclock: releasing %r on %s took over %g s; the server frees it when its "
+                    "ttl runs out",
+                    lease.name,
+                    self._backend.describe(),
+                    self._release_timeout,
+                )

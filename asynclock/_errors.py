@@ -1,0 +1,96 @@
+"""One exception hierarchy for every backend, and the translation helper used at their boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+
+class LockError(Exception):
+    """Base class of every error asynclock raises."""
+
+
+class LeaseLost(LockError):
+    """The lease of a held lock ended before it was released.
+
+    Raised by ``async with locks.lock(...)`` after its body was cancelled because the lease was
+    lost (the server proved it, or the local deadline passed without a successful renewal).
+    Anything the body did after ``lost_at`` may have overlapped with another holder: a resource
+    that must stay correct checks the fencing token.
+    """
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"lease on lock {name!r} was lost: {reason}")
+        self.name = name
+        self.reason = reason
+
+
+class AcquireTimeout(LockError, TimeoutError):
+    """The lock could not be taken within the requested ``timeout``."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        super().__init__(f"lock {name!r} was not acquired within {timeout:g} s")
+        self.name = name
+        self.timeout = timeout
+
+
+class NotHeld(LockError, LookupError):
+    """An operation needed a held lock and there is none (for example ``current_token()``)."""
+
+
+class BackendUnavailable(LockError, ConnectionError):
+    """The lock server could not be reached or did not answer in time."""
+
+
+class BackendTimeout(BackendUnavailable, TimeoutError):
+    """A call to the lock server did not complete within its time bound."""
+
+
+class UnsupportedFeature(LockError):
+    """The backend cannot provide what was asked of it (for example fencing tokens on Redlock)."""
+
+
+class InvalidArgument(LockError, ValueError):
+    """A lock name, ttl, timeout, option or URL is not acceptable; the message says which."""
+
+
+class InvalidURL(InvalidArgument):
+    """The connection URL is malformed or names an unknown backend."""
+
+
+class MissingDependency(LockError, ImportError):
+    """The driver a backend needs is not installed; the message names the extra to install."""
+
+
+class StaleToken(LockError):
+    """A fencing guard refused an access whose token is older than one it has already seen."""
+
+    def __init__(self, resource: str, token: int, highest: int) -> None:
+        super().__init__(
+            f"fencing token {token} for {resource!r} is stale: the resource has already "
+            f"seen token {highest}"
+        )
+        self.resource = resource
+        self.token = token
+        self.highest = highest
+
+
+ExceptionMapping = Mapping[type[BaseException], type[LockError]]
+
+
+@contextmanager
+def map_exceptions(mapping: ExceptionMapping, context: str) -> Iterator[None]:
+    """Translate driver exceptions into asynclock's hierarchy, keeping the original as the cause.
+
+    The first matching entry wins, so list subclasses before their bases. ``context`` says what was
+    being done ("renewing 3 locks on redis://127.0.0.1:6379"), which the driver's error rarely says.
+    """
+    try:
+        yield
+    except LockError:
+        raise
+    except Exception as exc:
+        for source, target in mapping.items():
+            if isinstance(exc, source):
+                raise target(f"{context}: {type(exc).__name__}: {exc}") from exc
+        raise

@@ -1,0 +1,230 @@
+"""Lease: one held lock, its fencing token, its local deadline and the lost/released states."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import anyio
+
+from ._errors import UnsupportedFeature
+from .abc import Grant
+
+logger = logging.getLogger("asynclock")
+
+OnLost = Literal["cancel", "flag"]
+
+
+class LeaseState(enum.Enum):
+    HELD = "held"
+    LOST = "lost"
+    RELEASED = "released"
+
+
+class Lease:
+    """A held lock. Made by ``LockClient.acquire`` / ``lock``; never constructed by users.
+
+    The lease ends in one of two ways: released by its holder, or lost. It is lost when the
+    backend proves it (the key is gone, the session expired) or when the local deadline passes
+    without a successful renewal. The local deadline is always earlier than the earliest moment
+    the server could expire the lock: it starts when the request was *sent*, shrinks the ttl by
+    the clock drift allowance, and keeps a safety margin for cancelling the body.
+    """
+
+    __slots__ = (
+        "_deadline",
+        "_drift",
+        "_fencing",
+        "_grant",
+        "_lost_event",
+        "_lost_reason",
+        "_margin",
+        "_releaser",
+        "_scopes",
+        "_state",
+        "next_renewal",
+        "on_lost",
+    )
+
+    def __init__(
+        self,
+        grant: Grant,
+        *,
+        on_lost: OnLost,
+        drift: float,
+        margin: float,
+        fencing: bool,
+        releaser: Callable[[Lease], Awaitable[None]],
+    ) -> None:
+        self._grant = grant
+        self.on_lost: OnLost = on_lost
+        self._drift = drift
+        self._margin = margin
+        self._fencing = fencing
+        self._releaser = releaser
+        self._state = LeaseState.HELD
+        self._lost_reason: str | None = None
+        self._lost_event = anyio.Event()
+        self._scopes: list[anyio.CancelScope] = []
+        self._deadline = self._deadline_for(grant.valid_from, grant.ttl)
+        self.next_renewal = grant.valid_from + grant.ttl / 3.0
+
+    # -- what users read ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The lock's name, as given to ``lock()`` / ``acquire()``."""
+        return self._grant.name
+
+    @property
+    def token(self) -> int:
+        """The fencing token of this acquisition: larger than every earlier token for this name.
+
+        Raises :class:`asynclock.UnsupportedFeature` on backends that cannot issue sound tokens
+        (Redlock): a token that is not strictly increasing would make a guard accept stale writes.
+        """
+        token = self._grant.token
+        if not self._fencing or token is None:
+            raise UnsupportedFeature(
+                f"lock {self.name!r} has no fencing token: this backend cannot issue tokens that "
+                "strictly increase (Redlock's independent masters have no shared counter). Use it "
+                "for efficiency locks only, or choose etcd, ZooKeeper, PostgreSQL or Redis."
+            )
+        return token
+
+    @property
+    def ttl(self) -> float:
+        """The lease length the server applies, in seconds (it may differ from the requested one)."""
+        return self._grant.ttl
+
+    @property
+    def owner(self) -> str:
+        """The random id that identifies this lease on the server."""
+        return self._grant.owner
+
+    @property
+    def deadline(self) -> float:
+        """The local deadline on the ``anyio.current_time()`` clock; moves with each renewal."""
+        return self._deadline
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until the local deadline; 0 once the lease is lost or released."""
+        if self._state is not LeaseState.HELD:
+            return 0.0
+        return max(0.0, self._deadline - anyio.current_time())
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is lost (proven by the server, or its deadline passed).
+
+        It stays true after ``release()``: the lease was lost while it was meant to be held.
+        """
+        self._check_deadline()
+        return self._lost_reason is not None
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the lease was lost, or None while it is not."""
+        self._check_deadline()
+        return self._lost_reason
+
+    @property
+    def released(self) -> bool:
+        """True once ``release()`` ran (or the client closed)."""
+        return self._state is LeaseState.RELEASED
+
+    async def wait_lost(self) -> str:
+        """Wait until the lease is lost and return the reason.
+
+        Never returns for a lease that is released first: use it inside a task group that the
+        critical section cancels, or with a timeout.
+        """
+        while True:
+            self._check_deadline()
+            if self._lost_reason is not None:
+                return self._lost_reason
+            if self._state is LeaseState.RELEASED:
+                await anyio.sleep_forever()
+            # The deadline moves with every renewal, so sleep only up to the current one and
+            # look again.
+            with anyio.move_on_at(self._deadline):
+                await self._lost_event.wait()
+
+    async def release(self) -> None:
+        """Release the lock. Idempotent, shielded from cancellation, never raises for I/O.
+
+        It never frees a lock someone else holds now: the backend compares the owner id. If the
+        server cannot be reached, the lock is freed by its ttl and a warning is logged.
+        """
+        if self._state is LeaseState.RELEASED:
+            return
+        await self._releaser(self)
+
+    def __repr__(self) -> str:
+        token = self._grant.token if self._fencing else None
+        return (
+            f"<Lease name={self.name!r} token={token} state={self._state.value} "
+            f"remaining={self.remaining:.3f}>"
+        )
+
+    # -- what the core does ------------------------------------------------------------------
+
+    @property
+    def grant(self) -> Grant:
+        return self._grant
+
+    @property
+    def held(self) -> bool:
+        return self._state is LeaseState.HELD
+
+    def _check_deadline(self) -> None:
+        if self._state is LeaseState.HELD and anyio.current_time() >= self._deadline:
+            self._mark_lost(
+                f"no successful renewal before the local deadline (ttl {self.ttl:g} s); "
+                "the server may already have expired it"
+            )
+
+    def _extend(self, valid_from: float, ttl: float) -> None:
+        # A lost lease stays lost: a late renewal reply must not revive a body already cancelled.
+        self._check_deadline()
+        if self._state is not LeaseState.HELD:
+            return
+        self._grant.valid_from = valid_from
+        self._grant.ttl = ttl
+        # Replies can come back out of order; the deadline only ever moves forward.
+        self._deadline = max(self._deadline, self._deadline_for(valid_from, ttl))
+        self.next_renewal = valid_from + ttl / 3.0
+        for scope in self._scopes:
+            scope.deadline = self._deadline
+
+    def _deadline_for(self, valid_from: float, ttl: float) -> float:
+        return valid_from + ttl * (1.0 - self._drift) - self._margin
+
+    def _mark_lost(self, reason: str) -> None:
+        if self._state is not LeaseState.HELD:
+            return
+        self._state = LeaseState.LOST
+        self._lost_reason = reason
+        self._lost_event.set()
+        logger.warning("asynclock: lease on %r lost: %s", self.name, reason)
+        for scope in self._scopes:
+            scope.cancel()
+
+    def _mark_released(self) -> None:
+        self._state = LeaseState.RELEASED
+        # Wake wait_lost() callers so they re-check; they keep waiting only on held leases.
+        self._lost_event.set()
+
+    def _attach_scope(self, scope: anyio.CancelScope) -> None:
+        """Cancel ``scope`` on loss, and give it the local deadline (a timer with no task)."""
+        self._scopes.append(scope)
+        scope.deadline = self._deadline
+        self._check_deadline()
+        if self._state is LeaseState.LOST:
+            scope.cancel()
+
+    def _detach_scope(self, scope: anyio.CancelScope) -> None:
+        self._scopes.remove(scope)

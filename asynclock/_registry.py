@@ -1,0 +1,112 @@
+"""Backends by URL scheme, imported lazily so that a driver is loaded only when it is used."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlsplit
+
+from ._errors import InvalidURL, MissingDependency
+from .abc import Backend, Grant
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    module: str
+    cls: str
+    #: The pip extra that installs the driver, and the driver's top-level modules.
+    extra: str | None = None
+    drivers: tuple[str, ...] = ()
+
+
+_BACKENDS: dict[str, _Entry] = {
+    "memory": _Entry("asynclock.backends.memory", "MemoryBackend"),
+    "sqlite": _Entry("asynclock.backends.sqlite", "SQLiteBackend"),
+    "redis": _Entry("asynclock.backends.redis", "RedisBackend", "redis", ("redis",)),
+    "rediss": _Entry("asynclock.backends.redis", "RedisBackend", "redis", ("redis",)),
+    "redlock": _Entry("asynclock.backends.redlock", "RedlockBackend", "redis", ("redis",)),
+    "etcd": _Entry("asynclock.backends.etcd", "EtcdBackend", "etcd", ("aetcd", "grpc")),
+    "zookeeper": _Entry(
+        "asynclock.backends.zookeeper", "ZooKeeperBackend", "zookeeper", ("aiozk",)
+    ),
+    "postgresql": _Entry(
+        "asynclock.backends.postgres", "PostgresBackend", "postgres", ("asyncpg",)
+    ),
+    "postgres": _Entry("asynclock.backends.postgres", "PostgresBackend", "postgres", ("asyncpg",)),
+}
+
+_EXAMPLES = (
+    "sqlite:///tmp/locks.db, redis://127.0.0.1:6379/0, etcd://127.0.0.1:2379, "
+    "zookeeper://127.0.0.1:2181/locks, postgresql://user@127.0.0.1:5432/db, memory://"
+)
+
+
+def schemes() -> tuple[str, ...]:
+    return tuple(sorted(_BACKENDS))
+
+
+def split_url(url: object) -> tuple[str, dict[str, str]]:
+    """Check the URL's form and return its scheme and query-string options."""
+    if not isinstance(url, str):
+        raise InvalidURL(f"the lock URL must be a str, not {type(url).__name__}")
+    if "://" not in url:
+        raise InvalidURL(
+            f"{url!r} is not a lock URL: expected scheme://..., for example {_EXAMPLES}"
+        )
+    try:
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError as exc:
+        raise InvalidURL(f"malformed lock URL {_redact(url)!r}: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in _BACKENDS:
+        raise InvalidURL(
+            f"unknown lock backend {scheme!r} in {_redact(url)!r}; known schemes: "
+            f"{', '.join(schemes())}"
+        )
+    options: dict[str, str] = {}
+    for key, value in query:
+        if key in options:
+            raise InvalidURL(f"option {key!r} is given twice in {_redact(url)!r}")
+        options[key] = value
+    return scheme, options
+
+
+def backend_class(scheme: str) -> type[Backend[Grant]]:
+    entry = _BACKENDS[scheme]
+    try:
+        module = importlib.import_module(entry.module)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if entry.extra and missing in entry.drivers:
+            raise MissingDependency(
+                f"the {scheme}:// backend needs the {missing!r} package: "
+                f"pip install 'asynclock[{entry.extra}]'"
+            ) from exc
+        raise
+    cls: type[Backend[Grant]] = getattr(module, entry.cls)
+    return cls
+
+
+def make_backend(url: str, options: Mapping[str, object]) -> Backend[Grant]:
+    scheme, query = split_url(url)
+    merged: dict[str, object] = dict(query)
+    merged.update(options)
+    base = url.split("?", 1)[0]
+    return backend_class(scheme).from_url(base, merged)
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for error messages and logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url.split("@")[-1]
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return parts._replace(netloc=netloc).geturl()
+
+
+redact = _redact

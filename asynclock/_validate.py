@@ -1,0 +1,146 @@
+"""Checks of user input, each naming the problem and the fix."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from ._errors import InvalidArgument
+
+#: Longest lock name, in UTF-8 bytes. Every backend can store this as one key or znode name
+#: (with its prefix), and it is far beyond any name a person would read.
+MAX_NAME_BYTES = 512
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def lock_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise InvalidArgument(f"lock name must be a str, not {type(name).__name__}")
+    if not name:
+        raise InvalidArgument("lock name must not be empty")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"lock name {name[:40]!r} is not valid Unicode text (lone surrogate at {exc.start})"
+        ) from None
+    if size > MAX_NAME_BYTES:
+        raise InvalidArgument(
+            f"lock name is {size} bytes long in UTF-8; the limit is {MAX_NAME_BYTES}. Hash long "
+            "identifiers (for example with hashlib.sha256) and use the digest as the name"
+        )
+    for index, char in enumerate(name):
+        if ord(char) < 0x20 or ord(char) == 0x7F:
+            raise InvalidArgument(
+                f"lock name {name[:40]!r} contains the control character {char!r} at index "
+                f"{index}; names may contain any printable text, '/' and non-ASCII included"
+            )
+    return name
+
+
+def positive_seconds(value: object, what: str) -> float:
+    seconds = _number(value, what)
+    if not seconds > 0:
+        raise InvalidArgument(f"{what} must be > 0 seconds, got {value!r}")
+    return seconds
+
+
+def timeout(value: object) -> float | None:
+    """``None`` waits forever, 0 tries once, a positive number bounds the wait."""
+    if value is None:
+        return None
+    seconds = _number(value, "timeout")
+    if seconds < 0:
+        raise InvalidArgument(
+            f"timeout must be >= 0 seconds (0 tries once) or None (wait forever), got {value!r}"
+        )
+    return seconds
+
+
+def _number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{what} must be a number of seconds, not {type(value).__name__}")
+    seconds = float(value)
+    if not math.isfinite(seconds):
+        raise InvalidArgument(f"{what} must be a finite number of seconds, got {value!r}")
+    return seconds
+
+
+class Options:
+    """Backend options from the URL query string and keyword arguments, consumed one by one.
+
+    ``finish()`` rejects whatever nobody consumed, so a misspelt option is an error and not a
+    silently ignored setting.
+    """
+
+    def __init__(self, options: Mapping[str, object], source: str) -> None:
+        self._options = dict(options)
+        self._source = source
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._options
+
+    def text(self, key: str, default: str) -> str:
+        value = self._options.pop(key, default)
+        if not isinstance(value, str):
+            raise InvalidArgument(f"option {key!r} of {self._source} must be a string")
+        return value
+
+    def optional_text(self, key: str) -> str | None:
+        value = self._options.pop(key, None)
+        if value is not None and not isinstance(value, str):
+            raise InvalidArgument(f"option {key!r} of {self._source} must be a string")
+        return value
+
+    def number(self, key: str, default: float, *, minimum: float = 0.0) -> float:
+        value = self._options.pop(key, default)
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"option {key!r} of {self._source} must be a number, got {value!r}"
+            ) from None
+        if not math.isfinite(number) or number < minimum:
+            raise InvalidArgument(
+                f"option {key!r} of {self._source} must be a finite number >= {minimum:g}, "
+                f"got {value!r}"
+            )
+        return number
+
+    def whole(self, key: str, default: int, *, minimum: int = 0) -> int:
+        value = self._options.pop(key, default)
+        try:
+            number = int(value)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"option {key!r} of {self._source} must be a whole number, got {value!r}"
+            ) from None
+        if number < minimum:
+            raise InvalidArgument(
+                f"option {key!r} of {self._source} must be >= {minimum}, got {value!r}"
+            )
+        return number
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._options.pop(key, default)
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise InvalidArgument(
+            f"option {key!r} of {self._source} must be true or false, got {value!r}"
+        )
+
+    def pop_raw(self, key: str) -> object:
+        return self._options.pop(key, None)
+
+    def finish(self, known: Iterable[str] = ()) -> None:
+        if self._options:
+            unknown = ", ".join(sorted(self._options))
+            hint = f" (known: {', '.join(sorted(known))})" if known else ""
+            raise InvalidArgument(f"unknown option(s) for {self._source}: {unknown}{hint}")

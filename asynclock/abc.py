@@ -1,0 +1,180 @@
+"""The backend contract: the only interface a lock store has to implement.
+
+A backend does what differs per store (take, wait for a turn, renew, release, the token) and says
+what it guarantees. Deadlines, renewal cadence, cancellation of the body, contextvars and error
+reporting are written once, above it, in :mod:`asynclock._client` and :mod:`asynclock._lease`.
+
+Time: every timestamp in this contract is ``anyio.current_time()`` (``time.monotonic()`` on
+asyncio), taken *before* the request it describes was sent. A server-side expiry started by that
+request cannot come earlier than ``timestamp + ttl``, which is what makes the local deadline safe.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar
+
+__all__ = (
+    "Backend",
+    "Capabilities",
+    "Grant",
+    "LockRequest",
+    "Lost",
+    "RenewOutcome",
+    "Renewed",
+    "Unknown",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend guarantees, so that callers can demand it (``connect(url, require=...)``)."""
+
+    #: Tokens strictly increase across every acquisition of a name, and survive server restarts
+    #: (as far as the store itself keeps its data).
+    fencing: bool
+    #: Waiters are served in the order they started waiting.
+    fifo: bool
+    #: The backend can *prove* that a lease was lost (key gone, session expired) instead of only
+    #: noticing that the local deadline passed.
+    loss_detection: bool
+    #: The lock survives the loss of a minority of servers.
+    quorum: bool
+    #: Locks exclude each other across processes (and hosts, when the store is shared).
+    cross_process: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LockRequest:
+    """One acquisition, as the core hands it to a backend."""
+
+    name: str
+    #: Requested lease length in seconds; the backend may grant a different one (``Grant.ttl``).
+    ttl: float
+    #: A random id unique to this lease: the value compared on renew and release, so that nobody
+    #: can extend or delete a lock they do not hold. Never per thread or per task.
+    owner: str
+    #: Call this (from any task on the event loop) when the server proves the lease is gone
+    #: outside of ``renew`` (a watch fired, a session expired). Idempotent.
+    on_lost: Callable[[str], None] = field(compare=False, repr=False)
+
+
+@dataclass(eq=False, slots=True)
+class Grant:
+    """A lock the backend holds for us. Backends subclass it to keep what they need to release.
+
+    ``valid_from`` is the monotonic time at which the request that started the current server-side
+    expiry was sent, and ``ttl`` the length of that expiry as the server applies it.
+    """
+
+    name: str
+    owner: str
+    token: int | None
+    valid_from: float
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class Renewed:
+    """The server extended the lease: it expires no earlier than ``valid_from + ttl``."""
+
+    valid_from: float
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """The server proved that the lease is gone (key deleted, held by another, session expired)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """Renewal failed for a reason that proves nothing (timeout, connection reset).
+
+    The local deadline is not moved; the core retries until it passes.
+    """
+
+    error: BaseException
+
+
+RenewOutcome = Renewed | Lost | Unknown
+
+G = TypeVar("G", bound=Grant)
+
+
+class Backend(ABC, Generic[G]):
+    """A lock store. One instance per client; entered with ``async with`` before any other call.
+
+    Every method may be cancelled at any await. ``acquire`` and ``try_acquire`` must then leave
+    nothing behind (clean up in a shielded scope) and must not return a grant they have not handed
+    over. Driver exceptions are translated to :class:`asynclock.LockError` subclasses here, at the
+    boundary (see :func:`asynclock._errors.map_exceptions`).
+    """
+
+    #: URL schemes that select this backend.
+    schemes: tuple[str, ...] = ()
+    capabilities: Capabilities
+
+    @classmethod
+    @abstractmethod
+    def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
+        """Build a backend from its URL and options (query string merged with keyword arguments).
+
+        Raise :class:`asynclock.InvalidURL` / :class:`asynclock.InvalidArgument` for anything it
+        does not understand, naming the option. Must not do I/O.
+        """
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Connect and check that the server answers; raise ``BackendUnavailable`` if not."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Close every connection and background task. Idempotent; called shielded."""
+
+    def check_ttl(self, ttl: float) -> None:
+        """Raise :class:`asynclock.InvalidArgument` when the store cannot honour ``ttl``."""
+
+    @abstractmethod
+    async def try_acquire(self, request: LockRequest) -> G | None:
+        """Take the lock if it is free, in one attempt; ``None`` when someone else holds it."""
+
+    @abstractmethod
+    async def acquire(self, request: LockRequest) -> G:
+        """Wait until the lock is ours. Bounded by the caller's cancel scope, not by a timeout."""
+
+    @abstractmethod
+    async def renew(self, grants: Sequence[G]) -> Sequence[RenewOutcome]:
+        """Extend every lease in ``grants``, in as few round trips as the store allows.
+
+        Return one outcome per grant, in order. Raising counts as :class:`Unknown` for all.
+        """
+
+    @abstractmethod
+    async def release(self, grant: G) -> None:
+        """Free the lock if, and only if, it is still ours. Must not raise when it is not."""
+
+    def describe(self) -> str:
+        """A short, password-free description for messages ("redis://127.0.0.1:6379/0")."""
+        return type(self).__name__
+
+    def extra_info(self) -> Mapping[str, Any]:
+        """Backend facts for ``asynclock status`` and benchmarks (versions, settings)."""
+        return {}

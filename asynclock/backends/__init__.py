@@ -1,0 +1,1 @@
+"""Lock backends, one module each; chosen by URL scheme through asynclock.connect()."""

@@ -1,0 +1,201 @@
+"""``memory://[namespace]``: an in-process reference backend, with fault hooks for tests.
+
+Clients that connect to the same namespace in one process contend for the same locks, so the
+core can be tested without a server. :class:`Faults` makes renewals fail, hang or prove loss, and
+:meth:`MemoryBackend.expire` plays the server dropping a lock. Not for production: nothing
+outside this process is excluded.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Self
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.lowlevel
+
+from .._errors import BackendUnavailable, InvalidURL
+from .._validate import Options
+from ..abc import Backend, Capabilities, Grant, LockRequest, Lost, Renewed, RenewOutcome, Unknown
+
+__all__ = ("Faults", "MemoryBackend")
+
+
+@dataclass(slots=True)
+class _Holder:
+    owner: str
+    expires_at: float
+    on_lost: Callable[[str], None]
+
+
+@dataclass(slots=True)
+class _Lock:
+    holder: _Holder | None = None
+    waiters: deque[str] = field(default_factory=deque)
+    changed: anyio.Event = field(default_factory=anyio.Event)
+    counter: int = 0
+
+    def free(self, now: float) -> bool:
+        return self.holder is None or self.holder.expires_at <= now
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+class _Store:
+    """The "server": the locks of one namespace, shared by every client in the process."""
+
+    def __init__(self) -> None:
+        self.locks: dict[str, _Lock] = {}
+
+    def get(self, name: str) -> _Lock:
+        lock = self.locks.get(name)
+        if lock is None:
+            lock = self.locks[name] = _Lock()
+        return lock
+
+
+# Namespaces live as long as a backend uses them; the token counters with them.
+_stores: weakref.WeakValueDictionary[str, _Store] = weakref.WeakValueDictionary()
+
+
+@dataclass(slots=True)
+class Faults:
+    """What the next renewals of one client do: ``"ok"``, ``"fail"`` (an error that proves
+    nothing), ``"hang"`` (never answer) or ``"lost"`` (the server says the lock is gone)."""
+
+    renew: Literal["ok", "fail", "hang", "lost"] = "ok"
+    #: Refuse to connect, as an unreachable server would.
+    unreachable: bool = False
+
+
+class MemoryBackend(Backend[Grant]):
+    schemes = ("memory",)
+    capabilities = Capabilities(
+        fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=False
+    )
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        store = _stores.get(namespace)
+        if store is None:
+            store = _stores[namespace] = _Store()
+        self._store = store
+        self.faults = Faults()
+
+    @classmethod
+    def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
+        parts = urlsplit(url)
+        if parts.port is not None or parts.username:
+            raise InvalidURL(
+                f"memory:// takes only a namespace name, as in memory://tests; got {url!r}"
+            )
+        Options(options, "memory://").finish()
+        return cls(parts.netloc + parts.path)
+
+    def describe(self) -> str:
+        return f"memory://{self.namespace}"
+
+    async def open(self) -> None:
+        if self.faults.unreachable:
+            raise BackendUnavailable(f"{self.describe()} is marked unreachable by its test faults")
+
+    async def aclose(self) -> None:
+        pass
+
+    # -- test hooks: the server's side -------------------------------------------------------
+
+    def expire(self, name: str, *, notify: bool = False) -> None:
+        """Drop the lock on the "server", as a ttl expiry or an operator's delete would.
+
+        With ``notify=True`` the holder is told at once (a backend with push notification, like
+        a ZooKeeper session event); otherwise it finds out on its next renewal.
+        """
+        lock = self._store.get(name)
+        holder, lock.holder = lock.holder, None
+        lock.notify()
+        if notify and holder is not None:
+            holder.on_lost("the lock was removed on the server")
+
+    def holder(self, name: str) -> str | None:
+        """The owner id holding ``name`` now, if any."""
+        lock = self._store.get(name)
+        if lock.free(anyio.current_time()):
+            return None
+        assert lock.holder is not None
+        return lock.holder.owner
+
+    def waiting(self, name: str) -> int:
+        return len(self._store.get(name).waiters)
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def _take(self, lock: _Lock, request: LockRequest, sent_at: float) -> Grant:
+        lock.counter += 1
+        lock.holder = _Holder(request.owner, sent_at + request.ttl, request.on_lost)
+        return Grant(request.name, request.owner, lock.counter, sent_at, request.ttl)
+
+    async def try_acquire(self, request: LockRequest) -> Grant | None:
+        await anyio.lowlevel.checkpoint()
+        now = anyio.current_time()
+        lock = self._store.get(request.name)
+        if lock.free(now) and not lock.waiters:
+            return self._take(lock, request, now)
+        return None
+
+    async def acquire(self, request: LockRequest) -> Grant:
+        await anyio.lowlevel.checkpoint()
+        lock = self._store.get(request.name)
+        lock.waiters.append(request.owner)
+        try:
+            while True:
+                now = anyio.current_time()
+                if lock.free(now) and lock.waiters[0] == request.owner:
+                    lock.waiters.popleft()
+                    # Whoever is next must look again once this holder is gone.
+                    lock.notify()
+                    return self._take(lock, request, now)
+                expiry = lock.holder.expires_at if lock.holder is not None else math.inf
+                changed = lock.changed
+                with anyio.move_on_at(expiry):
+                    await changed.wait()
+        finally:
+            if request.owner in lock.waiters:
+                lock.waiters.remove(request.owner)
+                lock.notify()
+
+    async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
+        sent_at = anyio.current_time()
+        await anyio.lowlevel.checkpoint()
+        match self.faults.renew:
+            case "fail":
+                return [Unknown(BackendUnavailable("injected renewal failure"))] * len(grants)
+            case "hang":
+                await anyio.sleep_forever()
+            case "lost":
+                return [Lost("injected: the server says the lock is gone")] * len(grants)
+        outcomes: list[RenewOutcome] = []
+        for grant in grants:
+            lock = self._store.get(grant.name)
+            holder = lock.holder
+            if holder is None or holder.owner != grant.owner:
+                outcomes.append(Lost("the lock is no longer held by this lease on the server"))
+            elif holder.expires_at <= sent_at:
+                outcomes.append(Lost("the lock expired on the server before it was renewed"))
+            else:
+                holder.expires_at = sent_at + grant.ttl
+                outcomes.append(Renewed(sent_at, grant.ttl))
+        return outcomes
+
+    async def release(self, grant: Grant) -> None:
+        await anyio.lowlevel.checkpoint()
+        lock = self._store.get(grant.name)
+        if lock.holder is not None and lock.holder.owner == grant.owner:
+            lock.holder = None
+            lock.notify()

@@ -1,0 +1,267 @@
+"""``sqlite:///path/to/locks.db``: the embedded backend, no server needed.
+
+Locks exclude each other across every process on one host that opens the same file. A lock row
+carries an expiry on ``CLOCK_MONOTONIC`` (``time.monotonic()``, one clock for every process on a
+Linux host) and the kernel's boot id, so a row left by a killed process frees itself when its
+ttl runs out, and a row from before a reboot never looks held. Tokens come from a counter table
+bumped in the same transaction as the take, so they strictly increase across restarts of every
+process (``synchronous=full``, the default, also across power loss).
+
+Waiting polls with capped, jittered backoff; waiters in this process are also woken at once by a
+release in this process. There is no FIFO order across processes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Self, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from .._errors import BackendUnavailable, InvalidURL
+from .._validate import Options
+from ..abc import Backend, Capabilities, Grant, LockRequest, Lost, Renewed, RenewOutcome
+
+__all__ = ("SQLiteBackend",)
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS asynclock_locks (
+    name TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    token INTEGER NOT NULL,
+    boot_id TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS asynclock_tokens (
+    name TEXT PRIMARY KEY,
+    last INTEGER NOT NULL
+);
+"""
+
+_SYNCHRONOUS = ("off", "normal", "full", "extra")
+
+#: Backoff while polling a held lock: first retry, cap.
+_POLL_MIN = 0.002
+_POLL_MAX = 0.05
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            return file.read().strip()
+    except OSError:
+        # Without a boot id a reboot is not detected; monotonic clocks elsewhere restart too,
+        # so fall back to the wall-clock moment the machine booted, to a second.
+        return str(round(time.time() - time.monotonic()))
+
+
+_BOOT_ID = _boot_id()
+
+# Backends of this process by database path, so a release wakes local waiters at once.
+_local: weakref.WeakValueDictionary[int, SQLiteBackend] = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    token: int | None
+    #: When the current holder's row expires (monotonic), if the lock was not free.
+    holder_expires_at: float
+
+
+class SQLiteBackend(Backend[Grant]):
+    schemes = ("sqlite",)
+    capabilities = Capabilities(
+        fencing=True, fifo=False, loss_detection=True, quorum=False, cross_process=True
+    )
+
+    def __init__(self, path: str, *, synchronous: str = "full", busy_timeout: float = 10.0) -> None:
+        self.path = path
+        self._synchronous = synchronous
+        self._busy_timeout = busy_timeout
+        self._connection: sqlite3.Connection | None = None
+        # One statement at a time on the one connection, in the order they were asked for.
+        self._limiter = anyio.CapacityLimiter(1)
+        self._thread_lock = threading.Lock()
+        self._released = anyio.Event()
+        _local[id(self)] = self
+
+    @classmethod
+    def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
+        path = url[len("sqlite://") :]
+        if not path:
+            raise InvalidURL(
+                "sqlite:// needs a database file: sqlite:///absolute/path/locks.db or "
+                "sqlite://relative/locks.db"
+            )
+        opts = Options(options, "sqlite://")
+        synchronous = opts.text("synchronous", "full").lower()
+        if synchronous not in _SYNCHRONOUS:
+            raise InvalidURL(
+                f"option 'synchronous' of sqlite:// must be one of {', '.join(_SYNCHRONOUS)}, "
+                f"got {synchronous!r}"
+            )
+        busy_timeout = opts.number("busy_timeout", 10.0, minimum=0.001)
+        opts.finish(("synchronous", "busy_timeout"))
+        return cls(path, synchronous=synchronous, busy_timeout=busy_timeout)
+
+    def describe(self) -> str:
+        return f"sqlite://{self.path}"
+
+    async def open(self) -> None:
+        await self._run(self._open_sync)
+
+    def _open_sync(self) -> None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise BackendUnavailable(
+                f"cannot open {self.describe()}: the directory {directory!r} does not exist"
+            )
+        try:
+            connection = sqlite3.connect(
+                self.path,
+                timeout=self._busy_timeout,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            connection.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise BackendUnavailable(f"cannot open {self.describe()}: {exc}") from exc
+        self._connection = connection
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await self._run(connection.close)
+        _local.pop(id(self), None)
+
+    # -- the contract ------------------------------------------------------------------------
+
+    async def try_acquire(self, request: LockRequest) -> Grant | None:
+        sent_at = anyio.current_time()
+        taken = await self._run(lambda: self._take_sync(request))
+        if taken.token is None:
+            return None
+        return Grant(request.name, request.owner, taken.token, sent_at, request.ttl)
+
+    async def acquire(self, request: LockRequest) -> Grant:
+        delay = _POLL_MIN
+        while True:
+            sent_at = anyio.current_time()
+            # Not cancellable half-way (see _run), and nothing awaits between a successful take
+            # and the return, so a cancelled acquire never strands a row.
+            taken = await self._run(lambda: self._take_sync(request))
+            if taken.token is not None:
+                return Grant(request.name, request.owner, taken.token, sent_at, request.ttl)
+            # Sleep until a local release, the holder's expiry, or the next poll.
+            wake_at = min(
+                taken.holder_expires_at, anyio.current_time() + delay * random.uniform(0.5, 1.0)
+            )
+            released = self._released
+            with anyio.move_on_at(wake_at):
+                await released.wait()
+            delay = min(delay * 2, _POLL_MAX)
+
+    async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
+        sent_at = anyio.current_time()
+        alive = await self._run(lambda: self._renew_sync(grants))
+        return [
+            Renewed(sent_at, grant.ttl)
+            if ok
+            else Lost("the lock row is gone or expired (another process may hold it now)")
+            for grant, ok in zip(grants, alive, strict=True)
+        ]
+
+    async def release(self, grant: Grant) -> None:
+        await self._run(lambda: self._release_sync(grant))
+        for backend in list(_local.values()):
+            if backend.path == self.path:
+                backend._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        self._released.set()
+        self._released = anyio.Event()
+
+    # -- in the worker thread ----------------------------------------------------------------
+
+    async def _run(self, func: Callable[[], T]) -> T:
+        # abandon_on_cancel=False: a statement always completes, so the caller sees its result
+        # and can undo it; a cancelled caller is told at its next await instead.
+        def locked() -> T:
+            with self._thread_lock:
+                return func()
+
+        try:
+            return await anyio.to_thread.run_sync(locked, limiter=self._limiter)
+        except sqlite3.Error as exc:
+            raise BackendUnavailable(f"{self.describe()}: {exc}") from exc
+
+    def _db(self) -> sqlite3.Connection:
+        if self._connection is None:
+            raise BackendUnavailable(f"{self.describe()} is closed")
+        return self._connection
+
+    def _take_sync(self, request: LockRequest) -> _Taken:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            now = time.monotonic()
+            row = db.execute(
+                "SELECT boot_id, expires_at FROM asynclock_locks WHERE name = ?", (request.name,)
+            ).fetchone()
+            if row is not None and row[0] == _BOOT_ID and row[1] > now:
+                db.execute("ROLLBACK")
+                return _Taken(None, row[1])
+            (token,) = db.execute(
+                "INSERT INTO asynclock_tokens (name, last) VALUES (?, 1) "
+                "ON CONFLICT (name) DO UPDATE SET last = last + 1 RETURNING last",
+                (request.name,),
+            ).fetchone()
+            db.execute(
+                "INSERT OR REPLACE INTO asynclock_locks (name, owner, token, boot_id, expires_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (request.name, request.owner, token, _BOOT_ID, now + request.ttl),
+            )
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        return _Taken(int(token), 0.0)
+
+    def _renew_sync(self, grants: Sequence[Grant]) -> list[bool]:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            now = time.monotonic()
+            alive = [
+                db.execute(
+                    "UPDATE asynclock_locks SET expires_at = ? WHERE name = ? AND owner = ? "
+                    "AND boot_id = ? AND expires_at > ?",
+                    (now + grant.ttl, grant.name, grant.owner, _BOOT_ID, now),
+                ).rowcount
+                == 1
+                for grant in grants
+            ]
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        return alive
+
+    def _release_sync(self, grant: Grant) -> None:
+        self._db().execute(
+            "DELETE FROM asynclock_locks WHERE name = ? AND owner = ?", (grant.name, grant.owner)
+        )

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import sqlite3
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from tests.contract.harness import BackendUnderTest
+
+
+@pytest.fixture
+def sqlite_backend(tmp_path: Path) -> BackendUnderTest:
+    path = tmp_path / "locks.db"
+
+    async def revoke(name: str) -> None:
+        with closing(sqlite3.connect(path)) as db, db:
+            db.execute("DELETE FROM asynclock_locks WHERE name = ?", (name,))
+
+    async def leftovers() -> list[str]:
+        if not path.exists():
+            return []
+        with closing(sqlite3.connect(path)) as db, db:
+            rows = db.execute(
+                "SELECT name FROM asynclock_locks WHERE expires_at > ?", (time.monotonic(),)
+            ).fetchall()
+        return sorted(row[0] for row in rows)
+
+    return BackendUnderTest("sqlite", f"sqlite://{path}", 1.0, revoke, leftovers)

@@ -1,0 +1,277 @@
+"""The contract every backend passes, run against each real backend (see tests/conftest.py)."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+import asynclock
+from tests.contract.harness import BackendUnderTest
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_mutual_exclusion_under_50_contending_tasks(
+    backend: BackendUnderTest, name: str
+) -> None:
+    """A read-sleep-write counter shared by 50 tasks on 5 clients never loses an update."""
+    counter = 0
+    inside = 0
+    most_inside = 0
+
+    async def worker(locks: asynclock.LockClient) -> None:
+        nonlocal counter, inside, most_inside
+        async with locks.lock(name, ttl=10 * backend.ttl):
+            inside += 1
+            most_inside = max(most_inside, inside)
+            seen = counter
+            await anyio.sleep(random.uniform(0, 0.002))
+            counter = seen + 1
+            inside -= 1
+
+    clients = [backend.connect() for _ in range(5)]
+    async with clients[0], clients[1], clients[2], clients[3], clients[4]:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for index in range(50):
+                    tg.start_soon(worker, clients[index % 5])
+    assert counter == 50
+    assert most_inside == 1
+
+
+async def test_try_acquire_returns_none_while_held_and_a_lease_when_free(
+    backend: BackendUnderTest, name: str
+) -> None:
+    async with backend.connect() as first, backend.connect() as second:
+        lease = await first.try_acquire(name, ttl=backend.ttl * 5)
+        assert lease is not None
+        assert await second.try_acquire(name, ttl=backend.ttl * 5) is None
+        await lease.release()
+        again = await second.try_acquire(name, ttl=backend.ttl * 5)
+        assert again is not None
+        await again.release()
+
+
+async def test_timeout_raises_acquire_timeout_after_the_timeout(
+    backend: BackendUnderTest, name: str
+) -> None:
+    async with backend.connect() as first, backend.connect() as second:
+        async with first.lock(name, ttl=backend.ttl * 5):
+            started = anyio.current_time()
+            with pytest.raises(asynclock.AcquireTimeout) as info:
+                async with second.lock(name, ttl=backend.ttl * 5, timeout=0.3):
+                    pytest.fail("entered a lock that another client holds")
+            waited = anyio.current_time() - started
+            assert isinstance(info.value, TimeoutError)
+            assert 0.25 <= waited < 2.0
+            with pytest.raises(asynclock.AcquireTimeout):
+                async with second.lock(name, ttl=backend.ttl * 5, timeout=0):
+                    pass
+
+
+async def test_waiter_gets_the_lock_when_it_is_released(
+    backend: BackendUnderTest, name: str
+) -> None:
+    order: list[str] = []
+    async with backend.connect() as first, backend.connect() as second:
+        holder = await first.acquire(name, ttl=backend.ttl * 5)
+
+        async def wait_for_it() -> None:
+            async with second.lock(name, ttl=backend.ttl * 5, timeout=10):
+                order.append("waiter")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for_it)
+            await anyio.sleep(0.2)
+            order.append("release")
+            await holder.release()
+    assert order == ["release", "waiter"]
+
+
+async def test_tokens_strictly_increase_across_clients(
+    backend: BackendUnderTest, name: str
+) -> None:
+    tokens: list[int] = []
+    async with backend.connect() as first, backend.connect() as second:
+        for index in range(10):
+            locks = first if index % 2 else second
+            async with locks.lock(name, ttl=backend.ttl * 5) as lease:
+                tokens.append(lease.token)
+                assert asynclock.current_token() == lease.token
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == len(tokens)
+
+
+async def test_release_is_idempotent_and_never_frees_another_holders_lock(
+    backend: BackendUnderTest, name: str
+) -> None:
+    async with backend.connect() as first, backend.connect() as second:
+        lease = await first.acquire(name, ttl=backend.ttl * 5)
+        await lease.release()
+        await lease.release()
+        assert lease.released
+        # A stale lease (revoked on the server, then taken by someone else) releasing late must
+        # leave the new holder's lock alone.
+        stale = await first.acquire(name, ttl=backend.ttl * 5)
+        await backend.revoke(name)
+        current = await second.acquire(name, ttl=backend.ttl * 5, timeout=10)
+        await stale.release()
+        assert await first.try_acquire(name, ttl=backend.ttl * 5) is None
+        await current.release()
+
+
+async def test_lease_lost_on_the_server_cancels_the_body_and_raises_lease_lost(
+    backend: BackendUnderTest, name: str
+) -> None:
+    ttl = backend.ttl * 3
+    reached_end = False
+    async with backend.connect() as locks:
+        with pytest.raises(asynclock.LeaseLost) as info:
+            async with locks.lock(name, ttl=ttl) as lease:
+                await backend.revoke(name)
+                revoked_at = anyio.current_time()
+                deadline = lease.deadline
+                await anyio.sleep(ttl * 10)
+                reached_end = True
+        cancelled_at = anyio.current_time()
+    assert not reached_end
+    assert info.value.name == name
+    assert lease.lost and lease.lost_reason == info.value.reason
+    # Detected by the renewal (or a push), not by waiting out the local deadline.
+    assert cancelled_at < deadline
+    assert cancelled_at - revoked_at < ttl
+
+
+async def test_on_lost_flag_keeps_the_body_running_and_wait_lost_returns(
+    backend: BackendUnderTest, name: str
+) -> None:
+    ttl = backend.ttl * 3
+    async with backend.connect() as locks:
+        async with locks.lock(name, ttl=ttl, on_lost="flag") as lease:
+            assert not lease.lost
+            await backend.revoke(name)
+            with anyio.fail_after(ttl * 2):
+                reason = await lease.wait_lost()
+            assert lease.lost
+            assert reason == lease.lost_reason
+            await anyio.sleep(0.01)  # still running: not cancelled
+        assert lease.released
+
+
+async def test_a_callers_cancellation_passes_through_untouched(
+    backend: BackendUnderTest, name: str
+) -> None:
+    async with backend.connect() as locks:
+        with anyio.move_on_after(0.2) as scope:
+            async with locks.lock(name, ttl=backend.ttl * 5):
+                await anyio.sleep(10)
+        assert scope.cancelled_caught
+        # And the lock was released on the way out.
+        lease = await locks.try_acquire(name, ttl=backend.ttl * 5)
+        assert lease is not None
+        await lease.release()
+
+
+async def test_cancelling_acquire_at_any_point_leaves_nothing_behind(
+    backend: BackendUnderTest, name: str
+) -> None:
+    """Cancel a free-lock acquire and a waiting acquire at delays spread over a round trip."""
+    async with backend.connect() as locks, backend.connect() as other:
+        started = anyio.current_time()
+        lease = await locks.acquire(name, ttl=backend.ttl * 5)
+        round_trip = max(anyio.current_time() - started, 0.001)
+        await lease.release()
+        for step in range(12):
+            delay = round_trip * step / 8
+            with anyio.move_on_after(delay):
+                async with locks.lock(name, ttl=backend.ttl * 5):
+                    await anyio.sleep(10)
+            probe = await other.try_acquire(name, ttl=backend.ttl * 5)
+            assert probe is not None, f"lock left held after cancelling at {delay:.4f} s"
+            # Now cancel a waiter queued behind the probe.
+            with anyio.move_on_after(delay + 0.01):
+                async with locks.lock(name, ttl=backend.ttl * 5):
+                    pytest.fail("entered a held lock")
+            await probe.release()
+            again = await other.try_acquire(name, ttl=backend.ttl * 5)
+            assert again is not None, f"a cancelled waiter blocks the lock ({delay:.4f} s)"
+            await again.release()
+
+
+async def test_cancelling_release_still_releases(backend: BackendUnderTest, name: str) -> None:
+    async with backend.connect() as locks, backend.connect() as other:
+        for step in range(6):
+            lease = await locks.acquire(name, ttl=backend.ttl * 5)
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await lease.release()
+            del step
+            probe = await other.try_acquire(name, ttl=backend.ttl * 5)
+            assert probe is not None
+            await probe.release()
+
+
+async def test_nested_locks_and_current_token_in_child_tasks(
+    backend: BackendUnderTest, name: str
+) -> None:
+    seen: dict[str, int] = {}
+
+    async def child() -> None:
+        seen["innermost"] = asynclock.current_token()
+        seen["outer"] = asynclock.current_token(f"{name}/outer")
+
+    async with backend.connect() as locks:
+        async with locks.lock(f"{name}/outer", ttl=backend.ttl * 5) as outer:
+            async with locks.lock(f"{name}/inner", ttl=backend.ttl * 5) as inner:
+                assert asynclock.current_token() == inner.token
+                assert asynclock.current_token(f"{name}/outer") == outer.token
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(child)
+            assert asynclock.current_token() == outer.token
+            with pytest.raises(asynclock.NotHeld):
+                asynclock.current_token(f"{name}/inner")
+        with pytest.raises(asynclock.NotHeld):
+            asynclock.current_token()
+    assert seen == {"innermost": inner.token, "outer": outer.token}
+
+
+async def test_leases_are_renewed_past_their_ttl(backend: BackendUnderTest, name: str) -> None:
+    async with backend.connect() as locks, backend.connect() as other:
+        async with locks.lock(name, ttl=backend.ttl) as lease:
+            await anyio.sleep(backend.ttl * 2.5)
+            assert not lease.lost
+            assert lease.remaining > 0
+            assert await other.try_acquire(name, ttl=backend.ttl) is None
+
+
+async def test_unusual_names_work(backend: BackendUnderTest, name: str) -> None:
+    names = [
+        f"{name}/a/b",
+        f"{name}/ünïcødé ☃",
+        f"{name}/" + "x" * 400,
+        f"{name}/../.",
+        f"{name}%2F",
+    ]
+    async with backend.connect() as locks, backend.connect() as other:
+        leases = [await locks.acquire(each, ttl=backend.ttl * 5) for each in names]
+        for each in names:
+            assert await other.try_acquire(each, ttl=backend.ttl * 5) is None
+        # Distinct names are distinct locks, even when an encoding could confuse them.
+        assert await other.try_acquire(f"{name}/a", ttl=backend.ttl * 5) is not None
+        for lease in leases:
+            await lease.release()
+    assert len({lease.name for lease in leases}) == len(names)
+
+
+async def test_closing_the_client_releases_what_it_holds(
+    backend: BackendUnderTest, name: str
+) -> None:
+    async with backend.connect() as other:
+        async with backend.connect() as locks:
+            await locks.acquire(name, ttl=backend.ttl * 5)
+            await locks.acquire(f"{name}/2", ttl=backend.ttl * 5)
+        lease = await other.try_acquire(name, ttl=backend.ttl * 5)
+        assert lease is not None
+        await lease.release()
