@@ -143,11 +143,12 @@ class LockClient:
         try:
             await self.aclose()
         finally:
-            if self._task_group is not None:
-                task_group, self._task_group = self._task_group, None
+            task_group, self._task_group = self._task_group, None
+            suppress = None
+            if task_group is not None:
                 task_group.cancel_scope.cancel()
-                return await task_group.__aexit__(exc_type, exc, tb)
-        return None
+                suppress = await task_group.__aexit__(exc_type, exc, tb)
+        return suppress
 
     async def aclose(self) -> None:
         """Release every lease still held and close the backend. Idempotent and shielded."""

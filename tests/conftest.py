@@ -6,18 +6,20 @@ Each backend joins the contract suite with a fixture named ``<name>_backend`` th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-pytest_plugins = [
-    "tests.contract.backend_memory",
-    "tests.contract.backend_sqlite",
-]
+_HERE = Path(__file__).parent
+_FIRST = ("memory", "sqlite")
 
-#: The contract suite runs against each of these (``--backends`` selects a subset).
-CONTRACT_BACKENDS = [
-    "memory",
-    "sqlite",
-]
+#: The contract suite runs against each backend that has a tests/contract/backend_<name>.py
+#: (``--backends`` selects a subset): adding that file is all it takes to join.
+CONTRACT_BACKENDS = sorted(
+    (path.stem.removeprefix("backend_") for path in (_HERE / "contract").glob("backend_*.py")),
+    key=lambda name: (name not in _FIRST, _FIRST.index(name) if name in _FIRST else 0, name),
+)
+pytest_plugins = [f"tests.contract.backend_{name}" for name in CONTRACT_BACKENDS]
 
 
 @pytest.fixture(scope="session")
