@@ -17,6 +17,7 @@ from ._errors import (
     AcquireTimeout,
     BackendTimeout,
     BackendUnavailable,
+    InvalidArgument,
     LockError,
     UnsupportedFeature,
 )
@@ -58,14 +59,14 @@ def connect(
     """
     drift = _validate.positive_seconds(drift, "drift") if drift else 0.0
     if drift >= 0.5:
-        raise _validate.InvalidArgument(f"drift is a share of the ttl below 0.5, got {drift!r}")
+        raise InvalidArgument(f"drift is a share of the ttl below 0.5, got {drift!r}")
     if margin is not None:
         margin = _validate.positive_seconds(margin, "margin")
     connect_timeout = _validate.positive_seconds(connect_timeout, "connect_timeout")
     release_timeout = _validate.positive_seconds(release_timeout, "release_timeout")
     unknown = set(require) - set(_CAPABILITY_NAMES)
     if unknown:
-        raise _validate.InvalidArgument(
+        raise InvalidArgument(
             f"unknown capabilities in require: {', '.join(sorted(unknown))} "
             f"(known: {', '.join(_CAPABILITY_NAMES)})"
         )
@@ -108,6 +109,9 @@ class LockClient:
         self._release_timeout = release_timeout
         self._supervisor = Supervisor(backend)
         self._task_group: TaskGroup | None = None
+        # Its own scope: closing the client stops renewal without cancelling the caller's code,
+        # which runs inside the task group's scope.
+        self._renewal_scope = anyio.CancelScope()
         self._state = "new"
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -129,7 +133,7 @@ class LockClient:
             )
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
-        task_group.start_soon(self._supervisor.run, name="asynclock renewal")
+        task_group.start_soon(self._renew, name="asynclock renewal")
         self._task_group = task_group
         self._state = "open"
         return self
@@ -146,7 +150,6 @@ class LockClient:
             task_group, self._task_group = self._task_group, None
             suppress = None
             if task_group is not None:
-                task_group.cancel_scope.cancel()
                 suppress = await task_group.__aexit__(exc_type, exc, tb)
         return suppress
 
@@ -159,10 +162,13 @@ class LockClient:
             async with anyio.create_task_group() as task_group:
                 for lease in self._supervisor.leases:
                     task_group.start_soon(lease.release)
-            if self._task_group is not None:
-                self._task_group.cancel_scope.cancel()
+            self._renewal_scope.cancel()
             await self._backend.aclose()
         self._state = "closed"
+
+    async def _renew(self) -> None:
+        with self._renewal_scope:
+            await self._supervisor.run()
 
     # -- locks -------------------------------------------------------------------------------
 
@@ -244,13 +250,13 @@ class LockClient:
     @staticmethod
     def _check_on_lost(on_lost: object) -> None:
         if on_lost not in ("cancel", "flag"):
-            raise _validate.InvalidArgument(f"on_lost must be 'cancel' or 'flag', got {on_lost!r}")
+            raise InvalidArgument(f"on_lost must be 'cancel' or 'flag', got {on_lost!r}")
 
     def _margin_for(self, ttl: float) -> float:
         margin = self._margin if self._margin is not None else min(1.0, ttl / 10.0)
         # The first renewal happens at ttl / 3; a deadline before it would lose every lease.
         if ttl * (1.0 - self._drift) - margin <= ttl / 3.0:
-            raise _validate.InvalidArgument(
+            raise InvalidArgument(
                 f"margin {margin:g} s leaves no time to renew a {ttl:g} s lease: use a larger ttl "
                 "or a smaller margin"
             )

@@ -97,7 +97,7 @@ class Options:
     def number(self, key: str, default: float, *, minimum: float = 0.0) -> float:
         value = self._options.pop(key, default)
         try:
-            number = float(value)  # type: ignore[arg-type]
+            number = float(value if isinstance(value, int | float) else str(value))
         except (TypeError, ValueError):
             raise InvalidArgument(
                 f"option {key!r} of {self._source} must be a number, got {value!r}"
@@ -112,7 +112,7 @@ class Options:
     def whole(self, key: str, default: int, *, minimum: int = 0) -> int:
         value = self._options.pop(key, default)
         try:
-            number = int(value)  # type: ignore[call-overload]
+            number = int(value if isinstance(value, int) else str(value))
         except (TypeError, ValueError):
             raise InvalidArgument(
                 f"option {key!r} of {self._source} must be a whole number, got {value!r}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import asynclock
 
@@ -19,7 +20,7 @@ class BackendUnderTest:
     revoke: Callable[[str], Awaitable[None]]
     #: What the backend left on the server (keys, rows, znodes, leases); empty when clean.
     leftovers: Callable[[], Awaitable[list[str]]]
-    options: dict[str, object] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
-    def connect(self, **options: object) -> asynclock.LockClient:
+    def connect(self, **options: Any) -> asynclock.LockClient:
         return asynclock.connect(self.url, **{**self.options, **options})

@@ -1,0 +1,308 @@
+"""The core (deadlines, renewal, cancellation, contextvars) on the in-memory backend's fault hooks."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import asynclock
+from asynclock import _registry
+from asynclock.backends.memory import MemoryBackend
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def locks() -> AsyncIterator[asynclock.LockClient]:
+    async with asynclock.connect(f"memory://core-{uuid.uuid4().hex[:8]}") as client:
+        yield client
+
+
+def memory(locks: asynclock.LockClient) -> MemoryBackend:
+    backend = locks.backend
+    assert isinstance(backend, MemoryBackend)
+    return backend
+
+
+async def test_a_hung_renewal_cancels_the_body_before_the_server_expiry(
+    locks: asynclock.LockClient,
+) -> None:
+    memory(locks).faults.renew = "hang"
+    ttl = 1.0
+    with pytest.raises(asynclock.LeaseLost, match="local deadline") as info:
+        async with locks.lock("a", ttl=ttl) as lease:
+            acquired_at = lease.grant.valid_from
+            await anyio.sleep(10)
+    cancelled_at = anyio.current_time()
+    # The server (memory store) expires the lock at valid_from + ttl; we gave up before that.
+    assert cancelled_at < acquired_at + ttl
+    # ... and not long before: the deadline is ttl * (1 - drift) - margin.
+    assert cancelled_at >= acquired_at + ttl * 0.99 - 0.1 - 0.01
+    assert "a" in info.value.reason or "deadline" in info.value.reason
+
+
+async def test_failing_renewals_do_not_move_the_deadline(locks: asynclock.LockClient) -> None:
+    memory(locks).faults.renew = "fail"
+    async with locks.lock("a", ttl=1.0, on_lost="flag") as lease:
+        first_deadline = lease.deadline
+        await anyio.sleep(0.6)
+        assert lease.deadline == first_deadline
+        assert locks.renew_calls >= 2  # it retried after the first failure
+        reason = await lease.wait_lost()
+    assert "deadline" in reason
+
+
+async def test_renewal_recovers_after_a_blip(locks: asynclock.LockClient) -> None:
+    async with locks.lock("a", ttl=1.0) as lease:
+        memory(locks).faults.renew = "fail"
+        await anyio.sleep(0.45)
+        memory(locks).faults.renew = "ok"
+        await anyio.sleep(1.0)
+        assert not lease.lost
+        assert lease.remaining > 0.3
+
+
+async def test_renewal_that_proves_loss_cancels_at_once(locks: asynclock.LockClient) -> None:
+    memory(locks).faults.renew = "lost"
+    with pytest.raises(asynclock.LeaseLost, match="injected"):
+        async with locks.lock("a", ttl=3.0):
+            started = anyio.current_time()
+            await anyio.sleep(10)
+    # Found on the first renewal, at ttl / 3, far before the 3 s deadline.
+    assert anyio.current_time() - started < 1.5
+
+
+async def test_pushed_loss_cancels_without_waiting_for_a_renewal(
+    locks: asynclock.LockClient,
+) -> None:
+    with pytest.raises(asynclock.LeaseLost, match="removed on the server"):
+        async with locks.lock("a", ttl=30.0):
+            started = anyio.current_time()
+            memory(locks).expire("a", notify=True)
+            await anyio.sleep(10)
+    assert anyio.current_time() - started < 0.1
+
+
+async def test_body_that_swallows_cancellation_still_gets_lease_lost(
+    locks: asynclock.LockClient,
+) -> None:
+    with pytest.raises(asynclock.LeaseLost):
+        async with locks.lock("a", ttl=30.0):
+            memory(locks).expire("a", notify=True)
+            try:
+                await anyio.sleep(10)
+            except anyio.get_cancelled_exc_class():
+                pass  # a careless body; the loss must still be reported
+
+
+async def test_loss_without_a_checkpoint_is_reported_at_exit(locks: asynclock.LockClient) -> None:
+    with pytest.raises(asynclock.LeaseLost):
+        async with locks.lock("a", ttl=30.0):
+            memory(locks).expire("a", notify=True)
+
+
+async def test_other_exceptions_from_the_body_propagate(locks: asynclock.LockClient) -> None:
+    with pytest.raises(KeyError):
+        async with locks.lock("a", ttl=30.0):
+            raise KeyError("x")
+    lease = await locks.try_acquire("a")
+    assert lease is not None
+
+
+async def test_outer_cancellation_wins_over_a_simultaneous_loss(
+    locks: asynclock.LockClient,
+) -> None:
+    with anyio.CancelScope() as outer:
+        async with locks.lock("a", ttl=30.0):
+            memory(locks).expire("a", notify=True)
+            outer.cancel()
+            await anyio.sleep(10)
+    assert outer.cancelled_caught
+
+
+async def test_renewals_of_many_leases_are_batched(locks: asynclock.LockClient) -> None:
+    leases = [await locks.acquire(f"batch/{index}", ttl=0.9) for index in range(100)]
+    await anyio.sleep(0.95)
+    assert all(not lease.lost for lease in leases)
+    # 100 leases renewed ~3 times each: a handful of round trips, not 300.
+    assert 2 <= locks.renew_calls <= 8
+    for lease in leases:
+        await lease.release()
+
+
+async def test_fifo_order_on_the_memory_backend(locks: asynclock.LockClient) -> None:
+    order: list[int] = []
+    holder = await locks.acquire("fifo")
+
+    async def waiter(index: int) -> None:
+        async with locks.lock("fifo", timeout=5):
+            order.append(index)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(10):
+            tg.start_soon(waiter, index)
+            await anyio.sleep(0.005)
+        await holder.release()
+    assert order == list(range(10))
+
+
+async def test_acquire_tracks_current_token_until_release(locks: asynclock.LockClient) -> None:
+    lease = await locks.acquire("tracked")
+    assert asynclock.current_token() == lease.token
+    assert asynclock.current_lease("tracked") is lease
+    await lease.release()
+    with pytest.raises(asynclock.NotHeld, match="no lock is held"):
+        asynclock.current_token()
+
+
+async def test_current_token_names_what_is_held(locks: asynclock.LockClient) -> None:
+    async with locks.lock("held-one"):
+        with pytest.raises(asynclock.NotHeld, match="'held-one'"):
+            asynclock.current_token("other")
+
+
+async def test_remaining_counts_down_and_is_zero_after_release(
+    locks: asynclock.LockClient,
+) -> None:
+    lease = await locks.acquire("r", ttl=10.0)
+    assert 8.0 < lease.remaining <= 10.0
+    await lease.release()
+    assert lease.remaining == 0.0
+
+
+async def test_server_expiry_is_never_before_the_local_deadline(
+    locks: asynclock.LockClient,
+) -> None:
+    lease = await locks.acquire("expiry", ttl=2.0)
+    holder = memory(locks)._store.get("expiry").holder
+    assert holder is not None
+    assert lease.deadline < holder.expires_at
+    await lease.release()
+
+
+async def test_client_cannot_be_used_before_it_is_entered() -> None:
+    client = asynclock.connect("memory://unentered")
+    with pytest.raises(RuntimeError, match=r"async with asynclock\.connect"):
+        await client.acquire("a")
+
+
+async def test_unreachable_backend_is_a_named_error() -> None:
+    client = asynclock.connect("memory://unreachable")
+    memory(client).faults.unreachable = True
+    with pytest.raises(asynclock.BackendUnavailable, match="unreachable"):
+        async with client:
+            pass
+
+
+async def test_aclose_is_idempotent(locks: asynclock.LockClient) -> None:
+    await locks.aclose()
+    await locks.aclose()
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bad_name", "message"),
+    [
+        ("", "must not be empty"),
+        ("x" * 10_000, "10000 bytes long"),
+        ("a\x00b", "control character"),
+        ("a\nb", "control character"),
+        ("\ud800", "not valid Unicode"),
+        (42, "must be a str"),
+    ],
+)
+async def test_bad_names_are_refused_with_the_reason(
+    locks: asynclock.LockClient, bad_name: object, message: str
+) -> None:
+    with pytest.raises(asynclock.InvalidArgument, match=message) as info:
+        await locks.acquire(bad_name)  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("ttl", "message"),
+    [(0, "> 0"), (-1, "> 0"), (float("nan"), "finite"), (float("inf"), "finite"), ("1", "number")],
+)
+async def test_bad_ttls_are_refused(locks: asynclock.LockClient, ttl: object, message: str) -> None:
+    with pytest.raises(asynclock.InvalidArgument, match=message):
+        locks.lock("a", ttl=ttl)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("timeout", "message"), [(-1, ">= 0"), (float("nan"), "finite")])
+async def test_bad_timeouts_are_refused(
+    locks: asynclock.LockClient, timeout: float, message: str
+) -> None:
+    with pytest.raises(asynclock.InvalidArgument, match=message):
+        await locks.acquire("a", timeout=timeout)
+
+
+async def test_bad_on_lost_is_refused(locks: asynclock.LockClient) -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="on_lost"):
+        locks.lock("a", on_lost="ignore")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("", "not a lock URL"),
+        ("127.0.0.1:6379", "not a lock URL"),
+        ("mysql://127.0.0.1", "unknown lock backend 'mysql'"),
+        ("memory://x?a=1&a=2", "given twice"),
+        ("sqlite://", "needs a database file"),
+        ("sqlite:///tmp/x.db?synchronous=maybe", "synchronous"),
+    ],
+)
+def test_bad_urls_are_refused_with_the_reason(url: str, message: str) -> None:
+    with pytest.raises(asynclock.InvalidURL, match=message):
+        asynclock.connect(url)
+
+
+def test_unknown_options_are_refused() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="bogus"):
+        asynclock.connect("memory://x", bogus=1)
+    with pytest.raises(asynclock.InvalidArgument, match="bogus"):
+        asynclock.connect("memory://x?bogus=1")
+
+
+def test_require_refuses_a_backend_without_the_capability() -> None:
+    with pytest.raises(asynclock.UnsupportedFeature, match="quorum"):
+        asynclock.connect("memory://x", require=["quorum"])
+    with pytest.raises(asynclock.InvalidArgument, match="unknown capabilities"):
+        asynclock.connect("memory://x", require=["magic"])
+
+
+async def test_a_margin_that_leaves_no_room_to_renew_is_refused() -> None:
+    async with asynclock.connect("memory://m", margin=5.0) as locks:
+        with pytest.raises(asynclock.InvalidArgument, match="margin"):
+            await locks.acquire("a", ttl=6.0)
+
+
+def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A backend module whose driver is not installed, registered under a scheme of its own.
+    (tmp_path / "asynclock_fake_backend.py").write_text("import not_installed_driver\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(
+        _registry._BACKENDS,
+        "fake",
+        _registry._Entry(
+            "asynclock_fake_backend", "FakeBackend", "fake", ("not_installed_driver",)
+        ),
+    )
+    with pytest.raises(asynclock.MissingDependency, match=r"pip install 'asynclock\[fake\]'"):
+        asynclock.connect("fake://127.0.0.1")
+
+
+def test_public_names_match_all() -> None:
+    # ("@py_..." names come from pytest's assertion rewriting of the installed plugin's package.)
+    public = {name for name in dir(asynclock) if not name.startswith(("_", "@"))}
+    modules = {"abc", "backends"}
+    assert isinstance(asynclock.__all__, tuple)
+    assert public - modules - {"testing"} == set(asynclock.__all__)
+    for name in asynclock.__all__:
+        assert getattr(asynclock, name).__module__ in ("asynclock", "asynclock.abc")
