@@ -8,6 +8,7 @@ exclusion and the strictly increasing tokens can be seen with nothing installed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def _demo(url: str | None, workers: int, rounds: int, hold: float) -> int:
             start, end = (float(part) for part in line.split(" from ")[1].split(" to "))
             overlaps += start < previous_end
             previous_end = end
-        increasing = all(a < b for a, b in zip(tokens, tokens[1:], strict=False))
+        increasing = all(a < b for a, b in itertools.pairwise(tokens))
         print(
             f"{len(lines)} holds, {overlaps} overlapping, tokens strictly increasing: "
             f"{'yes' if increasing else 'NO'}"
