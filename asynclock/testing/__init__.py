@@ -1,0 +1,63 @@
+"""Real servers, clusters and network faults for testing code that uses distributed locks.
+
+.. code-block:: python
+
+    from asynclock.testing import FaultProxy, RedisServer
+
+    with RedisServer() as server:  # sync: fits session-scoped pytest fixtures
+        ...
+
+    async with FaultProxy(server.host, server.port) as proxy:
+        client = connect(f"redis://{proxy.address}/0")
+        proxy.blackhole()  # the client's requests now time out
+
+The pytest plugin (loaded automatically) provides the servers as session fixtures:
+``redis_server``, ``redis_servers``, ``etcd_server``, ``etcd_cluster``, ``zookeeper_server``,
+``zookeeper_ensemble``, ``postgres_server``, plus ``selected_backends`` and ``--backends``.
+"""
+
+from ._etcd import EtcdCluster as EtcdCluster
+from ._etcd import EtcdMember as EtcdMember
+from ._etcd import EtcdServer as EtcdServer
+from ._postgres import PostgresServer as PostgresServer
+from ._process import Cluster as Cluster
+from ._process import Server as Server
+from ._process import ServerError as ServerError
+from ._process import ServerNotInstalled as ServerNotInstalled
+from ._process import ServerStartError as ServerStartError
+from ._process import find_binary as find_binary
+from ._process import free_port as free_port
+from ._proxy import FaultProxy as FaultProxy
+from ._proxy import ProxyMode as ProxyMode
+from ._redis import RedisServer as RedisServer
+from ._zookeeper import ZooKeeperEnsemble as ZooKeeperEnsemble
+from ._zookeeper import ZooKeeperMember as ZooKeeperMember
+from ._zookeeper import ZooKeeperServer as ZooKeeperServer
+
+__all__ = (
+    "Cluster",
+    "EtcdCluster",
+    "EtcdMember",
+    "EtcdServer",
+    "FaultProxy",
+    "PostgresServer",
+    "ProxyMode",
+    "RedisServer",
+    "Server",
+    "ServerError",
+    "ServerNotInstalled",
+    "ServerStartError",
+    "ZooKeeperEnsemble",
+    "ZooKeeperMember",
+    "ZooKeeperServer",
+    "find_binary",
+    "free_port",
+)
+
+# Docs and tracebacks show the public path, not the private module (as anyio does). ProxyMode
+# is a Literal alias, which has no module of its own to rewrite.
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, type) or (callable(_value) and hasattr(_value, "__code__")):
+        _value.__module__ = __name__
+del _name, _value

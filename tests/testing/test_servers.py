@@ -1,0 +1,407 @@
+"""Each server starts, serves a real client, survives pause/resume, kill/restart, and cleans up."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aetcd
+import aetcd.exceptions
+import anyio
+import asyncpg
+import pytest
+import redis.exceptions
+from aiozk import ZKClient
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from asynclock.testing import (
+    EtcdServer,
+    PostgresServer,
+    RedisServer,
+    Server,
+    ServerNotInstalled,
+    ServerStartError,
+    ZooKeeperServer,
+    find_binary,
+)
+from asynclock.testing._process import SingleServer
+
+from ._helpers import process_gone, wait_for
+
+# Long enough to be sure a frozen server will not answer, short enough for a fast suite.
+PAUSED_WAIT = 0.4
+
+
+@asynccontextmanager
+async def redis_client(server: Server) -> AsyncIterator[Redis]:
+    # No retries: a frozen server must show as one timeout, not as four.
+    client = Redis(
+        host=server.host, port=server.port, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2
+    )
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@asynccontextmanager
+async def zk_client(address: str) -> AsyncIterator[ZKClient]:
+    client = ZKClient(address, session_timeout=5)
+    with anyio.fail_after(10):
+        await client.start()
+    try:
+        yield client
+    finally:
+        with anyio.fail_after(10):
+            await client.close()
+
+
+def assert_cleaned_up(pid: int, data_dir: Path) -> None:
+    assert wait_for(lambda: process_gone(pid))
+    assert not data_dir.exists()
+
+
+def assert_common_surface(server: Server, scheme: str) -> None:
+    assert server.host == "127.0.0.1"
+    assert server.address == f"127.0.0.1:{server.port}"
+    assert server.url.startswith(f"{scheme}://")
+    assert f"127.0.0.1:{server.port}" in server.url
+    assert server.is_running
+    assert not server.is_paused
+    assert server.pid is not None
+    assert server.data_dir.is_dir()
+
+
+@pytest.mark.anyio
+async def test_redis_serves_pauses_resumes_and_restarts() -> None:
+    server = RedisServer()
+    with server:
+        assert_common_surface(server, "redis")
+        assert server.url == f"redis://127.0.0.1:{server.port}/0"
+        port, data_dir, pid = server.port, server.data_dir, server.pid
+        assert pid is not None
+        async with redis_client(server) as client:
+            await client.set("k", "v")
+            server.pause()
+            assert server.is_paused
+            with pytest.raises(TimeoutError), anyio.fail_after(PAUSED_WAIT):
+                await client.get("k")
+            server.resume()
+            assert await client.get("k") == b"v"
+
+            server.kill()
+            assert not server.is_running
+            assert process_gone(pid)
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await client.get("k")
+
+        server.restart()
+        assert server.port == port
+        assert server.data_dir == data_dir
+        assert server.pid != pid
+        async with redis_client(server) as client:
+            # No persistence: a restarted redis starts empty, as a real one without AOF would.
+            assert await client.get("k") is None
+    assert_cleaned_up(server.pid or pid, data_dir)
+    server.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        server.restart()
+
+
+@pytest.mark.anyio
+async def test_redis_fake_clock_jumps_at_run_time() -> None:
+    with RedisServer(faketime="+0") as server:
+        assert server.faketime
+        async with redis_client(server) as client:
+            seconds, _ = await client.time()
+            assert abs(seconds - time.time()) < 2
+
+            server.jump_clock(3600)
+            seconds, _ = await client.time()
+            assert abs(seconds - (time.time() + 3600)) < 2
+
+            # Expiry follows the server's wall clock: a 30 s key is gone after a 60 s jump.
+            await client.set("lease", "me", px=30_000)
+            server.jump_clock(60)
+            assert await client.get("lease") is None
+
+            server.jump_clock(-7200)
+            seconds, _ = await client.time()
+            assert abs(seconds - (time.time() - 3600 + 60)) < 2
+            assert server.clock_offset == pytest.approx(3600 + 60 - 7200)
+
+            # DEBUG works for local clients, so a test can also stall the server on demand.
+            start = time.monotonic()
+            await client.execute_command("DEBUG", "SLEEP", "0.2")  # type: ignore[no-untyped-call]
+            assert time.monotonic() - start >= 0.19
+
+        server.restart()
+        async with redis_client(server) as client:
+            seconds, _ = await client.time()
+            assert abs(seconds - (time.time() - 3540)) < 2
+
+
+def test_redis_fake_clock_argument_checks() -> None:
+    with pytest.raises(ValueError, match="relative offset"):
+        RedisServer(faketime="@2020-01-01 00:00:00")
+    server = RedisServer()
+    with pytest.raises(RuntimeError, match="faketime"):
+        server.jump_clock(1)
+    server.stop()
+
+
+def test_redis_start_offset_units() -> None:
+    with RedisServer(faketime="-1.5h") as server:
+        assert server.clock_offset == -5400
+        answer = subprocess.run(
+            [find_binary("redis-cli", "redis-tools"), "-p", str(server.port), "TIME"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert abs(int(answer.stdout.split()[0]) - (time.time() - 5400)) < 2
+
+
+@pytest.mark.anyio
+async def test_etcd_serves_pauses_resumes_and_keeps_data_across_kill() -> None:
+    server = EtcdServer()
+    with server:
+        assert_common_surface(server, "etcd")
+        assert server.url == f"etcd://127.0.0.1:{server.port}"
+        port, data_dir, pid = server.port, server.data_dir, server.pid
+        assert pid is not None
+        # gRPC's own deadline, not anyio.fail_after: a cancelled unary gRPC call raises a fresh
+        # CancelledError that anyio cannot tell from an outer cancellation (grpc/grpc#43502).
+        async with aetcd.Client(host=server.host, port=server.port, timeout=1) as client:
+            await client.put(b"k", b"v")
+            server.pause()
+            with pytest.raises(aetcd.exceptions.ConnectionTimeoutError):
+                await client.get(b"k")
+            server.resume()
+            with anyio.fail_after(5):
+                got = await client.get(b"k")
+            assert got is not None
+            assert got.value == b"v"
+
+        server.kill()
+        assert process_gone(pid)
+        server.restart()
+        assert server.port == port
+        async with aetcd.Client(host=server.host, port=server.port) as client:
+            with anyio.fail_after(5):
+                got = await client.get(b"k")
+            assert got is not None
+            assert got.value == b"v"
+    assert_cleaned_up(pid, data_dir)
+
+
+@pytest.mark.anyio
+async def test_zookeeper_serves_pauses_resumes_and_keeps_data_across_kill() -> None:
+    server = ZooKeeperServer(tick_time_ms=500)
+    with server:
+        assert_common_surface(server, "zookeeper")
+        assert server.url == f"zookeeper://127.0.0.1:{server.port}"
+        assert server.mode() == "standalone"
+        port, data_dir, pid = server.port, server.data_dir, server.pid
+        assert pid is not None
+        async with zk_client(server.address) as client:
+            await client.create("/k", data=b"v")
+            server.pause()
+            with pytest.raises(TimeoutError), anyio.fail_after(PAUSED_WAIT):
+                await client.get_data("/k")
+            server.resume()
+            with anyio.fail_after(5):
+                assert await client.get_data("/k") == b"v"
+
+        server.kill()
+        assert process_gone(pid)
+        server.restart()
+        assert server.port == port
+        async with zk_client(server.address) as client:
+            with anyio.fail_after(5):
+                assert await client.get_data("/k") == b"v"
+    assert_cleaned_up(pid, data_dir)
+
+
+@pytest.mark.anyio
+async def test_postgres_serves_pauses_resumes_and_keeps_rows_across_kill() -> None:
+    server = PostgresServer()
+    with server:
+        assert_common_surface(server, "postgresql")
+        assert server.url == f"postgresql://postgres@127.0.0.1:{server.port}/postgres"
+        assert server.dsn == server.url
+        port, data_dir, pid = server.port, server.data_dir, server.pid
+        assert pid is not None
+        connection = await asyncpg.connect(server.dsn)
+        try:
+            await connection.execute("CREATE TABLE t (x int); INSERT INTO t VALUES (42)")
+            # The backend serving this connection is a child of the postmaster: pausing the
+            # process group must freeze it too.
+            server.pause()
+            with pytest.raises(TimeoutError), anyio.fail_after(PAUSED_WAIT):
+                await connection.fetchval("SELECT x FROM t")
+        finally:
+            server.resume()
+            connection.terminate()
+        connection = await asyncpg.connect(server.dsn)
+        try:
+            assert await connection.fetchval("SELECT x FROM t") == 42
+        finally:
+            await connection.close()
+
+        server.kill()
+        assert process_gone(pid)
+        server.restart()
+        assert server.port == port
+        connection = await asyncpg.connect(server.dsn)
+        try:
+            assert await connection.fetchval("SELECT x FROM t") == 42
+        finally:
+            await connection.close()
+    assert_cleaned_up(pid, data_dir)
+
+
+class _Crashing(SingleServer):
+    kind = "crashing"
+
+    def __init__(self, script: str, **kwargs: Any) -> None:
+        self._script = script
+        super().__init__(**kwargs)
+
+    @property
+    def url(self) -> str:
+        return f"crashing://{self.address}"
+
+    def _command(self) -> list[str]:
+        return ["/bin/sh", "-c", self._script]
+
+    def _probe(self, timeout: float) -> bool:
+        return False
+
+
+def test_start_error_carries_the_log_and_leaves_nothing() -> None:
+    server = _Crashing("echo 'fatal: boom-marker' >&2; exit 3")
+    with pytest.raises(ServerStartError, match="status 3") as caught:
+        server.start()
+    assert "boom-marker" in str(caught.value)
+    assert server._resources.directory is None
+    assert not server.is_running
+
+
+def test_start_timeout_kills_the_process() -> None:
+    server = _Crashing("echo still-starting; exec sleep 60", start_timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(ServerStartError, match=r"did not serve within 0\.3 s") as caught:
+        server.start()
+    assert time.monotonic() - start < 5
+    assert "still-starting" in str(caught.value)
+    assert not server.is_running
+
+
+def test_first_start_moves_to_another_port_when_its_port_is_taken() -> None:
+    server = RedisServer()
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with server:
+            assert server.port != taken
+            assert server.is_running
+
+
+def test_find_binary_names_the_apt_package() -> None:
+    with pytest.raises(ServerNotInstalled, match="apt-get install some-package") as caught:
+        find_binary("asynclock-no-such-binary", "some-package")
+    assert caught.value.apt_package == "some-package"
+    assert find_binary("sh", "dash").endswith("/sh")
+
+
+def test_find_binary_prefers_the_newest_versioned_dir(tmp_path: Path) -> None:
+    # Like /usr/lib/postgresql/<major>/bin, which Debian keeps out of PATH.
+    for version in ("9.6", "15", "13"):
+        program = tmp_path / version / "bin" / "asynclock-fake-initdb"
+        program.parent.mkdir(parents=True)
+        program.write_text("#!/bin/sh\n")
+        program.chmod(0o755)
+    found = find_binary("asynclock-fake-initdb", "postgresql", extra_dirs=[f"{tmp_path}/*/bin"])
+    assert found == str(tmp_path / "15" / "bin" / "asynclock-fake-initdb")
+
+
+def test_servers_left_running_are_killed_at_interpreter_exit() -> None:
+    script = (
+        "from asynclock.testing import RedisServer, PostgresServer\n"
+        "r = RedisServer().start(); p = PostgresServer().start()\n"
+        "print(r.pid, r.data_dir, p.pid, p.data_dir, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    redis_pid, redis_dir, postgres_pid, postgres_dir = done.stdout.split()
+    assert_cleaned_up(int(redis_pid), Path(redis_dir))
+    assert_cleaned_up(int(postgres_pid), Path(postgres_dir))
+
+
+def test_server_is_a_context_manager_and_stop_is_idempotent() -> None:
+    server = RedisServer()
+    assert not server.is_running
+    assert server.pid is None
+    with pytest.raises(RuntimeError, match="never started"):
+        _ = server.data_dir
+    with server as entered:
+        assert entered is server
+        pid = server.pid
+        assert pid is not None
+        data_dir = server.data_dir
+        assert server.start() is server  # already running: nothing happens
+        assert server.pid == pid
+    server.stop()
+    server.stop()
+    assert_cleaned_up(pid, data_dir)
+    assert "stopped" in repr(server)
+
+
+def test_stop_is_bounded_when_the_server_ignores_the_shutdown_signal() -> None:
+    server = _Crashing("trap '' TERM; echo up; while :; do sleep 0.05; done")
+    server.stop_timeout = 0.3
+    server._begin_start()  # it never becomes ready; launch only
+    pid = server.pid
+    assert pid is not None
+    # Signalled before the shell ran "trap", it would just die.
+    assert wait_for(lambda: b"up" in server._output_path.read_bytes())
+    start = time.monotonic()
+    server.stop()
+    assert 0.25 < time.monotonic() - start < 5
+    assert wait_for(lambda: process_gone(pid))
+
+
+def test_stop_of_a_paused_server() -> None:
+    with RedisServer() as server:
+        pid = server.pid
+        assert pid is not None
+        server.pause()
+        start = time.monotonic()
+    assert time.monotonic() - start < 5
+    assert wait_for(lambda: process_gone(pid))
+
+
+def test_pause_needs_a_running_server() -> None:
+    server = RedisServer()
+    with pytest.raises(RuntimeError, match="not running"):
+        server.pause()
+    server.stop()
+
+
+def test_temp_dirs_prefer_shared_memory() -> None:
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("/dev/shm is not writable here")
+    with RedisServer() as server:
+        assert str(server.data_dir).startswith("/dev/shm/asynclock-redis-")
