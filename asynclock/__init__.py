@@ -9,6 +9,7 @@
 
 from ._client import LockClient as LockClient
 from ._client import connect as connect
+from ._decorator import locked as locked
 from ._errors import AcquireTimeout as AcquireTimeout
 from ._errors import BackendTimeout as BackendTimeout
 from ._errors import BackendUnavailable as BackendUnavailable
@@ -47,6 +48,7 @@ __all__ = (
     "current_lease",
     "current_token",
     "held_leases",
+    "locked",
 )
 
 # Tracebacks and docs show the public path, not the private module (as anyio does).

@@ -1,15 +1,27 @@
-"""The ``asynclock`` command: ``asynclock demo`` for now (``run``, ``status`` and ``bench`` follow).
+"""The ``asynclock`` command.
+
+``asynclock run NAME -- CMD ARGS...`` runs a command while holding a lock, like ``flock(1)`` or
+``etcdctl lock``, but it exports the fencing token to the command, renews the lease while the
+command runs, and when the lease is lost it terminates the command's whole process group
+(etcdctl lets the command run on after its lease is gone).
 
 ``asynclock demo`` starts several worker *processes* that contend for one lock on the embedded
 backend (or any URL) and print who held it, with which fencing token, so that the cross-process
 exclusion and the strictly increasing tokens can be seen with nothing installed.
+
+Exit codes of ``run``: the command's own code (128 + N when it died of signal N), or
+``EXIT_TIMEOUT`` (75) when the lock was not acquired within ``--timeout``, ``EXIT_LEASE_LOST``
+(79) when the lease was lost and the command was terminated, ``EXIT_UNAVAILABLE`` (69) when the
+lock server could not be used, ``EXIT_USAGE`` (64) for bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,10 +29,85 @@ import time
 from collections.abc import Sequence
 
 import anyio
+import anyio.abc
 
 from . import _registry
 from ._client import connect
-from ._errors import LockError
+from ._errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    InvalidArgument,
+    LeaseLost,
+    LockError,
+    UnsupportedFeature,
+)
+
+EXIT_USAGE = 64
+EXIT_UNAVAILABLE = 69
+EXIT_TIMEOUT = 75
+EXIT_LEASE_LOST = 79
+
+#: The URL ``run`` uses when neither --url nor $ASYNCLOCK_URL is given.
+DEFAULT_URL = "sqlite:///tmp/asynclock.db"
+
+
+async def _terminate(process: anyio.abc.Process, grace: float) -> None:
+    """SIGTERM the command's process group, then SIGKILL it after ``grace`` seconds."""
+    with anyio.CancelScope(shield=True):
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            if process.returncode is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+            with anyio.move_on_after(wait):
+                await process.wait()
+
+
+async def _forward_signals(process: anyio.abc.Process) -> None:
+    # The command runs in its own session (so that a lost lease can kill all of it), which also
+    # takes it out of the terminal's process group: pass on what the terminal sends us.
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        async for sig in signals:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+
+
+async def _run_locked(
+    url: str, name: str, ttl: float, timeout: float | None, grace: float, command: Sequence[str]
+) -> int:
+    async with connect(url) as locks:
+        lease_lost: LeaseLost | None = None
+        try:
+            async with locks.lock(name, ttl=ttl, timeout=timeout) as lease:
+                env = {**os.environ, "ASYNCLOCK_NAME": name, "ASYNCLOCK_URL": _registry.redact(url)}
+                with contextlib.suppress(UnsupportedFeature):
+                    env["ASYNCLOCK_TOKEN"] = str(lease.token)
+                process = await anyio.open_process(
+                    list(command),
+                    env=env,
+                    start_new_session=True,
+                    stdin=None,
+                    stdout=None,
+                    stderr=None,
+                )
+                try:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(_forward_signals, process)
+                        await process.wait()
+                        tg.cancel_scope.cancel()
+                finally:
+                    await _terminate(process, grace)
+        except LeaseLost as exc:
+            lease_lost = exc
+        if lease_lost is not None:
+            print(
+                f"asynclock run: {lease_lost}; the command was terminated",
+                file=sys.stderr,
+            )
+            return EXIT_LEASE_LOST
+        code = process.returncode
+        assert code is not None
+        return 128 - code if code < 0 else code
 
 
 def _demo_worker(url: str, worker: int, rounds: int, hold: float) -> None:
@@ -78,8 +165,20 @@ def _demo(url: str | None, workers: int, rounds: int, hold: float) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asynclock", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="asynclock",
+        description="Distributed locks from the command line.",
+        epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a command while holding a lock")
+    run.add_argument("name", help="the lock's name")
+    run.add_argument("--url", default=os.environ.get("ASYNCLOCK_URL", DEFAULT_URL))
+    run.add_argument("--ttl", type=float, default=30.0, help="lease length in seconds")
+    run.add_argument("--timeout", type=float, default=None, help="seconds to wait (0: try once)")
+    run.add_argument("--grace", type=float, default=5.0, help="SIGTERM to SIGKILL, seconds")
+    run.add_argument("cmd", nargs="*", help="the command and its arguments, after --")
     demo = commands.add_parser("demo", help="processes contending for one lock, with tokens")
     demo.add_argument("--url", help="lock URL (default: a temporary SQLite file)")
     demo.add_argument("--workers", type=int, default=2)
@@ -90,12 +189,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker.add_argument("worker", type=int)
     worker.add_argument("rounds", type=int)
     worker.add_argument("hold", type=float)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" is the command, options that look like ours included.
+    command: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1 :]
     args = parser.parse_args(argv)
     try:
+        if args.command == "run":
+            command = [*args.cmd, *command]
+            if not command:
+                parser.error("run needs a command: asynclock run NAME -- CMD ARGS...")
+            return anyio.run(
+                _run_locked, args.url, args.name, args.ttl, args.timeout, args.grace, command
+            )
         if args.command == "demo":
             return _demo(args.url, args.workers, args.rounds, args.hold)
         _demo_worker(args.url, args.worker, args.rounds, args.hold)
-    except LockError as exc:
+    except AcquireTimeout as exc:
+        print(f"asynclock: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except InvalidArgument as exc:
+        print(f"asynclock: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (BackendUnavailable, LockError, OSError) as exc:
         print(f"asynclock: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_UNAVAILABLE
     return 0

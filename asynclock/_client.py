@@ -143,15 +143,16 @@ class LockClient:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
+    ) -> None:
         try:
             await self.aclose()
         finally:
             task_group, self._task_group = self._task_group, None
-            suppress = None
             if task_group is not None:
-                suppress = await task_group.__aexit__(exc_type, exc, tb)
-        return suppress
+                # The renewal task is stopped by now. The caller's exception is not the task
+                # group's business: handing it over would wrap it in an ExceptionGroup. Only a
+                # crash of the renewal task itself surfaces from here (as a group).
+                await task_group.__aexit__(None, None, None)
 
     async def aclose(self) -> None:
         """Release every lease still held and close the backend. Idempotent and shielded."""

@@ -50,7 +50,7 @@ class LockContext:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> None:
         lease = self._lease
         assert lease is not None and self._context_token is not None
         _fencing.pop(self._context_token)
@@ -61,10 +61,13 @@ class LockContext:
         reason = lease.lost_reason  # also marks the lease lost if its deadline has passed
         await lease.release()
         if self._on_lost == "flag" or reason is None:
-            return False
+            if caught_own_cancel:
+                # Only a lost lease cancels our scope; this cannot happen, but never swallow.
+                raise LeaseLost(lease.name, "cancelled by its lease scope")
+            return
         if exc is not None and not caught_own_cancel:
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 # Someone else cancelled us as well: theirs wins, as asyncio.timeout does.
-                return False
+                return
             raise LeaseLost(lease.name, reason) from exc
         raise LeaseLost(lease.name, reason)

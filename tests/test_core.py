@@ -306,3 +306,14 @@ def test_public_names_match_all() -> None:
     assert public - modules - {"testing"} == set(asynclock.__all__)
     for name in asynclock.__all__:
         assert getattr(asynclock, name).__module__ in ("asynclock", "asynclock.abc")
+
+
+async def test_exceptions_from_the_client_block_are_not_wrapped_in_groups() -> None:
+    with pytest.raises(KeyError):
+        async with asynclock.connect("memory://unwrapped"):
+            raise KeyError("x")
+    with pytest.raises(asynclock.AcquireTimeout):
+        async with asynclock.connect("memory://unwrapped") as locks:
+            await locks.acquire("a")
+            async with locks.lock("a", timeout=0):
+                pass
