@@ -1,0 +1,183 @@
+"""Fencing guards refuse stale tokens atomically with the access, on real PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import asynclock
+from asynclock.fencing import MAX_TOKEN, MemoryGuard, PostgresGuard, RedisGuard, StaleToken
+from asynclock.testing import PostgresServer, RedisServer
+
+pytestmark = pytest.mark.anyio
+
+
+# -- the in-memory guard ----------------------------------------------------------------------
+
+
+async def test_memory_guard_refuses_older_tokens_and_keeps_the_value() -> None:
+    guard = MemoryGuard()
+    await guard.write("r", "from 7", token=7)
+    await guard.write("r", "from 7 again", token=7)  # the same holder may write again
+    with pytest.raises(StaleToken) as info:
+        await guard.write("r", "from 6", token=6)
+    assert (info.value.token, info.value.highest, info.value.resource) == (6, 7, "r")
+    assert await guard.read("r", token=8) == "from 7 again"
+    assert guard.rejected == 1
+
+
+async def test_strict_guard_accepts_each_token_once() -> None:
+    guard = MemoryGuard(strict=True)
+    await guard.check("r", 3)
+    with pytest.raises(StaleToken):
+        await guard.check("r", 3)
+
+
+async def test_a_read_through_the_guard_fences_a_read_modify_write() -> None:
+    """DESIGN §5: B (token 6) is paused; C (token 7) reads; B's late write must be refused."""
+    guard = MemoryGuard()
+    await guard.write("balance", 100, token=5)
+    value = await guard.read("balance", token=7)  # C reads with the newer token
+    with pytest.raises(StaleToken):
+        await guard.write("balance", 0, token=6)  # B wakes up and writes: refused
+    await guard.write("balance", value + 1, token=7)
+    assert await guard.read("balance", token=7) == 101
+
+
+async def test_guards_take_the_token_of_the_lock_held_in_this_context(tmp_path: Path) -> None:
+    guard = MemoryGuard()
+    async with asynclock.connect(f"sqlite://{tmp_path}/locks.db") as locks:
+        stale = await locks.acquire("job")  # token 1, then lost behind its back
+        await stale.release()
+        async with locks.lock("job") as lease:  # token 2
+            await guard.write("out", "new")
+            assert guard.highest("out") == lease.token
+        with pytest.raises(StaleToken):
+            await guard.write("out", "old", token=stale.token)
+        with pytest.raises(asynclock.NotHeld):
+            await guard.write("out", "nobody")
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_TOKEN + 1, True, "5"])
+async def test_bad_tokens_are_refused(bad: Any) -> None:
+    with pytest.raises(asynclock.InvalidArgument):
+        await MemoryGuard().check("r", bad)
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def pg(postgres_server: PostgresServer) -> AsyncIterator[Any]:
+    import asyncpg
+
+    connection = await asyncpg.connect(postgres_server.dsn)
+    table = f"fences_{uuid.uuid4().hex[:8]}"
+    yield connection, table
+    await connection.execute(f"DROP TABLE IF EXISTS {table}, resource_{table}")
+    await connection.close()
+
+
+async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back(
+    pg: Any, postgres_server: PostgresServer
+) -> None:
+    connection, table = pg
+    guard = PostgresGuard(table=table)
+    await guard.create_table(connection)
+    await guard.create_table(connection)  # idempotent
+    await connection.execute(f"CREATE TABLE resource_{table} (id int PRIMARY KEY, v text)")
+    await connection.execute(f"INSERT INTO resource_{table} VALUES (1, 'initial')")
+    async with connection.transaction():
+        await guard.check(connection, "orders/1", 10)
+        await connection.execute(f"UPDATE resource_{table} SET v = 'by 10' WHERE id = 1")
+    with pytest.raises(StaleToken) as info:
+        async with connection.transaction():
+            await connection.execute(f"UPDATE resource_{table} SET v = 'by 9' WHERE id = 1")
+            await guard.check(connection, "orders/1", 9)
+    assert (info.value.token, info.value.highest) == (9, 10)
+    assert await connection.fetchval(f"SELECT v FROM resource_{table} WHERE id = 1") == "by 10"
+    assert await guard.highest(connection, "orders/1") == 10
+
+
+async def test_postgres_guard_serializes_transactions_in_flight(
+    pg: Any, postgres_server: PostgresServer
+) -> None:
+    """A newer holder's check waits for the older transaction, so check+write stay atomic."""
+    import asyncpg
+
+    connection, table = pg
+    guard = PostgresGuard(table=table)
+    await guard.create_table(connection)
+    other = await asyncpg.connect(postgres_server.dsn)
+    try:
+        events: list[str] = []
+        older = connection.transaction()
+        await older.start()
+        await guard.check(connection, "r", 6)
+
+        async def newer() -> None:
+            async with other.transaction():
+                await guard.check(other, "r", 7)
+                events.append("newer checked")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(newer)
+            await anyio.sleep(0.3)
+            events.append("older commits")
+            await older.commit()
+        assert events == ["older commits", "newer checked"]
+        # And the older holder cannot come back after the newer one committed.
+        with pytest.raises(StaleToken):
+            async with connection.transaction():
+                await guard.check(connection, "r", 6)
+    finally:
+        await other.close()
+
+
+def test_postgres_guard_refuses_unsafe_identifiers() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="identifier"):
+        PostgresGuard(table="fences; DROP TABLE x")
+
+
+# -- Redis -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def redis_client(redis_server: RedisServer) -> AsyncIterator[Any]:
+    import redis.asyncio
+
+    client = redis.asyncio.Redis(host=redis_server.host, port=redis_server.port)
+    yield client
+    await client.aclose()
+
+
+async def test_redis_guard_runs_the_command_only_for_a_fresh_token(redis_client: Any) -> None:
+    prefix = f"test:{uuid.uuid4().hex[:8]}:"
+    guard = RedisGuard(redis_client, prefix=prefix)
+    key = prefix + "value"
+    assert await guard.call("r", "SET", key, "by 5", token=5) == b"OK"
+    with pytest.raises(StaleToken) as info:
+        await guard.call("r", "SET", key, "by 4", token=4)
+    assert (info.value.token, info.value.highest) == (4, 5)
+    assert await redis_client.get(key) == b"by 5"
+    assert await guard.call("r", "GET", key, token=5) == b"by 5"
+    await redis_client.delete(key, prefix + "r")
+
+
+async def test_redis_guard_compares_tokens_beyond_float_precision(redis_client: Any) -> None:
+    prefix = f"test:{uuid.uuid4().hex[:8]}:"
+    guard = RedisGuard(redis_client, prefix=prefix)
+    big = 2**60 + 1
+    await guard.check("r", big)
+    with pytest.raises(StaleToken):
+        await guard.check("r", big - 1)  # equal as doubles, but older
+    await guard.check("r", big)
+    strict = RedisGuard(redis_client, prefix=prefix, strict=True)
+    with pytest.raises(StaleToken):
+        await strict.check("r", big)
+    await redis_client.delete(prefix + "r")
