@@ -1,0 +1,120 @@
+"""One worker process of a safety run: take the lock, read-modify-write the shared resource.
+
+Run by :func:`asynclock.testing.run_safety`; it writes one JSON object a line to its history file:
+
+- ``{"op": "acquire", "t", "token", "expires"}``: holds from ``t``; ``expires`` is the earliest
+  moment the server could expire this lease (``valid_from + ttl``), on CLOCK_MONOTONIC, which every
+  process on the host shares;
+- ``{"op": "write", "t", "ok", "token", "value"}``: the resource accepted (``ok``) or refused the
+  write of ``value``;
+- ``{"op": "end", "t"}``: the body finished or was cancelled;
+- ``{"op": "release", "t"}`` or ``{"op": "lost", "t", "reason"}``: how the hold ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import time
+from typing import IO, Any, Literal
+
+import anyio
+
+import asynclock
+from asynclock._errors import StaleToken
+from asynclock.testing._safety import Resource, open_resource
+
+
+class _History:
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+
+    def log(self, op: str, **fields: Any) -> None:
+        # One write per line and a flush: a worker killed mid-run leaves whole lines behind.
+        self._file.write(json.dumps({"op": op, "t": time.monotonic(), **fields}) + "\n")
+        self._file.flush()
+
+
+async def _hold_once(
+    locks: asynclock.LockClient,
+    resource: Resource,
+    history: _History,
+    args: argparse.Namespace,
+) -> None:
+    on_lost: Literal["cancel", "flag"] = "cancel" if args.cancel_on_loss else "flag"
+    async with locks.lock(
+        args.lock, ttl=args.ttl, timeout=args.acquire_timeout, on_lost=on_lost
+    ) as lease:
+        known = lease.token if locks.capabilities.fencing else None
+        token = known if args.fencing else None
+        history.log("acquire", token=known, expires=lease.grant.valid_from + lease.ttl)
+        try:
+            value = await resource.read(token)
+            await anyio.sleep(args.hold)
+            # The fault lands after the last await before the write, where no check the client
+            # makes can help: the write is sent the moment the process runs again.
+            if random.random() < args.pause_probability:
+                if args.pause_kind == "stop":
+                    # The GC-pause case: the whole process stops; the runner resumes it.
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    # An event loop blocked by synchronous work: no renewal runs either.
+                    time.sleep(args.pause)  # noqa: ASYNC251 - the fault itself
+            await resource.write(value + 1, token, known)
+            history.log("write", ok=True, token=known, value=value + 1)
+        except StaleToken as exc:
+            history.log("write", ok=False, token=exc.token, value=None)
+        finally:
+            # The hold ends here, as the body sees it (also when it is being cancelled); the
+            # release that follows is not part of it.
+            history.log("end")
+    if lease.lost:
+        # on_lost="flag": the body ran to its end on a lost lease; record it as a loss.
+        raise asynclock.LeaseLost(args.lock, lease.lost_reason or "lost")
+
+
+async def _main(args: argparse.Namespace) -> None:
+    deadline = time.monotonic() + args.duration
+    with open(args.history, "a", encoding="utf-8") as file:  # noqa: ASYNC230 - tiny, local
+        history = _History(file)
+        async with asynclock.connect(args.url) as locks, open_resource(args.resource) as resource:
+            while time.monotonic() < deadline:
+                try:
+                    await _hold_once(locks, resource, history, args)
+                    history.log("release")
+                except asynclock.LeaseLost as exc:
+                    history.log("lost", reason=exc.reason)
+                except asynclock.AcquireTimeout:
+                    continue
+                except asynclock.BackendUnavailable as exc:
+                    # A server fault of the nemesis: wait for it to pass.
+                    history.log("error", reason=str(exc)[:200])
+                    await anyio.sleep(0.1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--lock", required=True)
+    parser.add_argument("--resource", required=True)
+    parser.add_argument("--history", required=True)
+    parser.add_argument("--fencing", action="store_true")
+    parser.add_argument("--ttl", type=float, required=True)
+    parser.add_argument("--hold", type=float, default=0.005)
+    parser.add_argument("--duration", type=float, required=True)
+    parser.add_argument("--acquire-timeout", type=float, default=2.0)
+    parser.add_argument("--pause-probability", type=float, default=0.0)
+    parser.add_argument("--pause-kind", choices=("stop", "block"), default="stop")
+    parser.add_argument("--pause", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-cancel", dest="cancel_on_loss", action="store_false")
+    args = parser.parse_args()
+    random.seed(args.seed)
+    anyio.run(_main, args)
+
+
+if __name__ == "__main__":
+    main()
