@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Final, Generic, Self, TypeVar
@@ -199,9 +199,10 @@ class Server(abc.ABC):
     Use it as a context manager, or call :meth:`start` and :meth:`stop`. :meth:`start` returns
     once the server answers requests. The fault methods (:meth:`pause`, :meth:`resume`,
     :meth:`kill`, :meth:`restart`) signal the process group and every descendant, so servers
-    that fork workers (PostgreSQL) are frozen or killed as a whole. :meth:`stop` is final and idempotent: it leaves
-    no process and no directory behind, and the same happens at interpreter exit for servers that
-    were never stopped.
+    that fork workers (PostgreSQL) are frozen or killed as a whole. :meth:`stop` is final and
+    idempotent: it leaves no process and no directory behind. A server that is never stopped is
+    killed (SIGKILL) and its directory deleted when it is garbage-collected or, at the latest,
+    at interpreter exit (also after Ctrl-C; not when the interpreter itself is SIGKILLed).
     """
 
     #: Short lowercase name used in temp dir names and messages.
@@ -426,7 +427,9 @@ class Server(abc.ABC):
                 )
             remaining = deadline - time.monotonic()
             try:
-                if self._probe(max(0.05, min(1.0, remaining))):
+                # A server that is up answers on loopback in milliseconds; a short probe
+                # timeout only matters when something else holds the port.
+                if self._probe(max(0.05, min(0.5, remaining))) and process.poll() is None:
                     return
             except OSError:
                 pass
@@ -559,10 +562,8 @@ class Cluster(abc.ABC, Generic[M]):
 
     def stop(self) -> None:
         """Stop every member and delete its data; idempotent."""
-        # One after the other: an etcd leader that is asked to stop while its followers are
-        # stopping too waits seconds for a leadership transfer that cannot happen.
         errors = []
-        for member in self._members:
+        for member in self._shutdown_order():
             try:
                 member.stop()
             except Exception as exc:  # one member's failure must not leak the others
@@ -573,9 +574,28 @@ class Cluster(abc.ABC, Generic[M]):
     def restart(self) -> None:
         """Stop every running member, then start all of them together on the same ports with the
         same data; returns once each serves."""
-        for member in self._members:
+        for member in self._shutdown_order():
             member._terminate()
         _start_together(self._members, [])
+
+    def _shutdown_order(self) -> Iterator[M]:
+        """Members one at a time, each time the current leader first if there is one.
+
+        A stopping etcd leader hands leadership to a peer it believes alive and waits up to six
+        seconds for it; stopping leaders first means that peer is alive. Stopping members in
+        parallel or followers first makes the last leader wait the full six seconds.
+        """
+        remaining = list(self._members)
+        while remaining:
+            chosen = remaining[0]
+            for member in remaining:
+                if member.is_running and not member.is_paused:
+                    with contextlib.suppress(OSError, ValueError):
+                        if self._is_leader(member, 0.5):
+                            chosen = member
+                            break
+            remaining.remove(chosen)
+            yield chosen
 
     def leader(self, timeout: float = 10.0) -> M:
         """The current leader, waiting up to ``timeout`` seconds for an election to finish."""

@@ -94,7 +94,7 @@ class FaultProxy:
         self._links: set[_Link] = set()
         self._outer: TaskGroup | None = None
         self._tasks: TaskGroup | None = None
-        self._scope = anyio.CancelScope()
+        self._scope: anyio.CancelScope | None = None
         self._done: anyio.Event | None = None
         self._closed = False
 
@@ -178,6 +178,7 @@ class FaultProxy:
             listener.close()
             raise
         self._listener = listener
+        self._scope = anyio.CancelScope()
         self._changed = anyio.Event()
         self._done = anyio.Event()
         self._outer = anyio.create_task_group()
@@ -186,6 +187,7 @@ class FaultProxy:
             await self._outer.start(self._run)
         except BaseException as exc:
             self._scope.cancel()
+            _close(listener, rst=False)
             await self._outer.__aexit__(type(exc), exc, exc.__traceback__)
             raise
         return self
@@ -198,12 +200,18 @@ class FaultProxy:
     ) -> bool | None:
         await self.aclose()
         assert self._outer is not None
-        return await self._outer.__aexit__(exc_type, exc, tb)
+        if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()):
+            return await self._outer.__aexit__(exc_type, exc, tb)
+        # The task group would wrap the body's own error in an ExceptionGroup. After aclose()
+        # no task is left, so leaving it "cleanly" cannot hide a task's error: only ours.
+        await self._outer.__aexit__(None, None, None)
+        return None
 
     async def aclose(self) -> None:
         """Stop accepting, close every connection and end every task; idempotent."""
         self._closed = True
-        self._scope.cancel()
+        if self._scope is not None:
+            self._scope.cancel()
         if self._done is not None:
             with anyio.CancelScope(shield=True):
                 await self._done.wait()
@@ -233,7 +241,7 @@ class FaultProxy:
             await self._changed.wait()
 
     async def _run(self, *, task_status: TaskStatus[None]) -> None:
-        assert self._listener is not None and self._done is not None
+        assert self._listener is not None and self._done is not None and self._scope is not None
         try:
             with self._scope:
                 async with anyio.create_task_group() as tasks:

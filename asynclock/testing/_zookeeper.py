@@ -199,4 +199,5 @@ class ZooKeeperEnsemble(Cluster[ZooKeeperMember]):
         return f"zookeeper://{self.address}"
 
     def _is_leader(self, member: ZooKeeperMember, timeout: float) -> bool:
-        return member.mode(timeout) == "leader"
+        # A one-member ensemble runs standalone and leads itself.
+        return member.mode(timeout) in {"leader", "standalone"}

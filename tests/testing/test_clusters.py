@@ -1,0 +1,136 @@
+"""Clusters start together, name their leader, and keep serving when the leader dies."""
+
+from __future__ import annotations
+
+import aetcd
+import aetcd.exceptions
+import anyio
+import pytest
+from aiozk import ZKClient
+
+from asynclock.testing import EtcdCluster, EtcdMember, ZooKeeperEnsemble, ZooKeeperMember
+
+from ._helpers import process_gone
+
+
+async def etcd_put_until_it_works(member: EtcdMember, key: bytes, value: bytes) -> float:
+    """Write through ``member`` until the cluster accepts it; return how long that took."""
+    start = anyio.current_time()
+    # gRPC deadlines instead of anyio.fail_after around each call: see test_servers.py.
+    async with aetcd.Client(host=member.host, port=member.port, timeout=0.5) as client:
+        with anyio.fail_after(20):
+            while True:
+                try:
+                    await client.put(key, value)
+                except aetcd.exceptions.ClientError:
+                    await anyio.sleep(0.1)
+                else:
+                    return anyio.current_time() - start
+
+
+async def etcd_get(member: EtcdMember, key: bytes) -> bytes | None:
+    async with aetcd.Client(host=member.host, port=member.port, timeout=5) as client:
+        got = await client.get(key)
+    return None if got is None else bytes(got.value)
+
+
+@pytest.mark.anyio
+async def test_etcd_cluster_survives_the_loss_of_its_leader() -> None:
+    with EtcdCluster(size=3) as cluster:
+        members = cluster.members
+        assert len(members) == 3
+        assert cluster.url == "etcd://" + ",".join(f"127.0.0.1:{m.port}" for m in members)
+        assert all(m.is_running for m in members)
+        assert len({m.port for m in members}) == 3
+        await etcd_put_until_it_works(members[0], b"before", b"1")
+
+        leader = cluster.leader()
+        assert leader in members
+        assert leader.is_leader()
+        pid = leader.pid
+        assert pid is not None
+
+        killed = cluster.kill_leader()
+        assert killed is leader
+        assert not killed.is_running
+        assert process_gone(pid)
+
+        survivor = next(m for m in members if m is not killed)
+        await etcd_put_until_it_works(survivor, b"after", b"2")
+        new_leader = cluster.leader()
+        assert new_leader is not killed
+
+        # The old leader comes back on its port as a follower and catches up.
+        killed.restart()
+        assert killed.is_running
+        assert await etcd_get(killed, b"after") == b"2"
+        assert await etcd_get(killed, b"before") == b"1"
+
+
+@pytest.mark.anyio
+async def test_etcd_cluster_restart_keeps_data_and_a_paused_member_is_routed_around() -> None:
+    with EtcdCluster(size=3) as cluster:
+        first, second, third = cluster.members
+        await etcd_put_until_it_works(first, b"k", b"v")
+        third.pause()
+        assert third.is_paused
+        # Two of three still form a quorum.
+        await etcd_put_until_it_works(first, b"k2", b"v2")
+        third.resume()
+        cluster.restart()
+        assert all(m.is_running for m in cluster.members)
+        assert await etcd_get(second, b"k2") == b"v2"
+        data_dirs = [m.data_dir for m in cluster.members]
+    assert not any(d.exists() for d in data_dirs)
+
+
+@pytest.mark.anyio
+async def test_zookeeper_ensemble_survives_the_loss_of_its_leader() -> None:
+    with ZooKeeperEnsemble(size=3) as ensemble:
+        members = ensemble.members
+        assert ensemble.url == "zookeeper://" + ",".join(f"127.0.0.1:{m.port}" for m in members)
+        assert sorted(m.mode() or "" for m in members) == ["follower", "follower", "leader"]
+
+        leader = ensemble.leader()
+        assert leader.mode() == "leader"
+        pid = leader.pid
+        assert pid is not None
+        killed = ensemble.kill_leader()
+        assert killed is leader
+        assert process_gone(pid)
+
+        new_leader = ensemble.leader()
+        assert new_leader is not killed
+        assert new_leader.mode() == "leader"
+
+        survivors = [m for m in members if m is not killed]
+        client = ZKClient(",".join(m.address for m in survivors), session_timeout=5)
+        try:
+            with anyio.fail_after(20):
+                await client.start()
+                await client.create("/after-leader-loss", data=b"1")
+        finally:
+            with anyio.fail_after(10):
+                await client.close()
+
+        killed.restart()
+        assert killed.mode() == "follower"
+        client = ZKClient(killed.address, session_timeout=5)
+        try:
+            with anyio.fail_after(20):
+                await client.start()
+                assert await client.get_data("/after-leader-loss") == b"1"
+        finally:
+            with anyio.fail_after(10):
+                await client.close()
+
+
+def test_cluster_members_and_leader_types() -> None:
+    with ZooKeeperEnsemble(size=1) as ensemble:
+        (only,) = ensemble.members
+        assert isinstance(only, ZooKeeperMember)
+        # A one-member ensemble is its own leader; ZooKeeper calls that "standalone".
+        assert only.mode() == "standalone"
+        assert ensemble.leader() is only
+    with pytest.raises(ValueError, match="at least one member"):
+        EtcdCluster(size=0)

@@ -1,0 +1,315 @@
+"""FaultProxy: every mode does what it says, measured against an echo server and real redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import pytest
+import redis.exceptions
+from anyio.abc import SocketStream
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from asynclock.testing import FaultProxy, ProxyMode, RedisServer, free_port
+
+pytestmark = pytest.mark.anyio
+
+# How long a request must go unanswered to count as "no reply".
+NO_REPLY = 0.3
+
+
+@dataclass
+class Echo:
+    """A TCP echo server that records what reached it."""
+
+    port: int = 0
+    received: bytearray = field(default_factory=bytearray)
+    accepted: int = 0
+
+
+@asynccontextmanager
+async def echo_server() -> AsyncIterator[Echo]:
+    echo = Echo()
+
+    async def handle(stream: SocketStream) -> None:
+        echo.accepted += 1
+        async with stream:
+            try:
+                async for chunk in stream:
+                    echo.received += chunk
+                    await stream.send(chunk)
+            except (anyio.BrokenResourceError, OSError):
+                pass  # the proxy reset us: that is the point of some tests
+
+    async with (
+        await anyio.create_tcp_listener(local_host="127.0.0.1") as listener,
+        anyio.create_task_group() as tasks,
+    ):
+        echo.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        tasks.start_soon(listener.serve, handle)
+        yield echo
+        tasks.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def proxied_echo() -> AsyncIterator[tuple[Echo, FaultProxy]]:
+    async with echo_server() as echo, FaultProxy("127.0.0.1", echo.port) as proxy:
+        yield echo, proxy
+
+
+async def round_trip(stream: SocketStream, payload: bytes = b"ping") -> float:
+    start = anyio.current_time()
+    await stream.send(payload)
+    got = b""
+    while len(got) < len(payload):
+        got += await stream.receive()
+    assert got == payload
+    return anyio.current_time() - start
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        # Polling: the proxy has no event for "connection count changed", nor should it.
+        while not predicate():  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+
+
+def mode_of(proxy: FaultProxy) -> ProxyMode:
+    # Read through a function so that mypy does not narrow proxy.mode across mode changes.
+    return proxy.mode
+
+
+@asynccontextmanager
+async def redis_via(proxy: FaultProxy, timeout: float = 5.0) -> AsyncIterator[Redis]:
+    client = Redis(
+        host=proxy.host,
+        port=proxy.port,
+        retry=Retry(NoBackoff(), 0),
+        socket_connect_timeout=timeout,
+    )
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def test_pass_through_relays_and_counts_connections() -> None:
+    async with proxied_echo() as (echo, proxy):
+        assert proxy.host == "127.0.0.1"
+        assert proxy.address == f"127.0.0.1:{proxy.port}"
+        assert proxy.mode == "pass_through"
+        assert proxy.connections == 0
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream, b"hello")
+            assert proxy.connections == 1
+            async with await anyio.connect_tcp(proxy.host, proxy.port) as second:
+                await round_trip(second)
+                assert proxy.connections == 2
+        await wait_until(lambda: proxy.connections == 0)
+        assert bytes(echo.received) == b"helloping"
+
+
+async def test_delay_adds_latency_in_both_directions() -> None:
+    async with proxied_echo() as (_, proxy):
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            baseline = min([await round_trip(stream) for _ in range(5)])
+            proxy.delay(50)
+            assert proxy.mode == "delay"
+            delayed = min([await round_trip(stream) for _ in range(3)])
+            # 50 ms on the way there and 50 ms on the way back.
+            assert delayed - baseline >= 0.099
+            assert delayed < 0.5
+            proxy.pass_through()
+            assert await round_trip(stream) < 0.05
+
+
+async def test_delay_is_a_latency_not_a_bandwidth_limit() -> None:
+    async with proxied_echo() as (_, proxy):
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            proxy.delay(100)
+            start = anyio.current_time()
+            # Ten back-to-back chunks overlap: they take one delay each way, not ten.
+            for i in range(10):
+                await stream.send(b"%d;" % i)
+            got = b""
+            while got.count(b";") < 10:
+                got += await stream.receive()
+            assert 0.199 <= anyio.current_time() - start < 0.6
+
+
+async def test_blackhole_holds_traffic_and_keeps_connections_open() -> None:
+    async with proxied_echo() as (echo, proxy):
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream, b"a")
+            proxy.blackhole()
+            await stream.send(b"b")
+            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
+                await stream.receive()
+            assert bytes(echo.received) == b"a"
+            assert proxy.connections == 1
+
+            # A new connection is accepted but does not reach the server during the partition.
+            async with await anyio.connect_tcp(proxy.host, proxy.port) as late:
+                await anyio.sleep(0.1)
+                assert proxy.connections == 2
+                assert echo.accepted == 1
+
+                # Healing delivers what was sent during the partition, as TCP would.
+                proxy.pass_through()
+                with anyio.fail_after(2):
+                    assert await stream.receive() == b"b"
+                    await round_trip(late)
+                assert echo.accepted == 2
+
+
+async def test_blackhole_makes_a_real_client_time_out() -> None:
+    with RedisServer() as server:
+        async with FaultProxy(server.host, server.port) as proxy, redis_via(proxy) as client:
+            assert await client.ping()
+            proxy.blackhole()
+            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
+                await client.ping()
+
+
+async def test_reset_sends_rst_and_keeps_accepting() -> None:
+    async with proxied_echo() as (_, proxy):
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream)
+            proxy.reset()
+            await wait_until(lambda: proxy.connections == 0)
+            # RST, not FIN: the client's next read fails instead of returning end-of-stream.
+            with pytest.raises(anyio.BrokenResourceError) as caught:
+                await stream.receive()
+            assert isinstance(caught.value.__cause__, ConnectionResetError)
+        assert proxy.mode == "pass_through"
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream)
+
+
+async def test_reset_gives_a_real_client_a_connection_error() -> None:
+    with RedisServer() as server:
+        async with FaultProxy(server.host, server.port) as proxy, redis_via(proxy) as client:
+            assert await client.ping()
+            proxy.reset()
+            await wait_until(lambda: proxy.connections == 0)
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await client.ping()
+            # The pool reconnects through the proxy, which still accepts.
+            assert await client.ping()
+
+
+async def test_drop_replies_delivers_writes_but_no_answers() -> None:
+    with RedisServer() as server:
+        async with (
+            FaultProxy(server.host, server.port) as proxy,
+            redis_via(proxy) as client,
+            Redis(host=server.host, port=server.port) as direct,
+        ):
+            await client.set("k", "before")
+            proxy.drop_replies()
+            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
+                await client.set("k", "after")
+            # The write reached the server; only its reply was lost.
+            assert await direct.get("k") == b"after"
+
+
+async def test_drop_replies_with_echo_server() -> None:
+    async with proxied_echo() as (echo, proxy):
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            proxy.drop_replies()
+            await stream.send(b"lost-reply")
+            await wait_until(lambda: bytes(echo.received) == b"lost-reply")
+            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
+                await stream.receive()
+            proxy.pass_through()
+            await round_trip(stream, b"next")
+
+
+async def test_cut_heals_after_the_given_time() -> None:
+    async with proxied_echo() as (_, proxy):
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream)
+            proxy.cut(1)
+            assert proxy.mode == "blackhole"
+            with anyio.fail_after(3):
+                took = await round_trip(stream)
+            assert 0.95 <= took < 1.5
+            assert mode_of(proxy) == "pass_through"
+
+
+async def test_cut_restores_the_previous_mode_unless_changed_meanwhile() -> None:
+    async with proxied_echo() as (_, proxy):
+        proxy.delay(10)
+        proxy.cut(0.1)
+        await wait_until(lambda: mode_of(proxy) == "delay", timeout=2)
+
+        proxy.cut(0.1)
+        proxy.drop_replies()  # a newer decision wins over the cut's timer
+        await anyio.sleep(0.3)
+        assert mode_of(proxy) == "drop_replies"
+
+
+async def test_unreachable_target_resets_the_client() -> None:
+    async with FaultProxy("127.0.0.1", free_port()) as proxy:
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            with pytest.raises(anyio.BrokenResourceError), anyio.fail_after(5):
+                await stream.receive()
+        await wait_until(lambda: proxy.connections == 0)
+
+
+async def test_server_closing_is_relayed_as_end_of_stream() -> None:
+    with RedisServer() as server:
+        async with FaultProxy(server.host, server.port) as proxy:
+            async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+                await stream.send(b"QUIT\r\n")
+                with anyio.fail_after(5):
+                    assert await stream.receive() == b"+OK\r\n"
+                    with pytest.raises(anyio.EndOfStream):
+                        await stream.receive()
+            await wait_until(lambda: proxy.connections == 0)
+
+
+async def test_aclose_closes_everything_and_is_idempotent() -> None:
+    async with echo_server() as echo:
+        proxy = FaultProxy("127.0.0.1", echo.port)
+        with pytest.raises(RuntimeError, match="not started"):
+            _ = proxy.port
+        async with proxy:
+            port = proxy.port
+            stream = await anyio.connect_tcp(proxy.host, port)
+            async with stream:
+                await round_trip(stream)
+                proxy.blackhole()
+                await proxy.aclose()
+                assert proxy.connections == 0
+                with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                    await stream.receive()
+            await proxy.aclose()
+            with pytest.raises(RuntimeError, match="not running"):
+                proxy.cut(1)
+        await proxy.aclose()
+        with pytest.raises(OSError):
+            await anyio.connect_tcp("127.0.0.1", port)
+        with pytest.raises(RuntimeError, match="only once"):
+            await proxy.__aenter__()
+
+
+async def test_an_exception_in_the_body_propagates_and_closes_the_proxy() -> None:
+    async with echo_server() as echo:
+        proxy = FaultProxy("127.0.0.1", echo.port)
+        with pytest.raises(LookupError):
+            async with proxy:
+                port = proxy.port
+                raise LookupError
+        with pytest.raises(OSError):
+            await anyio.connect_tcp("127.0.0.1", port)
+
+
+def test_delay_rejects_negative_values() -> None:
+    proxy = FaultProxy("127.0.0.1", 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        proxy.delay(-1)
