@@ -1,0 +1,595 @@
+"""What the ``redis://`` and ``redlock://`` backends share: Lua scripts, key names, connection
+settings and the translation of redis-py's errors.
+
+Imported only by those two backends, so redis-py is loaded only when one of them is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+from urllib.parse import unquote
+
+import anyio
+import redis.asyncio
+import redis.exceptions
+from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from .._errors import (
+    BackendTimeout,
+    BackendUnavailable,
+    ExceptionMapping,
+    InvalidArgument,
+    InvalidURL,
+)
+from .._validate import Options
+
+T = TypeVar("T")
+
+#: Key prefix used when the ``prefix`` option is not given.
+DEFAULT_PREFIX: Final = "asynclock:"
+#: Bound of every single server call, in seconds, unless ``op_timeout`` says otherwise.
+DEFAULT_OP_TIMEOUT: Final = 5.0
+#: Name the connections carry in ``CLIENT LIST``.
+DEFAULT_CLIENT_NAME: Final = "asynclock"
+
+# Each kind of key has its own tag; no tag is a prefix of another, and the lock name is the
+# rest of the key, so distinct names (and kinds) always give distinct keys.
+LOCK_TAG: Final = "lock:"
+TOKEN_TAG: Final = "token:"
+QUEUE_TAG: Final = "queue:"
+QUEUE_TTL_TAG: Final = "queue-ttl:"
+WAKE_TAG: Final = "wake:"
+
+#: Driver errors, most specific first (``map_exceptions`` takes the first match). The builtin
+#: ``TimeoutError`` comes from our own ``anyio.fail_after`` bounds.
+ERRORS: Final[ExceptionMapping] = {
+    TimeoutError: BackendTimeout,
+    redis.exceptions.TimeoutError: BackendTimeout,
+    redis.exceptions.RedisError: BackendUnavailable,
+    OSError: BackendUnavailable,
+}
+
+
+def lock_key(prefix: str, name: str) -> str:
+    """The key that holds the lock ``name`` (its value is the owner id of the lease)."""
+    return f"{prefix}{LOCK_TAG}{name}"
+
+
+def token_key(prefix: str, name: str) -> str:
+    """The fencing counter of ``name``; it never expires, so tokens keep increasing."""
+    return f"{prefix}{TOKEN_TAG}{name}"
+
+
+def queue_key(prefix: str, name: str) -> str:
+    """Sorted set of the waiters for ``name``, scored by arrival."""
+    return f"{prefix}{QUEUE_TAG}{name}"
+
+
+def queue_ttl_key(prefix: str, name: str) -> str:
+    """Sorted set of the same waiters, scored by when their place expires (server ms)."""
+    return f"{prefix}{QUEUE_TTL_TAG}{name}"
+
+
+def wake_prefix(prefix: str) -> str:
+    """Prefix of the per-waiter wake lists (``<prefix>wake:<owner id>``)."""
+    return f"{prefix}{WAKE_TAG}"
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """A Lua script and its SHA1, for ``EVALSHA``."""
+
+    text: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.text.encode()).hexdigest())
+
+
+# -- Lua ------------------------------------------------------------------------------------
+#
+# Every script is idempotent for one owner id: redis-py retries a call once after reconnecting,
+# and a retry of a call whose reply was lost must find the same state, not a new one.
+
+#: Renew many locks in one call. KEYS: lock keys. ARGV: owner ids, then ttls in ms, one each.
+#: Returns one code per key: 1 renewed, 0 the key is gone, -1 another owner holds it.
+RENEW: Final = Script(
+    """
+local n = #KEYS
+local out = {}
+for i = 1, n do
+  local holder = redis.call('GET', KEYS[i])
+  if holder == ARGV[i] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[n + i])
+    out[i] = 1
+  elseif holder then
+    out[i] = -1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+)
+
+#: Redlock's take on one master. KEYS: lock key. ARGV: owner id, ttl in ms.
+#: Returns {1, 0} when the lock is ours now, {0, pttl of the holder} otherwise.
+REDLOCK_TAKE: Final = Script(
+    """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, 0}
+end
+if holder then
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {1, 0}
+"""
+)
+
+#: Delete the lock if, and only if, its value is our owner id. KEYS: lock key. ARGV: owner id.
+COMPARE_AND_DELETE: Final = Script(
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+)
+
+# The fair queue of the single-instance backend. KEYS, for all three scripts: the lock key, the
+# fencing counter, the queue (arrival order) and the queue's expiry set. ARGV[1] is the owner id
+# of the lease (which is also its name in the queue), ARGV[2] the wake-list prefix and ARGV[3] how
+# long, in ms, a waiter's place lasts without a refresh.
+_QUEUE_FUNCTIONS = """
+local lock, counter, queue, expiry = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local owner, wake, waiter_ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Forget waiters whose place expired (their process died or stalled).
+local function prune(now)
+  local dead = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
+  for _, member in ipairs(dead) do
+    redis.call('ZREM', queue, member)
+    redis.call('ZREM', expiry, member)
+    redis.call('DEL', wake .. member)
+  end
+end
+
+-- Tell the first live waiter to look again: its wake list gets one element, which its BLPOP
+-- takes at once or on its next wait.
+local function wake_head(now)
+  prune(now)
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if head then
+    redis.call('DEL', wake .. head)
+    redis.call('RPUSH', wake .. head, 1)
+    redis.call('PEXPIRE', wake .. head, waiter_ttl)
+  end
+  return head
+end
+"""
+
+#: Take the lock, or (``ARGV[5] == 'wait'``) join or refresh the queue. ARGV[4]: ttl in ms.
+#: Returns {1, token} when the lock is ours, else {0, hint}: ms until it is worth looking again
+#: (-1: no idea, wait for a wake or the refresh interval).
+TAKE: Final = Script(
+    _QUEUE_FUNCTIONS
+    + """
+local ttl, mode = ARGV[4], ARGV[5]
+local holder = redis.call('GET', lock)
+if holder == owner then
+  -- A retried take whose first reply was lost: the lock is ours already.
+  redis.call('PEXPIRE', lock, ttl)
+  return {1, tonumber(redis.call('GET', counter))}
+end
+local now = server_ms()
+prune(now)
+local head = redis.call('ZRANGE', queue, 0, 0)[1]
+if not holder and (not head or head == owner) then
+  redis.call('SET', lock, owner, 'PX', ttl)
+  local token = redis.call('INCR', counter)
+  if head then
+    redis.call('ZREM', queue, owner)
+    redis.call('ZREM', expiry, owner)
+  end
+  redis.call('DEL', wake .. owner)
+  return {1, token}
+end
+if mode ~= 'wait' then
+  return {0, -1}
+end
+if not redis.call('ZSCORE', queue, owner) then
+  local last = redis.call('ZRANGE', queue, -1, -1, 'WITHSCORES')
+  local score = 0
+  if last[2] then
+    score = tonumber(last[2]) + 1
+  end
+  redis.call('ZADD', queue, score, owner)
+  if not head then
+    head = owner
+  end
+end
+redis.call('ZADD', expiry, now + waiter_ttl, owner)
+for _, key in ipairs({queue, expiry}) do
+  if redis.call('PTTL', key) < waiter_ttl then
+    redis.call('PEXPIRE', key, waiter_ttl)
+  end
+end
+if holder then
+  if head == owner then
+    return {0, redis.call('PTTL', lock)}
+  end
+  return {0, -1}
+end
+-- Free, but another waiter is first: make sure it knows, and look again when its place
+-- would run out if it never comes.
+wake_head(now)
+return {0, math.floor(tonumber(redis.call('ZSCORE', expiry, head))) - now}
+"""
+)
+
+#: Release: delete the lock if it is ours and wake the first waiter. Returns 1 if deleted.
+RELEASE: Final = Script(
+    _QUEUE_FUNCTIONS
+    + """
+if redis.call('GET', lock) ~= owner then
+  return 0
+end
+redis.call('DEL', lock)
+wake_head(server_ms())
+return 1
+"""
+)
+
+#: Undo whatever an interrupted acquire may have left: the lock if it is ours (a take whose
+#: reply never came), our place in the queue, our wake list; then, if the lock is free, wake
+#: the next waiter (we may have been woken and are not going to take it).
+LEAVE: Final = Script(
+    _QUEUE_FUNCTIONS
+    + """
+if redis.call('GET', lock) == owner then
+  redis.call('DEL', lock)
+end
+redis.call('ZREM', queue, owner)
+redis.call('ZREM', expiry, owner)
+redis.call('DEL', wake .. owner)
+if redis.call('EXISTS', lock) == 0 then
+  wake_head(server_ms())
+end
+return 1
+"""
+)
+
+
+# -- URLs and connections --------------------------------------------------------------------
+
+_SSL_CERT_REQS = ("none", "optional", "required")
+_SSL_OPTIONS = (
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+)
+#: Options every Redis-based backend understands.
+COMMON_OPTIONS: Final = ("prefix", "op_timeout", "client_name", *_SSL_OPTIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How to reach one or more Redis servers (everything but the address)."""
+
+    db: int
+    username: str | None
+    password: str | None
+    tls: bool
+    prefix: str
+    op_timeout: float
+    client_name: str
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_cert_reqs: str = "required"
+    ssl_check_hostname: bool = True
+
+    def pool(self, address: Address) -> redis.asyncio.ConnectionPool:
+        """A redis-py connection factory for ``address`` (no I/O yet); :class:`Lane` uses it.
+
+        Reads have no socket timeout of their own: :class:`Lane` bounds each call (BLPOP waits
+        longer than ``op_timeout`` by design). A failed connect is retried once, at once.
+        """
+        extra: dict[str, Any] = {}
+        connection_class: type[AbstractConnection] = redis.asyncio.Connection
+        if self.tls:
+            connection_class = redis.asyncio.SSLConnection
+            extra = {
+                "ssl_ca_certs": self.ssl_ca_certs,
+                "ssl_certfile": self.ssl_certfile,
+                "ssl_keyfile": self.ssl_keyfile,
+                "ssl_cert_reqs": self.ssl_cert_reqs,
+                "ssl_check_hostname": self.ssl_check_hostname,
+            }
+        return redis.asyncio.ConnectionPool(
+            connection_class=connection_class,
+            host=address.host,
+            port=address.port,
+            db=self.db,
+            username=self.username,
+            password=self.password,
+            socket_timeout=None,
+            socket_connect_timeout=self.op_timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+            client_name=self.client_name,
+            **extra,
+        )
+
+
+def pack(args: Sequence[str | int | float | bytes]) -> bytes:
+    """One command in RESP, the way redis-py's ``pack_command`` writes it but without its
+    per-argument encoder calls (a third of a call's client-side time)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+class Lane:
+    """Calls to one Redis server over redis-py connections, without its pool's per-call work.
+
+    redis-py's client takes a lock, checks the socket, runs a retry wrapper and records metrics
+    on every command; on loopback that is a quarter of a round trip, and a lock cycle is two
+    round trips. A lane keeps idle connections in a list (last used first) and opens another
+    when all are busy, so concurrent calls never wait for each other.
+
+    A connection that fails or is cancelled in mid-call is closed (redis-py closes it on any
+    error while reading) and never reused, so a late reply cannot reach the wrong caller. A call
+    that fails on a connection error is retried once on a fresh connection: every script here is
+    idempotent for its owner id, so running it twice is safe.
+    """
+
+    def __init__(self, pool: redis.asyncio.ConnectionPool, op_timeout: float) -> None:
+        self._pool = pool
+        self._op_timeout = op_timeout
+        self._idle: list[AbstractConnection] = []
+        self._every: set[AbstractConnection] = set()
+        self._closed = False
+
+    @property
+    def connections(self) -> int:
+        """Open connections (idle and busy)."""
+        return sum(1 for conn in self._every if conn.is_connected)
+
+    def _checkout(self) -> AbstractConnection:
+        if self._closed:
+            raise redis.exceptions.ConnectionError("the lock backend is closed")
+        if self._idle:
+            return self._idle.pop()
+        conn: AbstractConnection = self._pool.make_connection()  # type: ignore[no-untyped-call]
+        self._every.add(conn)
+        return conn
+
+    async def _drop(self, conn: AbstractConnection) -> None:
+        self._every.discard(conn)
+        if conn.is_connected:
+            with anyio.CancelScope(shield=True):
+                await conn.disconnect(nowait=True)
+
+    async def call(self, *args: str | int | float | bytes, timeout: float | None = None) -> Any:
+        """Send one command and return its reply.
+
+        The reply must come within ``timeout`` seconds (``op_timeout`` by default; ``math.inf``
+        waits for ever, for blocking commands that the caller bounds).
+        """
+        limit = self._op_timeout if timeout is None else timeout
+        for attempt in (1, 2):
+            conn = self._checkout()
+            try:
+                if not conn.is_connected:
+                    await conn.connect()  # type: ignore[no-untyped-call]
+                await conn.send_packed_command(pack(args), check_health=False)
+                reply = await conn.read_response(timeout=limit)
+            except redis.exceptions.ResponseError:
+                self._idle.append(conn)  # an error reply: the connection itself is fine
+                raise
+            except redis.exceptions.ConnectionError:
+                await self._drop(conn)
+                if attempt == 2 or self._closed:
+                    raise
+                continue
+            except BaseException:
+                await self._drop(conn)
+                raise
+            if reply is None and limit != math.inf:
+                # read_response gives None when *our* timeout passed; the reply may still come,
+                # so this connection can never be used again.
+                await self._drop(conn)
+                raise redis.exceptions.TimeoutError(f"no reply within {limit:g} s")
+            self._idle.append(conn)
+            return reply
+        raise AssertionError("unreachable")
+
+    async def script(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """``EVALSHA``, loading the script first if the server does not know it (a restart
+        flushes scripts)."""
+        try:
+            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            await self.call("SCRIPT", "LOAD", script.text)
+            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    async def aclose(self) -> None:
+        """Close every connection, busy ones included (their callers get a connection error)."""
+        self._closed = True
+        self._idle.clear()
+        every, self._every = self._every, set()
+        with anyio.CancelScope(shield=True):
+            for conn in every:
+                if conn.is_connected:
+                    await conn.disconnect(nowait=True)
+
+
+def parse_address(text: str, url: str, example: str) -> Address:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port``; the port defaults to 6379."""
+    text = text.strip()
+    if not text:
+        raise InvalidURL(f"{url!r} names no host; expected for example {example}")
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not host:
+            raise InvalidURL(f"{url!r}: unbalanced '[' in {text!r}; expected for example {example}")
+        if rest and not rest.startswith(":"):
+            raise InvalidURL(f"{url!r}: unexpected {rest!r} after {host!r}")
+        port_text = rest[1:] if rest else ""
+    else:
+        if text.count(":") > 1:
+            raise InvalidURL(
+                f"{url!r}: IPv6 addresses go in brackets, as in [::1]:6379; expected for "
+                f"example {example}"
+            )
+        host, _, port_text = text.partition(":")
+        if not host:
+            raise InvalidURL(f"{url!r} names no host in {text!r}; expected for example {example}")
+    port = 6379
+    if port_text:
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise InvalidURL(
+                f"{url!r}: port {port_text!r} is not a number from 1 to 65535; expected for "
+                f"example {example}"
+            )
+        port = int(port_text)
+    return Address(host, port)
+
+
+def parse_db(path: str, url: str, example: str) -> int:
+    db_text = path.strip("/")
+    if not db_text:
+        return 0
+    if not db_text.isdigit():
+        raise InvalidURL(
+            f"{url!r}: the path must be a database number such as /0, got {path!r}; expected "
+            f"for example {example}"
+        )
+    return int(db_text)
+
+
+def split_userinfo(netloc: str) -> tuple[str | None, str | None, str]:
+    """``user:password@hosts`` into its (percent-decoded) parts; an empty user is no user."""
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at:
+        return None, None, netloc
+    user, colon, password = userinfo.partition(":")
+    return (unquote(user) or None), (unquote(password) if colon else None), hosts
+
+
+def common_settings(
+    opts: Options,
+    *,
+    source: str,
+    db: int,
+    username: str | None,
+    password: str | None,
+    tls: bool,
+) -> Settings:
+    """Read the options all Redis backends share (``opts.finish()`` is left to the caller)."""
+    prefix = opts.text("prefix", DEFAULT_PREFIX)
+    op_timeout = opts.number("op_timeout", DEFAULT_OP_TIMEOUT, minimum=0.001)
+    client_name = opts.text("client_name", DEFAULT_CLIENT_NAME)
+    if not client_name or any(ch.isspace() or ord(ch) < 0x21 for ch in client_name):
+        raise InvalidArgument(
+            f"option 'client_name' of {source} must be a non-empty name without spaces, "
+            f"got {client_name!r}"
+        )
+    given_ssl = [key for key in _SSL_OPTIONS if key in opts]
+    if given_ssl and not tls:
+        raise InvalidArgument(
+            f"{', '.join(given_ssl)} only apply to TLS connections: use "
+            + ("rediss://" if source.startswith("redis") else "the option tls=true")
+        )
+    cert_reqs = opts.text("ssl_cert_reqs", "required").lower()
+    if cert_reqs not in _SSL_CERT_REQS:
+        raise InvalidArgument(
+            f"option 'ssl_cert_reqs' of {source} must be one of {', '.join(_SSL_CERT_REQS)}, "
+            f"got {cert_reqs!r}"
+        )
+    return Settings(
+        db=db,
+        username=username,
+        password=password,
+        tls=tls,
+        prefix=prefix,
+        op_timeout=op_timeout,
+        client_name=client_name,
+        ssl_ca_certs=opts.optional_text("ssl_ca_certs"),
+        ssl_certfile=opts.optional_text("ssl_certfile"),
+        ssl_keyfile=opts.optional_text("ssl_keyfile"),
+        ssl_cert_reqs=cert_reqs,
+        ssl_check_hostname=opts.flag("ssl_check_hostname", True),
+    )
+
+
+def ttl_ms(ttl: float) -> int:
+    """The ttl in whole milliseconds as the server applies it (never rounded up)."""
+    return math.floor(ttl * 1000 + 1e-6)
+
+
+def check_ttl_ms(ttl: float, source: str, minimum_ms: int = 1) -> None:
+    if ttl_ms(ttl) < minimum_ms:
+        raise InvalidArgument(
+            f"{source} stores ttls in whole milliseconds; {ttl!r} s is below {minimum_ms} ms"
+        )
+
+
+async def bounded(call: Callable[[], Awaitable[T]], seconds: float, *, shield: bool = False) -> T:
+    """Await ``call()`` for at most ``seconds`` (TimeoutError past that).
+
+    With ``shield`` a caller's cancellation waits until the call is done (still bounded), so the
+    caller learns its result and can undo it; without it, cancelling drops the connection in
+    mid-call (redis-py closes it rather than reuse a socket with a reply pending).
+    """
+    with anyio.CancelScope(shield=shield):
+        with anyio.fail_after(seconds):
+            result = await call()
+    return result
+
+
+def jittered(seconds: float) -> float:
+    """``seconds`` scaled by a random factor in [0.5, 1]: waiters that would retry together
+    spread out."""
+    return seconds * random.uniform(0.5, 1.0)
+
+
+def codes(reply: object, expected: int) -> list[int]:
+    """A script's list of integer codes, checked, so a surprise is an error and not a guess."""
+    if not isinstance(reply, list) or len(reply) != expected:
+        raise BackendUnavailable(f"unexpected reply from a lock script: {reply!r}")
+    return [int(code) for code in reply]
+
+
+def as_text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)

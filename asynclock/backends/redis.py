@@ -1,0 +1,374 @@
+"""``redis://host:port/db`` and ``rediss://`` (TLS): locks on one Redis server.
+
+Take: one Lua script does ``SET lock owner NX PX ttl`` and ``INCR``s the name's fencing counter,
+so the token and the lock come from one atomic step. Renew and release compare the owner id (one
+per lease) before they act; one script renews every lock a client holds, in one round trip.
+
+Waiting is a fair queue kept by the same scripts: a sorted set of waiters by arrival, each with
+a place that expires unless its waiter refreshes it (so a dead waiter cannot stall the line for
+longer than ``waiter_ttl``). Only the first live waiter may take a free lock. A release pushes
+onto the first waiter's own wake list, on which that waiter blocks (``BLPOP``); the list keeps
+the wake even if it comes while the waiter is between two calls. A holder that dies without
+releasing is noticed by the first waiter when the key's expiry passes (it sleeps until then,
+with jitter), and everyone else refreshes their place every ``waiter_ttl / 3``.
+
+The fencing counter only increases while Redis keeps its data: :func:`RedisBackend.open` reads
+the server's persistence and eviction settings and warns (:class:`RedisDurabilityWarning`) when
+a restart or eviction could lose counters or locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+import anyio
+import redis.exceptions
+
+from .._errors import BackendUnavailable, InvalidURL, UnsupportedFeature, map_exceptions
+from .._registry import redact
+from .._validate import Options
+from ..abc import Backend, Capabilities, Grant, LockRequest, Lost, Renewed, RenewOutcome
+from . import _redis_scripts as lua
+
+__all__ = ("RedisBackend", "RedisDurabilityWarning")
+
+logger = logging.getLogger("asynclock")
+
+_EXAMPLE = "redis://127.0.0.1:6379/0 or rediss://user:password@redis.example:6380/0"
+_DEFAULT_WAITER_TTL = 5.0
+#: Oldest server with what the scripts need (TIME in scripts, fractional BLPOP timeouts).
+_MIN_VERSION = (6, 0)
+
+
+class RedisDurabilityWarning(UserWarning):
+    """The Redis server may lose lock keys or fencing counters (eviction, or no AOF).
+
+    Fencing tokens only strictly increase while Redis keeps the counters: a restart without the
+    append-only file starts them again from 1, and an eviction policy other than ``noeviction``
+    (with ``maxmemory`` set) may drop locks that are still held. Silence it with the option
+    ``durability_warning=false`` once you have decided that this is acceptable.
+    """
+
+
+class RedisBackend(Backend[Grant]):
+    """Locks on one Redis server, with fencing tokens and a fair (FIFO) waiter queue."""
+
+    schemes = ("redis", "rediss")
+    capabilities = Capabilities(
+        fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
+    )
+
+    def __init__(
+        self,
+        address: lua.Address,
+        settings: lua.Settings,
+        *,
+        waiter_ttl: float = _DEFAULT_WAITER_TTL,
+        durability_warning: bool = True,
+    ) -> None:
+        self.address = address
+        self.settings = settings
+        self.waiter_ttl = waiter_ttl
+        self.durability_warning = durability_warning
+        self._waiter_ttl_ms = max(1, lua.ttl_ms(waiter_ttl))
+        self._wake_prefix = lua.wake_prefix(settings.prefix)
+        self._lane: lua.Lane | None = None
+        self._closed = False
+        self._server_info: dict[str, str] = {}
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
+        try:
+            parts = urlsplit(url)
+            netloc = parts.netloc
+        except ValueError as exc:
+            raise InvalidURL(f"malformed Redis URL {redact(url)!r}: {exc}") from None
+        scheme = parts.scheme.lower()
+        if scheme not in cls.schemes:
+            raise InvalidURL(f"{redact(url)!r} is not a redis:// or rediss:// URL")
+        if parts.fragment:
+            raise InvalidURL(f"{redact(url)!r}: a Redis URL has no #fragment; e.g. {_EXAMPLE}")
+        username, password, hosts = lua.split_userinfo(netloc)
+        if "," in hosts:
+            raise InvalidURL(
+                f"{redact(url)!r} lists several servers: redis:// is one server; for Redlock "
+                "over several independent masters use redlock://h1:6379,h2:6379,h3:6379"
+            )
+        address = lua.parse_address(hosts or "localhost", redact(url), _EXAMPLE)
+        db = lua.parse_db(parts.path, redact(url), _EXAMPLE)
+        source = f"{scheme}://"
+        opts = Options(options, source)
+        settings = lua.common_settings(
+            opts,
+            source=source,
+            db=db,
+            username=username,
+            password=password,
+            tls=scheme == "rediss",
+        )
+        waiter_ttl = opts.number("waiter_ttl", _DEFAULT_WAITER_TTL, minimum=0.05)
+        durability_warning = opts.flag("durability_warning", True)
+        opts.finish((*lua.COMMON_OPTIONS, "waiter_ttl", "durability_warning"))
+        return cls(address, settings, waiter_ttl=waiter_ttl, durability_warning=durability_warning)
+
+    def describe(self) -> str:
+        scheme = "rediss" if self.settings.tls else "redis"
+        user = f"{self.settings.username}@" if self.settings.username else ""
+        return f"{scheme}://{user}{self.address}/{self.settings.db}"
+
+    def extra_info(self) -> Mapping[str, Any]:
+        return {
+            "prefix": self.settings.prefix,
+            "waiter_ttl": self.waiter_ttl,
+            "op_timeout": self.settings.op_timeout,
+            **self._server_info,
+        }
+
+    # -- keys (public so that tests and tools can find a lock on the server) -----------------
+
+    def lock_key(self, name: str) -> str:
+        return lua.lock_key(self.settings.prefix, name)
+
+    def token_key(self, name: str) -> str:
+        return lua.token_key(self.settings.prefix, name)
+
+    def queue_key(self, name: str) -> str:
+        return lua.queue_key(self.settings.prefix, name)
+
+    def _keys(self, name: str) -> list[str]:
+        prefix = self.settings.prefix
+        return [
+            lua.lock_key(prefix, name),
+            lua.token_key(prefix, name),
+            lua.queue_key(prefix, name),
+            lua.queue_ttl_key(prefix, name),
+        ]
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._lane is not None or self._closed:
+            raise RuntimeError("a RedisBackend can be opened once")
+        lane = self._lane = lua.Lane(self.settings.pool(self.address), self.settings.op_timeout)
+        try:
+            with map_exceptions(
+                lua.ERRORS,
+                f"cannot reach {self.describe()} (is redis-server running there, and are the "
+                "host, port, user and password right?)",
+            ):
+                await lane.call("PING")
+                await self._inspect_server(lane)
+                # Load the scripts now, so that the first acquire costs one round trip.
+                for script in (lua.TAKE, lua.RELEASE, lua.LEAVE, lua.RENEW):
+                    await lane.call("SCRIPT", "LOAD", script.text)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
+
+    async def _inspect_server(self, lane: lua.Lane) -> None:
+        """Check the version, and warn when the server can lose counters or held locks."""
+        try:
+            info = lua.as_text(await lane.call("INFO", "server"))
+        except redis.exceptions.ResponseError:
+            info = ""  # INFO disabled by ACL or rename-command: nothing to check
+        for line in info.splitlines():
+            key, _, value = line.partition(":")
+            if key == "redis_version":
+                self._server_info["redis_version"] = value.strip()
+                numbers = tuple(int(part) for part in value.split(".")[:2] if part.isdigit())
+                if numbers < _MIN_VERSION:
+                    raise UnsupportedFeature(
+                        f"{self.describe()} runs Redis {value.strip()}; asynclock needs Redis "
+                        f"{'.'.join(map(str, _MIN_VERSION))} or newer"
+                    )
+        settings: dict[str, str] = {}
+        try:
+            for key in ("appendonly", "appendfsync", "maxmemory", "maxmemory-policy"):
+                reply = await lane.call("CONFIG", "GET", key)
+                # A map (RESP3, or redis-py's parser) or a flat list of names and values.
+                items = (
+                    list(reply.items())
+                    if isinstance(reply, dict)
+                    else list(zip(reply[::2], reply[1::2], strict=True))
+                )
+                settings.update(
+                    (lua.as_text(name).lower(), lua.as_text(value).lower()) for name, value in items
+                )
+        except redis.exceptions.ResponseError as exc:
+            # CONFIG is often disabled on managed services: not knowing is not an error.
+            logger.info(
+                "asynclock: cannot read the persistence settings of %s (%s); the durability "
+                "check is skipped",
+                self.describe(),
+                exc,
+            )
+            return
+        self._server_info.update(settings)
+        if self.durability_warning:
+            problems = durability_problems(settings)
+            if problems:
+                warnings.warn(
+                    RedisDurabilityWarning(
+                        f"{self.describe()} can lose what the locks rely on: "
+                        + "; ".join(problems)
+                        + ". Pass durability_warning=false if that is acceptable (for example "
+                        "for efficiency locks)"
+                    ),
+                    stacklevel=2,
+                )
+
+    async def aclose(self) -> None:
+        self._closed = True
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            await lane.aclose()
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def check_ttl(self, ttl: float) -> None:
+        lua.check_ttl_ms(ttl, "redis://")
+
+    def _connected(self) -> lua.Lane:
+        if self._lane is None:
+            raise BackendUnavailable(f"{self.describe()} is closed (or was never opened)")
+        return self._lane
+
+    async def _script(
+        self, script: lua.Script, keys: Sequence[str], args: Sequence[str | int], what: str
+    ) -> Any:
+        lane = self._connected()
+        with map_exceptions(lua.ERRORS, f"{what} on {self.describe()}"):
+            return await lane.script(script, keys, args)
+
+    async def _take_once(self, request: LockRequest, mode: str) -> tuple[Grant | None, int]:
+        ms = lua.ttl_ms(request.ttl)
+        sent_at = anyio.current_time()
+        reply = await self._script(
+            lua.TAKE,
+            self._keys(request.name),
+            [request.owner, self._wake_prefix, self._waiter_ttl_ms, ms, mode],
+            f"taking lock {request.name!r}",
+        )
+        taken, value = lua.codes(reply, 2)
+        if taken:
+            return Grant(request.name, request.owner, value, sent_at, ms / 1000), 0
+        return None, value
+
+    async def try_acquire(self, request: LockRequest) -> Grant | None:
+        try:
+            grant, _ = await self._take_once(request, "try")
+        except BaseException:
+            # Cancelled or failed with the take in flight: it may have run. Undo it.
+            await self._undo(request)
+            raise
+        return grant
+
+    async def acquire(self, request: LockRequest) -> Grant:
+        lane = self._connected()
+        wake_key = f"{self._wake_prefix}{request.owner}"
+        refresh = self.waiter_ttl / 3.0
+        try:
+            while True:
+                # Joins the queue (or refreshes our place) when the lock is not ours yet.
+                grant, hint_ms = await self._take_once(request, "wait")
+                if grant is not None:
+                    return grant
+                if hint_ms >= 0:
+                    # We are first and the holder's key expires in hint_ms (or the first waiter
+                    # is silent and its place runs out then): look again just after that.
+                    wait = min(refresh, hint_ms / 1000 + random.uniform(0.001, 0.003))
+                else:
+                    wait = refresh * random.uniform(0.8, 1.0)
+                wait = max(wait, 0.001)
+                with map_exceptions(lua.ERRORS, f"waiting for lock {request.name!r}"):
+                    with anyio.fail_after(wait + self.settings.op_timeout):
+                        await lane.call("BLPOP", wake_key, f"{wait:.3f}", timeout=math.inf)
+        except BaseException:
+            await self._undo(request)
+            raise
+
+    async def _undo(self, request: LockRequest) -> None:
+        """Leave nothing behind after an interrupted or failed acquire (shielded, bounded)."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._script(
+                    lua.LEAVE,
+                    self._keys(request.name),
+                    [request.owner, self._wake_prefix, self._waiter_ttl_ms],
+                    f"cleaning up after an acquire of {request.name!r}",
+                )
+            except Exception as exc:
+                logger.warning(
+                    "asynclock: could not clean up after an interrupted acquire of %r on %s "
+                    "(%r); the server drops what is left within %g s",
+                    request.name,
+                    self.describe(),
+                    exc,
+                    max(request.ttl, self.waiter_ttl),
+                )
+
+    async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
+        if not grants:
+            return []
+        keys = [self.lock_key(grant.name) for grant in grants]
+        args: list[str | int] = [grant.owner for grant in grants]
+        args += [lua.ttl_ms(grant.ttl) for grant in grants]
+        sent_at = anyio.current_time()
+        reply = await self._script(lua.RENEW, keys, args, f"renewing {len(grants)} lock(s)")
+        outcomes: list[RenewOutcome] = []
+        for grant, code in zip(grants, lua.codes(reply, len(grants)), strict=True):
+            if code == 1:
+                outcomes.append(Renewed(sent_at, grant.ttl))
+            elif code == 0:
+                outcomes.append(
+                    Lost(
+                        f"the key of lock {grant.name!r} is gone from {self.describe()} "
+                        "(expired, deleted or evicted)"
+                    )
+                )
+            else:
+                outcomes.append(
+                    Lost(f"lock {grant.name!r} is held by another owner on {self.describe()}")
+                )
+        return outcomes
+
+    async def release(self, grant: Grant) -> None:
+        await self._script(
+            lua.RELEASE,
+            self._keys(grant.name),
+            [grant.owner, self._wake_prefix, self._waiter_ttl_ms],
+            f"releasing lock {grant.name!r}",
+        )
+
+
+def durability_problems(settings: Mapping[str, str]) -> list[str]:
+    """What in ``CONFIG GET appendonly appendfsync maxmemory maxmemory-policy`` (lowercased)
+    can lose fencing counters or held locks; empty when nothing can."""
+    problems = []
+    if settings.get("appendonly") == "no":
+        problems.append(
+            "appendonly is 'no', so a restart loses the fencing counters (tokens start again "
+            "at 1) and every held lock; set 'appendonly yes'"
+        )
+    elif settings.get("appendfsync") == "no":
+        problems.append(
+            "appendfsync is 'no', so a crash of the machine can lose the last ~30 s of counter "
+            "increments; set 'appendfsync everysec' or 'always'"
+        )
+    policy = settings.get("maxmemory-policy", "noeviction")
+    if settings.get("maxmemory", "0") not in ("0", "") and policy != "noeviction":
+        what = "held locks and fencing counters" if policy.startswith("allkeys") else "held locks"
+        problems.append(
+            f"maxmemory-policy is {policy!r}, so under memory pressure Redis may evict {what}; "
+            "set 'maxmemory-policy noeviction'"
+        )
+    return problems

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis.asyncio
+
+from asynclock.backends import _redis_scripts as lua
+from asynclock.testing import RedisServer
+from tests.contract.backend_redis import redis_leftovers
+from tests.contract.harness import BackendUnderTest
+
+
+def redlock_url(servers: list[RedisServer]) -> str:
+    return "redlock://" + ",".join(server.address for server in servers) + "/0"
+
+
+@pytest.fixture
+def redlock_backend(redis_servers: list[RedisServer]) -> BackendUnderTest:
+    tag = uuid.uuid4().hex[:10]
+    prefix = f"contract-{tag}:"
+    client_name = f"asynclock-contract-{tag}"
+
+    async def revoke(name: str) -> None:
+        # A majority of masters forget the lock: no majority can hold it for us any more.
+        for server in redis_servers[:2]:
+            async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
+                assert await raw.delete(lua.lock_key(prefix, name)) == 1
+
+    async def leftovers() -> list[str]:
+        found = []
+        for server in redis_servers:
+            found += [
+                f"{server.address}: {item}"
+                for item in await redis_leftovers(server, prefix, client_name)
+            ]
+        return found
+
+    return BackendUnderTest(
+        "redlock",
+        redlock_url(redis_servers),
+        1.0,
+        revoke,
+        leftovers,
+        options={"prefix": prefix, "client_name": client_name},
+    )
