@@ -26,6 +26,7 @@ from ._fencing import current_token as current_token
 from ._fencing import held_leases as held_leases
 from ._lease import Lease as Lease
 from ._scope import LockContext as LockContext
+from ._scope import MultiLockContext as MultiLockContext
 from .abc import Capabilities as Capabilities
 
 __all__ = (
@@ -41,6 +42,7 @@ __all__ = (
     "LockContext",
     "LockError",
     "MissingDependency",
+    "MultiLockContext",
     "NotHeld",
     "StaleToken",
     "UnsupportedFeature",

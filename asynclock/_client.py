@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from types import TracebackType
 from typing import Any, Self
 
@@ -23,7 +23,7 @@ from ._errors import (
 )
 from ._lease import Lease, OnLost
 from ._registry import make_backend, redact
-from ._scope import LockContext
+from ._scope import LockContext, MultiLockContext
 from ._supervisor import Supervisor
 from .abc import Backend, Capabilities, Grant, LockRequest
 
@@ -211,9 +211,55 @@ class LockClient:
         """
         self._check_on_lost(on_lost)
         name, ttl, timeout = self._check(name, ttl, timeout)
-        return LockContext(
-            lambda: self._acquire(name, ttl, timeout, on_lost, track_context=False), on_lost
-        )
+
+        async def acquire() -> list[Lease]:
+            return [await self._acquire(name, ttl, timeout, on_lost, track_context=False)]
+
+        return LockContext(acquire, on_lost)
+
+    def lock_all(
+        self,
+        names: Iterable[str],
+        *,
+        ttl: float = 30.0,
+        timeout: float | None = None,
+        on_lost: OnLost = "cancel",
+    ) -> MultiLockContext:
+        """Hold every lock in ``names`` for the body, all or nothing; yields a tuple of leases.
+
+        The locks are taken in one canonical order (sorted by name, duplicates dropped), so two
+        callers asking for ``{a, b}`` and ``{b, a}`` cannot deadlock each other. ``timeout``
+        bounds the whole set. On timeout, cancellation or error, the locks already taken are
+        released before the error propagates. The body is cancelled if any lease is lost, and
+        ``current_token(name)`` gives each lock's token. The tuple is in canonical order.
+        """
+        self._check_on_lost(on_lost)
+        unique = sorted({_validate.lock_name(name) for name in names}, key=_canonical)
+        if not unique:
+            raise InvalidArgument("lock_all needs at least one lock name")
+        _, ttl, timeout = self._check(unique[0], ttl, timeout)
+
+        async def acquire() -> list[Lease]:
+            deadline = math.inf if timeout is None else anyio.current_time() + timeout
+            taken: list[Lease] = []
+            try:
+                for name in unique:
+                    # Out of time: the remaining locks still get one try each (timeout 0).
+                    left = None if timeout is None else max(0.0, deadline - anyio.current_time())
+                    try:
+                        taken.append(
+                            await self._acquire(name, ttl, left, on_lost, track_context=False)
+                        )
+                    except AcquireTimeout:
+                        raise AcquireTimeout(name, timeout or 0.0) from None
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    for lease in reversed(taken):
+                        await lease.release()
+                raise
+            return taken
+
+        return MultiLockContext(acquire, on_lost)
 
     async def acquire(
         self,
@@ -349,3 +395,8 @@ class LockClient:
                     self._backend.describe(),
                     self._release_timeout,
                 )
+
+
+def _canonical(name: str) -> bytes:
+    # Byte order of the UTF-8 form: the same in every process and language.
+    return name.encode("utf-8")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 
 from ._errors import UnsupportedFeature
 from .abc import Grant
+
+if TYPE_CHECKING:
+    from ._scope import BodyScope
 
 logger = logging.getLogger("asynclock")
 
@@ -67,7 +70,7 @@ class Lease:
         self._state = LeaseState.HELD
         self._lost_reason: str | None = None
         self._lost_event = anyio.Event()
-        self._scopes: list[anyio.CancelScope] = []
+        self._scopes: list[BodyScope] = []
         self._deadline = self._deadline_for(grant.valid_from, grant.ttl)
         self.next_renewal = grant.valid_from + grant.ttl / 3.0
 
@@ -197,8 +200,8 @@ class Lease:
         # Replies can come back out of order; the deadline only ever moves forward.
         self._deadline = max(self._deadline, self._deadline_for(valid_from, ttl))
         self.next_renewal = valid_from + ttl / 3.0
-        for scope in self._scopes:
-            scope.deadline = self._deadline
+        for body in self._scopes:
+            body.refresh()
 
     def _deadline_for(self, valid_from: float, ttl: float) -> float:
         return valid_from + ttl * (1.0 - self._drift) - self._margin
@@ -210,21 +213,21 @@ class Lease:
         self._lost_reason = reason
         self._lost_event.set()
         logger.warning("asynclock: lease on %r lost: %s", self.name, reason)
-        for scope in self._scopes:
-            scope.cancel()
+        for body in self._scopes:
+            body.cancel()
 
     def _mark_released(self) -> None:
         self._state = LeaseState.RELEASED
         # Wake wait_lost() callers so they re-check; they keep waiting only on held leases.
         self._lost_event.set()
 
-    def _attach_scope(self, scope: anyio.CancelScope) -> None:
-        """Cancel ``scope`` on loss, and give it the local deadline (a timer with no task)."""
-        self._scopes.append(scope)
-        scope.deadline = self._deadline
+    def _attach_scope(self, body: BodyScope) -> None:
+        """Cancel ``body`` on loss, and keep its deadline at or before ours (no timer task)."""
+        self._scopes.append(body)
+        body.refresh()
         self._check_deadline()
         if self._state is LeaseState.LOST:
-            scope.cancel()
+            body.cancel()
 
-    def _detach_scope(self, scope: anyio.CancelScope) -> None:
-        self._scopes.remove(scope)
+    def _detach_scope(self, body: BodyScope) -> None:
+        self._scopes.remove(body)

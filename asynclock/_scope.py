@@ -1,17 +1,19 @@
-"""Ties the body of ``async with locks.lock(...)`` to its lease.
+"""Ties the body of ``async with locks.lock(...)`` (or ``lock_all``) to its leases.
 
-The body runs in an anyio cancel scope whose deadline is the lease's local deadline, so expiry
-needs no timer task and fires even while the renewal loop is stuck on a hung server. Loss proven
-by the backend cancels the scope at once. Only *this* scope's cancellation becomes
-:class:`LeaseLost`; a cancellation from an enclosing scope passes through untouched, the way
-``asyncio.timeout`` treats cancellations it did not cause.
+The body runs in an anyio cancel scope whose deadline is the earliest local deadline of its
+leases, so expiry needs no timer task and fires even while the renewal loop is stuck on a hung
+server. Loss proven by the backend cancels the scope at once. Only *this* scope's cancellation
+becomes :class:`LeaseLost`; a cancellation from an enclosing scope passes through untouched, the
+way ``asyncio.timeout`` treats cancellations it did not cause.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import Token
 from types import TracebackType
+from typing import Generic, TypeVar
 
 import anyio
 
@@ -19,31 +21,52 @@ from . import _fencing
 from ._errors import LeaseLost
 from ._lease import Lease, OnLost
 
+T = TypeVar("T")
 
-class LockContext:
-    """What ``LockClient.lock()`` returns: ``async with`` it to hold the lock for the body."""
 
-    __slots__ = ("_acquire", "_context_token", "_lease", "_on_lost", "_scope")
+class BodyScope:
+    """The cancel scope of one body, shared by the leases it depends on."""
 
-    def __init__(self, acquire: Callable[[], Awaitable[Lease]], on_lost: OnLost) -> None:
+    __slots__ = ("leases", "scope")
+
+    def __init__(self, leases: Sequence[Lease]) -> None:
+        self.scope = anyio.CancelScope()
+        self.leases = leases
+
+    def refresh(self) -> None:
+        self.scope.deadline = min(lease.deadline for lease in self.leases)
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+
+class _HeldContext(ABC, Generic[T]):
+    __slots__ = ("_acquire", "_body", "_context_tokens", "_leases", "_on_lost")
+
+    def __init__(self, acquire: Callable[[], Awaitable[list[Lease]]], on_lost: OnLost) -> None:
         self._acquire = acquire
         self._on_lost = on_lost
-        self._lease: Lease | None = None
-        self._scope: anyio.CancelScope | None = None
-        self._context_token: Token[tuple[Lease, ...]] | None = None
+        self._leases: list[Lease] | None = None
+        self._body: BodyScope | None = None
+        self._context_tokens: list[Token[tuple[Lease, ...]]] = []
 
-    async def __aenter__(self) -> Lease:
-        if self._lease is not None:
-            raise RuntimeError("this lock() context is already in use; call locks.lock() again")
-        lease = await self._acquire()
-        self._lease = lease
-        self._context_token = _fencing.push(lease)
+    @abstractmethod
+    def _result(self, leases: list[Lease]) -> T:
+        """What ``async with ... as`` binds."""
+
+    async def __aenter__(self) -> T:
+        if self._leases is not None:
+            raise RuntimeError("this lock context is already in use; call locks.lock() again")
+        leases = await self._acquire()
+        self._leases = leases
+        self._context_tokens = [_fencing.push(lease) for lease in leases]
         if self._on_lost == "cancel":
-            scope = anyio.CancelScope()
-            scope.__enter__()
-            lease._attach_scope(scope)
-            self._scope = scope
-        return lease
+            body = BodyScope(leases)
+            body.scope.__enter__()
+            self._body = body
+            for lease in leases:
+                lease._attach_scope(body)
+        return self._result(leases)
 
     async def __aexit__(
         self,
@@ -51,23 +74,48 @@ class LockContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        lease = self._lease
-        assert lease is not None and self._context_token is not None
-        _fencing.pop(self._context_token)
+        leases = self._leases
+        assert leases is not None
+        for token in reversed(self._context_tokens):
+            _fencing.pop(token)
         caught_own_cancel = False
-        if self._scope is not None:
-            lease._detach_scope(self._scope)
-            caught_own_cancel = bool(self._scope.__exit__(exc_type, exc, tb))
-        reason = lease.lost_reason  # also marks the lease lost if its deadline has passed
-        await lease.release()
-        if self._on_lost == "flag" or reason is None:
+        if self._body is not None:
+            for lease in leases:
+                lease._detach_scope(self._body)
+            caught_own_cancel = bool(self._body.scope.__exit__(exc_type, exc, tb))
+        # Reading lost_reason also marks a lease lost whose deadline has passed.
+        lost = [(lease.name, lease.lost_reason) for lease in leases if lease.lost_reason]
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as task_group:
+                for lease in leases:
+                    task_group.start_soon(lease.release)
+        if self._on_lost == "flag" or not lost:
             if caught_own_cancel:
                 # Only a lost lease cancels our scope; this cannot happen, but never swallow.
-                raise LeaseLost(lease.name, "cancelled by its lease scope")
+                raise LeaseLost(leases[0].name, "cancelled by its lease scope")
             return
+        name, reason = lost[0]
         if exc is not None and not caught_own_cancel:
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 # Someone else cancelled us as well: theirs wins, as asyncio.timeout does.
                 return
-            raise LeaseLost(lease.name, reason) from exc
-        raise LeaseLost(lease.name, reason)
+            raise LeaseLost(name, reason) from exc
+        raise LeaseLost(name, reason)
+
+
+class LockContext(_HeldContext[Lease]):
+    """What ``LockClient.lock()`` returns: ``async with`` it to hold the lock for the body."""
+
+    __slots__ = ()
+
+    def _result(self, leases: list[Lease]) -> Lease:
+        return leases[0]
+
+
+class MultiLockContext(_HeldContext[tuple[Lease, ...]]):
+    """What ``LockClient.lock_all()`` returns: every lock of the set, held for the body."""
+
+    __slots__ = ()
+
+    def _result(self, leases: list[Lease]) -> tuple[Lease, ...]:
+        return tuple(leases)

@@ -1,0 +1,103 @@
+"""lock_all: canonical order, all or nothing, one body cancelled when any lease is lost."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+import asynclock
+from asynclock.backends.memory import MemoryBackend
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
+    if request.param == "memory":
+        yield f"memory://lock-all-{uuid.uuid4().hex[:8]}"
+    else:
+        yield f"sqlite://{tmp_path_factory.mktemp('lock_all')}/locks.db"
+
+
+async def test_opposite_orders_cannot_deadlock(url: str) -> None:
+    """10 tasks ask for overlapping sets in random orders; every one finishes."""
+    names = ["a", "b", "c", "d"]
+    inside: dict[str, int] = dict.fromkeys(names, 0)
+    done = 0
+
+    async def worker(locks: asynclock.LockClient, seed: int) -> None:
+        nonlocal done
+        rng = random.Random(seed)
+        for _ in range(5):
+            wanted = rng.sample(names, rng.randint(2, 4))
+            async with locks.lock_all(wanted, ttl=10) as leases:
+                assert [lease.name for lease in leases] == sorted(wanted)
+                for name in wanted:
+                    inside[name] += 1
+                    assert inside[name] == 1
+                await anyio.sleep(0.001)
+                for name in wanted:
+                    inside[name] -= 1
+        done += 1
+
+    async with asynclock.connect(url) as first, asynclock.connect(url) as second:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for seed in range(10):
+                    tg.start_soon(worker, first if seed % 2 else second, seed)
+    assert done == 10
+
+
+async def test_timeout_releases_what_was_taken(url: str) -> None:
+    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+        blocker = await other.acquire("b")
+        with pytest.raises(asynclock.AcquireTimeout, match="'b'"):
+            async with locks.lock_all(["c", "b", "a"], timeout=0.3):
+                pytest.fail("entered without every lock")
+        # "a" was taken before "b" timed out, and must be free again.
+        probe = await other.try_acquire("a")
+        assert probe is not None
+        await probe.release()
+        await blocker.release()
+
+
+async def test_cancellation_releases_what_was_taken(url: str) -> None:
+    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+        blocker = await other.acquire("b")
+        with anyio.move_on_after(0.2):
+            async with locks.lock_all(["a", "b"]):
+                pytest.fail("entered without every lock")
+        probe = await other.try_acquire("a")
+        assert probe is not None
+        await probe.release()
+        await blocker.release()
+
+
+async def test_every_token_is_visible_and_loss_of_one_cancels_the_body() -> None:
+    async with asynclock.connect(f"memory://lock-all-{uuid.uuid4().hex[:8]}") as locks:
+        backend = locks.backend
+        assert isinstance(backend, MemoryBackend)
+        with pytest.raises(asynclock.LeaseLost) as info:
+            async with locks.lock_all(["x", "y"], ttl=30) as (x, y):
+                assert asynclock.current_token("x") == x.token
+                assert asynclock.current_token("y") == y.token
+                backend.expire("y", notify=True)
+                await anyio.sleep(10)
+        assert info.value.name == "y"
+        assert x.released
+        assert y.released
+        assert await locks.try_acquire("x") is not None
+
+
+async def test_bad_sets_are_refused() -> None:
+    async with asynclock.connect("memory://lock-all-bad") as locks:
+        with pytest.raises(asynclock.InvalidArgument, match="at least one"):
+            locks.lock_all([])
+        with pytest.raises(asynclock.InvalidArgument, match="empty"):
+            locks.lock_all(["a", ""])
