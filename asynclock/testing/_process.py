@@ -287,6 +287,7 @@ class Server(abc.ABC):
 
     @property
     def is_paused(self) -> bool:
+        """True between :meth:`pause` and :meth:`resume` (or a kill)."""
         return self._paused and self.is_running
 
     def start(self) -> Self:
@@ -298,8 +299,10 @@ class Server(abc.ABC):
         return self
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the server answers requests, or raise :class:`ServerStartError`."""
-        self._finish_start(timeout)
+        """Block until the server answers requests (after :meth:`resume`, say), or raise
+        :class:`ServerStartError`; the server keeps running either way."""
+        self._require_running()
+        self._wait_until_serving(self.start_timeout if timeout is None else timeout)
 
     def stop(self) -> None:
         """Shut the server down (gracefully, then SIGKILL after ``stop_timeout``) and delete its
@@ -313,8 +316,8 @@ class Server(abc.ABC):
             self._finalizer()
 
     def kill(self) -> None:
-        """SIGKILL the whole process group, as a crash would; the data dir stays for
-        :meth:`restart`."""
+        """SIGKILL the server and every process it forked, as a crash would; the data dir stays
+        for :meth:`restart`."""
         self._paused = False
         self._resources.kill()
 
@@ -469,12 +472,13 @@ class Server(abc.ABC):
             try:
                 self._begin_start()
                 self._finish_start()
-            except ServerStartError as exc:
-                if attempt + 1 == attempts or not _port_clash(str(exc)):
-                    self._resources.cleanup()
-                    raise
+            except BaseException as exc:
+                # Whatever failed, nothing of this attempt may outlive it.
                 self._resources.cleanup()
                 self._prepared = False
+                retry = isinstance(exc, ServerStartError) and _port_clash(str(exc))
+                if not retry or attempt + 1 == attempts:
+                    raise
                 self._reallocate_ports()
             else:
                 return
@@ -549,10 +553,11 @@ class Cluster(abc.ABC, Generic[M]):
         for attempt in range(3):
             try:
                 _start_together(self._members, self._members)
-            except ServerStartError as exc:
+            except BaseException as exc:
                 for member in self._members:
                     member.stop()
-                if attempt == 2 or not _port_clash(str(exc)):
+                retry = isinstance(exc, ServerStartError) and _port_clash(str(exc))
+                if not retry or attempt == 2:
                     raise
                 self._members = self._make_members()
             else:

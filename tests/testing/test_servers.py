@@ -393,6 +393,16 @@ def test_stop_of_a_paused_server() -> None:
     assert wait_for(lambda: process_gone(pid))
 
 
+def test_wait_ready_reports_a_frozen_server_without_killing_it() -> None:
+    with RedisServer() as server:
+        server.pause()
+        with pytest.raises(ServerStartError, match="did not serve"):
+            server.wait_ready(0.2)
+        assert server.is_running
+        server.resume()
+        server.wait_ready(5)
+
+
 def test_pause_needs_a_running_server() -> None:
     server = RedisServer()
     with pytest.raises(RuntimeError, match="not running"):
