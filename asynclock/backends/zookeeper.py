@@ -91,6 +91,9 @@ _RECONNECT_MIN = 0.02
 _RECONNECT_MAX = 0.5
 #: A session for a ttl nobody uses any more is closed after this long.
 _IDLE_SESSION = 60.0
+#: A lock's parent node that nobody of this client used for this long is deleted (if empty).
+#: Keeping it for a moment saves a create and a delete per acquisition of a busy lock.
+_PARENT_LINGER = 2.0
 
 # The lock kind the next acquire in this context takes (set by ReadWriteLock.read()).
 _kind: contextvars.ContextVar[Kind] = contextvars.ContextVar(
@@ -446,8 +449,8 @@ class _Session:
         response = zk.ConnectResponse.deserialize(await conn.read_frame())
         if response.session_id == 0 or response.timeout <= 0:
             raise _SessionGone(
-                f"ZooKeeper expired session 0x{self.session_id:x} (it did not hear from "
-                f"this client for longer than the session timeout, {self.timeout:g} s)"
+                f"ZooKeeper says session 0x{self.session_id:x} has expired or was closed (it "
+                f"ends a session it has not heard from for the session timeout, {self.timeout:g} s)"
             )
         if self.session_id and response.session_id != self.session_id:
             raise _SessionGone(f"ZooKeeper replaced session 0x{self.session_id:x}")
@@ -553,6 +556,7 @@ class _Session:
         self._pending.clear()
         self._set_state("dead")
         self._listeners.clear()
+        self._backend._forget_session(self)
         if self._conn is not None:
             self._conn.broken()
         if held:
@@ -814,8 +818,7 @@ class _Session:
             self._work.set()
 
     async def delete_matching(self, parent: str, prefix: str) -> None:
-        """Delete our nodes under ``parent`` whose names start with ``prefix``, then the parent
-        if that left it empty."""
+        """Delete our nodes under ``parent`` whose names start with ``prefix``."""
         (children,) = await self.call_retrying(zk.GetChildrenRequest(path=parent, watch=False))
         if isinstance(children, Exception):
             return
@@ -823,12 +826,19 @@ class _Session:
         await self.delete(mine, parent)
 
     async def delete(self, paths: Sequence[str], parent: str) -> None:
-        requests = [zk.DeleteRequest(path=path, version=-1) for path in paths]
-        requests.append(zk.DeleteRequest(path=parent, version=-1))
-        replies = await self.call_retrying(*requests)
-        for path, reply in zip(paths, replies, strict=False):
-            if isinstance(reply, Exception) and not isinstance(reply, zk_exc.NoNode):
-                raise _backend_error(reply, f"deleting {path}", self._backend)
+        """Delete ``paths`` (children of ``parent``); gone already is fine.
+
+        The parent is left for a moment (the next acquisition reuses it) and deleted by the
+        backend's janitor once it has been unused for ``_PARENT_LINGER`` seconds.
+        """
+        if paths:
+            replies = await self.call_retrying(
+                *(zk.DeleteRequest(path=path, version=-1) for path in paths)
+            )
+            for path, reply in zip(paths, replies, strict=True):
+                if isinstance(reply, Exception) and not isinstance(reply, zk_exc.NoNode):
+                    raise _backend_error(reply, f"deleting {path}", self._backend)
+        self._backend._touch_parent(parent)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -924,6 +934,8 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     def __init__(self, settings: _Settings) -> None:
         self._settings = settings
         self._sessions: dict[int, _Session] = {}
+        #: Lock parent nodes this client created or used lately, and when it last did.
+        self._parents: dict[str, float] = {}
         # Made in open(): from_url() may run outside of an event loop.
         self._session_lock: anyio.Lock | None = None
         self._host = _TaskHost()
@@ -992,6 +1004,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             "chroot": self._settings.chroot,
             "op_timeout": self._settings.op_timeout,
             "session_timeout_bounds": (self._min_ms, self._max_ms),
+            "known_parents": len(self._parents),
             "sessions": {ms: session.info() for ms, session in self._sessions.items()},
         }
 
@@ -1012,11 +1025,15 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             with anyio.CancelScope(shield=True):
                 await self.aclose()
             raise
+        self._host.start_soon(self._parent_janitor)
 
     async def aclose(self) -> None:
         if self._state == "closed":
             return
         self._state = "closed"
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(min(self._settings.op_timeout, 2.0)):
+                await self._delete_parents(list(self._parents))
         sessions, self._sessions = list(self._sessions.values()), {}
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
@@ -1036,6 +1053,30 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         elif negotiated < timeout_ms:
             self._max_ms = negotiated
         return session
+
+    def _touch_parent(self, parent: str) -> None:
+        self._parents[parent] = anyio.current_time()
+
+    async def _parent_janitor(self) -> None:
+        while True:
+            await anyio.sleep(_PARENT_LINGER / 2)
+            cutoff = anyio.current_time() - _PARENT_LINGER
+            stale = [parent for parent, used in self._parents.items() if used < cutoff]
+            if stale:
+                await self._delete_parents(stale)
+
+    async def _delete_parents(self, parents: list[str]) -> None:
+        """Delete these lock parents if they are empty (one pipelined round trip)."""
+        session = next((s for s in self._sessions.values() if s.state == "connected"), None)
+        if session is None or not parents:
+            return
+        for parent in parents:
+            self._parents.pop(parent, None)
+        try:
+            await session.call(*(zk.DeleteRequest(path=parent, version=-1) for parent in parents))
+        except (_ConnectionLoss, _SessionGone) as exc:
+            # Container nodes: the server deletes them once empty in any case.
+            logger.debug("asynclock: deleting empty lock parents failed: %r", exc)
 
     def _forget_session(self, session: _Session) -> None:
         for ms, known in list(self._sessions.items()):
@@ -1282,41 +1323,51 @@ class _Attempt:
         session = self.session
         backend = self.backend
         for _ in range(_ATTEMPTS):
-            sent_at = anyio.current_time()
-            self.unsure = True
-            try:
-                made_parent, created, listed = await session.call(
+            # The parent is a container node: created here when we do not know it exists,
+            # deleted by the janitor (or by the server) once empty.
+            make_parent = self.parent not in backend._parents
+            requests: list[Any] = [
+                Create2Request(
+                    path=f"{self.parent}/{self.prefix}",
+                    data=b"",
+                    acl=backend._acl,
+                    flags=_EPHEMERAL_SEQUENTIAL,
+                ),
+                zk.GetChildrenRequest(path=self.parent, watch=False),
+            ]
+            if make_parent:
+                requests.insert(
+                    0,
                     _CreateContainerRequest(
                         path=self.parent,
                         data=self.request.name.encode(),
                         acl=backend._acl,
                         flags=_CONTAINER,
                     ),
-                    Create2Request(
-                        path=f"{self.parent}/{self.prefix}",
-                        data=b"",
-                        acl=backend._acl,
-                        flags=_EPHEMERAL_SEQUENTIAL,
-                    ),
-                    zk.GetChildrenRequest(path=self.parent, watch=False),
                 )
+            sent_at = anyio.current_time()
+            self.unsure = True
+            try:
+                *made_parent, created, listed = await session.call(*requests)
             except _ConnectionLoss:
                 found = await self._find_own()
                 if found is not None:
                     return found
                 continue
-            if isinstance(made_parent, zk_exc.NoNode):
+            if made_parent and isinstance(made_parent[0], zk_exc.NoNode):
                 # Someone deleted the chroot: make it again.
                 self.unsure = False
                 await backend._ensure_chroot(session)
                 continue
             if isinstance(created, zk_exc.NoNode):
-                # The parent was deleted (it was empty) between our two creates.
+                # The parent is gone (deleted once it was empty): make it again.
                 self.unsure = False
+                backend._parents.pop(self.parent, None)
                 continue
             self._check(created)
             self.unsure = False
             self.node = created.path.rpartition("/")[2]
+            backend._touch_parent(self.parent)
             return created.stat.created_zxid, self._check(listed).children, sent_at
         raise BackendUnavailable(
             f"acquiring {self.request.name!r} on {backend.describe()}: could not create the "
