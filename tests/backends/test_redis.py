@@ -1,0 +1,605 @@
+"""The redis:// backend against real redis-server processes: faults, fairness, durability, TLS."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis.asyncio
+
+import asynclock
+from asynclock.abc import LockRequest, Lost
+from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning
+from asynclock.testing import FaultProxy, RedisServer, free_port
+
+pytestmark = pytest.mark.anyio
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}:"
+
+
+@pytest.fixture
+def name() -> str:
+    return f"redis-test/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A server of the test's own, for faults and settings that would disturb the shared one."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def raw(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    async with redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as client:
+        yield client
+
+
+def connect(server: RedisServer | str, prefix: str, **options: Any) -> asynclock.LockClient:
+    url = server if isinstance(server, str) else server.url
+    options.setdefault("durability_warning", False)
+    return asynclock.connect(url, prefix=prefix, **options)
+
+
+async def queue_length(raw: redis.asyncio.Redis, prefix: str, name: str) -> int:
+    return int(await raw.zcard(lua.queue_key(prefix, name)))
+
+
+async def wait_for_queue(raw: redis.asyncio.Redis, prefix: str, name: str, length: int) -> None:
+    with anyio.fail_after(10):
+        # The queue lives on the server: polling it is the only way to look.
+        while await queue_length(raw, prefix, name) != length:  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+
+
+async def kill_connections(raw: redis.asyncio.Redis, client_name: str) -> int:
+    killed = 0
+    for entry in await raw.client_list():
+        if entry.get("name") == client_name:
+            killed += int(await raw.client_kill_filter(_id=entry["id"]))
+    return killed
+
+
+# -- URLs and options -------------------------------------------------------------------------
+
+
+def test_url_forms_give_address_db_credentials_and_tls() -> None:
+    backend = RedisBackend.from_url(
+        "rediss://alice:p%40ss@cache.example:6380/3",
+        {"prefix": "app:", "op_timeout": "0.5", "waiter_ttl": 2, "ssl_ca_certs": "/ca.pem"},
+    )
+    assert (backend.address.host, backend.address.port) == ("cache.example", 6380)
+    settings = backend.settings
+    assert (settings.db, settings.username, settings.password) == (3, "alice", "p@ss")
+    assert settings.tls and settings.ssl_ca_certs == "/ca.pem"
+    assert (settings.prefix, settings.op_timeout, backend.waiter_ttl) == ("app:", 0.5, 2.0)
+    # The description never shows the password.
+    assert backend.describe() == "rediss://alice@cache.example:6380/3"
+
+    plain = RedisBackend.from_url("redis://:secret@[::1]", {})
+    assert (plain.address.host, plain.address.port, plain.settings.db) == ("::1", 6379, 0)
+    assert (plain.settings.username, plain.settings.password) == (None, "secret")
+    assert not plain.settings.tls
+    assert plain.settings.prefix == "asynclock:"
+    assert "secret" not in plain.describe()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://127.0.0.1:99999/0", "port"),
+        ("redis://127.0.0.1:6379/zero", "database number"),
+        ("redis://10.0.0.1:6379,10.0.0.2:6379/0", "redlock://"),
+        ("redis://127.0.0.1:6379/0#x", "fragment"),
+        ("redis://[::1/0", "malformed"),
+    ],
+)
+def test_malformed_urls_raise_invalid_url(url: str, message: str) -> None:
+    with pytest.raises(asynclock.InvalidURL, match=message):
+        asynclock.connect(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "message"),
+    [
+        ("redis://127.0.0.1/0", {"prefx": "a:"}, "prefx"),
+        ("redis://127.0.0.1/0", {"op_timeout": "0"}, "op_timeout"),
+        ("redis://127.0.0.1/0", {"waiter_ttl": "soon"}, "waiter_ttl"),
+        ("redis://127.0.0.1/0", {"durability_warning": "maybe"}, "durability_warning"),
+        ("redis://127.0.0.1/0", {"client_name": "two words"}, "client_name"),
+        ("redis://127.0.0.1/0", {"ssl_ca_certs": "/ca.pem"}, "rediss://"),
+        ("rediss://127.0.0.1/0", {"ssl_cert_reqs": "sometimes"}, "ssl_cert_reqs"),
+    ],
+)
+def test_bad_options_raise_invalid_argument_naming_the_option(
+    url: str, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(asynclock.InvalidArgument, match=message):
+        asynclock.connect(url, **options)
+
+
+async def test_ttl_below_a_millisecond_is_refused(redis_server: RedisServer, prefix: str) -> None:
+    async with connect(redis_server, prefix) as locks:
+        with pytest.raises(asynclock.InvalidArgument, match="milliseconds"):
+            await locks.try_acquire("x", ttl=0.0004)
+
+
+# -- connecting -------------------------------------------------------------------------------
+
+
+async def test_unreachable_server_raises_backend_unavailable_quickly() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(asynclock.BackendUnavailable) as info:
+        async with asynclock.connect(url):
+            pytest.fail("connected to a port where nothing listens")
+    assert time.monotonic() - started < 1.0
+    assert url in str(info.value)
+    assert "redis-server running" in str(info.value)
+
+
+async def test_acl_user_and_password_are_used_and_a_wrong_password_is_refused(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str
+) -> None:
+    user = f"locker-{uuid.uuid4().hex[:6]}"
+    # A user that may not run CONFIG, as on many managed services.
+    await raw.acl_setuser(
+        user,
+        enabled=True,
+        passwords=["+s3cret"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-config"],
+    )
+    try:
+        good = f"redis://{user}:s3cret@{redis_server.address}/0"
+        # durability_warning stays on: a server that hides its settings is not an error and
+        # must not warn (pytest turns warnings into errors here).
+        async with asynclock.connect(good, prefix=prefix) as locks:
+            async with locks.lock("acl", ttl=5) as lease:
+                assert lease.token >= 1
+            info = locks.backend.extra_info()
+            assert "appendonly" not in info  # CONFIG GET was refused, the check skipped
+        bad = f"redis://{user}:wrong@{redis_server.address}/0"
+        with pytest.raises(asynclock.BackendUnavailable, match="password"):
+            async with asynclock.connect(bad, prefix=prefix):
+                pytest.fail("connected with a wrong password")
+    finally:
+        await raw.acl_deluser(user)
+
+
+async def test_durability_warning_on_a_server_without_an_append_only_file(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    # The test servers run with --appendonly no.
+    with pytest.warns(RedisDurabilityWarning, match="appendonly") as record:
+        async with asynclock.connect(redis_server.url, prefix=prefix):
+            pass
+    assert len(record) == 1
+    assert "durability_warning=false" in str(record[0].message)
+    # The option silences it (pytest's filterwarnings=error would fail this otherwise).
+    async with asynclock.connect(redis_server.url, prefix=prefix, durability_warning="false"):
+        pass
+
+
+async def test_durability_warning_on_eviction_and_none_on_a_durable_server(
+    own_server: RedisServer, prefix: str
+) -> None:
+    async with redis.asyncio.Redis(host=own_server.host, port=own_server.port) as admin:
+        await admin.config_set("appendonly", "yes")
+        await admin.config_set("maxmemory", "100mb")
+        await admin.config_set("maxmemory-policy", "allkeys-lru")
+        with pytest.warns(RedisDurabilityWarning, match="allkeys-lru") as record:
+            async with asynclock.connect(own_server.url, prefix=prefix):
+                pass
+        message = str(record[0].message)
+        assert "fencing counters" in message
+        assert "appendonly" not in message
+        await admin.config_set("maxmemory-policy", "volatile-lru")
+        with pytest.warns(RedisDurabilityWarning, match="evict held locks;"):
+            async with asynclock.connect(own_server.url, prefix=prefix):
+                pass
+        await admin.config_set("maxmemory-policy", "noeviction")
+        # Durable now: no warning (it would be an error here).
+        async with asynclock.connect(own_server.url, prefix=prefix) as locks:
+            assert locks.backend.extra_info()["appendonly"] == "yes"
+        await admin.config_set("appendonly", "no")  # else stopping the server waits for AOF
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A redis-server that speaks only TLS, with a certificate from a throwaway CA."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=asynclock test CA")  # fmt: skip
+    openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "san.ext")  # fmt: skip
+    port = free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", "server.pem", "--tls-key-file", "server.key",
+         "--tls-ca-cert-file", "ca.pem", "--tls-auth-clients", "no", "--save", "",
+         "--appendonly", "no", "--dir", str(tmp_path), "--unixsocket", "",
+         "--logfile", "redis.log"],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while "Ready to accept connections" not in _read(tmp_path / "redis.log"):
+            assert process.poll() is None, _read(tmp_path / "redis.log")
+            assert time.monotonic() < deadline, "the TLS redis-server did not start"
+            time.sleep(0.01)
+        yield port, tmp_path / "ca.pem"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+async def test_rediss_locks_over_tls_and_refuses_an_unknown_certificate(
+    tls_server: tuple[int, Path], prefix: str
+) -> None:
+    port, ca = tls_server
+    url = f"rediss://127.0.0.1:{port}/0"
+    async with connect(url, prefix, ssl_ca_certs=str(ca)) as locks:
+        assert locks.backend.describe() == url
+        async with locks.lock("tls", ttl=5) as lease:
+            assert lease.token == 1
+    # Without our CA the server's certificate cannot be verified.
+    with pytest.raises(asynclock.BackendUnavailable, match="certificate"):
+        async with connect(url, prefix):
+            pytest.fail("trusted a certificate from an unknown CA")
+
+
+# -- what the scripts leave on the server -----------------------------------------------------
+
+
+async def test_take_sets_the_owner_with_an_expiry_and_the_token_comes_from_the_counter(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as locks:
+        await raw.set(lua.token_key(prefix, name), 41)
+        lease = await locks.acquire(name, ttl=7.5)
+        assert lease.token == 42
+        assert await raw.get(lua.lock_key(prefix, name)) == lease.owner.encode()
+        assert 7000 < await raw.pttl(lua.lock_key(prefix, name)) <= 7500
+        assert lease.ttl == 7.5
+        await lease.release()
+        assert await raw.exists(lua.lock_key(prefix, name)) == 0
+        # The counter outlives the lock, so the next token is larger still.
+        assert await raw.get(lua.token_key(prefix, name)) == b"42"
+        again = await locks.acquire(name, ttl=1)
+        assert again.token == 43
+        await again.release()
+
+
+async def test_a_stale_owner_can_neither_renew_nor_release(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
+        stale = await first.acquire(name, ttl=5)
+        await raw.delete(lua.lock_key(prefix, name))  # expired, say
+        current = await second.acquire(name, ttl=5)
+        backend = first.backend
+        outcomes = await backend.renew([stale.grant])
+        assert isinstance(outcomes[0], Lost)
+        assert "held by another owner" in outcomes[0].reason
+        await backend.release(stale.grant)
+        assert await raw.get(lua.lock_key(prefix, name)) == current.owner.encode()
+        assert await raw.pttl(lua.lock_key(prefix, name)) > 4000  # not shortened either
+        await current.release()
+
+
+async def test_renewing_many_locks_is_one_script_call_per_interval(
+    own_server: RedisServer, prefix: str
+) -> None:
+    async with (
+        redis.asyncio.Redis(host=own_server.host, port=own_server.port) as admin,
+        connect(own_server, prefix) as locks,
+    ):
+        leases = [await locks.acquire(f"many/{index}", ttl=0.9) for index in range(40)]
+        await admin.config_resetstat()
+        before = locks.renew_calls
+        await anyio.sleep(1.0)  # renewals every 0.3 s
+        renewals = locks.renew_calls - before
+        stats = await admin.info("commandstats")
+        assert all(not lease.lost for lease in leases)
+        assert 2 <= renewals <= 5
+        # Each renewal of all 40 locks was exactly one EVALSHA on the server.
+        assert stats["cmdstat_evalsha"]["calls"] == renewals
+
+
+# -- loss of the lease ------------------------------------------------------------------------
+
+
+async def test_client_kill_reconnects_and_keeps_a_lock_still_held(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    client_name = f"kill-{uuid.uuid4().hex[:6]}"
+    async with connect(redis_server, prefix, client_name=client_name) as locks:
+        async with locks.lock(name, ttl=0.6) as lease:
+            assert await kill_connections(raw, client_name) >= 1
+            calls = locks.renew_calls
+            await anyio.sleep(1.0)
+            # Renewals went on over new connections and found the key still ours.
+            assert locks.renew_calls > calls
+            assert not lease.lost
+            assert await raw.get(lua.lock_key(prefix, name)) == lease.owner.encode()
+
+
+async def test_client_kill_with_the_key_gone_is_found_out_after_reconnecting(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    client_name = f"kill-{uuid.uuid4().hex[:6]}"
+    async with connect(redis_server, prefix, client_name=client_name) as locks:
+        with pytest.raises(asynclock.LeaseLost, match="is gone") as info:
+            async with locks.lock(name, ttl=1.5) as lease:
+                assert await kill_connections(raw, client_name) >= 1
+                await raw.delete(lua.lock_key(prefix, name))
+                await anyio.sleep(5)
+        lost_at = anyio.current_time()
+    # Proven by the renewal over a new connection, well before the local deadline.
+    assert lost_at < lease.deadline
+    assert info.value.name == name
+
+
+async def test_server_paused_past_the_ttl_cancels_the_body_before_another_client_takes_it(
+    own_server: RedisServer, prefix: str, name: str
+) -> None:
+    events: dict[str, float] = {}
+    held = anyio.Event()
+
+    async def holder(locks: asynclock.LockClient) -> None:
+        with pytest.raises(asynclock.LeaseLost):
+            async with locks.lock(name, ttl=1.0):
+                held.set()
+                try:
+                    await anyio.sleep(30)
+                finally:
+                    # When the body itself is cancelled (the release that follows may wait).
+                    events["cancelled"] = anyio.current_time()
+
+    async with connect(own_server, prefix) as first, connect(own_server, prefix) as second:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder, first)
+            await held.wait()
+            own_server.pause()
+            events["paused"] = anyio.current_time()
+            try:
+                tg.start_soon(_take, second, name, events)
+                await anyio.sleep(1.6)
+            finally:
+                own_server.resume()
+            events["resumed"] = anyio.current_time()
+    assert set(events) == {"paused", "cancelled", "resumed", "taken"}
+    # The first body was cancelled by its local deadline while the server was frozen, and only
+    # then could the second client take the lock (when the frozen server woke up).
+    assert events["cancelled"] < events["resumed"] <= events["taken"]
+    assert events["cancelled"] - events["paused"] < 1.0
+
+
+async def _take(locks: asynclock.LockClient, name: str, events: dict[str, float]) -> None:
+    lease = await locks.acquire(name, ttl=1.0, timeout=10)
+    events["taken"] = anyio.current_time()
+    await lease.release()
+
+
+async def test_partition_cancels_the_body_before_another_client_takes_it(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    events: dict[str, float] = {}
+    held = anyio.Event()
+
+    async def holder(locks: asynclock.LockClient) -> None:
+        with pytest.raises(asynclock.LeaseLost):
+            async with locks.lock(name, ttl=1.0):
+                held.set()
+                try:
+                    await anyio.sleep(30)
+                finally:
+                    # When the body itself is cancelled (the release that follows may wait).
+                    events["cancelled"] = anyio.current_time()
+
+    async with FaultProxy(redis_server.host, redis_server.port) as proxy:
+        behind = f"redis://{proxy.address}/0"
+        async with (
+            connect(behind, prefix, op_timeout=0.5, release_timeout=0.5) as first,
+            connect(redis_server, prefix) as second,
+        ):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(holder, first)
+                await held.wait()
+                proxy.blackhole()
+                current = await second.acquire(name, ttl=5, timeout=10)
+                events["taken"] = anyio.current_time()
+            assert events["cancelled"] < events["taken"]
+            # The partition heals: the stale holder's release (sent into the partition) now
+            # reaches the server, and must leave the new holder's lock alone.
+            proxy.pass_through()
+            await anyio.sleep(0.3)
+            assert await raw.get(lua.lock_key(prefix, name)) == current.owner.encode()
+            await current.release()
+
+
+# -- waiting: notification, fairness, dead waiters --------------------------------------------
+
+
+async def test_twenty_waiters_get_the_lock_in_arrival_order(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    order: list[int] = []
+
+    async def waiter(locks: asynclock.LockClient, index: int) -> None:
+        async with locks.lock(name, ttl=5, timeout=20):
+            order.append(index)
+            await anyio.sleep(0.001)
+
+    clients = [connect(redis_server, prefix) for _ in range(4)]
+    async with clients[0], clients[1], clients[2], clients[3]:
+        holder = await clients[0].acquire(name, ttl=5)
+        async with anyio.create_task_group() as tg:
+            for index in range(20):
+                # Spread over the clients in an order that is not round-robin.
+                tg.start_soon(waiter, clients[(index * 3) % 4], index)
+                await wait_for_queue(raw, prefix, name, index + 1)
+            await holder.release()
+    assert order == list(range(20))
+
+
+async def test_a_released_lock_reaches_the_waiter_at_once(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
+        holder = await first.acquire(name, ttl=30)
+        got: list[float] = []
+
+        async def wait() -> None:
+            async with second.lock(name, ttl=30, timeout=10):
+                got.append(anyio.current_time())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            # Long enough for the waiter to pass its first look and block on its wake list
+            # (its own refresh would come only after waiter_ttl / 3 = 1.7 s).
+            await anyio.sleep(0.3)
+            released = anyio.current_time()
+            await holder.release()
+    assert got[0] - released < 0.1
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_at_once(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
+        holder = await first.acquire(name, ttl=30)
+        got: list[float] = []
+
+        async def patient() -> None:
+            async with second.lock(name, ttl=30, timeout=10):
+                got.append(anyio.current_time())
+
+        async with anyio.create_task_group() as tg:
+            impatient = anyio.CancelScope()
+            tg.start_soon(_wait_in, second, name, impatient)
+            await wait_for_queue(raw, prefix, name, 1)
+            tg.start_soon(patient)
+            await wait_for_queue(raw, prefix, name, 2)
+            impatient.cancel()
+            # The cancelled waiter took its place out of the queue before its acquire ended.
+            await wait_for_queue(raw, prefix, name, 1)
+            released = anyio.current_time()
+            await holder.release()
+    assert got[0] - released < 0.1  # not the 5 s waiter_ttl of a dead waiter
+
+
+async def _wait_in(locks: asynclock.LockClient, name: str, scope: anyio.CancelScope) -> None:
+    with scope:
+        async with locks.lock(name, ttl=30, timeout=10):
+            pytest.fail("the cancelled waiter got the lock")
+
+
+_DEAD_WAITER = """
+import sys, anyio, asynclock
+async def main():
+    url, prefix, name = sys.argv[1:]
+    async with asynclock.connect(url, prefix=prefix, waiter_ttl=1.0, durability_warning=False) as locks:
+        async with locks.lock(name, ttl=5):
+            print("acquired", flush=True)
+anyio.run(main)
+"""
+
+
+async def test_a_killed_waiter_stalls_the_queue_no_longer_than_its_waiter_ttl(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    waiter_ttl = 1.0
+    async with connect(redis_server, prefix, waiter_ttl=waiter_ttl) as locks:
+        holder = await locks.acquire(name, ttl=30)
+        process = await anyio.open_process(
+            [sys.executable, "-c", _DEAD_WAITER, redis_server.url, prefix, name],
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
+        try:
+            await wait_for_queue(raw, prefix, name, 1)
+            got: list[float] = []
+
+            async def second() -> None:
+                async with locks.lock(name, ttl=30, timeout=10):
+                    got.append(anyio.current_time())
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(second)
+                await wait_for_queue(raw, prefix, name, 2)
+                process.send_signal(signal.SIGKILL)
+                killed = anyio.current_time()
+                # The release wakes the dead waiter first in line; nobody takes the lock until
+                # its place in the queue expires.
+                await holder.release()
+            waited = got[0] - killed
+            await process.wait()
+            assert process.stdout is not None
+            output = b"".join([chunk async for chunk in process.stdout])
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await process.aclose()
+    assert b"acquired" not in output
+    assert waited < waiter_ttl + 0.5
+    # Fair: its place was kept until it expired (it had refreshed it at most ttl / 3 earlier).
+    assert waited > waiter_ttl / 3
+
+
+async def test_the_first_waiter_takes_the_lock_when_a_dead_holders_key_expires(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    # A holder that died without releasing: its key simply runs out.
+    await raw.set(lua.lock_key(prefix, name), "dead-holder", px=400)
+    async with connect(redis_server, prefix) as locks:
+        started = anyio.current_time()
+        async with locks.lock(name, ttl=5, timeout=5):
+            waited = anyio.current_time() - started
+    # It slept until the key's expiry, not until its next refresh (waiter_ttl / 3 = 1.7 s).
+    assert 0.35 < waited < 0.8
+
+
+async def test_cancelling_a_take_in_flight_leaves_nothing(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    """A take cancelled after it was sent (it may have run) is undone on the server."""
+    async with FaultProxy(redis_server.host, redis_server.port) as proxy:
+        async with connect(f"redis://{proxy.address}/0", prefix) as locks:
+            backend = locks.backend
+            proxy.delay(50)  # the take reaches the server, the reply comes back late
+            request = LockRequest(name, 5.0, uuid.uuid4().hex, lambda reason: None)
+            with anyio.move_on_after(0.07):
+                await backend.try_acquire(request)
+                pytest.fail("the take was not cancelled")
+            proxy.pass_through()
+            await anyio.sleep(0.1)
+            assert await raw.exists(lua.lock_key(prefix, name)) == 0
