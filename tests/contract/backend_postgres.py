@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import uuid
+
+import anyio
+import asyncpg
+import pytest
+
+from asynclock.backends.postgres import lock_key
+from asynclock.testing import PostgresServer
+from tests.contract.harness import BackendUnderTest
+
+#: Advisory locks of the bigint form, by key, as pg_locks shows them.
+HOLDERS_OF_KEY = """
+SELECT pid FROM pg_locks
+WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND classid = $1 AND objid = $2
+"""
+
+
+def key_parts(name: str, schema: str = "public") -> tuple[int, int]:
+    """``(classid, objid)`` of the lock ``name`` in ``pg_locks``."""
+    key = lock_key(name, schema) & 0xFFFFFFFFFFFFFFFF
+    return key >> 32, key & 0xFFFFFFFF
+
+
+async def terminate_holder(dsn: str, name: str, schema: str = "public") -> list[int]:
+    """``pg_terminate_backend`` of every session holding lock ``name``; waits until they end."""
+    admin = await asyncpg.connect(dsn)
+    try:
+        pids: list[int] = [
+            row[0] for row in await admin.fetch(HOLDERS_OF_KEY, *key_parts(name, schema))
+        ]
+        for pid in pids:
+            await admin.execute("SELECT pg_terminate_backend($1, 5000)", pid)
+    finally:
+        await admin.close()
+    return pids
+
+
+async def sessions_of(dsn: str, application_name: str) -> list[str]:
+    """The server sessions with this application_name and the advisory locks they hold."""
+    admin = await asyncpg.connect(dsn)
+    try:
+        rows = await admin.fetch(
+            """
+            SELECT a.pid, a.state, count(l.pid) AS locks
+            FROM pg_stat_activity AS a
+            LEFT JOIN pg_locks AS l ON l.pid = a.pid AND l.locktype = 'advisory'
+            WHERE a.application_name = $1
+            GROUP BY a.pid, a.state
+            """,
+            application_name,
+        )
+    finally:
+        await admin.close()
+    return sorted(f"session {row[0]} ({row[1]}, {row[2]} advisory locks)" for row in rows)
+
+
+@pytest.fixture
+def postgres_backend(postgres_server: PostgresServer) -> BackendUnderTest:
+    # A name of its own, so that the sessions of this test (and only those) can be counted.
+    application_name = f"asynclock-contract-{uuid.uuid4().hex[:8]}"
+    dsn = postgres_server.dsn
+
+    async def revoke(name: str) -> None:
+        # An operator's action, not the body's work: the loss it causes is pushed to the client
+        # within a millisecond and must cancel the body after revoke() returns, not inside it.
+        with anyio.CancelScope(shield=True):
+            holders = await terminate_holder(dsn, name)
+        assert holders, f"nobody holds {name!r} on the server"
+
+    async def leftovers() -> list[str]:
+        # A closed connection's session ends a moment after the client let go of it.
+        for _ in range(100):
+            found = await sessions_of(dsn, application_name)
+            if not found:
+                break
+            await anyio.sleep(0.03)
+        return found
+
+    return BackendUnderTest(
+        "postgres",
+        f"{postgres_server.url}?application_name={application_name}",
+        1.0,
+        revoke,
+        leftovers,
+    )
