@@ -1,0 +1,591 @@
+"""The PostgreSQL backend against a real server: loss, restarts, partitions, FIFO, leaks, URLs."""
+
+from __future__ import annotations
+
+import random
+import ssl
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import anyio
+import anyio.to_thread
+import asyncpg
+import pytest
+
+import asynclock
+from asynclock.abc import LockRequest, Lost, Renewed
+from asynclock.backends.postgres import PostgresBackend, lock_key, transaction_lock
+from asynclock.testing import FaultProxy, PostgresServer, free_port
+from tests.contract.backend_postgres import HOLDERS_OF_KEY, key_parts, terminate_holder
+
+pytestmark = pytest.mark.anyio
+
+WAITERS_OF_KEY = """
+SELECT count(*) FROM pg_locks
+WHERE locktype = 'advisory' AND objsubid = 1 AND NOT granted AND classid = $1 AND objid = $2
+"""
+
+
+@pytest.fixture
+def name() -> str:
+    return f"pg/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def app() -> str:
+    """An application_name of the test's own, to count its sessions on the shared server."""
+    return f"asynclock-test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+async def admin(postgres_server: PostgresServer) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(postgres_server.dsn)
+    try:
+        yield connection
+    finally:
+        await connection.close()
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[PostgresServer]:
+    """A server of this module's own, for tests that restart or crash it."""
+    with PostgresServer(max_connections=50) as server:
+        yield server
+
+
+async def holders(admin: asyncpg.Connection, name: str, schema: str = "public") -> list[int]:
+    return [row[0] for row in await admin.fetch(HOLDERS_OF_KEY, *key_parts(name, schema))]
+
+
+async def waiters(admin: asyncpg.Connection, name: str) -> int:
+    count: int = await admin.fetchval(WAITERS_OF_KEY, *key_parts(name))
+    return count
+
+
+async def sessions(admin: asyncpg.Connection, app: str) -> list[tuple[int, int]]:
+    """(pid, advisory locks held) of every session with this application_name."""
+    rows = await admin.fetch(
+        """
+        SELECT a.pid, count(l.pid) FROM pg_stat_activity AS a
+        LEFT JOIN pg_locks AS l ON l.pid = a.pid AND l.locktype = 'advisory'
+        WHERE a.application_name = $1 GROUP BY a.pid
+        """,
+        app,
+    )
+    return sorted((row[0], row[1]) for row in rows)
+
+
+async def settle_sessions(admin: asyncpg.Connection, app: str, expected: int) -> int:
+    """Sessions of ``app`` once closed ones have ended (a session ends just after its socket)."""
+    count = -1
+    for _ in range(100):
+        count = len(await sessions(admin, app))
+        if count <= expected:
+            break
+        await anyio.sleep(0.03)
+    return count
+
+
+async def wait_for_waiters(admin: asyncpg.Connection, name: str, count: int) -> None:
+    with anyio.fail_after(10):
+        while await waiters(admin, name) != count:  # noqa: ASYNC110 (polling the server)
+            await anyio.sleep(0.002)
+
+
+# -- URL and options (no I/O) -----------------------------------------------------------------
+
+
+def test_url_options_reach_the_driver_and_our_own_are_applied() -> None:
+    backend = PostgresBackend.from_url(
+        "postgresql://alice:s3cret@db.example:6543/orders",
+        {
+            "sslmode": "verify-full",
+            "sslrootcert": "/etc/ca.pem",
+            "application_name": "billing worker",
+            "schema": "locks",
+            "op_timeout": "1.5",
+            "connect_timeout": 2,
+            "max_idle": "0",
+        },
+    )
+    assert backend._dsn == (
+        "postgresql://alice:s3cret@db.example:6543/orders"
+        "?sslmode=verify-full&sslrootcert=%2Fetc%2Fca.pem"
+    )
+    assert backend.application_name == "billing worker"
+    assert backend.schema == "locks"
+    assert backend.sequence == '"locks"."asynclock_token_seq"'
+    assert (backend.op_timeout, backend.connect_timeout, backend.max_idle) == (1.5, 2.0, 0)
+    # The password never shows in messages.
+    assert backend.describe() == "postgresql://alice:***@db.example:6543/orders"
+    context = ssl.create_default_context()
+    assert PostgresBackend.from_url("postgres://h/db", {"ssl": context})._ssl is context
+    # Multi-host and IPv6 URLs are libpq's and asyncpg's; they pass.
+    PostgresBackend.from_url("postgresql://u@h1:5432,h2:5433,[::1]:5434/db", {})
+
+
+def test_unknown_and_malformed_options_are_refused_by_name() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match=r"unknown option.*colour"):
+        asynclock.connect("postgresql://127.0.0.1/db?colour=blue")
+    with pytest.raises(asynclock.InvalidArgument, match="sslmode"):
+        asynclock.connect("postgresql://127.0.0.1/db?sslmode=sometimes")
+    with pytest.raises(asynclock.InvalidArgument, match="op_timeout"):
+        asynclock.connect("postgresql://127.0.0.1/db", op_timeout=0)
+    with pytest.raises(asynclock.InvalidArgument, match="max_idle"):
+        asynclock.connect("postgresql://127.0.0.1/db?max_idle=-1")
+    with pytest.raises(asynclock.InvalidArgument, match="application_name"):
+        asynclock.connect("postgresql://127.0.0.1/db", application_name="naïve")
+    with pytest.raises(asynclock.InvalidArgument, match="schema"):
+        asynclock.connect("postgresql://127.0.0.1/db", schema="")
+    with pytest.raises(asynclock.InvalidArgument, match=r"ssl\.SSLContext"):
+        asynclock.connect("postgresql://127.0.0.1/db", ssl="yes")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://127.0.0.1:port/db",
+        "postgresql://127.0.0.1:0/db",
+        "postgresql://127.0.0.1:70000/db",
+        "postgresql://[::1/db",
+        "postgresql://h1,,h2/db",
+        "postgresql://127.0.0.1/db/extra",
+        "postgresql://127.0.0.1/db#frag",
+    ],
+)
+def test_malformed_urls_raise_invalid_url_with_an_example(url: str) -> None:
+    with pytest.raises(asynclock.InvalidURL, match=r"postgresql://user:password@127\.0\.0\.1"):
+        PostgresBackend.from_url(url, {})
+
+
+def test_lock_keys_depend_on_the_full_name_and_the_schema() -> None:
+    names = ["a", "a/", "a/b", "ü", "u", "x" * 512, "x" * 511, "%2F", "/"]
+    assert len({lock_key(each) for each in names}) == len(names)
+    assert lock_key("a") != lock_key("a", schema="other")
+    assert lock_key("a") == lock_key("a", schema="public")
+    assert all(-(2**63) <= lock_key(each) < 2**63 for each in names)
+
+
+def test_ttl_beyond_the_servers_timeout_is_refused() -> None:
+    backend = PostgresBackend.from_url("postgresql://127.0.0.1/db", {})
+    backend.check_ttl(86400.0)
+    with pytest.raises(asynclock.InvalidArgument, match="idle_session_timeout"):
+        backend.check_ttl(3e6)
+
+
+# -- connecting -------------------------------------------------------------------------------
+
+
+async def test_unreachable_server_raises_backend_unavailable_quickly() -> None:
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    started = anyio.current_time()
+    with pytest.raises(asynclock.BackendUnavailable) as info:
+        async with asynclock.connect(url):
+            pytest.fail("connected to a port nobody listens on")
+    assert anyio.current_time() - started < 2.0
+    assert f"{url}" in str(info.value)
+    assert "PostgreSQL runs there" in str(info.value)
+
+
+async def test_server_that_never_answers_raises_backend_timeout_after_connect_timeout(
+    postgres_server: PostgresServer,
+) -> None:
+    async with FaultProxy(postgres_server.host, postgres_server.port) as proxy:
+        proxy.blackhole()
+        started = anyio.current_time()
+        with pytest.raises(asynclock.BackendTimeout, match="connect_timeout"):
+            async with asynclock.connect(
+                f"postgresql://postgres@{proxy.address}/postgres?connect_timeout=0.5"
+            ):
+                pytest.fail("connected through a blackhole")
+        assert anyio.current_time() - started < 2.0
+
+
+async def test_unknown_database_is_named_in_the_error(postgres_server: PostgresServer) -> None:
+    with pytest.raises(asynclock.BackendUnavailable, match='"no_such_db" does not exist'):
+        async with asynclock.connect(f"postgresql://postgres@{postgres_server.address}/no_such_db"):
+            pass
+
+
+# -- holding ----------------------------------------------------------------------------------
+
+
+async def test_two_leases_of_one_name_in_one_client_exclude_each_other(
+    postgres_server: PostgresServer, name: str
+) -> None:
+    """Advisory locks are re-entrant per session: sharing a connection would let both in."""
+    async with asynclock.connect(postgres_server.url) as locks:
+        first = await locks.try_acquire(name, ttl=10)
+        assert first is not None
+        assert await locks.try_acquire(name, ttl=10) is None
+        with pytest.raises(asynclock.AcquireTimeout):
+            async with locks.lock(name, ttl=10, timeout=0.2):
+                pytest.fail("entered a lock held by the same client")
+        await first.release()
+        second = await locks.try_acquire(name, ttl=10)
+        assert second is not None
+        assert second.token > first.token
+        await second.release()
+
+
+async def test_holders_show_in_pg_stat_activity_and_idle_connections_hold_nothing(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
+) -> None:
+    async with asynclock.connect(postgres_server.url, application_name=app, max_idle=2) as locks:
+        leases = [await locks.acquire(f"{name}/{index}", ttl=10) for index in range(5)]
+        held = await sessions(admin, app)
+        assert len(held) == 5
+        assert all(count == 1 for _, count in held)
+        for index, lease in enumerate(leases):
+            assert await holders(admin, f"{name}/{index}") == [lease.grant.pid]  # type: ignore[attr-defined]
+        for lease in leases:
+            await lease.release()
+        # max_idle connections stay, holding no lock and with no idle timeout armed.
+        assert await settle_sessions(admin, app, 2) == 2
+        assert all(count == 0 for _, count in await sessions(admin, app))
+        backend = locks.backend
+        assert isinstance(backend, PostgresBackend)
+        for connection in backend._idle:
+            assert await connection.fetchval("SHOW idle_session_timeout") == "0"
+    assert await settle_sessions(admin, app, 0) == 0
+
+
+async def test_tokens_come_from_the_sequence_in_the_configured_schema(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    schema = f"locks_{uuid.uuid4().hex[:6]}"
+    with pytest.raises(asynclock.BackendUnavailable, match=f"schema '{schema}' does not exist"):
+        async with asynclock.connect(postgres_server.url, schema=schema):
+            pass
+    await admin.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        async with asynclock.connect(postgres_server.url, schema=schema) as locks:
+            async with locks.lock(name, ttl=10) as lease:
+                assert await holders(admin, name, schema) == [lease.grant.pid]  # type: ignore[attr-defined]
+                assert await holders(admin, name) == []
+                last = await admin.fetchval(
+                    f'SELECT last_value FROM "{schema}".asynclock_token_seq'
+                )
+                assert lease.token == last
+        # A sequence with a per-session cache would hand out tokens out of order: refused.
+        await admin.execute(f'ALTER SEQUENCE "{schema}".asynclock_token_seq CACHE 10')
+        with pytest.raises(asynclock.BackendUnavailable, match="CACHE 1"):
+            async with asynclock.connect(postgres_server.url, schema=schema):
+                pass
+    finally:
+        await admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+async def test_renew_reports_every_grant_and_proves_loss_of_a_terminated_one(
+    postgres_server: PostgresServer, name: str
+) -> None:
+    lost: list[str] = []
+    async with PostgresBackend.from_url(postgres_server.url, {}) as backend:
+        grants = [
+            await backend.acquire(LockRequest(f"{name}/{index}", 5.0, "owner", lost.append))
+            for index in range(6)
+        ]
+        await terminate_holder(postgres_server.dsn, f"{name}/3")
+        before = anyio.current_time()
+        outcomes = await backend.renew(grants)
+        for index, outcome in enumerate(outcomes):
+            if index == 3:
+                assert isinstance(outcome, Lost)
+            else:
+                assert isinstance(outcome, Renewed)
+                assert outcome.valid_from >= before and outcome.ttl == 5.0
+        # The termination was also pushed, without waiting for a renewal.
+        assert len(lost) == 1 and "pg_terminate_backend" in lost[0]
+        for grant in grants:
+            await backend.release(grant)
+
+
+# -- loss -------------------------------------------------------------------------------------
+
+
+async def test_pg_terminate_backend_of_the_holder_cancels_the_body_at_once(
+    postgres_server: PostgresServer, name: str
+) -> None:
+    async with (
+        asynclock.connect(postgres_server.url) as locks,
+        asynclock.connect(postgres_server.url) as other,
+    ):
+        with pytest.raises(asynclock.LeaseLost, match="pg_terminate_backend"):
+            async with locks.lock(name, ttl=30):
+                with anyio.CancelScope(shield=True):
+                    await terminate_holder(postgres_server.dsn, name)
+                    terminated_at = anyio.current_time()
+                await anyio.sleep(30)
+        assert anyio.current_time() - terminated_at < 0.5
+        lease = await other.try_acquire(name, ttl=10)
+        assert lease is not None
+        await lease.release()
+
+
+async def test_server_restart_cancels_the_body_and_the_lock_works_after(
+    own_server: PostgresServer, name: str
+) -> None:
+    async with asynclock.connect(own_server.url) as locks:
+        async with anyio.create_task_group() as tg:
+            with pytest.raises(asynclock.LeaseLost):
+                async with locks.lock(name, ttl=30) as lease:
+                    tg.start_soon(anyio.to_thread.run_sync, own_server.restart)
+                    restart_started = anyio.current_time()
+                    await anyio.sleep(30)
+        # Cancelled when the server closed the connection, long before the ttl.
+        assert anyio.current_time() - restart_started < 10
+        async with locks.lock(name, ttl=30, timeout=10) as after:
+            assert after.token > lease.token
+
+
+async def test_tokens_keep_increasing_after_a_server_crash(
+    own_server: PostgresServer, name: str
+) -> None:
+    async with asynclock.connect(own_server.url) as locks:
+        tokens = []
+        for _ in range(3):
+            async with locks.lock(name, ttl=10) as lease:
+                tokens.append(lease.token)
+    own_server.kill()  # SIGKILL: no clean shutdown, the server recovers from its WAL
+    await anyio.to_thread.run_sync(own_server.restart)
+    async with asynclock.connect(own_server.url) as locks:
+        async with locks.lock(name, ttl=10) as lease:
+            tokens.append(lease.token)
+    assert tokens == sorted(set(tokens))
+
+
+async def test_blackholed_connection_cancels_the_body_before_the_server_frees_the_lock(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    ttl = 2.0
+    async with FaultProxy(postgres_server.host, postgres_server.port) as proxy:
+        url = f"postgresql://postgres@{proxy.address}/postgres?op_timeout=0.3"
+        async with asynclock.connect(url) as locks:
+            with pytest.raises(asynclock.LeaseLost, match="deadline"):
+                async with locks.lock(name, ttl=ttl) as lease:
+                    holder = await holders(admin, name)
+                    proxy.blackhole()
+                    blackholed_at = anyio.current_time()
+                    try:
+                        await anyio.sleep(30)
+                    finally:
+                        cancelled_at = anyio.current_time()
+                        with anyio.CancelScope(shield=True):
+                            held_when_cancelled = await holders(admin, name)
+            # The body stopped while the server still kept the lock for us: nobody overlapped.
+            assert held_when_cancelled == holder
+            assert cancelled_at < lease.grant.valid_from + ttl
+            assert cancelled_at - blackholed_at < ttl
+            # The server ends the silent session ttl after the last renewal it received.
+            with anyio.fail_after(ttl + 2):
+                while await holders(admin, name):  # noqa: ASYNC110 (polling the server)
+                    await anyio.sleep(0.02)
+            assert anyio.current_time() >= lease.grant.valid_from + ttl
+
+
+async def test_a_silent_client_loses_the_lock_ttl_after_its_last_message(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    """No renewals at all (as a paused process): the server frees the lock after ttl, not before."""
+    ttl = 1.0
+    lost: list[str] = []
+    async with PostgresBackend.from_url(postgres_server.url, {}) as backend:
+        grant = await backend.acquire(LockRequest(name, ttl, "owner", lost.append))
+        assert grant.ttl == ttl
+        with anyio.fail_after(ttl + 2):
+            while await holders(admin, name):  # noqa: ASYNC110 (polling the server)
+                await anyio.sleep(0.01)
+        freed_seen_at = anyio.current_time()
+        assert freed_seen_at >= grant.valid_from + ttl
+        assert freed_seen_at < grant.valid_from + ttl + 1.0
+        with anyio.fail_after(1):
+            while not lost:  # noqa: ASYNC110 (the listener runs on the loop)
+                await anyio.sleep(0.01)
+        assert "idle_session_timeout" in lost[0]
+        await backend.release(grant)
+
+
+# -- waiting ----------------------------------------------------------------------------------
+
+
+async def test_200_waiters_are_served_in_the_order_they_queued(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    order: list[int] = []
+
+    async def waiter(locks: asynclock.LockClient, index: int) -> None:
+        async with locks.lock(name, ttl=30):
+            order.append(index)
+
+    async with (
+        asynclock.connect(postgres_server.url) as locks,
+        asynclock.connect(postgres_server.url) as holder_client,
+    ):
+        holder = await holder_client.acquire(name, ttl=30)
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for index in range(200):
+                    tg.start_soon(waiter, locks, index)
+                    await wait_for_waiters(admin, name, index + 1)
+                await holder.release()
+    assert order == list(range(200))
+
+
+async def test_a_cancelled_waiter_leaves_the_servers_queue_before_acquire_returns(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    async with asynclock.connect(postgres_server.url) as locks:
+        holder = await locks.acquire(name, ttl=10)
+        with anyio.move_on_after(5) as scope:
+            async with anyio.create_task_group() as tg:
+
+                async def wait_then_cancel() -> None:
+                    await wait_for_waiters(admin, name, 1)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(wait_then_cancel)
+                async with locks.lock(name, ttl=10):
+                    pytest.fail("entered a held lock")
+        assert not scope.cancelled_caught
+        assert await waiters(admin, name) == 0
+        await holder.release()
+
+
+async def test_no_connection_leaks_after_1000_acquire_cancel_cycles(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
+) -> None:
+    rng = random.Random(7)
+    async with (
+        asynclock.connect(postgres_server.url, application_name=app, max_idle=4) as locks,
+        asynclock.connect(postgres_server.url) as other,
+    ):
+        for cycle in range(1000):
+            if cycle % 2:
+                # Cancel an acquire of a free lock somewhere in its round trip or its body.
+                with anyio.move_on_after(rng.uniform(0, 0.002)):
+                    async with locks.lock(name, ttl=10):
+                        await anyio.sleep(1)
+            else:
+                # Cancel a waiter, queued or not yet.
+                holder = await other.acquire(name, ttl=10)
+                with anyio.move_on_after(rng.uniform(0, 0.004)):
+                    async with locks.lock(name, ttl=10):
+                        pytest.fail("entered a held lock")
+                await holder.release()
+        assert await waiters(admin, name) == 0
+        assert await holders(admin, name) == []
+        assert await settle_sessions(admin, app, 4) <= 4
+        assert all(count == 0 for _, count in await sessions(admin, app))
+        lease = await other.try_acquire(name, ttl=10)
+        assert lease is not None
+        await lease.release()
+    assert await settle_sessions(admin, app, 0) == 0
+
+
+# -- the transaction-scoped lock ------------------------------------------------------------
+
+
+@pytest.fixture
+async def table(admin: asyncpg.Connection) -> AsyncIterator[str]:
+    table = f"t_{uuid.uuid4().hex[:8]}"
+    await admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, fence bigint)")
+    try:
+        yield table
+    finally:
+        await admin.execute(f"DROP TABLE {table}")
+
+
+async def test_transaction_lock_commits_the_body_and_excludes_session_locks(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, table: str
+) -> None:
+    async with (
+        asynclock.connect(postgres_server.url) as locks,
+        asynclock.connect(postgres_server.url) as other,
+    ):
+        async with transaction_lock(locks, name) as (connection, token):
+            assert connection.is_in_transaction()
+            await connection.execute(f"INSERT INTO {table} VALUES (1, $1)", token)
+            # Held for the transaction: session locks of the same name wait.
+            assert await other.try_acquire(name, ttl=10) is None
+            assert await admin.fetchval(f"SELECT count(*) FROM {table}") == 0  # not committed
+        assert await admin.fetchval(f"SELECT fence FROM {table} WHERE id = 1") == token
+        async with other.lock(name, ttl=10) as lease:
+            assert lease.token > token
+            with pytest.raises(asynclock.AcquireTimeout):
+                async with transaction_lock(locks, name, timeout=0):
+                    pytest.fail("entered a lock held by a session")
+            started = anyio.current_time()
+            with pytest.raises(asynclock.AcquireTimeout):
+                async with transaction_lock(locks, name, timeout=0.3):
+                    pytest.fail("entered a lock held by a session")
+            assert 0.25 <= anyio.current_time() - started < 2
+            assert await waiters(admin, name) == 0
+        async with transaction_lock(locks, name, timeout=0) as (_, later):
+            assert later > lease.token
+
+
+async def test_transaction_lock_rolls_back_on_error_and_never_reuses_a_token(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, table: str
+) -> None:
+    async with asynclock.connect(postgres_server.url) as locks:
+        with pytest.raises(ZeroDivisionError):
+            async with transaction_lock(locks, name) as (connection, token):
+                await connection.execute(f"INSERT INTO {table} VALUES (1, $1)", token)
+                _ = 1 / 0
+        assert await admin.fetchval(f"SELECT count(*) FROM {table}") == 0
+        assert await holders(admin, name) == []
+        async with transaction_lock(locks, name, timeout=0) as (_, next_token):
+            assert next_token > token
+
+
+async def test_transaction_lock_on_a_url_and_on_an_asyncpg_connection(
+    postgres_server: PostgresServer, name: str, table: str
+) -> None:
+    async with transaction_lock(postgres_server.url, name) as (connection, first):
+        await connection.execute(f"INSERT INTO {table} VALUES (1, $1)", first)
+    own = await asyncpg.connect(postgres_server.dsn)
+    try:
+        async with transaction_lock(own, name, timeout=1) as (connection, second):
+            assert connection is own
+            await connection.execute(f"UPDATE {table} SET fence = $1 WHERE id = 1", second)
+        assert second > first
+        assert not own.is_in_transaction()
+        assert await own.fetchval(f"SELECT fence FROM {table} WHERE id = 1") == second
+    finally:
+        await own.close()
+    with pytest.raises(asynclock.InvalidArgument, match="asyncpg connection"):
+        async with transaction_lock(42, name):
+            pass
+
+
+async def test_transaction_lock_of_a_stalled_client_is_freed_by_the_server(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, table: str
+) -> None:
+    async with asynclock.connect(postgres_server.url) as locks:
+        with pytest.raises(asyncpg.InterfaceError):
+            async with transaction_lock(locks, name, idle_timeout=0.3) as (connection, token):
+                await connection.execute(f"INSERT INTO {table} VALUES (1, $1)", token)
+                await anyio.sleep(1.0)  # a stall between two statements
+                assert await holders(admin, name) == []
+                await connection.execute(f"INSERT INTO {table} VALUES (2, $1)", token)
+        assert await admin.fetchval(f"SELECT count(*) FROM {table}") == 0
+
+
+async def test_transaction_lock_cancelled_while_waiting_leaves_no_waiter(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    async with asynclock.connect(postgres_server.url) as locks:
+        holder = await locks.acquire(name, ttl=10)
+        async with anyio.create_task_group() as tg:
+
+            async def wait_then_cancel() -> None:
+                await wait_for_waiters(admin, name, 1)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(wait_then_cancel)
+            async with transaction_lock(locks, name):
+                pytest.fail("entered a held lock")
+        assert await waiters(admin, name) == 0
+        await holder.release()
+        async with transaction_lock(locks, name, timeout=0):
+            pass
