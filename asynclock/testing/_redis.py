@@ -97,7 +97,8 @@ class RedisServer(SingleServer):
         if self._preload is None:
             raise RuntimeError("jump_clock() needs RedisServer(faketime='+0') or another offset")
         self._clock_offset += seconds
-        self._write_clock_file()
+        if self._prepared and not self._stopped:
+            self._write_clock_file()
 
     @property
     def _clock_file(self) -> Path:

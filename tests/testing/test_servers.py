@@ -159,16 +159,19 @@ def test_redis_fake_clock_argument_checks() -> None:
     server.stop()
 
 
-def test_redis_start_offset_units() -> None:
-    with RedisServer(faketime="-1.5h") as server:
-        assert server.clock_offset == -5400
+def test_redis_start_offset_units_and_a_jump_before_start() -> None:
+    server = RedisServer(faketime="-1.5h")
+    assert server.clock_offset == -5400
+    server.jump_clock(60)
+    with server:
+        assert server.clock_offset == -5340
         answer = subprocess.run(
             [find_binary("redis-cli", "redis-tools"), "-p", str(server.port), "TIME"],
             capture_output=True,
             text=True,
             check=True,
         )
-        assert abs(int(answer.stdout.split()[0]) - (time.time() - 5400)) < 2
+        assert abs(int(answer.stdout.split()[0]) - (time.time() - 5340)) < 2
 
 
 @pytest.mark.anyio
