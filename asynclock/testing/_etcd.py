@@ -17,11 +17,14 @@ def _http_json(host: str, port: int, method: str, path: str, timeout: float) -> 
         connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
         response = connection.getresponse()
         payload = response.read()
-        if response.status != 200:
-            raise OSError(f"{method} {path}: HTTP {response.status}")
-        return json.loads(payload)
+    except http.client.HTTPException as exc:
+        # A half-started server can send garbage; callers retry on OSError.
+        raise OSError(f"{method} {path}: {exc!r}") from exc
     finally:
         connection.close()
+    if response.status != 200:
+        raise OSError(f"{method} {path}: HTTP {response.status}")
+    return json.loads(payload)
 
 
 class _EtcdProcess(Server):
