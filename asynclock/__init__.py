@@ -13,6 +13,7 @@ from ._decorator import locked as locked
 from ._errors import AcquireTimeout as AcquireTimeout
 from ._errors import BackendTimeout as BackendTimeout
 from ._errors import BackendUnavailable as BackendUnavailable
+from ._errors import DeadlockDetected as DeadlockDetected
 from ._errors import InvalidArgument as InvalidArgument
 from ._errors import InvalidURL as InvalidURL
 from ._errors import LeaseLost as LeaseLost
@@ -21,6 +22,7 @@ from ._errors import MissingDependency as MissingDependency
 from ._errors import NotHeld as NotHeld
 from ._errors import StaleToken as StaleToken
 from ._errors import UnsupportedFeature as UnsupportedFeature
+from ._errors import Waiter as Waiter
 from ._fencing import current_lease as current_lease
 from ._fencing import current_token as current_token
 from ._fencing import held_leases as held_leases
@@ -34,6 +36,7 @@ __all__ = (
     "BackendTimeout",
     "BackendUnavailable",
     "Capabilities",
+    "DeadlockDetected",
     "InvalidArgument",
     "InvalidURL",
     "Lease",
@@ -46,6 +49,7 @@ __all__ = (
     "NotHeld",
     "StaleToken",
     "UnsupportedFeature",
+    "Waiter",
     "connect",
     "current_lease",
     "current_token",

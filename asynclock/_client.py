@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import uuid
@@ -13,13 +14,16 @@ import anyio
 from anyio.abc import TaskGroup
 
 from . import _fencing, _validate
+from ._deadlock import waiter_for, watch_for_deadlock
 from ._errors import (
     AcquireTimeout,
     BackendTimeout,
     BackendUnavailable,
+    DeadlockDetected,
     InvalidArgument,
     LockError,
     UnsupportedFeature,
+    Waiter,
 )
 from ._lease import Lease, OnLost
 from ._registry import make_backend, redact
@@ -41,6 +45,9 @@ def connect(
     margin: float | None = None,
     connect_timeout: float = 10.0,
     release_timeout: float = 5.0,
+    deadlock_detection: bool = False,
+    deadlock_interval: float = 0.5,
+    label: str | None = None,
     **options: Any,
 ) -> LockClient:
     """Make a lock client for ``url``; use it as ``async with asynclock.connect(url) as locks:``.
@@ -56,6 +63,11 @@ def connect(
     ``drift`` (share of the ttl) and ``margin`` (seconds; default ``min(1, ttl / 10)``) shorten the
     local deadline so that the body is cancelled before the server can expire the lock, even if
     the two clocks run at slightly different rates.
+
+    ``deadlock_detection=True`` makes every wait longer than ``deadlock_interval`` publish who
+    waits for what in the lock store, and fails the youngest waiter of any cycle with
+    :class:`DeadlockDetected` (within about three intervals). ``label`` names this client in those
+    records and errors (default: the host name).
     """
     drift = _validate.positive_seconds(drift, "drift") if drift else 0.0
     if drift >= 0.5:
@@ -70,7 +82,15 @@ def connect(
             f"unknown capabilities in require: {', '.join(sorted(unknown))} "
             f"(known: {', '.join(_CAPABILITY_NAMES)})"
         )
+    deadlock_interval = _validate.positive_seconds(deadlock_interval, "deadlock_interval")
+    if label is not None and (not isinstance(label, str) or "/" in label or not label):
+        raise InvalidArgument(f"label must be a non-empty str without '/', got {label!r}")
     backend = make_backend(url, options)
+    if deadlock_detection and backend.waiter_registry() is None:
+        raise UnsupportedFeature(
+            f"{redact(url)} has no place for deadlock detection's records; use lock_all() or "
+            "timeouts instead, or a backend that has one (see the multi-lock guide)"
+        )
     missing = [name for name in require if not getattr(backend.capabilities, name)]
     if missing:
         raise UnsupportedFeature(
@@ -83,6 +103,8 @@ def connect(
         margin=margin,
         connect_timeout=connect_timeout,
         release_timeout=release_timeout,
+        deadlock_interval=deadlock_interval if deadlock_detection else None,
+        label=label,
     )
 
 
@@ -101,8 +123,12 @@ class LockClient:
         margin: float | None,
         connect_timeout: float,
         release_timeout: float,
+        deadlock_interval: float | None = None,
+        label: str | None = None,
     ) -> None:
         self._backend = backend
+        self._deadlock_interval = deadlock_interval
+        self._label = label
         self._drift = drift
         self._margin = margin
         self._connect_timeout = connect_timeout
@@ -334,13 +360,12 @@ class LockClient:
 
         request = LockRequest(name=name, ttl=ttl, owner=uuid.uuid4().hex, on_lost=lost)
         grant: Grant | None = None
+        deadlocks: list[list[Waiter]] = []
         try:
             if timeout == 0:
                 grant = await self._backend.try_acquire(request)
             else:
-                deadline = math.inf if timeout is None else anyio.current_time() + timeout
-                with anyio.CancelScope(deadline=deadline):
-                    grant = await self._backend.acquire(request)
+                grant = await self._wait(request, timeout, deadlocks)
         except LockError:
             raise
         except Exception as exc:
@@ -349,6 +374,8 @@ class LockClient:
             raise BackendUnavailable(
                 f"acquiring {name!r} on {self._backend.describe()} failed: {exc!r}"
             ) from exc
+        if grant is None and deadlocks:
+            raise DeadlockDetected(name, deadlocks[0])
         if grant is None:
             raise AcquireTimeout(name, timeout or 0.0)
         # No await from here until the lease is registered: a cancellation cannot strand it.
@@ -367,6 +394,33 @@ class LockClient:
         if track_context:
             _fencing.push(lease)
         return lease
+
+    async def _wait(
+        self, request: LockRequest, timeout: float | None, deadlocks: list[list[Waiter]]
+    ) -> Grant | None:
+        """Wait for the lock until ``timeout``; with deadlock detection, also until this task is
+        found to be the victim of a cycle (then ``deadlocks`` holds the cycle)."""
+        deadline = math.inf if timeout is None else anyio.current_time() + timeout
+        registry = self._backend.waiter_registry() if self._deadlock_interval else None
+        with anyio.CancelScope(deadline=deadline) as wait:
+            if registry is None or self._deadlock_interval is None:
+                return await self._backend.acquire(request)
+            me = waiter_for(request.name, self._label)
+            async with anyio.create_task_group() as task_group:
+                await task_group.start(
+                    functools.partial(
+                        watch_for_deadlock,
+                        registry,
+                        me,
+                        interval=self._deadlock_interval,
+                        found=deadlocks,
+                        give_up=wait,
+                    )
+                )
+                grant = await self._backend.acquire(request)
+                task_group.cancel_scope.cancel()
+            return grant
+        return None
 
     async def _release(self, lease: Lease) -> None:
         if lease.released:

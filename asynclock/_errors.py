@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 
 class LockError(Exception):
@@ -60,6 +61,37 @@ class InvalidURL(InvalidArgument):
 
 class MissingDependency(LockError, ImportError):
     """The driver a backend needs is not installed; the message names the extra to install."""
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """One task waiting for a lock, as deadlock detection sees it."""
+
+    #: Who it is: ``label/host/pid/task name#task id``, readable in errors and logs.
+    actor: str
+    #: The locks it holds (in its context, inherited ones included).
+    holds: tuple[str, ...]
+    #: The lock it waits for.
+    waits: str
+    #: When it started waiting, on the wall clock of its host (for choosing the youngest).
+    since: float
+
+
+class DeadlockDetected(LockError):
+    """Waiting for the lock would never end: the waiters form a cycle, and this one was chosen
+    (the youngest in the cycle) to give up so that the others can go on.
+
+    ``cycle`` lists the waiters in order; each waits for a lock the next one holds.
+    """
+
+    def __init__(self, name: str, cycle: Sequence[Waiter]) -> None:
+        steps = "; ".join(
+            f"{step.actor} holds {', '.join(map(repr, step.holds))} and waits for {step.waits!r}"
+            for step in cycle
+        )
+        super().__init__(f"deadlock while waiting for {name!r}: {steps}")
+        self.name = name
+        self.cycle = tuple(cycle)
 
 
 class StaleToken(LockError):

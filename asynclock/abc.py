@@ -26,6 +26,7 @@ __all__ = (
     "RenewOutcome",
     "Renewed",
     "Unknown",
+    "WaiterRegistry",
 )
 
 
@@ -104,6 +105,28 @@ class Unknown:
 
 RenewOutcome = Renewed | Lost | Unknown
 
+
+class WaiterRegistry(ABC):
+    """Short-lived records of who waits for what, shared by every client of the store.
+
+    Deadlock detection publishes one record per waiting task and reads them all to find cycles.
+    A record vanishes by itself ``ttl`` seconds after it was last published, so a crashed waiter
+    never leaves a false edge behind for long.
+    """
+
+    @abstractmethod
+    async def publish(self, key: str, value: str, ttl: float) -> None:
+        """Create or refresh the record ``key``."""
+
+    @abstractmethod
+    async def withdraw(self, key: str) -> None:
+        """Remove the record ``key`` if it exists."""
+
+    @abstractmethod
+    async def scan(self) -> list[str]:
+        """The values of every live record."""
+
+
 G = TypeVar("G", bound=Grant)
 
 
@@ -170,6 +193,10 @@ class Backend(ABC, Generic[G]):
     @abstractmethod
     async def release(self, grant: G) -> None:
         """Free the lock if, and only if, it is still ours. Must not raise when it is not."""
+
+    def waiter_registry(self) -> WaiterRegistry | None:
+        """Where deadlock detection keeps its records; ``None`` if the store offers none."""
+        return None
 
     def describe(self) -> str:
         """A short, password-free description for messages ("redis://127.0.0.1:6379/0")."""

@@ -21,7 +21,17 @@ import anyio.lowlevel
 
 from .._errors import BackendUnavailable, InvalidURL
 from .._validate import Options
-from ..abc import Backend, Capabilities, Grant, LockRequest, Lost, Renewed, RenewOutcome, Unknown
+from ..abc import (
+    Backend,
+    Capabilities,
+    Grant,
+    LockRequest,
+    Lost,
+    Renewed,
+    RenewOutcome,
+    Unknown,
+    WaiterRegistry,
+)
 
 __all__ = ("Faults", "MemoryBackend")
 
@@ -53,6 +63,8 @@ class _Store:
 
     def __init__(self) -> None:
         self.locks: dict[str, _Lock] = {}
+        #: Deadlock detection's records: key -> (value, expires at).
+        self.waiters: dict[str, tuple[str, float]] = {}
 
     def get(self, name: str) -> _Lock:
         lock = self.locks.get(name)
@@ -73,6 +85,24 @@ class Faults:
     renew: Literal["ok", "fail", "hang", "lost"] = "ok"
     #: Refuse to connect, as an unreachable server would.
     unreachable: bool = False
+
+
+class _MemoryWaiters(WaiterRegistry):
+    def __init__(self, store: _Store) -> None:
+        self._store = store
+
+    async def publish(self, key: str, value: str, ttl: float) -> None:
+        await anyio.lowlevel.checkpoint()
+        self._store.waiters[key] = (value, anyio.current_time() + ttl)
+
+    async def withdraw(self, key: str) -> None:
+        await anyio.lowlevel.checkpoint()
+        self._store.waiters.pop(key, None)
+
+    async def scan(self) -> list[str]:
+        await anyio.lowlevel.checkpoint()
+        now = anyio.current_time()
+        return [value for value, expires in self._store.waiters.values() if expires > now]
 
 
 class MemoryBackend(Backend[Grant]):
@@ -101,6 +131,9 @@ class MemoryBackend(Backend[Grant]):
 
     def describe(self) -> str:
         return f"memory://{self.namespace}"
+
+    def waiter_registry(self) -> WaiterRegistry:
+        return _MemoryWaiters(self._store)
 
     async def open(self) -> None:
         if self.faults.unreachable:

@@ -28,7 +28,16 @@ import anyio.to_thread
 
 from .._errors import BackendUnavailable, InvalidURL
 from .._validate import Options
-from ..abc import Backend, Capabilities, Grant, LockRequest, Lost, Renewed, RenewOutcome
+from ..abc import (
+    Backend,
+    Capabilities,
+    Grant,
+    LockRequest,
+    Lost,
+    Renewed,
+    RenewOutcome,
+    WaiterRegistry,
+)
 
 __all__ = ("SQLiteBackend",)
 
@@ -45,6 +54,12 @@ CREATE TABLE IF NOT EXISTS asynclock_locks (
 CREATE TABLE IF NOT EXISTS asynclock_tokens (
     name TEXT PRIMARY KEY,
     last INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS asynclock_waiters (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    expires_at REAL NOT NULL
 );
 """
 
@@ -76,6 +91,44 @@ class _Taken:
     token: int | None
     #: When the current holder's row expires (monotonic), if the lock was not free.
     holder_expires_at: float
+
+
+class _SQLiteWaiters(WaiterRegistry):
+    """Deadlock detection's records, in the same file and on the same clock as the locks."""
+
+    def __init__(self, backend: SQLiteBackend) -> None:
+        self._backend = backend
+
+    async def publish(self, key: str, value: str, ttl: float) -> None:
+        def publish() -> None:
+            self._backend._db().execute(
+                "INSERT OR REPLACE INTO asynclock_waiters (key, value, boot_id, expires_at) "
+                "VALUES (?, ?, ?, ?)",
+                (key, value, _BOOT_ID, time.monotonic() + ttl),
+            )
+
+        await self._backend._run(publish)
+
+    async def withdraw(self, key: str) -> None:
+        await self._backend._run(
+            lambda: self._backend._db().execute(
+                "DELETE FROM asynclock_waiters WHERE key = ?", (key,)
+            )
+        )
+
+    async def scan(self) -> list[str]:
+        def scan() -> list[str]:
+            db = self._backend._db()
+            now = time.monotonic()
+            # Expired records are swept here, by whoever looks: there is no server to do it.
+            db.execute(
+                "DELETE FROM asynclock_waiters WHERE boot_id != ? OR expires_at <= ?",
+                (_BOOT_ID, now),
+            )
+            rows = db.execute("SELECT value FROM asynclock_waiters").fetchall()
+            return [row[0] for row in rows]
+
+        return await self._backend._run(scan)
 
 
 class SQLiteBackend(Backend[Grant]):
@@ -116,6 +169,9 @@ class SQLiteBackend(Backend[Grant]):
 
     def describe(self) -> str:
         return f"sqlite://{self.path}"
+
+    def waiter_registry(self) -> WaiterRegistry:
+        return _SQLiteWaiters(self)
 
     async def open(self) -> None:
         await self._run(self._open_sync)
