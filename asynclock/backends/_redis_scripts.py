@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 from urllib.parse import unquote
 
 import anyio
@@ -29,8 +29,6 @@ from .._errors import (
     InvalidURL,
 )
 from .._validate import Options
-
-T = TypeVar("T")
 
 #: Key prefix used when the ``prefix`` option is not given.
 DEFAULT_PREFIX: Final = "asynclock:"
@@ -409,7 +407,10 @@ class Lane:
             conn = self._checkout()
             try:
                 if not conn.is_connected:
-                    await conn.connect()  # type: ignore[no-untyped-call]
+                    # The handshake (AUTH, CLIENT SETNAME, SELECT) reads replies with no socket
+                    # timeout of its own: bound it, or a frozen server would hold us for ever.
+                    with anyio.fail_after(self._op_timeout):
+                        await conn.connect()  # type: ignore[no-untyped-call]
                 await conn.send_packed_command(pack(args), check_health=False)
                 reply = await conn.read_response(timeout=limit)
             except redis.exceptions.ResponseError:
@@ -561,19 +562,6 @@ def check_ttl_ms(ttl: float, source: str, minimum_ms: int = 1) -> None:
         raise InvalidArgument(
             f"{source} stores ttls in whole milliseconds; {ttl!r} s is below {minimum_ms} ms"
         )
-
-
-async def bounded(call: Callable[[], Awaitable[T]], seconds: float, *, shield: bool = False) -> T:
-    """Await ``call()`` for at most ``seconds`` (TimeoutError past that).
-
-    With ``shield`` a caller's cancellation waits until the call is done (still bounded), so the
-    caller learns its result and can undo it; without it, cancelling drops the connection in
-    mid-call (redis-py closes it rather than reuse a socket with a reply pending).
-    """
-    with anyio.CancelScope(shield=shield):
-        with anyio.fail_after(seconds):
-            result = await call()
-    return result
 
 
 def jittered(seconds: float) -> float:

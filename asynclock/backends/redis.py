@@ -298,23 +298,29 @@ class RedisBackend(Backend[Grant]):
 
     async def _undo(self, request: LockRequest) -> None:
         """Leave nothing behind after an interrupted or failed acquire (shielded, bounded)."""
+        problem: object = None
         with anyio.CancelScope(shield=True):
-            try:
-                await self._script(
-                    lua.LEAVE,
-                    self._keys(request.name),
-                    [request.owner, self._wake_prefix, self._waiter_ttl_ms],
-                    f"cleaning up after an acquire of {request.name!r}",
-                )
-            except Exception as exc:
-                logger.warning(
-                    "asynclock: could not clean up after an interrupted acquire of %r on %s "
-                    "(%r); the server drops what is left within %g s",
-                    request.name,
-                    self.describe(),
-                    exc,
-                    max(request.ttl, self.waiter_ttl),
-                )
+            with anyio.move_on_after(2 * self.settings.op_timeout) as scope:
+                try:
+                    await self._script(
+                        lua.LEAVE,
+                        self._keys(request.name),
+                        [request.owner, self._wake_prefix, self._waiter_ttl_ms],
+                        f"cleaning up after an acquire of {request.name!r}",
+                    )
+                except Exception as exc:
+                    problem = exc
+            if scope.cancelled_caught:
+                problem = "no answer in time"
+        if problem is not None:
+            logger.warning(
+                "asynclock: could not clean up after an interrupted acquire of %r on %s (%s); "
+                "the server drops what is left within %g s",
+                request.name,
+                self.describe(),
+                problem,
+                max(request.ttl, self.waiter_ttl),
+            )
 
     async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
         if not grants:

@@ -154,6 +154,21 @@ async def test_unreachable_server_raises_backend_unavailable_quickly() -> None:
     assert "redis-server running" in str(info.value)
 
 
+async def test_a_frozen_server_is_reported_within_op_timeout(
+    own_server: RedisServer, prefix: str
+) -> None:
+    # A stopped process still completes TCP handshakes (the kernel does), then never answers.
+    own_server.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(asynclock.BackendTimeout, match=own_server.address):
+            async with connect(own_server, prefix, op_timeout=0.3):
+                pytest.fail("connected to a frozen server")
+        assert time.monotonic() - started < 1.5
+    finally:
+        own_server.resume()
+
+
 async def test_acl_user_and_password_are_used_and_a_wrong_password_is_refused(
     redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str
 ) -> None:
