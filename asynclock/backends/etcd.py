@@ -107,9 +107,9 @@ _CHANNEL_OPTIONS: Final = (
     # Spread calls over every endpoint and skip the ones that are down: fail over at once.
     ("grpc.lb_policy_name", "round_robin"),
     # gRPC backs off up to 120 s between reconnects by default; a restarted member must be
-    # usable again within a second.
+    # usable again within a second. (Not grpc.min_reconnect_backoff_ms: it is also the time
+    # a connection attempt may take.)
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     # Find dead connections under idle watches (etcd accepts pings every 5 s or slower).
     ("grpc.keepalive_time_ms", 10_000),
@@ -141,7 +141,6 @@ class _EtcdLease:
         "retry_at",
         "ttl",
         "valid_from",
-        "waiters",
     )
 
     def __init__(self, lease_id: int, bucket: int, ttl: int, valid_from: float) -> None:
@@ -154,21 +153,17 @@ class _EtcdLease:
         self.valid_from = valid_from
         self.dead = False
         self.held: set[EtcdGrant] = set()
-        #: Acquisitions queued on this lease right now.
-        self.waiters = 0
         self.refreshing = False
         #: After a keepalive that proved nothing, waiters try again no earlier than this.
         self.retry_at = 0.0
 
     def fresh(self, now: float) -> bool:
-        """Refreshed within the last third of its ttl (the renewal cadence)."""
-        return not self.dead and now < self.valid_from + self.ttl / 3.0
+        """Refreshed within the last half of its ttl: good for a new grant (the supervisor
+        renews it at once), and no keepalive of its own when locks are taken back to back."""
+        return not self.dead and now < self.valid_from + self.ttl / 2.0
 
     def refresh_due(self) -> float:
         return max(self.valid_from + self.ttl / 3.0, self.retry_at)
-
-    def in_use(self) -> bool:
-        return bool(self.held) or self.waiters > 0
 
 
 @dataclass(slots=True)
@@ -184,7 +179,6 @@ class _Attempt:
     key: bytes | None = None
     #: Its create revision once known (0 while unknown).
     rev: int = 0
-    counted: bool = False
 
 
 class _LeaseMissing(BackendUnavailable):
@@ -612,21 +606,13 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     def _place(self, attempt: _Attempt, lease: _EtcdLease) -> None:
         """Put the attempt's (next) key on ``lease``."""
-        if attempt.lease is not lease:
-            self._leave(attempt)
-            attempt.lease = lease
+        attempt.lease = lease
         attempt.key = attempt.prefix + f"{lease.id:016x}-{attempt.request.owner}".encode("ascii")
         attempt.rev = 0
-
-    def _leave(self, attempt: _Attempt) -> None:
-        if attempt.counted and attempt.lease is not None:
-            attempt.lease.waiters -= 1
-        attempt.counted = False
 
     def _hand_over(self, attempt: _Attempt) -> EtcdGrant:
         lease, key = attempt.lease, attempt.key
         assert lease is not None and key is not None and attempt.rev > 0
-        self._leave(attempt)
         grant = EtcdGrant(
             name=attempt.request.name,
             owner=attempt.request.owner,
@@ -642,7 +628,6 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     async def _abandon(self, attempt: _Attempt) -> None:
         """Delete the key a failed or cancelled acquisition may have created."""
-        self._leave(attempt)
         key, rev = attempt.key, attempt.rev
         attempt.key = None
         if key is None:
@@ -664,9 +649,6 @@ class EtcdBackend(Backend[EtcdGrant]):
                         self._place(attempt, await self._lease_for(attempt.bucket))
                     lease = attempt.lease
                     assert lease is not None
-                    if not attempt.counted:
-                        lease.waiters += 1
-                        attempt.counted = True
                     state = await self._enqueue(attempt)
                 else:
                     lease = attempt.lease
@@ -850,30 +832,21 @@ class EtcdBackend(Backend[EtcdGrant]):
     # -- leases ------------------------------------------------------------------------------
 
     async def _lease_for(self, bucket: int) -> _EtcdLease:
-        """A live lease for ``bucket``, refreshed within the last third of its ttl."""
+        """A live lease for ``bucket``, refreshed within the last half of its ttl."""
         lease = self._current.get(bucket)
         if lease is not None and lease.fresh(anyio.current_time()):
             return lease
         lock = self._granting.setdefault(bucket, anyio.Lock())
         async with lock:
             lease = self._current.get(bucket)
-            now = anyio.current_time()
-            if lease is not None and not lease.dead:
-                if lease.fresh(now):
-                    return lease
-                # Still within its last known ttl: it is probably alive, ask.
-                if now < lease.valid_from + lease.ttl and await self._refresh(lease):
-                    return lease
-            old = lease
-            async with anyio.create_task_group() as tg:
-                if old is not None and not old.dead:
-                    # Idle past its ttl: replace it, and revoke it if nothing uses it.
-                    del self._current[bucket]
-                    if not old.in_use():
-                        self._leases.pop(old.id, None)
-                        tg.start_soon(self._revoke_quietly, old.id)
-                new = await self._grant_lease(bucket)
-            return new
+            if lease is not None and lease.fresh(anyio.current_time()):
+                return lease
+            # Not renewed lately (nothing held on it): ask whether it still lives. A lease
+            # past its known expiry is most likely gone, but a keepalive whose answer was lost
+            # may have kept it: this way none is left behind.
+            if lease is not None and not lease.dead and await self._refresh(lease):
+                return lease
+            return await self._grant_lease(bucket)
 
     async def _grant_lease(self, bucket: int) -> _EtcdLease:
         for _ in range(3):
@@ -1035,6 +1008,11 @@ class EtcdBackend(Backend[EtcdGrant]):
             return BackendTimeout(
                 f"{context}: no answer within {self.op_timeout:g} s (op_timeout); check that "
                 "etcd runs and has a leader"
+            )
+        if "user name is empty" in details:
+            return BackendUnavailable(
+                f"{context}: etcd refused the request: it has authentication enabled; give the "
+                "user and password options (or user:password@ in the URL)"
             )
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
             "authentication failed" in details
@@ -1336,8 +1314,8 @@ def _parse_url(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]
     families = {_family(host) for host, _ in endpoints if _family(host) is not None}
     if len(families) > 1:
         raise InvalidURL(
-            "etcd URL mixes IPv4 and IPv6 addresses; list the members by one family "
-            "(or by host name)"
+            f"etcd URL {url.split('@')[-1]!r} mixes IPv4 and IPv6 addresses; list the members "
+            f"by one family (or by host name), for example {_URL_EXAMPLE}"
         )
     return endpoints, user, password
 

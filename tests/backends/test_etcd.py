@@ -1,0 +1,786 @@
+"""The etcd backend against real etcd: its queue, its lease, faults, failover, auth, TLS, fencing."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.client
+import json
+import os
+import signal
+import ssl
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aetcd
+import anyio
+import anyio.to_thread
+import grpc  # type: ignore[import-untyped]
+import pytest
+from aetcd import rpc
+
+import asynclock
+from asynclock.abc import Grant, Renewed
+from asynclock.backends.etcd import EtcdBackend, EtcdGrant, fence_compare, fenced_txn
+from asynclock.testing import EtcdCluster, EtcdServer, FaultProxy, find_binary, free_port
+
+pytestmark = pytest.mark.anyio
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def end(prefix: bytes) -> bytes:
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+def key_prefix(prefix: str, name: str) -> bytes:
+    return f"{prefix}{quote(name, safe='')}/".encode()
+
+
+@dataclass
+class Raw:
+    """Direct gRPC access to etcd, beside the backend under test."""
+
+    kv: Any
+    leases: Any
+    auth: Any
+
+    async def keys(self, prefix: bytes) -> list[Any]:
+        reply = await self.kv.Range(
+            rpc.RangeRequest(
+                key=prefix,
+                range_end=end(prefix),
+                sort_target=rpc.RangeRequest.CREATE,
+                sort_order=rpc.RangeRequest.ASCEND,
+            )
+        )
+        return list(reply.kvs)
+
+    async def count(self, prefix: bytes) -> int:
+        reply = await self.kv.Range(
+            rpc.RangeRequest(key=prefix, range_end=end(prefix), count_only=True)
+        )
+        return int(reply.count)
+
+    async def lease_ids(self) -> set[int]:
+        reply = await self.leases.LeaseLeases(rpc.LeaseLeasesRequest())
+        return {int(item.ID) for item in reply.leases}
+
+
+@asynccontextmanager
+async def raw(address: str) -> AsyncIterator[Raw]:
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield Raw(rpc.KVStub(channel), rpc.LeaseStub(channel), rpc.AuthStub(channel))
+    finally:
+        await channel.close()
+
+
+def metric(server: EtcdServer, name: str) -> float:
+    """One counter from etcd's Prometheus endpoint."""
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=5)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"etcd reports no metric {name}")
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"/asynclock-test/{uuid.uuid4().hex[:12]}/"
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while True:
+            if await predicate():
+                return
+            await anyio.sleep(0.005)
+
+
+# -- URLs and options --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("etcd://", "names no host"),
+        ("etcd://127.0.0.1:2379/locks", "take no path"),
+        ("etcd://127.0.0.1:99999", "not a TCP port"),
+        ("etcd://127.0.0.1:port", "not a TCP port"),
+        ("etcd://127.0.0.1:2379,,127.0.0.1:2380", "cannot read host"),
+        ("etcd://[::1]2379", "cannot read host"),
+        ("etcd://bad host:2379", "cannot read host"),
+        ("etcd://127.0.0.1:2379,[::1]:2379", "mixes IPv4 and IPv6"),
+        ("etcd://root@127.0.0.1:2379", "user:password@host"),
+    ],
+)
+def test_malformed_urls_are_refused_with_an_example(url: str, message: str) -> None:
+    with pytest.raises(asynclock.InvalidURL) as info:
+        asynclock.connect(url)
+    assert message in str(info.value)
+    assert "etcd://" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"colour": "blue"}, "unknown option(s) for etcd://: colour"),
+        ({"op_timeout": "soon"}, "'op_timeout'"),
+        ({"op_timeout": "0"}, "'op_timeout'"),
+        ({"prefix": "/no/slash"}, "must end with '/'"),
+        ({"user": "root"}, "both 'user' and 'password'"),
+        ({"cert_cert": "/tmp/c.pem"}, "'cert_key'"),
+        ({"tls": "maybe"}, "'tls'"),
+    ],
+)
+def test_bad_options_are_refused_by_name(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(asynclock.InvalidArgument) as info:
+        asynclock.connect("etcd://127.0.0.1:2379", **options)
+    assert message in str(info.value)
+
+
+def test_url_forms_and_a_password_free_description() -> None:
+    backend = EtcdBackend.from_url("etcd://app%40corp:s%3Acret@10.0.0.1,10.0.0.2:2380", {})
+    assert backend.endpoints == (("10.0.0.1", 2379), ("10.0.0.2", 2380))
+    assert backend.user == "app@corp"
+    assert backend.describe() == "etcd://app%40corp@10.0.0.1:2379,10.0.0.2:2380"
+    assert "cret" not in backend.describe()
+    v6 = EtcdBackend.from_url("etcd://[::1]:2379,[::1]", {"prefix": "/x/", "op_timeout": "2.5"})
+    assert v6.endpoints == (("::1", 2379), ("::1", 2379))
+    assert v6.prefix == "/x/" and v6.op_timeout == 2.5
+    with pytest.raises(asynclock.InvalidArgument, match="in the URL and as an option"):
+        EtcdBackend.from_url("etcd://a:b@127.0.0.1", {"user": "c", "password": "d"})
+
+
+async def test_ttl_below_etcds_minimum_is_refused_and_fractions_round_up(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with asynclock.connect(etcd_server.url, prefix=prefix) as locks:
+        with pytest.raises(asynclock.InvalidArgument, match="minimum lease of 2 s"):
+            locks.lock("a", ttl=1.5)
+        with pytest.raises(asynclock.InvalidArgument, match="minimum lease"):
+            await locks.acquire("a", ttl=0.5)
+        lease = await locks.acquire("a", ttl=2.5)
+        # etcd leases have whole seconds: the server keeps it 3 s, and the lease says so.
+        assert lease.ttl == 3.0
+        await lease.release()
+
+
+# -- connecting --------------------------------------------------------------------------------
+
+
+async def test_unreachable_server_raises_backend_unavailable_quickly() -> None:
+    url = f"etcd://127.0.0.1:{free_port()}"
+    started = anyio.current_time()
+    with pytest.raises(asynclock.BackendUnavailable) as info:
+        async with asynclock.connect(url):
+            pytest.fail("connected to nothing")
+    assert anyio.current_time() - started < 2.0
+    message = str(info.value)
+    assert url in message and "check that etcd runs" in message
+    assert "Traceback" not in message
+
+
+async def test_silent_server_times_out_within_op_timeout(etcd_server: EtcdServer) -> None:
+    async with FaultProxy(etcd_server.host, etcd_server.port) as proxy:
+        proxy.blackhole()
+        started = anyio.current_time()
+        with pytest.raises(asynclock.BackendTimeout, match="op_timeout"):
+            async with asynclock.connect(f"etcd://{proxy.address}", op_timeout=0.5):
+                pytest.fail("connected through a blackhole")
+        assert anyio.current_time() - started < 2.0
+
+
+async def test_a_dead_endpoint_in_the_list_is_skipped(etcd_server: EtcdServer, prefix: str) -> None:
+    url = f"etcd://127.0.0.1:{free_port()},{etcd_server.address}"
+    async with asynclock.connect(url, prefix=prefix) as locks:
+        for _ in range(5):
+            async with locks.lock("a", ttl=2) as lease:
+                assert lease.token > 0
+
+
+# -- the lease ---------------------------------------------------------------------------------
+
+
+async def test_one_lease_per_ttl_and_one_keepalive_per_lease_for_any_number_of_locks(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        raw(etcd_server.address) as direct,
+    ):
+        granted = metric(etcd_server, "etcd_debugging_lease_granted_total")
+        # Long ttls: the supervisor does not renew on its own while the test measures.
+        short = [await locks.acquire(f"s{i}", ttl=30) for i in range(30)]
+        long = [await locks.acquire(f"l{i}", ttl=60) for i in range(10)]
+        assert metric(etcd_server, "etcd_debugging_lease_granted_total") - granted == 2
+        grants = [lease.grant for lease in short + long]
+        assert all(isinstance(grant, EtcdGrant) for grant in grants)
+        lease_ids = {grant.lease_id for grant in grants if isinstance(grant, EtcdGrant)}
+        assert len(lease_ids) == 2
+        for lease_id in lease_ids:
+            info = await direct.leases.LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True)
+            )
+            assert len(info.keys) in (30, 10)
+
+        renewed = metric(etcd_server, "etcd_debugging_lease_renewed_total")
+        outcomes = await locks.backend.renew(grants)
+        assert metric(etcd_server, "etcd_debugging_lease_renewed_total") - renewed == 2
+        assert all(isinstance(outcome, Renewed) for outcome in outcomes)
+        for lease in short + long:
+            await lease.release()
+        assert await direct.count(prefix.encode()) == 0
+        ours = lease_ids & await direct.lease_ids()
+        assert ours == lease_ids  # kept for the next acquisitions ...
+    async with raw(etcd_server.address) as direct:
+        assert not lease_ids & await direct.lease_ids()  # ... and revoked on close
+
+
+async def test_two_acquisitions_of_one_name_in_one_client_exclude_each_other(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    inside = 0
+    most = 0
+
+    async def worker(locks: asynclock.LockClient) -> None:
+        nonlocal inside, most
+        async with locks.lock("same", ttl=5):
+            inside += 1
+            most = max(most, inside)
+            await anyio.sleep(0.005)
+            inside -= 1
+
+    async with asynclock.connect(etcd_server.url, prefix=prefix) as locks:
+        held = await locks.acquire("same", ttl=5)
+        # Same client, same ttl, so the same lease: still a second queue entry.
+        assert await locks.try_acquire("same", ttl=5) is None
+        await held.release()
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for _ in range(20):
+                    tg.start_soon(worker, locks)
+    assert most == 1
+
+
+async def test_revoking_the_lease_cancels_every_body_on_it_and_the_client_recovers(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    ttl = 6.0
+    lost: list[str] = []
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        asynclock.connect(etcd_server.url, prefix=prefix) as other,
+        raw(etcd_server.address) as direct,
+    ):
+
+        async def hold(name: str, started: anyio.Event) -> None:
+            try:
+                async with locks.lock(name, ttl=ttl):
+                    started.set()
+                    await anyio.sleep(60)
+            except asynclock.LeaseLost as exc:
+                lost.append(exc.name)
+
+        async with anyio.create_task_group() as tg:
+            for name in ("a", "b"):
+                started = anyio.Event()
+                tg.start_soon(hold, name, started)
+                await started.wait()
+            (key,) = await direct.keys(key_prefix(prefix, "a"))
+            revoked_at = anyio.current_time()
+            await direct.leases.LeaseRevoke(rpc.LeaseRevokeRequest(ID=key.lease))
+        # Both bodies rode on the one lease; both learnt it at the next renewal (ttl / 3),
+        # well before their local deadline.
+        assert sorted(lost) == ["a", "b"]
+        assert anyio.current_time() - revoked_at < ttl / 3 + 1.0
+        # Free for others at once, and this client gets a new lease for its next lock.
+        probe = await other.try_acquire("a", ttl=ttl)
+        assert probe is not None
+        await probe.release()
+        again = await locks.acquire("a", ttl=ttl)
+        assert isinstance(again.grant, EtcdGrant) and again.grant.lease_id != key.lease
+        await again.release()
+
+
+async def test_an_idle_lease_that_expired_is_replaced(etcd_server: EtcdServer, prefix: str) -> None:
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        raw(etcd_server.address) as direct,
+    ):
+        first = await locks.acquire("a", ttl=2)
+        await first.release()
+        assert isinstance(first.grant, EtcdGrant)
+        # Nothing uses the lease, so nothing renews it: etcd expires it.
+        await wait_until(lambda: _gone(direct, first.grant), timeout=5)
+        second = await locks.acquire("a", ttl=2)
+        assert isinstance(second.grant, EtcdGrant)
+        assert second.grant.lease_id != first.grant.lease_id
+        assert second.token > first.token
+        await second.release()
+
+
+async def _gone(direct: Raw, grant: Grant) -> bool:
+    assert isinstance(grant, EtcdGrant)
+    return grant.lease_id not in await direct.lease_ids()
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+async def test_keepalive_blackholed_cancels_the_body_before_etcd_expires_the_lease(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    ttl = 4.0
+    gone_at: list[float] = []
+
+    async def watch_key(direct: Raw, base: bytes) -> None:
+        while True:
+            if not await direct.count(base):
+                gone_at.append(anyio.current_time())
+                return
+            await anyio.sleep(0.01)
+
+    async with (
+        FaultProxy(etcd_server.host, etcd_server.port) as proxy,
+        raw(etcd_server.address) as direct,
+    ):
+        locks = asynclock.connect(
+            f"etcd://{proxy.address}", prefix=prefix, op_timeout=1.0, release_timeout=1.0
+        )
+        async with locks:
+            cancelled_at = None
+            async with anyio.create_task_group() as tg:
+                with pytest.raises(asynclock.LeaseLost) as info:
+                    async with locks.lock("a", ttl=ttl) as lease:
+                        tg.start_soon(watch_key, direct, key_prefix(prefix, "a"))
+                        proxy.blackhole()
+                        try:
+                            await anyio.sleep(30)
+                        finally:
+                            cancelled_at = anyio.current_time()
+            assert "local deadline" in info.value.reason
+            assert cancelled_at is not None
+            # Cancelled before the server let go of the key (the release could not reach it).
+            assert gone_at and cancelled_at < gone_at[0]
+            assert cancelled_at <= lease.deadline + 0.1
+            # Once the network heals, the client works again (on a new lease).
+            proxy.pass_through()
+            async with locks.lock("a", ttl=ttl) as again:
+                assert again.token > lease.token
+    async with raw(etcd_server.address) as direct:
+        assert await direct.count(prefix.encode()) == 0
+
+
+async def test_server_paused_past_the_ttl(etcd_server: EtcdServer, prefix: str) -> None:
+    ttl = 3.0
+    async with (
+        asynclock.connect(
+            etcd_server.url, prefix=prefix, op_timeout=1.0, release_timeout=1.0
+        ) as locks,
+        asynclock.connect(etcd_server.url, prefix=prefix) as other,
+    ):
+        cancelled_at = None
+        try:
+            with pytest.raises(asynclock.LeaseLost):
+                async with locks.lock("a", ttl=ttl) as lease:
+                    etcd_server.pause()
+                    paused_at = anyio.current_time()
+                    try:
+                        await anyio.sleep(30)
+                    finally:
+                        cancelled_at = anyio.current_time()
+            # The body ended by its local deadline, while etcd was still frozen.
+            assert cancelled_at is not None and cancelled_at - paused_at < ttl
+            await anyio.sleep(max(0.0, paused_at + ttl + 1.0 - anyio.current_time()))
+        finally:
+            etcd_server.resume()
+        # etcd expires the lease once it runs again; then others can take the lock.
+        with anyio.fail_after(10):
+            taken = await other.acquire("a", ttl=ttl)
+        assert taken.token > lease.token
+        await taken.release()
+        again = await locks.acquire("a", ttl=ttl)
+        await again.release()
+
+
+async def test_a_failed_release_is_retried_by_the_next_renewal(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """The client's lease lives on for its other locks, so a key whose delete failed must not
+    wait for the lease: a later renewal deletes it."""
+    async with FaultProxy(etcd_server.host, etcd_server.port) as proxy:
+        async with (
+            asynclock.connect(f"etcd://{proxy.address}", prefix=prefix, op_timeout=0.5) as locks,
+            asynclock.connect(etcd_server.url, prefix=prefix) as other,
+        ):
+            keeper = await locks.acquire("keeper", ttl=6)
+            stuck = await locks.acquire("stuck", ttl=6)
+            proxy.blackhole()
+            await stuck.release()  # fails after op_timeout; logged, not raised
+            # Drop the delete still queued in the proxy, as a broken connection would.
+            proxy.reset()
+            proxy.pass_through()
+            async with raw(etcd_server.address) as direct:
+                assert await direct.count(key_prefix(prefix, "stuck")) == 1
+            with anyio.fail_after(4):
+                taken = await other.acquire("stuck", ttl=6)
+            assert not keeper.lost
+            await taken.release()
+            await keeper.release()
+
+
+async def test_a_waiter_whose_lease_was_revoked_queues_again_on_a_live_lease(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """etcd#11456: a waiter must not be told it holds the lock on a lease that is gone."""
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as holder,
+        asynclock.connect(etcd_server.url, prefix=prefix) as waiting,
+        raw(etcd_server.address) as direct,
+    ):
+        lease = await holder.acquire("x", ttl=6)
+        base = key_prefix(prefix, "x")
+        got: list[asynclock.Lease] = []
+
+        async def wait() -> None:
+            got.append(await waiting.acquire("x", ttl=6))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await wait_until(functools.partial(_count_is, direct, base, 2))
+            _, queued = await direct.keys(base)
+            await direct.leases.LeaseRevoke(rpc.LeaseRevokeRequest(ID=queued.lease))
+            # It notices its entry is gone and queues again, behind the holder.
+            await wait_until(functools.partial(_count_is, direct, base, 2))
+            await lease.release()
+        (won,) = got
+        (key,) = await direct.keys(base)
+        assert isinstance(won.grant, EtcdGrant)
+        assert won.grant.key == bytes(key.key) and won.token == key.create_revision
+        assert key.lease != queued.lease and key.lease in await direct.lease_ids()
+        assert won.token > queued.create_revision
+        await won.release()
+
+
+async def test_leader_killed_while_locks_are_held_and_clients_wait(
+    etcd_cluster: EtcdCluster, prefix: str
+) -> None:
+    ttl = 10.0
+    order: list[int] = []
+    inside = 0
+    most = 0
+    url = etcd_cluster.url
+    clients = [asynclock.connect(url, prefix=prefix) for _ in range(5)]
+    async with clients[0] as holder, clients[1], clients[2], clients[3], clients[4]:
+        async with raw(etcd_cluster.members[0].address) as direct:
+
+            async def waiter(index: int) -> None:
+                nonlocal inside, most
+                async with clients[index].lock("x", ttl=ttl):
+                    inside += 1
+                    most = max(most, inside)
+                    order.append(index)
+                    await anyio.sleep(0.05)
+                    inside -= 1
+
+            lease = await holder.acquire("x", ttl=ttl)
+            inside = 1
+            base = key_prefix(prefix, "x")
+            with anyio.fail_after(40):
+                async with anyio.create_task_group() as tg:
+                    for index in (1, 2, 3):
+                        tg.start_soon(waiter, index)
+                        await wait_until(functools.partial(_count_is, direct, base, index + 1))
+                    killed = await anyio.to_thread.run_sync(etcd_cluster.kill_leader)
+                    try:
+                        # One more waiter arrives during the election.
+                        tg.start_soon(waiter, 4)
+                        # The holder's renewals ride out the election.
+                        await anyio.sleep(ttl / 2)
+                        assert not lease.lost
+                        inside -= 1
+                        await lease.release()
+                    finally:
+                        await anyio.to_thread.run_sync(killed.restart)
+            assert order == [1, 2, 3, 4]
+            assert most == 1
+            # Usable as before after the failover.
+            async with clients[1].lock("x", ttl=ttl, timeout=10):
+                pass
+
+
+async def _count_is(direct: Raw, base: bytes, expected: int) -> bool:
+    return await direct.count(base) == expected
+
+
+async def test_200_waiters_are_served_in_arrival_order(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    order: list[int] = []
+    tokens: list[int] = []
+    clients = [asynclock.connect(etcd_server.url, prefix=prefix) for _ in range(4)]
+    async with (
+        clients[0] as first,
+        clients[1],
+        clients[2],
+        clients[3],
+        raw(etcd_server.address) as direct,
+    ):
+
+        async def waiter(index: int) -> None:
+            async with clients[index % 4].lock("fifo", ttl=10) as lease:
+                order.append(index)
+                tokens.append(lease.token)
+
+        holder = await first.acquire("fifo", ttl=10)
+        base = key_prefix(prefix, "fifo")
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for index in range(200):
+                    tg.start_soon(waiter, index)
+                    # Arrival is when the waiter's key exists: the next one starts after.
+                    await wait_until(functools.partial(_count_is, direct, base, index + 2))
+                await holder.release()
+    assert order == list(range(200))
+    assert tokens == sorted(tokens) and len(set(tokens)) == 200
+
+
+# -- fencing inside etcd -----------------------------------------------------------------------
+
+
+async def test_fenced_txn_commits_only_while_our_key_has_our_create_revision(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    data = f"{prefix}data".encode()
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        asynclock.connect(etcd_server.url, prefix=prefix) as other,
+        raw(etcd_server.address) as direct,
+    ):
+        lease = await locks.acquire("guarded", ttl=6)
+        put = aetcd.transactions.Put(data, b"first")
+        assert (await fenced_txn(locks, lease, success=[put]))[0]
+        # The caller's own comparison still decides between success and failure.
+        compare = aetcd.transactions.Value(data) == b"nope"
+        succeeded, responses = await fenced_txn(
+            locks, lease, compare=[compare], success=[put], failure=[aetcd.transactions.Get(data)]
+        )
+        assert not succeeded
+        assert bytes(responses[0].response_range.kvs[0].value) == b"first"
+
+        # Our key goes (as if our lease had expired) and someone else takes the lock.
+        (key,) = await direct.keys(key_prefix(prefix, "guarded"))
+        await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=key.key))
+        newer = await other.acquire("guarded", ttl=6)
+        late = aetcd.transactions.Put(data, b"stale write")
+        with pytest.raises(asynclock.LeaseLost, match="not applied"):
+            await fenced_txn(locks, lease, success=[late])
+        # The same guard in the user's own aetcd transaction.
+        async with aetcd.Client(host=etcd_server.host, port=etcd_server.port) as client:
+            ok, _ = await client.transaction(
+                compare=[fence_compare(lease)], success=[late], failure=[]
+            )
+            assert not ok
+            ok, _ = await client.transaction(
+                compare=[fence_compare(newer)],
+                success=[aetcd.transactions.Put(data, b"new")],
+                failure=[],
+            )
+            assert ok
+        reply = await direct.kv.Range(rpc.RangeRequest(key=data))
+        assert bytes(reply.kvs[0].value) == b"new"
+        await newer.release()
+        await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=data))
+        with pytest.raises(asynclock.InvalidArgument):
+            await fenced_txn(locks, lease, success=["not an operation"])
+
+
+# -- authentication ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[EtcdServer]:
+    with EtcdServer() as server:
+        _enable_auth(server)
+        yield server
+
+
+def _enable_auth(server: EtcdServer) -> None:
+    """Add root (password "rootpw") and alice (read-write on /alice/ only), then enable auth,
+    through etcd's JSON gateway."""
+
+    def post(path: str, body: dict[str, Any]) -> None:
+        connection = http.client.HTTPConnection(server.host, server.port, timeout=5)
+        try:
+            connection.request("POST", path, body=json.dumps(body).encode())
+            response = connection.getresponse()
+            payload = response.read()
+            assert response.status == 200, payload
+        finally:
+            connection.close()
+
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    post("/v3/auth/user/add", {"name": "root", "password": "rootpw"})
+    post("/v3/auth/user/grant", {"user": "root", "role": "root"})
+    post("/v3/auth/role/add", {"name": "locks"})
+    post(
+        "/v3/auth/role/grant",
+        {
+            "name": "locks",
+            "perm": {"key": b64("/alice/"), "range_end": b64("/alice0"), "permType": "READWRITE"},
+        },
+    )
+    post("/v3/auth/user/add", {"name": "alice", "password": "alicepw"})
+    post("/v3/auth/user/grant", {"user": "alice", "role": "locks"})
+    post("/v3/auth/enable", {})
+
+
+async def test_user_and_password(auth_server: EtcdServer) -> None:
+    host = auth_server.address
+    async with (
+        asynclock.connect(f"etcd://alice:alicepw@{host}", prefix="/alice/locks/") as locks,
+        asynclock.connect(
+            f"etcd://{host}", user="root", password="rootpw", prefix="/alice/locks/"
+        ) as root,
+    ):
+        async with locks.lock("a", ttl=2) as lease:
+            assert await root.try_acquire("a", ttl=2) is None
+            assert lease.token > 0
+    with pytest.raises(asynclock.BackendUnavailable, match="etcd refused") as info:
+        async with asynclock.connect(f"etcd://{host}", user="alice", password="wrong"):
+            pass
+    assert "wrong" not in str(info.value)
+    with pytest.raises(asynclock.BackendUnavailable, match="etcd refused"):
+        async with asynclock.connect(f"etcd://{host}", prefix="/alice/locks/"):
+            pass
+    # Alice may not touch another prefix: refused at connect time, not at the first lock.
+    with pytest.raises(asynclock.BackendUnavailable, match="'/elsewhere/'"):
+        async with asynclock.connect(
+            f"etcd://{host}", user="alice", password="alicepw", prefix="/elsewhere/"
+        ):
+            pass
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Certificates:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_certificates(directory: Path) -> Certificates:
+    ext = directory / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=directory)  # fmt: skip
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=directory)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-days", "2", "-extfile", str(ext),
+                 "-out", f"{name}.pem", cwd=directory)  # fmt: skip
+    return Certificates(
+        directory / "ca.pem",
+        directory / "server.pem",
+        directory / "server.key",
+        directory / "client.pem",
+        directory / "client.key",
+    )
+
+
+@contextmanager
+def tls_etcd(directory: Path, certs: Certificates) -> Iterator[int]:
+    """An etcd that serves clients over TLS and requires a client certificate."""
+    port, peer = free_port(), free_port()
+    command = [
+        find_binary("etcd", "etcd-server"),
+        "--name", "tls", "--data-dir", str(directory / "data"),
+        "--listen-client-urls", f"https://127.0.0.1:{port}",
+        "--advertise-client-urls", f"https://127.0.0.1:{port}",
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"tls=http://127.0.0.1:{peer}",
+        "--cert-file", str(certs.server_cert), "--key-file", str(certs.server_key),
+        "--trusted-ca-file", str(certs.ca), "--client-cert-auth",
+        "--logger", "zap", "--log-outputs", "stderr", "--log-level", "error",
+    ]  # fmt: skip
+    log = (directory / "etcd.log").open("wb")
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        context = ssl.create_default_context(cafile=str(certs.ca))
+        context.load_cert_chain(str(certs.client_cert), str(certs.client_key))
+        deadline = time.monotonic() + 20
+        while True:
+            assert process.poll() is None, (directory / "etcd.log").read_text()
+            connection = http.client.HTTPSConnection("127.0.0.1", port, timeout=1, context=context)
+            try:
+                connection.request("GET", "/health")
+                if json.loads(connection.getresponse().read()).get("health") == "true":
+                    break
+            except OSError:
+                pass
+            finally:
+                connection.close()
+            assert time.monotonic() < deadline, "etcd with TLS did not start"
+            time.sleep(0.05)
+        yield port
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        log.close()
+
+
+async def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
+    certs = make_certificates(tmp_path)
+    with tls_etcd(tmp_path, certs) as port:
+        options: dict[str, Any] = {
+            "ca_cert": str(certs.ca),
+            "cert_cert": str(certs.client_cert),
+            "cert_key": str(certs.client_key),
+        }
+        for url in (f"etcd://127.0.0.1:{port}", f"etcd://127.0.0.1:{port},localhost:{port}"):
+            async with asynclock.connect(url, **options) as locks:
+                async with locks.lock("tls", ttl=2) as lease:
+                    assert lease.token > 0
+        # Without a client certificate the server refuses; without TLS nothing is understood.
+        with pytest.raises(asynclock.BackendUnavailable):
+            async with asynclock.connect(
+                f"etcd://127.0.0.1:{port}", ca_cert=str(certs.ca), op_timeout=2
+            ):
+                pass
+        with pytest.raises(asynclock.BackendUnavailable):
+            async with asynclock.connect(f"etcd://127.0.0.1:{port}", op_timeout=2):
+                pass
+        with pytest.raises(asynclock.InvalidArgument, match="cannot be read"):
+            async with asynclock.connect(
+                f"etcd://127.0.0.1:{port}", ca_cert=str(tmp_path / "missing.pem")
+            ):
+                pass
