@@ -184,12 +184,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--workers", type=int, default=2)
     demo.add_argument("--rounds", type=int, default=5)
     demo.add_argument("--hold", type=float, default=0.05, help="seconds each hold lasts")
+    commands.add_parser("bench", add_help=False, help="benchmark the backends (bench --help)")
     worker = commands.add_parser("_demo-worker")
     worker.add_argument("url")
     worker.add_argument("worker", type=int)
     worker.add_argument("rounds", type=int)
     worker.add_argument("hold", type=float)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # options parsed by benchmarks/, in a source checkout only
+        from benchmarks import main as bench
+
+        return bench(argv[1:])
     # Everything after the first "--" is the command, options that look like ours included.
     command: list[str] = []
     if "--" in argv:

@@ -1,0 +1,331 @@
+"""``asynclock bench`` / ``python -m benchmarks``: options, servers, the run, the files written."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from . import _report
+from ._peers import PEERS, Peer
+from ._servers import BACKENDS, Endpoint, NotAvailable, endpoint_from_url, start
+from ._suite import Settings, measure_peer, measure_target
+from ._targets import TARGETS, Target, make_target, package_version
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+DESCRIPTION = """\
+Measure asynclock's backends (and, with --peers, the peer libraries) on real servers started on
+127.0.0.1 through asynclock.testing, and print a Markdown table with every figure also shown as
+a ratio to a raw round trip of the same client library. Backends whose module or server is
+missing are listed as not available. Results go to benchmarks/results/ (latest.json,
+latest.md, latest.png).
+"""
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="asynclock bench", description=DESCRIPTION)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="short runs (a few hundred iterations, 0.4 s contention runs, fewer locks); "
+        "under a minute with --backends sqlite",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the shortest run that goes through every measurement once (for the test "
+        "suite; its numbers mean nothing)",
+    )
+    parser.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        metavar="NAMES",
+        help=f"comma-separated backends to measure (default: all of {','.join(BACKENDS)}); "
+        "sqlite, the embedded one, is always included",
+    )
+    parser.add_argument(
+        "--url",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="use this already running server for backend NAME (loopback only) instead of "
+        "starting one, e.g. --url redis=redis://127.0.0.1:6379/0; repeatable",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="also measure redis-py Lock, python-redis-lock, pottery, aioredlock, aetcd, aiozk, "
+        "kazoo and a bare asyncpg advisory lock on the same servers",
+    )
+    parser.add_argument(
+        "--processes",
+        choices=("embedded", "all", "none"),
+        default="embedded",
+        help="contention between processes: for the embedded backend only (default), for "
+        "every backend, or not at all",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="no new measurement starts after this many seconds (default 570, --quick 240)",
+    )
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=RESULTS,
+        help="where latest.json, latest.md and latest.png go (default: benchmarks/results)",
+    )
+    parser.add_argument("--no-chart", action="store_true", help="do not draw the PNG chart")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: redraw the Markdown and the chart from a results JSON",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        return _write(data, args.output_dir, chart=not args.no_chart)
+    urls: dict[str, str] = {}
+    for item in args.url:
+        name, sep, url = item.partition("=")
+        if not sep or name not in BACKENDS:
+            raise SystemExit(
+                f"--url takes NAME=URL with NAME one of {', '.join(BACKENDS)}; got {item!r}"
+            )
+        urls[name] = url
+    selected = [name.strip() for name in args.backends.split(",") if name.strip()]
+    unknown = sorted(set(selected) - set(BACKENDS))
+    if unknown:
+        raise SystemExit(f"unknown backends: {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
+    if "sqlite" not in selected:
+        selected.append("sqlite")
+    selected = [name for name in BACKENDS if name in selected]
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    budget = (
+        args.budget if args.budget is not None else {"smoke": 60.0, "quick": 240.0}.get(mode, 570.0)
+    )
+    settings = Settings.make(mode=mode, budget=budget, processes=args.processes, quiet=args.quiet)
+    data = run(selected, urls, settings, peers=args.peers)
+    return _write(data, args.output_dir, chart=not args.no_chart)
+
+
+def _write(data: dict[str, Any], directory: Path, *, chart: bool) -> int:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "latest.json").write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    table = _report.markdown(data)
+    (directory / "latest.md").write_text(table)
+    if chart:
+        try:
+            _report.chart(data, directory / "latest.png")
+        except ImportError as exc:
+            print(f"no chart: {exc} (pip install matplotlib)")
+    print(table)
+    print(f"written: {directory / 'latest.json'}, latest.md" + (", latest.png" if chart else ""))
+    return 0
+
+
+def _machine() -> dict[str, Any]:
+    model = "?"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    system = platform.platform()
+    try:
+        with open("/etc/os-release", encoding="utf-8") as file:
+            for line in file:
+                if line.startswith("PRETTY_NAME="):
+                    system = line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "os": system,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "load_start": _load(),
+    }
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{value:.1f}" for value in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def run(
+    selected: list[str], urls: dict[str, str], settings: Settings, *, peers: bool
+) -> dict[str, Any]:
+    """Start the servers, measure, stop the servers; returns the results (JSON-ready)."""
+    say = settings.progress
+    began = time.monotonic()
+    tag = uuid.uuid4().hex[:8]
+    data: dict[str, Any] = {
+        "schema": 1,
+        "started_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "settings": settings.settings_record(),
+        "machine": _machine(),
+        "versions": {
+            "asynclock": package_version("asynclock"),
+            "anyio": package_version("anyio"),
+            "python": platform.python_version(),
+        },
+        "backends": {},
+        "peers": {},
+        "floors": {},
+    }
+    peer_objects: list[type[Peer]] = list(PEERS) if peers else []
+    kinds = {BACKENDS[name] for name in selected} | {peer.server for peer in peer_objects}
+    with ExitStack() as stack:
+        workdir = Path(
+            stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="asynclock-bench-", dir=_ram_dir())
+            )
+        )
+        endpoints: dict[str, Endpoint | NotAvailable] = {}
+        for kind in BACKENDS.values():
+            if kind is None or kind not in kinds:
+                continue
+            say(f"server {kind}: {'given' if kind in urls else 'starting'}")
+            try:
+                endpoints[kind] = (
+                    endpoint_from_url(kind, urls[kind]) if kind in urls else start(kind, stack)
+                )
+            except NotAvailable as exc:
+                endpoints[kind] = exc
+                say(f"  not available: {exc}")
+        targets: list[Target] = []
+        for name in selected:
+            kind = BACKENDS[name]
+            endpoint = endpoints.get(kind) if kind is not None else None
+            if name == "sqlite" and "sqlite" in urls:
+                endpoint = endpoint_from_sqlite(urls["sqlite"])
+            if isinstance(endpoint, NotAvailable):
+                data["backends"][name] = {"status": "not available", "reason": str(endpoint)}
+                continue
+            try:
+                targets.append(make_target(name, endpoint, workdir, tag))
+            except NotAvailable as exc:
+                data["backends"][name] = {"status": "not available", "reason": str(exc)}
+                say(f"{name}: not available: {exc}")
+        available_peers: list[Peer] = []
+        for peer_class in peer_objects:
+            endpoint = endpoints.get(peer_class.server)
+            if not isinstance(endpoint, Endpoint):
+                data["peers"][peer_class.name] = {
+                    "status": "not available",
+                    "server": peer_class.server,
+                    "reason": f"no {peer_class.server} server: {endpoint}",
+                }
+                continue
+            peer = peer_class(endpoint)
+            try:
+                peer.check()
+            except NotAvailable as exc:
+                data["peers"][peer_class.name] = {
+                    "status": "not available",
+                    "server": peer_class.server,
+                    "reason": str(exc),
+                }
+                continue
+            available_peers.append(peer)
+        measured = anyio.run(_measure, targets, available_peers, endpoints, settings, tag)
+        for name in selected:
+            if name in measured["backends"]:
+                data["backends"][name] = measured["backends"][name]
+        data["backends"] = {
+            name: data["backends"][name] for name in selected if name in data["backends"]
+        }
+        data["peers"].update(measured["peers"])
+        data["peers"] = {
+            peer.name: data["peers"][peer.name] for peer in PEERS if peer.name in data["peers"]
+        }
+        data["floors"] = measured["floors"]
+        data["versions"].update(measured["versions"])
+        say("stopping servers")
+    data["machine"]["load_end"] = _load()
+    data["seconds"] = time.monotonic() - began
+    data["targets"] = _report.evaluate_targets(data)
+    return data
+
+
+def endpoint_from_sqlite(url: str) -> Endpoint:
+    return Endpoint("sqlite", url, (("127.0.0.1", 0),), started=False)
+
+
+def _ram_dir() -> str | None:
+    """The embedded backend's file goes where the servers keep their data: RAM if possible."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
+async def _measure(
+    targets: list[Target],
+    peers: list[Peer],
+    endpoints: dict[str, Endpoint | NotAvailable],
+    settings: Settings,
+    tag: str,
+) -> dict[str, Any]:
+    results: dict[str, Any] = {"backends": {}, "peers": {}, "floors": {}, "versions": {}}
+    done: set[str] = set()
+    for target in targets:
+        entry = await measure_target(target, settings, tag)
+        results["backends"][target.name] = entry
+        results["versions"].update(entry.get("versions", {}))
+        if isinstance(entry.get("floor"), dict) and "p50_ms" in entry["floor"]:
+            kind = BACKENDS[target.name]
+            if kind is not None:
+                results["floors"][kind] = entry["floor"]
+        for peer in peers:
+            if peer.compare_with == target.name and peer.name not in done:
+                results["peers"][peer.name] = await measure_peer(peer, settings, tag)
+                done.add(peer.name)
+    # Peers whose asynclock backend was not measured still run, with a floor of their own.
+    for peer in peers:
+        if peer.name in done:
+            continue
+        if peer.server not in results["floors"]:
+            endpoint = endpoints[peer.server]
+            assert isinstance(endpoint, Endpoint)
+            floor_target = TARGETS[peer.server](endpoint.url, {}, endpoint)
+            from ._contend import time_op
+            from ._stats import summarize
+
+            try:
+                async with floor_target.floor() as op:
+                    results["floors"][peer.server] = {
+                        "label": floor_target.floor_label,
+                        **summarize(await time_op(op, settings.floor)),
+                    }
+            except Exception as exc:
+                settings.progress(f"floor of {peer.server}: {type(exc).__name__}: {exc}")
+        results["peers"][peer.name] = await measure_peer(peer, settings, tag)
+    for peer in peers:
+        results["versions"][peer.distribution] = peer.version()
+    return results

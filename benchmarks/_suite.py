@@ -1,0 +1,617 @@
+"""The measurements: one asynclock backend at a time, then the peers on the same servers.
+
+Each phase is bounded by its own time limit and by the run's overall budget; a phase that fails
+or runs out of time is recorded as such (``{"error": ...}`` or ``{"skipped": ...}``) and the run
+goes on, so that a backend still being written cannot take the whole run down.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import sys
+import time
+import tracemalloc
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+import asynclock
+from asynclock._registry import redact
+
+from ._contend import (
+    AsyncHold,
+    AsyncWorkerFactory,
+    Budget,
+    Run,
+    contend_tasks,
+    contend_threads,
+    process_pool,
+    time_op,
+    time_sync_op,
+)
+from ._peers import AsyncPeer, Peer, SyncPeer, peer_info
+from ._stats import summarize
+from ._targets import Target
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    mode: str
+    floor: Budget
+    latency: Budget
+    contenders: tuple[int, ...]
+    holds: tuple[float, ...]
+    duration: float
+    grace: float
+    process_contenders: tuple[int, ...]
+    process_duration: float
+    renewal_counts: tuple[int, ...]
+    renewal_intervals: int
+    loss_repeats: int
+    memory_count: int
+    peer_latency: Budget
+    peer_contenders: int
+    peer_duration: float
+    #: ``time.monotonic()`` after which no new phase starts.
+    deadline: float
+    processes: str = "embedded"
+    progress: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr))
+
+    @classmethod
+    def make(cls, *, mode: str, budget: float, processes: str, quiet: bool = False) -> Settings:
+        """``mode`` is "full", "quick" or "smoke" (the shortest run that exercises every
+        phase, for the test suite: its numbers mean nothing)."""
+        progress: Callable[[str], None] = (
+            (lambda line: None)
+            if quiet
+            else (lambda line: print(line, file=sys.stderr, flush=True))
+        )
+        deadline = time.monotonic() + budget
+        if mode == "smoke":
+            return cls(
+                mode="smoke",
+                floor=Budget(20, 2, 2.0),
+                latency=Budget(20, 2, 2.0),
+                contenders=(2,),
+                holds=(0.0,),
+                duration=0.1,
+                grace=1.0,
+                process_contenders=(2,),
+                process_duration=0.2,
+                renewal_counts=(2,),
+                renewal_intervals=1,
+                loss_repeats=1,
+                memory_count=10,
+                peer_latency=Budget(10, 1, 2.0),
+                peer_contenders=2,
+                peer_duration=0.1,
+                deadline=deadline,
+                processes=processes,
+                progress=progress,
+            )
+        if mode == "quick":
+            return cls(
+                mode="quick",
+                floor=Budget(200, 20, 5.0),
+                latency=Budget(200, 20, 5.0),
+                contenders=(2, 8, 32),
+                holds=(0.0, 0.001),
+                duration=0.4,
+                grace=1.0,
+                process_contenders=(2, 8),
+                process_duration=0.5,
+                renewal_counts=(1, 100),
+                renewal_intervals=1,
+                loss_repeats=3,
+                memory_count=100,
+                peer_latency=Budget(100, 10, 5.0),
+                peer_contenders=8,
+                peer_duration=0.5,
+                deadline=deadline,
+                processes=processes,
+                progress=progress,
+            )
+        return cls(
+            mode="full",
+            floor=Budget(2000, 200, 8.0),
+            latency=Budget(2000, 200, 12.0),
+            contenders=(2, 8, 32),
+            holds=(0.0, 0.001),
+            duration=1.0,
+            grace=2.0,
+            process_contenders=(2, 8, 32),
+            process_duration=1.0,
+            renewal_counts=(1, 100, 10_000),
+            renewal_intervals=2,
+            loss_repeats=8,
+            memory_count=1000,
+            peer_latency=Budget(1000, 100, 6.0),
+            peer_contenders=8,
+            peer_duration=1.0,
+            deadline=deadline,
+            processes=processes,
+            progress=progress,
+        )
+
+    def settings_record(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "floor_iterations": self.floor.iterations,
+            "latency_iterations": self.latency.iterations,
+            "warmup": self.latency.warmup,
+            "contenders": list(self.contenders),
+            "holds_ms": [hold * 1e3 for hold in self.holds],
+            "contention_seconds": self.duration,
+            "process_contenders": list(self.process_contenders),
+            "processes": self.processes,
+            "renewal_counts": list(self.renewal_counts),
+            "renewal_intervals": self.renewal_intervals,
+            "loss_repeats": self.loss_repeats,
+            "memory_count": self.memory_count,
+            "peer_iterations": self.peer_latency.iterations,
+            "peer_contenders": self.peer_contenders,
+        }
+
+
+async def phase(
+    settings: Settings, label: str, limit: float, body: Callable[[], Awaitable[Any]]
+) -> Any:
+    """Run one measurement within ``limit`` seconds; failures become a record, not a crash."""
+    if time.monotonic() > settings.deadline:
+        settings.progress(f"  {label}: skipped (time budget spent)")
+        return {"skipped": "the run's time budget was spent"}
+    started = time.monotonic()
+    try:
+        with anyio.fail_after(limit):
+            result = await body()
+    except TimeoutError:
+        settings.progress(f"  {label}: timed out after {limit:g} s")
+        return {"error": f"timed out after {limit:g} s"}
+    except Exception as exc:
+        settings.progress(f"  {label}: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    settings.progress(f"  {label}: {_brief(result)} ({time.monotonic() - started:.1f} s)")
+    return result
+
+
+def _brief(result: Any) -> str:
+    if isinstance(result, dict) and "p50_ms" in result:
+        return f"p50 {result['p50_ms']:.3g} ms, p99 {result['p99_ms']:.3g} ms, n={result['n']}"
+    if isinstance(result, list):
+        return f"{len(result)} runs"
+    return "done"
+
+
+def _name(tag: str, what: str) -> str:
+    return f"bench/{tag}/{what}/{uuid.uuid4().hex[:8]}"
+
+
+def _hold_factory(locks: asynclock.LockClient, name: str, ttl: float) -> AsyncWorkerFactory:
+    """Workers that share one asynclock client and take ``name`` with ``locks.lock()``."""
+
+    @asynccontextmanager
+    async def hold(timeout: float) -> AsyncIterator[bool]:
+        try:
+            async with locks.lock(name, ttl=ttl, timeout=timeout):
+                yield True
+        except asynclock.AcquireTimeout:
+            yield False
+
+    @asynccontextmanager
+    async def worker(index: int) -> AsyncIterator[AsyncHold]:
+        yield hold
+
+    return worker
+
+
+# -- one backend ----------------------------------------------------------------------------
+
+
+async def measure_target(target: Target, settings: Settings, tag: str) -> dict[str, Any]:
+    say = settings.progress
+    say(f"{target.name}: {redact(target.url)}")
+    result: dict[str, Any] = {"status": "measured", "url": redact(target.url)}
+    try:
+        with anyio.fail_after(30):
+            result["versions"] = await target.versions()
+            async with target.connect() as locks:
+                capabilities = locks.capabilities
+                result["capabilities"] = {
+                    key: getattr(capabilities, key)
+                    for key in ("fencing", "fifo", "loss_detection", "quorum", "cross_process")
+                }
+                result["backend_info"] = {
+                    key: value
+                    for key, value in dict(locks.backend.extra_info()).items()
+                    if isinstance(value, (str, int, float, bool))
+                }
+    except Exception as exc:
+        say(f"  cannot connect: {type(exc).__name__}: {exc}")
+        return {
+            "status": "not available",
+            "reason": f"connecting failed: {type(exc).__name__}: {exc}",
+            "url": redact(target.url),
+        }
+
+    async def floor() -> dict[str, Any]:
+        async with target.floor() as op:
+            return {"label": target.floor_label, **summarize(await time_op(op, settings.floor))}
+
+    result["floor"] = await phase(settings, "floor", settings.floor.seconds + 30, floor)
+    pair_context = target.pair()
+    if pair_context is not None:
+
+        async def pair() -> dict[str, Any]:
+            assert pair_context is not None
+            async with pair_context as op:
+                return {"label": target.pair_label, **summarize(await time_op(op, settings.floor))}
+
+        result["pair"] = await phase(settings, "pair floor", settings.floor.seconds + 30, pair)
+
+    async def uncontended() -> dict[str, Any]:
+        async with target.connect() as locks:
+            name = _name(tag, "uncontended")
+
+            async def op() -> None:
+                async with locks.lock(name, ttl=target.long_ttl):
+                    pass
+
+            return summarize(await time_op(op, settings.latency))
+
+    result["uncontended"] = await phase(
+        settings, "uncontended", settings.latency.seconds + 30, uncontended
+    )
+
+    runs = [
+        Run(count, hold, settings.duration, settings.grace)
+        for count in settings.contenders
+        for hold in settings.holds
+    ]
+
+    async def tasks() -> list[dict[str, Any]]:
+        records = []
+        async with target.connect() as locks:
+            for run in runs:
+                if time.monotonic() > settings.deadline:
+                    break
+                name = _name(tag, "tasks")
+                records.append(
+                    await contend_tasks(_hold_factory(locks, name, target.long_ttl), run)
+                )
+                say(_contention_line("tasks", records[-1]))
+        return records
+
+    limit = sum(run.duration + run.grace + 5 for run in runs) + 30
+    result["contention_tasks"] = await phase(settings, "contention (tasks)", limit, tasks)
+
+    wants_processes = settings.processes == "all" or (
+        settings.processes == "embedded" and target.name == "sqlite"
+    )
+    if wants_processes and target.cross_process:
+
+        async def processes() -> list[dict[str, Any]]:
+            records = []
+            for count in settings.process_contenders:
+                if time.monotonic() > settings.deadline:
+                    break
+                name = _name(tag, "processes")
+                async with process_pool(
+                    target.url, target.options, name, count, target.long_ttl, start_timeout=60
+                ) as run_on_pool:
+                    for hold in settings.holds:
+                        run = Run(count, hold, settings.process_duration, settings.grace)
+                        records.append(await anyio.to_thread.run_sync(run_on_pool, run))
+                        say(_contention_line("processes", records[-1]))
+            return records
+
+        limit = len(settings.process_contenders) * (
+            60 + len(settings.holds) * (settings.process_duration + settings.grace + 10)
+        )
+        result["contention_processes"] = await phase(
+            settings, "contention (processes)", limit, processes
+        )
+    elif wants_processes:
+        result["contention_processes"] = {"skipped": "the backend excludes within one process only"}
+
+    result["renewal"] = await phase(
+        settings,
+        "renewal",
+        300 if settings.mode == "full" else 60,
+        lambda: _renewal(target, settings, tag),
+    )
+    result["loss_to_cancel"] = await phase(
+        settings,
+        "lease loss -> body cancelled",
+        settings.loss_repeats * (target.short_ttl * 3 + 5) + 20,
+        lambda: _loss(target, settings, tag),
+    )
+    result["memory"] = await phase(
+        settings,
+        "memory",
+        120 if settings.mode == "full" else 60,
+        lambda: _memory(target, settings, tag),
+    )
+    return result
+
+
+def _contention_line(mode: str, record: dict[str, Any]) -> str:
+    handoff = record["handoff"]
+    p99 = f"{handoff['p99_ms']:.3g}" if handoff.get("n") else "-"
+    return (
+        f"    {mode} x{record['contenders']} hold {record['hold_ms']:g} ms: "
+        f"{record['per_second']:.0f}/s, handoff p99 {p99} ms, "
+        f"retaken {record['retaken_share']:.0%}, fewest {record['min_per_worker']}"
+    )
+
+
+async def _acquire_many(
+    locks: asynclock.LockClient, names: list[str], ttl: float
+) -> list[asynclock.Lease]:
+    leases: list[asynclock.Lease] = []
+    limiter = anyio.CapacityLimiter(32)
+
+    async def one(name: str) -> None:
+        async with limiter:
+            leases.append(await locks.acquire(name, ttl=ttl, timeout=30))
+
+    async with anyio.create_task_group() as group:
+        for name in names:
+            group.start_soon(one, name)
+    return leases
+
+
+async def _release_many(leases: list[asynclock.Lease]) -> None:
+    limiter = anyio.CapacityLimiter(32)
+
+    async def one(lease: asynclock.Lease) -> None:
+        async with limiter:
+            await lease.release()
+
+    async with anyio.create_task_group() as group:
+        for lease in leases:
+            group.start_soon(one, lease)
+
+
+async def _renewal(target: Target, settings: Settings, tag: str) -> list[dict[str, Any]]:
+    """Round trips per renewal interval (ttl / 3) with 1, 100, 10,000 locks held by one client."""
+    ttl = target.renewal_ttl
+    interval = ttl / 3
+    records: list[dict[str, Any]] = []
+    async with target.connect() as locks:
+        for wanted in settings.renewal_counts:
+            if time.monotonic() > settings.deadline:
+                break
+            count = min(wanted, target.max_held)
+            record: dict[str, Any] = {"locks": count, "interval_s": interval}
+            if count < wanted:
+                record["capped_from"] = wanted
+                record["capped_why"] = f"{target.name} holds at most {target.max_held} locks here"
+            started = time.monotonic()
+            leases = await _acquire_many(
+                locks, [_name(tag, f"renew{count}-{i}") for i in range(count)], ttl
+            )
+            record["acquire_seconds"] = time.monotonic() - started
+            try:
+                # Start the window right after a renewal, so that it holds whole intervals.
+                before = locks.renew_calls
+                with anyio.move_on_after(interval * 2 + 5):
+                    # A counter, not an event: poll it.
+                    while locks.renew_calls == before:  # noqa: ASYNC110
+                        await anyio.sleep(0.005)
+                calls0 = locks.renew_calls
+                server0 = await target.server_requests()
+                time0 = time.monotonic()
+                await anyio.sleep(interval * (settings.renewal_intervals + 0.5))
+                calls1 = locks.renew_calls
+                server1 = await target.server_requests()
+                record["window_s"] = time.monotonic() - time0
+                record["renew_calls_per_interval"] = (calls1 - calls0) / settings.renewal_intervals
+                if server0 is not None and server1 is not None:
+                    record["server_requests_per_interval"] = (
+                        server1 - server0
+                    ) / settings.renewal_intervals
+                    record["server_requests_label"] = target.server_requests_label
+                record["lost"] = sum(lease.lost for lease in leases)
+            finally:
+                await _release_many(leases)
+            records.append(record)
+            settings.progress(
+                f"    {count} locks: {record.get('renew_calls_per_interval')} renew calls, "
+                f"{record.get('server_requests_per_interval')} server requests per interval"
+            )
+    return records
+
+
+async def _loss(target: Target, settings: Settings, tag: str) -> dict[str, Any]:
+    """From the server dropping the lease to the body's cancellation (``LeaseLost`` raised)."""
+    ttl = target.short_ttl
+    samples: list[float] = []
+    outcomes: dict[str, int] = {}
+    # Each loss is logged as a warning; here they are the point, not news.
+    logger = logging.getLogger("asynclock")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        async with target.connect() as locks:
+            await _lose(target, settings, tag, locks, samples, outcomes)
+    finally:
+        logger.setLevel(level)
+    return {**summarize(samples), "ttl_s": ttl, "outcomes": outcomes}
+
+
+async def _lose(
+    target: Target,
+    settings: Settings,
+    tag: str,
+    locks: asynclock.LockClient,
+    samples: list[float],
+    outcomes: dict[str, int],
+) -> None:
+    for _ in range(settings.loss_repeats):
+        if time.monotonic() > settings.deadline:
+            break
+        outcome, seconds = await _lose_once(target, locks, _name(tag, "loss"))
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        if seconds is not None:
+            samples.append(seconds)
+
+
+async def _lose_once(
+    target: Target, locks: asynclock.LockClient, name: str
+) -> tuple[str, float | None]:
+    """Hold ``name``, revoke it on the server, and time the body's cancellation."""
+    ttl = target.short_ttl
+    holding = anyio.Event()
+    lost_at: list[float] = []
+    outcome = ["not cancelled"]
+
+    async def body() -> None:
+        try:
+            async with locks.lock(name, ttl=ttl):
+                holding.set()
+                await anyio.sleep(ttl * 3)
+        except asynclock.LeaseLost as exc:
+            lost_at.append(time.monotonic())
+            # Cancelled by the local deadline rather than by the detected loss.
+            outcome[0] = "deadline" if "deadline" in str(exc) else "LeaseLost"
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(body)
+        await holding.wait()
+        # Anywhere within a renewal interval: detection by renewal depends on it.
+        await anyio.sleep(random.uniform(0.02, ttl / 3))
+        revoked_at = time.monotonic()
+        await target.revoke(locks, name)
+    return outcome[0], (lost_at[0] - revoked_at if lost_at else None)
+
+
+async def _memory(target: Target, settings: Settings, tag: str) -> dict[str, Any]:
+    """Python heap (tracemalloc) per held lock and per waiter, net of a bare parked task."""
+    count = min(settings.memory_count, target.max_held)
+    waiters = min(settings.memory_count, max(10, target.max_held // 2))
+
+    def traced() -> int:
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0]
+
+    tracemalloc.start()
+    try:
+        async with target.connect() as locks:
+            async with locks.lock(_name(tag, "warm"), ttl=target.long_ttl):
+                pass
+            # What a parked task costs by itself, to subtract from the waiters.
+            release = anyio.Event()
+            async with anyio.create_task_group() as group:
+                before = traced()
+                for _ in range(waiters):
+                    group.start_soon(release.wait)
+                await anyio.sleep(0.05)
+                bare_task = (traced() - before) / waiters
+                release.set()
+
+            before = traced()
+            leases = await _acquire_many(
+                locks, [_name(tag, f"mem-{i}") for i in range(count)], target.long_ttl
+            )
+            per_lock = (traced() - before) / count
+            await _release_many(leases)
+            del leases
+
+            name = _name(tag, "mem-wait")
+            holder = await locks.acquire(name, ttl=target.long_ttl, timeout=30)
+            async with anyio.create_task_group() as group:
+                before = traced()
+
+                async def wait() -> None:
+                    async with locks.lock(name, ttl=target.long_ttl, timeout=60):
+                        pass
+
+                for _ in range(waiters):
+                    group.start_soon(wait)
+                # Let every waiter reach its wait (a few polls for the polling backends).
+                await anyio.sleep(0.5)
+                per_waiter = (traced() - before) / waiters - bare_task
+                await holder.release()
+                group.cancel_scope.deadline = anyio.current_time() + 30
+    finally:
+        tracemalloc.stop()
+    return {
+        "held_locks": count,
+        "waiters": waiters,
+        "bytes_per_held_lock": per_lock,
+        "bytes_per_waiter": per_waiter,
+        "bytes_per_bare_task": bare_task,
+    }
+
+
+# -- peers ----------------------------------------------------------------------------------
+
+
+async def measure_peer(peer: Peer, settings: Settings, tag: str) -> dict[str, Any]:
+    say = settings.progress
+    say(f"peer {peer.name} ({'sync, threads' if peer.sync else 'async'})")
+    result: dict[str, Any] = {"status": "measured", **peer_info(peer)}
+    runs = [
+        Run(settings.peer_contenders, hold, settings.peer_duration, settings.grace)
+        for hold in settings.holds
+    ]
+    limit = settings.peer_latency.seconds + sum(r.duration + r.grace + 10 for r in runs) + 60
+    if isinstance(peer, AsyncPeer):
+        result.update(
+            await phase(settings, "peer", limit, lambda: _async_peer(peer, settings, tag, runs))
+        )
+    elif isinstance(peer, SyncPeer):
+        result.update(
+            await phase(
+                settings,
+                "peer",
+                limit,
+                lambda: anyio.to_thread.run_sync(_sync_peer, peer, settings, tag, runs),
+            )
+        )
+    if "error" in result or "skipped" in result:
+        result["status"] = "failed" if "error" in result else "skipped"
+    return result
+
+
+async def _async_peer(
+    peer: AsyncPeer, settings: Settings, tag: str, runs: list[Run]
+) -> dict[str, Any]:
+    async with peer.session() as factory:
+        async with factory(_name(tag, "peer"))(0) as hold:
+
+            async def op() -> None:
+                async with hold(30.0) as got:
+                    if not got:
+                        raise RuntimeError("an uncontended acquire failed")
+
+            uncontended = summarize(await time_op(op, settings.peer_latency))
+        contention = []
+        for run in runs:
+            contention.append(await contend_tasks(factory(_name(tag, "peer-tasks")), run))
+            settings.progress(_contention_line("tasks", contention[-1]))
+    return {"uncontended": uncontended, "contention_tasks": contention}
+
+
+def _sync_peer(peer: SyncPeer, settings: Settings, tag: str, runs: list[Run]) -> dict[str, Any]:
+    with peer.session() as factory:
+        with factory(_name(tag, "peer"))(0) as hold:
+
+            def op() -> None:
+                with hold(30.0) as got:
+                    if not got:
+                        raise RuntimeError("an uncontended acquire failed")
+
+            uncontended = summarize(time_sync_op(op, settings.peer_latency))
+        contention = []
+        for run in runs:
+            contention.append(contend_threads(factory(_name(tag, "peer-threads")), run))
+            settings.progress(_contention_line("threads", contention[-1]))
+    return {"uncontended": uncontended, "contention_tasks": contention}

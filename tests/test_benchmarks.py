@@ -1,0 +1,111 @@
+"""Smoke test of the benchmark harness (issue #9): its shortest run, on the embedded backend.
+
+A benchmark is not a timed test: nothing here checks how fast anything is, only that every
+measurement ran and produced a well-formed, sane record.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench")
+    # Through the `asynclock bench` hook, as a user runs it from a checkout.
+    command = [sys.executable, "-m", "asynclock", "bench", "--smoke", "--backends", "sqlite"]
+    completed = subprocess.run(
+        [*command, "--no-chart", "--quiet", "--output-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    data: dict[str, Any] = json.loads((out / "latest.json").read_text())
+    return data, out
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+def check_summary(summary: dict[str, Any]) -> None:
+    assert summary["n"] > 0
+    assert 0 < summary["min_ms"] <= summary["p50_ms"] <= summary["p90_ms"]
+    assert summary["p90_ms"] <= summary["p99_ms"] <= summary["max_ms"]
+    # Sane: nothing on a loopback/embedded store takes a minute.
+    assert summary["max_ms"] < 60_000
+
+
+def test_the_run_records_where_and_with_what_it_ran(results: tuple[dict[str, Any], Path]) -> None:
+    data, _ = results
+    assert data["schema"] == 1
+    assert data["settings"]["mode"] == "smoke"
+    assert positive(data["machine"]["cpus"])
+    assert data["machine"]["python"].startswith("3.")
+    assert {"asynclock", "anyio", "sqlite"} <= set(data["versions"])
+    assert positive(data["seconds"])
+    # Only the embedded backend was asked for; no server was started.
+    assert list(data["backends"]) == ["sqlite"]
+    assert data["peers"] == {}
+
+
+def test_every_phase_of_the_embedded_backend_produced_sane_numbers(
+    results: tuple[dict[str, Any], Path],
+) -> None:
+    entry = results[0]["backends"]["sqlite"]
+    assert entry["status"] == "measured"
+    assert entry["capabilities"]["cross_process"] is True
+    for key in ("floor", "pair", "uncontended"):
+        check_summary(entry[key])
+    assert entry["floor"]["label"]
+
+    for mode in ("contention_tasks", "contention_processes"):
+        runs = entry[mode]
+        assert isinstance(runs, list), runs
+        assert runs
+        for run in runs:
+            assert run["contenders"] >= 2
+            assert run["acquisitions"] > 0
+            assert positive(run["per_second"])
+            assert run["overlaps"] == 0  # never two holders at once
+            assert 0 <= run["retaken_share"] <= 1
+            assert 0 <= run["min_per_worker"] <= run["max_per_worker"] <= run["acquisitions"]
+            if run["handoff"]["n"]:
+                check_summary(run["handoff"])
+
+    (renewal,) = entry["renewal"]
+    assert renewal["locks"] == 2
+    assert positive(renewal["renew_calls_per_interval"])
+    assert renewal["lost"] == 0
+
+    loss = entry["loss_to_cancel"]
+    check_summary(loss)
+    assert loss["outcomes"] == {"LeaseLost": 1}
+
+    memory = entry["memory"]
+    assert positive(memory["bytes_per_held_lock"])
+    assert positive(memory["bytes_per_waiter"])
+
+
+def test_the_report_has_the_tables_and_the_targets(results: tuple[dict[str, Any], Path]) -> None:
+    data, out = results
+    report = (out / "latest.md").read_text()
+    for heading in ("## Uncontended", "## Contention: tasks", "## Renewal", "## Targets"):
+        assert heading in report
+    assert "| sqlite |" in report
+    # Targets of backends that were not run are listed, not silently dropped.
+    assert {row["backend"] for row in data["targets"]} == {"redis", "etcd", "zookeeper", "postgres"}
+    assert all(row["met"] is None for row in data["targets"])
