@@ -51,7 +51,6 @@ from typing import Any, NamedTuple, Self
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import anyio
-import anyio.lowlevel
 import asyncpg
 
 from .._errors import (
@@ -229,6 +228,9 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._connections: set[Any] = set()
         #: Renewal queries in flight (see _renew_one); each ends with its query or connection.
         self._renewals: set[asyncio.Task[Any]] = set()
+        #: Connects in flight (see _connect), and those whose caller stopped waiting.
+        self._connecting: set[asyncio.Task[Any]] = set()
+        self._abandoned: set[asyncio.Task[Any]] = set()
         self._server_version: str | None = None
         self._state = "new"
 
@@ -395,10 +397,16 @@ class PostgresBackend(Backend[PostgresGrant]):
         if self._state == "closed":
             return
         self._state = "closed"
-        connections = list(self._connections)
-        self._connections.clear()
-        self._idle.clear()
         with anyio.CancelScope(shield=True):
+            # A connect in flight ends within connect_timeout; cancelling it could make asyncpg
+            # log an error (see _connect), so it gets that long first.
+            if self._connecting:
+                await asyncio.wait(self._connecting, timeout=self.connect_timeout + 1.0)
+                for task in list(self._connecting):
+                    task.cancel()
+            connections = list(self._connections)
+            self._connections.clear()
+            self._idle.clear()
             async with anyio.create_task_group() as task_group:
                 for connection in connections:
                     task_group.start_soon(self._close, connection)
@@ -499,25 +507,51 @@ class PostgresBackend(Backend[PostgresGrant]):
     async def _connect(self) -> Any:
         """A new dedicated connection, bounded by ``connect_timeout``.
 
-        A connect is never cancelled half-way by our caller: asyncpg leaves an exception that
-        nobody retrieves when a connect is cancelled inside its TLS negotiation (sslmode=prefer,
-        the default; MagicStack/asyncpg#1211, #1310). A caller cancelled meanwhile gets its
-        cancellation right after, and the connection goes to the idle pool.
+        The connect runs in a task of its own that our caller waits for but never cancels:
+        asyncpg leaves an exception that nobody retrieves (logged as an error by asyncio) when a
+        connect is cancelled inside its TLS negotiation (sslmode=prefer, the default; see
+        MagicStack/asyncpg#1211 and #1310). A caller that is cancelled stops waiting at once;
+        the connect then ends on its own (within ``connect_timeout``) and its connection joins
+        the idle pool.
         """
         if self._state != "open":
             raise BackendUnavailable(f"the lock client for {self.describe()} is closed")
-        with anyio.CancelScope(shield=True):
-            connection = await self._open_connection()
+        task = asyncio.ensure_future(self._open_connection())
+        self._connecting.add(task)
+        task.add_done_callback(self._connect_done)
+        try:
+            await asyncio.wait((task,))
+        except BaseException:
+            if task.done():
+                self._adopt(task)
+            else:
+                self._abandoned.add(task)
+            raise
+        if task.cancelled():  # by aclose()
+            raise BackendUnavailable(f"the lock client for {self.describe()} is closed")
+        connection = task.result()
         if self._state != "open":
             connection.terminate()
             raise BackendUnavailable(f"the lock client for {self.describe()} is closed")
         self._connections.add(connection)
-        try:
-            await anyio.lowlevel.checkpoint_if_cancelled()
-        except BaseException:
-            self._checkin(connection)
-            raise
         return connection
+
+    def _connect_done(self, task: asyncio.Task[Any]) -> None:
+        self._connecting.discard(task)
+        if task in self._abandoned:
+            self._abandoned.discard(task)
+            self._adopt(task)
+
+    def _adopt(self, task: asyncio.Task[Any]) -> None:
+        """Take over the result of a connect whose caller stopped waiting for it."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        connection = task.result()
+        if self._state == "open":
+            self._connections.add(connection)
+            self._checkin(connection)
+        else:
+            connection.terminate()
 
     async def _open_connection(self) -> Any:
         try:
@@ -667,7 +701,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             self._renewals.add(renewal)
             renewal.add_done_callback(self._renewal_done(grant))
         sent_at = grant.renewal_sent_at
-        if not await _finished(renewal, self.op_timeout):
+        if not await _finished(renewal, self.op_timeout) or renewal.cancelled():
             return Unknown(
                 BackendTimeout(
                     f"renewing {grant.name!r} on {self.describe()}: no answer for "

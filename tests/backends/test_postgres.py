@@ -482,6 +482,46 @@ async def test_no_connection_leaks_after_1000_acquire_cancel_cycles(
     assert await settle_sessions(admin, app, 0) == 0
 
 
+async def test_a_cancelled_acquire_does_not_wait_for_its_connect(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
+) -> None:
+    async with FaultProxy(postgres_server.host, postgres_server.port) as proxy:
+        url = f"postgresql://postgres@{proxy.address}/postgres?application_name={app}"
+        async with asynclock.connect(url) as locks:
+            backend = locks.backend
+            assert isinstance(backend, PostgresBackend)
+            held = [await locks.acquire(name, ttl=10)]  # the idle connection is now in use
+            proxy.delay(150)  # a connect takes several round trips: over a second now
+            started = anyio.current_time()
+            with anyio.move_on_after(0.1):
+                await locks.acquire(f"{name}/2", ttl=10)
+            assert anyio.current_time() - started < 0.5
+            proxy.pass_through()
+            # The connect ends on its own and its connection joins the idle pool.
+            with anyio.fail_after(10):
+                while not backend._idle:  # noqa: ASYNC110 (nothing to wait on but the pool)
+                    await anyio.sleep(0.05)
+            await held[0].release()
+    assert await settle_sessions(admin, app, 0) == 0
+
+
+async def test_cancels_that_land_inside_connects_leak_nothing(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
+) -> None:
+    """With no idle pool every acquire connects, so many cancellations hit a connect half-way
+    (which makes asyncpg log an unretrieved error unless the connect is left to finish)."""
+    rng = random.Random(11)
+    async with asynclock.connect(postgres_server.url, application_name=app, max_idle=0) as locks:
+        for _ in range(200):
+            with anyio.move_on_after(rng.uniform(0, 0.004)):
+                async with locks.lock(name, ttl=10):
+                    await anyio.sleep(1)
+        lease = await locks.try_acquire(name, ttl=10)
+        assert lease is not None
+        await lease.release()
+    assert await settle_sessions(admin, app, 0) == 0
+
+
 # -- the transaction-scoped lock ------------------------------------------------------------
 
 
