@@ -45,6 +45,8 @@ _DEFAULT_MAX_RETRY_DELAY = 0.1
 _FIRST_RETRY_DELAY = 0.002
 #: Per-master request bound in a round, as a share of the ttl (and never above op_timeout).
 _REQUEST_SHARE = 0.1
+#: Least time the slower masters get once a round is decided, before they are given up on.
+_GRACE = 0.01
 
 
 @dataclass(eq=False, slots=True)
@@ -213,22 +215,29 @@ class RedlockBackend(Backend[RedlockGrant]):
     ) -> list[T | _Failed]:
         """Run ``call`` on every master at once, each bounded by ``timeout``.
 
-        Returns as soon as ``decided(results so far)`` is true (``None`` marks a master still
-        out), or when every master answered. Calls still out then are cancelled (redis-py drops
-        their connections) and count as failed.
+        Once ``decided(results so far)`` is true (``None`` marks a master still out), the others
+        get a short grace (twice as long as the decision took, at least 10 ms), then the calls
+        still out are cancelled and count as failed. The grace matters: a cancelled call costs
+        its connection (redis-py drops it), and on a healthy set of masters the last answer
+        comes a few microseconds after the deciding one.
         """
         if not self._masters:
             raise BackendUnavailable(f"{self.describe()} is closed (or was never opened)")
         results: list[T | _Failed | None] = [None] * len(self._masters)
+        started = anyio.current_time()
+        settled = False
 
         async def one(index: int, master: _Master, scope: anyio.CancelScope) -> None:
+            nonlocal settled
             try:
                 with anyio.fail_after(timeout):
                     results[index] = await call(master)
             except Exception as exc:
                 results[index] = _Failed(exc)
-            if decided(results):
-                scope.cancel()
+            if not settled and decided(results):
+                settled = True
+                now = anyio.current_time()
+                scope.deadline = min(scope.deadline, now + max(_GRACE, 2 * (now - started)))
 
         async with anyio.create_task_group() as group:
             for index, master in enumerate(self._masters):
@@ -403,7 +412,9 @@ class RedlockBackend(Backend[RedlockGrant]):
         with anyio.CancelScope(shield=True):
             try:
                 results = await self._on_all(
-                    release, max(self._request_timeout(ttl), 0.05), lambda _: False
+                    release,
+                    max(self._request_timeout(ttl), 0.05),
+                    lambda results: sum(r is not None for r in results) >= self.quorum,
                 )
             except Exception as exc:  # closed backend: nothing left to release on
                 logger.debug("asynclock: release of %r skipped: %r", name, exc)

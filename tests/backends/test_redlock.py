@@ -167,6 +167,30 @@ async def test_validity_starts_before_the_first_request_and_leaves_out_the_drift
             assert await holders(redis_servers, key) == [None] * 3
 
 
+async def test_healthy_rounds_keep_their_connections(
+    redis_servers: list[RedisServer], prefix: str, name: str
+) -> None:
+    """A round decided by two masters waits a moment for the third instead of cancelling it
+    (which would cost that master's connection, and a reconnect on every round)."""
+
+    async def connections_received() -> int:
+        total = 0
+        for server in redis_servers:
+            async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
+                total += int((await raw.info("stats"))["total_connections_received"])
+        return total
+
+    async with connect([s.address for s in redis_servers], prefix) as locks:
+        lease = await locks.acquire(name, ttl=5)
+        await lease.release()
+        before = await connections_received()
+        for _ in range(50):
+            lease = await locks.acquire(name, ttl=5)
+            await lease.release()
+        # 3 are the counting clients above; a reconnect per round would be 100 more.
+        assert await connections_received() - before <= 3 + 10
+
+
 async def test_a_failed_partial_acquire_releases_on_every_master(
     redis_servers: list[RedisServer], prefix: str, name: str
 ) -> None:
