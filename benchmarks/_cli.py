@@ -7,6 +7,8 @@ import datetime
 import json
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -138,7 +140,13 @@ def _write(data: dict[str, Any], directory: Path, *, chart: bool) -> int:
         try:
             _report.chart(data, directory / "latest.png")
         except ImportError as exc:
-            print(f"no chart: {exc} (pip install matplotlib)")
+            chart = False
+            print(f"no chart: {exc} (pip install matplotlib)", file=sys.stderr)
+        except (
+            Exception
+        ) as exc:  # the figures are written already; a drawing bug must not hide them
+            chart = False
+            print(f"no chart: {type(exc).__name__}: {exc}", file=sys.stderr)
     print(table)
     print(f"written: {directory / 'latest.json'}, latest.md" + (", latest.png" if chart else ""))
     return 0
@@ -172,6 +180,29 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def _commit() -> str:
+    """The checkout's commit (with "+changes" when the work tree differs from it)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "asynclock"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return (head or "?") + ("+changes" if dirty else "")
+
+
 def _load() -> str:
     try:
         return " ".join(f"{value:.1f}" for value in os.getloadavg())
@@ -193,6 +224,7 @@ def run(
         "machine": _machine(),
         "versions": {
             "asynclock": package_version("asynclock"),
+            "asynclock commit": _commit(),
             "anyio": package_version("anyio"),
             "python": platform.python_version(),
         },
@@ -200,7 +232,8 @@ def run(
         "peers": {},
         "floors": {},
     }
-    peer_objects: list[type[Peer]] = list(PEERS) if peers else []
+    # The peers of the backends being measured, on the same servers.
+    peer_objects = [peer for peer in PEERS if peers and peer.compare_with in selected]
     kinds = {BACKENDS[name] for name in selected} | {peer.server for peer in peer_objects}
     with ExitStack() as stack:
         workdir = Path(

@@ -139,6 +139,7 @@ def slower_than_peers(data: dict[str, Any]) -> list[str]:
     """Where a peer library beat the asynclock backend it is compared with."""
     notes: list[str] = []
     backends = data.get("backends", {})
+    contenders: int = data.get("settings", {}).get("peer_contenders", 8)
     for peer_name, peer in data.get("peers", {}).items():
         if peer.get("status") != "measured":
             continue
@@ -153,8 +154,8 @@ def slower_than_peers(data: dict[str, Any]) -> list[str]:
                 f"{peer['compare_with']} {ms(our_p50)} ms ({our_p50 / their_p50:.2g}x slower)"
             )
         for hold in (0.0, 1.0):
-            mine = handoff_record(ours, 8, hold)
-            theirs = handoff_record(peer, 8, hold)
+            mine = handoff_record(ours, contenders, hold)
+            theirs = handoff_record(peer, contenders, hold)
             if not mine or not theirs:
                 continue
             for key, what in (("p50_ms", "handoff p50"), ("p99_ms", "handoff p99")):
@@ -162,13 +163,13 @@ def slower_than_peers(data: dict[str, Any]) -> list[str]:
                 b = theirs["handoff"].get(key)
                 if isinstance(a, float) and isinstance(b, float) and b < a:
                     notes.append(
-                        f"8 contenders, hold {hold:g} ms, {what}: {peer_name} {ms(b)} ms vs "
+                        f"{contenders} contenders, hold {hold:g} ms, {what}: {peer_name} {ms(b)} ms vs "
                         f"asynclock {peer['compare_with']} {ms(a)} ms"
                     )
             a_rate, b_rate = mine.get("per_second"), theirs.get("per_second")
             if isinstance(a_rate, float) and isinstance(b_rate, float) and b_rate > a_rate:
                 notes.append(
-                    f"8 contenders, hold {hold:g} ms, acquisitions/s: {peer_name} {b_rate:.0f} vs "
+                    f"{contenders} contenders, hold {hold:g} ms, acquisitions/s: {peer_name} {b_rate:.0f} vs "
                     f"asynclock {peer['compare_with']} {a_rate:.0f}"
                 )
     return notes
@@ -421,6 +422,8 @@ def markdown(data: dict[str, Any]) -> str:
             "",
         ]
         rows = []
+        holds: list[float] = data.get("settings", {}).get("holds_ms", [0.0, 1.0])
+        contenders: int = data.get("settings", {}).get("peer_contenders", 8)
         for name, peer in peers.items():
             if peer.get("status") != "measured":
                 rows.append(
@@ -444,36 +447,38 @@ def markdown(data: dict[str, Any]) -> str:
             if not floor.get("p50_ms"):
                 floor = data.get("floors", {}).get(peer["server"], {})
             latency = peer.get("uncontended", {})
-            for hold in (0.0, 1.0):
-                record = handoff_record(
-                    peer, data.get("settings", {}).get("peer_contenders", 8), hold
-                )
+            first = True
+            for hold in holds:
+                record = handoff_record(peer, contenders, hold)
                 handoff = record.get("handoff", {}) if record else {}
+                head = (
+                    [
+                        name,
+                        f"{peer['server']} ({peer.get('version', '?')})",
+                        "sync" if peer.get("sync") else "async",
+                        ms(latency.get("p50_ms")),
+                        ms(latency.get("p99_ms")),
+                        ratio(latency.get("p50_ms"), floor.get("p50_ms")),
+                        ratio(latency.get("p50_ms"), ours.get("uncontended", {}).get("p50_ms")),
+                    ]
+                    if first
+                    else [""] * 7
+                )
+                first = False
+                tail = "-"
+                if record:
+                    tail = f"{record['min_per_worker']} / {record['per_second']:.0f}"
+                    if record.get("failed_attempts"):
+                        tail += f" ({record['failed_attempts']} failed tries)"
+                    if record.get("overlaps"):
+                        tail += " OVERLAP!"
                 rows.append(
                     [
-                        name if hold == 0 else "",
-                        f"{peer['server']} ({peer.get('version', '?')})" if hold == 0 else "",
-                        ("sync" if peer.get("sync") else "async") if hold == 0 else "",
-                        ms(latency.get("p50_ms")) if hold == 0 else "",
-                        ms(latency.get("p99_ms")) if hold == 0 else "",
-                        ratio(latency.get("p50_ms"), floor.get("p50_ms")) if hold == 0 else "",
-                        ratio(latency.get("p50_ms"), ours.get("uncontended", {}).get("p50_ms"))
-                        if hold == 0
-                        else "",
+                        *head,
                         f"{hold:g} ms",
                         f"{ms(handoff.get('p50_ms'))} / {ms(handoff.get('p99_ms'))}",
                         share(record.get("retaken_share")) if record else "-",
-                        (
-                            f"{record['min_per_worker']} / {record['per_second']:.0f}"
-                            + (
-                                f" ({record['failed_attempts']} failed tries)"
-                                if record.get("failed_attempts")
-                                else ""
-                            )
-                            + (" OVERLAP!" if record.get("overlaps") else "")
-                        )
-                        if record
-                        else "-",
+                        tail,
                     ]
                 )
         out += _table(
@@ -486,7 +491,7 @@ def markdown(data: dict[str, Any]) -> str:
                 "p50 / floor",
                 "vs asynclock",
                 "hold",
-                "8-way handoff p50 / p99 ms",
+                f"{contenders}-way handoff p50 / p99 ms",
                 "retaken",
                 "fewest / acq/s",
             ],
@@ -495,7 +500,7 @@ def markdown(data: dict[str, Any]) -> str:
         notes = [
             f"- {peer_name}: {peer['note']}"
             for peer_name, peer in peers.items()
-            if peer.get("note")
+            if peer.get("note") and peer.get("status") == "measured"
         ]
         if notes:
             out += ["", *notes]
@@ -542,7 +547,7 @@ def chart(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contenders = 8
+    contenders: int = data.get("settings", {}).get("peer_contenders", 8)
     rows: list[dict[str, Any]] = []
 
     def add(label: str, entry: dict[str, Any], color: str, floor: Any) -> None:
@@ -609,7 +614,7 @@ def chart(data: dict[str, Any], path: Path) -> None:
         label="floor p50 (raw round trip)",
         zorder=3,
     )
-    left.set_xscale("log")
+    _log_scale(left, column("p50") + column("p99") + column("floor"))
     left.set_xlabel("uncontended acquire + release, ms (log)")
     left.set_yticks(positions, [row["label"] for row in rows])
     left.legend(loc="lower right", fontsize=8)
@@ -617,9 +622,8 @@ def chart(data: dict[str, Any], path: Path) -> None:
     right.scatter(
         column("handoff99"), positions, color="black", marker="|", s=120, label="p99", zorder=3
     )
-    right.set_xscale("log")
-    low, high = right.get_xlim()
-    right.set_xlim(low, high * 12)  # room for the notes
+    # Room on the right for the notes.
+    _log_scale(right, column("handoff50") + column("handoff99"), headroom=12)
     for position, row in zip(positions, rows, strict=True):
         if row["note"]:
             anchor = row["handoff99"] if not math.isnan(row["handoff99"]) else 0.1
@@ -646,3 +650,11 @@ def chart(data: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _log_scale(axis: Any, values: list[float], headroom: float = 2.0) -> None:
+    """A log x axis over the positive values (left linear when there are none)."""
+    seen = [value for value in values if math.isfinite(value) and value > 0]
+    if seen:
+        axis.set_xscale("log")
+        axis.set_xlim(min(seen) / 2, max(seen) * headroom)
