@@ -169,6 +169,31 @@ async def test_a_frozen_server_is_reported_within_op_timeout(
         own_server.resume()
 
 
+async def test_a_waiter_whose_server_dies_gets_backend_unavailable(
+    own_server: RedisServer, prefix: str, name: str
+) -> None:
+    async with connect(own_server, prefix) as first, connect(own_server, prefix) as second:
+        holder = await first.acquire(name, ttl=30)
+        failure: list[BaseException] = []
+
+        async def wait() -> None:
+            try:
+                await second.acquire(name, ttl=30, timeout=10)
+            except asynclock.BackendUnavailable as exc:
+                failure.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await anyio.sleep(0.2)
+            own_server.kill()
+            killed = anyio.current_time()
+        assert failure, "the waiter kept waiting on a dead server"
+        assert anyio.current_time() - killed < 1.0
+        assert own_server.address in str(failure[0])
+        await holder.release()  # against a dead server: logged, not raised
+        assert holder.released
+
+
 async def test_acl_user_and_password_are_used_and_a_wrong_password_is_refused(
     redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str
 ) -> None:
