@@ -44,6 +44,9 @@ TOKEN_TAG: Final = "token:"
 QUEUE_TAG: Final = "queue:"
 QUEUE_TTL_TAG: Final = "queue-ttl:"
 WAKE_TAG: Final = "wake:"
+#: Deadlock detection's two keys (whole keys, not tags: no lock name follows).
+WAITERS_KEY: Final = "deadlock:waiters"
+WAITERS_TTL_KEY: Final = "deadlock:expiry"
 
 #: Driver errors, most specific first (``map_exceptions`` takes the first match). The builtin
 #: ``TimeoutError`` comes from our own ``anyio.fail_after`` bounds.
@@ -272,6 +275,48 @@ return 1
 """
 )
 
+
+# Deadlock detection's wait-for records: a hash of records and a sorted set of when each
+# expires (server ms). KEYS: the hash, the sorted set.
+
+#: ARGV: record key, value, ttl in ms.
+PUBLISH_WAITER: Final = Script(
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
+for _, key in ipairs(KEYS) do
+  if redis.call('PTTL', key) < ttl then
+    redis.call('PEXPIRE', key, ttl)
+  end
+end
+return 1
+"""
+)
+
+#: ARGV: record key.
+WITHDRAW_WAITER: Final = Script(
+    """
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+)
+
+#: Drop expired records, return the values of the others.
+SCAN_WAITERS: Final = Script(
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, key in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+  redis.call('HDEL', KEYS[1], key)
+  redis.call('ZREM', KEYS[2], key)
+end
+return redis.call('HVALS', KEYS[1])
+"""
+)
 
 # -- URLs and connections --------------------------------------------------------------------
 

@@ -33,7 +33,16 @@ import redis.exceptions
 from .._errors import BackendUnavailable, InvalidURL, UnsupportedFeature, map_exceptions
 from .._registry import redact
 from .._validate import Options
-from ..abc import Backend, Capabilities, Grant, LockRequest, Lost, Renewed, RenewOutcome
+from ..abc import (
+    Backend,
+    Capabilities,
+    Grant,
+    LockRequest,
+    Lost,
+    Renewed,
+    RenewOutcome,
+    WaiterRegistry,
+)
 from . import _redis_scripts as lua
 
 __all__ = ("RedisBackend", "RedisDurabilityWarning")
@@ -237,6 +246,9 @@ class RedisBackend(Backend[Grant]):
     def check_ttl(self, ttl: float) -> None:
         lua.check_ttl_ms(ttl, "redis://")
 
+    def waiter_registry(self) -> WaiterRegistry:
+        return _RedisWaiters(self)
+
     def _connected(self) -> lua.Lane:
         if self._lane is None:
             raise BackendUnavailable(f"{self.describe()} is closed (or was never opened)")
@@ -354,6 +366,32 @@ class RedisBackend(Backend[Grant]):
             [grant.owner, self._wake_prefix, self._waiter_ttl_ms],
             f"releasing lock {grant.name!r}",
         )
+
+
+class _RedisWaiters(WaiterRegistry):
+    """Deadlock detection's records on the same server as the locks (see ``asynclock._deadlock``)."""
+
+    def __init__(self, backend: RedisBackend) -> None:
+        self._backend = backend
+        prefix = backend.settings.prefix
+        self._keys = [f"{prefix}{lua.WAITERS_KEY}", f"{prefix}{lua.WAITERS_TTL_KEY}"]
+
+    async def publish(self, key: str, value: str, ttl: float) -> None:
+        ms = max(1, lua.ttl_ms(ttl))
+        await self._backend._script(
+            lua.PUBLISH_WAITER, self._keys, [key, value, ms], "publishing a wait record"
+        )
+
+    async def withdraw(self, key: str) -> None:
+        await self._backend._script(
+            lua.WITHDRAW_WAITER, self._keys, [key], "withdrawing a wait record"
+        )
+
+    async def scan(self) -> list[str]:
+        values = await self._backend._script(
+            lua.SCAN_WAITERS, self._keys, [], "reading the wait records"
+        )
+        return [lua.as_text(value) for value in values]
 
 
 def durability_problems(settings: Mapping[str, str]) -> list[str]:

@@ -643,3 +643,37 @@ async def test_cancelling_a_take_in_flight_leaves_nothing(
             proxy.pass_through()
             await anyio.sleep(0.1)
             assert await raw.exists(lua.lock_key(prefix, name)) == 0
+
+
+async def test_a_deadlock_between_two_clients_is_found_and_broken_once(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    outcomes: list[str] = []
+    both = anyio.Event()
+    held = 0
+
+    async def member(locks: asynclock.LockClient, mine: str, theirs: str) -> None:
+        nonlocal held
+        async with locks.lock(mine, ttl=30):
+            held += 1
+            if held == 2:
+                both.set()
+            await both.wait()
+            try:
+                async with locks.lock(theirs, ttl=30, timeout=10):
+                    outcomes.append("done")
+            except asynclock.DeadlockDetected:
+                outcomes.append("deadlock")
+
+    options: dict[str, Any] = {"deadlock_detection": True, "deadlock_interval": 0.1}
+    async with (
+        connect(redis_server, prefix, **options) as a,
+        connect(redis_server, prefix, **options) as b,
+    ):
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(member, a, f"{name}/1", f"{name}/2")
+                tg.start_soon(member, b, f"{name}/2", f"{name}/1")
+    assert sorted(outcomes) == ["deadlock", "done"]
+    # The wait-for records were withdrawn.
+    assert [key async for key in raw.scan_iter(match=f"{prefix}deadlock:*")] == []
