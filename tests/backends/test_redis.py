@@ -409,6 +409,23 @@ async def test_client_kill_with_the_key_gone_is_found_out_after_reconnecting(
     assert info.value.name == name
 
 
+async def test_a_restart_without_persistence_loses_the_lease_and_the_counter(
+    own_server: RedisServer, prefix: str, name: str
+) -> None:
+    """What the durability warning is about, shown: after a restart with --appendonly no the
+    renewal (reloading its flushed script) proves the lease gone, and tokens start again."""
+    async with connect(own_server, prefix) as locks:
+        lease = await locks.acquire(name, ttl=30)
+        assert lease.token == 1
+        own_server.restart()
+        (outcome,) = await locks.backend.renew([lease.grant])
+        assert isinstance(outcome, Lost)
+        assert "is gone" in outcome.reason
+        again = await locks.acquire(name, ttl=30)
+        # The same token a second time: a guard that saw the first refuses this holder.
+        assert again.token == 1
+
+
 async def test_server_paused_past_the_ttl_cancels_the_body_before_another_client_takes_it(
     own_server: RedisServer, prefix: str, name: str
 ) -> None:
