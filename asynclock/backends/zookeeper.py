@@ -42,6 +42,7 @@ from urllib.parse import unquote
 
 import anyio
 import anyio.abc
+from aiozk import ACL as ZkACL
 from aiozk import exc as zk_exc
 from aiozk import protocol as zk
 from aiozk.protocol.create import Create2Request
@@ -341,6 +342,7 @@ class _Session:
         self._last_received = anyio.current_time()
         self._idle_since = anyio.current_time()
         self.users = 0
+        self.reconnects = 0
         self.default = False
         self._scope = anyio.CancelScope()
         self._finished = anyio.Event()
@@ -533,6 +535,7 @@ class _Session:
         logger.info(
             "asynclock: reconnected to ZooKeeper %s (session 0x%x)", conn.address, self.session_id
         )
+        self.reconnects += 1
         self._install(conn)
 
     def _set_state(self, state: Literal["connected", "suspended", "dead"]) -> None:
@@ -845,6 +848,7 @@ class _Session:
             "session_id": f"0x{self.session_id:x}",
             "timeout": self.timeout,
             "state": self.state,
+            "reconnects": self.reconnects,
             "held": len(self._held),
             "waiting_calls": len(self._pending),
             "watches": sum(len(callbacks) for callbacks in self._watches.values()),
@@ -946,7 +950,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             self._acl = [zk.UNRESTRICTED_ACCESS]
         else:
             # "auth" with an empty id: the server puts in the digest of our credentials.
-            self._acl = [zk.ACL.make("auth", "", True, True, True, True, True)]
+            self._acl = [ZkACL.make("auth", "", True, True, True, True, True)]
 
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, object]) -> Self:

@@ -1,0 +1,738 @@
+"""ZooKeeper backend: what the contract suite cannot see (sessions, faults, ACLs, order, RW)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import struct
+import unicodedata
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from urllib.parse import unquote
+
+import anyio
+import anyio.to_thread
+import pytest
+from aiozk import ZKClient, exc, protocol
+
+import asynclock
+from asynclock.backends.zookeeper import (
+    ReadWriteLock,
+    ZooKeeperBackend,
+    ZooKeeperGrant,
+    encode_name,
+)
+from asynclock.testing import FaultProxy, ZooKeeperEnsemble, ZooKeeperServer
+from tests.contract.backend_zookeeper import delete_tree, zk_admin, znodes_under
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def chroot() -> str:
+    return f"/test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def admin(zookeeper_server: ZooKeeperServer, chroot: str) -> AsyncIterator[ZKClient]:
+    """An independent aiozk client on the server; deletes the test's chroot afterwards."""
+    async with zk_admin(zookeeper_server.address) as client:
+        yield client
+        await delete_tree(client, chroot)
+
+
+@asynccontextmanager
+async def proxied(server: ZooKeeperServer) -> AsyncIterator[FaultProxy]:
+    async with FaultProxy(server.host, server.port) as proxy:
+        yield proxy
+
+
+def grant_of(lease: asynclock.Lease) -> ZooKeeperGrant:
+    grant = lease.grant
+    assert isinstance(grant, ZooKeeperGrant)
+    return grant
+
+
+def backend_of(locks: asynclock.LockClient) -> ZooKeeperBackend:
+    backend = locks.backend
+    assert isinstance(backend, ZooKeeperBackend)
+    return backend
+
+
+async def until(
+    check: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout: float = 5.0
+) -> None:
+    """Poll ``check`` until it is true; fail after ``timeout`` seconds."""
+    with anyio.fail_after(timeout):
+        while True:
+            result = check()
+            if await result if inspect.isawaitable(result) else result:
+                return
+            await anyio.sleep(0.005)
+
+
+async def children(admin: ZKClient, parent: str) -> list[str]:
+    try:
+        found: list[str] = await admin.get_children(parent)
+    except exc.NoNode:
+        return []
+    return sorted(found, key=lambda child: int(child.rpartition("-")[2]))
+
+
+async def wait_until_children(admin: ZKClient, parent: str, count: int) -> list[str]:
+    async def enough() -> bool:
+        return len(await children(admin, parent)) >= count
+
+    await until(enough, 10)
+    return await children(admin, parent)
+
+
+async def node_exists(admin: ZKClient, path: str) -> bool:
+    exists: bool = await admin.exists(path)
+    return exists
+
+
+# -- URLs and names (no server) ----------------------------------------------------------------
+
+
+def test_url_with_servers_chroot_credentials_and_options() -> None:
+    backend = ZooKeeperBackend.from_url(
+        "zookeeper://app:p%40ss@10.0.0.1:2281,10.0.0.2,[::1]:2182/locks/ünï",
+        {"op_timeout": "2.5", "session_timeout": 4},
+    )
+    settings = backend._settings
+    assert settings.hosts == (("10.0.0.1", 2281), ("10.0.0.2", 2181), ("::1", 2182))
+    assert settings.chroot == "/locks/ünï"
+    assert (settings.user, settings.password) == ("app", "p@ss")
+    assert (settings.op_timeout, settings.session_timeout) == (2.5, 4.0)
+    described = backend.describe()
+    assert "p@ss" not in described and "p%40ss" not in described
+    assert described == "zookeeper://app:***@10.0.0.1:2281,10.0.0.2:2181,[::1]:2182/locks/ünï"
+    # Without a path the locks live under /asynclock, never at the root of the tree.
+    assert ZooKeeperBackend.from_url("zookeeper://h", {})._settings.chroot == "/asynclock"
+    assert ZooKeeperBackend.from_url("zookeeper://h/", {})._settings.chroot == "/asynclock"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("zookeeper://", "names no server"),
+        ("zookeeper://h:0/x", "bad port"),
+        ("zookeeper://h:99999/x", "bad port"),
+        ("zookeeper://h:abc/x", "bad port"),
+        ("zookeeper://h1:2181,,h2:2181/x", "empty host"),
+        ("zookeeper://::1:2181/x", "IPv6"),
+        ("zookeeper://h/a//b", "bad chroot"),
+        ("zookeeper://h/a/../b", "bad chroot"),
+        ("zookeeper://h/a%00b", "bad chroot"),
+        ("zookeeper://useronly@h/x", "user:password"),
+        ("zookeeper://h/x#frag", "fragment"),
+    ],
+)
+def test_malformed_urls_are_refused_with_an_example(url: str, message: str) -> None:
+    with pytest.raises(asynclock.InvalidURL, match=message) as info:
+        asynclock.connect(url)
+    assert "zookeeper://" in str(info.value)
+
+
+def test_bad_and_unknown_options_are_refused_by_name() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="sesion_timeout"):
+        asynclock.connect("zookeeper://127.0.0.1:2181/x", sesion_timeout=5)
+    with pytest.raises(asynclock.InvalidArgument, match="op_timeout"):
+        asynclock.connect("zookeeper://127.0.0.1:2181/x?op_timeout=soon")
+    with pytest.raises(asynclock.InvalidArgument, match="session_timeout"):
+        asynclock.connect("zookeeper://127.0.0.1:2181/x", session_timeout=0)
+    with pytest.raises(asynclock.InvalidArgument, match="op_timeout"):
+        asynclock.connect("zookeeper://127.0.0.1:2181/x", op_timeout=-1)
+
+
+TRICKY_NAMES = [
+    "a/b",
+    "a%2Fb",
+    "a%2fb",
+    "a%b",
+    "%",
+    "/",
+    ".",
+    "..",
+    "zookeeper",
+    "zookeeper/",
+    "%2E",
+    "%7Aookeeper",
+    "ünï/cødé ☃",
+    "emoji 😀",
+    "c1 \x85 control",
+    "private \ue000 use",
+    "specials \ufff5\uffff",
+]
+
+
+def _zookeeper_accepts(component: str) -> bool:
+    """ZooKeeper's PathUtils.validatePath for one path component, on UTF-16 code units."""
+    if not component or component in (".", "..") or "/" in component:
+        return False
+    units = component.encode("utf-16-be")
+    for index in range(0, len(units), 2):
+        unit = int.from_bytes(units[index : index + 2], "big")
+        if (
+            unit == 0
+            or 0 < unit <= 0x1F
+            or 0x7F <= unit <= 0x9F
+            or 0xD800 < unit < 0xF8FF
+            or 0xFFF0 < unit < 0xFFFF
+        ):
+            return False
+    return True
+
+
+def test_encoding_is_injective_reversible_and_acceptable_to_zookeeper() -> None:
+    # The core refuses C0 controls and DEL in names; the encoding copes with them anyway.
+    names = [*TRICKY_NAMES, "del \x7f", "nul \x00", "tab\t"]
+    encoded = [encode_name(name) for name in names]
+    assert len(set(encoded)) == len(names)
+    for name, component in zip(names, encoded, strict=True):
+        assert unquote(component) == name
+        assert _zookeeper_accepts(component), (name, component)
+        assert component != "zookeeper"
+    # Plain names stay readable.
+    assert encode_name("orders-42") == "orders-42"
+    assert encode_name("ünï") == unicodedata.normalize("NFC", "ünï")
+
+
+async def test_tricky_names_are_distinct_locks_on_the_server(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    url = f"{zookeeper_server.url}{chroot}"
+    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+        leases = [await locks.acquire(name, ttl=5) for name in TRICKY_NAMES]
+        assert len({grant_of(lease).path for lease in leases}) == len(TRICKY_NAMES)
+        for name in TRICKY_NAMES:
+            assert await other.try_acquire(name, ttl=5) is None
+        for lease in leases:
+            await lease.release()
+        free = [await other.try_acquire(name, ttl=5) for name in TRICKY_NAMES]
+        for maybe in free:
+            assert maybe is not None
+            await maybe.release()
+
+
+# -- connecting ------------------------------------------------------------------------------
+
+
+async def test_unreachable_server_fails_fast_with_the_url_in_the_message() -> None:
+    port = asynclock.testing.free_port()
+    started = anyio.current_time()
+    with pytest.raises(asynclock.BackendUnavailable) as info:
+        async with asynclock.connect(f"zookeeper://127.0.0.1:{port}/x"):
+            pytest.fail("connected to nothing")
+    assert anyio.current_time() - started < 1.0
+    assert f"127.0.0.1:{port}" in str(info.value)
+    assert "check that the servers run" in str(info.value)
+
+
+async def test_silent_server_fails_within_op_timeout(zookeeper_server: ZooKeeperServer) -> None:
+    async with proxied(zookeeper_server) as proxy:
+        proxy.blackhole()  # accepts the TCP connection, never answers
+        started = anyio.current_time()
+        with pytest.raises(asynclock.BackendUnavailable, match="no answer"):
+            async with asynclock.connect(f"zookeeper://{proxy.address}/x", op_timeout=0.5):
+                pytest.fail("connected to a server that never answered")
+        assert anyio.current_time() - started < 2.0
+
+
+# -- ttl and sessions ------------------------------------------------------------------------
+
+
+async def test_ttl_is_the_negotiated_session_timeout_and_others_are_refused(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    """tickTime 500 ms: the server allows session timeouts of 1 to 10 s, exactly."""
+    async with asynclock.connect(f"{zookeeper_server.url}{chroot}") as locks:
+        for ttl in (1.0, 2.5, 10.0):
+            async with locks.lock("t", ttl=ttl) as lease:
+                assert lease.ttl == ttl
+                assert grant_of(lease).session is not None
+                assert grant_of(lease).session.timeout == ttl  # type: ignore[union-attr]
+        # 30 s is asked for, the server negotiates 10 s: refused, and the bound is learned.
+        with pytest.raises(
+            asynclock.InvalidArgument, match=r"allows session timeouts of \? to 10 s"
+        ):
+            await locks.acquire("t", ttl=30)
+        # The bound refuses the next one before any round trip (lock() itself raises).
+        with pytest.raises(asynclock.InvalidArgument, match=r"\? to 10 s"):
+            locks.lock("t", ttl=11)
+        with pytest.raises(asynclock.InvalidArgument, match="allows session timeouts of 1 to 10 s"):
+            await locks.acquire("t", ttl=0.5)
+        with pytest.raises(asynclock.InvalidArgument, match="1 to 10 s"):
+            locks.lock("t", ttl=0.2)
+        sessions = backend_of(locks).extra_info()["sessions"]
+        assert sorted(sessions) == [1000, 2500, 10000]  # the refused ones were closed
+
+
+async def test_locks_with_one_ttl_share_one_session_and_renew_in_one_call(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    async with asynclock.connect(f"{zookeeper_server.url}{chroot}", session_timeout=3) as locks:
+        leases = [await locks.acquire(f"n{index}", ttl=3) for index in range(20)]
+        other = await locks.acquire("other", ttl=2)
+        sessions = {id(grant_of(lease).session) for lease in leases}
+        assert len(sessions) == 1
+        assert id(grant_of(other).session) not in sessions
+        before = locks.renew_calls
+        await anyio.sleep(1.2)  # one renewal interval of the 3 s locks (and of the 2 s one)
+        assert all(not lease.lost for lease in [*leases, other])
+        # 21 leases in two sessions: renewed in a handful of batched calls, not 21 per round.
+        assert 1 <= locks.renew_calls - before <= 4
+        for lease in [*leases, other]:
+            await lease.release()
+
+
+# -- loss ------------------------------------------------------------------------------------
+
+
+async def expire_session(server: ZooKeeperServer, grant: ZooKeeperGrant) -> None:
+    """Take over the grant's session from a second connection and close it (server-side)."""
+    session = grant.session
+    assert session is not None
+    connect = protocol.ConnectRequest(
+        protocol_version=0,
+        last_seen_zxid=0,
+        timeout=round(session.timeout * 1000),
+        session_id=session.session_id,
+        password=session._password,
+        read_only=False,
+    ).serialize()
+    close = protocol.CloseRequest().serialize(1)
+    with anyio.fail_after(5):
+        async with await anyio.connect_tcp(server.host, server.port) as stream:
+            await stream.send(struct.pack("!i", len(connect)) + connect)
+            received = b""
+            while len(received) < 4 or len(received) < 4 + int.from_bytes(received[:4], "big"):
+                received += await stream.receive()
+            reply = protocol.ConnectResponse.deserialize(received[4:])
+            assert reply.session_id == session.session_id
+            await stream.send(struct.pack("!i", len(close)) + close)
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                while True:  # the close reply, then the server hangs up
+                    await stream.receive()
+
+
+async def test_session_expired_from_outside_loses_every_lease_at_once(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    direct = f"{zookeeper_server.url}{chroot}"
+    async with proxied(zookeeper_server) as proxy:
+        url = f"zookeeper://{proxy.address}{chroot}"
+        async with asynclock.connect(url) as locks, asynclock.connect(direct) as other:
+            flagged = await locks.acquire("flagged", ttl=4)
+            blocker = await other.acquire("contended", ttl=4)
+            waiter_done = anyio.Event()
+            waiter_token: list[int] = []
+
+            async def waiter() -> None:
+                # Waits in the session that is about to expire; carries on in a new one.
+                async with locks.lock("contended", ttl=4, timeout=15) as waited:
+                    waiter_token.append(waited.token)
+                waiter_done.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await wait_until_children(admin, f"{chroot}/contended", 2)
+                with pytest.raises(asynclock.LeaseLost, match="expired or was closed") as info:
+                    async with locks.lock("body", ttl=4) as lease:
+                        old_session = grant_of(lease).session
+                        assert old_session is not None
+                        # Keep our client from reconnecting (and taking the session back)
+                        # while the intruder closes it.
+                        proxy.blackhole()
+                        await expire_session(zookeeper_server, grant_of(lease))
+                        proxy.reset()
+                        proxy.pass_through()
+                        expired_at = anyio.current_time()
+                        await anyio.sleep(30)
+                assert anyio.current_time() - expired_at < 1.0
+                assert info.value.name == "body"
+                assert flagged.lost and "expired or was closed" in (flagged.lost_reason or "")
+                assert old_session is not None and old_session.dead
+                # The waiter queued again in a new session; it gets the lock once it is free.
+                assert not waiter_done.is_set()
+                await blocker.release()
+                with anyio.fail_after(10):
+                    await waiter_done.wait()
+            assert waiter_token[0] > blocker.token
+            await flagged.release()
+            async with locks.lock("body", ttl=4) as again:
+                assert grant_of(again).session is not old_session
+                assert again.token > lease.token
+
+
+async def test_cut_longer_than_the_session_cancels_the_body_before_the_server_expires_it(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    async with proxied(zookeeper_server) as proxy:
+        url = f"zookeeper://{proxy.address}{chroot}"
+        async with asynclock.connect(url, session_timeout=2, op_timeout=1) as locks:
+            gone_at: list[float] = []
+
+            async def watch_node(path: str) -> None:
+                # From a direct connection: when does the server itself drop the node?
+                async def gone() -> bool:
+                    return not await node_exists(admin, path)
+
+                await until(gone, 15)
+                gone_at.append(anyio.current_time())
+
+            async with anyio.create_task_group() as tg:
+                with pytest.raises(asynclock.LeaseLost, match="local deadline"):
+                    async with locks.lock("cut", ttl=2) as lease:
+                        tg.start_soon(watch_node, grant_of(lease).path)
+                        proxy.cut(5)
+                        cut_at = anyio.current_time()
+                        try:
+                            await anyio.sleep(10)
+                        finally:
+                            cancelled_at = anyio.current_time()
+            assert cancelled_at - cut_at < 2.0
+            assert gone_at and cancelled_at < gone_at[0], (cancelled_at, gone_at)
+            # After the cut the client works again (in a new session).
+            await until(lambda: proxy.mode == "pass_through", 10)
+            async with locks.lock("cut", ttl=2, timeout=5) as again:
+                assert again.token > lease.token
+
+
+async def test_a_create_whose_reply_was_lost_is_found_and_reused(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    async with proxied(zookeeper_server) as proxy:
+        url = f"zookeeper://{proxy.address}{chroot}"
+        async with asynclock.connect(url, session_timeout=5, op_timeout=1) as locks:
+            result: list[asynclock.Lease] = []
+
+            async def take() -> None:
+                result.append(await locks.acquire("lost-reply", ttl=5))
+
+            async with anyio.create_task_group() as tg:
+                proxy.drop_replies()
+                tg.start_soon(take)
+                (created,) = await wait_until_children(admin, f"{chroot}/lost-reply", 1)
+                # The create happened; its reply is gone. Let replies through again: the
+                # client gives up on this connection, reconnects and looks for its node.
+                proxy.pass_through()
+            (lease,) = result
+            parent = f"{chroot}/lost-reply"
+            assert grant_of(lease).path == f"{parent}/{created}"
+            assert await children(admin, parent) == [created]  # no duplicate
+            _, stat = await admin.get(f"{parent}/{created}")
+            assert lease.token == stat.created_zxid
+            await lease.release()
+
+
+async def test_renew_is_unknown_at_once_while_disconnected(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    async with proxied(zookeeper_server) as proxy:
+        url = f"zookeeper://{proxy.address}{chroot}"
+        async with asynclock.connect(url, session_timeout=5, op_timeout=0.5) as locks:
+            lease = await locks.acquire("r", ttl=5, on_lost="flag")
+            session = grant_of(lease).session
+            assert session is not None
+            proxy.blackhole()
+            await until(lambda: session.state != "connected", 3)
+            started = anyio.current_time()
+            (outcome,) = await backend_of(locks).renew([grant_of(lease)])
+            assert isinstance(outcome, asynclock.abc.Unknown)
+            assert anyio.current_time() - started < 0.05
+            proxy.reset()
+            proxy.pass_through()
+            await until(lambda: session.state == "connected")
+            (outcome,) = await backend_of(locks).renew([grant_of(lease)])
+            assert isinstance(outcome, asynclock.abc.Renewed)
+            await lease.release()
+
+
+# -- cleanup ---------------------------------------------------------------------------------
+
+
+async def test_cancelled_waiter_and_release_while_disconnected_are_cleaned_after_reconnect(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    """What could not be deleted while disconnected is deleted once the session is back."""
+    direct = f"{zookeeper_server.url}{chroot}"
+    parent = f"{chroot}/orphan"
+    async with proxied(zookeeper_server) as proxy:
+        flaky_url = f"zookeeper://{proxy.address}{chroot}"
+        async with (
+            asynclock.connect(direct) as holder,
+            asynclock.connect(flaky_url, session_timeout=5, op_timeout=0.5) as flaky,
+        ):
+            first = await holder.acquire("orphan", ttl=5)
+            with anyio.CancelScope() as waiting:
+
+                async def cancel_when_disconnected() -> None:
+                    await wait_until_children(admin, parent, 2)
+                    proxy.blackhole()
+                    waiting.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_when_disconnected)
+                    await flaky.acquire("orphan", ttl=5)
+            session = next(iter(backend_of(flaky)._sessions.values()))
+            session_id = session.session_id
+            assert len(await children(admin, parent)) == 2  # the waiter's node is still there
+            proxy.reset()  # nothing of what was sent during the blackhole arrives
+            proxy.pass_through()
+
+            async def only_one_left() -> bool:
+                return len(await children(admin, parent)) == 1
+
+            await until(only_one_left)
+            assert session.session_id == session_id and session.state == "connected"
+            await first.release()
+
+            # Now a release that cannot reach the server.
+            lease = await flaky.acquire("orphan", ttl=5, on_lost="flag")
+            proxy.blackhole()
+            await until(lambda: session.state != "connected", 3)
+            await lease.release()  # logs a warning; the janitor finishes it
+            proxy.reset()
+            proxy.pass_through()
+
+            async def none_left() -> bool:
+                return not await children(admin, parent)
+
+            await until(none_left)
+            assert session.session_id == session_id
+            assert await holder.try_acquire("orphan", ttl=5) is not None
+
+
+async def test_state_does_not_grow_over_200_acquisitions(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    url = f"{zookeeper_server.url}{chroot}"
+    async with asynclock.connect(url, session_timeout=5) as locks, asynclock.connect(url) as other:
+        for index in range(200):
+            match index % 4:
+                case 0 | 1:
+                    async with locks.lock("grow", ttl=5):
+                        pass
+                case 2:
+                    blocker = await other.acquire("grow", ttl=5)
+                    assert await locks.try_acquire("grow", ttl=5) is None
+                    with anyio.move_on_after(0.005):
+                        await locks.acquire("grow", ttl=5)  # cancelled while waiting
+                    await blocker.release()
+                case _:
+                    lease = await locks.acquire(f"grow/{index}", ttl=5)
+                    await lease.release()
+        info = backend_of(locks).extra_info()
+        for session in info["sessions"].values():
+            assert session["held"] == 0
+            assert session["waiting_calls"] == 0
+            assert session["watches"] == 0
+            assert session["listeners"] == 0
+            assert session["orphans"] == 0
+        assert len(info["sessions"]) == 1
+        # Parents are remembered for a moment only (the janitor deletes them once unused).
+        assert info["known_parents"] <= 52
+        await until(lambda: not backend_of(locks).extra_info()["known_parents"], 6)
+
+        async def tree_empty() -> bool:
+            return not await znodes_under(admin, chroot)
+
+        await until(tree_empty, 2)
+        # And the server holds no watch of ours any more.
+        watches = zookeeper_server.four_letter_word("wchp")
+        assert chroot not in watches
+
+
+# -- order -----------------------------------------------------------------------------------
+
+
+def watched_paths(server: ZooKeeperServer) -> dict[str, list[str]]:
+    """The server's data watches: path -> session ids (four-letter word ``wchp``)."""
+    watched: dict[str, list[str]] = {}
+    path = ""
+    for line in server.four_letter_word("wchp", timeout=5).splitlines():
+        if line.startswith("/"):
+            path = line.strip()
+            watched[path] = []
+        elif line.strip():
+            watched[path].append(line.strip())
+    return watched
+
+
+async def test_200_waiters_are_served_in_arrival_order_without_a_herd(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    url = f"{zookeeper_server.url}{chroot}"
+    parent = f"{chroot}/fifo"
+    served: list[int] = []
+    clients = [asynclock.connect(url, session_timeout=5) for _ in range(4)]
+    async with clients[0], clients[1], clients[2], clients[3]:
+        holder = await clients[0].acquire("fifo", ttl=5)
+
+        async def waiter(index: int) -> None:
+            async with clients[index % 4].lock("fifo", ttl=5):
+                served.append(index)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(200):
+                tg.start_soon(waiter, index)
+                await wait_until_children(admin, parent, index + 2)
+            # No herd: nobody watches the queue (the parent's children); each waiter watches
+            # the one node before its own, so 200 distinct nodes are watched, each by one or
+            # two sessions (the holder watches its own node too).
+            watched = watched_paths(zookeeper_server)
+            assert parent not in watched
+            in_queue = {path: ids for path, ids in watched.items() if path.startswith(parent)}
+            assert len(in_queue) == 200
+            assert all(1 <= len(ids) <= 2 for ids in in_queue.values())
+            await holder.release()
+    assert served == list(range(200))
+
+
+# -- ensemble --------------------------------------------------------------------------------
+
+
+async def test_leader_killed_while_one_holds_and_one_waits(
+    zookeeper_ensemble: ZooKeeperEnsemble,
+) -> None:
+    chroot = f"/test-{uuid.uuid4().hex[:10]}"
+    url = f"{zookeeper_ensemble.url}{chroot}"
+    inside = 0
+    most_inside = 0
+    order: list[str] = []
+
+    async def hold(locks: asynclock.LockClient, who: str, seconds: float) -> None:
+        nonlocal inside, most_inside
+        async with locks.lock("leader", ttl=10, timeout=30):
+            inside += 1
+            most_inside = max(most_inside, inside)
+            order.append(who)
+            await anyio.sleep(seconds)
+            inside -= 1
+
+    async with asynclock.connect(url, op_timeout=3) as first, asynclock.connect(url) as second:
+        killed = None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(hold, first, "first", 4.0)
+                await until(lambda: bool(order))
+                tg.start_soon(hold, second, "second", 0.1)
+                await anyio.sleep(0.3)
+                killed = await anyio.to_thread.run_sync(zookeeper_ensemble.kill_leader)
+            assert order == ["first", "second"]
+            assert most_inside == 1
+            # Both clients lost their connection and came back in the same session (the first
+            # one's lease survived: its task would have raised LeaseLost).
+            for locks in (first, second):
+                for info in backend_of(locks).extra_info()["sessions"].values():
+                    assert info["reconnects"] >= 1 and info["state"] == "connected"
+            # The lock works again, with the new leader.
+            async with first.lock("leader", ttl=10, timeout=10) as lease:
+                assert lease.token > 0
+        finally:
+            if killed is not None:
+                await anyio.to_thread.run_sync(killed.restart)
+            address = ",".join(member.address for member in zookeeper_ensemble.members)
+            async with zk_admin(address) as client:
+                await delete_tree(client, chroot)
+
+
+# -- ACLs ------------------------------------------------------------------------------------
+
+
+async def test_credentials_protect_lock_nodes_from_other_clients(
+    zookeeper_server: ZooKeeperServer, chroot: str
+) -> None:
+    url = f"zookeeper://app:s3cret@{zookeeper_server.address}{chroot}"
+    wrong = f"zookeeper://app:wrong@{zookeeper_server.address}{chroot}"
+    parent = f"{chroot}/guarded"
+    async with (
+        asynclock.connect(url) as locks,
+        asynclock.connect(url) as colleague,
+        zk_admin(zookeeper_server.address) as anonymous,
+    ):
+        lease = await locks.acquire("guarded", ttl=5)
+        path = grant_of(lease).path
+        with pytest.raises(exc.NoAuth):
+            await anonymous.delete(path, force=True)
+        with pytest.raises(exc.NoAuth):
+            await anonymous.create(f"{parent}/_c_intruder-lock-", ephemeral=True, sequential=True)
+        with pytest.raises(exc.NoAuth):
+            await anonymous.get_children(parent)
+        # The same credentials share the lock as usual; other ones cannot take part.
+        assert await colleague.try_acquire("guarded", ttl=5) is None
+        async with asynclock.connect(wrong) as stranger:
+            with pytest.raises(asynclock.BackendUnavailable, match="refused access"):
+                await stranger.try_acquire("guarded", ttl=5)
+        await lease.release()
+        again = await colleague.try_acquire("guarded", ttl=5)
+        assert again is not None
+        await again.release()
+        await anonymous.send(protocol.AuthRequest(type=0, scheme="digest", auth=b"app:s3cret"))
+        await delete_tree(anonymous, chroot)
+
+
+# -- read-write locks ------------------------------------------------------------------------
+
+
+async def test_read_write_lock_shares_reads_and_does_not_starve_writers(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    url = f"{zookeeper_server.url}{chroot}"
+    parent = f"{chroot}/rw"
+    events: list[str] = []
+    tokens: dict[str, int] = {}
+    readers_may_leave = anyio.Event()
+    async with asynclock.connect(url) as a, asynclock.connect(url) as b:
+        rw_a, rw_b = ReadWriteLock(a, "rw"), ReadWriteLock(b, "rw")
+
+        async def read_until_told(rw: ReadWriteLock, label: str) -> None:
+            async with rw.read(ttl=5, timeout=2) as lease:
+                tokens[label] = lease.token
+                events.append(f"{label} in")
+                await readers_may_leave.wait()
+                events.append(f"{label} out")
+
+        async def write() -> None:
+            async with rw_b.write(ttl=5, timeout=10) as lease:
+                tokens["writer"] = lease.token
+                events.append("writer in")
+                await anyio.sleep(0.1)
+                events.append("writer out")
+
+        async def late_read() -> None:
+            async with rw_a.read(ttl=5, timeout=10) as lease:
+                tokens["late"] = lease.token
+                events.append("late reader in")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_until_told, rw_a, "r1")
+            tg.start_soon(read_until_told, rw_b, "r2")
+            await wait_until_children(admin, parent, 2)
+            await until(lambda: len(events) == 2)
+            assert sorted(events) == ["r1 in", "r2 in"]  # both readers inside at once
+            tg.start_soon(write)
+            await wait_until_children(admin, parent, 3)
+            tg.start_soon(late_read)
+            await wait_until_children(admin, parent, 4)
+            # A reader that comes after a waiting writer waits for the writer.
+            with pytest.raises(asynclock.AcquireTimeout):
+                async with rw_b.read(ttl=5, timeout=0.2):
+                    pytest.fail("a reader overtook a waiting writer")
+            # The plain lock is the write lock: excluded by readers too.
+            assert await b.try_acquire("rw", ttl=5) is None
+            assert "writer in" not in events
+            readers_may_leave.set()
+    assert events[2:] == ["r1 out", "r2 out", "writer in", "writer out", "late reader in"] or (
+        events[2:] == ["r2 out", "r1 out", "writer in", "writer out", "late reader in"]
+    )
+    assert max(tokens["r1"], tokens["r2"]) < tokens["writer"] < tokens["late"]
+
+
+async def test_read_write_lock_needs_the_zookeeper_backend() -> None:
+    async with asynclock.connect("memory://") as locks:
+        with pytest.raises(asynclock.UnsupportedFeature, match="zookeeper"):
+            ReadWriteLock(locks, "x")
