@@ -302,6 +302,22 @@ async def test_a_paused_minority_master_does_not_stop_renewal(
                 own_server.resume()
 
 
+async def test_a_dead_minority_master_does_not_stop_locking(
+    own_server: RedisServer, redis_servers: list[RedisServer], prefix: str, name: str
+) -> None:
+    addresses = [own_server.address, redis_servers[1].address, redis_servers[2].address]
+    async with connect(addresses, prefix) as locks, connect(addresses, prefix) as other:
+        async with locks.lock(name, ttl=1) as lease:
+            own_server.kill()  # connections refused from now on
+            await anyio.sleep(1.5)
+            assert not lease.lost
+            assert await other.try_acquire(name, ttl=1) is None
+        # Released on the two live masters: free again.
+        again = await other.try_acquire(name, ttl=1)
+        assert again is not None
+        await again.release()
+
+
 # -- faults on a majority: no grant, and loss mid-hold ----------------------------------------
 
 
