@@ -385,7 +385,7 @@ class Settings:
             socket_timeout=None,
             socket_connect_timeout=self.op_timeout,
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-            client_name=self.client_name,
+            client_name=self.client_name or None,
             **extra,
         )
 
@@ -398,6 +398,10 @@ def pack(args: Sequence[str | int | float | bytes]) -> bytes:
         data = arg if isinstance(arg, bytes) else str(arg).encode()
         parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(parts)
+
+
+#: Idle connections a lane keeps; more are closed when their call ends.
+_MAX_IDLE = 16
 
 
 class Lane:
@@ -450,16 +454,26 @@ class Lane:
         limit = self._op_timeout if timeout is None else timeout
         for attempt in (1, 2):
             conn = self._checkout()
-            try:
-                if not conn.is_connected:
+            if not conn.is_connected:
+                try:
                     # The handshake (AUTH, CLIENT SETNAME, SELECT) reads replies with no socket
                     # timeout of its own: bound it, or a frozen server would hold us for ever.
                     with anyio.fail_after(self._op_timeout):
                         await conn.connect()  # type: ignore[no-untyped-call]
+                except redis.exceptions.ConnectionError:
+                    await self._drop(conn)
+                    if attempt == 2 or self._closed:
+                        raise
+                    continue
+                except BaseException:
+                    # Half set up (an error reply to SELECT, say): never to be used.
+                    await self._drop(conn)
+                    raise
+            try:
                 await conn.send_packed_command(pack(args), check_health=False)
                 reply = await conn.read_response(timeout=limit)
             except redis.exceptions.ResponseError:
-                self._idle.append(conn)  # an error reply: the connection itself is fine
+                await self._checkin(conn)  # an error reply: the connection itself is fine
                 raise
             except redis.exceptions.ConnectionError:
                 await self._drop(conn)
@@ -474,9 +488,16 @@ class Lane:
                 # so this connection can never be used again.
                 await self._drop(conn)
                 raise redis.exceptions.TimeoutError(f"no reply within {limit:g} s")
-            self._idle.append(conn)
+            await self._checkin(conn)
             return reply
         raise AssertionError("unreachable")
+
+    async def _checkin(self, conn: AbstractConnection) -> None:
+        if len(self._idle) < _MAX_IDLE and not self._closed:
+            self._idle.append(conn)
+        else:
+            # A burst of waiters (one connection each) is over: do not keep them all.
+            await self._drop(conn)
 
     async def script(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """``EVALSHA``, loading the script first if the server does not know it (a restart
@@ -564,10 +585,10 @@ def common_settings(
     prefix = opts.text("prefix", DEFAULT_PREFIX)
     op_timeout = opts.number("op_timeout", DEFAULT_OP_TIMEOUT, minimum=0.001)
     client_name = opts.text("client_name", DEFAULT_CLIENT_NAME)
-    if not client_name or any(ch.isspace() or ord(ch) < 0x21 for ch in client_name):
+    if any(ch.isspace() or ord(ch) < 0x21 for ch in client_name):
         raise InvalidArgument(
-            f"option 'client_name' of {source} must be a non-empty name without spaces, "
-            f"got {client_name!r}"
+            f"option 'client_name' of {source} must be a name without spaces (or empty, to "
+            f"send no CLIENT SETNAME), got {client_name!r}"
         )
     given_ssl = [key for key in _SSL_OPTIONS if key in opts]
     if given_ssl and not tls:

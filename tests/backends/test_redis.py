@@ -123,6 +123,7 @@ def test_malformed_urls_raise_invalid_url(url: str, message: str) -> None:
         ("redis://127.0.0.1/0", {"waiter_ttl": "soon"}, "waiter_ttl"),
         ("redis://127.0.0.1/0", {"durability_warning": "maybe"}, "durability_warning"),
         ("redis://127.0.0.1/0", {"client_name": "two words"}, "client_name"),
+        ("redis://127.0.0.1/0", {"client_name": 7}, "client_name"),
         ("redis://127.0.0.1/0", {"ssl_ca_certs": "/ca.pem"}, "rediss://"),
         ("rediss://127.0.0.1/0", {"ssl_cert_reqs": "sometimes"}, "ssl_cert_reqs"),
     ],
@@ -220,6 +221,30 @@ async def test_acl_user_and_password_are_used_and_a_wrong_password_is_refused(
         with pytest.raises(asynclock.BackendUnavailable, match="password"):
             async with asynclock.connect(bad, prefix=prefix):
                 pytest.fail("connected with a wrong password")
+    finally:
+        await raw.acl_deluser(user)
+
+
+async def test_an_empty_client_name_serves_users_that_may_not_name_connections(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str
+) -> None:
+    user = f"plain-{uuid.uuid4().hex[:6]}"
+    await raw.acl_setuser(
+        user,
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-client"],
+    )
+    try:
+        url = f"redis://{user}:pw@{redis_server.address}/0"
+        with pytest.raises(asynclock.BackendUnavailable, match=r"(?i)permission"):
+            async with connect(url, prefix):
+                pytest.fail("CLIENT SETNAME was allowed")
+        async with connect(url, prefix, client_name="") as locks:
+            async with locks.lock("plain", ttl=5) as lease:
+                assert lease.token >= 1
     finally:
         await raw.acl_deluser(user)
 
