@@ -4,16 +4,54 @@ A lock alone cannot keep a resource safe: its holder can pause (GC, swap, SIGSTO
 check and write after its lease expired and another client took the lock. Each guard here records
 the highest token it has seen for a resource and refuses an older one, atomically with the access.
 The token comes from the lock held in the current context unless one is passed.
+
+Across services the token travels in the ``Fencing-Token`` header (and the lock's name in
+``Fencing-Lock``): :func:`httpx_request_hook` and :func:`aiohttp_client_middleware` send them,
+:class:`FencingMiddleware` (ASGI) and :func:`aiohttp_fencing_middleware` check them.
 """
 
 from .._errors import StaleToken as StaleToken
+from ._aiohttp import aiohttp_client_middleware as aiohttp_client_middleware
+from ._aiohttp import aiohttp_fencing_middleware as aiohttp_fencing_middleware
+from ._asgi import FencingMiddleware as FencingMiddleware
+from ._http import LOCK_HEADER as LOCK_HEADER
+from ._http import TOKEN_HEADER as TOKEN_HEADER
+from ._http import Guard as Guard
+from ._http import encode_lock_name as encode_lock_name
+from ._http import fencing_headers as fencing_headers
+from ._http import httpx_request_hook as httpx_request_hook
+from ._http import incoming_token as incoming_token
+from ._http import parse_lock_name as parse_lock_name
+from ._http import parse_token as parse_token
 from ._memory import MemoryGuard as MemoryGuard
 from ._postgres import PostgresGuard as PostgresGuard
 from ._redis import RedisGuard as RedisGuard
 from ._token import MAX_TOKEN as MAX_TOKEN
 
-__all__ = ("MAX_TOKEN", "MemoryGuard", "PostgresGuard", "RedisGuard", "StaleToken")
+__all__ = (
+    "LOCK_HEADER",
+    "MAX_TOKEN",
+    "TOKEN_HEADER",
+    "FencingMiddleware",
+    "Guard",
+    "MemoryGuard",
+    "PostgresGuard",
+    "RedisGuard",
+    "StaleToken",
+    "aiohttp_client_middleware",
+    "aiohttp_fencing_middleware",
+    "encode_lock_name",
+    "fencing_headers",
+    "httpx_request_hook",
+    "incoming_token",
+    "parse_lock_name",
+    "parse_token",
+)
 
-for _name in ("MemoryGuard", "PostgresGuard", "RedisGuard"):
-    globals()[_name].__module__ = __name__
-del _name
+# Tracebacks and docs show asynclock.fencing, not the private module (StaleToken stays
+# asynclock.StaleToken, where it is defined).
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith(__name__ + "."):
+        _obj.__module__ = __name__
+del _name, _obj

@@ -1,0 +1,37 @@
+"""Holding locks where applications do their work: web endpoints and job functions.
+
+* :mod:`asynclock.integrations.fastapi`: ``@locked(template, client=...)`` for FastAPI endpoints.
+* :mod:`asynclock.integrations.aiohttp`: the same for aiohttp handlers.
+
+Job functions (plain asyncio workers, arq, taskiq, saq) need no integration: decorate them with
+:func:`asynclock.locked`. Each submodule imports its framework, so import only the one you use.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+
+from .._errors import InvalidArgument
+
+__all__ = ()
+
+
+def template_fields(template: str) -> set[str]:
+    """The argument names a lock name template refers to (``"a/{b.c}/{d[0]}"`` -> b, d)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise InvalidArgument(f"lock name template {template!r} is malformed: {exc}") from None
+    names = set()
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not name or name.isdigit():
+            raise InvalidArgument(
+                f"lock name template {template!r} has a positional field {{{field}}}; name the "
+                "parameter, as in 'orders/{order_id}'"
+            )
+        names.add(name)
+    return names

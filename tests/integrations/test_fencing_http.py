@@ -1,0 +1,439 @@
+"""Fencing tokens across services: header parsing, the outgoing hooks and the checking middlewares.
+
+End to end on real servers: uvicorn (ASGI ``FencingMiddleware``) and aiohttp
+(``aiohttp_fencing_middleware``), called through httpx and aiohttp clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import anyio
+import httpx
+import pytest
+from aiohttp import web
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse
+
+import asynclock
+from asynclock import fencing
+from asynclock.abc import Capabilities
+from asynclock.backends.memory import MemoryBackend
+from asynclock.fencing import (
+    FencingMiddleware,
+    MemoryGuard,
+    aiohttp_client_middleware,
+    aiohttp_fencing_middleware,
+    httpx_request_hook,
+    incoming_token,
+    parse_lock_name,
+    parse_token,
+)
+from asynclock.integrations.aiohttp import FENCING_RESOURCE, FENCING_TOKEN
+from asynclock.integrations.fastapi import locked
+
+from ._servers import memory, serve_aiohttp, serve_asgi
+
+pytestmark = pytest.mark.anyio
+
+# -- the header format ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "token"),
+    [("0", 0), ("7", 7), ("007", 7), (str(2**63 - 1), 2**63 - 1), ("0" * 30 + "5", 5)],
+)
+def test_parse_token_accepts_decimal_integers(value: str, token: int) -> None:
+    assert parse_token(value) == token
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("", "empty"),
+        ("-1", "not a decimal integer"),
+        ("+1", "not a decimal integer"),
+        (" 1", "not a decimal integer"),
+        ("1 ", "not a decimal integer"),
+        ("1.0", "not a decimal integer"),
+        ("1e3", "not a decimal integer"),
+        ("0x10", "not a decimal integer"),
+        ("1_000", "not a decimal integer"),
+        ("\u0663", "not a decimal integer"),  # ARABIC-INDIC DIGIT THREE: isdigit(), not ASCII
+        ("\uff11", "not a decimal integer"),  # FULLWIDTH DIGIT ONE
+        ("abc", "not a decimal integer"),
+        ("1,2", "several values"),
+        ("1, 2", "several values"),
+        (str(2**63), "larger than 2\\*\\*63-1"),
+        ("9" * 5000, "larger than 2\\*\\*63-1"),  # longer than int() would even parse
+    ],
+)
+def test_parse_token_refuses_everything_else(value: str, why: str) -> None:
+    with pytest.raises(asynclock.InvalidArgument, match=why):
+        parse_token(value)
+
+
+def test_lock_names_survive_the_header_round_trip() -> None:
+    for name in ["orders/42", "ünïcödé/✓", "a b,c;d%e", "100%", "x" * 512]:
+        encoded = fencing.encode_lock_name(name)
+        assert encoded.isascii()
+        assert "/" not in encoded and "," not in encoded and " " not in encoded
+        assert parse_lock_name(encoded) == name
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("", "empty"),
+        ("%zz", "not percent-encoded"),
+        ("50%", "not percent-encoded"),
+        ("caf\u00e9", "not percent-encoded"),  # raw non-ASCII (latin-1 decoded header bytes)
+        ("a b", "not percent-encoded"),
+        ("%FF%FE", "UTF-8"),
+        ("%0A", "control character"),
+        ("x" * 513, "bytes long"),
+    ],
+)
+def test_parse_lock_name_refuses_bad_values(value: str, why: str) -> None:
+    with pytest.raises(asynclock.InvalidArgument, match=why):
+        parse_lock_name(value)
+
+
+def test_header_names_are_checked() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="HTTP header name"):
+        httpx_request_hook(header="Fencing Token")
+    with pytest.raises(asynclock.InvalidArgument, match="HTTP header name"):
+        aiohttp_client_middleware(lock_header="")
+
+
+# -- the outgoing side ---------------------------------------------------------------------------
+
+
+async def test_fencing_headers_follow_the_lock_held_in_this_context(
+    locks: asynclock.LockClient,
+) -> None:
+    assert fencing.fencing_headers() == {}
+    async with locks.lock("orders/ä 1") as outer:
+        assert fencing.fencing_headers() == {
+            "Fencing-Token": str(outer.token),
+            "Fencing-Lock": "orders%2F%C3%A4%201",
+        }
+        async with locks.lock("inner") as inner:
+            assert fencing.fencing_headers()["Fencing-Token"] == str(inner.token)
+            assert fencing.fencing_headers("orders/ä 1")["Fencing-Token"] == str(outer.token)
+        assert fencing.fencing_headers("inner") == {}
+        assert fencing.fencing_headers(header="X-Fence", lock_header=None) == {
+            "X-Fence": str(outer.token)
+        }
+    lease = await locks.acquire("manual")
+    assert fencing.fencing_headers()["Fencing-Token"] == str(lease.token)
+    await lease.release()
+    assert fencing.fencing_headers() == {}
+
+
+class NoTokenBackend(MemoryBackend):
+    """A memory backend that says it has no sound tokens, as Redlock does."""
+
+    capabilities = Capabilities(
+        fencing=False, fifo=True, loss_detection=True, quorum=True, cross_process=False
+    )
+
+
+async def test_a_lease_without_a_token_sends_nothing_and_does_not_crash() -> None:
+    seen: list[httpx.Headers] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers)
+        return httpx.Response(200)
+
+    client = asynclock.LockClient(
+        NoTokenBackend("no-token"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
+    )
+    async with (
+        client as locks,
+        httpx.AsyncClient(
+            transport=httpx.MockTransport(answer), event_hooks={"request": [httpx_request_hook()]}
+        ) as http,
+    ):
+        async with locks.lock("redlock-ish"):
+            with pytest.raises(asynclock.UnsupportedFeature):
+                asynclock.current_token()
+            await http.get("http://service/")
+    assert "fencing-token" not in seen[0]
+    assert "fencing-lock" not in seen[0]
+
+
+async def test_httpx_hook_adds_headers_only_while_a_lock_is_held(
+    locks: asynclock.LockClient,
+) -> None:
+    seen: list[httpx.Headers] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers)
+        return httpx.Response(200)
+
+    async with httpx.AsyncClient(
+        transport=httpx.MockTransport(answer),
+        event_hooks={"request": [httpx_request_hook(header="X-Fence", lock_header="X-Lock")]},
+    ) as http:
+        await http.get("http://service/")
+        async with locks.lock("a/b") as lease:
+            await http.get("http://service/")
+            await http.get("http://service/", headers={"X-Fence": "99"})  # explicit one wins
+    assert "x-fence" not in seen[0]
+    assert seen[1]["x-fence"] == str(lease.token)
+    assert seen[1]["x-lock"] == "a%2Fb"
+    assert seen[2].get_list("x-fence") == ["99"]
+    assert "x-lock" not in seen[2]
+
+
+# -- the receiving side, end to end --------------------------------------------------------------
+
+
+@dataclass
+class Seen:
+    token: int | None
+    state: int | None
+    resource: str | None
+
+
+def asgi_service(guard: fencing.Guard | None, seen: list[Seen], **options: Any) -> Any:
+    app = FastAPI()
+
+    @app.post("/{path:path}")
+    async def write(request: Request) -> JSONResponse:
+        record = Seen(incoming_token(), request.state.fencing_token, request.state.fencing_resource)
+        seen.append(record)
+        return JSONResponse({"token": record.token, "resource": record.resource})
+
+    app.add_middleware(FencingMiddleware, guard=guard, **options)
+    return app
+
+
+def aiohttp_service(guard: fencing.Guard | None, seen: list[Seen], **options: Any) -> Any:
+    async def write(request: web.Request) -> web.Response:
+        record = Seen(incoming_token(), request[FENCING_TOKEN], request[FENCING_RESOURCE])
+        seen.append(record)
+        return web.json_response({"token": record.token, "resource": record.resource})
+
+    app = web.Application(middlewares=[aiohttp_fencing_middleware(guard=guard, **options)])
+    app.router.add_post("/{path:.*}", write)
+    return app
+
+
+@dataclass
+class Service:
+    url: str
+    seen: list[Seen]
+
+
+ServiceMaker = Callable[..., AbstractAsyncContextManager[Service]]
+
+
+@pytest.fixture(params=["uvicorn", "aiohttp"])
+def service(request: pytest.FixtureRequest) -> ServiceMaker:
+    """A service with a fencing middleware, on uvicorn (ASGI) or aiohttp."""
+
+    @asynccontextmanager
+    async def start(guard: fencing.Guard | None, **options: Any) -> AsyncIterator[Service]:
+        seen: list[Seen] = []
+        if request.param == "uvicorn":
+            async with serve_asgi(asgi_service(guard, seen, **options)) as url:
+                yield Service(url, seen)
+        else:
+            async with serve_aiohttp(aiohttp_service(guard, seen, **options)) as url:
+                yield Service(url, seen)
+
+    return start
+
+
+Post = Callable[..., Awaitable[tuple[int, Any]]]
+
+
+@pytest.fixture(params=["httpx", "aiohttp"])
+async def post(request: pytest.FixtureRequest) -> AsyncIterator[Post]:
+    """POST with an httpx client (request hook) or an aiohttp session (client middleware)."""
+    if request.param == "httpx":
+        async with httpx.AsyncClient(event_hooks={"request": [httpx_request_hook()]}) as http:
+
+            async def post_httpx(url: str, **kwargs: Any) -> tuple[int, Any]:
+                answer = await http.post(url, **kwargs)
+                return answer.status_code, answer.json()
+
+            yield post_httpx
+    else:
+        async with aiohttp.ClientSession(middlewares=(aiohttp_client_middleware(),)) as session:
+
+            async def post_aiohttp(url: str, **kwargs: Any) -> tuple[int, Any]:
+                async with session.post(url, **kwargs) as answer:
+                    return answer.status, await answer.json()
+
+            yield post_aiohttp
+
+
+async def test_a_stale_token_from_a_paused_holder_is_refused_after_a_newer_one(
+    locks: asynclock.LockClient, service: ServiceMaker, post: Post
+) -> None:
+    guard = MemoryGuard()
+    async with service(guard) as b:
+        resumed = anyio.Event()
+        paused_answer: list[tuple[int, Any]] = []
+        async with anyio.create_task_group() as task_group:
+
+            async def paused_holder(*, task_status: anyio.abc.TaskStatus[int]) -> None:
+                # Loss is only flagged: the holder does not know, as after a long GC pause.
+                async with locks.lock("orders/1", on_lost="flag") as lease:
+                    first = await post(f"{b.url}/orders")
+                    assert first == (200, {"token": lease.token, "resource": "orders/1"})
+                    task_status.started(lease.token)
+                    await resumed.wait()
+                    paused_answer.append(await post(f"{b.url}/orders"))
+
+            old = await task_group.start(paused_holder)
+            memory(locks).expire("orders/1")  # the server let the lease go; nobody was told
+            async with locks.lock("orders/1", timeout=1) as newer:
+                assert newer.token > old
+                assert await post(f"{b.url}/orders") == (
+                    200,
+                    {"token": newer.token, "resource": "orders/1"},
+                )
+            resumed.set()
+    status, body = paused_answer[0]
+    assert status == 409
+    assert body["error"] == "stale_fencing_token"
+    assert (body["token"], body["highest"], body["resource"]) == (old, newer.token, "orders/1")
+    assert guard.highest("orders/1") == newer.token
+    assert [record.token for record in b.seen] == [old, newer.token]  # the app never saw the 409
+
+
+async def test_service_a_holds_the_lock_and_service_b_sees_its_token(
+    locks: asynclock.LockClient, service: ServiceMaker
+) -> None:
+    """A (FastAPI + @locked, calling B with httpx) and B (the fencing service) on real servers."""
+    async with (
+        service(MemoryGuard()) as b,
+        httpx.AsyncClient(event_hooks={"request": [httpx_request_hook()]}) as http,
+    ):
+        a = FastAPI()
+
+        @a.post("/invoices/{invoice_id}")
+        @locked("invoices/{invoice_id}", client=locks)
+        async def bill(invoice_id: int) -> dict[str, Any]:
+            answer = await http.post(f"{b.url}/ledger/{invoice_id}")
+            return {"mine": asynclock.current_token(), "b": answer.json()}
+
+        async with serve_asgi(a) as a_url, httpx.AsyncClient(base_url=a_url) as outside:
+            first = (await outside.post("/invoices/5")).json()
+            second = (await outside.post("/invoices/5")).json()
+    assert first["b"] == {"token": first["mine"], "resource": "invoices/5"}
+    assert second["b"] == {"token": second["mine"], "resource": "invoices/5"}
+    assert second["mine"] > first["mine"]
+    assert b.seen[0].state == first["mine"]  # scope["state"] / request[...] carry it as well
+
+
+async def test_requests_without_a_token_pass_or_get_428(
+    locks: asynclock.LockClient, service: ServiceMaker
+) -> None:
+    async with httpx.AsyncClient() as http:
+        async with service(MemoryGuard()) as optional:
+            answer = await http.post(f"{optional.url}/x")
+            assert (answer.status_code, answer.json()) == (200, {"token": None, "resource": None})
+        async with service(MemoryGuard(), required=True) as required:
+            answer = await http.post(f"{required.url}/x")
+            assert answer.status_code == 428
+            assert answer.json()["error"] == "fencing_token_required"
+            answer = await http.post(f"{required.url}/x", headers={"Fencing-Token": "3"})
+            assert answer.status_code == 200
+    assert required.seen == [Seen(3, 3, "/x")]  # the path is the resource without Fencing-Lock
+
+
+async def test_custom_headers_resource_and_no_guard(service: ServiceMaker) -> None:
+    guard = MemoryGuard()
+    async with httpx.AsyncClient() as http:
+        async with service(guard, header="X-Fence", lock_header=None) as custom:
+            ok = await http.post(
+                f"{custom.url}/p", headers={"X-Fence": "5", "Fencing-Lock": "ignored"}
+            )
+            stale = await http.post(f"{custom.url}/p", headers={"X-Fence": "4"})
+            ignored = await http.post(f"{custom.url}/p", headers={"Fencing-Token": "1"})
+        async with service(guard, resource=_tenant_of) as by_resource:
+            tenant = await http.post(
+                f"{by_resource.url}/p",
+                headers={"Fencing-Token": "1", "X-Tenant": "t1", "Fencing-Lock": "other"},
+            )
+        async with service(None) as unguarded:
+            unchecked = [
+                await http.post(f"{unguarded.url}/p", headers={"Fencing-Token": token})
+                for token in ("9", "2")
+            ]
+    assert ok.json() == {"token": 5, "resource": "/p"}
+    assert stale.status_code == 409
+    assert ignored.json() == {"token": None, "resource": None}
+    assert tenant.json() == {"token": 1, "resource": "tenant/t1"}
+    # With guard=None the app checks in its own transaction: both reach it, with their tokens.
+    assert [answer.json()["token"] for answer in unchecked] == [9, 2]
+
+
+def _tenant_of(request: Any) -> str:
+    """The resource from an X-Tenant header, for an ASGI scope or an aiohttp request."""
+    if isinstance(request, web.BaseRequest):
+        return "tenant/" + request.headers["X-Tenant"]
+    headers = dict(request["headers"])
+    return "tenant/" + bytes(headers[b"x-tenant"]).decode()
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("Fencing-Token", "abc")],
+        [("Fencing-Token", "-1")],
+        [("Fencing-Token", "+1")],
+        [("Fencing-Token", "1.5")],
+        [("Fencing-Token", str(2**63))],
+        [("Fencing-Token", "9" * 400)],
+        [("Fencing-Token", "")],
+        [("Fencing-Token", "1, 2")],
+        [("Fencing-Token", "1"), ("Fencing-Token", "2")],
+        [("Fencing-Token", "1"), ("Fencing-Lock", "%zz")],
+        [("Fencing-Token", "1"), ("Fencing-Lock", "%FF")],
+        [("Fencing-Token", "1"), ("Fencing-Lock", "")],
+        [("Fencing-Token", "1"), ("Fencing-Lock", "a"), ("Fencing-Lock", "b")],
+    ],
+    ids=lambda headers: "+".join(f"{key}={value[:12]!r}" for key, value in headers),
+)
+async def test_bad_headers_are_a_400_not_a_crash(
+    service: ServiceMaker, headers: list[tuple[str, str]]
+) -> None:
+    guard = MemoryGuard()
+    async with service(guard) as b, httpx.AsyncClient() as http:
+        answer = await http.post(f"{b.url}/x", headers=headers)
+        await http.post(f"{b.url}/x", headers={"Fencing-Token": "1"})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == "invalid_fencing_header"
+    assert "Fencing-" in answer.json()["detail"]  # names the header at fault
+    assert b.seen == [Seen(1, 1, "/x")]  # the app saw only the good request
+    assert guard.highest("/x") == 1
+
+
+async def test_raw_non_ascii_header_bytes_are_a_400(service: ServiceMaker) -> None:
+    async with service(MemoryGuard()) as b, httpx.AsyncClient() as http:
+        digits = await http.post(f"{b.url}/x", headers=[(b"Fencing-Token", "\u0661".encode())])
+        name = await http.post(
+            f"{b.url}/x", headers=[(b"Fencing-Token", b"1"), (b"Fencing-Lock", "é".encode())]
+        )
+    assert digits.status_code == 400
+    assert name.status_code == 400
+    assert b.seen == []
+
+
+async def test_the_token_does_not_leak_past_the_request(service: ServiceMaker) -> None:
+    assert incoming_token() is None
+    async with service(MemoryGuard()) as b, httpx.AsyncClient() as http:
+        await http.post(f"{b.url}/x", headers={"Fencing-Token": "4"})
+        await http.post(f"{b.url}/x")
+    assert [record.token for record in b.seen] == [4, None]
+    assert incoming_token() is None
