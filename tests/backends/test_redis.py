@@ -364,6 +364,19 @@ async def test_take_sets_the_owner_with_an_expiry_and_the_token_comes_from_the_c
         await again.release()
 
 
+async def test_the_database_number_in_the_url_is_used(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    async with connect(f"redis://{redis_server.address}/5", prefix) as locks:
+        lease = await locks.acquire(name, ttl=5)
+        for db, expected in ((5, lease.owner.encode()), (0, None)):
+            async with redis.asyncio.Redis(
+                host=redis_server.host, port=redis_server.port, db=db
+            ) as raw:
+                assert await raw.get(lua.lock_key(prefix, name)) == expected
+        await lease.release()
+
+
 async def test_a_stale_owner_can_neither_renew_nor_release(
     redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
