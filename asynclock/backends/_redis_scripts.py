@@ -172,8 +172,11 @@ end
 
 -- Tell the first live waiter to look again: its wake list gets one element, which its BLPOP
 -- takes at once or on its next wait.
-local function wake_head(now)
-  prune(now)
+local function wake_head()
+  if redis.call('EXISTS', queue) == 0 then
+    return nil
+  end
+  prune(server_ms())
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   if head then
     redis.call('DEL', wake .. head)
@@ -196,6 +199,12 @@ if holder == owner then
   -- A retried take whose first reply was lost: the lock is ours already.
   redis.call('PEXPIRE', lock, ttl)
   return {1, tonumber(redis.call('GET', counter))}
+end
+if not holder and redis.call('EXISTS', queue) == 0 then
+  -- Free and nobody waits: the common case, without reading the clock.
+  redis.call('SET', lock, owner, 'PX', ttl)
+  redis.call('DEL', wake .. owner)
+  return {1, redis.call('INCR', counter)}
 end
 local now = server_ms()
 prune(now)
@@ -238,7 +247,7 @@ if holder then
 end
 -- Free, but another waiter is first: make sure it knows, and look again when its place
 -- would run out if it never comes.
-wake_head(now)
+wake_head()
 return {0, math.floor(tonumber(redis.call('ZSCORE', expiry, head))) - now}
 """
 )
@@ -251,7 +260,7 @@ if redis.call('GET', lock) ~= owner then
   return 0
 end
 redis.call('DEL', lock)
-wake_head(server_ms())
+wake_head()
 return 1
 """
 )
@@ -269,7 +278,7 @@ redis.call('ZREM', queue, owner)
 redis.call('ZREM', expiry, owner)
 redis.call('DEL', wake .. owner)
 if redis.call('EXISTS', lock) == 0 then
-  wake_head(server_ms())
+  wake_head()
 end
 return 1
 """
