@@ -182,7 +182,7 @@ class PostgresGrant(Grant):
     #: The server process of the session that holds the lock (checked on every renewal).
     pid: int
     connection: Any = field(repr=False)
-    listener: Callable[[Any], None] | None = field(default=None, repr=False)
+    on_lost: Callable[[str], None] = field(repr=False)
     #: The renewal query in flight, if any, and when it was sent.
     renewal: asyncio.Task[Any] | None = field(default=None, repr=False)
     renewal_sent_at: float = 0.0
@@ -226,6 +226,9 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._idle: list[Any] = []
         #: Every open connection of ours: idle, waiting or holding.
         self._connections: set[Any] = set()
+        #: The grant each holding connection holds.
+        self._held: dict[Any, PostgresGrant] = {}
+        self._described = redact(dsn.split("?", 1)[0])
         #: Renewal queries in flight (see _renew_one); each ends with its query or connection.
         self._renewals: set[asyncio.Task[Any]] = set()
         #: Connects in flight (see _connect), and those whose caller stopped waiting.
@@ -309,7 +312,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         )
 
     def describe(self) -> str:
-        return redact(self._dsn.split("?", 1)[0])
+        return self._described
 
     def extra_info(self) -> Mapping[str, Any]:
         return {
@@ -477,9 +480,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             return
         grant.released = True
         connection = grant.connection
-        if grant.listener is not None:
-            connection.remove_termination_listener(grant.listener)
-            grant.listener = None
+        self._held.pop(connection, None)
         try:
             await self._unlock(grant)
         except BaseException:
@@ -533,8 +534,23 @@ class PostgresBackend(Backend[PostgresGrant]):
         if self._state != "open":
             connection.terminate()
             raise BackendUnavailable(f"the lock client for {self.describe()} is closed")
-        self._connections.add(connection)
+        self._adopted(connection)
         return connection
+
+    def _adopted(self, connection: Any) -> None:
+        self._connections.add(connection)
+        connection.add_termination_listener(self._connection_closed)
+
+    def _connection_closed(self, connection: Any) -> None:
+        """asyncpg's termination listener: the connection closed, for whatever reason."""
+        self._forget(connection)
+        grant = self._held.pop(connection, None)
+        if grant is not None and not grant.released:
+            grant.on_lost(
+                f"the connection holding the advisory lock on {self._described} closed (server "
+                "restart, pg_terminate_backend, idle_session_timeout or a network failure); "
+                "the lock ends with the session"
+            )
 
     def _connect_done(self, task: asyncio.Task[Any]) -> None:
         self._connecting.discard(task)
@@ -548,7 +564,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             return
         connection = task.result()
         if self._state == "open":
-            self._connections.add(connection)
+            self._adopted(connection)
             self._checkin(connection)
         else:
             connection.terminate()
@@ -657,23 +673,12 @@ class PostgresBackend(Backend[PostgresGrant]):
             key=key,
             pid=int(row[1]),
             connection=connection,
+            on_lost=request.on_lost,
         )
-        describe = self.describe()
-
-        def closed(_: Any) -> None:
-            self._forget(connection)
-            if not grant.released:
-                request.on_lost(
-                    f"the connection holding the advisory lock on {describe} closed (server "
-                    "restart, pg_terminate_backend, idle_session_timeout or a network failure); "
-                    "the lock ends with the session"
-                )
-
-        grant.listener = closed
-        connection.add_termination_listener(closed)
+        self._held[connection] = grant
         if connection.is_closed():
-            # Closed between the reply and now: the listener may never run.
-            closed(connection)
+            # Closed between the reply and now: the listener may have run already.
+            self._connection_closed(connection)
         return grant
 
     async def _renew_one(self, grant: PostgresGrant) -> RenewOutcome:

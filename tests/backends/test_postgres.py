@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import ssl
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import anyio
 import anyio.to_thread
 import asyncpg
 import pytest
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
@@ -19,6 +25,24 @@ from asynclock.testing import FaultProxy, PostgresServer, free_port
 from tests.contract.backend_postgres import HOLDERS_OF_KEY, key_parts, terminate_holder
 
 pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: A holder in a process of its own: prints "held", then "lost" if its body is cancelled.
+HOLDER = """
+import sys, anyio, asynclock
+
+async def main(url, name, ttl):
+    async with asynclock.connect(url) as locks:
+        try:
+            async with locks.lock(name, ttl=float(ttl)):
+                print("held", flush=True)
+                await anyio.sleep(60)
+        except asynclock.LeaseLost:
+            print("lost", flush=True)
+
+anyio.run(main, *sys.argv[1:])
+"""
 
 WAITERS_OF_KEY = """
 SELECT count(*) FROM pg_locks
@@ -383,6 +407,24 @@ async def test_blackholed_connection_cancels_the_body_before_the_server_frees_th
             assert anyio.current_time() >= lease.grant.valid_from + ttl
 
 
+async def test_a_network_cut_shorter_than_the_lease_costs_nothing(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    """Renewals time out during the cut (op_timeout 0.3 s) but are not cancelled: the one that
+    waited in the network reaches the server after the cut and renews the lease."""
+    ttl = 3.0
+    async with FaultProxy(postgres_server.host, postgres_server.port) as proxy:
+        url = f"postgresql://postgres@{proxy.address}/postgres?op_timeout=0.3"
+        async with asynclock.connect(url) as locks:
+            async with locks.lock(name, ttl=ttl) as lease:
+                holder = await holders(admin, name)
+                proxy.cut(1.5)
+                await anyio.sleep(ttl + 1.0)
+                assert not lease.lost
+                assert await holders(admin, name) == holder
+            assert locks.renew_calls >= 4
+
+
 async def test_a_silent_client_loses_the_lock_ttl_after_its_last_message(
     postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
 ) -> None:
@@ -403,6 +445,58 @@ async def test_a_silent_client_loses_the_lock_ttl_after_its_last_message(
                 await anyio.sleep(0.01)
         assert "idle_session_timeout" in lost[0]
         await backend.release(grant)
+
+
+async def start_holder(
+    url: str, name: str, ttl: float
+) -> tuple[Process, BufferedByteReceiveStream]:
+    process = await anyio.open_process(
+        [sys.executable, "-c", HOLDER, url, name, str(ttl)], cwd=ROOT, stderr=None
+    )
+    assert process.stdout is not None
+    output = BufferedByteReceiveStream(process.stdout)
+    with anyio.fail_after(20):
+        assert await output.receive_until(b"\n", 100) == b"held"
+    return process, output
+
+
+async def test_a_killed_holder_process_frees_the_lock_at_once(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    process, _ = await start_holder(postgres_server.url, name, 30.0)
+    async with process:
+        assert await holders(admin, name)
+        process.kill()
+        killed_at = anyio.current_time()
+        await process.wait()
+        with anyio.fail_after(2):
+            while await holders(admin, name):  # noqa: ASYNC110 (polling the server)
+                await anyio.sleep(0.01)
+    assert anyio.current_time() - killed_at < 1.0
+
+
+async def test_a_paused_holder_process_loses_the_lock_after_ttl_and_its_body_is_cancelled(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    ttl = 1.5
+    process, output = await start_holder(postgres_server.url, name, ttl)
+    async with process, asynclock.connect(postgres_server.url) as other:
+        try:
+            os.kill(process.pid, signal.SIGSTOP)
+            stopped_at = anyio.current_time()
+            # Not before the last renewal's ttl has run out (it was at most ttl / 3 ago) ...
+            async with other.lock(name, ttl=10, timeout=ttl + 2) as lease:
+                taken_at = anyio.current_time()
+                assert taken_at - stopped_at >= ttl * 2 / 3
+                # ... and the paused holder, once it runs again, stops at once.
+                os.kill(process.pid, signal.SIGCONT)
+                with anyio.fail_after(5):
+                    assert await output.receive_until(b"\n", 100) == b"lost"
+                assert not lease.lost
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        with anyio.fail_after(10):
+            assert await process.wait() == 0
 
 
 # -- waiting ----------------------------------------------------------------------------------
