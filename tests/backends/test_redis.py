@@ -464,6 +464,22 @@ async def test_a_restart_without_persistence_loses_the_lease_and_the_counter(
         assert again.token == 1
 
 
+async def test_a_forward_clock_jump_on_the_server_is_found_by_the_next_renewal(
+    prefix: str, name: str
+) -> None:
+    """Redis expires keys by its wall clock: a step forward (a bad NTP sync) ends a lease early,
+    which no client can prevent; the holder learns of it at its next renewal, within ttl / 3."""
+    with RedisServer(faketime="+0") as server:
+        async with connect(server, prefix) as locks:
+            with pytest.raises(asynclock.LeaseLost, match="is gone"):
+                async with locks.lock(name, ttl=3) as lease:
+                    server.jump_clock(60)
+                    jumped = anyio.current_time()
+                    await anyio.sleep(10)
+            assert anyio.current_time() - jumped < 3 / 3 + 0.5
+            assert anyio.current_time() < lease.deadline
+
+
 async def test_server_paused_past_the_ttl_cancels_the_body_before_another_client_takes_it(
     own_server: RedisServer, prefix: str, name: str
 ) -> None:
