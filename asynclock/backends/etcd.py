@@ -26,6 +26,7 @@ The backend runs no task of its own: held locks are renewed by the client's supe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import math
@@ -179,6 +180,8 @@ class _Attempt:
     key: bytes | None = None
     #: Its create revision once known (0 while unknown).
     rev: int = 0
+    #: A request that may create ``key``, still in flight when we were cancelled.
+    inflight: Any = None
 
 
 class _LeaseMissing(BackendUnavailable):
@@ -580,6 +583,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                         ],
                         success=[_put(attempt)],
                     ),
+                    keep=attempt,
                 )
             except _LeaseMissing:
                 attempt.key = None
@@ -628,17 +632,29 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     async def _abandon(self, attempt: _Attempt) -> None:
         """Delete the key a failed or cancelled acquisition may have created."""
-        key, rev = attempt.key, attempt.rev
+        key, rev, inflight = attempt.key, attempt.rev, attempt.inflight
         attempt.key = None
+        attempt.inflight = None
         if key is None:
             return
         self._orphans[key] = rev
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self.op_timeout):
-            try:
-                await self._delete_key(key, rev, f"withdrawing from lock {attempt.request.name!r}")
-            except LockError:
-                return
-            self._orphans.pop(key, None)
+        what = f"withdrawing from lock {attempt.request.name!r}"
+        with anyio.CancelScope(shield=True):
+            settled = inflight is None
+            if inflight is not None:
+                with anyio.move_on_after(self.op_timeout):
+                    # Its outcome does not matter, only that etcd is done with it.
+                    with contextlib.suppress(Exception):
+                        await _settle(inflight)
+                    settled = True
+            with anyio.move_on_after(self.op_timeout):
+                try:
+                    await self._delete_key(key, rev, what)
+                except LockError:
+                    return
+                if settled:
+                    # (Else a later sweep deletes it again, in case the request lands late.)
+                    self._orphans.pop(key, None)
 
     async def _queue_and_wait(self, attempt: _Attempt) -> None:
         failures = _Backoff(2.0 * self.op_timeout)
@@ -670,7 +686,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                         attempt.key = None
                         attempt.rev = 0
                     continue
-                await self._wait_turn(attempt, lease, predecessor, seen + 1)
+                await self._wait_turn(attempt, lease, predecessor, seen)
             except _LeaseMissing:
                 if attempt.lease is not None:
                     self._lease_died(attempt.lease, _lease_gone(attempt.lease))
@@ -709,6 +725,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                 ],
                 failure=[_range(key)],
             ),
+            keep=attempt,
         )
         seen = int(reply.header.revision)
         if reply.succeeded:
@@ -750,48 +767,78 @@ class EtcdBackend(Backend[EtcdGrant]):
         return (bytes(lower[0].key) if lower else None), int(reply.header.revision)
 
     async def _wait_turn(
-        self, attempt: _Attempt, lease: _EtcdLease, predecessor: bytes, start: int
+        self, attempt: _Attempt, lease: _EtcdLease, predecessor: bytes, seen: int
     ) -> None:
         """Return when the key before ours, or ours, is deleted (or to look again); keep our
-        lease alive meanwhile."""
+        lease alive meanwhile. ``seen`` is the revision at which both existed."""
         own = attempt.key
         assert own is not None
         what = f"waiting for lock {attempt.request.name!r}"
         # hasleader: a member cut off from the cluster ends the watch instead of going quiet.
         call = self._watch_stub.Watch(metadata=(*self._metadata, ("hasleader", "true")))
-        woke = anyio.Event()
+        changed = anyio.Event()
+        armed: list[int] = []
+        woke: list[bool] = []
         failed: list[BaseException] = []
 
         async def read() -> None:
             # Never cancelled while waiting: cancelling a gRPC read cancels the whole stream.
+            # The watches start at the current revision rather than at ``seen + 1``: etcd
+            # serves a watch that starts in the past from a catch-up loop that runs every
+            # 100 ms, which would delay the hand-over by up to that much.
             try:
                 for key in (predecessor, own):
                     await call.write(
                         rpc.WatchRequest(
                             create_request=rpc.WatchCreateRequest(
-                                key=key,
-                                start_revision=start,
-                                filters=[rpc.WatchCreateRequest.NOPUT],
+                                key=key, filters=[rpc.WatchCreateRequest.NOPUT]
                             )
                         )
                     )
+                created = 0
+                start = 0
                 while True:
                     response = await call.read()
                     if response is grpc.aio.EOF:
                         failed.append(BackendUnavailable(f"{what}: the watch ended"))
                         return
+                    if response.created:
+                        created += 1
+                        start = max(start, int(response.header.revision))
+                        if created == 2:
+                            armed.append(start)
+                            changed.set()
                     if response.events or response.canceled or response.compact_revision:
                         return
             except grpc.aio.AioRpcError as exc:
                 failed.append(exc)
             finally:
-                woke.set()
+                woke.append(True)
+                changed.set()
 
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read)
+                with anyio.move_on_after(self.op_timeout):
+                    await changed.wait()
+                if not armed and not woke:
+                    failed.append(
+                        BackendTimeout(
+                            f"{what} on {self.describe()}: etcd did not create the watch "
+                            f"within {self.op_timeout:g} s (op_timeout)"
+                        )
+                    )
+                elif (
+                    armed
+                    and armed[0] > seen
+                    and not woke
+                    # Something was written between our read and the watches: make sure it
+                    # did not delete the keys they watch.
+                    and not await self._both_exist(predecessor, own, what)
+                ):
+                    woke.append(True)
                 recheck_at = anyio.current_time() + _RECHECK_EVERY
-                while not woke.is_set() and not lease.dead:
+                while not woke and not failed and not lease.dead:
                     now = anyio.current_time()
                     if now >= recheck_at:
                         break
@@ -799,9 +846,12 @@ class EtcdBackend(Backend[EtcdGrant]):
                         wake_at = now + max(0.05, lease.ttl / 12.0)
                     else:
                         wake_at = lease.refresh_due()
+                    changed = anyio.Event()
+                    if woke:
+                        break
                     with anyio.move_on_at(min(wake_at, recheck_at)):
-                        await woke.wait()
-                    if not woke.is_set():
+                        await changed.wait()
+                    if not woke:
                         # Our queue entry rides on the lease: keep it alive while we wait.
                         await self._refresh_for_waiters(lease)
                 tg.cancel_scope.cancel()
@@ -814,6 +864,12 @@ class EtcdBackend(Backend[EtcdGrant]):
                     return
                 raise self._translate(error, what) from error
             raise error
+
+    async def _both_exist(self, first: bytes, second: bytes, what: str) -> bool:
+        reply = await self._txn(
+            what, rpc.TxnRequest(success=[_range(first, count_only=True), _range(second)])
+        )
+        return all(response.response_range.count for response in reply.responses)
 
     async def _refresh_for_waiters(self, lease: _EtcdLease) -> None:
         now = anyio.current_time()
@@ -975,21 +1031,30 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     # -- calls -------------------------------------------------------------------------------
 
-    async def _txn(self, what: str, request: Any) -> Any:
+    async def _txn(self, what: str, request: Any, *, keep: _Attempt | None = None) -> Any:
         return await self._call(
-            what, lambda md: self._kv.Txn(request, timeout=self.op_timeout, metadata=md)
+            what,
+            lambda md: self._kv.Txn(request, timeout=self.op_timeout, metadata=md),
+            keep=keep,
         )
 
-    async def _call(self, what: str, call: Callable[[Metadata], Any]) -> Any:
+    async def _call(
+        self, what: str, call: Callable[[Metadata], Any], *, keep: _Attempt | None = None
+    ) -> Any:
         """Make a call (``call(metadata)`` returns a unary gRPC call or a coroutine) and
-        translate its errors; re-authenticates once when etcd has dropped our token."""
+        translate its errors; re-authenticates once when etcd has dropped our token.
+
+        With ``keep``, a cancelled call is not cancelled on the wire but left to finish, in
+        ``keep.inflight``: it may create a key, and the clean-up must delete it only after
+        etcd has applied it (the delete travels on another stream and could overtake it).
+        """
         if self._channel is None:
             raise BackendUnavailable(f"{what}: {self.describe()} is closed")
         for attempt in (1, 2):
             try:
                 pending = call(self._metadata)
                 if isinstance(pending, grpc.aio.Call):
-                    return await _settle(pending)
+                    return await _settle(pending, keep)
                 return await pending
             except grpc.aio.AioRpcError as exc:
                 if attempt == 1 and self.user is not None and _token_rejected(exc):
@@ -1123,8 +1188,8 @@ async def fenced_txn(
 # -- helpers -----------------------------------------------------------------------------------
 
 
-async def _settle(call: Any) -> Any:
-    """Await a unary gRPC call.
+async def _settle(call: Any, keep: _Attempt | None = None) -> Any:
+    """Await a unary gRPC call (and cancel it if we are cancelled, unless ``keep``).
 
     grpc.aio answers a cancellation with a bare ``CancelledError`` of its own, without the
     message by which anyio recognises its cancel scopes' cancellations, so anyio would let it
@@ -1136,7 +1201,10 @@ async def _settle(call: Any) -> Any:
         try:
             await done.wait()
         except BaseException:
-            call.cancel()
+            if keep is not None:
+                keep.inflight = call
+            else:
+                call.cancel()
             raise
     return await call
 

@@ -7,6 +7,7 @@ import functools
 import http.client
 import json
 import os
+import random
 import signal
 import ssl
 import subprocess
@@ -340,6 +341,31 @@ async def _gone(direct: Raw, grant: Grant) -> bool:
 
 
 # -- faults ------------------------------------------------------------------------------------
+
+
+async def test_acquires_cancelled_at_random_moments_never_leave_a_key(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """A cancelled request may still reach etcd, and after the clean-up's delete (they travel
+    on different streams): the clean-up waits for it first."""
+    rng = random.Random(5)
+    base = key_prefix(prefix, "c")
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        asynclock.connect(etcd_server.url, prefix=prefix) as other,
+        raw(etcd_server.address) as direct,
+    ):
+        started = anyio.current_time()
+        await (await locks.acquire("c", ttl=4)).release()
+        round_trip = anyio.current_time() - started
+        for attempt in range(300):
+            held = await other.acquire("c", ttl=4) if attempt % 2 else None
+            with anyio.move_on_after(rng.uniform(0, 3 * round_trip)):
+                async with locks.lock("c", ttl=4):
+                    await anyio.sleep(10)
+            if held is not None:
+                await held.release()
+            assert await direct.count(base) == 0, f"a key was left by attempt {attempt}"
 
 
 async def test_keepalive_blackholed_cancels_the_body_before_etcd_expires_the_lease(
