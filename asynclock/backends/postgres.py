@@ -782,6 +782,7 @@ _XACT_WAIT = """
 WITH granted AS MATERIALIZED (SELECT pg_advisory_xact_lock($1))
 SELECT nextval($2::regclass) FROM granted
 """
+_RESET = "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; DISCARD TEMP"
 _XACT_TRY = """
 WITH attempt AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($1) AS taken)
 SELECT nextval($2::regclass) FROM attempt WHERE attempt.taken
@@ -892,6 +893,7 @@ async def _on_backend(
     isolation: str | None,
 ) -> AsyncIterator[TransactionLock]:
     connection = await backend._checkout()
+    body_ran = False
     try:
         async with _transaction(
             connection,
@@ -903,13 +905,17 @@ async def _on_backend(
             isolation,
             backend.op_timeout,
         ) as held:
+            body_ran = True
             yield held
+        # The body may have changed the session (SET, LISTEN, temporary tables, a session
+        # advisory lock): undo it before the connection is used for a lease. RESET ALL returns
+        # to the settings the connection was opened with, which are ours.
+        await connection.execute(_RESET, timeout=backend.op_timeout)
     except BaseException:
-        # Reuse the connection only if its transaction surely ended, and its lock with it.
-        if connection.is_closed() or connection.is_in_transaction():
-            backend._discard(connection)
+        if body_ran or connection.is_closed() or connection.is_in_transaction():
+            backend._discard(connection)  # not worth finding out what the body left behind
         else:
-            backend._checkin(connection)
+            backend._checkin(connection)  # rolled back before any of the caller's code ran
         raise
     backend._checkin(connection)
 

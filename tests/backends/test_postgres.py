@@ -692,6 +692,24 @@ async def test_transaction_lock_on_a_url_and_on_an_asyncpg_connection(
             pass
 
 
+async def test_transaction_lock_returns_a_clean_connection_to_the_pool(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
+) -> None:
+    async with asynclock.connect(postgres_server.url, application_name=app) as locks:
+        backend = locks.backend
+        assert isinstance(backend, PostgresBackend)
+        async with transaction_lock(locks, name) as (connection, _):
+            # Session-level changes made by the body, which must not reach a later lease.
+            await connection.execute("SET lock_timeout = '1s'")
+            await connection.execute("SELECT pg_advisory_lock(12345)")
+            await connection.execute("LISTEN somewhere")
+        assert backend._idle == [connection]
+        assert await connection.fetchval("SHOW lock_timeout") == "0"
+        assert await connection.fetchval("SHOW application_name") == app
+        assert await connection.fetchval("SELECT count(*) FROM pg_listening_channels()") == 0
+        assert await sessions(admin, app) == [(connection.get_server_pid(), 0)]
+
+
 async def test_transaction_lock_of_a_stalled_client_is_freed_by_the_server(
     postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, table: str
 ) -> None:
