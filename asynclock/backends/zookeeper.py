@@ -488,10 +488,11 @@ class _Session:
                         tg.start_soon(self._read_loop, conn)
                         tg.start_soon(self._ping_loop, conn)
                         tg.start_soon(self._maintain)
+                    if not self.dead:
+                        self._disconnected(conn)
                     await conn.aclose()
                     if self.dead:
                         break
-                    self._disconnected(conn)
                     await self._reconnect()
         except Exception as exc:  # a bug here must not take the other sessions down
             logger.exception("asynclock: ZooKeeper session 0x%x failed", self.session_id)
@@ -720,6 +721,8 @@ class _Session:
         ``op_timeout``, the connection broke, or no reply within ``op_timeout``: the connection
         is then dropped) and ``_SessionGone`` when the session is dead.
         """
+        if not requests:
+            return []
         op_timeout = self._settings.op_timeout
         conn = await self._wait_connected(anyio.current_time() + op_timeout)
         replies: list[_Reply] = []
