@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.abc
 
+from .._errors import UnsupportedFeature
 from ..fencing import PostgresGuard, RedisGuard
 
 _PG_TABLES = """
@@ -291,6 +292,12 @@ class SafetyReport:
         }
 
 
+def _fencing_capable(url: str) -> bool:
+    from .._registry import make_backend
+
+    return make_backend(url, {}).capabilities.fencing
+
+
 def _process_stopped(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
@@ -379,6 +386,10 @@ def _check(
 
 async def run_safety(config: SafetyConfig) -> SafetyReport:
     """Run ``config`` and check its history; bounded by ``config.duration`` plus a grace period."""
+    if config.fencing and not _fencing_capable(config.url):
+        raise UnsupportedFeature(
+            f"{config.url.split('://')[0]}:// issues no fencing tokens; run it with fencing=False"
+        )
     report = SafetyReport(config)
     run = uuid.uuid4().hex[:12]
     resource = f"{config.resource}#{run}"
