@@ -288,6 +288,22 @@ async def test_locks_with_one_ttl_share_one_session_and_renew_in_one_call(
             await lease.release()
 
 
+async def test_a_session_nobody_uses_is_closed_after_a_while(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("asynclock.backends.zookeeper._IDLE_SESSION", 0.5)
+    url = f"{zookeeper_server.url}{chroot}"
+    async with asynclock.connect(url, session_timeout=3) as locks:
+        lease = await locks.acquire("idle", ttl=1)
+        await anyio.sleep(1.0)  # held: the 1 s session stays
+        assert sorted(backend_of(locks).extra_info()["sessions"]) == [1000, 3000]
+        await lease.release()
+        # Unused now: closed (on the server too), while the session of connect() stays.
+        await until(lambda: sorted(backend_of(locks).extra_info()["sessions"]) == [3000], 3)
+        async with locks.lock("idle", ttl=1) as again:  # and opened again when needed
+            assert again.ttl == 1
+
+
 # -- loss ------------------------------------------------------------------------------------
 
 
