@@ -603,6 +603,16 @@ class PostgresBackend(Backend[PostgresGrant]):
             ) from exc
         except asyncpg.InvalidCatalogNameError as exc:
             raise BackendUnavailable(f"{self.describe()}: {exc}; check the database name") from exc
+        except ssl.SSLError as exc:
+            raise BackendUnavailable(
+                f"cannot connect to {self.describe()}: TLS failed: {exc}. Check sslmode and "
+                "sslrootcert (the CA that signed the server's certificate), or the ssl context"
+            ) from exc
+        except FileNotFoundError as exc:
+            raise BackendUnavailable(
+                f"cannot connect to {self.describe()}: {exc}: a file named in the options "
+                "(sslrootcert, sslcert, sslkey, passfile) does not exist"
+            ) from exc
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             raise BackendUnavailable(
                 f"cannot connect to {self.describe()}: {type(exc).__name__}: {exc}. Check that "

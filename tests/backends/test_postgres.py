@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import ssl
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -75,6 +77,40 @@ def own_server() -> Iterator[PostgresServer]:
     """A server of this module's own, for tests that restart or crash it."""
     with PostgresServer(max_connections=50) as server:
         yield server
+
+
+class TLSPostgresServer(PostgresServer):
+    """A server that also accepts TLS, with a certificate for 127.0.0.1 from a throwaway CA."""
+
+    def _prepare(self) -> None:
+        super()._prepare()
+        tls = self.data_dir / "tls"  # inside the server's own dir: readable by its OS user
+        tls.mkdir()
+
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], cwd=tls, check=True, capture_output=True)
+
+        key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+        openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+                "-subj", "/CN=asynclock test CA")  # fmt: skip
+        openssl(
+            "req", *key, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"
+        )
+        (tls / "san.ext").write_text("subjectAltName = IP:127.0.0.1\n")
+        openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "san.ext")  # fmt: skip
+        (tls / "server.key").chmod(0o600)
+        for path in (tls, *tls.iterdir()):
+            shutil.chown(path, "postgres", "postgres")
+
+    def _command(self) -> list[str]:
+        tls = self.data_dir / "tls"
+        return [
+            *super()._command(),
+            "-c", "ssl=on",
+            "-c", f"ssl_cert_file={tls / 'server.pem'}",
+            "-c", f"ssl_key_file={tls / 'server.key'}",
+        ]  # fmt: skip
 
 
 async def holders(admin: asyncpg.Connection, name: str, schema: str = "public") -> list[int]:
@@ -229,6 +265,39 @@ async def test_unknown_database_is_named_in_the_error(postgres_server: PostgresS
     with pytest.raises(asynclock.BackendUnavailable, match='"no_such_db" does not exist'):
         async with asynclock.connect(f"postgresql://postgres@{postgres_server.address}/no_such_db"):
             pass
+
+
+async def test_tls_with_sslmode_and_with_an_ssl_context(tmp_path: Path, name: str) -> None:
+    with TLSPostgresServer(max_connections=20) as server:
+        ca = tmp_path / "ca.pem"
+        shutil.copy(server.data_dir / "tls" / "ca.pem", ca)
+        admin = await asyncpg.connect(server.dsn, ssl=False)
+        try:
+
+            async def over_tls(lease: asynclock.Lease) -> bool:
+                pid = lease.grant.pid  # type: ignore[attr-defined]
+                encrypted: bool = await admin.fetchval(
+                    "SELECT ssl FROM pg_stat_ssl WHERE pid = $1", pid
+                )
+                return encrypted
+
+            verified = f"{server.url}?sslmode=verify-full&sslrootcert={ca}"
+            async with asynclock.connect(verified) as locks:
+                async with locks.lock(name, ttl=5) as lease:
+                    assert await over_tls(lease)
+            context = ssl.create_default_context(cafile=str(ca))
+            async with asynclock.connect(server.url, ssl=context) as locks:
+                async with locks.lock(name, ttl=5) as lease:
+                    assert await over_tls(lease)
+            async with asynclock.connect(f"{server.url}?sslmode=disable") as locks:
+                async with locks.lock(name, ttl=5) as lease:
+                    assert not await over_tls(lease)
+            # A certificate that the given CA did not sign is refused, and the error says so.
+            with pytest.raises(asynclock.BackendUnavailable, match=r"TLS failed.*sslrootcert"):
+                async with asynclock.connect(server.url, ssl=ssl.create_default_context()):
+                    pytest.fail("trusted a certificate from an unknown CA")
+        finally:
+            await admin.close()
 
 
 # -- holding ----------------------------------------------------------------------------------
