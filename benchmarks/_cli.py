@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -22,7 +25,7 @@ import anyio
 from . import _report
 from ._peers import PEERS, Peer
 from ._servers import BACKENDS, Endpoint, NotAvailable, endpoint_from_url, start
-from ._suite import Settings, measure_peer, measure_target
+from ._suite import LogCounter, Settings, measure_peer, measure_target
 from ._targets import TARGETS, Target, make_target, package_version
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -102,8 +105,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM end the run through its ``finally`` blocks, so that every server it
+    started is stopped (a shell starts background jobs with SIGINT ignored; restore it)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _stop_on_signals()
     if args.render is not None:
         data = json.loads(args.render.read_text())
         return _write(data, args.output_dir, chart=not args.no_chart)
@@ -325,10 +342,28 @@ async def _measure(
     settings: Settings,
     tag: str,
 ) -> dict[str, Any]:
+    logger = logging.getLogger("asynclock")
+    counter = LogCounter()
+    logger.addHandler(counter)
+    try:
+        return await _measure_all(targets, peers, endpoints, settings, tag, counter)
+    finally:
+        logger.removeHandler(counter)
+
+
+async def _measure_all(
+    targets: list[Target],
+    peers: list[Peer],
+    endpoints: dict[str, Endpoint | NotAvailable],
+    settings: Settings,
+    tag: str,
+    counter: LogCounter,
+) -> dict[str, Any]:
     results: dict[str, Any] = {"backends": {}, "peers": {}, "floors": {}, "versions": {}}
     done: set[str] = set()
     for target in targets:
         entry = await measure_target(target, settings, tag)
+        entry["log"] = counter.take()
         results["backends"][target.name] = entry
         results["versions"].update(entry.get("versions", {}))
         if isinstance(entry.get("floor"), dict) and "p50_ms" in entry["floor"]:
@@ -338,6 +373,7 @@ async def _measure(
         for peer in peers:
             if peer.compare_with == target.name and peer.name not in done:
                 results["peers"][peer.name] = await measure_peer(peer, settings, tag)
+                counter.take()
                 done.add(peer.name)
     # Peers whose asynclock backend was not measured still run, with a floor of their own.
     for peer in peers:

@@ -328,17 +328,18 @@ def markdown(data: dict[str, Any]) -> str:
 
     out += [
         "",
-        "## Renewal cost: one client holding many locks (ttl 3 s, renewal every 1 s)",
+        "## Renewal cost: one client holding many locks",
         "",
-        "Renew calls: the client's renewal round trips (`LockClient.renew_calls`) per interval. "
-        "Server requests: what the server counted in the same window, per interval.",
+        "Renew calls: the client's renewal round trips (`LockClient.renew_calls`) per renewal "
+        "interval (ttl / 3). Server requests: what the server counted in the same window, per "
+        "interval (PostgreSQL: not counted, see the docs).",
         "",
     ]
     rows = []
     for name, entry in measured.items():
         records = entry.get("renewal")
         if not isinstance(records, list):
-            rows.append([name, _phase_note(records), "", "", ""])
+            rows.append([name, _phase_note(records), "", "", "", ""])
             continue
         for record in records:
             capped = (
@@ -351,6 +352,7 @@ def markdown(data: dict[str, Any]) -> str:
                 [
                     name,
                     f"{record['locks']}{capped}",
+                    f"{record.get('interval_s', 0) * 3:g} s / {record.get('interval_s', 0):g} s",
                     f"{record.get('renew_calls_per_interval', '-'):g}"
                     if "renew_calls_per_interval" in record
                     else "-",
@@ -365,6 +367,7 @@ def markdown(data: dict[str, Any]) -> str:
         [
             "backend",
             "locks held",
+            "ttl / interval",
             "renew calls / interval",
             "server requests / interval",
             "time to take them",
@@ -523,6 +526,14 @@ def markdown(data: dict[str, Any]) -> str:
     slower = slower_than_peers(data)
     if slower:
         out += ["", "## Where a peer is faster", "", *(f"- {line}" for line in slower)]
+
+    logged = [
+        f"- {name}: " + "; ".join(entry["log"])
+        for name, entry in measured.items()
+        if entry.get("log")
+    ]
+    if logged:
+        out += ["", "## What asynclock logged during the run (commonest first)", "", *logged]
 
     missing = [
         f"- {name}: {entry.get('reason', '?')}"
