@@ -26,6 +26,7 @@ The backend runs no task of its own: held locks are renewed by the client's supe
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import ipaddress
@@ -50,6 +51,7 @@ from .._errors import (
     InvalidURL,
     LeaseLost,
     LockError,
+    UnsupportedFeature,
     map_exceptions,
 )
 from .._lease import Lease
@@ -347,6 +349,13 @@ class EtcdBackend(Backend[EtcdGrant]):
     async def open(self) -> None:
         if self._channel is not None or self._closed:
             raise RuntimeError("an EtcdBackend is opened once")
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise UnsupportedFeature(
+                "the etcd:// backend needs asyncio (gRPC's asyncio API); run it under asyncio, "
+                "not trio"
+            ) from None
         credentials = await self._credentials()
         target, authority = await self._target()
         options = list(_CHANNEL_OPTIONS)

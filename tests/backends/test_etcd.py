@@ -646,36 +646,43 @@ def auth_server() -> Iterator[EtcdServer]:
         yield server
 
 
-def _enable_auth(server: EtcdServer) -> None:
-    """Add root (password "rootpw") and alice (read-write on /alice/ only), then enable auth,
-    through etcd's JSON gateway."""
+def _post(
+    server: EtcdServer, path: str, body: dict[str, Any], token: str | None = None
+) -> dict[str, Any]:
+    """One call to etcd's JSON gateway."""
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=5)
+    try:
+        headers = {"Authorization": token} if token else {}
+        connection.request("POST", path, body=json.dumps(body).encode(), headers=headers)
+        response = connection.getresponse()
+        payload = response.read()
+        assert response.status == 200, payload
+        reply: dict[str, Any] = json.loads(payload)
+        return reply
+    finally:
+        connection.close()
 
-    def post(path: str, body: dict[str, Any]) -> None:
-        connection = http.client.HTTPConnection(server.host, server.port, timeout=5)
-        try:
-            connection.request("POST", path, body=json.dumps(body).encode())
-            response = connection.getresponse()
-            payload = response.read()
-            assert response.status == 200, payload
-        finally:
-            connection.close()
+
+def _enable_auth(server: EtcdServer) -> None:
+    """Add root (password "rootpw") and alice (read-write on /alice/ only), then enable auth."""
 
     def b64(text: str) -> str:
         return base64.b64encode(text.encode()).decode()
 
-    post("/v3/auth/user/add", {"name": "root", "password": "rootpw"})
-    post("/v3/auth/user/grant", {"user": "root", "role": "root"})
-    post("/v3/auth/role/add", {"name": "locks"})
-    post(
+    _post(server, "/v3/auth/user/add", {"name": "root", "password": "rootpw"})
+    _post(server, "/v3/auth/user/grant", {"user": "root", "role": "root"})
+    _post(server, "/v3/auth/role/add", {"name": "locks"})
+    _post(
+        server,
         "/v3/auth/role/grant",
         {
             "name": "locks",
             "perm": {"key": b64("/alice/"), "range_end": b64("/alice0"), "permType": "READWRITE"},
         },
     )
-    post("/v3/auth/user/add", {"name": "alice", "password": "alicepw"})
-    post("/v3/auth/user/grant", {"user": "alice", "role": "locks"})
-    post("/v3/auth/enable", {})
+    _post(server, "/v3/auth/user/add", {"name": "alice", "password": "alicepw"})
+    _post(server, "/v3/auth/user/grant", {"user": "alice", "role": "locks"})
+    _post(server, "/v3/auth/enable", {})
 
 
 async def test_user_and_password(auth_server: EtcdServer) -> None:
@@ -696,6 +703,13 @@ async def test_user_and_password(auth_server: EtcdServer) -> None:
     with pytest.raises(asynclock.BackendUnavailable, match="etcd refused"):
         async with asynclock.connect(f"etcd://{host}", prefix="/alice/locks/"):
             pass
+    # etcd forgets every token when auth is switched off and on: the client logs in again.
+    async with asynclock.connect(f"etcd://alice:alicepw@{host}", prefix="/alice/locks/") as locks:
+        await (await locks.acquire("a", ttl=2)).release()
+        token = _post(auth_server, "/v3/auth/authenticate", {"name": "root", "password": "rootpw"})
+        _post(auth_server, "/v3/auth/disable", {}, token["token"])
+        _post(auth_server, "/v3/auth/enable", {})
+        await (await locks.acquire("a", ttl=2)).release()
     # Alice may not touch another prefix: refused at connect time, not at the first lock.
     with pytest.raises(asynclock.BackendUnavailable, match="'/elsewhere/'"):
         async with asynclock.connect(
@@ -796,6 +810,19 @@ async def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
             async with asynclock.connect(url, **options) as locks:
                 async with locks.lock("tls", ttl=2) as lease:
                     assert lease.token > 0
+        # The name checked against the certificate can differ from the address dialled.
+        async with asynclock.connect(
+            f"etcd://127.0.0.1:{port}", tls_server_name="localhost", **options
+        ):
+            pass
+        with pytest.raises(asynclock.BackendUnavailable):
+            async with asynclock.connect(
+                f"etcd://127.0.0.1:{port}",
+                tls_server_name="elsewhere.test",
+                op_timeout=2,
+                **options,
+            ):
+                pass
         # Without a client certificate the server refuses; without TLS nothing is understood.
         with pytest.raises(asynclock.BackendUnavailable):
             async with asynclock.connect(
