@@ -689,9 +689,9 @@ async def test_a_killed_waiter_stalls_the_queue_no_longer_than_its_waiter_ttl(
 async def test_the_first_waiter_takes_the_lock_when_a_dead_holders_key_expires(
     redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
-    # A holder that died without releasing: its key simply runs out.
-    await raw.set(lua.lock_key(prefix, name), "dead-holder", px=400)
     async with connect(redis_server, prefix) as locks:
+        # A holder that died without releasing: its key simply runs out.
+        await raw.set(lua.lock_key(prefix, name), "dead-holder", px=400)
         started = anyio.current_time()
         async with locks.lock(name, ttl=5, timeout=5):
             waited = anyio.current_time() - started
