@@ -512,7 +512,8 @@ async def test_server_paused_past_the_ttl_cancels_the_body_before_another_client
     # The first body was cancelled by its local deadline while the server was frozen, and only
     # then could the second client take the lock (when the frozen server woke up).
     assert events["cancelled"] < events["resumed"] <= events["taken"]
-    assert events["cancelled"] - events["paused"] < 1.0
+    # By the local deadline (at most 0.89 s after the last renewal), with room for a busy machine.
+    assert events["cancelled"] - events["paused"] < 1.2
 
 
 async def _take(locks: asynclock.LockClient, name: str, events: dict[str, float]) -> None:
