@@ -1,0 +1,159 @@
+"""Run a safety profile on every installed backend and write the results as Markdown.
+
+    python -m asynclock.testing._safety_report --profile short --out docs/safety-results.md
+
+Starts its own servers (loopback only) through the launchers, runs each backend with and without
+fencing, with the pauses landing between the read and the write, and prints one table row a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+
+import anyio
+
+from ._etcd import EtcdServer
+from ._postgres import PostgresServer
+from ._process import ServerNotInstalled
+from ._redis import RedisServer
+from ._safety import SafetyConfig, SafetyReport, run_safety
+from ._zookeeper import ZooKeeperServer
+
+_PROFILES = {
+    # seconds per run at the shortest ttl; runs scale with the backend's ttl
+    "short": 4.0,
+    "long": 30.0,
+}
+
+_COLUMNS = (
+    ("backend", "lock"),
+    ("fencing", "fencing"),
+    ("cancel_on_loss", "cancel body"),
+    ("pause_kind", "pause"),
+    ("resource", "resource"),
+    ("holds", "holds"),
+    ("pauses", "pauses"),
+    ("overtaken_holds", "holds overtaken"),
+    ("writes_accepted", "writes accepted"),
+    ("writes_refused", "refused (stale)"),
+    ("lost_updates", "lost updates"),
+    ("stale_writes_accepted", "stale writes accepted"),
+    ("safe", "safe"),
+)
+
+
+def _row(report: SafetyReport) -> str:
+    data = report.as_dict()
+    cells = []
+    for key, _ in _COLUMNS:
+        value = data[key]
+        if isinstance(value, bool):
+            value = "yes" if value else "**no**"
+        cells.append(str(value))
+    return "| " + " | ".join(cells) + " |"
+
+
+@contextlib.contextmanager
+def _servers() -> Iterator[dict[str, object]]:
+    with contextlib.ExitStack() as stack:
+        found: dict[str, object] = {}
+        for name, factory in (
+            ("redis", RedisServer),
+            ("redis2", RedisServer),
+            ("redis3", RedisServer),
+            ("etcd", EtcdServer),
+            ("zookeeper", ZooKeeperServer),
+            ("postgres", PostgresServer),
+        ):
+            try:
+                found[name] = stack.enter_context(factory())
+            except ServerNotInstalled as exc:
+                print(f"skipping {name}: {exc}", file=sys.stderr)
+        yield found
+
+
+async def _run(profile: str, out: str | None) -> int:
+    seconds = _PROFILES[profile]
+    rows: list[str] = []
+    unsafe_with_fencing = 0
+    with _servers() as servers:
+        postgres = servers.get("postgres")
+        redis = servers.get("redis")
+        if not isinstance(postgres, PostgresServer) or not isinstance(redis, RedisServer):
+            print("the safety runs need PostgreSQL and Redis for the resources", file=sys.stderr)
+            return 2
+        tag = uuid.uuid4().hex[:6]
+        locks: list[tuple[str, float]] = [(f"sqlite:///tmp/asynclock-safety-{tag}.db", 0.6)]
+        locks.append((f"{redis.url}?prefix=safety-{tag}:&durability_warning=false", 0.6))
+        redlock = [
+            server
+            for name in ("redis", "redis2", "redis3")
+            if isinstance(server := servers.get(name), RedisServer)
+        ]
+        if len(redlock) == 3:
+            addresses = ",".join(server.address for server in redlock)
+            locks.append((f"redlock://{addresses}/0?prefix=safety-{tag}:", 0.6))
+        if isinstance(etcd := servers.get("etcd"), EtcdServer):
+            locks.append((f"{etcd.url}?prefix=/safety-{tag}/", 2.0))
+        if isinstance(zookeeper := servers.get("zookeeper"), ZooKeeperServer):
+            locks.append((f"{zookeeper.url}/safety-{tag}", 1.0))
+        locks.append((postgres.url, 1.0))
+        for url, ttl in locks:
+            base = SafetyConfig(
+                url=url,
+                resource=postgres.url,
+                workers=4,
+                duration=max(seconds, ttl * seconds),
+                ttl=ttl,
+                pause_probability=0.25,
+                cancel_on_loss=False,
+            )
+            fencing_runs = [] if url.startswith("redlock") else [
+                base,
+                replace(base, resource=redis.url, pause_kind="block"),
+                replace(base, cancel_on_loss=True),
+            ]  # fmt: skip
+            for config in [*fencing_runs, replace(base, fencing=False)]:
+                started = time.monotonic()
+                report = await run_safety(config)
+                rows.append(_row(report))
+                print(rows[-1], f"({time.monotonic() - started:.0f} s)", flush=True)
+                if config.fencing and not report.safe:
+                    unsafe_with_fencing += 1
+    header = "| " + " | ".join(title for _, title in _COLUMNS) + " |"
+    rule = "|" + "---|" * len(_COLUMNS)
+    text = "\n".join(
+        [
+            f"Profile `{profile}`: 4 worker processes per run, a hold paused with probability "
+            f"0.25 for 1.5 x ttl between its read and its write; {platform.platform()}, "
+            f"Python {platform.python_version()}, measured {time.strftime('%Y-%m-%d')}.",
+            "",
+            header,
+            rule,
+            *rows,
+            "",
+        ]
+    )
+    if out:
+        await anyio.Path(out).write_text(text, encoding="utf-8")
+    print(text)
+    return 1 if unsafe_with_fencing else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--profile", choices=sorted(_PROFILES), default="short")
+    parser.add_argument("--out", help="write the Markdown table here")
+    args = parser.parse_args()
+    sys.exit(anyio.run(_run, args.profile, args.out))
+
+
+if __name__ == "__main__":
+    main()
