@@ -124,7 +124,7 @@ async def test_delay_adds_latency_in_both_directions() -> None:
             assert delayed - baseline >= 0.099
             assert delayed < 0.5
             proxy.pass_through()
-            assert await round_trip(stream) < 0.05
+            assert min([await round_trip(stream) for _ in range(3)]) < 0.05
 
 
 async def test_delay_is_a_latency_not_a_bandwidth_limit() -> None:
@@ -132,13 +132,14 @@ async def test_delay_is_a_latency_not_a_bandwidth_limit() -> None:
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             proxy.delay(100)
             start = anyio.current_time()
-            # Ten back-to-back chunks overlap: they take one delay each way, not ten.
+            # Ten back-to-back chunks overlap: they take one delay each way (0.2 s), not ten
+            # (2 s).
             for i in range(10):
                 await stream.send(b"%d;" % i)
             got = b""
             while got.count(b";") < 10:
                 got += await stream.receive()
-            assert 0.199 <= anyio.current_time() - start < 0.6
+            assert 0.199 <= anyio.current_time() - start < 1.0
 
 
 async def test_blackhole_holds_traffic_and_keeps_connections_open() -> None:
@@ -237,7 +238,7 @@ async def test_cut_heals_after_the_given_time() -> None:
             assert proxy.mode == "blackhole"
             with anyio.fail_after(3):
                 took = await round_trip(stream)
-            assert 0.95 <= took < 1.5
+            assert 0.95 <= took < 2.0
             assert mode_of(proxy) == "pass_through"
 
 
