@@ -29,6 +29,7 @@ call is bounded by ``op_timeout``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import logging
@@ -291,12 +292,13 @@ def _frame(payload: bytes) -> bytes:
 
 
 class _Reply:
-    __slots__ = ("event", "opcode", "value")
+    __slots__ = ("event", "opcode", "sent_at", "value")
 
     def __init__(self, opcode: int) -> None:
         self.opcode = opcode
         self.event = anyio.Event()
         self.value: Any = None
+        self.sent_at = 0.0
 
 
 _LOST: Final = object()
@@ -340,6 +342,10 @@ class _Session:
         self._orphans: dict[tuple[str, str], None] = {}
         self._work = anyio.Event()
         self._last_received = anyio.current_time()
+        #: When the latest request (or ping) the server answered was sent: the server heard
+        #: the session no earlier, so the session cannot expire before this plus its timeout.
+        self.heard_sent_at = anyio.current_time()
+        self._pings: collections.deque[float] = collections.deque()
         self._idle_since = anyio.current_time()
         self.users = 0
         self.reconnects = 0
@@ -379,6 +385,7 @@ class _Session:
 
     def _install(self, conn: _Connection) -> None:
         self._conn = conn
+        self._pings.clear()
         self._last_received = anyio.current_time()
         self._set_state("connected")
         self._to_arm = set(self._held)
@@ -439,6 +446,7 @@ class _Session:
         return conn
 
     async def _negotiate(self, conn: _Connection) -> None:
+        sent_at = anyio.current_time()
         request = zk.ConnectRequest(
             protocol_version=0,
             last_seen_zxid=self._last_zxid,
@@ -476,6 +484,7 @@ class _Session:
         self.session_id = response.session_id
         self._password = response.password
         self.timeout = response.timeout / 1000.0
+        self.heard_sent_at = max(self.heard_sent_at, sent_at)
 
     async def _run(self) -> None:
         try:
@@ -617,9 +626,14 @@ class _Session:
             for callback in self._watches.pop(event.path, ()):
                 callback(event.type)
             return
-        reply = self._pending.pop(xid, None)
-        if reply is None:  # a ping, or a request whose caller gave up
+        if xid == _PING_XID:
+            if self._pings:
+                self.heard_sent_at = max(self.heard_sent_at, self._pings.popleft())
             return
+        reply = self._pending.pop(xid, None)
+        if reply is None:  # a request whose caller gave up
+            return
+        self.heard_sent_at = max(self.heard_sent_at, reply.sent_at)
         reply.value = _error(err) if err else _response_class(reply.opcode).deserialize(body)
         reply.event.set()
 
@@ -638,6 +652,7 @@ class _Session:
                 conn.broken()
                 return
             if now - conn.last_sent >= interval * 0.9:
+                self._pings.append(now)
                 try:
                     await conn.send(ping)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
@@ -736,6 +751,9 @@ class _Session:
                 replies.append(reply)
                 xids.append(self._xid)
                 chunks.append(_frame(request.serialize(self._xid)))
+            sent_at = anyio.current_time()
+            for reply in replies:
+                reply.sent_at = sent_at
             try:
                 await conn.send(b"".join(chunks))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
@@ -1283,15 +1301,15 @@ class _Attempt:
             czxid, children, listed_at = await self._enqueue()
             while True:
                 assert self.node is not None
-                blocker = _blocker(children, self.node, self.kind)
-                if blocker is _MISSING:
+                blockers = _blockers(children, self.node, self.kind)
+                if blockers is None:
                     # Our node is gone (deleted by someone, or its session expired): queue again.
                     if session.dead:
                         raise _SessionGone(session.dead_reason)
                     self.node = None
                     czxid, children, listed_at = await self._enqueue()
                     continue
-                if blocker is None:
+                if not blockers:
                     path = f"{self.parent}/{self.node}"
                     grant = ZooKeeperGrant(
                         name=self.request.name,
@@ -1308,7 +1326,14 @@ class _Attempt:
                     return grant
                 if not wait:
                     return None
-                await self._wait_for(f"{self.parent}/{blocker}")
+                watched = blockers[-1]
+                gone_since = await self._wait_for(f"{self.parent}/{watched}")
+                if gone_since is not None and len(blockers) == 1:
+                    # The only node ahead that blocked us is gone, and a node created later
+                    # always gets a higher sequence number: the lock is ours, no need to list.
+                    children = [child for child in children if child != watched]
+                    listed_at = gone_since
+                    continue
                 listed_at = anyio.current_time()
                 (reply,) = await session.call_retrying(
                     zk.GetChildrenRequest(path=self.parent, watch=False)
@@ -1410,25 +1435,39 @@ class _Attempt:
         logger.info("asynclock: reusing lock node %s/%s after a lost reply", self.parent, self.node)
         return self._check(stat).stat.created_zxid, children, sent_at
 
-    async def _wait_for(self, path: str) -> None:
-        """Return once ``path`` is gone or changed, or the session's state changed."""
-        woken = anyio.Event()
+    async def _wait_for(self, path: str) -> float | None:
+        """Wait until ``path`` is gone or changed, or the session's state changed.
 
-        def wake(_event_type: int = 0) -> None:
+        Returns, when ``path`` is known to be gone, a time before a request the server answered
+        after that (a valid ``valid_from``); None when something else woke us.
+        """
+        woken = anyio.Event()
+        deleted = False
+
+        def wake(event_type: int = _NO_EVENT) -> None:
+            nonlocal deleted
+            deleted = deleted or event_type == zk.WatchEvent.DELETED
+            woken.set()
+
+        def state_changed() -> None:
             woken.set()
 
         session = self.session
         session.add_watch(path, wake)
-        session.add_listener(wake)
+        session.add_listener(state_changed)
         try:
+            sent_at = anyio.current_time()
             (reply,) = await session.call_retrying(zk.GetDataRequest(path=path, watch=True))
             if isinstance(reply, zk_exc.NoNode):
-                return
+                return sent_at
             self._check(reply)
             await woken.wait()
+            # The event came over a live connection of a live session; the last request the
+            # server answered bounds when it last heard from us.
+            return session.heard_sent_at if deleted and session.state == "connected" else None
         finally:
             session._drop_watch(path, wake)
-            session.drop_listener(wake)
+            session.drop_listener(state_changed)
 
     async def _abandon(self) -> None:
         """Delete what this attempt created (bounded; left to the session's janitor if not)."""
@@ -1455,16 +1494,14 @@ class _Attempt:
             pass
 
 
-_MISSING: Final = "\x00missing"
-
-
 def _sequence(child: str) -> int:
     suffix = child.rpartition("-")[2]
     return int(suffix) if suffix.isdigit() else -1
 
 
-def _blocker(children: Sequence[str], node: str, kind: Kind) -> str | None:
-    """The node we must wait for, None if we hold the lock, ``_MISSING`` if ours is gone."""
+def _blockers(children: Sequence[str], node: str, kind: Kind) -> list[str] | None:
+    """The nodes ahead of ``node`` that keep it from the lock, in queue order (empty: it holds
+    the lock); None if ``node`` is not among ``children``."""
     queue: list[tuple[int, str, str]] = []
     for child in children:
         head, _, suffix = child.rpartition("-")
@@ -1483,10 +1520,10 @@ def _blocker(children: Sequence[str], node: str, kind: Kind) -> str | None:
             ahead = queue[:index]
             break
     else:
-        return _MISSING
+        return None
     if kind == _SHARED:
         ahead = [entry for entry in ahead if entry[2] == _EXCLUSIVE]
-    return ahead[-1][1] if ahead else None
+    return [entry[1] for entry in ahead]
 
 
 def _ms(seconds: float) -> int:
