@@ -17,11 +17,16 @@ How a lock works here:
   revision (so it is on a live lease: etcd#11456 granted locks on dead leases) and that no lower
   key is left.
 * Release deletes our key in a transaction guarded on its create revision. An acquire that is
-  cancelled deletes the key it created (shielded, bounded by ``op_timeout``). A delete that fails
-  is retried on the client's later renewals and waits; the key dies with its lease in any case.
+  cancelled deletes the key it may have created (shielded, bounded by ``op_timeout``), once its
+  create request is done. A delete that fails is retried on the client's later renewals and
+  waits; the key dies with its lease in any case.
 
 The backend runs no task of its own: held locks are renewed by the client's supervisor
 (``renew``), and waiters refresh the lease their queue entry rides on (one of them at a time).
+
+It talks to etcd through aetcd's generated gRPC stubs (``aetcd.rpc``) on a ``grpc.aio`` channel
+of its own: aetcd's ``Client`` has no TLS, no range limits or create-revision filters, no
+keepalive stream, and its watcher returns errors instead of raising them.
 """
 
 from __future__ import annotations
@@ -290,8 +295,6 @@ class EtcdBackend(Backend[EtcdGrant]):
         opts = Options(options, "etcd://")
         prefix = opts.text("prefix", DEFAULT_PREFIX)
         op_timeout = opts.number("op_timeout", 5.0, minimum=0.001)
-        if op_timeout <= 0.0:
-            raise InvalidArgument("option 'op_timeout' of etcd:// must be > 0 seconds")
         user = opts.optional_text("user")
         password = opts.optional_text("password")
         if url_user is not None:
