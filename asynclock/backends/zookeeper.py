@@ -135,6 +135,10 @@ class _ConnectionLoss(Exception):
     """The request may or may not have been applied: the connection broke or did not answer."""
 
 
+class _NotConnected(_ConnectionLoss):
+    """No connection came up within ``op_timeout``: nothing was sent."""
+
+
 class _SessionGone(Exception):
     """The session expired or was closed; nothing it created survives."""
 
@@ -789,7 +793,7 @@ class _Session:
             if anyio.current_time() >= deadline and self.state != "connected":
                 if self.dead:
                     raise _SessionGone(self.dead_reason)
-                raise _ConnectionLoss(
+                raise _NotConnected(
                     f"not connected to ZooKeeper for {self._settings.op_timeout:g} s (op_timeout)"
                 )
 
@@ -798,6 +802,8 @@ class _Session:
         for attempt in range(_ATTEMPTS):
             try:
                 return await self.call(*requests)
+            except _NotConnected:
+                raise  # it waited op_timeout for a connection already
             except _ConnectionLoss:
                 if attempt + 1 == _ATTEMPTS:
                     raise
@@ -1381,6 +1387,9 @@ class _Attempt:
             self.unsure = True
             try:
                 *made_parent, created, listed = await session.call(*requests)
+            except _NotConnected:
+                self.unsure = False
+                raise
             except _ConnectionLoss:
                 found = await self._find_own()
                 if found is not None:

@@ -444,7 +444,7 @@ async def test_a_create_whose_reply_was_lost_is_found_and_reused(
             await lease.release()
 
 
-async def test_renew_is_unknown_at_once_while_disconnected(
+async def test_while_disconnected_renew_is_unknown_at_once_and_acquire_fails_in_op_timeout(
     zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
 ) -> None:
     async with proxied(zookeeper_server) as proxy:
@@ -459,6 +459,10 @@ async def test_renew_is_unknown_at_once_while_disconnected(
             (outcome,) = await backend_of(locks).renew([grant_of(lease)])
             assert isinstance(outcome, asynclock.abc.Unknown)
             assert anyio.current_time() - started < 0.05
+            started = anyio.current_time()
+            with pytest.raises(asynclock.BackendTimeout, match="not connected"):
+                await locks.acquire("other", ttl=5)
+            assert 0.4 < anyio.current_time() - started < 1.5
             proxy.reset()
             proxy.pass_through()
             await until(lambda: session.state == "connected")
