@@ -18,6 +18,11 @@ The recipe is Curator's ``InterProcessMutex``:
 * When the session expires (the server says so on reconnect, or the client has not heard from
   the server for a whole session timeout), every lease of that session is reported lost at
   once, and the next acquisition uses a new session: a new session never inherits a lock.
+* The parent ``<chroot>/<name>`` is a container node, kept while it is in use and deleted once
+  it has been empty and unused for ``_PARENT_LINGER`` seconds (the server deletes empty
+  containers too, should the client die first).
+* Read-write locks (:class:`ReadWriteLock`) put ``-read-`` nodes in the same queue: a reader
+  waits for the writers before it, a writer for everyone before it.
 
 The wire protocol (jute serialisation, request and response types, error codes) is aiozk's;
 the session, connection and watch handling are our own, because aiozk's ``ZKClient`` retries
