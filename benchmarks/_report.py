@@ -628,7 +628,7 @@ def chart(data: dict[str, Any], path: Path) -> None:
     _log_scale(left, column("p50") + column("p99") + column("floor"))
     left.set_xlabel("uncontended acquire + release, ms (log)")
     left.set_yticks(positions, [row["label"] for row in rows])
-    left.legend(loc="lower right", fontsize=8)
+    left.legend(loc="best", fontsize=8)
     right.barh(positions, column("handoff50"), color=colors, alpha=0.85, label="p50")
     right.scatter(
         column("handoff99"), positions, color="black", marker="|", s=120, label="p99", zorder=3
