@@ -96,6 +96,9 @@ _KEYS_PER_TXN = 64
 #: A waiter re-reads the queue this often even without a watch event (a belt to the braces of
 #: watch revisions and gRPC keepalive pings).
 _RECHECK_EVERY = 30.0
+#: When the next waiter's watch may be unsynced (see ``_after_watch``), it looks again after these
+#: delays (seconds from the watch's start), covering etcd's 100 ms catch-up period.
+_UNSYNCED_POLLS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0.11)
 _BACKOFF_MIN = 0.02
 _BACKOFF_MAX = 1.0
 
@@ -189,6 +192,18 @@ class _Attempt:
     rev: int = 0
     #: A request that may create ``key``, still in flight when we were cancelled.
     inflight: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Place:
+    """Where our key stands, as one read saw it."""
+
+    #: The key just before ours; None when ours is the lowest (we hold the lock).
+    predecessor: bytes | None
+    #: The key before ours is the lowest: we are next.
+    next_in_line: bool
+    #: The revision of the read.
+    seen: int
 
 
 class _LeaseMissing(BackendUnavailable):
@@ -688,9 +703,8 @@ class EtcdBackend(Backend[EtcdGrant]):
                     attempt.key = None
                     attempt.rev = 0
                     continue
-                predecessor, seen = state
                 failures.reset()
-                if predecessor is None:
+                if state.predecessor is None:
                     if lease.fresh(anyio.current_time()):
                         return
                     # Our lease was not refreshed lately: prove it alive, then look again.
@@ -698,7 +712,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                         attempt.key = None
                         attempt.rev = 0
                     continue
-                await self._wait_turn(attempt, lease, predecessor, seen)
+                await self._wait_turn(attempt, lease, state)
             except _LeaseMissing:
                 if attempt.lease is not None:
                     self._lease_died(attempt.lease, _lease_gone(attempt.lease))
@@ -709,7 +723,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                     raise
                 await failures.pause(exc)
 
-    async def _enqueue(self, attempt: _Attempt) -> tuple[bytes | None, int] | None:
+    async def _enqueue(self, attempt: _Attempt) -> _Place | None:
         """Create our key (or find it, after an ambiguous failure) and name the key before it."""
         key = attempt.key
         assert key is not None
@@ -724,7 +738,8 @@ class EtcdBackend(Backend[EtcdGrant]):
                         create_revision=0,
                     )
                 ],
-                # Our key was created last, so the two newest keys are ours and the one before.
+                # Our key was created last, so the newest keys are ours, the one before, and
+                # whether there is one before that.
                 success=[
                     _put(attempt),
                     _range(
@@ -732,7 +747,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                         attempt.end,
                         sort_target=rpc.RangeRequest.CREATE,
                         sort_order=rpc.RangeRequest.DESCEND,
-                        limit=2,
+                        limit=3,
                     ),
                 ],
                 failure=[_range(key)],
@@ -743,7 +758,7 @@ class EtcdBackend(Backend[EtcdGrant]):
         if reply.succeeded:
             kvs = reply.responses[1].response_range.kvs
             attempt.rev = seen
-            return (bytes(kvs[1].key) if len(kvs) > 1 else None), seen
+            return _Place(bytes(kvs[1].key) if len(kvs) > 1 else None, len(kvs) == 2, seen)
         kvs = reply.responses[0].response_range.kvs
         if not kvs:  # pragma: no cover - the compare saw it, the read in the same txn must too
             raise BackendUnavailable(f"etcd lost key {key!r} within one transaction")
@@ -751,9 +766,8 @@ class EtcdBackend(Backend[EtcdGrant]):
         attempt.rev = int(kvs[0].create_revision)
         return await self._check(attempt)
 
-    async def _check(self, attempt: _Attempt) -> tuple[bytes | None, int] | None:
-        """One linearizable read: ``None`` if our key is gone, else the key just before ours
-        (``None`` when we hold the lock) and the revision read."""
+    async def _check(self, attempt: _Attempt) -> _Place | None:
+        """One linearizable read: ``None`` if our key is gone, else our place."""
         key = attempt.key
         assert key is not None
         reply = await self._txn(
@@ -767,7 +781,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                         max_create_revision=attempt.rev - 1,
                         sort_target=rpc.RangeRequest.CREATE,
                         sort_order=rpc.RangeRequest.DESCEND,
-                        limit=1,
+                        limit=2,
                     ),
                 ]
             ),
@@ -776,15 +790,15 @@ class EtcdBackend(Backend[EtcdGrant]):
         if not own or int(own[0].create_revision) != attempt.rev:
             return None
         lower = reply.responses[1].response_range.kvs
-        return (bytes(lower[0].key) if lower else None), int(reply.header.revision)
+        return _Place(
+            bytes(lower[0].key) if lower else None, len(lower) == 1, int(reply.header.revision)
+        )
 
-    async def _wait_turn(
-        self, attempt: _Attempt, lease: _EtcdLease, predecessor: bytes, seen: int
-    ) -> None:
+    async def _wait_turn(self, attempt: _Attempt, lease: _EtcdLease, place: _Place) -> None:
         """Return when the key before ours, or ours, is deleted (or to look again); keep our
-        lease alive meanwhile. ``seen`` is the revision at which both existed."""
-        own = attempt.key
-        assert own is not None
+        lease alive meanwhile."""
+        own, predecessor = attempt.key, place.predecessor
+        assert own is not None and predecessor is not None
         what = f"waiting for lock {attempt.request.name!r}"
         # hasleader: a member cut off from the cluster ends the watch instead of going quiet.
         call = self._watch_stub.Watch(metadata=(*self._metadata, ("hasleader", "true")))
@@ -795,9 +809,6 @@ class EtcdBackend(Backend[EtcdGrant]):
 
         async def read() -> None:
             # Never cancelled while waiting: cancelling a gRPC read cancels the whole stream.
-            # The watches start at the current revision rather than at ``seen + 1``: etcd
-            # serves a watch that starts in the past from a catch-up loop that runs every
-            # 100 ms, which would delay the hand-over by up to that much.
             try:
                 for key in (predecessor, own):
                     await call.write(
@@ -833,6 +844,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                 tg.start_soon(read)
                 with anyio.move_on_after(self.op_timeout):
                     await changed.wait()
+                polls: list[float] | None = []
                 if not armed and not woke:
                     failed.append(
                         BackendTimeout(
@@ -840,17 +852,12 @@ class EtcdBackend(Backend[EtcdGrant]):
                             f"within {self.op_timeout:g} s (op_timeout)"
                         )
                     )
-                elif (
-                    armed
-                    and armed[0] > seen
-                    and not woke
-                    # Something was written between our read and the watches: make sure it
-                    # did not delete the keys they watch.
-                    and not await self._both_exist(predecessor, own, what)
-                ):
-                    woke.append(True)
+                elif armed and not woke and (armed[0] > place.seen or place.next_in_line):
+                    polls = await self._after_watch(own, predecessor, armed[0], place, what)
+                    if polls is None:
+                        woke.append(True)
                 recheck_at = anyio.current_time() + _RECHECK_EVERY
-                while not woke and not failed and not lease.dead:
+                while polls is not None and not woke and not failed and not lease.dead:
                     now = anyio.current_time()
                     if now >= recheck_at:
                         break
@@ -858,12 +865,20 @@ class EtcdBackend(Backend[EtcdGrant]):
                         wake_at = now + max(0.05, lease.ttl / 12.0)
                     else:
                         wake_at = lease.refresh_due()
+                    if polls:
+                        wake_at = min(wake_at, polls[0])
                     changed = anyio.Event()
                     if woke:
                         break
                     with anyio.move_on_at(min(wake_at, recheck_at)):
                         await changed.wait()
-                    if not woke:
+                    if woke:
+                        break
+                    if polls and anyio.current_time() >= polls[0]:
+                        polls.pop(0)
+                        if not await self._both_exist(predecessor, own, what):
+                            break
+                    else:
                         # Our queue entry rides on the lease: keep it alive while we wait.
                         await self._refresh_for_waiters(lease)
                 tg.cancel_scope.cancel()
@@ -877,11 +892,40 @@ class EtcdBackend(Backend[EtcdGrant]):
                 raise self._translate(error, what) from error
             raise error
 
+    async def _after_watch(
+        self, own: bytes, predecessor: bytes, start: int, place: _Place, what: str
+    ) -> list[float] | None:
+        """Once the watches exist (from revision ``start``): a read covers what happened since
+        ``place.seen``. Returns None if a watched key is already gone, ``[]`` if the watches can
+        be trusted alone, else the times at which to look again.
+
+        etcd 3.4 turns a watch "from now" into one from ``Rev() + 1`` before it locks its store;
+        a write that commits in between leaves the watch "unsynced", and etcd delivers its
+        events from a loop that runs every 100 ms. For the next waiter in line that would delay
+        the hand-over by up to 100 ms, so it looks again a few times during that window, unless
+        the read proves nothing was written since the watch started (so it is synced).
+        """
+        exists, revision = await self._both_exist_at(predecessor, own, what)
+        if not exists:
+            return None
+        if not place.next_in_line or revision <= start:
+            return []
+        now = anyio.current_time()
+        return [now + delay for delay in _UNSYNCED_POLLS]
+
     async def _both_exist(self, first: bytes, second: bytes, what: str) -> bool:
+        exists, _ = await self._both_exist_at(first, second, what)
+        return exists
+
+    async def _both_exist_at(self, first: bytes, second: bytes, what: str) -> tuple[bool, int]:
         reply = await self._txn(
-            what, rpc.TxnRequest(success=[_range(first, count_only=True), _range(second)])
+            what,
+            rpc.TxnRequest(
+                success=[_range(first, count_only=True), _range(second, count_only=True)]
+            ),
         )
-        return all(response.response_range.count for response in reply.responses)
+        exists = all(response.response_range.count for response in reply.responses)
+        return exists, int(reply.header.revision)
 
     async def _refresh_for_waiters(self, lease: _EtcdLease) -> None:
         now = anyio.current_time()
