@@ -159,11 +159,37 @@ def signal_tree(pid: int, sig: signal.Signals) -> None:
     for child in descendants:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(child, signal.SIGSTOP)
-    if sig != signal.SIGSTOP:
-        _signal_group(pid, sig)
-        for child in descendants:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(child, sig)
+    if sig == signal.SIGSTOP:
+        _wait_stopped([pid, *descendants])
+        return
+    _signal_group(pid, sig)
+    for child in descendants:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, sig)
+
+
+def _wait_stopped(pids: Iterable[int], timeout: float = 2.0) -> None:
+    """Wait until every thread of ``pids`` has stopped.
+
+    kill() only queues SIGSTOP: the 23 threads of a busy JVM take up to 8 ms to stop, time
+    enough to answer a request sent right after pause() returned.
+    """
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            running = False
+            for entry in glob.glob(f"/proc/{pid}/task/*/stat"):
+                try:
+                    with open(entry) as f:
+                        state = f.read().rpartition(")")[2].split()[0]
+                except (OSError, IndexError):
+                    continue
+                if state not in {"T", "t", "Z", "X"}:
+                    running = True
+                    break
+            if not running:
+                break
+            time.sleep(0.0005)
 
 
 class _Resources:
@@ -322,7 +348,10 @@ class Server(abc.ABC):
         self._resources.kill()
 
     def pause(self) -> None:
-        """Freeze the server with SIGSTOP: connections stay open but nothing is answered."""
+        """Freeze the server with SIGSTOP: connections stay open but nothing is answered.
+
+        Returns once every thread of every process of the server has stopped.
+        """
         pid = self._require_running()
         signal_tree(pid, signal.SIGSTOP)
         self._paused = True
