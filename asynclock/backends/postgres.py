@@ -401,10 +401,11 @@ class PostgresBackend(Backend[PostgresGrant]):
             return
         self._state = "closed"
         with anyio.CancelScope(shield=True):
-            # A connect in flight ends within connect_timeout; cancelling it could make asyncpg
-            # log an error (see _connect), so it gets that long first.
+            # Cancelling a connect that a healthy server is about to complete can make asyncpg
+            # log an error (see _connect), so give those a moment; one stuck on a server that
+            # does not answer is waiting for a reply, where cancelling it is clean.
             if self._connecting:
-                await asyncio.wait(self._connecting, timeout=self.connect_timeout + 1.0)
+                await asyncio.wait(self._connecting, timeout=min(self.connect_timeout, 0.5))
                 for task in list(self._connecting):
                     task.cancel()
             connections = list(self._connections)

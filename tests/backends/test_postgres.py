@@ -259,6 +259,14 @@ async def test_server_that_never_answers_raises_backend_timeout_after_connect_ti
             ):
                 pytest.fail("connected through a blackhole")
         assert anyio.current_time() - started < 2.0
+        # The client's own connect_timeout, shorter than the backend's, is honoured too.
+        started = anyio.current_time()
+        with pytest.raises(asynclock.BackendTimeout):
+            async with asynclock.connect(
+                f"postgresql://postgres@{proxy.address}/postgres", connect_timeout=0.5
+            ):
+                pytest.fail("connected through a blackhole")
+        assert anyio.current_time() - started < 2.0
 
 
 async def test_unknown_database_is_named_in_the_error(postgres_server: PostgresServer) -> None:
@@ -450,7 +458,8 @@ async def test_tokens_keep_increasing_after_a_server_crash(
 async def test_blackholed_connection_cancels_the_body_before_the_server_frees_the_lock(
     postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
 ) -> None:
-    ttl = 2.0
+    # The body stops ttl * drift + margin (0.33 s here) before the server may free the lock.
+    ttl = 3.0
     async with FaultProxy(postgres_server.host, postgres_server.port) as proxy:
         url = f"postgresql://postgres@{proxy.address}/postgres?op_timeout=0.3"
         async with asynclock.connect(url) as locks:
