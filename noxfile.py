@@ -21,8 +21,8 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("--group", "lint")
-    session.run("ruff", "check", "asynclock", "tests")
-    session.run("ruff", "format", "--check", "asynclock", "tests")
+    session.run("ruff", "check", "asynclock", "tests", "examples", "benchmarks")
+    session.run("ruff", "format", "--check", "asynclock", "tests", "examples", "benchmarks")
 
 
 @nox.session

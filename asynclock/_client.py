@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import anyio
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 from . import _fencing, _validate
 from ._deadlock import waiter_for, watch_for_deadlock
@@ -135,9 +135,12 @@ class LockClient:
         self._release_timeout = release_timeout
         self._supervisor = Supervisor(backend)
         self._task_group: TaskGroup | None = None
-        # Its own scope: closing the client stops renewal without cancelling the caller's code,
-        # which runs inside the task group's scope.
-        self._renewal_scope = anyio.CancelScope()
+        # Made in __aenter__: anyio primitives need a running event loop, and a client may be
+        # made at import time. The renewal task has its own scope so that closing the client
+        # stops it without cancelling the caller's code, which runs inside the group's scope.
+        self._renewal_scope: anyio.CancelScope
+        self._close_requested: anyio.Event
+        self._backend_closed: anyio.Event
         self._state = "new"
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -146,23 +149,60 @@ class LockClient:
         if self._state != "new":
             raise RuntimeError("a LockClient can be entered once; call asynclock.connect() again")
         self._state = "opening"
-        with anyio.move_on_after(self._connect_timeout) as scope:
-            await self._backend.open()
-        if scope.cancelled_caught:
+        self._renewal_scope = anyio.CancelScope()
+        self._close_requested = anyio.Event()
+        self._backend_closed = anyio.Event()
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        try:
+            await task_group.start(self._host_backend, name="asynclock backend")
+        except BaseException:
+            self._state = "closed"
+            # Nothing else runs in the group yet; close it without handing it the error, which
+            # would come back wrapped in an ExceptionGroup. (No shield here: a scope entered
+            # between the group's enter and exit would break their nesting.)
+            await task_group.__aexit__(None, None, None)
+            raise
+        task_group.start_soon(self._renew, name="asynclock renewal")
+        self._task_group = task_group
+        self._state = "open"
+        return self
+
+    async def _host_backend(self, *, task_status: TaskStatus[None]) -> None:
+        """Open, hold and close the backend in one task of the client's task group.
+
+        The backend may enter a task group in ``open()`` and leave it in ``aclose()``: both run
+        here, and the connect timeout's scope stays open (disarmed) in between, so everything
+        the backend starts nests inside it properly.
+        """
+        opened = False
+        try:
+            with anyio.CancelScope(
+                deadline=anyio.current_time() + self._connect_timeout
+            ) as connect_scope:
+                await self._backend.open()
+                opened = True
+                connect_scope.deadline = math.inf
+                task_status.started()
+                await self._close_requested.wait()
+                # Called at the nesting level of open(), so that a task group the backend
+                # entered there can be left here.
+                await self._backend.aclose()
+        except BaseException:
+            if not opened:
+                with anyio.CancelScope(shield=True):
+                    await self._backend.aclose()
+            raise
+        finally:
+            self._backend_closed.set()
+        if not opened:
             with anyio.CancelScope(shield=True):
                 await self._backend.aclose()
-            self._state = "closed"
             raise BackendTimeout(
                 f"{self._backend.describe()} did not answer within {self._connect_timeout:g} s; "
                 "check that the server runs and the URL's host and port are right, or raise "
                 "connect_timeout"
             )
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        task_group.start_soon(self._renew, name="asynclock renewal")
-        self._task_group = task_group
-        self._state = "open"
-        return self
 
     async def __aexit__(
         self,
@@ -182,15 +222,20 @@ class LockClient:
 
     async def aclose(self) -> None:
         """Release every lease still held and close the backend. Idempotent and shielded."""
-        if self._state in ("closing", "closed"):
+        if self._state != "open":
             return
         self._state = "closing"
         with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as task_group:
-                for lease in self._supervisor.leases:
-                    task_group.start_soon(lease.release)
+            leases = self._supervisor.leases
+            if len(leases) == 1:
+                await next(iter(leases)).release()
+            elif leases:
+                async with anyio.create_task_group() as task_group:
+                    for lease in leases:
+                        task_group.start_soon(lease.release)
             self._renewal_scope.cancel()
-            await self._backend.aclose()
+            self._close_requested.set()
+            await self._backend_closed.wait()
         self._state = "closed"
 
     async def _renew(self) -> None:
@@ -400,8 +445,10 @@ class LockClient:
     ) -> Grant | None:
         """Wait for the lock until ``timeout``; with deadlock detection, also until this task is
         found to be the victim of a cycle (then ``deadlocks`` holds the cycle)."""
-        deadline = math.inf if timeout is None else anyio.current_time() + timeout
         registry = self._backend.waiter_registry() if self._deadlock_interval else None
+        if timeout is None and registry is None:
+            return await self._backend.acquire(request)
+        deadline = math.inf if timeout is None else anyio.current_time() + timeout
         with anyio.CancelScope(deadline=deadline) as wait:
             if registry is None or self._deadlock_interval is None:
                 return await self._backend.acquire(request)
@@ -429,26 +476,27 @@ class LockClient:
         lease._mark_released()
         self._supervisor.discard(lease)
         _fencing.discard(lease)
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self._release_timeout) as scope:
-                try:
-                    await self._backend.release(lease.grant)
-                except Exception as exc:
-                    logger.warning(
-                        "asynclock: releasing %r on %s failed (%r); the server frees it when "
-                        "its ttl runs out",
-                        lease.name,
-                        self._backend.describe(),
-                        exc,
-                    )
-            if scope.cancelled_caught:
+        # Shielded from the caller's cancellation, bounded by its own deadline: one scope.
+        deadline = anyio.current_time() + self._release_timeout
+        with anyio.CancelScope(shield=True, deadline=deadline) as scope:
+            try:
+                await self._backend.release(lease.grant)
+            except Exception as exc:
                 logger.warning(
-                    "asynclock: releasing %r on %s took over %g s; the server frees it when its "
-                    "ttl runs out",
+                    "asynclock: releasing %r on %s failed (%r); the server frees it when "
+                    "its ttl runs out",
                     lease.name,
                     self._backend.describe(),
-                    self._release_timeout,
+                    exc,
                 )
+        if scope.cancelled_caught:
+            logger.warning(
+                "asynclock: releasing %r on %s took over %g s; the server frees it when its "
+                "ttl runs out",
+                lease.name,
+                self._backend.describe(),
+                self._release_timeout,
+            )
 
 
 def _canonical(name: str) -> bytes:

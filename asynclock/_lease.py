@@ -69,7 +69,7 @@ class Lease:
         self._releaser = releaser
         self._state = LeaseState.HELD
         self._lost_reason: str | None = None
-        self._lost_event = anyio.Event()
+        self._lost_event: anyio.Event | None = None  # made when someone waits
         self._scopes: list[BodyScope] = []
         self._deadline = self._deadline_for(grant.valid_from, grant.ttl)
         self.next_renewal = grant.valid_from + grant.ttl / 3.0
@@ -153,6 +153,8 @@ class Lease:
                 await anyio.sleep_forever()
             # The deadline moves with every renewal, so sleep only up to the current one and
             # look again.
+            if self._lost_event is None:
+                self._lost_event = anyio.Event()
             with anyio.move_on_at(self._deadline):
                 await self._lost_event.wait()
 
@@ -211,7 +213,8 @@ class Lease:
             return
         self._state = LeaseState.LOST
         self._lost_reason = reason
-        self._lost_event.set()
+        if self._lost_event is not None:
+            self._lost_event.set()
         logger.warning("asynclock: lease on %r lost: %s", self.name, reason)
         for body in self._scopes:
             body.cancel()
@@ -219,7 +222,8 @@ class Lease:
     def _mark_released(self) -> None:
         self._state = LeaseState.RELEASED
         # Wake wait_lost() callers so they re-check; they keep waiting only on held leases.
-        self._lost_event.set()
+        if self._lost_event is not None:
+            self._lost_event.set()
 
     def _attach_scope(self, body: BodyScope) -> None:
         """Cancel ``body`` on loss, and keep its deadline at or before ours (no timer task)."""

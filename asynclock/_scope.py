@@ -85,10 +85,13 @@ class _HeldContext(ABC, Generic[T]):
             caught_own_cancel = bool(self._body.scope.__exit__(exc_type, exc, tb))
         # Reading lost_reason also marks a lease lost whose deadline has passed.
         lost = [(lease.name, lease.lost_reason) for lease in leases if lease.lost_reason]
-        with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as task_group:
-                for lease in leases:
-                    task_group.start_soon(lease.release)
+        if len(leases) == 1:
+            await leases[0].release()  # shielded inside
+        else:
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as task_group:
+                    for lease in leases:
+                        task_group.start_soon(lease.release)
         if self._on_lost == "flag" or not lost:
             if caught_own_cancel:
                 # Only a lost lease cancels our scope; this cannot happen, but never swallow.

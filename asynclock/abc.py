@@ -166,11 +166,21 @@ class Backend(ABC, Generic[G]):
 
     @abstractmethod
     async def open(self) -> None:
-        """Connect and check that the server answers; raise ``BackendUnavailable`` if not."""
+        """Connect and check that the server answers; raise ``BackendUnavailable`` if not.
+
+        ``open()`` and ``aclose()`` run in the same task (the client's backend host task), at
+        the same nesting level, so a backend may enter a task group for its background tasks
+        here and leave it in ``aclose()``. The client bounds ``open()`` by its connect timeout.
+        Must not need a running event loop before it is called: make anyio primitives here.
+        """
 
     @abstractmethod
     async def aclose(self) -> None:
-        """Close every connection and background task. Idempotent; called shielded."""
+        """Close every connection and background task. Idempotent.
+
+        Not shielded by the caller (a shield would break the nesting of a task group entered in
+        ``open()``): shield the cleanup that must finish.
+        """
 
     def check_ttl(self, ttl: float) -> None:
         """Raise :class:`asynclock.InvalidArgument` when the store cannot honour ``ttl``."""

@@ -317,3 +317,55 @@ async def test_exceptions_from_the_client_block_are_not_wrapped_in_groups() -> N
             await locks.acquire("a")
             async with locks.lock("a", timeout=0):
                 pass
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "memory://x",
+        "sqlite:///tmp/x.db",
+        "redis://127.0.0.1:1/0",
+        "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0",
+        "etcd://127.0.0.1:1",
+        "zookeeper://127.0.0.1:1/chroot",
+        "postgresql://u@127.0.0.1:1/db",
+    ],
+)
+def test_clients_can_be_made_without_an_event_loop(url: str) -> None:
+    """Made at import time or in sync set-up code; nothing connects until `async with`."""
+    client = asynclock.connect(url)
+    assert client.capabilities is not None
+
+
+class _BackendWithTasks(MemoryBackend):
+    """A backend that enters a task group in open() and leaves it in aclose()."""
+
+    async def open(self) -> None:
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(anyio.sleep_forever)
+
+    async def aclose(self) -> None:
+        self._group.cancel_scope.cancel()
+        await self._group.__aexit__(None, None, None)
+
+
+async def test_a_backend_may_own_a_task_group_from_open_to_aclose() -> None:
+    client = asynclock.LockClient(
+        _BackendWithTasks("tasks"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
+    )
+    async with client as locks, locks.lock("a"):
+        pass
+
+
+async def test_a_backend_that_never_answers_times_out_with_a_named_error() -> None:
+    class Hanging(MemoryBackend):
+        async def open(self) -> None:
+            await anyio.sleep_forever()
+
+    client = asynclock.LockClient(
+        Hanging("hang"), drift=0.01, margin=None, connect_timeout=0.2, release_timeout=5
+    )
+    with pytest.raises(asynclock.BackendTimeout, match=r"did not answer within 0\.2 s"):
+        async with client:
+            pass

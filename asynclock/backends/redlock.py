@@ -411,10 +411,12 @@ class RedlockBackend(Backend[RedlockGrant]):
 
         with anyio.CancelScope(shield=True):
             try:
+                # Wait for every master (each call bounded): a release decided at a quorum
+                # would leave the key on the slowest master until its ttl runs out.
                 results = await self._on_all(
                     release,
                     max(self._request_timeout(ttl), 0.05),
-                    lambda results: sum(r is not None for r in results) >= self.quorum,
+                    lambda results: all(r is not None for r in results),
                 )
             except Exception as exc:  # closed backend: nothing left to release on
                 logger.debug("asynclock: release of %r skipped: %r", name, exc)

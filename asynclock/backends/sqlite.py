@@ -143,9 +143,10 @@ class SQLiteBackend(Backend[Grant]):
         self._busy_timeout = busy_timeout
         self._connection: sqlite3.Connection | None = None
         # One statement at a time on the one connection, in the order they were asked for.
-        self._limiter = anyio.CapacityLimiter(1)
+        # (anyio primitives need the event loop: made in open().)
+        self._limiter: anyio.CapacityLimiter | None = None
         self._thread_lock = threading.Lock()
-        self._released = anyio.Event()
+        self._released: anyio.Event | None = None
         _local[id(self)] = self
 
     @classmethod
@@ -174,6 +175,8 @@ class SQLiteBackend(Backend[Grant]):
         return _SQLiteWaiters(self)
 
     async def open(self) -> None:
+        self._limiter = anyio.CapacityLimiter(1)
+        self._released = anyio.Event()
         await self._run(self._open_sync)
 
     def _open_sync(self) -> None:
@@ -225,6 +228,7 @@ class SQLiteBackend(Backend[Grant]):
                 taken.holder_expires_at, anyio.current_time() + delay * random.uniform(0.5, 1.0)
             )
             released = self._released
+            assert released is not None
             with anyio.move_on_at(wake_at):
                 await released.wait()
             delay = min(delay * 2, _POLL_MAX)
@@ -246,8 +250,9 @@ class SQLiteBackend(Backend[Grant]):
                 backend._wake_waiters()
 
     def _wake_waiters(self) -> None:
-        self._released.set()
-        self._released = anyio.Event()
+        if self._released is not None:
+            self._released.set()
+            self._released = anyio.Event()
 
     # -- in the worker thread ----------------------------------------------------------------
 
