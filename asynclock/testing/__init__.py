@@ -30,6 +30,9 @@ from ._process import free_port as free_port
 from ._proxy import FaultProxy as FaultProxy
 from ._proxy import ProxyMode as ProxyMode
 from ._redis import RedisServer as RedisServer
+from ._safety import SafetyConfig as SafetyConfig
+from ._safety import SafetyReport as SafetyReport
+from ._safety import run_safety as run_safety
 from ._zookeeper import ZooKeeperEnsemble as ZooKeeperEnsemble
 from ._zookeeper import ZooKeeperMember as ZooKeeperMember
 from ._zookeeper import ZooKeeperServer as ZooKeeperServer
@@ -43,6 +46,8 @@ __all__ = (
     "PostgresServer",
     "ProxyMode",
     "RedisServer",
+    "SafetyConfig",
+    "SafetyReport",
     "Server",
     "ServerError",
     "ServerNotInstalled",
@@ -52,6 +57,7 @@ __all__ = (
     "ZooKeeperServer",
     "find_binary",
     "free_port",
+    "run_safety",
 )
 
 # Docs and tracebacks show the public path, not the private module (as anyio does). ProxyMode
