@@ -64,6 +64,15 @@ def connect(
     local deadline so that the body is cancelled before the server can expire the lock, even if
     the two clocks run at slightly different rates.
 
+    Nothing connects until the client is entered, and bad input is refused at once:
+
+    >>> asynclock.connect("mysql://db.internal/locks")
+    Traceback (most recent call last):
+    asynclock.InvalidURL: unknown lock backend 'mysql' in 'mysql://db.internal/locks'; known schemes: etcd, memory, postgres, postgresql, redis, rediss, redlock, sqlite, zookeeper
+    >>> asynclock.connect("sqlite:///tmp/locks.db", ttl=5)
+    Traceback (most recent call last):
+    asynclock.InvalidArgument: unknown option(s) for sqlite://: ttl (known: busy_timeout, synchronous)
+
     ``deadlock_detection=True`` makes every wait longer than ``deadlock_interval`` publish who
     waits for what in the lock store, and fails the youngest waiter of any cycle with
     :class:`DeadlockDetected` (within about three intervals). ``label`` names this client in those

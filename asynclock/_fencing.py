@@ -55,5 +55,16 @@ def current_token(name: str | None = None) -> int:
 
     Raises :class:`asynclock.NotHeld` when no such lock is held, and
     :class:`asynclock.UnsupportedFeature` when the backend has no sound tokens (Redlock).
+
+    >>> import anyio, asynclock
+    >>> async def main() -> None:
+    ...     async with asynclock.connect("memory://doc") as locks:
+    ...         async with locks.lock("orders/42"):
+    ...             print(asynclock.current_token(), asynclock.current_token("orders/42"))
+    >>> anyio.run(main)
+    1 1
+    >>> asynclock.current_token()
+    Traceback (most recent call last):
+    asynclock.NotHeld: no lock is held in this context: call current_token() inside `async with locks.lock(...)`, or in a task started from there
     """
     return current_lease(name).token

@@ -53,6 +53,12 @@ def parse_token(value: str) -> int:
 
     Strict: ASCII digits only (leading zeros allowed, as in ``Content-Length``), no sign, space,
     '+', exponent or separator, and at most ``2**63-1`` (:data:`MAX_TOKEN`).
+
+    >>> parse_token("0042")
+    42
+    >>> parse_token("-1")
+    Traceback (most recent call last):
+    asynclock.InvalidArgument: the fencing token '-1' is not a decimal integer: only the ASCII digits 0-9 are allowed (no sign, space, '+', '.' or exponent)
     """
     if not isinstance(value, str):
         raise InvalidArgument(f"a fencing token header value is a str, not {type(value).__name__}")
