@@ -833,7 +833,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                             changed.set()
                     if response.events or response.canceled or response.compact_revision:
                         return
-            except grpc.aio.AioRpcError as exc:
+            except Exception as exc:  # raised below, out of the task group
                 failed.append(exc)
             finally:
                 woke.append(True)
@@ -853,7 +853,10 @@ class EtcdBackend(Backend[EtcdGrant]):
                         )
                     )
                 elif armed and not woke and (armed[0] > place.seen or place.next_in_line):
-                    polls = await self._after_watch(own, predecessor, armed[0], place, what)
+                    try:
+                        polls = await self._after_watch(own, predecessor, armed[0], place, what)
+                    except LockError as exc:  # raised below, out of the task group
+                        failed.append(exc)
                     if polls is None:
                         woke.append(True)
                 recheck_at = anyio.current_time() + _RECHECK_EVERY
@@ -876,8 +879,11 @@ class EtcdBackend(Backend[EtcdGrant]):
                         break
                     if polls and anyio.current_time() >= polls[0]:
                         polls.pop(0)
-                        if not await self._both_exist(predecessor, own, what):
-                            break
+                        try:
+                            if not await self._both_exist(predecessor, own, what):
+                                break
+                        except LockError as exc:
+                            failed.append(exc)
                     else:
                         # Our queue entry rides on the lease: keep it alive while we wait.
                         await self._refresh_for_waiters(lease)
@@ -890,7 +896,9 @@ class EtcdBackend(Backend[EtcdGrant]):
                     await self._authenticate()
                     return
                 raise self._translate(error, what) from error
-            raise error
+            if isinstance(error, LockError):
+                raise error
+            raise BackendUnavailable(f"{what} on {self.describe()}: {error!r}") from error
 
     async def _after_watch(
         self, own: bytes, predecessor: bytes, start: int, place: _Place, what: str
@@ -1046,7 +1054,7 @@ class EtcdBackend(Backend[EtcdGrant]):
             )
         except _LeaseMissing:
             pass
-        except LockError:
+        except Exception:  # quiet: it expires by itself; nothing else may stop aclose()
             return
         self._granted.discard(lease_id)
 
@@ -1080,7 +1088,7 @@ class EtcdBackend(Backend[EtcdGrant]):
         for key, rev in list(self._orphans.items()):
             try:
                 await self._delete_key(key, rev, "deleting a lock key left by a failed release")
-            except LockError:
+            except Exception:  # quiet: tried again on the next renewal or wait
                 return
             if self._orphans.get(key) == rev:
                 del self._orphans[key]
