@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -414,7 +415,7 @@ def test_pause_needs_a_running_server() -> None:
 
 
 def test_temp_dirs_prefer_shared_memory() -> None:
-    if not os.access("/dev/shm", os.W_OK):
-        pytest.skip("/dev/shm is not writable here")
+    # /dev/shm when it is writable (faster fsync for etcd and ZooKeeper), else the temp dir.
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     with RedisServer() as server:
-        assert str(server.data_dir).startswith("/dev/shm/asynclock-redis-")
+        assert str(server.data_dir).startswith(f"{base}/asynclock-redis-")
