@@ -138,12 +138,12 @@ async def test_lease_lost_on_the_server_cancels_the_body_and_raises_lease_lost(
     async with backend.connect() as locks:
         with pytest.raises(asynclock.LeaseLost) as info:
             async with locks.lock(name, ttl=ttl) as lease:
+                deadline = lease.deadline
                 # A backend with push notification cancels the body inside revoke's own awaits:
                 # shield it, so that the time of the revoke is recorded.
                 with anyio.CancelScope(shield=True):
                     await backend.revoke(name)
                 revoked_at = anyio.current_time()
-                deadline = lease.deadline
                 await anyio.sleep(ttl * 10)
                 reached_end = True
         cancelled_at = anyio.current_time()
