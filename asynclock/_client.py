@@ -492,16 +492,16 @@ class LockClient:
                 await self._backend.release(lease.grant)
             except Exception as exc:
                 logger.warning(
-                    "asynclock: releasing %r on %s failed (%r); the server frees it when "
-                    "its ttl runs out",
+                    "asynclock: releasing %r on %s failed (%r); the lock stays on the server "
+                    "until its lease expires (or the backend removes it later)",
                     lease.name,
                     self._backend.describe(),
                     exc,
                 )
         if scope.cancelled_caught:
             logger.warning(
-                "asynclock: releasing %r on %s took over %g s; the server frees it when its "
-                "ttl runs out",
+                "asynclock: releasing %r on %s took over %g s; the lock stays on the server "
+                "until its lease expires (or the backend removes it later)",
                 lease.name,
                 self._backend.describe(),
                 self._release_timeout,

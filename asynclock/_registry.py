@@ -58,7 +58,9 @@ def split_url(url: object) -> tuple[str, dict[str, str]]:
         parts = urlsplit(url)
         query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError as exc:
-        raise InvalidURL(f"malformed lock URL {_redact(url)!r}: {exc}") from None
+        raise InvalidURL(
+            f"malformed lock URL {_redact(url)!r}: {exc}; for example {_EXAMPLES}"
+        ) from None
     scheme = parts.scheme.lower()
     if scheme not in _BACKENDS:
         raise InvalidURL(

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Final, Self, TypeVar
 from urllib.parse import quote, unquote
 
 import anyio
-import grpc  # type: ignore[import-untyped]
+import grpc
 from aetcd import rpc
 from aetcd import transactions as aetcd_transactions
 

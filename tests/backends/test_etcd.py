@@ -23,7 +23,7 @@ from urllib.parse import quote
 import aetcd
 import anyio
 import anyio.to_thread
-import grpc  # type: ignore[import-untyped]
+import grpc
 import pytest
 from aetcd import rpc
 

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import quote
 
-import grpc  # type: ignore[import-untyped]
+import grpc
 import pytest
 from aetcd import rpc
 
