@@ -13,6 +13,7 @@ import pytest
 
 import asynclock
 from asynclock._deadlock import find_cycle, victim
+from asynclock.testing import RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -72,9 +73,17 @@ async def test_a_cycle_of_tasks_is_broken_once(size: int) -> None:
     assert elapsed < 4 * INTERVAL + 1.0
 
 
+@pytest.fixture(params=["sqlite", "redis"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path}/locks.db"
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return f"{server.url}?prefix=deadlock-{uuid.uuid4().hex[:8]}:&durability_warning=false"
+
+
 @pytest.mark.parametrize("size", [2, 3, 5])
-def test_a_cycle_of_processes_is_broken_once(tmp_path: Path, size: int) -> None:
-    url = f"sqlite://{tmp_path}/locks.db"
+def test_a_cycle_of_processes_is_broken_once(tmp_path: Path, size: int, store_url: str) -> None:
+    url = store_url
     ready = tmp_path / "ready"
     ready.mkdir()
     workers = [
