@@ -1,4 +1,4 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s mypy`.
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s mypy`, `nox -s safety`.
 
 CI runs `.ci/run` (which calls scripts/test, the README's test command); these sessions are the
 same steps in isolated virtualenvs, for working on one piece at a time.
@@ -29,3 +29,13 @@ def lint(session: nox.Session) -> None:
 def mypy(session: nox.Session) -> None:
     session.install("-e", ".[all]", "--group", "typing")
     session.run("mypy")
+
+
+@nox.session
+def safety(session: nox.Session) -> None:
+    """The long safety profile on every installed backend (30 s a run), written to the docs."""
+    session.install("-e", ".[all]")
+    session.run(
+        "python", "-m", "asynclock.testing._safety_report", "--profile", "long",
+        "--out", "docs/safety-results.md",
+    )  # fmt: skip
