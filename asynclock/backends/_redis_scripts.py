@@ -212,11 +212,14 @@ local head = redis.call('ZRANGE', queue, 0, 0)[1]
 if not holder and (not head or head == owner) then
   redis.call('SET', lock, owner, 'PX', ttl)
   local token = redis.call('INCR', counter)
+  redis.call('DEL', wake .. owner)
   if head then
     redis.call('ZREM', queue, owner)
     redis.call('ZREM', expiry, owner)
+    -- The next in line is first now: wake it, so that it learns when this lease would expire
+    -- and takes over on time if this holder dies or stalls without releasing.
+    wake_head()
   end
-  redis.call('DEL', wake .. owner)
   return {1, token}
 end
 if mode ~= 'wait' then

@@ -700,6 +700,47 @@ async def test_the_first_waiter_takes_the_lock_when_a_dead_holders_key_expires(
     assert 0.35 < waited < 0.8
 
 
+async def test_the_next_waiter_takes_over_from_a_stalled_holder_after_a_handoff(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    """A waiter that becomes first when the lock is handed on must learn the new holder's
+    expiry at once, not at its next refresh: found by the safety runs (a paused holder was never
+    overtaken, its lock idled until it woke up)."""
+    ttl = 0.6
+    async with FaultProxy(redis_server.host, redis_server.port) as proxy:
+        async with (
+            connect(redis_server, prefix) as first,
+            connect(f"redis://{proxy.address}/0", prefix) as stalling,
+            connect(redis_server, prefix) as third,
+        ):
+            holder = await first.acquire(name, ttl=5)
+            taken_at: list[float] = []
+
+            async def stall() -> None:
+                async with stalling.lock(name, ttl=ttl, timeout=5, on_lost="flag"):
+                    taken_at.append(anyio.current_time())
+                    proxy.blackhole()  # no renewal reaches the server from now on
+                    await anyio.sleep(2 * ttl + 1)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stall)
+                await wait_for_queue(raw, prefix, name, 1)
+                async with anyio.create_task_group() as waiters:
+
+                    async def wait_behind() -> None:
+                        async with third.lock(name, ttl=5, timeout=5):
+                            taken_at.append(anyio.current_time())
+
+                    waiters.start_soon(wait_behind)
+                    await anyio.sleep(0.2)
+                    await holder.release()  # hands the lock on to the stalling client
+                proxy.pass_through()
+                tg.cancel_scope.cancel()
+    assert len(taken_at) == 2
+    # The third client took over about ttl after the stalled one took the lock.
+    assert taken_at[1] - taken_at[0] < ttl + 0.5
+
+
 async def test_cancelling_a_take_in_flight_leaves_nothing(
     redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
