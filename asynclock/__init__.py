@@ -30,6 +30,7 @@ from ._lease import Lease as Lease
 from ._scope import LockContext as LockContext
 from ._scope import MultiLockContext as MultiLockContext
 from .abc import Capabilities as Capabilities
+from .abc import LockInfo as LockInfo
 
 __all__ = (
     "AcquireTimeout",
@@ -44,6 +45,7 @@ __all__ = (
     "LockClient",
     "LockContext",
     "LockError",
+    "LockInfo",
     "MissingDependency",
     "MultiLockContext",
     "NotHeld",

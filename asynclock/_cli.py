@@ -5,6 +5,9 @@
 command runs, and when the lease is lost it terminates the command's whole process group
 (etcdctl lets the command run on after its lease is gone).
 
+``asynclock status NAME... [--url URL]`` prints who holds each lock, with which token, how long
+until its lease would expire and how many wait, as far as the backend can tell.
+
 ``asynclock demo`` starts several worker *processes* that contend for one lock on the embedded
 backend (or any URL) and print who held it, with which fencing token, so that the cross-process
 exclusion and the strictly increasing tokens can be seen with nothing installed.
@@ -164,6 +167,24 @@ def _demo(url: str | None, workers: int, rounds: int, hold: float) -> int:
         return 1 if failed or overlaps or not increasing else 0
 
 
+async def _status(url: str, names: Sequence[str]) -> int:
+    async with connect(url) as locks:
+        for name in names:
+            info = await locks.inspect(name)
+            if not info.held:
+                waiting = "" if info.waiters is None else f", {info.waiters} waiting"
+                print(f"{name}: free{waiting}")
+                continue
+            parts = [
+                f"held by {info.holder or info.owner or 'an unknown holder'}",
+                f"token {info.token}" if info.token is not None else "",
+                f"expires in {info.expires_in:.1f} s" if info.expires_in is not None else "",
+                f"{info.waiters} waiting" if info.waiters is not None else "",
+            ]
+            print(f"{name}: " + ", ".join(part for part in parts if part))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="asynclock",
@@ -179,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=None, help="seconds to wait (0: try once)")
     run.add_argument("--grace", type=float, default=5.0, help="SIGTERM to SIGKILL, seconds")
     run.add_argument("cmd", nargs="*", help="the command and its arguments, after --")
+    status = commands.add_parser("status", help="who holds a lock, its token, who waits")
+    status.add_argument("names", nargs="+", metavar="NAME")
+    status.add_argument("--url", default=os.environ.get("ASYNCLOCK_URL", DEFAULT_URL))
     demo = commands.add_parser("demo", help="processes contending for one lock, with tokens")
     demo.add_argument("--url", help="lock URL (default: a temporary SQLite file)")
     demo.add_argument("--workers", type=int, default=2)
@@ -209,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return anyio.run(
                 _run_locked, args.url, args.name, args.ttl, args.timeout, args.grace, command
             )
+        if args.command == "status":
+            return anyio.run(_status, args.url, args.names)
         if args.command == "demo":
             return _demo(args.url, args.workers, args.rounds, args.hold)
         _demo_worker(args.url, args.worker, args.rounds, args.hold)

@@ -29,7 +29,7 @@ from ._lease import Lease, OnLost
 from ._registry import make_backend, redact
 from ._scope import LockContext, MultiLockContext
 from ._supervisor import Supervisor
-from .abc import Backend, Capabilities, Grant, LockRequest
+from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest
 
 logger = logging.getLogger("asynclock")
 
@@ -365,6 +365,19 @@ class LockClient:
             return await self._acquire(name, ttl, 0, "flag", track_context=True)
         except AcquireTimeout:
             return None
+
+    async def inspect(self, name: str) -> LockInfo:
+        """What the server says about lock ``name`` now: held or not, by which lease, with which
+        token, how long until it would expire, how many wait (``None`` where it cannot tell).
+
+        Raises :class:`UnsupportedFeature` on backends that cannot tell (Redlock).
+        """
+        name = _validate.lock_name(name)
+        if self._state != "open":
+            raise RuntimeError(
+                "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
+            )
+        return await self._backend.inspect(name)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
+from ._errors import UnsupportedFeature
+
 __all__ = (
     "Backend",
     "Capabilities",
     "Grant",
+    "LockInfo",
     "LockRequest",
     "Lost",
     "RenewOutcome",
@@ -104,6 +107,24 @@ class Unknown:
 
 
 RenewOutcome = Renewed | Lost | Unknown
+
+
+@dataclass(frozen=True, slots=True)
+class LockInfo:
+    """What the store says about one lock now (``asynclock status``). ``None``: not known."""
+
+    name: str
+    held: bool
+    #: The holder's lease id on the server (the ``owner`` of its grant).
+    owner: str | None = None
+    #: The holder's fencing token.
+    token: int | None = None
+    #: Seconds until the server would expire the holder's lease if it stopped renewing.
+    expires_in: float | None = None
+    #: How many clients wait for it.
+    waiters: int | None = None
+    #: Who holds it, where the store can tell (a PostgreSQL session's application_name and pid).
+    holder: str | None = None
 
 
 class WaiterRegistry(ABC):
@@ -203,6 +224,13 @@ class Backend(ABC, Generic[G]):
     @abstractmethod
     async def release(self, grant: G) -> None:
         """Free the lock if, and only if, it is still ours. Must not raise when it is not."""
+
+    async def inspect(self, name: str) -> LockInfo:
+        """What the store knows about lock ``name`` now, for ``asynclock status``."""
+        raise UnsupportedFeature(
+            f"{self.describe()} cannot show a lock's holder and waiters (not implemented for "
+            f"{type(self).__name__})"
+        )
 
     def waiter_registry(self) -> WaiterRegistry | None:
         """Where deadlock detection keeps its records; ``None`` if the store offers none."""

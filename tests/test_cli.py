@@ -111,3 +111,24 @@ def test_demo_shows_exclusive_holds_with_increasing_tokens() -> None:
     result = run("demo", "--workers", "3", "--rounds", "3", "--hold", "0.02")
     assert result.returncode == 0, result.stderr
     assert "9 holds, 0 overlapping, tokens strictly increasing: yes" in result.stdout
+
+
+def test_status_shows_the_holder_and_its_token(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path}/locks.db"
+    ready = tmp_path / "ready"
+    with subprocess.Popen(
+        [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", f"touch {ready}; sleep 30"]
+    ) as holder:
+        try:
+            deadline = time.monotonic() + 20
+            while not ready.exists():
+                assert time.monotonic() < deadline, "the command never started"
+                time.sleep(0.05)
+            result = run("status", "job", "other", "--url", url)
+        finally:
+            holder.kill()
+    assert result.returncode == 0, result.stderr
+    job, other = result.stdout.splitlines()
+    assert job.startswith("job: held by ")
+    assert "token 1" in job
+    assert other == "other: free"

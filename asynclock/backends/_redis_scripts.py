@@ -255,6 +255,21 @@ return {0, math.floor(tonumber(redis.call('ZSCORE', expiry, head))) - now}
 """
 )
 
+#: What ``asynclock status`` shows, in one atomic read. KEYS as for TAKE. Returns {holder or
+#: false, ms left, counter, live waiters}.
+INSPECT: Final = Script(
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {
+  redis.call('GET', KEYS[1]),
+  redis.call('PTTL', KEYS[1]),
+  redis.call('GET', KEYS[2]),
+  redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf'),
+}
+"""
+)
+
 #: Release: delete the lock if it is ours and wake the first waiter. Returns 1 if deleted.
 RELEASE: Final = Script(
     _QUEUE_FUNCTIONS

@@ -61,7 +61,17 @@ from .._errors import (
 )
 from .._lease import Lease
 from .._validate import Options
-from ..abc import Backend, Capabilities, Grant, LockRequest, Lost, Renewed, RenewOutcome, Unknown
+from ..abc import (
+    Backend,
+    Capabilities,
+    Grant,
+    LockInfo,
+    LockRequest,
+    Lost,
+    Renewed,
+    RenewOutcome,
+    Unknown,
+)
 
 if TYPE_CHECKING:
     from .._client import LockClient
@@ -629,6 +639,45 @@ class EtcdBackend(Backend[EtcdGrant]):
     def _attempt(self, request: LockRequest) -> _Attempt:
         prefix = self._name_prefix(request.name)
         return _Attempt(request, _bucket(request.ttl), prefix, _prefix_end(prefix))
+
+    async def inspect(self, name: str) -> LockInfo:
+        prefix = self._name_prefix(name)
+        reply = await self._call(
+            f"inspecting lock {name!r}",
+            lambda md: self._kv.Range(
+                rpc.RangeRequest(
+                    key=prefix,
+                    range_end=_prefix_end(prefix),
+                    sort_target=rpc.RangeRequest.CREATE,
+                    sort_order=rpc.RangeRequest.ASCEND,
+                    keys_only=True,
+                ),
+                timeout=self.op_timeout,
+                metadata=md,
+            ),
+        )
+        kvs = list(reply.kvs)
+        if not kvs:
+            return LockInfo(name, held=False, waiters=0)
+        # The lowest create revision holds the lock; its key ends in "<lease hex>-<owner>".
+        first = kvs[0]
+        lease_hex, _, owner = bytes(first.key)[len(prefix) :].decode("ascii").partition("-")
+        ttl = await self._call(
+            f"reading the lease of lock {name!r}",
+            lambda md: self._lease_stub.LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=int(lease_hex, 16)),
+                timeout=self.op_timeout,
+                metadata=md,
+            ),
+        )
+        return LockInfo(
+            name,
+            held=True,
+            owner=owner or None,
+            token=int(first.create_revision),
+            expires_in=float(ttl.TTL) if int(ttl.TTL) >= 0 else None,
+            waiters=len(kvs) - 1,
+        )
 
     def _name_prefix(self, name: str) -> bytes:
         # Percent-encoding with no safe characters is injective and never yields "/", so

@@ -25,6 +25,7 @@ from ..abc import (
     Backend,
     Capabilities,
     Grant,
+    LockInfo,
     LockRequest,
     Lost,
     Renewed,
@@ -166,6 +167,21 @@ class MemoryBackend(Backend[Grant]):
 
     def waiting(self, name: str) -> int:
         return len(self._store.get(name).waiters)
+
+    async def inspect(self, name: str) -> LockInfo:
+        await anyio.lowlevel.checkpoint()
+        lock = self._store.get(name)
+        now = anyio.current_time()
+        if lock.free(now) or lock.holder is None:
+            return LockInfo(name, held=False, waiters=len(lock.waiters))
+        return LockInfo(
+            name,
+            held=True,
+            owner=lock.holder.owner,
+            token=lock.counter,
+            expires_in=lock.holder.expires_at - now,
+            waiters=len(lock.waiters),
+        )
 
     # -- the contract ------------------------------------------------------------------------
 

@@ -68,6 +68,7 @@ from ..abc import (
     Backend,
     Capabilities,
     Grant,
+    LockInfo,
     LockRequest,
     Lost,
     Renewed,
@@ -620,6 +621,38 @@ class PostgresBackend(Backend[PostgresGrant]):
                 "PostgreSQL runs there and accepts TCP connections (listen_addresses, port, "
                 "pg_hba.conf)"
             ) from exc
+
+    async def inspect(self, name: str) -> LockInfo:
+        key = lock_key(name, self.schema) & 0xFFFFFFFFFFFFFFFF
+        connection = await self._checkout()
+        try:
+            with map_exceptions(_ERRORS, f"inspecting lock {name!r} on {self.describe()}"):
+                with anyio.fail_after(self.op_timeout):
+                    rows = await connection.fetch(
+                        "SELECT l.granted, l.pid, a.application_name "
+                        "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                        "WHERE l.locktype = 'advisory' AND l.objsubid = 1 "
+                        "AND l.classid = $1 AND l.objid = $2",
+                        key >> 32,
+                        key & 0xFFFFFFFF,
+                    )
+        except BaseException:
+            self._discard(connection)
+            raise
+        self._checkin(connection)
+        holders = [row for row in rows if row["granted"]]
+        waiters = len(rows) - len(holders)
+        if not holders:
+            return LockInfo(name, held=False, waiters=waiters)
+        holder = holders[0]
+        # The token lives in the holder's session only, and the server's idle timer is not
+        # exposed to other sessions: neither is shown.
+        return LockInfo(
+            name,
+            held=True,
+            waiters=waiters,
+            holder=f"{holder['application_name'] or '?'} (backend pid {holder['pid']})",
+        )
 
     async def _checkout(self) -> Any:
         while self._idle:

@@ -37,6 +37,7 @@ from ..abc import (
     Backend,
     Capabilities,
     Grant,
+    LockInfo,
     LockRequest,
     Lost,
     Renewed,
@@ -260,6 +261,22 @@ class RedisBackend(Backend[Grant]):
         lane = self._connected()
         with map_exceptions(lua.ERRORS, f"{what} on {self.describe()}"):
             return await lane.script(script, keys, args)
+
+    async def inspect(self, name: str) -> LockInfo:
+        holder, ms_left, counter, waiters = await self._script(
+            lua.INSPECT, self._keys(name), [], f"inspecting lock {name!r}"
+        )
+        if not holder:
+            return LockInfo(name, held=False, waiters=int(waiters))
+        # Every take bumps the counter, so while the key is held it is the holder's token.
+        return LockInfo(
+            name,
+            held=True,
+            owner=holder.decode() if isinstance(holder, bytes) else str(holder),
+            token=int(counter) if counter is not None else None,
+            expires_in=int(ms_left) / 1000 if int(ms_left) >= 0 else None,
+            waiters=int(waiters),
+        )
 
     async def _take_once(self, request: LockRequest, mode: str) -> tuple[Grant | None, int]:
         ms = lua.ttl_ms(request.ttl)

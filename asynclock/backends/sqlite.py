@@ -32,6 +32,7 @@ from ..abc import (
     Backend,
     Capabilities,
     Grant,
+    LockInfo,
     LockRequest,
     Lost,
     Renewed,
@@ -248,6 +249,25 @@ class SQLiteBackend(Backend[Grant]):
         for backend in list(_local.values()):
             if backend.path == self.path:
                 backend._wake_waiters()
+
+    async def inspect(self, name: str) -> LockInfo:
+        def read() -> tuple[str, int, str, float] | None:
+            row = (
+                self._db()
+                .execute(
+                    "SELECT owner, token, boot_id, expires_at FROM asynclock_locks WHERE name = ?",
+                    (name,),
+                )
+                .fetchone()
+            )
+            return None if row is None else (row[0], int(row[1]), row[2], float(row[3]))
+
+        row = await self._run(read)
+        now = time.monotonic()
+        if row is None or row[2] != _BOOT_ID or row[3] <= now:
+            return LockInfo(name, held=False)
+        # Waiters poll; they leave no trace in the file.
+        return LockInfo(name, held=True, owner=row[0], token=row[1], expires_in=row[3] - now)
 
     def _wake_waiters(self) -> None:
         if self._released is not None:

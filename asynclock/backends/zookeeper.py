@@ -61,7 +61,17 @@ from .._errors import (
     UnsupportedFeature,
 )
 from .._validate import Options
-from ..abc import Backend, Capabilities, Grant, LockRequest, Lost, Renewed, RenewOutcome, Unknown
+from ..abc import (
+    Backend,
+    Capabilities,
+    Grant,
+    LockInfo,
+    LockRequest,
+    Lost,
+    Renewed,
+    RenewOutcome,
+    Unknown,
+)
 
 if TYPE_CHECKING:
     from .._client import LockClient
@@ -1184,6 +1194,32 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     def _parent(self, name: str) -> str:
         chroot = self._settings.chroot.rstrip("/")
         return f"{chroot}/{encode_name(name)}"
+
+    async def inspect(self, name: str) -> LockInfo:
+        session = await self._session_for(self._settings.session_timeout)
+        parent = self._parent(name)
+        try:
+            (listed,) = await session.call_retrying(zk.GetChildrenRequest(path=parent, watch=False))
+        except (_ConnectionLoss, _SessionGone) as exc:
+            raise BackendTimeout(f"inspecting lock {name!r} on {self.describe()}: {exc}") from exc
+        if isinstance(listed, zk_exc.NoNode):
+            return LockInfo(name, held=False, waiters=0)
+        if isinstance(listed, Exception):
+            raise _backend_error(listed, f"inspecting lock {name!r}", self)
+        queue = sorted(listed.children, key=_sequence)
+        if not queue:
+            return LockInfo(name, held=False, waiters=0)
+        # The lowest sequence holds it; its name is "_c_<owner>-<kind>-<sequence>".
+        first = queue[0]
+        owner = first.removeprefix("_c_").split("-", 1)[0] or None
+        try:
+            (found,) = await session.call_retrying(
+                zk.ExistsRequest(path=f"{parent}/{first}", watch=False)
+            )
+        except (_ConnectionLoss, _SessionGone) as exc:
+            raise BackendTimeout(f"inspecting lock {name!r} on {self.describe()}: {exc}") from exc
+        token = None if isinstance(found, Exception) else int(found.stat.created_zxid)
+        return LockInfo(name, held=True, owner=owner, token=token, waiters=len(queue) - 1)
 
     async def try_acquire(self, request: LockRequest) -> ZooKeeperGrant | None:
         return await self._acquire(request, _kind.get(), wait=False)

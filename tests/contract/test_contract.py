@@ -290,3 +290,34 @@ async def test_closing_the_client_releases_what_it_holds(
         lease = await other.try_acquire(name, ttl=backend.ttl * 5)
         assert lease is not None
         await lease.release()
+
+
+async def test_inspect_shows_the_holder_its_token_and_the_waiters(
+    backend: BackendUnderTest, name: str
+) -> None:
+    async with backend.connect() as locks, backend.connect() as other:
+        if backend.name == "redlock":
+            # Independent masters have no single answer to "who holds it".
+            with pytest.raises(asynclock.UnsupportedFeature):
+                await locks.inspect(name)
+            return
+        assert not (await locks.inspect(name)).held
+        async with locks.lock(name, ttl=backend.ttl * 5) as lease:
+            info = await other.inspect(name)
+            assert info.held
+            assert info.owner in (None, lease.owner)
+            assert info.token in (None, lease.token)
+            assert info.expires_in is None or 0 < info.expires_in <= lease.ttl + 1
+
+            async def wait() -> None:
+                async with other.lock(name, ttl=backend.ttl * 5, timeout=10):
+                    pass
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait)
+                if info.waiters is not None:  # stores where waiters leave a trace
+                    with anyio.fail_after(5):
+                        while (await locks.inspect(name)).waiters != 1:  # noqa: ASYNC110
+                            await anyio.sleep(0.02)
+                await lease.release()
+        assert not (await locks.inspect(name)).held
