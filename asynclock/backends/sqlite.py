@@ -13,12 +13,14 @@ release in this process. There is no FIFO order across processes.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import sqlite3
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Self, TypeVar
@@ -148,6 +150,8 @@ class SQLiteBackend(Backend[Grant]):
         self._limiter: anyio.CapacityLimiter | None = None
         self._thread_lock = threading.Lock()
         self._released: anyio.Event | None = None
+        #: This client's waiters per lock name, in arrival order.
+        self._queues: dict[str, deque[str]] = {}
         _local[id(self)] = self
 
     @classmethod
@@ -186,18 +190,33 @@ class SQLiteBackend(Backend[Grant]):
             raise BackendUnavailable(
                 f"cannot open {self.describe()}: the directory {directory!r} does not exist"
             )
-        try:
-            connection = sqlite3.connect(
-                self.path,
-                timeout=self._busy_timeout,
-                isolation_level=None,
-                check_same_thread=False,
-            )
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute(f"PRAGMA synchronous={self._synchronous}")
-            connection.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
-            raise BackendUnavailable(f"cannot open {self.describe()}: {exc}") from exc
+        # Processes opening a new file at once race to switch it to WAL, and SQLite reports
+        # that race as "database is locked" without waiting on its busy handler: retry, within
+        # busy_timeout.
+        deadline = time.monotonic() + self._busy_timeout
+        while True:
+            connection = None
+            try:
+                connection = sqlite3.connect(
+                    self.path,
+                    timeout=self._busy_timeout,
+                    isolation_level=None,
+                    check_same_thread=False,
+                )
+                connection.execute("PRAGMA journal_mode=WAL")
+                connection.execute(f"PRAGMA synchronous={self._synchronous}")
+                connection.executescript(_SCHEMA)
+                break
+            except sqlite3.OperationalError as exc:
+                if connection is not None:
+                    connection.close()
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise BackendUnavailable(f"cannot open {self.describe()}: {exc}") from exc
+                time.sleep(random.uniform(0.005, 0.02))  # in the worker thread
+            except sqlite3.Error as exc:
+                if connection is not None:
+                    connection.close()
+                raise BackendUnavailable(f"cannot open {self.describe()}: {exc}") from exc
         self._connection = connection
 
     async def aclose(self) -> None:
@@ -209,30 +228,51 @@ class SQLiteBackend(Backend[Grant]):
     # -- the contract ------------------------------------------------------------------------
 
     async def try_acquire(self, request: LockRequest) -> Grant | None:
-        sent_at = anyio.current_time()
-        taken = await self._run(lambda: self._take_sync(request))
-        if taken.token is None:
-            return None
-        return Grant(request.name, request.owner, taken.token, sent_at, request.ttl)
+        if self._queues.get(request.name):
+            return None  # tasks of this client wait for it already: no jumping the queue
+        grant, _ = await self._take(request)
+        return grant
 
     async def acquire(self, request: LockRequest) -> Grant:
+        # Tasks of this client queue in arrival order and only the first one polls the file:
+        # otherwise a releasing task, which runs on, would retake the lock before the woken
+        # waiters get a turn. Across processes there is no queue, only polling.
+        queue = self._queues.setdefault(request.name, deque())
+        queue.append(request.owner)
         delay = _POLL_MIN
-        while True:
-            sent_at = anyio.current_time()
-            # Not cancellable half-way (see _run), and nothing awaits between a successful take
-            # and the return, so a cancelled acquire never strands a row.
-            taken = await self._run(lambda: self._take_sync(request))
-            if taken.token is not None:
-                return Grant(request.name, request.owner, taken.token, sent_at, request.ttl)
-            # Sleep until a local release, the holder's expiry, or the next poll.
-            wake_at = min(
-                taken.holder_expires_at, anyio.current_time() + delay * random.uniform(0.5, 1.0)
-            )
-            released = self._released
-            assert released is not None
-            with anyio.move_on_at(wake_at):
-                await released.wait()
-            delay = min(delay * 2, _POLL_MAX)
+        try:
+            while True:
+                if queue[0] == request.owner:
+                    grant, holder_expires_at = await self._take(request)
+                    if grant is not None:
+                        return grant
+                    wake_at = min(
+                        holder_expires_at,
+                        anyio.current_time() + delay * random.uniform(0.5, 1.0),
+                    )
+                    delay = min(delay * 2, _POLL_MAX)
+                else:
+                    wake_at = math.inf  # woken when the waiter ahead leaves
+                # Sleep until a release in this process, the holder's expiry, or the next poll.
+                released = self._released
+                assert released is not None
+                with anyio.move_on_at(wake_at):
+                    await released.wait()
+        finally:
+            queue.remove(request.owner)
+            if not queue:
+                del self._queues[request.name]
+            self._wake_waiters()
+
+    async def _take(self, request: LockRequest) -> tuple[Grant | None, float]:
+        """One attempt: the grant, or None and when the current holder's row expires."""
+        sent_at = anyio.current_time()
+        # Not cancellable half-way (see _run), and nothing awaits between a successful take and
+        # the return, so a cancelled acquire never strands a row.
+        taken = await self._run(lambda: self._take_sync(request))
+        if taken.token is None:
+            return None, taken.holder_expires_at
+        return Grant(request.name, request.owner, taken.token, sent_at, request.ttl), 0.0
 
     async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
