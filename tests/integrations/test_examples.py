@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import anyio
 import pytest
+
+from asynclock.testing import RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -36,8 +39,13 @@ async def run_example(name: str, lock_url: str | None) -> tuple[int, str]:
     return done.returncode, done.stdout.decode()
 
 
-async def test_every_example_runs_on_the_embedded_backend_and_on_a_given_url() -> None:
-    runs = [(name, None) for name in EXPECTED] + [("worker_pool.py", "memory://example")]
+async def test_every_example_runs_on_the_embedded_backend_and_on_a_real_server(
+    redis_server: RedisServer,
+) -> None:
+    def real() -> str:  # a key prefix of its own per run: the examples use the same lock names
+        return f"{redis_server.url}?prefix=ex-{uuid.uuid4().hex[:6]}:&durability_warning=false"
+
+    runs = [(name, None) for name in EXPECTED] + [(name, real()) for name in EXPECTED]
     results: dict[tuple[str, str | None], tuple[int, str]] = {}
 
     async def run(name: str, lock_url: str | None) -> None:
@@ -52,7 +60,7 @@ async def test_every_example_runs_on_the_embedded_backend_and_on_a_given_url() -
         assert "as expected" in output, output
         for line in EXPECTED[name]:
             assert line in output, f"{name} did not print {line!r}:\n{output}"
-        where = lock_url or "sqlite:///"
+        where = lock_url.split("?")[0] if lock_url else "sqlite:///"
         assert f"locks on {where}" in output, output
 
 
