@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
+import sys
 import uuid
 from collections.abc import Collection, Iterable
 from types import TracebackType
@@ -25,15 +27,19 @@ from ._errors import (
     UnsupportedFeature,
     Waiter,
 )
-from ._lease import Lease, OnLost
+from ._lease import Lease, OnLost, public_owner
 from ._registry import make_backend, redact
-from ._scope import LockContext, MultiLockContext
+from ._scope import LockContext, MultiLockContext, release_all
+from ._shield import finish, on_asyncio
 from ._supervisor import Supervisor
-from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest
+from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest, WaiterRegistry
 
 logger = logging.getLogger("asynclock")
 
 _CAPABILITY_NAMES = ("fencing", "fifo", "loss_detection", "quorum", "cross_process")
+#: How long releasing an already lost lease may keep the caller: the server may be hanging (often
+#: the reason for the loss), and the rest of the release goes on in the background.
+_LOST_RELEASE_WAIT = 0.25
 
 
 def connect(
@@ -85,6 +91,8 @@ def connect(
         margin = _validate.positive_seconds(margin, "margin")
     connect_timeout = _validate.positive_seconds(connect_timeout, "connect_timeout")
     release_timeout = _validate.positive_seconds(release_timeout, "release_timeout")
+    if isinstance(require, str):
+        require = (require,)  # require="fencing" means the one capability, not its letters
     unknown = set(require) - set(_CAPABILITY_NAMES)
     if unknown:
         raise InvalidArgument(
@@ -95,6 +103,7 @@ def connect(
     if label is not None and (not isinstance(label, str) or "/" in label or not label):
         raise InvalidArgument(f"label must be a non-empty str without '/', got {label!r}")
     backend = make_backend(url, options)
+    _check_event_loop(backend, url)
     if deadlock_detection and backend.waiter_registry() is None:
         raise UnsupportedFeature(
             f"{redact(url)} has no place for deadlock detection's records; use lock_all() or "
@@ -150,6 +159,8 @@ class LockClient:
         self._renewal_scope: anyio.CancelScope
         self._close_requested: anyio.Event
         self._backend_closed: anyio.Event
+        #: Releases that did not finish in time and go on in the background, by their scope.
+        self._deferred: set[anyio.CancelScope] = set()
         self._state = "new"
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -157,6 +168,7 @@ class LockClient:
     async def __aenter__(self) -> Self:
         if self._state != "new":
             raise RuntimeError("a LockClient can be entered once; call asynclock.connect() again")
+        _check_event_loop(self._backend, self._backend.describe())
         self._state = "opening"
         self._renewal_scope = anyio.CancelScope()
         self._close_requested = anyio.Event()
@@ -230,22 +242,35 @@ class LockClient:
                 await task_group.__aexit__(None, None, None)
 
     async def aclose(self) -> None:
-        """Release every lease still held and close the backend. Idempotent and shielded."""
+        """Release every lease still held and close the backend. Idempotent, and it finishes
+        (within ``release_timeout + connect_timeout``) whatever cancels the caller, anyio's or
+        asyncio's native cancellation alike."""
         if self._state != "open":
             return
         self._state = "closing"
-        with anyio.CancelScope(shield=True):
-            leases = self._supervisor.leases
-            if len(leases) == 1:
-                await next(iter(leases)).release()
-            elif leases:
-                async with anyio.create_task_group() as task_group:
-                    for lease in leases:
-                        task_group.start_soon(lease.release)
-            self._renewal_scope.cancel()
-            self._close_requested.set()
-            await self._backend_closed.wait()
+        closed = await finish(
+            self._close,
+            timeout=self._release_timeout + self._connect_timeout,
+            what=f"closing the lock client of {self._backend.describe()}",
+        )
+        if not closed and self._task_group is not None:
+            # The backend did not close in time: stop its host task rather than hang the exit.
+            self._task_group.cancel_scope.cancel()
         self._state = "closed"
+
+    async def _close(self) -> None:
+        await release_all(self._supervisor.leases)
+        # Releases still retried in the background get one more release_timeout, then stop:
+        # the server frees what they held when its lease expires (etcd and ZooKeeper at once,
+        # since closing the backend ends its lease or session).
+        with anyio.move_on_after(self._release_timeout):
+            while self._deferred:  # noqa: ASYNC110 (rare path: a release that hung)
+                await anyio.sleep(0.01)
+        for scope in list(self._deferred):
+            scope.cancel()
+        self._renewal_scope.cancel()
+        self._close_requested.set()
+        await self._backend_closed.wait()
 
     async def _renew(self) -> None:
         with self._renewal_scope:
@@ -257,11 +282,6 @@ class LockClient:
     def capabilities(self) -> Capabilities:
         """What the backend guarantees."""
         return self._backend.capabilities
-
-    @property
-    def backend(self) -> Backend[Grant]:
-        """The backend instance (for tests and diagnostics)."""
-        return self._backend
 
     @property
     def held(self) -> frozenset[Lease]:
@@ -377,13 +397,22 @@ class LockClient:
             raise RuntimeError(
                 "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
             )
-        return await self._backend.inspect(name)
+        info = await self._backend.inspect(name)
+        if info.owner is not None:
+            info = dataclasses.replace(info, owner=public_owner(info.owner))
+        return info
 
     # -- internals ---------------------------------------------------------------------------
 
     def _check(self, name: object, ttl: object, timeout: object) -> tuple[str, float, float | None]:
         checked_name = _validate.lock_name(name)
         checked_ttl = _validate.positive_seconds(ttl, "ttl")
+        if checked_ttl < self._backend.min_ttl:
+            raise InvalidArgument(
+                f"ttl {checked_ttl:g} s is too short for {self._backend.describe()}: a lease must "
+                "outlast a renewal round trip plus the safety margin; the minimum is "
+                f"{self._backend.min_ttl:g} s"
+            )
         self._backend.check_ttl(checked_ttl)
         return checked_name, checked_ttl, _validate.timeout(timeout)
 
@@ -470,11 +499,27 @@ class LockClient:
         registry = self._backend.waiter_registry() if self._deadlock_interval else None
         if timeout is None and registry is None:
             return await self._backend.acquire(request)
-        deadline = math.inf if timeout is None else anyio.current_time() + timeout
-        with anyio.CancelScope(deadline=deadline) as wait:
+        deadline = math.inf
+        if timeout is not None:
+            deadline = anyio.current_time() + timeout
+            # However short the timeout, the lock is tried once: it bounds the wait, not the
+            # first attempt (timeout=1e-9 must not fail where timeout=0 succeeds).
+            grant = await self._backend.try_acquire(request)
+            if grant is not None or anyio.current_time() >= deadline:
+                return grant
+        with anyio.CancelScope(deadline=deadline):
             if registry is None or self._deadlock_interval is None:
                 return await self._backend.acquire(request)
-            me = waiter_for(request.name, self._label)
+            return await self._wait_watching_deadlocks(request, registry, deadlocks)
+        return None
+
+    async def _wait_watching_deadlocks(
+        self, request: LockRequest, registry: WaiterRegistry, deadlocks: list[list[Waiter]]
+    ) -> Grant | None:
+        assert self._deadlock_interval is not None
+        me = waiter_for(request.name, self._label)
+        grant: Grant | None = None
+        try:
             async with anyio.create_task_group() as task_group:
                 await task_group.start(
                     functools.partial(
@@ -483,42 +528,101 @@ class LockClient:
                         me,
                         interval=self._deadlock_interval,
                         found=deadlocks,
-                        give_up=wait,
+                        give_up=task_group.cancel_scope,
                     )
                 )
                 grant = await self._backend.acquire(request)
                 task_group.cancel_scope.cancel()
-            return grant
-        return None
+        except BaseException:
+            # Cancelled while the watcher stopped: the grant exists on the server and must not
+            # be stranded there.
+            if grant is not None:
+                await finish(
+                    functools.partial(self._backend.release, grant),
+                    timeout=self._release_timeout,
+                    what=f"releasing {request.name!r} after a cancelled acquire",
+                )
+            raise
+        return grant
 
     async def _release(self, lease: Lease) -> None:
         if lease.released:
             return
         lease._check_deadline()
+        lost = lease.lost
         lease._mark_released()
         self._supervisor.discard(lease)
         _fencing.discard(lease)
-        # Shielded from the caller's cancellation, bounded by its own deadline: one scope.
-        deadline = anyio.current_time() + self._release_timeout
-        with anyio.CancelScope(shield=True, deadline=deadline) as scope:
-            try:
-                await self._backend.release(lease.grant)
-            except Exception as exc:
-                logger.warning(
-                    "asynclock: releasing %r on %s failed (%r); the lock stays on the server "
-                    "until its lease expires (or the backend removes it later)",
-                    lease.name,
-                    self._backend.describe(),
-                    exc,
-                )
-        if scope.cancelled_caught:
-            logger.warning(
-                "asynclock: releasing %r on %s took over %g s; the lock stays on the server "
-                "until its lease expires (or the backend removes it later)",
-                lease.name,
-                self._backend.describe(),
-                self._release_timeout,
+        grant = lease.grant
+        # A lost lease is released only so that nothing stays behind: the caller need not wait
+        # for a server that may be hanging (that is often why the lease was lost).
+        wait = min(self._release_timeout, _LOST_RELEASE_WAIT) if lost else self._release_timeout
+        try:
+            await finish(
+                functools.partial(self._backend.release, grant),
+                timeout=wait,
+                what=f"releasing {grant.name!r}",
+                unfinished=functools.partial(self._defer_release, grant, None),
             )
+        except Exception as exc:
+            self._defer_release(grant, exc)
+
+    def _defer_release(self, grant: Grant, error: BaseException | None) -> None:
+        """Go on releasing ``grant`` in the client's task group until the server answers."""
+        what = f"in {self._release_timeout:g} s" if error is None else f"({error!r})"
+        if self._task_group is None or self._state not in ("open", "closing"):
+            logger.warning(
+                "asynclock: releasing %r on %s did not complete %s and the client is closed; "
+                "the server frees it when its lease expires",
+                grant.name,
+                self._backend.describe(),
+                what,
+            )
+            return
+        logger.warning(
+            "asynclock: releasing %r on %s did not complete %s; retrying in the background "
+            "until the server answers or the client closes",
+            grant.name,
+            self._backend.describe(),
+            what,
+        )
+        scope = anyio.CancelScope()
+        self._deferred.add(scope)
+        self._task_group.start_soon(self._retry_release, grant, scope, name="asynclock release")
+
+    async def _retry_release(self, grant: Grant, scope: anyio.CancelScope) -> None:
+        try:
+            with scope:
+                pause = 0.05
+                while True:
+                    try:
+                        with anyio.fail_after(self._release_timeout):
+                            await self._backend.release(grant)
+                    except Exception as exc:
+                        logger.info("asynclock: retrying release of %r: %r", grant.name, exc)
+                        await anyio.sleep(pause)
+                        pause = min(1.0, pause * 2)
+                    else:
+                        return
+        finally:
+            self._deferred.discard(scope)
+
+
+def _check_event_loop(backend: Backend[Grant], url: str) -> None:
+    """Refuse, by name, a backend whose driver cannot run on the event loop in use (trio)."""
+    if on_asyncio() or "trio" in backend.event_loops:
+        return
+    trio = sys.modules.get("trio")  # a running trio has been imported
+    if trio is None:
+        return
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return  # no event loop at all (a client made at import time)
+    raise UnsupportedFeature(
+        f"{redact(url)} needs asyncio: its driver ({backend.driver}) does not run under trio. "
+        "Under trio use memory:// or sqlite://, or run this client on asyncio"
+    )
 
 
 def _canonical(name: str) -> bytes:

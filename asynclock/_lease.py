@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal
@@ -18,6 +19,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("asynclock")
 
 OnLost = Literal["cancel", "flag"]
+
+
+def public_owner(secret: str) -> str:
+    """The id shown for an owner secret: a hash, from which the secret cannot be recovered.
+
+    Release and renew compare the secret on the server; showing it (in ``inspect()``) would let
+    any client free another client's lock.
+    """
+    return hashlib.blake2b(secret.encode(), digest_size=8, person=b"asynclock").hexdigest()
 
 
 class LeaseState(enum.Enum):
@@ -104,8 +114,9 @@ class Lease:
 
     @property
     def owner(self) -> str:
-        """The random id that identifies this lease on the server."""
-        return self._grant.owner
+        """A public id of this lease: what ``inspect()`` and ``asynclock status`` show as the
+        holder. The secret that renew and release present to the server is never shown."""
+        return public_owner(self._grant.owner)
 
     @property
     def deadline(self) -> float:

@@ -10,7 +10,7 @@ way ``asyncio.timeout`` treats cancellations it did not cause.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextvars import Token
 from types import TracebackType
 from typing import Generic, TypeVar
@@ -82,16 +82,13 @@ class _HeldContext(ABC, Generic[T]):
         if self._body is not None:
             for lease in leases:
                 lease._detach_scope(self._body)
-            caught_own_cancel = bool(self._body.scope.__exit__(exc_type, exc, tb))
+            # Read cancelled_caught, not __exit__'s return value: trio's scope returns True on a
+            # clean exit too, which would turn every clean exit into a LeaseLost.
+            self._body.scope.__exit__(exc_type, exc, tb)
+            caught_own_cancel = self._body.scope.cancelled_caught
         # Reading lost_reason also marks a lease lost whose deadline has passed.
         lost = [(lease.name, lease.lost_reason) for lease in leases if lease.lost_reason]
-        if len(leases) == 1:
-            await leases[0].release()  # shielded inside
-        else:
-            with anyio.CancelScope(shield=True):
-                async with anyio.create_task_group() as task_group:
-                    for lease in leases:
-                        task_group.start_soon(lease.release)
+        await release_all(leases)
         if self._on_lost == "flag" or not lost:
             if caught_own_cancel:
                 # Only a lost lease cancels our scope; this cannot happen, but never swallow.
@@ -104,6 +101,22 @@ class _HeldContext(ABC, Generic[T]):
                 return
             raise LeaseLost(name, reason) from exc
         raise LeaseLost(name, reason)
+
+
+async def release_all(leases: Collection[Lease]) -> None:
+    """Release every lease, concurrently when there are several.
+
+    Each release finishes whatever cancels the caller (see :mod:`asynclock._shield`). A task
+    group whose host task is cancelled natively still waits for its children, which are
+    shielded, so every release ends before the caller's cancellation propagates.
+    """
+    if len(leases) == 1:
+        await next(iter(leases)).release()
+    elif leases:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as task_group:
+                for lease in leases:
+                    task_group.start_soon(lease.release)
 
 
 class LockContext(_HeldContext[Lease]):

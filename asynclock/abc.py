@@ -115,7 +115,8 @@ class LockInfo:
 
     name: str
     held: bool
-    #: The holder's lease id on the server (the ``owner`` of its grant).
+    #: The holder's public id (``Lease.owner``: a hash of the secret its grant presents).
+    #: Backends return the secret; the client hashes it before anyone sees it.
     owner: str | None = None
     #: The holder's fencing token.
     token: int | None = None
@@ -163,6 +164,13 @@ class Backend(ABC, Generic[G]):
     #: URL schemes that select this backend.
     schemes: tuple[str, ...] = ()
     capabilities: Capabilities
+    #: The shortest ttl the core accepts: a lease must outlast a renewal round trip plus the
+    #: safety margin, or it is lost as soon as it is granted.
+    min_ttl: float = 0.1
+    #: The event loops the driver runs on (anyio backend names); others are refused at connect.
+    event_loops: frozenset[str] = frozenset({"asyncio"})
+    #: The driver's name, for messages ("redis-py", "asyncpg").
+    driver: str = "its driver"
 
     @classmethod
     @abstractmethod

@@ -282,7 +282,7 @@ async def measure_target(target: Target, settings: Settings, tag: str) -> dict[s
                 }
                 result["backend_info"] = {
                     key: value
-                    for key, value in dict(locks.backend.extra_info()).items()
+                    for key, value in dict(locks._backend.extra_info()).items()
                     if isinstance(value, (str, int, float, bool))
                 }
     except Exception as exc:

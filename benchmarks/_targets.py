@@ -106,7 +106,7 @@ class MemoryTarget(Target):
         yield anyio.lowlevel.checkpoint
 
     async def revoke(self, locks: asynclock.LockClient, name: str) -> None:
-        backend: Any = locks.backend
+        backend: Any = locks._backend
         backend.expire(name, notify=True)
 
 
@@ -248,7 +248,7 @@ class RedisTarget(Target):
     async def revoke(self, locks: asynclock.LockClient, name: str) -> None:
         import redis.asyncio
 
-        backend: Any = locks.backend
+        backend: Any = locks._backend
         key = backend.lock_key(name)
         addresses = self._addresses()
         # Redlock: a majority of masters forget it, so no majority holds it for us any more.

@@ -23,7 +23,7 @@ async def locks() -> AsyncIterator[asynclock.LockClient]:
 
 
 def memory(locks: asynclock.LockClient) -> MemoryBackend:
-    backend = locks.backend
+    backend = locks._backend
     assert isinstance(backend, MemoryBackend)
     return backend
 

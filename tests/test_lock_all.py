@@ -81,7 +81,7 @@ async def test_cancellation_releases_what_was_taken(url: str) -> None:
 
 async def test_every_token_is_visible_and_loss_of_one_cancels_the_body() -> None:
     async with asynclock.connect(f"memory://lock-all-{uuid.uuid4().hex[:8]}") as locks:
-        backend = locks.backend
+        backend = locks._backend
         assert isinstance(backend, MemoryBackend)
         with pytest.raises(asynclock.LeaseLost) as info:
             async with locks.lock_all(["x", "y"], ttl=30) as (x, y):

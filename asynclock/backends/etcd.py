@@ -246,6 +246,7 @@ class EtcdBackend(Backend[EtcdGrant]):
     """Locks in etcd v3. Made by ``asynclock.connect("etcd://...")``; see docs/backends/etcd.md."""
 
     schemes = ("etcd",)
+    driver = "gRPC (grpc.aio, through aetcd)"
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=True, cross_process=True
     )
@@ -1292,7 +1293,7 @@ async def fenced_txn(
     failure: Iterable[Any] = (),
 ) -> tuple[bool, list[Any]]:
     """:meth:`EtcdBackend.fenced_txn` on the etcd backend of ``locks``."""
-    backend = locks.backend
+    backend = locks._backend
     if not isinstance(backend, EtcdBackend):
         raise InvalidArgument(f"fenced_txn needs an etcd:// lock client, not {backend.describe()}")
     return await backend.fenced_txn(lease, compare=compare, success=success, failure=failure)

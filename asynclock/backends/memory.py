@@ -86,6 +86,9 @@ class Faults:
     renew: Literal["ok", "fail", "hang", "lost"] = "ok"
     #: Refuse to connect, as an unreachable server would.
     unreachable: bool = False
+    #: Every call waits while this is true, as on a server that was paused (SIGSTOP); the calls
+    #: go on when it is set back to false.
+    paused: bool = False
 
 
 class _MemoryWaiters(WaiterRegistry):
@@ -108,6 +111,10 @@ class _MemoryWaiters(WaiterRegistry):
 
 class MemoryBackend(Backend[Grant]):
     schemes = ("memory",)
+    # Pure anyio (and the standard library): runs on trio as well.
+    event_loops = frozenset({"asyncio", "trio"})
+    # No round trip to outlast: only the margin.
+    min_ttl = 0.01
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=False
     )
@@ -190,8 +197,14 @@ class MemoryBackend(Backend[Grant]):
         lock.holder = _Holder(request.owner, sent_at + request.ttl, request.on_lost)
         return Grant(request.name, request.owner, lock.counter, sent_at, request.ttl)
 
-    async def try_acquire(self, request: LockRequest) -> Grant | None:
+    async def _call(self) -> None:
+        """Where every call meets the "server": a checkpoint, or a wait while it is paused."""
         await anyio.lowlevel.checkpoint()
+        while self.faults.paused:  # noqa: ASYNC110 (a test fault, set from outside)
+            await anyio.sleep(0.005)
+
+    async def try_acquire(self, request: LockRequest) -> Grant | None:
+        await self._call()
         now = anyio.current_time()
         lock = self._store.get(request.name)
         if lock.free(now) and not lock.waiters:
@@ -199,7 +212,7 @@ class MemoryBackend(Backend[Grant]):
         return None
 
     async def acquire(self, request: LockRequest) -> Grant:
-        await anyio.lowlevel.checkpoint()
+        await self._call()
         lock = self._store.get(request.name)
         lock.waiters.append(request.owner)
         try:
@@ -221,7 +234,7 @@ class MemoryBackend(Backend[Grant]):
 
     async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
-        await anyio.lowlevel.checkpoint()
+        await self._call()
         match self.faults.renew:
             case "fail":
                 return [Unknown(BackendUnavailable("injected renewal failure"))] * len(grants)
@@ -243,7 +256,7 @@ class MemoryBackend(Backend[Grant]):
         return outcomes
 
     async def release(self, grant: Grant) -> None:
-        await anyio.lowlevel.checkpoint()
+        await self._call()
         lock = self._store.get(grant.name)
         if lock.holder is not None and lock.holder.owner == grant.owner:
             lock.holder = None

@@ -199,6 +199,7 @@ class TransactionLock(NamedTuple):
 
 class PostgresBackend(Backend[PostgresGrant]):
     schemes = _SCHEMES
+    driver = "asyncpg"
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
     )
@@ -918,7 +919,7 @@ def _backend_of(target: object) -> PostgresBackend | None:
     if isinstance(target, PostgresBackend):
         return target
     if isinstance(target, LockClient):
-        backend = target.backend
+        backend = target._backend
         if not isinstance(backend, PostgresBackend):
             raise InvalidArgument(
                 f"transaction_lock needs a lock client on postgresql://, not on "

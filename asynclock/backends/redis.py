@@ -70,6 +70,7 @@ class RedisBackend(Backend[Grant]):
     """Locks on one Redis server, with fencing tokens and a fair (FIFO) waiter queue."""
 
     schemes = ("redis", "rediss")
+    driver = "redis-py"
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
     )

@@ -80,6 +80,7 @@ class RedlockBackend(Backend[RedlockGrant]):
     masters being down, paused or partitioned away."""
 
     schemes = ("redlock",)
+    driver = "redis-py"
     capabilities = Capabilities(
         fencing=False, fifo=False, loss_detection=True, quorum=True, cross_process=True
     )

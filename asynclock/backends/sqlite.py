@@ -136,6 +136,8 @@ class _SQLiteWaiters(WaiterRegistry):
 
 class SQLiteBackend(Backend[Grant]):
     schemes = ("sqlite",)
+    # Pure anyio (and the standard library): runs on trio as well.
+    event_loops = frozenset({"asyncio", "trio"})
     capabilities = Capabilities(
         fencing=True, fifo=False, loss_detection=True, quorum=False, cross_process=True
     )

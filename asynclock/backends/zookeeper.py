@@ -973,6 +973,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     """
 
     schemes = ("zookeeper",)
+    driver = "aiozk"
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=True, cross_process=True
     )
@@ -1600,9 +1601,9 @@ class ReadWriteLock:
     """
 
     def __init__(self, locks: LockClient, name: str) -> None:
-        if not isinstance(locks.backend, ZooKeeperBackend):
+        if not isinstance(locks._backend, ZooKeeperBackend):
             raise UnsupportedFeature(
-                f"read-write locks need the zookeeper:// backend, not {locks.backend.describe()}"
+                f"read-write locks need the zookeeper:// backend, not {locks._backend.describe()}"
             )
         self._locks = locks
         self.name = name

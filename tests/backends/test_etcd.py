@@ -229,7 +229,7 @@ async def test_one_lease_per_ttl_and_one_keepalive_per_lease_for_any_number_of_l
         short = [await locks.acquire(f"s{i}", ttl=30) for i in range(30)]
         long = [await locks.acquire(f"l{i}", ttl=60) for i in range(10)]
         assert metric(etcd_server, "etcd_debugging_lease_granted_total") - granted == 2
-        info = locks.backend.extra_info()
+        info = locks._backend.extra_info()
         assert set(info["leases"]) == {30, 60} and info["server_version"].startswith("3.")
         grants = [lease.grant for lease in short + long]
         assert all(isinstance(grant, EtcdGrant) for grant in grants)
@@ -242,7 +242,7 @@ async def test_one_lease_per_ttl_and_one_keepalive_per_lease_for_any_number_of_l
             assert len(info.keys) in (30, 10)
 
         renewed = metric(etcd_server, "etcd_debugging_lease_renewed_total")
-        outcomes = await locks.backend.renew(grants)
+        outcomes = await locks._backend.renew(grants)
         assert metric(etcd_server, "etcd_debugging_lease_renewed_total") - renewed == 2
         assert all(isinstance(outcome, Renewed) for outcome in outcomes)
         for lease in short + long:

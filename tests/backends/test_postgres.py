@@ -344,7 +344,7 @@ async def test_holders_show_in_pg_stat_activity_and_idle_connections_hold_nothin
         # max_idle connections stay, holding no lock and with no idle timeout armed.
         assert await settle_sessions(admin, app, 2) == 2
         assert all(count == 0 for _, count in await sessions(admin, app))
-        backend = locks.backend
+        backend = locks._backend
         assert isinstance(backend, PostgresBackend)
         for connection in backend._idle:
             assert await connection.fetchval("SHOW idle_session_timeout") == "0"
@@ -661,7 +661,7 @@ async def test_a_cancelled_acquire_does_not_wait_for_its_connect(
     async with FaultProxy(postgres_server.host, postgres_server.port) as proxy:
         url = f"postgresql://postgres@{proxy.address}/postgres?application_name={app}"
         async with asynclock.connect(url) as locks:
-            backend = locks.backend
+            backend = locks._backend
             assert isinstance(backend, PostgresBackend)
             held = [await locks.acquire(name, ttl=10)]  # the idle connection is now in use
             proxy.delay(150)  # a connect takes several round trips: over a second now
@@ -775,7 +775,7 @@ async def test_transaction_lock_returns_a_clean_connection_to_the_pool(
     postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
 ) -> None:
     async with asynclock.connect(postgres_server.url, application_name=app) as locks:
-        backend = locks.backend
+        backend = locks._backend
         assert isinstance(backend, PostgresBackend)
         async with transaction_lock(locks, name) as (connection, _):
             # Session-level changes made by the body, which must not reach a later lease.

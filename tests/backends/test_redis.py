@@ -215,7 +215,7 @@ async def test_acl_user_and_password_are_used_and_a_wrong_password_is_refused(
         async with asynclock.connect(good, prefix=prefix) as locks:
             async with locks.lock("acl", ttl=5) as lease:
                 assert lease.token >= 1
-            info = locks.backend.extra_info()
+            info = locks._backend.extra_info()
             assert "appendonly" not in info  # CONFIG GET was refused, the check skipped
         bad = f"redis://{user}:wrong@{redis_server.address}/0"
         with pytest.raises(asynclock.BackendUnavailable, match="password"):
@@ -283,7 +283,7 @@ async def test_durability_warning_on_eviction_and_none_on_a_durable_server(
         await admin.config_set("maxmemory-policy", "noeviction")
         # Durable now: no warning (it would be an error here).
         async with asynclock.connect(own_server.url, prefix=prefix) as locks:
-            assert locks.backend.extra_info()["appendonly"] == "yes"
+            assert locks._backend.extra_info()["appendonly"] == "yes"
         await admin.config_set("appendonly", "no")  # else stopping the server waits for AOF
 
 
@@ -333,7 +333,7 @@ async def test_rediss_locks_over_tls_and_refuses_an_unknown_certificate(
     port, ca = tls_server
     url = f"rediss://127.0.0.1:{port}/0"
     async with connect(url, prefix, ssl_ca_certs=str(ca)) as locks:
-        assert locks.backend.describe() == url
+        assert locks._backend.describe() == url
         async with locks.lock("tls", ttl=5) as lease:
             assert lease.token == 1
     # Without our CA the server's certificate cannot be verified.
@@ -352,7 +352,7 @@ async def test_take_sets_the_owner_with_an_expiry_and_the_token_comes_from_the_c
         await raw.set(lua.token_key(prefix, name), 41)
         lease = await locks.acquire(name, ttl=7.5)
         assert lease.token == 42
-        assert await raw.get(lua.lock_key(prefix, name)) == lease.owner.encode()
+        assert await raw.get(lua.lock_key(prefix, name)) == lease.grant.owner.encode()
         assert 7000 < await raw.pttl(lua.lock_key(prefix, name)) <= 7500
         assert lease.ttl == 7.5
         await lease.release()
@@ -369,7 +369,7 @@ async def test_the_database_number_in_the_url_is_used(
 ) -> None:
     async with connect(f"redis://{redis_server.address}/5", prefix) as locks:
         lease = await locks.acquire(name, ttl=5)
-        for db, expected in ((5, lease.owner.encode()), (0, None)):
+        for db, expected in ((5, lease.grant.owner.encode()), (0, None)):
             async with redis.asyncio.Redis(
                 host=redis_server.host, port=redis_server.port, db=db
             ) as raw:
@@ -384,12 +384,12 @@ async def test_a_stale_owner_can_neither_renew_nor_release(
         stale = await first.acquire(name, ttl=5)
         await raw.delete(lua.lock_key(prefix, name))  # expired, say
         current = await second.acquire(name, ttl=5)
-        backend = first.backend
+        backend = first._backend
         outcomes = await backend.renew([stale.grant])
         assert isinstance(outcomes[0], Lost)
         assert "held by another owner" in outcomes[0].reason
         await backend.release(stale.grant)
-        assert await raw.get(lua.lock_key(prefix, name)) == current.owner.encode()
+        assert await raw.get(lua.lock_key(prefix, name)) == current.grant.owner.encode()
         assert await raw.pttl(lua.lock_key(prefix, name)) > 4000  # not shortened either
         await current.release()
 
@@ -428,7 +428,7 @@ async def test_client_kill_reconnects_and_keeps_a_lock_still_held(
             # Renewals went on over new connections and found the key still ours.
             assert locks.renew_calls > calls
             assert not lease.lost
-            assert await raw.get(lua.lock_key(prefix, name)) == lease.owner.encode()
+            assert await raw.get(lua.lock_key(prefix, name)) == lease.grant.owner.encode()
 
 
 async def test_client_kill_with_the_key_gone_is_found_out_after_reconnecting(
@@ -456,7 +456,7 @@ async def test_a_restart_without_persistence_loses_the_lease_and_the_counter(
         lease = await locks.acquire(name, ttl=30)
         assert lease.token == 1
         own_server.restart()
-        (outcome,) = await locks.backend.renew([lease.grant])
+        (outcome,) = await locks._backend.renew([lease.grant])
         assert isinstance(outcome, Lost)
         assert "is gone" in outcome.reason
         again = await locks.acquire(name, ttl=30)
@@ -555,7 +555,7 @@ async def test_partition_cancels_the_body_before_another_client_takes_it(
             # reaches the server, and must leave the new holder's lock alone.
             proxy.pass_through()
             await anyio.sleep(0.3)
-            assert await raw.get(lua.lock_key(prefix, name)) == current.owner.encode()
+            assert await raw.get(lua.lock_key(prefix, name)) == current.grant.owner.encode()
             await current.release()
 
 
@@ -747,7 +747,7 @@ async def test_cancelling_a_take_in_flight_leaves_nothing(
     """A take cancelled after it was sent (it may have run) is undone on the server."""
     async with FaultProxy(redis_server.host, redis_server.port) as proxy:
         async with connect(f"redis://{proxy.address}/0", prefix) as locks:
-            backend = locks.backend
+            backend = locks._backend
             proxy.delay(50)  # the take reaches the server, the reply comes back late
             request = LockRequest(name, 5.0, uuid.uuid4().hex, lambda reason: None)
             with anyio.move_on_after(0.07):

@@ -162,7 +162,7 @@ async def test_validity_starts_before_the_first_request_and_leaves_out_the_drift
             assert grant.ttl == pytest.approx(2 - (2 * 0.01 + 0.002))
             assert grant.ttl_ms == 2000
             key = lua.lock_key(prefix, name)
-            assert await holders(redis_servers, key) == [lease.owner.encode()] * 3
+            assert await holders(redis_servers, key) == [lease.grant.owner.encode()] * 3
             await lease.release()
             assert await holders(redis_servers, key) == [None] * 3
 
@@ -230,7 +230,7 @@ async def test_a_minority_revoked_is_tolerated_and_a_majority_revoked_is_loss(
     key = lua.lock_key(prefix, name)
     async with connect([s.address for s in redis_servers], prefix) as locks:
         lease = await locks.acquire(name, ttl=1)
-        backend = locks.backend
+        backend = locks._backend
         async with redis.asyncio.Redis(
             host=redis_servers[0].host, port=redis_servers[0].port
         ) as raw:
@@ -258,10 +258,10 @@ async def test_a_stale_owner_can_neither_renew_nor_release(
             async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
                 await raw.delete(key)  # its keys expired, say
         current = await second.acquire(name, ttl=5)
-        (outcome,) = await first.backend.renew([stale.grant])
+        (outcome,) = await first._backend.renew([stale.grant])
         assert isinstance(outcome, Lost)
-        await first.backend.release(stale.grant)
-        assert await holders(redis_servers, key) == [current.owner.encode()] * 3
+        await first._backend.release(stale.grant)
+        assert await holders(redis_servers, key) == [current.grant.owner.encode()] * 3
         await current.release()
 
 

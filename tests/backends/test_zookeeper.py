@@ -55,7 +55,7 @@ def grant_of(lease: asynclock.Lease) -> ZooKeeperGrant:
 
 
 def backend_of(locks: asynclock.LockClient) -> ZooKeeperBackend:
-    backend = locks.backend
+    backend = locks._backend
     assert isinstance(backend, ZooKeeperBackend)
     return backend
 

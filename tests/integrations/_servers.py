@@ -57,6 +57,6 @@ async def memory_locks() -> AsyncIterator[asynclock.LockClient]:
 
 
 def memory(locks: asynclock.LockClient) -> MemoryBackend:
-    backend = locks.backend
+    backend = locks._backend
     assert isinstance(backend, MemoryBackend)
     return backend

@@ -1,0 +1,117 @@
+"""Cleanup that must finish: releases, and deletes after a cancelled acquire.
+
+``anyio.CancelScope(shield=True)`` keeps anyio's own cancellation out, but not a native
+``Task.cancel()`` (what ``asyncio.timeout``, ``wait_for``, ``TaskGroup`` and web frameworks on
+client disconnect deliver): the ``CancelledError`` is thrown into whatever the cleanup awaits, and
+the cleanup is abandoned half-way. :func:`finish` makes such cleanup survive any number of
+cancellations, of either kind, within a time bound, and hands the caller's cancellation back
+afterwards, untouched (so ``asyncio.timeout`` still turns it into ``TimeoutError``).
+
+The first attempt runs inline, in the caller's task, so the common path costs one cancel scope and
+no task. Only when a native cancellation interrupts it does the cleanup run again, from the start,
+in a task of its own that nobody else cancels: every cleanup given to :func:`finish` must
+therefore be idempotent (delete-if-owner, release-if-still-ours).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+logger = logging.getLogger("asynclock")
+
+Cleanup = Callable[[], Awaitable[object]]
+
+
+async def finish(
+    cleanup: Cleanup,
+    *,
+    timeout: float,
+    what: str,
+    unfinished: Callable[[], None] | None = None,
+) -> bool:
+    """Run ``cleanup`` to its end within ``timeout`` seconds, whatever cancels the caller.
+
+    Returns True if it finished, False if it did not (time ran out; ``unfinished`` is then
+    called, for example to hand the work to a background task). A cancellation of the caller
+    that arrived meanwhile is raised again once ``cleanup`` has finished or been given up.
+    Exceptions of ``cleanup`` itself propagate.
+    """
+    deadline = anyio.current_time() + timeout
+    interrupted: BaseException | None = None
+    with anyio.CancelScope(shield=True, deadline=deadline) as scope:
+        try:
+            await cleanup()
+        except anyio.get_cancelled_exc_class() as exc:
+            if scope.cancel_called:
+                raise  # our own deadline: the scope swallows it
+            interrupted = exc  # a native Task.cancel() went through the shield
+        else:
+            return True
+    if interrupted is None:
+        _give_up(what, timeout, unfinished)
+        return False
+    done = await _again_in_own_task(cleanup, deadline, what)
+    if not done:
+        _give_up(what, timeout, unfinished)
+    raise interrupted
+
+
+def _give_up(what: str, timeout: float, unfinished: Callable[[], None] | None) -> None:
+    if unfinished is not None:
+        unfinished()
+    else:
+        logger.warning("asynclock: %s did not finish within %g s; given up", what, timeout)
+
+
+async def _again_in_own_task(cleanup: Cleanup, deadline: float, what: str) -> bool:
+    """Run ``cleanup`` once more in a task that no caller cancels, absorbing every cancellation
+    that reaches the waiting caller, until it ends or ``deadline`` passes (then it is cancelled).
+
+    Only asyncio can get here: trio has no cancellation that bypasses a shielded scope.
+    """
+    if not on_asyncio():  # pragma: no cover (defensive)
+        return False
+    task = asyncio.get_running_loop().create_task(_swallow_errors(cleanup, what))
+    try:
+        while not task.done():
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait({task}, timeout=left)
+            except asyncio.CancelledError:
+                continue  # the caller's cancellation is re-raised by finish()
+        if task.done():
+            return True
+        task.cancel()
+        # Owned to the end: wait (briefly, still absorbing cancellations) for it to stop.
+        for _ in range(3):
+            try:
+                await asyncio.wait({task}, timeout=0.1)
+                break
+            except asyncio.CancelledError:
+                continue
+        return False
+    finally:
+        if task.done() and not task.cancelled():
+            task.result()
+
+
+async def _swallow_errors(cleanup: Cleanup, what: str) -> None:
+    try:
+        await cleanup()
+    except Exception as exc:
+        logger.warning("asynclock: %s failed: %r", what, exc)
+
+
+def on_asyncio() -> bool:
+    """True when the running event loop is asyncio's (and not trio's)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
