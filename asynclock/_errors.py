@@ -5,10 +5,30 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
+
+
+def _restore(cls: type[LockError], args: tuple[Any, ...]) -> LockError:
+    """Unpickle an exception without calling its ``__init__`` (see ``LockError.__reduce__``)."""
+    exc = cls.__new__(cls, *args)
+    # OSError.__new__ leaves ``args`` to ``__init__`` in subclasses that define one
+    # (AcquireTimeout is a TimeoutError).
+    exc.args = args
+    return exc
 
 
 class LockError(Exception):
-    """Base class of every error asynclock raises."""
+    """Base class of every error asynclock raises.
+
+    Every one pickles (job queues store and return them, multiprocessing sends them back): the
+    default pickling of an exception calls ``cls(*self.args)``, that is ``cls(message)``, which
+    fails for those whose ``__init__`` takes other arguments (``LeaseLost(name, reason)``). Here
+    the instance is re-created without ``__init__``, with the same ``args`` (so the same message)
+    and the same attributes (``name``, ``reason``, ``timeout``, ``cycle``, notes, ...).
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restore, (type(self), self.args), self.__dict__ or None
 
 
 class LeaseLost(LockError):
