@@ -13,6 +13,7 @@ release in this process. There is no FIFO order across processes.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -29,6 +30,7 @@ import anyio
 import anyio.to_thread
 
 from .._errors import BackendUnavailable, InvalidURL
+from .._shield import finish
 from .._validate import Options
 from ..abc import (
     Backend,
@@ -154,6 +156,10 @@ class SQLiteBackend(Backend[Grant]):
         self._released: anyio.Event | None = None
         #: This client's waiters per lock name, in arrival order.
         self._queues: dict[str, deque[str]] = {}
+        #: Owner ids of takes whose caller was cancelled natively while the statement ran in
+        #: the worker thread (anyio's shield does not hold back Task.cancel()). A take that has
+        #: not run yet skips them; one that ran is undone. Kept a minute, then forgotten.
+        self._abandoned: dict[str, float] = {}
         _local[id(self)] = self
 
     @classmethod
@@ -269,9 +275,20 @@ class SQLiteBackend(Backend[Grant]):
     async def _take(self, request: LockRequest) -> tuple[Grant | None, float]:
         """One attempt: the grant, or None and when the current holder's row expires."""
         sent_at = anyio.current_time()
-        # Not cancellable half-way (see _run), and nothing awaits between a successful take and
-        # the return, so a cancelled acquire never strands a row.
-        taken = await self._run(lambda: self._take_sync(request))
+        # anyio's cancellation waits for the statement (see _run), and nothing awaits between a
+        # successful take and the return. A native Task.cancel() does not wait: the statement
+        # may still run in the thread, so it is marked abandoned and undone.
+        try:
+            taken = await self._run(lambda: self._take_sync(request))
+        except BaseException:
+            self._abandon(request)
+            undo = Grant(request.name, request.owner, None, sent_at, request.ttl)
+            await finish(
+                functools.partial(self.release, undo),
+                timeout=self._busy_timeout,
+                what=f"undoing a cancelled take of {request.name!r}",
+            )
+            raise
         if taken.token is None:
             return None, taken.holder_expires_at
         return Grant(request.name, request.owner, taken.token, sent_at, request.ttl), 0.0
@@ -311,6 +328,13 @@ class SQLiteBackend(Backend[Grant]):
         # Waiters poll; they leave no trace in the file.
         return LockInfo(name, held=True, owner=row[0], token=row[1], expires_in=row[3] - now)
 
+    def _abandon(self, request: LockRequest) -> None:
+        now = time.monotonic()
+        for owner, since in list(self._abandoned.items()):
+            if since < now - 60:
+                del self._abandoned[owner]
+        self._abandoned[request.owner] = now
+
     def _wake_waiters(self) -> None:
         if self._released is not None:
             self._released.set()
@@ -337,6 +361,8 @@ class SQLiteBackend(Backend[Grant]):
 
     def _take_sync(self, request: LockRequest) -> _Taken:
         db = self._db()
+        if request.owner in self._abandoned:
+            return _Taken(None, 0.0)  # its caller is gone (and an undo follows)
         db.execute("BEGIN IMMEDIATE")
         try:
             now = time.monotonic()

@@ -75,5 +75,12 @@ def etcd_backend(etcd_server: EtcdServer) -> BackendUnderTest:
         return sorted(found)
 
     return BackendUnderTest(
-        "etcd", etcd_server.url, 2.0, revoke, leftovers, options={"prefix": prefix}
+        "etcd",
+        etcd_server.url,
+        2.0,
+        revoke,
+        leftovers,
+        options={"prefix": prefix},
+        servers=[etcd_server],
+        url_via=lambda addresses: f"etcd://{addresses[0]}",
     )

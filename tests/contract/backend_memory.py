@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
+import asynclock
 from asynclock.backends.memory import MemoryBackend
 from tests.contract.harness import BackendUnderTest
 
@@ -20,4 +23,14 @@ def memory_backend() -> BackendUnderTest:
     async def leftovers() -> list[str]:
         return sorted(name for name in server._store.locks if server.holder(name) is not None)
 
-    return BackendUnderTest("memory", f"memory://{namespace}", 1.0, revoke, leftovers)
+    @contextmanager
+    def hang(client: asynclock.LockClient) -> Iterator[None]:
+        backend = client._backend
+        assert isinstance(backend, MemoryBackend)
+        backend.faults.paused = True
+        try:
+            yield
+        finally:
+            backend.faults.paused = False
+
+    return BackendUnderTest("memory", f"memory://{namespace}", 1.0, revoke, leftovers, hang=hang)

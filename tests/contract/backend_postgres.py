@@ -84,4 +84,8 @@ def postgres_backend(postgres_server: PostgresServer) -> BackendUnderTest:
         1.0,
         revoke,
         leftovers,
+        servers=[postgres_server],
+        url_via=lambda addresses: (
+            f"postgresql://postgres@{addresses[0]}/postgres?application_name={application_name}"
+        ),
     )

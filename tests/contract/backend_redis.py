@@ -57,4 +57,7 @@ def redis_backend(redis_server: RedisServer) -> BackendUnderTest:
         # The test servers run without persistence (--appendonly no), which is what the
         # durability warning is about; tests/backends/test_redis.py checks that it appears.
         options={"prefix": prefix, "client_name": client_name, "durability_warning": False},
+        servers=[redis_server],
+        url_via=lambda addresses: f"redis://{addresses[0]}/0",
+        persistent=False,
     )

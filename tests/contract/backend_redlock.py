@@ -43,4 +43,7 @@ def redlock_backend(redis_servers: list[RedisServer]) -> BackendUnderTest:
         revoke,
         leftovers,
         options={"prefix": prefix, "client_name": client_name},
+        servers=list(redis_servers),
+        url_via=lambda addresses: "redlock://" + ",".join(addresses) + "/0",
+        persistent=False,
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract.harness import BackendUnderTest
+from tests.contract.harness import BackendUnderTest, sqlite_write_locked
 
 
 @pytest.fixture
@@ -27,4 +27,11 @@ def sqlite_backend(tmp_path: Path) -> BackendUnderTest:
             ).fetchall()
         return sorted(row[0] for row in rows)
 
-    return BackendUnderTest("sqlite", f"sqlite://{path}", 1.0, revoke, leftovers)
+    return BackendUnderTest(
+        "sqlite",
+        f"sqlite://{path}",
+        1.0,
+        revoke,
+        leftovers,
+        hang=lambda client: sqlite_write_locked(str(path)),
+    )

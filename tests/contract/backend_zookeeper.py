@@ -98,4 +98,6 @@ def zookeeper_backend(zookeeper_server: ZooKeeperServer) -> BackendUnderTest:
         revoke,
         leftovers,
         options={"session_timeout": 5.0, "op_timeout": 3.0},
+        servers=[zookeeper_server],
+        url_via=lambda addresses: f"zookeeper://{addresses[0]}{chroot}",
     )

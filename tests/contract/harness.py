@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import sqlite3
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import asynclock
+from asynclock.testing import Server
 
 
 @dataclass
@@ -21,6 +25,65 @@ class BackendUnderTest:
     #: What the backend left on the server (keys, rows, znodes, leases); empty when clean.
     leftovers: Callable[[], Awaitable[list[str]]]
     options: dict[str, Any] = field(default_factory=dict)
+    #: The real server processes behind the URL, for the fault contract (none: in-process).
+    servers: list[Server] = field(default_factory=list)
+    #: The URL of the same store reached through other ``host:port`` addresses, one per server
+    #: in ``servers`` order (a fault proxy in front of each).
+    url_via: Callable[[list[str]], str] | None = None
+    #: Make the store stop answering this client (a server SIGSTOPped, or what stands for it
+    #: on an in-process store) for the duration of the ``with`` block.
+    hang: Callable[[asynclock.LockClient], AbstractContextManager[None]] | None = None
+    #: The server forgets nothing it promised to keep when it restarts (Redis without
+    #: persistence does forget its keys: the fault contract then checks tokens still rise).
+    persistent: bool = True
 
     def connect(self, **options: Any) -> asynclock.LockClient:
         return asynclock.connect(self.url, **{**self.options, **options})
+
+    def connect_via(self, addresses: list[str], **options: Any) -> asynclock.LockClient:
+        assert self.url_via is not None
+        return asynclock.connect(self.url_via(addresses), **{**self.options, **options})
+
+    def hung(self, client: asynclock.LockClient) -> AbstractContextManager[None]:
+        if self.hang is not None:
+            return self.hang(client)
+        return paused(self.servers)
+
+
+@contextmanager
+def paused(servers: list[Server]) -> Iterator[None]:
+    """Every server SIGSTOPped inside the block (SIGCONT on the way out, whatever happens)."""
+    try:
+        for server in servers:
+            server.pause()
+        yield
+    finally:
+        for server in servers:
+            server.resume()
+
+
+@contextmanager
+def sqlite_write_locked(path: str) -> Iterator[None]:
+    """The database file write-locked by another connection: every statement of the backend
+    waits (up to its busy_timeout), as on a server that stopped answering."""
+    started = threading.Event()
+    stop = threading.Event()
+
+    def hold() -> None:
+        db = sqlite3.connect(path, isolation_level=None)
+        try:
+            db.execute("BEGIN EXCLUSIVE")
+            started.set()
+            stop.wait(60)
+            db.execute("ROLLBACK")
+        finally:
+            db.close()
+
+    thread = threading.Thread(target=hold, name="sqlite write lock", daemon=True)
+    thread.start()
+    assert started.wait(5), "could not write-lock the database"
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)

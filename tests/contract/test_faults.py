@@ -1,0 +1,339 @@
+"""The fault contract: what every backend does when the server, the network or the client fails.
+
+Written once, run against every real backend (see tests/contract/conftest.py):
+
+(a) server paused past the ttl while a body runs: the body is cancelled before the ttl, the
+    ``async with`` raises LeaseLost promptly, and the lock is usable once the server returns;
+(b) every connection reset between holds: the next acquire succeeds without an error;
+(c) client processes SIGSTOPped past their ttl under contention, with fenced writes: no error
+    but LeaseLost / AcquireTimeout, no stale write accepted, the lock usable throughout;
+(d) native ``Task.cancel()`` (and ``asyncio.timeout``) delivered 1-3 times at random moments of
+    acquire, release and ``async with`` exit, 1,000 cycles: the lock is free for another client
+    within 100 ms of the cancelled task ending, nothing is left on the server, no task runs on;
+(e) the server restarted between holds: tokens still strictly increase, and locks work again
+    within a few seconds.
+
+Measurements go to the file named by ``ASYNCLOCK_FAULT_REPORT`` (JSON lines), when it is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from contextlib import AsyncExitStack, ExitStack, suppress
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import asynclock
+from asynclock.testing import FaultProxy
+from tests.contract.fault_worker import open_resource
+from tests.contract.harness import BackendUnderTest
+
+pytestmark = pytest.mark.anyio
+
+#: Native-cancellation cycles per backend.
+CANCEL_CYCLES = int(os.environ.get("ASYNCLOCK_CANCEL_CYCLES", "1000"))
+#: Client pauses per backend.
+CLIENT_PAUSES = 30
+
+
+def report(test: str, backend: BackendUnderTest, **values: Any) -> None:
+    path = os.environ.get("ASYNCLOCK_FAULT_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(json.dumps({"test": test, "backend": backend.name, **values}) + "\n")
+
+
+async def wait_until_free(
+    backend: BackendUnderTest, client: asynclock.LockClient, name: str, within: float
+) -> float:
+    """Take and release the lock with ``client`` as soon as it is free; the seconds it took."""
+    started = anyio.current_time()
+    with anyio.fail_after(within):
+        while True:
+            try:
+                lease = await client.try_acquire(name, ttl=backend.ttl * 5)
+            except asynclock.BackendUnavailable:
+                lease = None  # the server is still coming back
+            if lease is not None:
+                await lease.release()
+                return anyio.current_time() - started
+            await anyio.sleep(0.01)
+
+
+# -- (a) ------------------------------------------------------------------------------------
+
+
+async def test_server_paused_past_the_ttl_cancels_the_body_and_exits_promptly(
+    backend: BackendUnderTest, name: str
+) -> None:
+    ttl = backend.ttl
+    async with backend.connect() as locks, backend.connect() as other:
+        with ExitStack() as hang:
+            with pytest.raises(asynclock.LeaseLost):
+                async with locks.lock(name, ttl=ttl):
+                    hang.enter_context(backend.hung(locks))
+                    hung_at = anyio.current_time()
+                    try:
+                        await anyio.sleep(ttl * 5)
+                    finally:
+                        cancelled_at = anyio.current_time()
+            exited_at = anyio.current_time()
+            # The body ended before the server could expire the lock, and the `async with`
+            # did not wait for the release on a server that does not answer.
+            assert cancelled_at - hung_at < ttl
+            assert exited_at - cancelled_at < 0.5
+            await anyio.sleep(max(0.0, hung_at + ttl * 1.5 - anyio.current_time()))
+        # The server answers again: the lock is free for another client soon after.
+        free_after = await wait_until_free(backend, other, name, within=ttl + 5)
+    report(
+        "server_paused",
+        backend,
+        cancel_after_hang=round(cancelled_at - hung_at, 3),
+        cancel_to_exit=round(exited_at - cancelled_at, 3),
+        free_after_resume=round(free_after, 3),
+    )
+
+
+# -- (b) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.not_on("memory", "sqlite", reason="no connection to a server")
+async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
+    backend: BackendUnderTest, name: str
+) -> None:
+    async with AsyncExitStack() as stack:
+        proxies = [
+            await stack.enter_async_context(FaultProxy(server.host, server.port))
+            for server in backend.servers
+        ]
+        async with backend.connect_via([proxy.address for proxy in proxies]) as locks:
+            tokens: list[int] = []
+            for _ in range(4):
+                with anyio.fail_after(backend.ttl * 10):
+                    async with locks.lock(name, ttl=backend.ttl * 5) as lease:
+                        if locks.capabilities.fencing:
+                            tokens.append(lease.token)
+                for proxy in proxies:
+                    proxy.reset()
+                await anyio.sleep(0.05)
+            assert tokens == sorted(set(tokens))
+
+
+# -- (c) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.not_on("memory", reason="in-process only")
+async def test_client_processes_paused_past_their_ttl_keep_the_resource_safe(
+    backend: BackendUnderTest, name: str, tmp_path: Path
+) -> None:
+    ttl = backend.ttl
+    resource = tmp_path / "resource.db"
+    open_resource(str(resource)).close()
+    fenced = backend.name != "redlock"  # Redlock has no token: only the error kinds are checked
+    pause = ttl * 1.3
+    stagger = pause / 2  # at most two of the three workers stopped at once
+    seconds = CLIENT_PAUSES * stagger + pause + ttl * 4
+    workers = []
+    for index in range(3):
+        config = {
+            "worker": index,
+            "url": backend.url,
+            "options": backend.options,
+            "name": name,
+            "ttl": ttl,
+            "fenced": fenced,
+            "resource": str(resource),
+            "seconds": seconds,
+        }
+        workers.append(
+            subprocess.Popen(  # noqa: ASYNC220 (starting a process does not block for long)
+                [sys.executable, "-m", "tests.contract.fault_worker", json.dumps(config)],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=Path(__file__).parents[2],
+            )
+        )
+    try:
+        for worker in workers:
+            assert worker.stdout is not None
+            line = await anyio.to_thread.run_sync(worker.stdout.readline)
+            assert line.strip() == "ready", line
+        started = time.time()
+        stopped: list[tuple[float, int]] = []  # (resume at, pid)
+        for index in range(CLIENT_PAUSES):
+            worker = workers[index % 3]
+            os.kill(worker.pid, signal.SIGSTOP)
+            stopped.append((anyio.current_time() + pause, worker.pid))
+            await anyio.sleep(stagger)
+            for resume_at, pid in list(stopped):
+                if anyio.current_time() >= resume_at:
+                    os.kill(pid, signal.SIGCONT)
+                    stopped.remove((resume_at, pid))
+        for resume_at, pid in stopped:
+            await anyio.sleep(max(0.0, resume_at - anyio.current_time()))
+            os.kill(pid, signal.SIGCONT)
+        last_resume = time.time()
+        results = []
+        for worker in workers:
+            out, _ = await anyio.to_thread.run_sync(
+                functools.partial(worker.communicate, timeout=60)
+            )
+            assert worker.returncode == 0, out
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGCONT)
+                worker.kill()
+                worker.wait()
+    errors = [error for result in results for error in result["errors"]]
+    assert errors == []
+    # The lock stayed usable: every worker took it, also after the last pause.
+    for result in results:
+        assert result["acquired"] > 0
+        assert max(result["acquired_at"]) > last_resume, f"worker {result['worker']} starved"
+    db = sqlite3.connect(resource)
+    try:
+        accepted = db.execute("SELECT token, value FROM accepted ORDER BY rowid").fetchall()
+        (final,) = db.execute("SELECT value FROM counter").fetchone()
+    finally:
+        db.close()
+    if fenced:
+        # No stale write accepted, no update lost: every accepted write carried a token no
+        # lower than the one before, and added one to what the previous write left.
+        tokens = [token for token, _ in accepted]
+        assert tokens == sorted(tokens)
+        assert [value for _, value in accepted] == list(range(1, len(accepted) + 1))
+        assert final == len(accepted)
+    report(
+        "client_paused",
+        backend,
+        pauses=CLIENT_PAUSES,
+        seconds=round(time.time() - started, 1),
+        accepted=len(accepted),
+        refused=sum(result["refused"] for result in results),
+        lost=sum(result["lost"] for result in results),
+        timeouts=sum(result["timeouts"] for result in results),
+    )
+
+
+# -- (d) ------------------------------------------------------------------------------------
+
+
+async def test_native_cancellation_at_random_moments_strands_nothing(
+    backend: BackendUnderTest, name: str
+) -> None:
+    ttl = backend.ttl * 10
+    rng = random.Random(1234)
+    async with backend.connect() as locks, backend.connect() as other:
+        started = anyio.current_time()
+        lease = await locks.acquire(name, ttl=ttl)
+        await lease.release()
+        round_trip = max(anyio.current_time() - started, 0.0005)
+        tasks_before = asyncio.all_tasks()
+        stranded: list[str] = []
+        waited: list[float] = []
+        for cycle in range(CANCEL_CYCLES):
+            blocker = None
+            if cycle % 4 == 3:  # cancel a waiter queued behind another holder
+                blocker = await other.acquire(name, ttl=ttl, timeout=ttl)
+            body = rng.uniform(0, round_trip)
+            use_timeout = cycle % 5 == 4
+
+            async def hold(body: float = body, use_timeout: bool = use_timeout) -> None:
+                if use_timeout:
+                    async with asyncio.timeout(rng.uniform(0, 3 * round_trip)):
+                        async with locks.lock(name, ttl=ttl):
+                            await asyncio.sleep(body)
+                else:
+                    async with locks.lock(name, ttl=ttl):
+                        await asyncio.sleep(body)
+
+            task = asyncio.create_task(hold())
+            cancels = rng.choice((0, 1, 1, 2, 3)) if use_timeout else rng.choice((1, 1, 2, 3))
+            for _ in range(cancels):
+                await asyncio.sleep(rng.uniform(0, 2 * round_trip))
+                task.cancel()
+            with suppress(asyncio.CancelledError, TimeoutError):
+                await task
+            if blocker is not None:
+                await blocker.release()
+            ended = anyio.current_time()
+            while True:
+                probe = await other.try_acquire(name, ttl=ttl)
+                if probe is not None:
+                    waited.append(anyio.current_time() - ended)
+                    await probe.release()
+                    break
+                if anyio.current_time() - ended > 0.1:
+                    stranded.append(f"cycle {cycle} ({cancels} cancels, timeout={use_timeout})")
+                    # Let it free itself (its ttl), so that the next cycles still count.
+                    await wait_until_free(backend, other, name, within=ttl * 2)
+                    break
+                await anyio.sleep(0.005)
+        await anyio.sleep(0.05)
+        left_running = [
+            task.get_name() for task in asyncio.all_tasks() - tasks_before if not task.done()
+        ]
+    report(
+        "native_cancel",
+        backend,
+        cycles=CANCEL_CYCLES,
+        stranded=len(stranded),
+        free_after_p99_ms=round(sorted(waited)[int(len(waited) * 0.99) - 1] * 1000, 2),
+    )
+    assert stranded == []
+    assert left_running == []
+
+
+# -- (e) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.not_on("memory", "sqlite", reason="no server to restart")
+async def test_server_restart_between_holds_keeps_tokens_rising(
+    backend: BackendUnderTest, name: str
+) -> None:
+    fencing = backend.name != "redlock"
+    tokens: list[int] = []
+    async with backend.connect() as locks:
+        for _ in range(3):
+            async with locks.lock(name, ttl=backend.ttl * 5) as lease:
+                if fencing:
+                    tokens.append(lease.token)
+        for server in backend.servers:
+            await anyio.to_thread.run_sync(server.restart)
+        restarted = anyio.current_time()
+        # The client that was open across the restart takes the lock again within seconds.
+        with anyio.fail_after(15):
+            while True:
+                try:
+                    async with locks.lock(name, ttl=backend.ttl * 5, timeout=2) as lease:
+                        if fencing:
+                            tokens.append(lease.token)
+                    break
+                except (asynclock.BackendUnavailable, asynclock.AcquireTimeout):
+                    await anyio.sleep(0.1)
+        recovered = anyio.current_time() - restarted
+        for _ in range(2):
+            async with locks.lock(name, ttl=backend.ttl * 5) as lease:
+                if fencing:
+                    tokens.append(lease.token)
+    async with backend.connect() as fresh:
+        async with fresh.lock(name, ttl=backend.ttl * 5) as lease:
+            if fencing:
+                tokens.append(lease.token)
+    assert tokens == sorted(set(tokens)), f"tokens repeated or went back: {tokens}"
+    report("server_restart", backend, recovered_after=round(recovered, 3), tokens=tokens)
+    assert recovered < 10
