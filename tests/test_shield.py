@@ -1,0 +1,102 @@
+"""asynclock._shield.finish: cleanup that survives native and anyio cancellation, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import pytest
+
+from asynclock._shield import finish
+
+pytestmark = pytest.mark.anyio
+
+
+class Cleanup:
+    """An idempotent cleanup that takes ``seconds`` and records each start and each end."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = 0
+        self.finished = 0
+
+    async def __call__(self) -> None:
+        self.started += 1
+        await asyncio.sleep(self.seconds)
+        self.finished += 1
+
+
+@pytest.mark.parametrize("cancels", [1, 2, 3, 10])
+async def test_native_cancels_do_not_stop_the_cleanup_and_are_raised_after_it(
+    cancels: int,
+) -> None:
+    cleanup = Cleanup(0.05)
+    finished_at: list[float] = []
+
+    async def run() -> None:
+        await finish(cleanup, timeout=5, what="test cleanup")
+        finished_at.append(anyio.current_time())
+
+    task = asyncio.create_task(run())
+    for _ in range(cancels):
+        await asyncio.sleep(0.01)
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleanup.finished >= 1  # re-run from the start after the first interruption
+    assert finished_at == []  # the caller's cancellation was raised, not swallowed
+
+
+async def test_asyncio_timeout_still_becomes_timeout_error() -> None:
+    cleanup = Cleanup(0.05)
+    started = anyio.current_time()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):
+            await finish(cleanup, timeout=5, what="test cleanup")
+    assert cleanup.finished == 1
+    assert anyio.current_time() - started >= 0.05
+
+
+async def test_anyio_cancellation_waits_for_the_cleanup_inline() -> None:
+    cleanup = Cleanup(0.05)
+    with anyio.move_on_after(0.01) as scope:
+        await finish(cleanup, timeout=5, what="test cleanup")
+        await anyio.sleep(1)
+    assert scope.cancelled_caught
+    assert (cleanup.started, cleanup.finished) == (1, 1)  # no second run was needed
+
+
+async def test_a_cleanup_past_its_timeout_is_given_up_and_reported() -> None:
+    cleanup = Cleanup(10)
+    unfinished: list[bool] = []
+    started = anyio.current_time()
+    done = await finish(
+        cleanup, timeout=0.1, what="slow", unfinished=lambda: unfinished.append(True)
+    )
+    assert not done
+    assert unfinished == [True]
+    assert anyio.current_time() - started < 1
+
+
+async def test_given_up_after_a_native_cancel_the_retry_task_is_stopped_too() -> None:
+    cleanup = Cleanup(10)
+    unfinished: list[bool] = []
+    tasks_before = asyncio.all_tasks()
+    task = asyncio.create_task(
+        finish(cleanup, timeout=0.2, what="slow", unfinished=lambda: unfinished.append(True))
+    )
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert unfinished == [True]
+    await asyncio.sleep(0)
+    assert [t for t in asyncio.all_tasks() - tasks_before if not t.done()] == []
+
+
+async def test_errors_of_the_cleanup_propagate() -> None:
+    async def broken() -> None:
+        raise OSError("connection refused")
+
+    with pytest.raises(OSError, match="refused"):
+        await finish(broken, timeout=1, what="broken")

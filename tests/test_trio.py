@@ -1,0 +1,90 @@
+"""asynclock on trio: the in-process and embedded backends work; the others are refused by name.
+
+anyio is the concurrency layer, so the core runs on trio; the network backends' drivers
+(redis-py, asyncpg, grpc.aio, aiozk) are asyncio-only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+import asynclock
+from asynclock.backends.memory import MemoryBackend
+
+
+def on_trio(url: str) -> None:
+    async def main() -> None:
+        async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+            # A clean exit is not a lost lease (trio's scope returns True from __exit__).
+            async with locks.lock("a", ttl=1.0) as lease:
+                first = lease.token
+                assert asynclock.current_token() == first
+                assert await other.try_acquire("a", ttl=1.0) is None
+            async with locks.lock("a", ttl=1.0) as lease:
+                assert lease.token > first
+                await anyio.sleep(1.5)  # renewed past its ttl
+                assert not lease.lost
+            with pytest.raises(asynclock.AcquireTimeout):
+                async with other.lock("b", ttl=1.0):
+                    async with locks.lock("b", ttl=1.0, timeout=0.05):
+                        pass
+            async with locks.lock_all(["x", "y"], ttl=1.0) as leases:
+                assert len(leases) == 2
+            # A caller's cancellation passes through, and the lock is released on the way.
+            with anyio.move_on_after(0.1) as scope:
+                async with locks.lock("c", ttl=1.0):
+                    await anyio.sleep(5)
+            assert scope.cancelled_caught
+            again = await other.try_acquire("c", ttl=1.0)
+            assert again is not None
+            await again.release()
+
+    anyio.run(main, backend="trio")
+
+
+def test_memory_backend_runs_on_trio() -> None:
+    on_trio("memory://trio-test")
+
+
+def test_sqlite_backend_runs_on_trio(tmp_path: Path) -> None:
+    on_trio(f"sqlite://{tmp_path / 'locks.db'}")
+
+
+def test_a_lost_lease_cancels_the_body_on_trio() -> None:
+    async def main() -> None:
+        async with asynclock.connect("memory://trio-lost") as locks:
+            backend = locks._backend
+            assert isinstance(backend, MemoryBackend)
+            with pytest.raises(asynclock.LeaseLost):
+                async with locks.lock("a", ttl=1.0):
+                    backend.expire("a", notify=True)
+                    await anyio.sleep(5)
+                    pytest.fail("the body ran on after its lease was lost")
+
+    anyio.run(main, backend="trio")
+
+
+@pytest.mark.parametrize(
+    ("url", "driver"),
+    [
+        ("redis://127.0.0.1:1/0", "redis-py"),
+        ("redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0", "redis-py"),
+        ("etcd://127.0.0.1:1", "grpc"),
+        ("zookeeper://127.0.0.1:1", "aiozk"),
+        ("postgresql://postgres@127.0.0.1:1/postgres", "asyncpg"),
+    ],
+)
+def test_asyncio_only_backends_are_refused_under_trio_by_name(url: str, driver: str) -> None:
+    made_before = asynclock.connect(url)  # made outside any event loop: refused when entered
+
+    async def main() -> None:
+        with pytest.raises(asynclock.UnsupportedFeature, match=f"needs asyncio.*{driver}"):
+            asynclock.connect(url)
+        with pytest.raises(asynclock.UnsupportedFeature, match="needs asyncio"):
+            async with made_before:
+                pass
+
+    anyio.run(main, backend="trio")
