@@ -15,21 +15,34 @@ exclusion and the strictly increasing tokens can be seen with nothing installed.
 Exit codes of ``run``: the command's own code (128 + N when it died of signal N), or
 ``EXIT_TIMEOUT`` (75) when the lock was not acquired within ``--timeout``, ``EXIT_LEASE_LOST``
 (79) when the lease was lost and the command was terminated, ``EXIT_UNAVAILABLE`` (69) when the
-lock server could not be used, ``EXIT_USAGE`` (64) for bad arguments.
+lock server could not be used, ``EXIT_USAGE`` (64) for bad arguments, ``EXIT_NOT_FOUND`` (127)
+when the command does not exist and ``EXIT_NOT_EXECUTABLE`` (126) when it cannot be executed
+(the shell's codes).
+
+The command never outlives ``run``: it is started by a small guard process, its parent, in a
+session of its own, which watches a pipe from ``run``. When ``run`` dies, even of SIGKILL, the
+pipe reaches end-of-file and the guard sends SIGTERM to the command's process group, then SIGKILL
+after ``min(--grace, ttl / 3)`` seconds, before the lease can expire (it was renewed at most
+ttl / 3 earlier). The command itself gets SIGKILL if the guard dies (Linux: the parent-death
+signal). What the command leaves running in its group when it exits is ended the same way before
+the lock is released.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import itertools
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -49,21 +62,58 @@ EXIT_USAGE = 64
 EXIT_UNAVAILABLE = 69
 EXIT_TIMEOUT = 75
 EXIT_LEASE_LOST = 79
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+
+#: How ``run`` starts the guard: with this same asynclock, whatever the current directory is
+#: (-P keeps it off sys.path).
+_GUARD = (
+    sys.executable,
+    "-P",
+    "-c",
+    "import sys; p = sys.argv.pop(1); p in sys.path or sys.path.append(p); "
+    "from asynclock._cli import _guard; sys.exit(_guard(sys.argv[1:]))",
+    str(Path(__file__).resolve().parent.parent),
+)
 
 #: The URL ``run`` uses when neither --url nor $ASYNCLOCK_URL is given.
 DEFAULT_URL = "sqlite:///tmp/asynclock.db"
 
 
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the number was reused by someone else's group: not ours
+        return False
+    return True
+
+
+async def _ended(process: anyio.abc.Process, wait: float) -> bool:
+    """Whether the guard exited and nothing is left in its process group, within ``wait`` s."""
+    with anyio.move_on_after(wait):
+        await process.wait()
+        while _group_exists(process.pid):  # noqa: ASYNC110 (nothing to wait on but polling)
+            await anyio.sleep(0.02)
+        return True
+    return False
+
+
 async def _terminate(process: anyio.abc.Process, grace: float) -> None:
-    """SIGTERM the command's process group, then SIGKILL it after ``grace`` seconds."""
+    """SIGTERM the command's process group, then SIGKILL it after ``grace`` seconds.
+
+    The guard is the group's leader; it ends what the command leaves behind itself, so once it
+    has exited there is normally nothing left, unless it was killed.
+    """
     with anyio.CancelScope(shield=True):
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            if process.returncode is not None:
+            if process.returncode is not None and not _group_exists(process.pid):
                 return
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, sig)
-            with anyio.move_on_after(wait):
-                await process.wait()
+            if await _ended(process, wait):
+                return
 
 
 async def _forward_signals(process: anyio.abc.Process) -> None:
@@ -73,6 +123,55 @@ async def _forward_signals(process: anyio.abc.Process) -> None:
         async for sig in signals:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, sig)
+
+
+def _unrunnable(program: str) -> tuple[int, str] | None:
+    """Why ``program`` cannot be executed, as the shell says it (exit code, message), or None.
+
+    Checked before the lock is taken, so that a typo does not wait for the lock first; the guard
+    reports the same if the program disappears in the meantime.
+    """
+    if os.sep in program:
+        candidates = [program]
+    else:
+        path = os.environ.get("PATH", os.defpath)
+        candidates = [os.path.join(directory or ".", program) for directory in path.split(":")]
+    denied = False
+    for candidate in candidates:
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return None
+        denied = denied or os.path.exists(candidate)
+    if denied:
+        return EXIT_NOT_EXECUTABLE, f"command not executable: {program} (permission denied)"
+    return EXIT_NOT_FOUND, f"command not found: {program}"
+
+
+async def _start_guarded(
+    command: Sequence[str], env: dict[str, str], grace: float, kill_after: float
+) -> tuple[anyio.abc.Process, int]:
+    """Start the guard (see ``_guard``) with ``command``; return it and the pipe's write end.
+
+    The write end stays open, never written to, for as long as this process lives: when it
+    dies, however it dies, the guard sees end-of-file and ends the command.
+    """
+    watch, alive = os.pipe()  # both ends non-inheritable: only the guard gets ``watch``
+    try:
+        guard = [*_GUARD, str(watch), repr(grace), repr(kill_after), "--", *command]
+        process = await anyio.open_process(
+            guard,
+            env=env,
+            start_new_session=True,
+            pass_fds=(watch,),
+            stdin=None,
+            stdout=None,
+            stderr=None,
+        )
+    except BaseException:
+        os.close(alive)
+        raise
+    finally:
+        os.close(watch)
+    return process, alive
 
 
 async def _run_locked(
@@ -85,14 +184,9 @@ async def _run_locked(
                 env = {**os.environ, "ASYNCLOCK_NAME": name, "ASYNCLOCK_URL": _registry.redact(url)}
                 with contextlib.suppress(UnsupportedFeature):
                     env["ASYNCLOCK_TOKEN"] = str(lease.token)
-                process = await anyio.open_process(
-                    list(command),
-                    env=env,
-                    start_new_session=True,
-                    stdin=None,
-                    stdout=None,
-                    stderr=None,
-                )
+                # Renewals run every ttl / 3, so when this process dies the lease has about
+                # 2 ttl / 3 left: the command is dead well before anyone else can get the lock.
+                process, alive = await _start_guarded(command, env, grace, min(grace, ttl / 3))
                 try:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(_forward_signals, process)
@@ -100,6 +194,7 @@ async def _run_locked(
                         tg.cancel_scope.cancel()
                 finally:
                     await _terminate(process, grace)
+                    os.close(alive)
         except LeaseLost as exc:
             lease_lost = exc
         if lease_lost is not None:
@@ -110,7 +205,151 @@ async def _run_locked(
             return EXIT_LEASE_LOST
         code = process.returncode
         assert code is not None
-        return 128 - code if code < 0 else code
+        if code < 0:  # the guard passes on the command's death by a signal as 128 + N
+            print(
+                f"asynclock run: the command's guard process was killed by signal {-code}; "
+                "the command's process group was killed",
+                file=sys.stderr,
+            )
+            return 128 - code
+        return code
+
+
+def _parent_death_signal(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent ``sig`` when its parent dies (Linux), or None.
+
+    Only for a single-threaded parent (the guard): ``preexec_fn`` is unsafe with threads, and the
+    signal is tied to the thread that forked.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, sig, 0, 0, 0)
+        # The parent may have died between the fork and the prctl: then the signal never comes.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def _group_members(pgid: int) -> list[int] | None:
+    """The live processes of group ``pgid`` other than this one (from /proc; None without it)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    me = os.getpid()
+    members: list[int] = []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                stat = file.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may contain anything, ")" included.
+        fields = stat.rsplit(b")", 1)[-1].split()
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _end_group(child: subprocess.Popen[bytes] | None, wait: float, *, with_self: bool) -> None:
+    """SIGTERM our process group, SIGKILL what is left of it after ``wait`` seconds.
+
+    This process ignores the SIGTERM; ``with_self`` says whether it may die of the SIGKILL (the
+    supervisor is gone, nobody reads our exit code), else the rest is killed one by one.
+    """
+    group = os.getpgid(0)
+
+    def done() -> bool:
+        return (child is None or child.poll() is not None) and _group_members(group) == []
+
+    if done():
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGTERM)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if done():
+            return
+        time.sleep(0.02)
+    if with_self or _group_members(group) is None:
+        if with_self:
+            os.killpg(group, signal.SIGKILL)
+        return
+    for _ in range(10):  # what forks while being killed
+        if child is not None and child.poll() is None:
+            child.kill()
+        for pid in _group_members(group) or ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if done():
+            return
+        time.sleep(0.02)
+
+
+def _guard(argv: Sequence[str]) -> int:
+    """The command's parent: ``_guard WATCH_FD GRACE KILL_AFTER -- CMD ARGS...``.
+
+    It leads the command's session and process group (``run`` started it with
+    ``start_new_session``), so a signal sent to ``run``'s own group (``kill -9 -PGID``, a shell
+    killing a job) does not reach it. It exits with the command's code (128 + N for signal N).
+    When ``WATCH_FD`` (``run`` holds its other end) reaches end-of-file, ``run`` is gone: the group
+    gets SIGTERM, and SIGKILL after KILL_AFTER seconds.
+    """
+    watch, grace, kill_after = int(argv[0]), float(argv[1]), float(argv[2])
+    command = list(argv[4:])
+
+    def supervisor_gone(timeout: float | None) -> bool:
+        readable, _, _ = select.select([watch], [], [], timeout)
+        return bool(readable) and not os.read(watch, 512)
+
+    # Signals for the command that reach the whole group (forwarded by run, or from the lease
+    # loss path) must not end the guard; a caught signal is reset to its default by exec.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: None)
+    if supervisor_gone(0):
+        return EXIT_LEASE_LOST
+    try:
+        child = subprocess.Popen(command, preexec_fn=_parent_death_signal(signal.SIGKILL))
+    except FileNotFoundError:
+        print(f"asynclock run: command not found: {command[0]}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except PermissionError:
+        print(
+            f"asynclock run: command not executable: {command[0]} (permission denied)",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_EXECUTABLE
+    except OSError as exc:
+        print(f"asynclock run: cannot execute {command[0]}: {exc.strerror}", file=sys.stderr)
+        return EXIT_NOT_EXECUTABLE
+    try:
+        exited: int | None = os.pidfd_open(child.pid)
+    except (AttributeError, OSError):
+        exited = None
+    while child.poll() is None:
+        # The command's end wakes us through its pidfd, or a poll every 50 ms without one.
+        readable, _, _ = select.select(
+            [watch] if exited is None else [watch, exited], [], [], 0.05 if exited is None else None
+        )
+        if watch in readable and not os.read(watch, 512):
+            # run was killed: its lease ends at the latest one ttl after its last renewal.
+            _end_group(child, kill_after, with_self=True)
+            return EXIT_LEASE_LOST
+    code = child.returncode
+    # What the command left running in its group must not outlive the lock either.
+    _end_group(None, grace, with_self=False)
+    return 128 - code if code < 0 else code
 
 
 def _demo_worker(url: str, worker: int, rounds: int, hold: float) -> None:
@@ -215,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker.add_argument("rounds", type=int)
     worker.add_argument("hold", type=float)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_guard"]:  # the command's parent process (``run`` starts it this way too)
+        return _guard(argv[1:])
     if argv[:1] == ["bench"]:  # options parsed by benchmarks/, in a source checkout only
         from benchmarks import main as bench
 
@@ -230,6 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = [*args.cmd, *command]
             if not command:
                 parser.error("run needs a command: asynclock run NAME -- CMD ARGS...")
+            unrunnable = _unrunnable(command[0])
+            if unrunnable is not None:
+                print(f"asynclock run: {unrunnable[1]}", file=sys.stderr)
+                return unrunnable[0]
             return anyio.run(
                 _run_locked, args.url, args.name, args.ttl, args.timeout, args.grace, command
             )

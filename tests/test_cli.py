@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -12,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from asynclock._cli import EXIT_LEASE_LOST, EXIT_TIMEOUT, EXIT_USAGE
+from asynclock._cli import (
+    EXIT_LEASE_LOST,
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+    EXIT_TIMEOUT,
+    EXIT_USAGE,
+)
 
 ASYNCLOCK = [sys.executable, "-m", "asynclock"]
 
@@ -132,3 +139,189 @@ def test_status_shows_the_holder_and_its_token(tmp_path: Path) -> None:
     assert job.startswith("job: held by ")
     assert "token 1" in job
     assert other == "other: free"
+
+
+# A command with a child of its own; it writes "its pid, its child's pid" once both run.
+FAMILY = """
+import os, signal, subprocess, sys, time
+if sys.argv[2] == "ignore-sigterm":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+with open(sys.argv[1] + ".tmp", "w") as file:
+    file.write(f"{os.getpid()} {child.pid}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+while True:
+    time.sleep(0.05)
+"""
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie nobody reaped counts: a container's init may not reap)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(b")", 1)[1].split()[0] == b"Z"
+
+
+def wait_gone(pids: list[int], within: float) -> float:
+    started = time.monotonic()
+    while not all(map(gone, pids)):
+        assert time.monotonic() - started < within, (
+            f"still running: {[p for p in pids if not gone(p)]}"
+        )
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def start_family(
+    tmp_path: Path, *options: str, mode: str = "plain"
+) -> tuple[subprocess.Popen[str], list[int]]:
+    """`asynclock run` (in a session of its own) of FAMILY; its pid and the command's pids."""
+    script = tmp_path / "family.py"
+    script.write_text(FAMILY)
+    pids = tmp_path / "pids"
+    supervisor = subprocess.Popen(
+        [
+            *ASYNCLOCK,
+            "run",
+            "job",
+            "--url",
+            f"sqlite://{tmp_path}/locks.db",
+            *options,
+            "--",
+            sys.executable,
+            str(script),
+            str(pids),
+            mode,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 20
+    while not pids.exists():
+        assert supervisor.poll() is None, supervisor.communicate()[1]
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.02)
+    return supervisor, [int(pid) for pid in pids.read_text().split()]
+
+
+def assert_lock_free(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path}/locks.db"
+    result = run("run", "job", "--url", url, "--timeout", "0", "--", "true")
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("target", ["process", "process group"])
+def test_run_command_dies_with_its_supervisor_killed_by_sigkill(
+    tmp_path: Path, target: str
+) -> None:
+    supervisor, family = start_family(tmp_path, "--ttl", "3")
+    with supervisor:
+        assert not any(map(gone, family))
+        if target == "process":
+            os.kill(supervisor.pid, signal.SIGKILL)
+        else:  # what a shell does to a job, or `timeout -s KILL`: the command is not in it
+            os.killpg(supervisor.pid, signal.SIGKILL)
+        # The command and its child, both: long before the lease (ttl 3) could expire.
+        elapsed = wait_gone(family, within=1.0)
+    print(f"command gone {elapsed * 1000:.1f} ms after the supervisor's SIGKILL")
+    # And the lock comes back once the dead supervisor's lease has expired.
+    url = f"sqlite://{tmp_path}/locks.db"
+    result = run("run", "job", "--url", url, "--timeout", "10", "--", "true")
+    assert result.returncode == 0, result.stderr
+
+
+def test_run_command_that_ignores_sigterm_is_killed_before_the_lease_could_expire(
+    tmp_path: Path,
+) -> None:
+    # --grace 30, but the lease (ttl 3, renewed every second) may end 2 s after the supervisor:
+    # the guard waits min(grace, ttl / 3) = 1 s after its SIGTERM, then kills.
+    supervisor, family = start_family(
+        tmp_path, "--ttl", "3", "--grace", "30", mode="ignore-sigterm"
+    )
+    with supervisor:
+        os.kill(supervisor.pid, signal.SIGKILL)
+        elapsed = wait_gone(family, within=2.5)
+    assert elapsed > 0.8  # it had its SIGTERM and the time to act on it
+
+
+def test_run_command_dies_with_its_guard_and_the_lock_is_released(tmp_path: Path) -> None:
+    supervisor, family = start_family(tmp_path, "--ttl", "30")
+    guard = os.getpgid(family[0])  # the leader of the command's group, the command's parent
+    assert guard not in (supervisor.pid, family[0])
+    with supervisor:
+        os.kill(guard, signal.SIGKILL)
+        # The command gets its parent-death signal, the supervisor kills the rest of the group.
+        wait_gone(family, within=2.0)
+        _, stderr = supervisor.communicate(timeout=10)
+    assert supervisor.returncode == 128 + signal.SIGKILL
+    assert "guard process was killed by signal 9" in stderr
+    assert_lock_free(tmp_path)
+
+
+def test_run_ends_what_the_command_leaves_running_before_releasing(tmp_path: Path) -> None:
+    pidfile = tmp_path / "background.pid"
+    url = f"sqlite://{tmp_path}/locks.db"
+    result = run("run", "job", "--url", url, "--", "sh", "-c", f"sleep 60 & echo $! > {pidfile}")
+    assert result.returncode == 0, result.stderr
+    assert gone(int(pidfile.read_text()))
+
+
+def test_run_reports_a_missing_command_with_127(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path}/locks.db"
+    for command in ("no-such-command-asynclock", str(tmp_path / "no" / "such")):
+        started = time.monotonic()
+        result = run("run", "job", "--url", url, "--", command, "arg")
+        assert result.returncode == EXIT_NOT_FOUND == 127
+        assert result.stderr == f"asynclock run: command not found: {command}\n"
+        assert time.monotonic() - started < 10
+    assert_lock_free(tmp_path)
+
+
+def test_run_reports_a_command_that_cannot_be_executed_with_126(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path}/locks.db"
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho ran\n")
+    script.chmod(0o644)
+    for command in (str(script), str(tmp_path)):
+        result = run("run", "job", "--url", url, "--", command)
+        assert result.returncode == EXIT_NOT_EXECUTABLE == 126
+        assert f"command not executable: {command}" in result.stderr
+        assert "ran" not in result.stdout
+    assert_lock_free(tmp_path)
+
+
+def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite://{tmp_path}/locks.db"
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho ran\n")
+    script.chmod(0o755)
+    hold = f"touch {ready}; while [ ! -e {go} ]; do sleep 0.02; done"
+    with subprocess.Popen(
+        [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", hold]
+    ) as holder:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the holder never started"
+            time.sleep(0.02)
+        with subprocess.Popen(
+            [*ASYNCLOCK, "run", "job", "--url", url, "--", str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as waiter:
+            time.sleep(1.5)  # the waiter checked its command and waits for the lock
+            script.unlink()
+            assert waiter.poll() is None, "the waiter did not wait for the lock"
+            go.touch()
+            stdout, stderr = waiter.communicate(timeout=30)
+        assert holder.wait(timeout=30) == 0
+    assert waiter.returncode == EXIT_NOT_FOUND
+    assert f"command not found: {script}" in stderr
+    assert "ran" not in stdout
+    assert_lock_free(tmp_path)
