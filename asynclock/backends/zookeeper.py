@@ -60,6 +60,7 @@ from .._errors import (
     InvalidURL,
     UnsupportedFeature,
 )
+from .._shield import finish
 from .._validate import Options
 from ..abc import (
     Backend,
@@ -233,18 +234,32 @@ def _parse_hosts(text: str, url: str) -> tuple[tuple[str, int], ...]:
 
 
 def _parse_chroot(path: str, url: str) -> str:
+    """The chroot of a URL's path: ``/a/b``, each part one znode name (ZooKeeper's own rules:
+    no empty part, so no ``//`` and no trailing ``/``; no ``.`` or ``..``; no ``/``, ``%`` or
+    control characters once percent-decoded; not under ``/zookeeper``)."""
     if path in ("", "/"):
         return _DEFAULT_CHROOT
-    parts = path.strip("/").split("/")
+    assert path.startswith("/")
+
+    def bad(problem: str) -> InvalidURL:
+        return InvalidURL(f"bad chroot {path!r} in {url!r}: {problem}; expected e.g. {_EXAMPLE}")
+
+    parts = path[1:].split("/")
     names = []
-    for part in parts:
+    for index, part in enumerate(parts):
         name = unquote(part)
-        if not name or name in (".", "..") or any(_forbidden(char) for char in name):
-            raise InvalidURL(
-                f"bad chroot {path!r} in {url!r}: each part must be a non-empty znode name "
-                f"(not '.' or '..', no control characters); expected e.g. {_EXAMPLE}"
-            )
+        if not name:
+            where = "a trailing '/'" if index == len(parts) - 1 else "a doubled '/'"
+            raise bad(f"it has an empty part ({where}); each part must be a znode name")
+        if name in (".", ".."):
+            raise bad(f"{name!r} is not allowed as a part (ZooKeeper paths are absolute)")
+        forbidden = sorted({char for char in name if _forbidden(char)})
+        if forbidden:
+            shown = ", ".join(repr(char) for char in forbidden)
+            raise bad(f"part {name!r} contains {shown}, which ZooKeeper refuses in a znode name")
         names.append(name)
+    if names[0] == "zookeeper":
+        raise bad("/zookeeper is ZooKeeper's own subtree (quotas, config); choose another")
     return "/" + "/".join(names)
 
 
@@ -603,12 +618,16 @@ class _Session:
 
     async def aclose(self) -> None:
         """Close the session on the server (its nodes go at once) and stop its tasks."""
-        if self.state == "connected":
-            with anyio.move_on_after(min(self._settings.op_timeout, 2.0)):
-                with contextlib.suppress(Exception):
-                    await self.call(zk.CloseRequest())
-        self._die("the lock client was closed")
-        self._scope.cancel()
+        try:
+            if self.state == "connected":
+                with anyio.move_on_after(min(self._settings.op_timeout, 2.0)):
+                    with contextlib.suppress(Exception):
+                        await self.call(zk.CloseRequest())
+        finally:
+            # Also when a native cancellation cut the close short: the tasks and the
+            # connection end (the server then expires the session after its timeout).
+            self._die("the lock client was closed")
+            self._scope.cancel()
         if self.state != "new":
             with anyio.move_on_after(self._settings.op_timeout):
                 await self._finished.wait()
@@ -1145,8 +1164,13 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             self.check_ttl(ttl)
             session = await self._new_session(ms)
             if round(session.timeout * 1000) != ms:
-                with anyio.CancelScope(shield=True):
-                    await session.aclose()
+                # Closed whatever cancels us (a native cancel goes through an anyio shield and
+                # would leave the session and its connection open until the client closes).
+                await finish(
+                    session.aclose,
+                    timeout=self._settings.op_timeout + 1.0,
+                    what="closing a ZooKeeper session with a refused timeout",
+                )
                 self.check_ttl(ttl)  # the bounds just learned explain the refusal
                 raise InvalidArgument(
                     f"ZooKeeper at {self.describe()} negotiated a session timeout of "
@@ -1162,16 +1186,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             raise InvalidArgument(f"ttl {ttl:g} s is out of range for a ZooKeeper session")
         low, high = self._min_ms, self._max_ms
         if (low is not None and ms < low) or (high is not None and ms > high):
-            allowed = (
-                f"{'?' if low is None else f'{low / 1000:g}'} to "
-                f"{'?' if high is None else f'{high / 1000:g}'} s"
-            )
-            raise InvalidArgument(
-                f"ttl {ttl:g} s cannot be honoured by ZooKeeper at {self.describe()}: a lock's "
-                f"ttl is the timeout of its ZooKeeper session, and this server allows session "
-                f"timeouts of {allowed} (minSessionTimeout/maxSessionTimeout, by default 2 and "
-                "20 times tickTime); choose a ttl in that range"
-            )
+            raise InvalidArgument(_ttl_refusal(ttl, self.describe(), low, high))
 
     async def _ensure_chroot(self, session: _Session) -> None:
         parts = self._settings.chroot.strip("/").split("/")
@@ -1207,12 +1222,13 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             return LockInfo(name, held=False, waiters=0)
         if isinstance(listed, Exception):
             raise _backend_error(listed, f"inspecting lock {name!r}", self)
-        queue = sorted(listed.children, key=_sequence)
+        queue = _queue(listed.children)
         if not queue:
             return LockInfo(name, held=False, waiters=0)
-        # The lowest sequence holds it; its name is "_c_<owner>-<kind>-<sequence>".
-        first = queue[0]
-        owner = first.removeprefix("_c_").split("-", 1)[0] or None
+        # The lowest sequence holds it (a reader shares it with the readers right after it).
+        # The owner part of its name is the lease's owner secret, which the core hashes.
+        first = queue[0].child
+        owner = unquote(queue[0].owner) or None
         try:
             (found,) = await session.call_retrying(
                 zk.ExistsRequest(path=f"{parent}/{first}", watch=False)
@@ -1220,7 +1236,11 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         except (_ConnectionLoss, _SessionGone) as exc:
             raise BackendTimeout(f"inspecting lock {name!r} on {self.describe()}: {exc}") from exc
         token = None if isinstance(found, Exception) else int(found.stat.created_zxid)
-        return LockInfo(name, held=True, owner=owner, token=token, waiters=len(queue) - 1)
+        holders = 1
+        if queue[0].kind == _SHARED:  # every reader before the first writer holds it
+            while holders < len(queue) and queue[holders].kind == _SHARED:
+                holders += 1
+        return LockInfo(name, held=True, owner=owner, token=token, waiters=len(queue) - holders)
 
     async def try_acquire(self, request: LockRequest) -> ZooKeeperGrant | None:
         return await self._acquire(request, _kind.get(), wait=False)
@@ -1390,8 +1410,14 @@ class _Attempt:
         finally:
             session.users -= 1
             if self.node is not None or self.unsure:
-                with anyio.CancelScope(shield=True):
-                    await self._abandon()
+                # Survives native cancellation too (a second Task.cancel() would go through an
+                # anyio shield and leave the node in a live session: stranded until close).
+                await finish(
+                    self._abandon,
+                    timeout=self.backend._settings.op_timeout + 1.0,
+                    what=f"deleting the lock node of a cancelled acquire of {self.request.name!r}",
+                    unfinished=self._leave_to_janitor,
+                )
 
     def _check(self, reply: Any) -> Any:
         if isinstance(reply, Exception):
@@ -1471,12 +1497,13 @@ class _Attempt:
         if not mine:
             self.unsure = False
             return None
-        # Keep the first; any later one is a duplicate from another lost reply.
+        # Keep the first; any later one is a duplicate from another lost reply (until they are
+        # deleted, a cancellation cleans up by prefix: every node of this lease).
         self.node = mine[0]
-        self.unsure = False
         if mine[1:]:
             await self.session.delete([f"{self.parent}/{extra}" for extra in mine[1:]], self.parent)
             children = [c for c in children if c not in mine[1:]]
+        self.unsure = False
         (stat,) = await self.session.call_retrying(
             zk.ExistsRequest(path=f"{self.parent}/{self.node}", watch=False)
         )
@@ -1520,25 +1547,35 @@ class _Attempt:
             session._drop_watch(path, wake)
             session.drop_listener(state_changed)
 
+    def _orphan_prefix(self) -> str:
+        # Unsure (a create or a duplicate delete whose outcome is unknown): every node of this
+        # lease; otherwise just the one we know.
+        if self.unsure or self.node is None:
+            return self.prefix
+        return self.node
+
+    def _leave_to_janitor(self) -> None:
+        self.session.add_orphan(self.parent, self._orphan_prefix())
+
     async def _abandon(self) -> None:
-        """Delete what this attempt created (bounded; left to the session's janitor if not)."""
+        """Delete what this attempt created (bounded; left to the session's janitor if not).
+
+        Idempotent: :func:`asynclock._shield.finish` runs it again from the start when a native
+        cancellation interrupted it.
+        """
         session = self.session
         if not session.usable:
             return
-        if self.node is not None:
-            prefix = self.node
-            paths: list[str] | None = [f"{self.parent}/{self.node}"]
-        else:
-            prefix, paths = self.prefix, None
+        prefix = self._orphan_prefix()
         if session.state != "connected":
             session.add_orphan(self.parent, prefix)
             return
         try:
             with anyio.fail_after(self.backend._settings.op_timeout):
-                if paths is not None:
-                    await session.delete(paths, self.parent)
-                else:
+                if prefix == self.prefix:
                     await session.delete_matching(self.parent, prefix)
+                else:
+                    await session.delete([f"{self.parent}/{prefix}"], self.parent)
         except (_ConnectionLoss, TimeoutError, BackendUnavailable):
             session.add_orphan(self.parent, prefix)
         except _SessionGone:
@@ -1550,31 +1587,76 @@ def _sequence(child: str) -> int:
     return int(suffix) if suffix.isdigit() else -1
 
 
-def _blockers(children: Sequence[str], node: str, kind: Kind) -> list[str] | None:
-    """The nodes ahead of ``node`` that keep it from the lock, in queue order (empty: it holds
-    the lock); None if ``node`` is not among ``children``."""
-    queue: list[tuple[int, str, str]] = []
+@dataclass(frozen=True, slots=True, order=True)
+class _Queued:
+    sequence: int
+    child: str = field(compare=False)
+    #: The encoded owner id (``encode_name(request.owner)``).
+    owner: str = field(compare=False)
+    kind: str = field(compare=False)
+
+
+def _queue(children: Sequence[str]) -> list[_Queued]:
+    """Our lock nodes among ``children`` (``_c_<owner>-<kind>-<sequence>``), in queue order;
+    anything else takes no part in the order."""
+    queue: list[_Queued] = []
     for child in children:
         head, _, suffix = child.rpartition("-")
         owner_part, _, child_kind = head.rpartition("-")
+        owner = owner_part.removeprefix(_PROTECTED)
         if (
             not child.startswith(_PROTECTED)
             or not suffix.isdigit()
             or child_kind not in (_EXCLUSIVE, _SHARED)
-            or not owner_part
+            or not owner
         ):
-            continue  # not one of ours: it takes no part in the order
-        queue.append((int(suffix), child, child_kind))
+            continue
+        queue.append(_Queued(int(suffix), child, owner, child_kind))
     queue.sort()
-    for index, (_, child, _) in enumerate(queue):
-        if child == node:
+    return queue
+
+
+def _blockers(children: Sequence[str], node: str, kind: Kind) -> list[str] | None:
+    """The nodes ahead of ``node`` that keep it from the lock, in queue order (empty: it holds
+    the lock); None if ``node`` is not among ``children``."""
+    queue = _queue(children)
+    for index, entry in enumerate(queue):
+        if entry.child == node:
             ahead = queue[:index]
             break
     else:
         return None
     if kind == _SHARED:
-        ahead = [entry for entry in ahead if entry[2] == _EXCLUSIVE]
-    return [entry[1] for entry in ahead]
+        ahead = [entry for entry in ahead if entry.kind == _EXCLUSIVE]
+    return [entry.child for entry in ahead]
+
+
+def _ttl_refusal(ttl: float, where: str, low: int | None, high: int | None) -> str:
+    """Why ``ttl`` cannot be honoured, given the session timeout bounds learned so far (ms;
+    None: not known, the server never had to clamp a request that way), and what to do."""
+    if low is not None and high is not None:
+        allowed = f"from {low / 1000:g} to {high / 1000:g} s"
+    elif high is not None:
+        allowed = f"of at most {high / 1000:g} s"
+    else:
+        assert low is not None
+        allowed = f"of at least {low / 1000:g} s"
+    if high is not None and _ms(ttl) > high:
+        fix = (
+            f"pass ttl={high / 1000:g} or less (locks.lock(name, ttl={high / 1000:g})), or raise "
+            f"the server's maxSessionTimeout to at least {_ms(ttl)} ms (zoo.cfg; by default it "
+            "is 20 times tickTime)"
+        )
+    else:
+        assert low is not None
+        fix = (
+            f"pass ttl={low / 1000:g} or more, or lower the server's minSessionTimeout to at "
+            f"most {_ms(ttl)} ms (zoo.cfg; by default it is 2 times tickTime)"
+        )
+    return (
+        f"ttl {ttl:g} s cannot be honoured by ZooKeeper at {where}: a lock's ttl is the timeout "
+        f"of its ZooKeeper session, and this server allows session timeouts {allowed}; {fix}"
+    )
 
 
 def _ms(seconds: float) -> int:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import inspect
+import random
 import struct
 import unicodedata
 import uuid
@@ -24,7 +27,12 @@ from asynclock.backends.zookeeper import (
     encode_name,
 )
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble, ZooKeeperServer
-from tests.contract.backend_zookeeper import delete_tree, zk_admin, znodes_under
+from tests.contract.backend_zookeeper import (
+    alive_connections,
+    delete_tree,
+    zk_admin,
+    znodes_under,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -123,9 +131,18 @@ def test_url_with_servers_chroot_credentials_and_options() -> None:
         ("zookeeper://h:abc/x", "bad port"),
         ("zookeeper://h1:2181,,h2:2181/x", "empty host"),
         ("zookeeper://::1:2181/x", "IPv6"),
-        ("zookeeper://h/a//b", "bad chroot"),
-        ("zookeeper://h/a/../b", "bad chroot"),
-        ("zookeeper://h/a%00b", "bad chroot"),
+        ("zookeeper://h//x", r"bad chroot '//x'.*empty part \(a doubled '/'\)"),
+        ("zookeeper://h///", r"empty part \(a doubled '/'\)"),
+        ("zookeeper://h/a//b", r"bad chroot '/a//b'.*doubled '/'"),
+        ("zookeeper://h/a/", r"bad chroot '/a/'.*empty part \(a trailing '/'\)"),
+        ("zookeeper://h/a/../b", r"'\.\.' is not allowed"),
+        ("zookeeper://h/./b", r"'\.' is not allowed"),
+        ("zookeeper://h/a/%2E%2E", r"'\.\.' is not allowed"),
+        ("zookeeper://h/a%00b", r"part 'a\\x00b' contains '\\x00'"),
+        ("zookeeper://h/a%2Fb", r"part 'a/b' contains '/'"),
+        ("zookeeper://h/50%25", r"part '50%' contains '%'"),
+        ("zookeeper://h/a%C2%85b", r"contains '\\x85'"),
+        ("zookeeper://h/zookeeper/locks", "ZooKeeper's own subtree"),
         ("zookeeper://useronly@h/x", "user:password"),
         ("zookeeper://h/x#frag", "fragment"),
     ],
@@ -134,6 +151,22 @@ def test_malformed_urls_are_refused_with_an_example(url: str, message: str) -> N
     with pytest.raises(asynclock.InvalidURL, match=message) as info:
         asynclock.connect(url)
     assert "zookeeper://" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("path", "chroot"),
+    [
+        ("", "/asynclock"),
+        ("/", "/asynclock"),
+        ("/x", "/x"),
+        ("/a/b.c/_d-1", "/a/b.c/_d-1"),
+        ("/z%C3%BC", "/zü"),
+        ("/zookeeper2", "/zookeeper2"),
+        ("/a/zookeeper", "/a/zookeeper"),
+    ],
+)
+def test_well_formed_chroots_are_kept(path: str, chroot: str) -> None:
+    assert ZooKeeperBackend.from_url(f"zookeeper://h{path}", {})._settings.chroot == chroot
 
 
 def test_bad_and_unknown_options_are_refused_by_name() -> None:
@@ -254,20 +287,44 @@ async def test_ttl_is_the_negotiated_session_timeout_and_others_are_refused(
                 assert lease.ttl == ttl
                 assert grant_of(lease).session is not None
                 assert grant_of(lease).session.timeout == ttl  # type: ignore[union-attr]
-        # 30 s is asked for, the server negotiates 10 s: refused, and the bound is learned.
-        with pytest.raises(
-            asynclock.InvalidArgument, match=r"allows session timeouts of \? to 10 s"
-        ):
-            await locks.acquire("t", ttl=30)
+        # The default ttl (30 s) is asked for, the server negotiates 10 s: refused, saying
+        # what to do, and the bound is learned (the lower one is not known yet).
+        with pytest.raises(asynclock.InvalidArgument) as info:
+            async with locks.lock("t"):
+                pytest.fail("a 30 s lock in a 10 s session")
+        assert str(info.value) == (
+            f"ttl 30 s cannot be honoured by ZooKeeper at {backend_of(locks).describe()}: a "
+            "lock's ttl is the timeout of its ZooKeeper session, and this server allows session "
+            "timeouts of at most 10 s; pass ttl=10 or less (locks.lock(name, ttl=10)), or raise "
+            "the server's maxSessionTimeout to at least 30000 ms (zoo.cfg; by default it is 20 "
+            "times tickTime)"
+        )
+        assert "?" not in str(info.value)
         # The bound refuses the next one before any round trip (lock() itself raises).
-        with pytest.raises(asynclock.InvalidArgument, match=r"\? to 10 s"):
+        with pytest.raises(asynclock.InvalidArgument, match=r"at most 10 s; pass ttl=10 or less"):
             locks.lock("t", ttl=11)
-        with pytest.raises(asynclock.InvalidArgument, match="allows session timeouts of 1 to 10 s"):
+        with pytest.raises(
+            asynclock.InvalidArgument,
+            match=r"allows session timeouts from 1 to 10 s; pass ttl=1 or more, or lower the "
+            r"server's minSessionTimeout to at most 500 ms",
+        ):
             await locks.acquire("t", ttl=0.5)
-        with pytest.raises(asynclock.InvalidArgument, match="1 to 10 s"):
+        with pytest.raises(asynclock.InvalidArgument, match="from 1 to 10 s; pass ttl=1 or more"):
             locks.lock("t", ttl=0.2)
+        with pytest.raises(asynclock.InvalidArgument, match="from 1 to 10 s; pass ttl=10 or less"):
+            locks.lock("t", ttl=30)
         sessions = backend_of(locks).extra_info()["sessions"]
         assert sorted(sessions) == [1000, 2500, 10000]  # the refused ones were closed
+    async with asynclock.connect(f"{zookeeper_server.url}{chroot}") as fresh:
+        # Only the lower bound learned: it says so, and what to do.
+        with pytest.raises(
+            asynclock.InvalidArgument,
+            match=r"allows session timeouts of at least 1 s; pass ttl=1 or more, or lower the "
+            r"server's minSessionTimeout to at most 500 ms \(zoo.cfg; by default it is 2 times "
+            r"tickTime\)$",
+        ):
+            await fresh.try_acquire("t", ttl=0.5)
+        assert sorted(backend_of(fresh).extra_info()["sessions"]) == [10000]
 
 
 async def test_locks_with_one_ttl_share_one_session_and_renew_in_one_call(
@@ -564,6 +621,180 @@ async def test_state_does_not_grow_over_200_acquisitions(
         # And the server holds no watch of ours any more.
         watches = zookeeper_server.four_letter_word("wchp")
         assert chroot not in watches
+
+
+# -- native cancellation (asyncio's Task.cancel(), which goes through anyio's shields) -------
+
+
+async def free_for(client: asynclock.LockClient, name: str, within: float = 0.1) -> float:
+    """Take and release ``name`` with ``client`` as soon as it is free; fail after ``within``
+    seconds. The seconds it took."""
+    started = anyio.current_time()
+    while True:
+        lease = await client.try_acquire(name, ttl=10)
+        if lease is not None:
+            await lease.release()
+            return anyio.current_time() - started
+        waited = anyio.current_time() - started
+        assert waited < within, f"{name!r} still held {waited * 1000:.0f} ms after the task ended"
+        await anyio.sleep(0.002)
+
+
+def assert_session_state_clean(locks: asynclock.LockClient) -> None:
+    for info in backend_of(locks).extra_info()["sessions"].values():
+        assert info["held"] == info["waiting_calls"] == info["orphans"] == 0, info
+        assert info["watches"] == info["listeners"] == 0, info
+        assert info["state"] == "connected", info
+
+
+async def test_a_waiter_cancelled_natively_again_while_it_deletes_its_node_leaves_nothing(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    """The first cancel starts the delete of the waiter's node; the second (and third) cancel
+    lands while that delete is in flight, and used to leave the node in a live session: the
+    lock blocked for as long as the client stayed open."""
+    direct = f"{zookeeper_server.url}{chroot}"
+    parent = f"{chroot}/waiter"
+    async with proxied(zookeeper_server) as proxy:
+        async with (
+            asynclock.connect(direct) as holder,
+            asynclock.connect(direct) as other,
+            asynclock.connect(f"zookeeper://{proxy.address}{chroot}", op_timeout=3) as victim,
+        ):
+            for cancels in (2, 3):
+                first = await holder.acquire("waiter", ttl=10)
+                task = asyncio.create_task(victim.acquire("waiter", ttl=10))
+                await wait_until_children(admin, parent, 2)
+                proxy.delay(40)  # the delete takes an 80 ms round trip
+                task.cancel()
+                for _ in range(cancels - 1):
+                    await asyncio.sleep(0.03)
+                    task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                # Deleted before the cancelled task ended, not later.
+                assert len(await children(admin, parent)) == 1
+                proxy.pass_through()
+                await first.release()
+                await free_for(other, "waiter")
+                assert_session_state_clean(victim)
+
+
+async def test_a_release_cancelled_natively_two_and_three_times_still_deletes_the_node(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    direct = f"{zookeeper_server.url}{chroot}"
+    parent = f"{chroot}/release"
+    async with proxied(zookeeper_server) as proxy:
+        async with (
+            asynclock.connect(direct) as other,
+            asynclock.connect(f"zookeeper://{proxy.address}{chroot}", op_timeout=3) as victim,
+        ):
+            for cancels, use_with in ((1, True), (2, True), (3, True), (2, False), (3, False)):
+                entered = asyncio.Event()
+
+                async def hold(use_with: bool = use_with, entered: asyncio.Event = entered) -> None:
+                    if use_with:
+                        async with victim.lock("release", ttl=10):
+                            entered.set()
+                            await asyncio.sleep(3600)
+                    lease = await victim.acquire("release", ttl=10)
+                    try:
+                        entered.set()
+                        await asyncio.sleep(3600)
+                    finally:
+                        await lease.release()
+
+                task = asyncio.create_task(hold())
+                await entered.wait()
+                proxy.delay(40)
+                task.cancel()  # ends the body: the release starts, its delete is in flight
+                for _ in range(cancels - 1):
+                    await asyncio.sleep(0.03)
+                    task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert await children(admin, parent) == []
+                proxy.pass_through()
+                await free_for(other, "release")
+                assert not victim.held
+                assert_session_state_clean(victim)
+
+
+async def test_native_cancels_at_random_moments_of_acquire_release_and_exit_strand_nothing(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    """400 cycles: 1-3 ``Task.cancel()`` (or an ``asyncio.timeout``) at random moments of a
+    take, a wait behind another holder, a body, a release and an ``async with`` exit. After
+    every cycle another client gets the lock within 100 ms of the cancelled task ending; in the
+    end nothing is left: no znode, no session state, no task, no connection."""
+    rng = random.Random(15)
+    url = f"{zookeeper_server.url}{chroot}"
+    connections_before = alive_connections(zookeeper_server)
+    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+        # Both clients open their 10 s sessions (and the tasks that run them) before counting.
+        started = anyio.current_time()
+        await (await locks.acquire("c", ttl=10)).release()
+        cycle_time = anyio.current_time() - started
+        await (await other.acquire("c", ttl=10)).release()
+        tasks_before = asyncio.all_tasks()
+        waited: list[float] = []
+        kinds: collections.Counter[str] = collections.Counter()
+        for cycle in range(400):
+            mode = ("with", "acquire", "waiter", "timeout")[cycle % 4]
+            blocker = await other.acquire("c", ttl=10) if mode == "waiter" else None
+            body = rng.uniform(0, cycle_time)
+
+            async def victim(mode: str = mode, body: float = body) -> None:
+                if mode == "acquire":
+                    lease = await locks.acquire("c", ttl=10)
+                    try:
+                        await asyncio.sleep(body)
+                    finally:
+                        await lease.release()
+                elif mode == "timeout":
+                    async with asyncio.timeout(rng.uniform(0, 2 * cycle_time)):
+                        async with locks.lock("c", ttl=10):
+                            await asyncio.sleep(body)
+                else:
+                    async with locks.lock("c", ttl=10):
+                        await asyncio.sleep(body)
+
+            task = asyncio.create_task(victim())
+            cancels = rng.choice((0, 1, 2)) if mode == "timeout" else rng.choice((1, 2, 3))
+            for _ in range(cancels):
+                await asyncio.sleep(rng.uniform(0, 1.5 * cycle_time))
+                if mode == "waiter" and rng.random() < 0.5:
+                    await blocker.release()  # type: ignore[union-attr]  # hand over meanwhile
+                task.cancel()
+            try:
+                await task
+                kinds["finished"] += 1
+            except (asyncio.CancelledError, TimeoutError) as error:
+                kinds[type(error).__name__] += 1
+            if blocker is not None:
+                await blocker.release()
+            try:
+                waited.append(await free_for(other, "c"))
+            except AssertionError as error:
+                left = await children(admin, f"{chroot}/c")
+                raise AssertionError(
+                    f"cycle {cycle} ({mode}, {cancels} cancels): {left}"
+                ) from error
+        await anyio.sleep(0.05)
+        assert [task for task in asyncio.all_tasks() - tasks_before if not task.done()] == []
+        assert not locks.held
+        assert_session_state_clean(locks)
+        assert await children(admin, f"{chroot}/c") == []
+    # Every outcome happened (a cancel can also come too late to matter).
+    assert kinds["CancelledError"] > 100 and kinds["TimeoutError"] > 10, kinds
+    assert sorted(waited)[-1] < 0.1
+
+    async def connections_closed() -> bool:
+        return alive_connections(zookeeper_server) <= connections_before
+
+    await until(connections_closed, 2)
+    assert await znodes_under(admin, chroot) == []
 
 
 # -- order -----------------------------------------------------------------------------------
