@@ -81,6 +81,10 @@ DEFAULT_URL = "sqlite:///tmp/asynclock.db"
 
 
 def _group_exists(pgid: int) -> bool:
+    """Whether process group ``pgid`` has live members (zombies an init is slow to reap not)."""
+    members = _group_members(pgid)
+    if members is not None:
+        return bool(members)
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -270,8 +274,8 @@ def _end_group(child: subprocess.Popen[bytes] | None, wait: float, *, with_self:
     """
     group = os.getpgid(0)
 
-    def done() -> bool:
-        return (child is None or child.poll() is not None) and _group_members(group) == []
+    def done() -> bool:  # without /proc, only the child is known
+        return (child is None or child.poll() is not None) and not _group_members(group)
 
     if done():
         return
