@@ -353,9 +353,7 @@ class LockClient:
                     except AcquireTimeout:
                         raise AcquireTimeout(name, timeout or 0.0) from None
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    for lease in reversed(taken):
-                        await lease.release()
+                await release_all(taken)  # finishes whatever cancels us
                 raise
             return taken
 

@@ -237,12 +237,12 @@ async def test_native_cancellation_at_random_moments_strands_nothing(
 ) -> None:
     ttl = backend.ttl * 10
     rng = random.Random(1234)
+    tasks_before = asyncio.all_tasks()
     async with backend.connect() as locks, backend.connect() as other:
         started = anyio.current_time()
         lease = await locks.acquire(name, ttl=ttl)
         await lease.release()
         round_trip = max(anyio.current_time() - started, 0.0005)
-        tasks_before = asyncio.all_tasks()
         stranded: list[str] = []
         waited: list[float] = []
         for cycle in range(CANCEL_CYCLES):
@@ -283,10 +283,11 @@ async def test_native_cancellation_at_random_moments_strands_nothing(
                     await wait_until_free(backend, other, name, within=ttl * 2)
                     break
                 await anyio.sleep(0.005)
-        await anyio.sleep(0.05)
-        left_running = [
-            task.get_name() for task in asyncio.all_tasks() - tasks_before if not task.done()
-        ]
+    # Closing the clients ended every task they started (sessions, watches, retries).
+    await anyio.sleep(0.05)
+    left_running = [
+        task.get_name() for task in asyncio.all_tasks() - tasks_before if not task.done()
+    ]
     report(
         "native_cancel",
         backend,
