@@ -6,7 +6,10 @@ Imported only by those two backends, so redis-py is loaded only when one of them
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -29,6 +32,8 @@ from .._errors import (
     InvalidURL,
 )
 from .._validate import Options
+
+logger = logging.getLogger("asynclock")
 
 #: Key prefix used when the ``prefix`` option is not given.
 DEFAULT_PREFIX: Final = "asynclock:"
@@ -64,7 +69,9 @@ def lock_key(prefix: str, name: str) -> str:
 
 
 def token_key(prefix: str, name: str) -> str:
-    """The fencing counter of ``name``; it never expires, so tokens keep increasing."""
+    """The fencing counter of ``name``; it never expires, so tokens keep increasing. The take
+    starts a missing one from the server's clock in microseconds (see ``next_token`` in
+    :data:`TAKE`), so a counter lost in a restart does not hand out old tokens again."""
     return f"{prefix}{TOKEN_TAG}{name}"
 
 
@@ -120,6 +127,25 @@ return out
 """
 )
 
+#: Which locks are still ours (after a restart, say), changing nothing. KEYS: lock keys. ARGV:
+#: owner ids, one each. Returns one code per key, as :data:`RENEW` does.
+HELD: Final = Script(
+    """
+local out = {}
+for i = 1, #KEYS do
+  local holder = redis.call('GET', KEYS[i])
+  if holder == ARGV[i] then
+    out[i] = 1
+  elseif holder then
+    out[i] = -1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+)
+
 #: Redlock's take on one master. KEYS: lock key. ARGV: owner id, ttl in ms.
 #: Returns {1, 0} when the lock is ours now, {0, pttl of the holder} otherwise.
 REDLOCK_TAKE: Final = Script(
@@ -158,6 +184,18 @@ local owner, wake, waiter_ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local function server_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The next fencing token. A counter the server does not have (a restart without persistence, an
+-- eviction, a new name) starts from the server's clock in microseconds, so it begins above every
+-- token handed out before for this name, as long as the clock does not go back and there were
+-- fewer acquisitions than microseconds. Below 2^53, so exact in a Lua number.
+local function next_token()
+  if redis.call('EXISTS', counter) == 0 then
+    local t = redis.call('TIME')
+    redis.call('SET', counter, string.format('%d', tonumber(t[1]) * 1000000 + tonumber(t[2])))
+  end
+  return redis.call('INCR', counter)
 end
 
 -- Forget waiters whose place expired (their process died or stalled).
@@ -204,14 +242,14 @@ if not holder and redis.call('EXISTS', queue) == 0 then
   -- Free and nobody waits: the common case, without reading the clock.
   redis.call('SET', lock, owner, 'PX', ttl)
   redis.call('DEL', wake .. owner)
-  return {1, redis.call('INCR', counter)}
+  return {1, next_token()}
 end
 local now = server_ms()
 prune(now)
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
 if not holder and (not head or head == owner) then
   redis.call('SET', lock, owner, 'PX', ttl)
-  local token = redis.call('INCR', counter)
+  local token = next_token()
   redis.call('DEL', wake .. owner)
   if head then
     redis.call('ZREM', queue, owner)
@@ -429,6 +467,49 @@ def pack(args: Sequence[str | int | float | bytes]) -> bytes:
 
 #: Idle connections a lane keeps; more are closed when their call ends.
 _MAX_IDLE = 16
+#: A timeout that fires this long after its deadline fired late: the event loop was stalled (the
+#: process was paused, or something blocked the loop), and a reply may be waiting unread.
+LATE_TIMER: Final = 0.02
+#: How long a call whose timeout fired late may still read what arrived meanwhile.
+LATE_GRACE: Final = 0.1
+#: How long a connection with an interrupted call and its undo behind it is kept to read their
+#: replies (and be reused) before it is closed; the server runs both in order either way.
+_DRAIN_FOR = 30.0
+
+
+class Undo:
+    """What a :class:`Lane` sends after a call that was interrupted with its command in flight.
+
+    A command whose reply did not come in time, or whose caller was cancelled after it was
+    sent, may still run on the server. The lane then writes ``args`` on the *same* connection,
+    right behind it and without an await, so the server runs the undo after the command, in
+    that order, whenever it gets to them (also after a freeze), and nothing can cancel it.
+    ``sent`` tells whether the command was written at least once (it may have run), ``queued``
+    whether the undo went out behind it (then nothing is left to clean up).
+    """
+
+    __slots__ = ("args", "queued", "sent")
+
+    def __init__(self, *args: str | int | float | bytes) -> None:
+        self.args = args
+        self.sent = False
+        self.queued = False
+
+
+def _write(conn: AbstractConnection, packed: bytes) -> None:
+    """Hand ``packed`` to the transport, without an await (nothing can cut it in half)."""
+    writer = conn._writer
+    if writer is None or writer.transport.is_closing():
+        raise redis.exceptions.ConnectionError("the connection was closed")
+    writer.write(packed)
+
+
+def _usable(conn: AbstractConnection) -> bool:
+    """An idle connection that the server (or a proxy) has not closed meanwhile."""
+    reader, writer = conn._reader, conn._writer
+    if reader is None or writer is None or writer.transport.is_closing():
+        return False
+    return not reader.at_eof() and reader.exception() is None
 
 
 class Lane:
@@ -439,10 +520,16 @@ class Lane:
     round trips. A lane keeps idle connections in a list (last used first) and opens another
     when all are busy, so concurrent calls never wait for each other.
 
-    A connection that fails or is cancelled in mid-call is closed (redis-py closes it on any
-    error while reading) and never reused, so a late reply cannot reach the wrong caller. A call
-    that fails on a connection error is retried once on a fresh connection: every script here is
-    idempotent for its owner id, so running it twice is safe.
+    A connection that fails or is cancelled in mid-call is closed and never reused, so a late
+    reply cannot reach the wrong caller (or, with an :class:`Undo`, it is reused only after both
+    replies were read). An idle connection the server closed meanwhile (``CLIENT KILL``, a
+    restart, a proxy reset) is dropped when it is next picked. A call that fails on a
+    connection error is retried once on a fresh connection: every script here is idempotent for
+    its owner id, so running it twice is safe.
+
+    Timeouts are the lane's own, not the driver's: one that fires late (the loop was stalled, for
+    example by a paused process) lets the call read a reply that arrived meanwhile, for
+    :data:`LATE_GRACE` seconds, before it counts as a timeout.
     """
 
     def __init__(self, pool: redis.asyncio.ConnectionPool, op_timeout: float) -> None:
@@ -450,6 +537,7 @@ class Lane:
         self._op_timeout = op_timeout
         self._idle: list[AbstractConnection] = []
         self._every: set[AbstractConnection] = set()
+        self._drains: set[asyncio.Task[None]] = set()
         self._closed = False
 
     @property
@@ -457,93 +545,174 @@ class Lane:
         """Open connections (idle and busy)."""
         return sum(1 for conn in self._every if conn.is_connected)
 
-    def _checkout(self) -> AbstractConnection:
-        if self._closed:
-            raise redis.exceptions.ConnectionError("the lock backend is closed")
-        if self._idle:
-            return self._idle.pop()
-        conn: AbstractConnection = self._pool.make_connection()  # type: ignore[no-untyped-call]
-        self._every.add(conn)
-        return conn
+    @property
+    def draining(self) -> int:
+        """Connections that still wait for the replies of an interrupted call and its undo."""
+        return len(self._drains)
 
-    async def _drop(self, conn: AbstractConnection) -> None:
+    def _idle_connection(self) -> AbstractConnection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if _usable(conn):
+                return conn
+            self._discard(conn)
+        return None
+
+    def _discard(self, conn: AbstractConnection) -> None:
+        """Close ``conn`` now, without an await (so no cancellation can keep it open)."""
         self._every.discard(conn)
-        if conn.is_connected:
-            with anyio.CancelScope(shield=True):
-                await conn.disconnect(nowait=True)
+        if conn._writer is not None:
+            conn._writer.close()
+        conn._reader = conn._writer = None
 
-    async def call(self, *args: str | int | float | bytes, timeout: float | None = None) -> Any:
+    async def _open(self, conn: AbstractConnection) -> None:
+        # The handshake (AUTH, CLIENT SETNAME, SELECT) reads replies with no socket timeout of
+        # its own: bound it, or a frozen server would hold us for ever.
+        with anyio.CancelScope(deadline=anyio.current_time() + self._op_timeout) as scope:
+            await conn.connect()  # type: ignore[no-untyped-call]
+            return
+        late = anyio.current_time() - scope.deadline > LATE_TIMER
+        # Fired late: a stalled loop, not a slow server. The state of the half-done handshake is
+        # unknown, so it is not resumed; the caller gets a connection error and tries a new one.
+        kind = redis.exceptions.ConnectionError if late else redis.exceptions.TimeoutError
+        raise kind(f"no reply to the connection handshake within {self._op_timeout:g} s")
+
+    async def _read(self, conn: AbstractConnection, limit: float) -> Any:
+        # disconnect_on_error=False: an interrupted read leaves the connection and hiredis's
+        # buffer as they were (its only await is the socket read), so it can be read again.
+        if limit == math.inf:
+            return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+        with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+            return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+        if anyio.current_time() - scope.deadline > LATE_TIMER:
+            # The timer ran well after its deadline, after a stall in which the reply may well
+            # have come: it is in the socket, just not read yet. Read what has arrived.
+            with anyio.move_on_after(LATE_GRACE):
+                return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+        raise redis.exceptions.TimeoutError(f"no reply within {limit:g} s")
+
+    async def call(
+        self,
+        *args: str | int | float | bytes,
+        timeout: float | None = None,
+        undo: Undo | None = None,
+    ) -> Any:
         """Send one command and return its reply.
 
         The reply must come within ``timeout`` seconds (``op_timeout`` by default; ``math.inf``
-        waits for ever, for blocking commands that the caller bounds).
+        waits for ever, for blocking commands that the caller bounds). With ``undo``, a call
+        interrupted after its command went out (timeout, cancellation) writes the undo behind
+        it on the same connection before the error propagates (see :class:`Undo`).
         """
+        if self._closed:
+            raise redis.exceptions.ConnectionError("the lock backend is closed")
         limit = self._op_timeout if timeout is None else timeout
+        packed = pack(args)
         for attempt in (1, 2):
-            conn = self._checkout()
-            if not conn.is_connected:
+            # The retry always opens a new connection: the idle ones may all be dead alike.
+            conn = self._idle_connection() if attempt == 1 else None
+            if conn is None:
+                conn = self._pool.make_connection()  # type: ignore[no-untyped-call]
+                self._every.add(conn)
                 try:
-                    # The handshake (AUTH, CLIENT SETNAME, SELECT) reads replies with no socket
-                    # timeout of its own: bound it, or a frozen server would hold us for ever.
-                    with anyio.fail_after(self._op_timeout):
-                        await conn.connect()  # type: ignore[no-untyped-call]
+                    await self._open(conn)
                 except redis.exceptions.ConnectionError:
-                    await self._drop(conn)
+                    self._discard(conn)
                     if attempt == 2 or self._closed:
                         raise
                     continue
                 except BaseException:
                     # Half set up (an error reply to SELECT, say): never to be used.
-                    await self._drop(conn)
+                    self._discard(conn)
                     raise
+            sent = False
             try:
-                await conn.send_packed_command(pack(args), check_health=False)
-                reply = await conn.read_response(timeout=limit)
+                _write(conn, packed)
+                sent = True
+                if undo is not None:
+                    undo.sent = True
+                reply = await self._read(conn, limit)
             except redis.exceptions.ResponseError:
-                await self._checkin(conn)  # an error reply: the connection itself is fine
+                self._checkin(conn)  # an error reply: the connection itself is fine
                 raise
             except redis.exceptions.ConnectionError:
-                await self._drop(conn)
+                self._discard(conn)
                 if attempt == 2 or self._closed:
                     raise
                 continue
             except BaseException:
-                await self._drop(conn)
+                # No reply in time, or cancelled: the command may still run on the server.
+                if not (sent and undo is not None and self._queue_undo(conn, undo)):
+                    self._discard(conn)
                 raise
-            if reply is None and limit != math.inf:
-                # read_response gives None when *our* timeout passed; the reply may still come,
-                # so this connection can never be used again.
-                await self._drop(conn)
-                raise redis.exceptions.TimeoutError(f"no reply within {limit:g} s")
-            await self._checkin(conn)
+            self._checkin(conn)
             return reply
         raise AssertionError("unreachable")
 
-    async def _checkin(self, conn: AbstractConnection) -> None:
+    def _queue_undo(self, conn: AbstractConnection, undo: Undo) -> bool:
+        writer = conn._writer
+        if writer is None or writer.transport.is_closing() or self._closed:
+            return False
+        writer.write(pack(undo.args))
+        undo.queued = True
+        task = asyncio.get_running_loop().create_task(self._drain(conn, 2))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+        return True
+
+    async def _drain(self, conn: AbstractConnection, replies: int) -> None:
+        """Read the replies of an interrupted call and its undo, then reuse the connection."""
+        try:
+            with anyio.move_on_after(max(_DRAIN_FOR, self._op_timeout)):
+                for _ in range(replies):
+                    # An error reply (NOSCRIPT, say) is a whole reply too.
+                    with contextlib.suppress(redis.exceptions.ResponseError):
+                        await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+                self._checkin(conn)
+                return
+        except Exception as exc:
+            logger.debug("asynclock: reading the replies of an undone call: %r", exc)
+        finally:
+            if conn in self._every and conn not in self._idle:
+                self._discard(conn)
+
+    def _checkin(self, conn: AbstractConnection) -> None:
         if len(self._idle) < _MAX_IDLE and not self._closed:
             self._idle.append(conn)
         else:
             # A burst of waiters (one connection each) is over: do not keep them all.
-            await self._drop(conn)
+            self._discard(conn)
 
-    async def script(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+    async def script(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        undo: Undo | None = None,
+    ) -> Any:
         """``EVALSHA``, loading the script first if the server does not know it (a restart
         flushes scripts)."""
         try:
-            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args)
+            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args, undo=undo)
         except redis.exceptions.NoScriptError:
             await self.call("SCRIPT", "LOAD", script.text)
-            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args)
+            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args, undo=undo)
 
     async def aclose(self) -> None:
         """Close every connection, busy ones included (their callers get a connection error)."""
         self._closed = True
         self._idle.clear()
+        drains, self._drains = self._drains, set()
+        for task in drains:
+            task.cancel()
         every, self._every = self._every, set()
-        with anyio.CancelScope(shield=True):
-            for conn in every:
-                if conn.is_connected:
-                    await conn.disconnect(nowait=True)
+        for conn in every:
+            if conn._writer is not None:
+                conn._writer.close()
+            conn._reader = conn._writer = None
+        if drains:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                await asyncio.wait(drains)
 
 
 def parse_address(text: str, url: str, example: str) -> Address:

@@ -19,19 +19,28 @@ a restart or eviction could lose counters or locks.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import math
 import random
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Self
 from urllib.parse import urlsplit
 
 import anyio
 import redis.exceptions
 
-from .._errors import BackendUnavailable, InvalidURL, UnsupportedFeature, map_exceptions
+from .._errors import (
+    BackendTimeout,
+    BackendUnavailable,
+    InvalidURL,
+    UnsupportedFeature,
+    map_exceptions,
+)
 from .._registry import redact
+from .._shield import finish
 from .._validate import Options
 from ..abc import (
     Backend,
@@ -89,9 +98,16 @@ class RedisBackend(Backend[Grant]):
         self.durability_warning = durability_warning
         self._waiter_ttl_ms = max(1, lua.ttl_ms(waiter_ttl))
         self._wake_prefix = lua.wake_prefix(settings.prefix)
+        self._pool: redis.asyncio.ConnectionPool | None = None
         self._lane: lua.Lane | None = None
         self._closed = False
         self._server_info: dict[str, str] = {}
+        #: The server's run id (a new one at every start), if INFO may be read.
+        self._run_id: str | None = None
+        #: Leases granted and not released, by owner id: told at once when a restart lost them.
+        self._held: dict[str, tuple[Grant, Callable[[str], None]]] = {}
+        #: Background work: the restart watcher, clean-ups that wait for the server to answer.
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- construction ------------------------------------------------------------------------
 
@@ -168,7 +184,8 @@ class RedisBackend(Backend[Grant]):
     async def open(self) -> None:
         if self._lane is not None or self._closed:
             raise RuntimeError("a RedisBackend can be opened once")
-        lane = self._lane = lua.Lane(self.settings.pool(self.address), self.settings.op_timeout)
+        pool = self._pool = self.settings.pool(self.address)
+        lane = self._lane = lua.Lane(pool, self.settings.op_timeout)
         try:
             with map_exceptions(
                 lua.ERRORS,
@@ -178,12 +195,13 @@ class RedisBackend(Backend[Grant]):
                 await lane.call("PING")
                 await self._inspect_server(lane)
                 # Load the scripts now, so that the first acquire costs one round trip.
-                for script in (lua.TAKE, lua.RELEASE, lua.LEAVE, lua.RENEW):
+                for script in (lua.TAKE, lua.RELEASE, lua.LEAVE, lua.RENEW, lua.HELD):
                     await lane.call("SCRIPT", "LOAD", script.text)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
             raise
+        self._spawn(self._watch_restarts())
 
     async def _inspect_server(self, lane: lua.Lane) -> None:
         """Check the version, and warn when the server can lose counters or held locks."""
@@ -193,6 +211,8 @@ class RedisBackend(Backend[Grant]):
             info = ""  # INFO disabled by ACL or rename-command: nothing to check
         for line in info.splitlines():
             key, _, value = line.partition(":")
+            if key == "run_id":
+                self._run_id = value.strip()
             if key == "redis_version":
                 self._server_info["redis_version"] = value.strip()
                 numbers = tuple(int(part) for part in value.split(".")[:2] if part.isdigit())
@@ -239,9 +259,82 @@ class RedisBackend(Backend[Grant]):
 
     async def aclose(self) -> None:
         self._closed = True
+        self._held.clear()
+        tasks, self._tasks = self._tasks, set()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                await asyncio.wait(tasks)
         lane, self._lane = self._lane, None
         if lane is not None:
             await lane.aclose()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in a task of its own until it ends or the backend closes."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_restarts(self) -> None:
+        """Hold one idle connection and learn at once when it ends: the server went away
+        (restart, kill) or dropped it. After a restart (a new run id, or no run id to compare)
+        every lease whose key is gone is reported lost now, not at its next renewal."""
+        assert self._pool is not None
+        first, pause = True, 0.05
+        while not self._closed:
+            conn = self._pool.make_connection()  # type: ignore[no-untyped-call]
+            try:
+                with anyio.fail_after(self.settings.op_timeout):
+                    await conn.connect()
+                    await conn.send_packed_command(lua.pack(("INFO", "server")), False)
+                    try:
+                        info = lua.as_text(await conn.read_response(timeout=math.inf))
+                    except redis.exceptions.ResponseError:
+                        info = ""  # INFO refused (ACL): every reconnect is then checked
+                run_id = next(
+                    (
+                        line.partition(":")[2].strip()
+                        for line in info.splitlines()
+                        if line.startswith("run_id:")
+                    ),
+                    None,
+                )
+                restarted = not first and (run_id is None or run_id != self._run_id)
+                if run_id is not None and run_id != self._run_id:
+                    restarted = restarted or self._run_id is not None
+                    self._run_id = run_id
+                first, pause = False, 0.05
+                if restarted and self._held:
+                    await self._report_lost_after_restart()
+                # Nothing is ever sent on this connection again: this read ends only when the
+                # connection does.
+                await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+            except Exception as exc:
+                logger.debug("asynclock: restart watcher of %s: %r", self.describe(), exc)
+            finally:
+                if conn._writer is not None:
+                    conn._writer.close()
+                conn._reader = conn._writer = None
+            await anyio.sleep(pause)
+            pause = min(0.5, pause * 2)
+
+    async def _report_lost_after_restart(self) -> None:
+        held = list(self._held.values())
+        reply = await self._script(
+            lua.HELD,
+            [self.lock_key(grant.name) for grant, _ in held],
+            [grant.owner for grant, _ in held],
+            f"checking {len(held)} lock(s) after a restart",
+        )
+        for (grant, on_lost), code in zip(held, lua.codes(reply, len(held)), strict=True):
+            if code == 1 or grant.owner not in self._held:
+                continue  # kept (the server has persistence), or released meanwhile
+            what = "is gone" if code == 0 else "is held by another owner"
+            on_lost(
+                f"{self.describe()} restarted and the key of lock {grant.name!r} {what} "
+                "(a restart without persistence forgets every lock)"
+            )
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -279,26 +372,45 @@ class RedisBackend(Backend[Grant]):
             waiters=int(waiters),
         )
 
-    async def _take_once(self, request: LockRequest, mode: str) -> tuple[Grant | None, int]:
-        ms = lua.ttl_ms(request.ttl)
-        sent_at = anyio.current_time()
-        reply = await self._script(
-            lua.TAKE,
-            self._keys(request.name),
-            [request.owner, self._wake_prefix, self._waiter_ttl_ms, ms, mode],
-            f"taking lock {request.name!r}",
+    def _undo_for(self, request: LockRequest) -> lua.Undo:
+        """LEAVE for ``request``, sent as plain EVAL (it must not depend on the script cache)."""
+        return lua.Undo(
+            "EVAL",
+            lua.LEAVE.text,
+            4,
+            *self._keys(request.name),
+            request.owner,
+            self._wake_prefix,
+            self._waiter_ttl_ms,
         )
+
+    async def _take_once(
+        self, request: LockRequest, mode: str, undo: lua.Undo
+    ) -> tuple[Grant | None, int]:
+        ms = lua.ttl_ms(request.ttl)
+        lane = self._connected()
+        sent_at = anyio.current_time()
+        with map_exceptions(lua.ERRORS, f"taking lock {request.name!r} on {self.describe()}"):
+            reply = await lane.script(
+                lua.TAKE,
+                self._keys(request.name),
+                [request.owner, self._wake_prefix, self._waiter_ttl_ms, ms, mode],
+                undo,
+            )
         taken, value = lua.codes(reply, 2)
         if taken:
-            return Grant(request.name, request.owner, value, sent_at, ms / 1000), 0
+            grant = Grant(request.name, request.owner, value, sent_at, ms / 1000)
+            self._held[grant.owner] = (grant, request.on_lost)
+            return grant, 0
         return None, value
 
     async def try_acquire(self, request: LockRequest) -> Grant | None:
+        undo = self._undo_for(request)
         try:
-            grant, _ = await self._take_once(request, "try")
-        except BaseException:
+            grant, _ = await self._take_once(request, "try", undo)
+        except BaseException as exc:
             # Cancelled or failed with the take in flight: it may have run. Undo it.
-            await self._undo(request)
+            await self._clean_up(request, undo, exc)
             raise
         return grant
 
@@ -306,10 +418,11 @@ class RedisBackend(Backend[Grant]):
         lane = self._connected()
         wake_key = f"{self._wake_prefix}{request.owner}"
         refresh = self.waiter_ttl / 3.0
+        undo = self._undo_for(request)
         try:
             while True:
                 # Joins the queue (or refreshes our place) when the lock is not ours yet.
-                grant, hint_ms = await self._take_once(request, "wait")
+                grant, hint_ms = await self._take_once(request, "wait", undo)
                 if grant is not None:
                     return grant
                 if hint_ms >= 0:
@@ -319,38 +432,79 @@ class RedisBackend(Backend[Grant]):
                 else:
                     wait = refresh * random.uniform(0.8, 1.0)
                 wait = max(wait, 0.001)
-                with map_exceptions(lua.ERRORS, f"waiting for lock {request.name!r}"):
-                    with anyio.fail_after(wait + self.settings.op_timeout):
-                        await lane.call("BLPOP", wake_key, f"{wait:.3f}", timeout=math.inf)
-        except BaseException:
-            await self._undo(request)
+                with map_exceptions(
+                    lua.ERRORS, f"waiting for lock {request.name!r} on {self.describe()}"
+                ):
+                    await lane.call(
+                        "BLPOP", wake_key, f"{wait:.3f}", timeout=wait + self.settings.op_timeout
+                    )
+        except BaseException as exc:
+            await self._clean_up(request, undo, exc)
             raise
 
-    async def _undo(self, request: LockRequest) -> None:
-        """Leave nothing behind after an interrupted or failed acquire (shielded, bounded)."""
-        problem: object = None
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(2 * self.settings.op_timeout) as scope:
-                try:
-                    await self._script(
-                        lua.LEAVE,
-                        self._keys(request.name),
-                        [request.owner, self._wake_prefix, self._waiter_ttl_ms],
-                        f"cleaning up after an acquire of {request.name!r}",
-                    )
-                except Exception as exc:
-                    problem = exc
-            if scope.cancelled_caught:
-                problem = "no answer in time"
-        if problem is not None:
-            logger.warning(
-                "asynclock: could not clean up after an interrupted acquire of %r on %s (%s); "
-                "the server drops what is left within %g s",
-                request.name,
-                self.describe(),
-                problem,
-                max(request.ttl, self.waiter_ttl),
-            )
+    async def _clean_up(self, request: LockRequest, undo: lua.Undo, error: BaseException) -> None:
+        """Leave nothing behind after an interrupted or failed acquire.
+
+        A take interrupted in flight has its undo queued behind it on its own connection
+        already (the server runs the two in order, whenever it gets to them): nothing to do.
+        Otherwise (interrupted while waiting, or the connection failed), LEAVE is sent now,
+        surviving any cancellation, or, when the server does not answer, in the background
+        until it does; it never holds the caller for longer than one ``op_timeout``.
+        """
+        if not undo.sent or undo.queued:
+            return
+        if isinstance(error, BackendTimeout | TimeoutError):
+            # The server did not answer in time: do not wait for it a second time.
+            self._leave_later(request)
+            return
+        await finish(
+            functools.partial(self._leave, request),
+            timeout=self.settings.op_timeout,
+            what=f"cleaning up after an acquire of {request.name!r} on {self.describe()}",
+            unfinished=functools.partial(self._leave_later, request),
+        )
+
+    async def _leave(self, request: LockRequest) -> None:
+        try:
+            await self._leave_once(request)
+        except Exception:
+            self._leave_later(request)
+
+    async def _leave_once(self, request: LockRequest) -> None:
+        await self._script(
+            lua.LEAVE,
+            self._keys(request.name),
+            [request.owner, self._wake_prefix, self._waiter_ttl_ms],
+            f"cleaning up after an acquire of {request.name!r}",
+        )
+
+    def _leave_later(self, request: LockRequest) -> None:
+        if self._closed:
+            return
+        self._spawn(self._keep_leaving(request))
+
+    async def _keep_leaving(self, request: LockRequest) -> None:
+        # Past this, whatever the acquire left has expired on the server by itself.
+        keep = max(request.ttl, self.waiter_ttl) + self.settings.op_timeout
+        give_up = anyio.current_time() + keep
+        pause, problem = 0.05, None
+        while anyio.current_time() < give_up:
+            try:
+                await self._leave_once(request)
+            except Exception as exc:
+                problem = exc
+            else:
+                return
+            await anyio.sleep(pause)
+            pause = min(1.0, pause * 2)
+        logger.warning(
+            "asynclock: could not clean up after an interrupted acquire of %r on %s (%s); "
+            "the server drops what is left within %g s",
+            request.name,
+            self.describe(),
+            problem,
+            keep,
+        )
 
     async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
         if not grants:
@@ -378,6 +532,7 @@ class RedisBackend(Backend[Grant]):
         return outcomes
 
     async def release(self, grant: Grant) -> None:
+        self._held.pop(grant.owner, None)
         await self._script(
             lua.RELEASE,
             self._keys(grant.name),

@@ -21,6 +21,7 @@ from asynclock.abc import LockRequest, Lost
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning
 from asynclock.testing import FaultProxy, RedisServer, free_port
+from tests.contract.backend_redis import redis_leftovers
 
 pytestmark = pytest.mark.anyio
 
@@ -55,6 +56,13 @@ def connect(server: RedisServer | str, prefix: str, **options: Any) -> asynclock
     url = server if isinstance(server, str) else server.url
     options.setdefault("durability_warning", False)
     return asynclock.connect(url, prefix=prefix, **options)
+
+
+def lane_of(locks: asynclock.LockClient) -> lua.Lane:
+    backend = locks._backend
+    assert isinstance(backend, RedisBackend)
+    assert backend._lane is not None
+    return backend._lane
 
 
 async def queue_length(raw: redis.asyncio.Redis, prefix: str, name: str) -> int:
@@ -137,8 +145,16 @@ def test_bad_options_raise_invalid_argument_naming_the_option(
 
 async def test_ttl_below_a_millisecond_is_refused(redis_server: RedisServer, prefix: str) -> None:
     async with connect(redis_server, prefix) as locks:
-        with pytest.raises(asynclock.InvalidArgument, match="milliseconds"):
+        # The core's minimum (a lease must outlast a round trip and the margin) comes first.
+        with pytest.raises(asynclock.InvalidArgument, match=r"too short .* the minimum is 0.1 s"):
             await locks.try_acquire("x", ttl=0.0004)
+        assert locks._backend.min_ttl == 0.1
+    # Redis's own check still stands behind it: PX takes whole milliseconds, so a ttl that
+    # would round down to 0 ms (or a core minimum below 1 ms one day) is refused by name.
+    backend = RedisBackend.from_url(redis_server.url, {})
+    with pytest.raises(asynclock.InvalidArgument, match="whole milliseconds"):
+        backend.check_ttl(0.0004)
+    backend.check_ttl(0.001)  # one millisecond is what PX can express
 
 
 # -- connecting -------------------------------------------------------------------------------
@@ -335,7 +351,7 @@ async def test_rediss_locks_over_tls_and_refuses_an_unknown_certificate(
     async with connect(url, prefix, ssl_ca_certs=str(ca)) as locks:
         assert locks._backend.describe() == url
         async with locks.lock("tls", ttl=5) as lease:
-            assert lease.token == 1
+            assert lease.token >= 1
     # Without our CA the server's certificate cannot be verified.
     with pytest.raises(asynclock.BackendUnavailable, match="certificate"):
         async with connect(url, prefix):
@@ -416,6 +432,37 @@ async def test_renewing_many_locks_is_one_script_call_per_interval(
 # -- loss of the lease ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kill", ["CLIENT KILL", "proxy reset"])
+async def test_pooled_connections_killed_between_holds_cost_the_next_acquire_nothing(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str, kill: str
+) -> None:
+    client_name = f"pool-{uuid.uuid4().hex[:6]}"
+    async with FaultProxy(redis_server.host, redis_server.port) as proxy:
+        async with connect(f"redis://{proxy.address}/0", prefix, client_name=client_name) as locks:
+
+            async def hold() -> None:
+                async with locks.lock(name, ttl=5, timeout=5):
+                    await anyio.sleep(0.01)
+
+            for _ in range(2):
+                # Tasks that wait concurrently leave several idle connections in the pool.
+                async with anyio.create_task_group() as tg:
+                    for _ in range(4):
+                        tg.start_soon(hold)
+                assert lane_of(locks).connections >= 3
+                if kill == "CLIENT KILL":
+                    assert await kill_connections(raw, client_name) >= 3
+                else:
+                    proxy.reset()
+                await anyio.sleep(0.05)  # the closes have reached the client
+                # Every idle connection is dead: the next calls go over new ones, silently.
+                lease = await locks.try_acquire(name, ttl=5)
+                assert lease is not None
+                await lease.release()
+                async with locks.lock(name, ttl=5, timeout=5) as held:
+                    assert not held.lost
+
+
 async def test_client_kill_reconnects_and_keeps_a_lock_still_held(
     redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
@@ -447,21 +494,48 @@ async def test_client_kill_with_the_key_gone_is_found_out_after_reconnecting(
     assert info.value.name == name
 
 
-async def test_a_restart_without_persistence_loses_the_lease_and_the_counter(
+async def test_a_restart_without_persistence_ends_the_lease_at_once_and_tokens_keep_rising(
     own_server: RedisServer, prefix: str, name: str
 ) -> None:
-    """What the durability warning is about, shown: after a restart with --appendonly no the
-    renewal (reloading its flushed script) proves the lease gone, and tokens start again."""
-    async with connect(own_server, prefix) as locks:
+    """A Redis without AOF forgets locks and counters when it restarts. The client notices the
+    restart at once (its watching connection ends, the run id changed, the key is gone) and
+    ends the lease then, not at its next renewal (ttl / 3 = 10 s here); and the counter, gone
+    too, starts again from the server's clock, above every token handed out before."""
+    async with connect(own_server, prefix) as locks, connect(own_server, prefix) as other:
         lease = await locks.acquire(name, ttl=30)
-        assert lease.token == 1
-        own_server.restart()
-        (outcome,) = await locks._backend.renew([lease.grant])
-        assert isinstance(outcome, Lost)
-        assert "is gone" in outcome.reason
-        again = await locks.acquire(name, ttl=30)
-        # The same token a second time: a guard that saw the first refuses this holder.
-        assert again.token == 1
+        before = lease.token
+        await anyio.to_thread.run_sync(own_server.restart)
+        restarted = anyio.current_time()
+        with anyio.fail_after(5):
+            reason = await lease.wait_lost()
+        noticed = anyio.current_time() - restarted
+        assert noticed < 1.5, f"loss reported {noticed:.2f} s after the restart"
+        assert "restarted" in reason
+        assert "is gone" in reason
+        # The other client takes the free lock with a larger token: no guard can confuse them.
+        again = await other.acquire(name, ttl=30, timeout=5)
+        assert again.token > before
+        assert again.token < 2**53
+        await again.release()
+        await lease.release()  # already gone: quietly nothing
+
+
+async def test_a_missing_counter_starts_from_the_server_clock(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as locks:
+        first = await locks.acquire(name, ttl=5)
+        await first.release()
+        seconds, micros = await raw.time()
+        assert abs(first.token - (seconds * 1_000_000 + micros)) < 5_000_000
+        second = await locks.acquire(name, ttl=5)
+        assert second.token == first.token + 1  # an existing counter just counts on
+        await second.release()
+        # Deleted (an eviction, an operator): the next token is still larger, not 1.
+        await raw.delete(lua.token_key(prefix, name))
+        third = await locks.acquire(name, ttl=5)
+        assert third.token > second.token
+        await third.release()
 
 
 async def test_a_forward_clock_jump_on_the_server_is_found_by_the_next_renewal(
@@ -514,6 +588,42 @@ async def test_server_paused_past_the_ttl_cancels_the_body_before_another_client
     assert events["cancelled"] < events["resumed"] <= events["taken"]
     # By the local deadline (at most 0.89 s after the last renewal), with room for a busy machine.
     assert events["cancelled"] - events["paused"] < 1.2
+
+
+async def test_a_take_given_up_on_a_frozen_server_is_undone_when_the_server_wakes(
+    own_server: RedisServer, prefix: str, name: str
+) -> None:
+    """A try_acquire on a frozen server gives up after one op_timeout; its take then runs when
+    the server resumes, and so does the undo queued right behind it on the same connection: the
+    lock is free at once, not held by nobody for a whole ttl."""
+    op_timeout = 0.5
+    async with (
+        connect(own_server, prefix, op_timeout=op_timeout) as first,
+        connect(own_server, prefix) as second,
+    ):
+        for attempt in ("try_acquire", "acquire with a timeout"):
+            own_server.pause()
+            try:
+                started = anyio.current_time()
+                with pytest.raises(asynclock.BackendTimeout, match="taking lock"):
+                    if attempt == "try_acquire":
+                        await first.try_acquire(name, ttl=5)
+                    else:
+                        await first.acquire(name, ttl=5, timeout=3)
+                took = anyio.current_time() - started
+            finally:
+                own_server.resume()
+            assert took < op_timeout + 0.4, f"{attempt} took {took:.2f} s, not one op_timeout"
+            resumed = anyio.current_time()
+            lease = await second.try_acquire(name, ttl=5)
+            assert lease is not None, f"a ghost holds the lock after the {attempt} was given up"
+            assert anyio.current_time() - resumed < 0.5
+            await lease.release()
+            with anyio.fail_after(2):
+                # The replies of take and undo were read (polling: nothing signals it).
+                while lane_of(first).draining:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+    assert await redis_leftovers(own_server, prefix, "asynclock-none") == []
 
 
 async def _take(locks: asynclock.LockClient, name: str, events: dict[str, float]) -> None:
