@@ -32,7 +32,6 @@ keepalive stream, and its watcher returns errors instead of raising them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import ipaddress
 import math
@@ -60,6 +59,7 @@ from .._errors import (
     map_exceptions,
 )
 from .._lease import Lease
+from .._shield import finish
 from .._validate import Options
 from ..abc import (
     Backend,
@@ -508,6 +508,9 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     async def try_acquire(self, request: LockRequest) -> EtcdGrant | None:
         attempt = self._attempt(request)
+        if self._orphans:
+            # A key of ours left behind (a delete that failed) may be the one in the way.
+            await self._sweep_orphans()
         try:
             taken = await self._take_if_free(attempt)
         except BaseException:
@@ -517,6 +520,8 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     async def acquire(self, request: LockRequest) -> EtcdGrant:
         attempt = self._attempt(request)
+        if self._orphans:
+            await self._sweep_orphans()
         try:
             await self._queue_and_wait(attempt)
         except BaseException:
@@ -589,14 +594,20 @@ class EtcdBackend(Backend[EtcdGrant]):
         if lease is not None:
             lease.held.discard(grant)
         token = grant.token or 0
-        self._orphans[grant.key] = token
+        # Idempotent (a guarded delete of a key unique to this grant): the core may run it
+        # again from the start after a native cancellation, or retry it in the background.
         try:
             await self._delete_key(grant.key, token, f"releasing lock {grant.name!r}")
-        except BackendUnavailable as exc:
-            raise type(exc)(
-                f"{exc}. The key is deleted on a later renewal, or with its lease when the "
-                "client closes"
-            ) from exc
+        except BaseException as exc:
+            # Interrupted or failed: whoever comes next (a renewal, a wait, the next acquire,
+            # or this release run again) deletes it.
+            self._orphans[grant.key] = token
+            if isinstance(exc, BackendUnavailable):
+                raise type(exc)(
+                    f"{exc}. The key is deleted on a later renewal or acquire, or with its "
+                    "lease when the client closes"
+                ) from exc
+            raise
         self._orphans.pop(grant.key, None)
 
     # -- taking and waiting ------------------------------------------------------------------
@@ -708,30 +719,42 @@ class EtcdBackend(Backend[EtcdGrant]):
         return grant
 
     async def _abandon(self, attempt: _Attempt) -> None:
-        """Delete the key a failed or cancelled acquisition may have created."""
+        """Delete the key a failed or cancelled acquisition may have created.
+
+        Runs to its end whatever cancels the caller, a native ``Task.cancel()`` included (see
+        :func:`asynclock._shield.finish`), within twice ``op_timeout``: if its create request was
+        still in flight, etcd must be done with it before the delete goes out (the delete
+        travels on another stream and could overtake it), then the delete itself. What does
+        not finish stays in ``_orphans``, deleted by the next acquire, wait or renewal.
+        """
         key, rev, inflight = attempt.key, attempt.rev, attempt.inflight
         attempt.key = None
+        attempt.rev = 0
         attempt.inflight = None
         if key is None:
             return
-        self._orphans[key] = rev
         what = f"withdrawing from lock {attempt.request.name!r}"
-        with anyio.CancelScope(shield=True):
-            settled = inflight is None
-            if inflight is not None:
-                with anyio.move_on_after(self.op_timeout):
-                    # Its outcome does not matter, only that etcd is done with it.
-                    with contextlib.suppress(Exception):
-                        await _settle(inflight)
-                    settled = True
-            with anyio.move_on_after(self.op_timeout):
-                try:
-                    await self._delete_key(key, rev, what)
-                except LockError:
-                    return
-                if settled:
-                    # (Else a later sweep deletes it again, in case the request lands late.)
-                    self._orphans.pop(key, None)
+
+        async def withdraw() -> None:
+            # Idempotent: finish() may run it again, from the start, in a task of its own.
+            landed = inflight is None or await _ended(inflight, self.op_timeout)
+            try:
+                await self._delete_key(key, rev, what)
+            except BaseException as exc:
+                self._orphans[key] = rev
+                if isinstance(exc, LockError):
+                    return  # quiet: the caller's own error or cancellation is what matters
+                raise
+            if landed:
+                self._orphans.pop(key, None)
+            else:
+                # The create may still land after the delete: look again later.
+                self._orphans[key] = rev
+
+        def unfinished() -> None:
+            self._orphans[key] = rev
+
+        await finish(withdraw, timeout=2.0 * self.op_timeout, what=what, unfinished=unfinished)
 
     async def _queue_and_wait(self, attempt: _Attempt) -> None:
         failures = _Backoff(2.0 * self.op_timeout)
@@ -1321,6 +1344,22 @@ async def _settle(call: Any, keep: _Attempt | None = None) -> Any:
                 call.cancel()
             raise
     return await call
+
+
+async def _ended(call: Any, timeout: float) -> bool:
+    """Wait up to ``timeout`` for a unary gRPC call to end, never cancelling it (a cancelled
+    wait leaves it running); whether it ended with an answer (so etcd applied it or refused
+    it, and will not apply it later)."""
+    if not call.done():
+        done = anyio.Event()
+        call.add_done_callback(lambda _call: done.set())
+        with anyio.move_on_after(timeout):
+            await done.wait()
+        if not call.done():
+            return False
+    if call.cancelled():
+        return False
+    return bool(await call.code() == grpc.StatusCode.OK)
 
 
 async def _in_task(work: Awaitable[T]) -> T:
