@@ -338,3 +338,34 @@ async def test_server_restart_between_holds_keeps_tokens_rising(
     assert tokens == sorted(set(tokens)), f"tokens repeated or went back: {tokens}"
     report("server_restart", backend, recovered_after=round(recovered, 3), tokens=tokens)
     assert recovered < 10
+
+
+async def test_a_client_closed_by_native_cancellation_leaves_nothing_behind(
+    backend: BackendUnderTest, name: str
+) -> None:
+    """The client's own exit (releasing what it holds, closing the backend) runs to its end
+    when the task that owns it is cancelled natively, once or several times."""
+    ttl = backend.ttl * 10
+    async with backend.connect() as other:
+        for cancels in (1, 2, 3):
+            holding = asyncio.Event()
+
+            async def own_a_client(holding: asyncio.Event = holding) -> None:
+                async with backend.connect() as locks:
+                    await locks.acquire(name, ttl=ttl)
+                    await locks.acquire(f"{name}/2", ttl=ttl)
+                    holding.set()
+                    await asyncio.sleep(60)
+
+            task = asyncio.create_task(own_a_client())
+            with anyio.fail_after(10):
+                await holding.wait()
+            for _ in range(cancels):
+                task.cancel()
+                await asyncio.sleep(0.001)
+            with suppress(asyncio.CancelledError):
+                await task
+            for each in (name, f"{name}/2"):
+                probe = await other.try_acquire(each, ttl=ttl)
+                assert probe is not None, f"{each!r} still held after {cancels} cancels"
+                await probe.release()
