@@ -23,8 +23,9 @@ The command never outlives ``run``: it is started by a small guard process, its 
 session of its own, which watches a pipe from ``run``. When ``run`` dies, even of SIGKILL, the
 pipe reaches end-of-file and the guard sends SIGTERM to the command's process group, then SIGKILL
 after ``min(--grace, ttl / 3)`` seconds, before the lease can expire (it was renewed at most
-ttl / 3 earlier). The command itself gets SIGKILL if the guard dies (Linux: the parent-death
-signal). What the command leaves running in its group when it exits is ended the same way before
+ttl / 3 earlier). The same when ``run`` is stopped or hung past the lease's deadline, which it
+tells the guard at each renewal. The command itself gets SIGKILL if the guard dies (Linux: the
+parent-death signal). What the command leaves running in its group when it exits is ended the same way before
 the lock is released.
 """
 
@@ -57,6 +58,7 @@ from ._errors import (
     LockError,
     UnsupportedFeature,
 )
+from ._lease import Lease
 
 EXIT_USAGE = 64
 EXIT_UNAVAILABLE = 69
@@ -139,7 +141,7 @@ def _unrunnable(program: str) -> tuple[int, str] | None:
         candidates = [program]
     else:
         path = os.environ.get("PATH", os.defpath)
-        candidates = [os.path.join(directory or ".", program) for directory in path.split(":")]
+        candidates = [os.path.join(d or ".", program) for d in path.split(os.pathsep)]
     denied = False
     for candidate in candidates:
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
@@ -155,10 +157,12 @@ async def _start_guarded(
 ) -> tuple[anyio.abc.Process, int]:
     """Start the guard (see ``_guard``) with ``command``; return it and the pipe's write end.
 
-    The write end stays open, never written to, for as long as this process lives: when it
-    dies, however it dies, the guard sees end-of-file and ends the command.
+    The write end stays open for as long as this process lives: when it dies, however it dies,
+    the guard sees end-of-file and ends the command. Through it the guard also learns the
+    lease's deadline (``_report_deadline``), and when we take over ending the command ("stop").
     """
     watch, alive = os.pipe()  # both ends non-inheritable: only the guard gets ``watch``
+    os.set_blocking(alive, False)
     try:
         guard = [*_GUARD, str(watch), repr(grace), repr(kill_after), "--", *command]
         process = await anyio.open_process(
@@ -178,6 +182,26 @@ async def _start_guarded(
     return process, alive
 
 
+def _tell(alive: int, message: str) -> None:
+    """A line for the guard; never blocks (the guard reads all the time), never raises."""
+    with contextlib.suppress(OSError):  # BlockingIOError, BrokenPipeError: the guard is gone
+        os.write(alive, message.encode() + b"\n")
+
+
+async def _report_deadline(lease: Lease, alive: int) -> None:
+    """Tell the guard each new deadline of the lease, on the CLOCK_MONOTONIC it shares with us.
+
+    If this process stops (SIGSTOP, a hung event loop) the deadline passes without news, and
+    the guard ends the command on its own: it must not run on past the lease.
+    """
+    reported = None
+    while True:
+        if lease.deadline != reported:
+            reported = lease.deadline
+            _tell(alive, repr(time.monotonic() - anyio.current_time() + reported))
+        await anyio.sleep(min(lease.ttl / 10, 1.0))
+
+
 async def _run_locked(
     url: str, name: str, ttl: float, timeout: float | None, grace: float, command: Sequence[str]
 ) -> int:
@@ -194,9 +218,11 @@ async def _run_locked(
                 try:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(_forward_signals, process)
+                        tg.start_soon(_report_deadline, lease, alive)
                         await process.wait()
                         tg.cancel_scope.cancel()
                 finally:
+                    _tell(alive, "stop")  # from here on, we end the command ourselves
                     await _terminate(process, grace)
                     os.close(alive)
         except LeaseLost as exc:
@@ -308,20 +334,29 @@ def _guard(argv: Sequence[str]) -> int:
     ``start_new_session``), so a signal sent to ``run``'s own group (``kill -9 -PGID``, a shell
     killing a job) does not reach it. It exits with the command's code (128 + N for signal N).
     When ``WATCH_FD`` (``run`` holds its other end) reaches end-of-file, ``run`` is gone: the group
-    gets SIGTERM, and SIGKILL after KILL_AFTER seconds.
+    gets SIGTERM, and SIGKILL after KILL_AFTER seconds. The same when the lease's deadline, which
+    ``run`` writes there at each renewal, passes without news (``run`` stopped or hung).
     """
     watch, grace, kill_after = int(argv[0]), float(argv[1]), float(argv[2])
     command = list(argv[4:])
+    received = b""
+    deadline: float | None = None  # the lease's, as run last reported it
 
-    def supervisor_gone(timeout: float | None) -> bool:
-        readable, _, _ = select.select([watch], [], [], timeout)
-        return bool(readable) and not os.read(watch, 512)
+    def read() -> bool:
+        """Read what run wrote; False at end-of-file (run is gone)."""
+        nonlocal received, deadline
+        data = os.read(watch, 4096)
+        received += data
+        *lines, received = received.split(b"\n")
+        for line in lines:
+            deadline = None if line == b"stop" else float(line)
+        return bool(data)
 
     # Signals for the command that reach the whole group (forwarded by run, or from the lease
     # loss path) must not end the guard; a caught signal is reset to its default by exec.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: None)
-    if supervisor_gone(0):
+    if select.select([watch], [], [], 0)[0] and not read():
         return EXIT_LEASE_LOST
     try:
         child = subprocess.Popen(command, preexec_fn=_parent_death_signal(signal.SIGKILL))
@@ -342,13 +377,27 @@ def _guard(argv: Sequence[str]) -> int:
     except (AttributeError, OSError):
         exited = None
     while child.poll() is None:
-        # The command's end wakes us through its pidfd, or a poll every 50 ms without one.
-        readable, _, _ = select.select(
-            [watch] if exited is None else [watch, exited], [], [], 0.05 if exited is None else None
-        )
-        if watch in readable and not os.read(watch, 512):
+        # Woken by run's news, the command's end (its pidfd; without one, a poll every 50 ms),
+        # or the lease's local deadline (which precedes the server's expiry by the margin). A run
+        # that is not stopped acts at the same moment (the lease is lost without a renewal); its
+        # --grace is then cut to KILL_AFTER, on the safe side.
+        waits = [] if exited is not None else [0.05]
+        if deadline is not None:
+            waits.append(max(0.0, deadline - time.monotonic()))
+        wait = min(waits, default=None)
+        readable, _, _ = select.select([watch] if exited is None else [watch, exited], [], [], wait)
+        if watch in readable and not read():
             # run was killed: its lease ends at the latest one ttl after its last renewal.
             _end_group(child, kill_after, with_self=True)
+            return EXIT_LEASE_LOST
+        if deadline is not None and time.monotonic() >= deadline:
+            name = os.environ.get("ASYNCLOCK_NAME", "")
+            print(
+                f"asynclock run: the lease on lock {name!r} reached its deadline without a "
+                "renewal (asynclock run is stopped or hung); the command was terminated",
+                file=sys.stderr,
+            )
+            _end_group(child, kill_after, with_self=False)
             return EXIT_LEASE_LOST
     code = child.returncode
     # What the command left running in its group must not outlive the lock either.

@@ -170,7 +170,7 @@ def wait_gone(pids: list[int], within: float) -> float:
         assert time.monotonic() - started < within, (
             f"still running: {[p for p in pids if not gone(p)]}"
         )
-        time.sleep(0.01)
+        time.sleep(0.002)
     return time.monotonic() - started
 
 
@@ -207,6 +207,15 @@ def start_family(
     return supervisor, [int(pid) for pid in pids.read_text().split()]
 
 
+def server_expiry(tmp_path: Path) -> float:
+    """When the embedded backend's row for 'job' expires (CLOCK_MONOTONIC, shared by processes)."""
+    with closing(sqlite3.connect(tmp_path / "locks.db")) as connection:
+        (expires_at,) = connection.execute(
+            "SELECT expires_at FROM asynclock_locks WHERE name = 'job'"
+        ).fetchone()
+    return float(expires_at)
+
+
 def assert_lock_free(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     result = run("run", "job", "--url", url, "--timeout", "0", "--", "true")
@@ -226,6 +235,7 @@ def test_run_command_dies_with_its_supervisor_killed_by_sigkill(
             os.killpg(supervisor.pid, signal.SIGKILL)
         # The command and its child, both: long before the lease (ttl 3) could expire.
         elapsed = wait_gone(family, within=1.0)
+        assert time.monotonic() < server_expiry(tmp_path)
     print(f"command gone {elapsed * 1000:.1f} ms after the supervisor's SIGKILL")
     # And the lock comes back once the dead supervisor's lease has expired.
     url = f"sqlite://{tmp_path}/locks.db"
@@ -245,6 +255,33 @@ def test_run_command_that_ignores_sigterm_is_killed_before_the_lease_could_expir
         os.kill(supervisor.pid, signal.SIGKILL)
         elapsed = wait_gone(family, within=2.5)
     assert elapsed > 0.8  # it had its SIGTERM and the time to act on it
+
+
+def test_run_command_is_ended_at_the_lease_deadline_when_its_supervisor_is_stopped(
+    tmp_path: Path,
+) -> None:
+    supervisor, family = start_family(tmp_path, "--ttl", "2")
+    with supervisor:
+        os.kill(supervisor.pid, signal.SIGSTOP)
+        try:
+            # The guard ends it at the lease's local deadline: before the server's expiry.
+            elapsed = wait_gone(family, within=2.0)
+            assert time.monotonic() < server_expiry(tmp_path)
+        finally:
+            os.kill(supervisor.pid, signal.SIGCONT)
+        _, stderr = supervisor.communicate(timeout=30)
+    print(f"command gone {elapsed:.3f} s after the supervisor's SIGSTOP (ttl 2)")
+    # Not before the deadline: the last renewal (ttl / 3 at most before the stop) gave it 1.8 s.
+    assert elapsed > 1.0
+    assert supervisor.returncode == EXIT_LEASE_LOST
+    assert "reached its deadline without a renewal" in stderr
+    assert_lock_free(tmp_path)
+
+
+def test_run_command_under_a_running_supervisor_runs_for_many_ttls(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path}/locks.db"
+    result = run("run", "job", "--url", url, "--ttl", "1", "--", "sleep", "4")
+    assert (result.returncode, result.stderr) == (0, "")
 
 
 def test_run_command_dies_with_its_guard_and_the_lock_is_released(tmp_path: Path) -> None:
