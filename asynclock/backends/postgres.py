@@ -40,6 +40,7 @@ Loss
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
@@ -62,6 +63,7 @@ from .._errors import (
     map_exceptions,
 )
 from .._registry import redact
+from .._shield import finish
 from .._validate import Options, lock_name
 from .._validate import timeout as check_timeout
 from ..abc import (
@@ -143,13 +145,50 @@ _RENEW = "SELECT pg_backend_pid()"
 # The connection is dedicated, so "all" is exactly our lock (with any re-entrant count).
 _RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
 _CREATE = "CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint NO CYCLE CACHE 1"
+#: How long a release waits for a renewal in flight on its connection before closing it instead.
+_RENEWAL_WAIT = 0.1
+
+# Make sure a session of ours has ended: the server process of a connection we closed while it
+# had a statement in flight (a cancelled or failed wait, take or token). It may still be blocked
+# in the lock queue, which does not read the socket: pg_terminate_backend ends it. Repeated until
+# the process no longer shows, which it does until after it has released its locks (they go in
+# a before_shmem_exit callback, its pg_stat_activity entry in a later on_shmem_exit one).
+# (pg_terminate_backend's own wait polls in steps of 100 ms: far too slow for this.)
+_END_SESSION = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE pid = $1 AND usename = current_user AND application_name = $2
+"""
+#: Pause between two looks at a session that is ending.
+_END_POLL = 0.002
+#: How often a server process running one of our statements (a wait) checks that the client is
+#: still there; a backstop for waits whose session we could not end ourselves (a killed
+#: process). Probed at open: servers on platforms without the check refuse the setting.
+_CHECK_INTERVAL_MS = "1000"
+#: SQLSTATE classes of errors that end the session: 08 connection exception, 57P operator
+#: intervention (pg_terminate_backend, shutdown, idle_session_timeout).
+_SESSION_ENDED = ("08", "57P")
 
 _ERRORS: dict[type[BaseException], type[BackendUnavailable]] = {
     TimeoutError: BackendTimeout,
     asyncpg.PostgresError: BackendUnavailable,
     asyncpg.InterfaceError: BackendUnavailable,
+    asyncpg.InternalClientError: BackendUnavailable,
     OSError: BackendUnavailable,
 }
+
+
+def _connection_broken(connection: Any, error: BaseException) -> bool:
+    """Whether ``error`` of a statement on ``connection`` says the connection itself is gone or
+    unusable (closed by the server or the network, or asyncpg's protocol state confused), as
+    opposed to the server not answering (a timeout) or refusing the statement (an SQL error)."""
+    if isinstance(error, TimeoutError):
+        return False
+    if connection.is_closed():
+        return True
+    if isinstance(error, asyncpg.InterfaceError | asyncpg.InternalClientError | OSError):
+        return True
+    sqlstate = getattr(error, "sqlstate", None) or ""
+    return isinstance(error, asyncpg.PostgresError) and sqlstate.startswith(_SESSION_ENDED)
 
 
 def lock_key(name: str, schema: str = "public") -> int:
@@ -200,6 +239,11 @@ class TransactionLock(NamedTuple):
 class PostgresBackend(Backend[PostgresGrant]):
     schemes = _SCHEMES
     driver = "asyncpg"
+    #: idle_session_timeout counts in milliseconds, and a ttl is renewed every ttl / 3 with one
+    #: round trip per held connection, which must be back before the local deadline (about
+    #: 0.89 ttl): 0.1 s leaves some 55 ms for it. Measured on a loaded 2-core machine with a
+    #: local server, ttl 0.1 s held through 10 s without a loss (tests/backends/test_postgres.py).
+    min_ttl = 0.1
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
     )
@@ -237,6 +281,8 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._connecting: set[asyncio.Task[Any]] = set()
         self._abandoned: set[asyncio.Task[Any]] = set()
         self._server_version: str | None = None
+        #: Settings of every connection opened after open() (see _CHECK_INTERVAL_MS).
+        self._server_settings = {**_SERVER_SETTINGS, "application_name": application_name}
         self._state = "new"
 
     # -- construction ------------------------------------------------------------------------
@@ -346,10 +392,18 @@ class PostgresBackend(Backend[PostgresGrant]):
             with self._errors("checking the server"), anyio.fail_after(self.op_timeout):
                 self._check_version(connection)
                 await self._ensure_sequence(connection)
+                await self._probe_check_interval(connection)
         except BaseException:
             self._discard(connection)
             raise
         self._idle.append(connection)
+
+    async def _probe_check_interval(self, connection: Any) -> None:
+        try:
+            await connection.execute(f"SET client_connection_check_interval = {_CHECK_INTERVAL_MS}")
+        except asyncpg.PostgresError:
+            return  # a server platform without the check: the backstop is simply absent
+        self._server_settings["client_connection_check_interval"] = _CHECK_INTERVAL_MS
 
     def _check_version(self, connection: Any) -> None:
         version = connection.get_server_version()
@@ -423,45 +477,66 @@ class PostgresBackend(Backend[PostgresGrant]):
     # -- the contract ------------------------------------------------------------------------
 
     async def try_acquire(self, request: LockRequest) -> PostgresGrant | None:
-        key = lock_key(request.name, self.schema)
-        connection = await self._checkout()
-        try:
-            with self._errors(f"taking {request.name!r}"):
-                sent_at = anyio.current_time()
-                row = await connection.fetchrow(
-                    _TAKE,
-                    key,
-                    self.sequence,
-                    str(_timeout_ms(request.ttl)),
-                    timeout=self.op_timeout,
-                )
-        except BaseException:
-            await self._scrub(connection)
-            raise
-        if row is None:
-            self._checkin(connection)
-            return None
-        return self._grant(request, key, connection, row, sent_at)
+        return await self._take(request, wait=False)
 
     async def acquire(self, request: LockRequest) -> PostgresGrant:
+        grant = await self._take(request, wait=True)
+        assert grant is not None
+        return grant
+
+    async def _take(self, request: LockRequest, *, wait: bool) -> PostgresGrant | None:
+        """Take the lock (``wait``: in the server's queue until it is ours) on a connection that
+        holds nothing, with its token.
+
+        A statement that fails or is cancelled half-way leaves its connection in a state nobody
+        knows (asyncpg's protocol may still expect the reply), so that connection is closed, never
+        reused, and its server session is ended before this returns (:meth:`_end_session`): a
+        cancelled wait leaves the server's queue, a lock granted at the last moment is free
+        again. A connection that turns out to be dead (a pooled one the server or a proxy closed
+        while it was idle, or a waiter's session the server ended while this process was paused)
+        is replaced and the take starts again: that is no outage. Only a new connection that
+        fails as well is reported.
+        """
         key = lock_key(request.name, self.schema)
         ttl_ms = str(_timeout_ms(request.ttl))
-        connection = await self._checkout()
-        try:
-            with self._errors(f"taking {request.name!r}"):
-                sent_at = anyio.current_time()
-                row = await connection.fetchrow(
-                    _TAKE, key, self.sequence, ttl_ms, timeout=self.op_timeout
-                )
-                if row is None:
-                    # Queue in the server; the caller's cancel scope bounds the wait.
-                    await connection.execute(_WAIT, key, ttl_ms)
+        fresh_failures = 0
+        while True:
+            connection, reused = await self._checkout_reporting()
+            try:
+                with self._errors(f"taking {request.name!r}"):
                     sent_at = anyio.current_time()
-                    row = await connection.fetchrow(_TOKEN, self.sequence, timeout=self.op_timeout)
-        except BaseException:
-            await self._scrub(connection)
-            raise
-        return self._grant(request, key, connection, row, sent_at)
+                    row = await connection.fetchrow(
+                        _TAKE, key, self.sequence, ttl_ms, timeout=self.op_timeout
+                    )
+                    if row is None and not wait:
+                        self._checkin(connection)
+                        return None
+                    if row is None:
+                        fresh_failures = 0  # the connection works: a later death is its own
+                        # Queue in the server; the caller's cancel scope bounds the wait.
+                        await connection.execute(_WAIT, key, ttl_ms)
+                        sent_at = anyio.current_time()
+                        row = await connection.fetchrow(
+                            _TOKEN, self.sequence, timeout=self.op_timeout
+                        )
+            except BaseException as exc:
+                broken = _connection_broken(connection, _unmapped(exc))
+                await self._end_session(connection, request.name)
+                if not isinstance(exc, Exception) or not broken:
+                    raise
+                if not reused:
+                    fresh_failures += 1
+                    if fresh_failures >= 2:
+                        raise
+                logger.info(
+                    "asynclock: a connection to %s died while taking %r (%r); taking it on "
+                    "another one",
+                    self.describe(),
+                    request.name,
+                    _unmapped(exc),
+                )
+                continue
+            return self._grant(request, key, connection, row, sent_at)
 
     async def renew(self, grants: Sequence[PostgresGrant]) -> Sequence[RenewOutcome]:
         if len(grants) == 1:
@@ -479,32 +554,90 @@ class PostgresBackend(Backend[PostgresGrant]):
         return outcomes
 
     async def release(self, grant: PostgresGrant) -> None:
+        """Unlock, and keep the connection for reuse; or close it, which ends the session.
+
+        Either frees the lock: an advisory lock ends with its session. So this never leaves
+        work for a retry. A session already gone (revoked, restarted, ended by the server's
+        idle timeout while this process was paused) took the lock with it: nothing to say. A
+        connection that does not answer is closed instead: the server frees the lock when it
+        reads the close (at once when it is reachable), at the latest ``ttl`` after the last
+        renewal it received.
+        """
         if grant.released:
             return
         grant.released = True
         connection = grant.connection
         self._held.pop(connection, None)
+        if connection.is_closed():
+            self._forget(connection)
+            return
         try:
-            await self._unlock(grant)
-        except BaseException:
-            # State unknown: closing the session frees the lock as soon as the server notices
-            # (at once when it is reachable, ttl after the last renewal when it is not).
+            renewal = grant.renewal
+            if renewal is not None and not await _finished(
+                renewal, min(self.op_timeout, _RENEWAL_WAIT)
+            ):
+                # Its statement is in flight: the connection cannot be reused anyway.
+                self._discard(connection)
+                return
+            await connection.execute(_RELEASE, timeout=self.op_timeout)
+        except BaseException as exc:
+            # Closed at once, never reused: whatever state the statement left, the session
+            # ends with the connection, and the lock with it.
             self._discard(connection)
-            raise
-        # A connection whose session ended (revoked, restarted, timed out) took the lock with
-        # it, and is dropped here.
+            if isinstance(exc, Exception) and not _connection_broken(connection, exc):
+                logger.warning(
+                    "asynclock: unlocking %r on %s failed (%r); closed its connection "
+                    "instead, so the server frees the lock when it reads the close, at the "
+                    "latest %g s after the last renewal it received",
+                    grant.name,
+                    self.describe(),
+                    exc,
+                    grant.ttl,
+                )
+            if not isinstance(exc, Exception):
+                raise
+            return
         self._checkin(connection)
 
-    async def _unlock(self, grant: PostgresGrant) -> None:
-        with self._errors(f"releasing {grant.name!r}"):
-            renewal = grant.renewal
-            if renewal is not None and not await _finished(renewal, self.op_timeout):
-                raise BackendTimeout(
-                    f"a renewal of {grant.name!r} on {self.describe()} got no answer within "
-                    f"{self.op_timeout:g} s"
-                )
-            if not grant.connection.is_closed():
-                await grant.connection.execute(_RELEASE, timeout=self.op_timeout)
+    async def _end_session(self, connection: Any, name: str) -> None:
+        """Close ``connection`` at once, and make sure its server session has ended too.
+
+        The close alone ends a session that is idle or finishing a short statement within
+        milliseconds, but not one blocked in the lock queue, which does not read its socket:
+        so ``pg_terminate_backend`` from another connection ends it, and this returns once the
+        server process is gone (a few milliseconds). Survives any cancellation (``asynclock._shield.finish``)
+        and is bounded by ``op_timeout``; a failure is only logged, the close already done.
+        """
+        pid = connection.get_server_pid()
+        self._discard(connection)  # no await before: nothing can cancel the close
+        await finish(
+            functools.partial(self._terminate_session, pid, name),
+            timeout=self.op_timeout,
+            what=f"ending the server session {pid} of an interrupted take of {name!r}",
+        )
+
+    async def _terminate_session(self, pid: int, name: str) -> None:
+        # Idempotent (finish() may run it again from the start): ending an ended session is a
+        # no-op, and a connection whose statement was interrupted is closed, not reused.
+        try:
+            helper = await self._checkout()
+        except Exception as exc:
+            logger.info("asynclock: cannot end the session %d of %r: %r", pid, name, exc)
+            return
+        try:
+            while True:
+                if not await helper.fetchval(
+                    _END_SESSION, pid, self.application_name, timeout=self.op_timeout
+                ):
+                    break
+                await anyio.sleep(_END_POLL)
+        except BaseException as exc:
+            self._discard(helper)
+            if not isinstance(exc, Exception):
+                raise
+            logger.info("asynclock: cannot end the session %d of %r: %r", pid, name, exc)
+            return
+        self._checkin(helper)
 
     # -- connections -------------------------------------------------------------------------
 
@@ -581,10 +714,7 @@ class PostgresBackend(Backend[PostgresGrant]):
                     ssl=self._ssl,
                     timeout=self.connect_timeout,
                     statement_cache_size=16,
-                    server_settings={
-                        **_SERVER_SETTINGS,
-                        "application_name": self.application_name,
-                    },
+                    server_settings=self._server_settings,
                 )
         except TimeoutError as exc:
             raise BackendTimeout(
@@ -656,12 +786,18 @@ class PostgresBackend(Backend[PostgresGrant]):
         )
 
     async def _checkout(self) -> Any:
+        connection, _ = await self._checkout_reporting()
+        return connection
+
+    async def _checkout_reporting(self) -> tuple[Any, bool]:
+        """A connection that holds nothing, and whether it comes from the idle pool (it may
+        have died there without asyncpg having noticed yet)."""
         while self._idle:
             connection = self._idle.pop()
             if not connection.is_closed():
-                return connection
+                return connection, True
             self._forget(connection)
-        return await self._connect()
+        return await self._connect(), False
 
     def _checkin(self, connection: Any) -> None:
         """Keep a connection that holds no lock for reuse, or close it."""
@@ -678,31 +814,14 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._connections.discard(connection)
 
     async def _close(self, connection: Any) -> None:
+        grant = self._held.get(connection)
+        if grant is not None and grant.renewal is not None:
+            connection.terminate()  # a statement in flight: asyncpg's close would cancel it
+            return
         try:
             await connection.close(timeout=self.op_timeout)
         except Exception:
             connection.terminate()
-
-    async def _scrub(self, connection: Any) -> None:
-        """After a failed or cancelled take: make sure the connection holds nothing.
-
-        asyncpg runs the next statement only after the server acknowledged the cancellation of
-        the one before, so once ``_RELEASE`` returns, a cancelled wait has left the server's
-        queue, and a lock granted at the last moment is free again.
-        """
-        with anyio.CancelScope(shield=True):
-            if connection.is_closed():
-                self._forget(connection)
-                return
-            with anyio.move_on_after(self.op_timeout):
-                try:
-                    await connection.execute(_RELEASE)
-                except Exception:
-                    self._discard(connection)
-                else:
-                    self._checkin(connection)
-                return
-            self._discard(connection)
 
     # -- grants and renewals -----------------------------------------------------------------
 
@@ -786,6 +905,12 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     def _errors(self, what: str) -> Any:
         return map_exceptions(_ERRORS, f"{what} on {self.describe()}")
+
+
+def _unmapped(error: BaseException) -> BaseException:
+    """The driver's error behind one of ours (see map_exceptions), or ``error`` itself."""
+    cause = error.__cause__
+    return cause if isinstance(error, BackendUnavailable) and cause is not None else error
 
 
 async def _finished(task: asyncio.Task[Any], timeout: float) -> bool:
@@ -956,11 +1081,15 @@ async def _on_backend(
         # advisory lock): undo it before the connection is used for a lease. RESET ALL returns
         # to the settings the connection was opened with, which are ours.
         await connection.execute(_RESET, timeout=backend.op_timeout)
-    except BaseException:
-        if body_ran or connection.is_closed() or connection.is_in_transaction():
-            backend._discard(connection)  # not worth finding out what the body left behind
+    except BaseException as exc:
+        # Reused only after a clean refusal (timeout 0: the try ran to its end and was rolled
+        # back). A body may have left anything behind, and an interrupted statement leaves the
+        # connection in a state nobody knows: those are closed.
+        refused = isinstance(exc, AcquireTimeout) and timeout == 0
+        if body_ran or not refused or connection.is_closed() or connection.is_in_transaction():
+            backend._discard(connection)
         else:
-            backend._checkin(connection)  # rolled back before any of the caller's code ran
+            backend._checkin(connection)
         raise
     backend._checkin(connection)
 
