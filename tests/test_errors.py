@@ -1,15 +1,18 @@
 """Every public exception pickles: job queues store them, multiprocessing sends them back.
 
-The classes are found from the public modules' ``__all__`` (and every subclass of
-``LockError``), so a new exception cannot be left out; an instance of each is built from sample
+The classes are found from the public modules' ``__all__`` (and every subclass of those
+defined in asynclock, the backends' included), so a new exception cannot be left out; an instance of each is built from sample
 values chosen by the name of each ``__init__`` parameter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
 import inspect
 import pickle
+import pkgutil
 import subprocess
 import sys
 from types import ModuleType
@@ -18,6 +21,7 @@ from typing import Any
 import pytest
 
 import asynclock
+import asynclock.backends
 import asynclock.fencing
 import asynclock.testing
 from asynclock import LockError, Waiter
@@ -43,6 +47,13 @@ SAMPLES: dict[str, Any] = {
     "binary": "etcd",
     "apt_package": "etcd-server",
 }
+
+
+# The backends' own subclasses (private ones, which reach users as what they subclass) are
+# found only once their modules are imported: import them all, whatever ran before.
+for _module in pkgutil.iter_modules(asynclock.backends.__path__, "asynclock.backends."):
+    with contextlib.suppress(ImportError):
+        importlib.import_module(_module.name)
 
 
 def _subclasses(cls: type[BaseException]) -> set[type[BaseException]]:
