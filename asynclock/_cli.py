@@ -137,6 +137,8 @@ def _unrunnable(program: str) -> tuple[int, str] | None:
     Checked before the lock is taken, so that a typo does not wait for the lock first; the guard
     reports the same if the program disappears in the meantime.
     """
+    if not program:
+        return EXIT_NOT_FOUND, "command not found: ''"
     if os.sep in program:
         candidates = [program]
     else:

@@ -308,11 +308,12 @@ def test_run_ends_what_the_command_leaves_running_before_releasing(tmp_path: Pat
 
 def test_run_reports_a_missing_command_with_127(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
-    for command in ("no-such-command-asynclock", str(tmp_path / "no" / "such")):
+    for command in ("no-such-command-asynclock", str(tmp_path / "no" / "such"), ""):
         started = time.monotonic()
         result = run("run", "job", "--url", url, "--", command, "arg")
         assert result.returncode == EXIT_NOT_FOUND == 127
-        assert result.stderr == f"asynclock run: command not found: {command}\n"
+        shown = command or "''"
+        assert result.stderr == f"asynclock run: command not found: {shown}\n"
         assert time.monotonic() - started < 10
     assert_lock_free(tmp_path)
 
