@@ -544,7 +544,7 @@ class RedlockBackend(Backend[RedlockGrant]):
     masters being down, paused or partitioned away."""
 
     schemes = ("redlock",)
-    driver = "asyncio streams"
+    driver = "asyncio streams, plus redis-py"
     capabilities = Capabilities(
         fencing=False, fifo=False, loss_detection=True, quorum=True, cross_process=True
     )

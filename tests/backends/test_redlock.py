@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -644,3 +646,90 @@ async def test_a_reply_that_arrived_during_a_pause_of_the_client_is_not_a_timeou
         lease = await attempt
         assert lease is not None
         await lease.release()
+
+
+# -- the connection set-up: password, user, database, TLS --------------------------------------
+
+
+async def test_password_user_and_database_reach_every_master(prefix: str, name: str) -> None:
+    with ExitStack() as stack:
+        servers = [stack.enter_context(RedisServer()) for _ in range(3)]
+        for server in servers:
+            async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
+                await raw.acl_setuser(
+                    "locker", enabled=True, passwords=["+s3cret"], keys=["*"], commands=["+@all"]
+                )
+                await raw.config_set("requirepass", "hunter2")
+        hosts = ",".join(server.address for server in servers)
+        async with asynclock.connect(f"redlock://locker:s3cret@{hosts}/3", prefix=prefix) as locks:
+            lease = await locks.acquire(name, ttl=2)
+            for server in servers:
+                async with redis.asyncio.Redis(
+                    host=server.host, port=server.port, db=3, password="hunter2"
+                ) as raw:
+                    assert await raw.get(lua.lock_key(prefix, name)) == lease.grant.owner.encode()
+            await lease.release()
+        async with asynclock.connect(f"redlock://:hunter2@{hosts}/0", prefix=prefix) as locks:
+            async with locks.lock(name, ttl=2):
+                pass
+        with pytest.raises(asynclock.BackendUnavailable, match="refused AUTH"):
+            async with asynclock.connect(f"redlock://locker:wrong@{hosts}/0", prefix=prefix):
+                pytest.fail("connected with a wrong password")
+
+
+@pytest.fixture
+def tls_masters(tmp_path: Path) -> Iterator[tuple[list[int], Path]]:
+    """Three redis-servers that speak only TLS, with certificates from a throwaway CA."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=asynclock test CA")  # fmt: skip
+    openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "san.ext")  # fmt: skip
+    ports = [free_port() for _ in range(3)]
+    processes = []
+    try:
+        for port in ports:
+            log = tmp_path / f"redis-{port}.log"
+            command = [
+                "redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                "--tls-cert-file", "server.pem", "--tls-key-file", "server.key",
+                "--tls-ca-cert-file", "ca.pem", "--tls-auth-clients", "no", "--save", "",
+                "--appendonly", "no", "--dir", str(tmp_path), "--unixsocket", "",
+                "--logfile", log.name, "--dbfilename", f"dump-{port}.rdb",
+            ]  # fmt: skip
+            processes.append(subprocess.Popen(command, cwd=tmp_path, stdin=subprocess.DEVNULL))
+        deadline = time.monotonic() + 10
+        for port, process in zip(ports, processes, strict=True):
+            log = tmp_path / f"redis-{port}.log"
+            while not log.exists() or "Ready to accept connections" not in log.read_text():
+                assert process.poll() is None, log.read_text() if log.exists() else ""
+                assert time.monotonic() < deadline, "a TLS redis-server did not start"
+                time.sleep(0.01)
+        yield ports, tmp_path / "ca.pem"
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+async def test_tls_to_every_master_and_an_unknown_certificate_is_refused(
+    tls_masters: tuple[list[int], Path], prefix: str, name: str
+) -> None:
+    ports, ca = tls_masters
+    url = url_of([f"127.0.0.1:{port}" for port in ports])
+    async with asynclock.connect(url, prefix=prefix, tls=True, ssl_ca_certs=str(ca)) as locks:
+        async with locks.lock(name, ttl=2):
+            pass
+    with pytest.raises(asynclock.BackendUnavailable, match="certificate"):
+        async with asynclock.connect(url, prefix=prefix, tls=True):
+            pytest.fail("trusted a certificate from an unknown CA")
+    # ssl_cert_reqs=none: encrypted, not verified.
+    async with asynclock.connect(url, prefix=prefix, tls=True, ssl_cert_reqs="none") as locks:
+        async with locks.lock(name, ttl=2):
+            pass
