@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Final, Generic, Self, TypeVar
+from typing import Any, ClassVar, Final, Generic, Self, TypeVar
 
 #: Every server listens here and nowhere else.
 LOOPBACK: Final = "127.0.0.1"
@@ -38,6 +38,10 @@ class ServerNotInstalled(ServerError):
         )
         self.binary = binary
         self.apt_package = apt_package
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its constructor's arguments (the default would pass only the message).
+        return (type(self), (self.binary, self.apt_package), self.__dict__)
 
 
 class ServerStartError(ServerError):
