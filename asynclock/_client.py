@@ -29,6 +29,7 @@ from ._errors import (
 )
 from ._lease import Lease, OnLost, public_owner
 from ._registry import make_backend, redact
+from ._renewal import RENEWAL
 from ._scope import LockContext, MultiLockContext, release_all
 from ._shield import finish, on_asyncio
 from ._supervisor import Supervisor
@@ -421,8 +422,8 @@ class LockClient:
 
     def _margin_for(self, ttl: float) -> float:
         margin = self._margin if self._margin is not None else min(1.0, ttl / 10.0)
-        # The first renewal happens at ttl / 3; a deadline before it would lose every lease.
-        if ttl * (1.0 - self._drift) - margin <= ttl / 3.0:
+        # A deadline before the first renewal would lose every lease.
+        if not RENEWAL.leaves_time_to_renew(ttl, ttl * (1.0 - self._drift) - margin):
             raise InvalidArgument(
                 f"margin {margin:g} s leaves no time to renew a {ttl:g} s lease: use a larger ttl "
                 "or a smaller margin"

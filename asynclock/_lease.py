@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 
 from ._errors import UnsupportedFeature
+from ._renewal import RENEWAL
 from .abc import Grant
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class Lease:
         self._lost_event: anyio.Event | None = None  # made when someone waits
         self._scopes: list[BodyScope] = []
         self._deadline = self._deadline_for(grant.valid_from, grant.ttl)
-        self.next_renewal = grant.valid_from + grant.ttl / 3.0
+        self.next_renewal = RENEWAL.next_after(grant.valid_from, grant.ttl)
 
     # -- what users read ---------------------------------------------------------------------
 
@@ -212,7 +213,7 @@ class Lease:
         self._grant.ttl = ttl
         # Replies can come back out of order; the deadline only ever moves forward.
         self._deadline = max(self._deadline, self._deadline_for(valid_from, ttl))
-        self.next_renewal = valid_from + ttl / 3.0
+        self.next_renewal = RENEWAL.next_after(valid_from, ttl)
         for body in self._scopes:
             body.refresh()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
 from ._errors import InvalidURL, MissingDependency
+from ._validate import redact
 from .abc import Backend, Grant
 
 
@@ -59,18 +60,18 @@ def split_url(url: object) -> tuple[str, dict[str, str]]:
         query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError as exc:
         raise InvalidURL(
-            f"malformed lock URL {_redact(url)!r}: {exc}; for example {_EXAMPLES}"
+            f"malformed lock URL {redact(url)!r}: {exc}; for example {_EXAMPLES}"
         ) from None
     scheme = parts.scheme.lower()
     if scheme not in _BACKENDS:
         raise InvalidURL(
-            f"unknown lock backend {scheme!r} in {_redact(url)!r}; known schemes: "
+            f"unknown lock backend {scheme!r} in {redact(url)!r}; known schemes: "
             f"{', '.join(schemes())}"
         )
     options: dict[str, str] = {}
     for key, value in query:
         if key in options:
-            raise InvalidURL(f"option {key!r} is given twice in {_redact(url)!r}")
+            raise InvalidURL(f"option {key!r} is given twice in {redact(url)!r}")
         options[key] = value
     return scheme, options
 
@@ -99,16 +100,4 @@ def make_backend(url: str, options: Mapping[str, object]) -> Backend[Grant]:
     return backend_class(scheme).from_url(base, merged)
 
 
-def _redact(url: str) -> str:
-    """The URL without its password, for error messages and logs."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url.split("@")[-1]
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return parts._replace(netloc=netloc).geturl()
-
-
-redact = _redact
+__all__ = ("backend_class", "make_backend", "redact", "schemes", "split_url")

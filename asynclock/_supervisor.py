@@ -9,21 +9,20 @@ from collections.abc import Sequence
 import anyio
 
 from ._lease import Lease
+from ._renewal import RENEWAL
 from .abc import Backend, Grant, Lost, Renewed, RenewOutcome, Unknown
 
 logger = logging.getLogger("asynclock")
 
-#: After a renewal that proved nothing, try again after this share of the renewal interval, so a
-#: short network blip costs one retry and not the lease.
-_RETRY_FRACTION = 0.25
 
 
 class Supervisor:
-    """Renews leases every ``ttl / 3`` and ends them when renewal proves loss.
+    """Renews leases on the schedule of :data:`asynclock._renewal.RENEWAL` and ends them when
+    renewal proves loss.
 
-    Leases that fall due close together are renewed in one ``Backend.renew`` call: a lease is
-    included when it is within half of its renewal interval, so the phases of many leases converge
-    and 10,000 held locks cost one round trip per interval on backends that batch.
+    Leases that fall due close together are renewed in one ``Backend.renew`` call (the policy's
+    batch window), so the phases of many leases converge and 10,000 held locks cost one round
+    trip per interval on backends that batch.
 
     A renewal call is bounded by the earliest deadline in its batch: a server that hangs cannot
     hold the loop past the moment the lease must be given up. Deadlines themselves do not depend on
@@ -76,7 +75,7 @@ class Supervisor:
         return [
             lease
             for lease in self._leases
-            if lease.next_renewal - lease.ttl / 6.0 <= now and not lease.lost
+            if RENEWAL.joins_batch(lease.next_renewal, lease.ttl, now) and not lease.lost
         ]
 
     async def _renew(self, batch: Sequence[Lease]) -> None:
@@ -106,4 +105,4 @@ class Supervisor:
                     if lease.held:
                         lease._mark_lost(reason)
                 case Unknown():
-                    lease.next_renewal = now + max(0.01, lease.ttl / 3.0 * _RETRY_FRACTION)
+                    lease.next_renewal = RENEWAL.retry_at(now, lease.ttl)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from urllib.parse import urlsplit
 
 from ._errors import InvalidArgument
 
@@ -144,3 +145,15 @@ class Options:
             unknown = ", ".join(sorted(self._options))
             hint = f" (known: {', '.join(sorted(known))})" if known else ""
             raise InvalidArgument(f"unknown option(s) for {self._source}: {unknown}{hint}")
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for error messages and logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url.split("@")[-1]
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return parts._replace(netloc=netloc).geturl()
