@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import random
+import select
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -470,7 +471,8 @@ _MAX_IDLE = 16
 #: A timeout that fires this long after its deadline fired late: the event loop was stalled (the
 #: process was paused, or something blocked the loop), and a reply may be waiting unread.
 LATE_TIMER: Final = 0.02
-#: How long a call whose timeout fired late may still read what arrived meanwhile.
+#: How long a call whose timeout fired late, or found part of a reply already received, may
+#: still read what has arrived.
 LATE_GRACE: Final = 0.1
 #: How long a connection with an interrupted call and its undo behind it is kept to read their
 #: replies (and be reused) before it is closed; the server runs both in order either way.
@@ -504,6 +506,30 @@ def _write(conn: AbstractConnection, packed: bytes) -> None:
     writer.write(packed)
 
 
+def _received(conn: AbstractConnection) -> bool:
+    """Bytes (or the end of the stream) have arrived on ``conn`` that nobody has read yet:
+    in the stream reader's buffer, or still in the kernel's socket buffer.
+
+    The kernel is asked too because a process stopped just after the event loop polled its
+    sockets runs its due timers, on resuming, before it polls again: the reply is then in the
+    socket but not in the reader yet.
+    """
+    reader, writer = conn._reader, conn._writer
+    if reader is None or writer is None:
+        return False
+    # StreamReader keeps them in ``_buffer``; there is no public way to ask without reading.
+    if getattr(reader, "_buffer", b""):
+        return True
+    sock = writer.transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(readable)
+
+
 def _usable(conn: AbstractConnection) -> bool:
     """An idle connection that the server (or a proxy) has not closed meanwhile."""
     reader, writer = conn._reader, conn._writer
@@ -528,8 +554,8 @@ class Lane:
     its owner id, so running it twice is safe.
 
     Timeouts are the lane's own, not the driver's: one that fires late (the loop was stalled, for
-    example by a paused process) lets the call read a reply that arrived meanwhile, for
-    :data:`LATE_GRACE` seconds, before it counts as a timeout.
+    example by a paused process), or finds reply bytes received but not read yet, lets the call
+    read what arrived, for up to :data:`LATE_GRACE` seconds, before it counts as a timeout.
     """
 
     def __init__(self, pool: redis.asyncio.ConnectionPool, op_timeout: float) -> None:
@@ -571,9 +597,10 @@ class Lane:
         with anyio.CancelScope(deadline=anyio.current_time() + self._op_timeout) as scope:
             await conn.connect()  # type: ignore[no-untyped-call]
             return
-        late = anyio.current_time() - scope.deadline > LATE_TIMER
-        # Fired late: a stalled loop, not a slow server. The state of the half-done handshake is
-        # unknown, so it is not resumed; the caller gets a connection error and tries a new one.
+        late = anyio.current_time() - scope.deadline > LATE_TIMER or _received(conn)
+        # Fired late, or the server did answer: a stalled loop, not a slow server. The state of
+        # the half-done handshake is unknown, so it is not resumed; the caller gets a connection
+        # error and tries a new connection.
         kind = redis.exceptions.ConnectionError if late else redis.exceptions.TimeoutError
         raise kind(f"no reply to the connection handshake within {self._op_timeout:g} s")
 
@@ -584,9 +611,10 @@ class Lane:
             return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
         with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
             return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
-        if anyio.current_time() - scope.deadline > LATE_TIMER:
+        if anyio.current_time() - scope.deadline > LATE_TIMER or _received(conn):
             # The timer ran well after its deadline, after a stall in which the reply may well
-            # have come: it is in the socket, just not read yet. Read what has arrived.
+            # have come, or the reply is here already (the stall ended just after the deadline):
+            # it is in the socket, just not read yet. Read what has arrived.
             with anyio.move_on_after(LATE_GRACE):
                 return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
         raise redis.exceptions.TimeoutError(f"no reply within {limit:g} s")

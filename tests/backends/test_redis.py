@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 import redis.asyncio
 
 import asynclock
-from asynclock.abc import LockRequest, Lost
+from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning
 from asynclock.testing import FaultProxy, RedisServer, free_port
@@ -588,6 +590,112 @@ async def test_server_paused_past_the_ttl_cancels_the_body_before_another_client
     assert events["cancelled"] < events["resumed"] <= events["taken"]
     # By the local deadline (at most 0.89 s after the last renewal), with room for a busy machine.
     assert events["cancelled"] - events["paused"] < 1.2
+
+
+async def test_a_reply_that_came_while_the_event_loop_stalled_is_read_not_timed_out(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    """A paused process (or a call that blocks the loop) finds, when it runs again, both the
+    reply in its socket and its op_timeout timer run out; the timer must not win. Each call here
+    is in flight (sent, reply not read) when the loop blocks for longer than op_timeout."""
+    op_timeout = 0.2
+
+    async def stalled(call: Any) -> Any:
+        task = asyncio.ensure_future(call)
+        await asyncio.sleep(0)  # the task sends its command and waits for the reply
+        assert not task.done()
+        time.sleep(2.5 * op_timeout)  # noqa: ASYNC251 (the whole event loop stalls, as in a SIGSTOP)
+        return await task
+
+    async with (
+        connect(redis_server, prefix, op_timeout=op_timeout, waiter_ttl=0.6) as locks,
+        connect(redis_server, prefix) as other,
+    ):
+        backend = locks._backend
+        lease = await stalled(locks.try_acquire(name, ttl=5))
+        assert lease is not None
+        (outcome,) = await stalled(backend.renew([lease.grant]))
+        assert isinstance(outcome, Renewed)
+        await stalled(lease.release())
+        assert await raw.exists(lua.lock_key(prefix, name)) == 0
+        # A waiter blocked in BLPOP (bounded by its wait plus op_timeout) through a stall.
+        holder = await other.acquire(name, ttl=5)
+        waiter = asyncio.ensure_future(locks.acquire(name, ttl=5, timeout=10))
+        await wait_for_queue(raw, prefix, name, 1)
+        await asyncio.sleep(0.05)
+        time.sleep(1.0)  # noqa: ASYNC251 (a stall while the waiter blocks in BLPOP)
+        await asyncio.sleep(0.3)
+        await holder.release()
+        taken = await waiter
+        await taken.release()
+
+
+_STALLED_WORKER = """
+import asyncio, random, sys, anyio, asynclock
+async def main():
+    url, prefix, name = sys.argv[1:]
+    stop = []
+    counts = {}
+    async with asynclock.connect(
+        url, prefix=prefix, op_timeout=0.2, waiter_ttl=1.0, durability_warning=False
+    ) as locks:
+        async def work():
+            while not stop:
+                try:
+                    async with locks.lock(name, ttl=1, timeout=3):
+                        await asyncio.sleep(random.uniform(0, 0.01))
+                    lease = await locks.try_acquire(name, ttl=1)
+                    if lease is not None:
+                        await lease.release()
+                    outcome = "ok"
+                except (asynclock.LeaseLost, asynclock.AcquireTimeout) as exc:
+                    outcome = type(exc).__name__
+                except Exception as exc:
+                    outcome = f"ERROR {exc!r}"
+                counts[outcome] = counts.get(outcome, 0) + 1
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(work)
+            await anyio.to_thread.run_sync(sys.stdin.read)  # until the test closes stdin
+            stop.append(True)
+    for outcome, count in sorted(counts.items()):
+        print(count, outcome, flush=True)
+anyio.run(main)
+"""
+
+
+async def test_a_client_process_paused_past_op_timeout_gets_no_backend_timeout(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    """A worker SIGSTOPped (0.5 s, op_timeout 0.2 s) at random moments of its lock cycles,
+    twelve times: what it sees is at most LeaseLost or AcquireTimeout, never a BackendTimeout
+    made up by a timer that ran out while the process was stopped."""
+    process = await anyio.open_process(
+        [sys.executable, "-c", _STALLED_WORKER, redis_server.url, prefix, name],
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        await anyio.sleep(0.5)
+        for _ in range(12):
+            await anyio.sleep(random.uniform(0.05, 0.2))
+            process.send_signal(signal.SIGSTOP)
+            await anyio.sleep(0.5)
+            process.send_signal(signal.SIGCONT)
+        await anyio.sleep(0.3)
+        assert process.stdin is not None
+        await process.stdin.aclose()
+        with anyio.fail_after(30):
+            await process.wait()
+        assert process.stdout is not None and process.stderr is not None
+        output = b"".join([chunk async for chunk in process.stdout]).decode()
+        errors = b"".join([chunk async for chunk in process.stderr]).decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.aclose()
+    assert process.returncode == 0, errors
+    assert "ERROR" not in output, output
+    assert " ok" in output, output
 
 
 async def test_a_take_given_up_on_a_frozen_server_is_undone_when_the_server_wakes(
