@@ -976,6 +976,82 @@ async def test_cancelling_a_take_in_flight_leaves_nothing(
             assert await raw.exists(lua.lock_key(prefix, name)) == 0
 
 
+async def test_native_cancellation_at_random_moments_strands_nothing(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    """task.cancel() once, twice or three times (and asyncio.timeout) at random moments of a
+    take, a wait, a body, a release and an ``async with`` exit, 400 cycles: each time another
+    client gets the lock within 100 ms of the cancelled task ending, and nothing is left."""
+    rng = random.Random()
+    client_name = f"cancel-{uuid.uuid4().hex[:6]}"
+    unexpected: list[BaseException] = []
+    stranded: list[int] = []
+    waits: list[float] = []
+    tasks_before = set(asyncio.all_tasks())
+
+    async with (
+        connect(redis_server, prefix, client_name=client_name) as locks,
+        connect(redis_server, prefix) as rival,
+        connect(redis_server, prefix) as probe,
+    ):
+
+        async def cycle_body(kind: str) -> None:
+            if kind == "lock":
+                async with locks.lock(name, ttl=2, timeout=5):
+                    await asyncio.sleep(rng.uniform(0, 0.002))
+            elif kind == "acquire":
+                lease = await locks.acquire(name, ttl=2, timeout=5)
+                try:
+                    await asyncio.sleep(rng.uniform(0, 0.002))
+                finally:
+                    await lease.release()
+            else:
+                async with asyncio.timeout(rng.uniform(0, 0.004)):
+                    async with locks.lock(name, ttl=2, timeout=5):
+                        await asyncio.sleep(0.01)
+
+        async def release_later(lease: asynclock.Lease) -> None:
+            await asyncio.sleep(rng.uniform(0, 0.002))
+            await lease.release()
+
+        for cycle in range(400):
+            # A third of the cycles wait behind a holder that lets go at a random moment.
+            handover = None
+            if cycle % 3 == 0:
+                handover = asyncio.ensure_future(release_later(await rival.acquire(name, ttl=5)))
+            task = asyncio.ensure_future(cycle_body(rng.choice(["lock", "acquire", "timeout"])))
+            for _ in range(rng.randint(1, 3)):
+                await asyncio.sleep(rng.uniform(0, 0.003))
+                task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, TimeoutError):
+                pass
+            except Exception as exc:
+                unexpected.append(exc)
+            if handover is not None:
+                await handover
+            ended = anyio.current_time()
+            lease = None
+            while lease is None and anyio.current_time() - ended < 0.1:
+                lease = await probe.try_acquire(name, ttl=2)
+            if lease is None:
+                stranded.append(cycle)
+                if len(stranded) == 3:
+                    break
+                with anyio.fail_after(10):
+                    lease = await probe.acquire(name, ttl=2)  # go on with the next cycle
+            else:
+                waits.append(anyio.current_time() - ended)
+            await lease.release()
+        assert lane_of(locks).connections <= 16 + lane_of(locks).draining
+    assert unexpected == []
+    assert stranded == [], f"stranded in cycles {stranded}"
+    assert max(waits) < 0.1
+    assert await redis_leftovers(redis_server, prefix, client_name) == []
+    assert set(asyncio.all_tasks()) - tasks_before == set()
+
+
 async def test_a_deadlock_between_two_clients_is_found_and_broken_once(
     redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
