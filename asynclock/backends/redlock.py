@@ -723,9 +723,12 @@ class RedlockBackend(Backend[RedlockGrant]):
         count = len(masters)
 
         def decided(results: list[Any]) -> bool:
+            # Ours on a majority; or held elsewhere, as a majority of answers shows (masters
+            # that failed prove nothing: the others are waited for, so that try_acquire can
+            # tell "held" from "cannot tell").
             yes = sum(1 for r in results if _said(r) == 1)
-            no = sum(1 for r in results if r is not None and _said(r) != 1)
-            return yes >= self.quorum or count - no < self.quorum
+            no = sum(1 for r in results if _said(r) == 0)
+            return yes >= self.quorum or (count - no < self.quorum and yes + no >= self.quorum)
 
         sent_at = anyio.current_time()
         # Sent to every master before the first await: rounds of this client reach every

@@ -373,6 +373,23 @@ async def test_a_dead_minority_master_does_not_stop_locking(
         await again.release()
 
 
+async def test_held_elsewhere_is_told_apart_from_cannot_tell_with_a_master_down(
+    own_server: RedisServer, redis_servers: list[RedisServer], prefix: str, name: str
+) -> None:
+    """One master dead (refused at once), one slow, one that says "held": the round waits for
+    the slow one instead of deciding on the failure, so try_acquire answers None (held), not
+    BackendUnavailable (cannot tell)."""
+    async with FaultProxy(redis_servers[1].host, redis_servers[1].port) as slow:
+        addresses = [own_server.address, slow.address, redis_servers[2].address]
+        async with connect(addresses, prefix) as locks, connect(addresses, prefix) as other:
+            async with locks.lock(name, ttl=2):
+                own_server.kill()
+                slow.delay(20)
+                for _ in range(3):
+                    assert await other.try_acquire(name, ttl=2) is None
+                slow.pass_through()
+
+
 # -- faults on a majority: no grant, and loss mid-hold ----------------------------------------
 
 
@@ -733,3 +750,32 @@ async def test_tls_to_every_master_and_an_unknown_certificate_is_refused(
     async with asynclock.connect(url, prefix=prefix, tls=True, ssl_cert_reqs="none") as locks:
         async with locks.lock(name, ttl=2):
             pass
+
+
+async def test_a_hung_masters_connection_is_closed_after_op_timeout_and_replaced(
+    own_server: RedisServer, redis_servers: list[RedisServer], prefix: str, name: str
+) -> None:
+    client_name = f"asynclock-hung-{uuid.uuid4().hex[:8]}"
+    servers = [own_server, redis_servers[1], redis_servers[2]]
+    addresses = [server.address for server in servers]
+    async with connect(addresses, prefix, client_name=client_name, op_timeout=0.3) as locks:
+        master = locks._backend._masters[0]  # type: ignore[attr-defined]
+        async with locks.lock(name, ttl=1) as lease:
+            own_server.pause()
+            try:
+                await anyio.sleep(1.5)  # renewals every ~0.33 s: the connection is given up
+                assert not lease.lost
+                assert master.open_connections == 0
+            finally:
+                own_server.resume()
+        # Answers again: the next requests open one new connection.
+        with anyio.fail_after(5):
+            while True:
+                async with locks.lock(name, ttl=1):
+                    pass
+                if master.open_connections == 1:
+                    break
+                await anyio.sleep(0.05)
+        await anyio.sleep(1.1)  # a take buffered on the closed connection expires with its ttl
+        assert await named_connections(servers, client_name) == [1, 1, 1]
+    assert await leftovers(servers, prefix, client_name) == []
