@@ -146,7 +146,7 @@ _RENEW = "SELECT pg_backend_pid()"
 _RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
 _CREATE = "CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint NO CYCLE CACHE 1"
 #: How long a release waits for a renewal in flight on its connection before closing it instead.
-_RENEWAL_WAIT = 0.1
+_RENEWAL_WAIT = 0.05
 
 # Make sure a session of ours has ended: the server process of a connection we closed while it
 # had a statement in flight (a cancelled or failed wait, take or token). It may still be blocked
