@@ -67,6 +67,10 @@ _FIRST_RETRY_DELAY = 0.002
 _REQUEST_SHARE = 0.1
 #: Least time a release waits for the masters' answers.
 _MIN_RELEASE_WAIT = 0.05
+#: How long a release waits for the slower masters once a majority answered.
+_RELEASE_GRACE = 0.01
+#: How long opening waits for the slower masters once a majority answered.
+_OPEN_GRACE = 0.25
 #: How long closing the client waits for requests still on their way (releases) to be answered.
 _DRAIN_ON_CLOSE = 0.5
 
@@ -327,6 +331,11 @@ class _Master:
             )
             return
         link = self._link
+        if link is not None and link.alive and link.writer.transport.is_closing():
+            # The server closed it and the reader has not seen it yet: replace it now.
+            error = BackendUnavailable(f"Redis master {self.address} closed the connection")
+            self.lost(link, error, retry=True)
+            link = self._link
         if link is not None and link.alive:
             link.send(request)
             return
@@ -488,20 +497,28 @@ async def _gather(
     futures: Sequence[asyncio.Future[Any]],
     timeout: float,
     decided: Callable[[list[Any]], bool],
+    *,
+    grace: float = 0.0,
 ) -> list[Any]:
     """The replies of ``futures`` (one per master) as they come, until ``decided(results so
-    far)`` (``None`` marks a master still out) or ``timeout``; those still out are abandoned
-    (their requests run on, their replies are dropped) and count as failed."""
+    far)`` (``None`` marks a master still out) and ``grace`` seconds more for the others, or
+    ``timeout``; those still out are abandoned (their requests run on, their replies are
+    dropped) and count as failed."""
     results: list[Any] = [None] * len(futures)
     deadline = _now() + timeout
-    second_look = False
+    settled = second_look = False
     try:
         while True:
             for index, future in enumerate(futures):
                 if results[index] is None and future.done():
                     results[index] = _outcome(future)
-            if all(result is not None for result in results) or decided(results):
+            if all(result is not None for result in results):
                 break
+            if not settled and decided(results):
+                settled = True
+                if grace <= 0:
+                    break
+                deadline = min(deadline, _now() + grace)
             left = deadline - _now()
             if left <= 0:
                 if second_look:
@@ -517,10 +534,12 @@ async def _gather(
         for future in futures:
             if not future.done():
                 future.cancel()
-    return [
-        _Failed(BackendTimeout(f"no answer within {timeout:g} s")) if result is None else result
-        for result in results
-    ]
+    late = (
+        "no answer yet when a majority had answered"
+        if settled
+        else f"no answer within {timeout:g} s"
+    )
+    return [_Failed(BackendTimeout(late)) if result is None else result for result in results]
 
 
 class _Room:
@@ -652,7 +671,11 @@ class RedlockBackend(Backend[RedlockGrant]):
 
     async def _check_masters(self) -> None:
         futures = [master.submit(("PING",)) for master in self._masters]
-        results = await _gather(futures, self.settings.op_timeout, lambda _: False)
+        # A hung minority does not hold up the start for op_timeout: a majority and a moment
+        # for the others is enough (a connection still being set up goes on in its own task).
+        results = await _gather(
+            futures, self.settings.op_timeout, self._majority_answered, grace=_OPEN_GRACE
+        )
         down = [
             f"{master.address} ({_reason(result)})"
             for master, result in zip(self._masters, results, strict=True)
@@ -925,8 +948,17 @@ class RedlockBackend(Backend[RedlockGrant]):
         room = self._rooms.get(name) if wake_waiters else None
         if room is not None:
             room.kick.set()
-        results = await _gather(futures, self._release_wait(ttl), lambda _: False)
+        # Every master is waited for until a majority answered, then briefly: a delete not
+        # answered yet still runs (it is queued behind our take), so a hung minority master
+        # costs a release only the grace.
+        results = await _gather(
+            futures, self._release_wait(ttl), self._majority_answered, grace=_RELEASE_GRACE
+        )
         return sum(1 for result in results if not isinstance(result, _Failed))
+
+    def _majority_answered(self, results: list[Any]) -> bool:
+        answered = sum(1 for r in results if r is not None and not isinstance(r, _Failed))
+        return answered >= self.quorum
 
 
 def _check_master_count(count: int, url: str | None = None) -> None:

@@ -343,6 +343,27 @@ async def test_a_partitioned_minority_master_does_not_stop_locking(
             await again.release()
 
 
+async def test_a_blackholed_minority_master_costs_open_and_release_only_a_grace(
+    redis_servers: list[RedisServer], prefix: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with FaultProxy(redis_servers[0].host, redis_servers[0].port) as front:
+        front.blackhole()
+        addresses = [front.address, redis_servers[1].address, redis_servers[2].address]
+        started = anyio.current_time()
+        async with connect(addresses, prefix) as locks:
+            # Not op_timeout (5 s): a majority answered, the third got 0.25 s more.
+            assert anyio.current_time() - started < 1.0
+            assert "1 of 3 masters did not answer" in caplog.text
+            lease = await locks.acquire(name, ttl=3)
+            started = anyio.current_time()
+            await lease.release()
+            # Not the request bound (0.3 s): a majority answered, the third got 10 ms more.
+            assert anyio.current_time() - started < 0.15
+            front.pass_through()
+            await anyio.sleep(0.2)  # the queued take and delete reach the master, in order
+        assert await holders(redis_servers, lua.lock_key(prefix, name)) == [None] * 3
+
+
 async def test_a_paused_minority_master_does_not_stop_renewal(
     own_server: RedisServer, redis_servers: list[RedisServer], prefix: str, name: str
 ) -> None:
