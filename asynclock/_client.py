@@ -31,7 +31,7 @@ from ._lease import Lease, OnLost, public_owner
 from ._registry import make_backend, redact
 from ._renewal import RENEWAL
 from ._scope import LockContext, MultiLockContext, release_all
-from ._shield import finish, on_asyncio
+from ._shield import Deferred, finish, on_asyncio
 from ._supervisor import Supervisor
 from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest, WaiterRegistry
 
@@ -160,8 +160,8 @@ class LockClient:
         self._renewal_scope: anyio.CancelScope
         self._close_requested: anyio.Event
         self._backend_closed: anyio.Event
-        #: Releases that did not finish in time and go on in the background, by their scope.
-        self._deferred: set[anyio.CancelScope] = set()
+        #: Releases that did not finish in time and go on in the background.
+        self._deferred = Deferred(attempt_timeout=release_timeout)
         self._state = "new"
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -187,6 +187,7 @@ class LockClient:
             raise
         task_group.start_soon(self._renew, name="asynclock renewal")
         self._task_group = task_group
+        self._deferred.bind(task_group)
         self._state = "open"
         return self
 
@@ -264,11 +265,7 @@ class LockClient:
         # Releases still retried in the background get one more release_timeout, then stop:
         # the server frees what they held when its lease expires (etcd and ZooKeeper at once,
         # since closing the backend ends its lease or session).
-        with anyio.move_on_after(self._release_timeout):
-            while self._deferred:  # noqa: ASYNC110 (rare path: a release that hung)
-                await anyio.sleep(0.01)
-        for scope in list(self._deferred):
-            scope.cancel()
+        await self._deferred.aclose(self._release_timeout)
         self._renewal_scope.cancel()
         self._close_requested.set()
         await self._backend_closed.wait()
@@ -569,42 +566,18 @@ class LockClient:
     def _defer_release(self, grant: Grant, error: BaseException | None) -> None:
         """Go on releasing ``grant`` in the client's task group until the server answers."""
         what = f"in {self._release_timeout:g} s" if error is None else f"({error!r})"
-        if self._task_group is None or self._state not in ("open", "closing"):
-            logger.warning(
-                "asynclock: releasing %r on %s did not complete %s and the client is closed; "
-                "the server frees it when its lease expires",
-                grant.name,
-                self._backend.describe(),
-                what,
-            )
-            return
+        retried = self._deferred.retry(
+            functools.partial(self._backend.release, grant), f"releasing {grant.name!r}"
+        )
         logger.warning(
-            "asynclock: releasing %r on %s did not complete %s; retrying in the background "
-            "until the server answers or the client closes",
+            "asynclock: releasing %r on %s did not complete %s; %s",
             grant.name,
             self._backend.describe(),
             what,
+            "retrying in the background until the server answers or the client closes"
+            if retried
+            else "the client is closed, so the server frees it when its lease expires",
         )
-        scope = anyio.CancelScope()
-        self._deferred.add(scope)
-        self._task_group.start_soon(self._retry_release, grant, scope, name="asynclock release")
-
-    async def _retry_release(self, grant: Grant, scope: anyio.CancelScope) -> None:
-        try:
-            with scope:
-                pause = 0.05
-                while True:
-                    try:
-                        with anyio.fail_after(self._release_timeout):
-                            await self._backend.release(grant)
-                    except Exception as exc:
-                        logger.info("asynclock: retrying release of %r: %r", grant.name, exc)
-                        await anyio.sleep(pause)
-                        pause = min(1.0, pause * 2)
-                    else:
-                        return
-        finally:
-            self._deferred.discard(scope)
 
 
 def _check_event_loop(backend: Backend[Grant], url: str) -> None:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 
 import anyio
+from anyio.abc import TaskGroup
 
 logger = logging.getLogger("asynclock")
 
@@ -115,3 +117,63 @@ def on_asyncio() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+class Deferred:
+    """Cleanup that could not finish in time, retried in the background until it does.
+
+    The retries run in a task group someone owns (the client's, or a backend's from ``open()``
+    to ``aclose()``), one task each, with capped backoff between attempts, each attempt bounded
+    by ``attempt_timeout``. :meth:`aclose` gives what is still pending ``grace`` seconds more,
+    then stops it: the server frees what it held when its lease expires.
+    """
+
+    def __init__(self, *, attempt_timeout: float, first_pause: float = 0.05, cap: float = 1.0):
+        self._attempt_timeout = attempt_timeout
+        self._first_pause = first_pause
+        self._cap = cap
+        self._pending: set[anyio.CancelScope] = set()
+        self._group: TaskGroup | None = None
+
+    def bind(self, group: TaskGroup | None) -> None:
+        """Retry in ``group`` from now on (None: nothing is retried any more)."""
+        self._group = group
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def retry(self, cleanup: Cleanup, what: str) -> bool:
+        """Retry ``cleanup`` in the background; False if there is no task group to do it in."""
+        if self._group is None:
+            return False
+        scope = anyio.CancelScope()
+        self._pending.add(scope)
+        self._group.start_soon(self._retry, cleanup, what, scope, name=f"asynclock: {what}")
+        return True
+
+    async def _retry(self, cleanup: Cleanup, what: str, scope: anyio.CancelScope) -> None:
+        pause = self._first_pause
+        try:
+            with scope:
+                while True:
+                    try:
+                        with anyio.fail_after(self._attempt_timeout):
+                            await cleanup()
+                    except Exception as exc:
+                        logger.info("asynclock: retrying %s: %r", what, exc)
+                        await anyio.sleep(pause * random.uniform(0.5, 1.0))
+                        pause = min(self._cap, pause * 2)
+                    else:
+                        return
+        finally:
+            self._pending.discard(scope)
+
+    async def aclose(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for pending retries, then stop them. Idempotent."""
+        self._group = None
+        with anyio.move_on_after(grace):
+            while self._pending:  # noqa: ASYNC110 (rare path: cleanup of a hung server)
+                await anyio.sleep(0.01)
+        for scope in list(self._pending):
+            scope.cancel()
