@@ -369,3 +369,33 @@ async def test_a_backend_that_never_answers_times_out_with_a_named_error() -> No
     with pytest.raises(asynclock.BackendTimeout, match=r"did not answer within 0\.2 s"):
         async with client:
             pass
+
+
+async def test_a_release_the_server_does_not_answer_goes_on_in_the_background() -> None:
+    namespace = f"memory://core-{uuid.uuid4().hex[:8]}"
+    async with (
+        asynclock.connect(namespace, release_timeout=0.2) as locks,
+        asynclock.connect(namespace) as other,
+    ):
+        lease = await locks.acquire("a", ttl=5.0)
+        memory(locks).faults.paused = True
+        started = anyio.current_time()
+        await lease.release()
+        assert anyio.current_time() - started < 0.5  # returns after release_timeout
+        assert await other.try_acquire("a", ttl=5.0) is None  # not released yet
+        memory(locks).faults.paused = False
+        with anyio.fail_after(2):
+            while (probe := await other.try_acquire("a", ttl=5.0)) is None:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        await probe.release()
+
+
+async def test_closing_the_client_stops_background_releases_after_release_timeout() -> None:
+    namespace = f"memory://core-{uuid.uuid4().hex[:8]}"
+    started = anyio.current_time()
+    async with asynclock.connect(namespace, release_timeout=0.2) as locks:
+        lease = await locks.acquire("a", ttl=5.0)
+        memory(locks).faults.paused = True
+        await lease.release()
+    # One release_timeout inline, one more for the background retry at close, then it stops.
+    assert anyio.current_time() - started < 1.5
