@@ -528,6 +528,102 @@ async def test_while_disconnected_renew_is_unknown_at_once_and_acquire_fails_in_
             await lease.release()
 
 
+async def test_connections_reset_between_holds_keep_the_session_and_fail_nothing(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    async with proxied(zookeeper_server) as proxy:
+        url = f"zookeeper://{proxy.address}{chroot}"
+        async with asynclock.connect(url, session_timeout=5, op_timeout=3) as locks:
+            kept = await locks.acquire("kept", ttl=5, on_lost="flag")
+            session = grant_of(kept).session
+            assert session is not None
+            session_id = session.session_id
+            for index in range(30):
+                proxy.reset()  # RST on both sides, right before the next call
+                if index % 3 == 1:
+                    await anyio.sleep(0.005)
+                with anyio.fail_after(3):
+                    match index % 3:
+                        case 0:
+                            async with locks.lock("r", ttl=5) as lease:
+                                assert lease.token > 0
+                        case 1:
+                            taken = await locks.try_acquire("r", ttl=5)
+                            assert taken is not None
+                            await taken.release()
+                        case _:
+                            async with locks.lock("r", ttl=5, timeout=2):
+                                pass
+            # Every reset was a reconnect in the same session: the lease held across all of
+            # them is intact, and renews.
+            assert session.session_id == session_id and session.reconnects >= 30
+            assert not kept.lost
+            (outcome,) = await backend_of(locks).renew([grant_of(kept)])
+            assert isinstance(outcome, asynclock.abc.Renewed)
+            await kept.release()
+            assert await children(admin, f"{chroot}/r") == []
+
+
+async def test_a_reset_that_ends_the_session_loses_its_leases_and_the_next_acquire_works(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    async with proxied(zookeeper_server) as proxy:
+        url = f"zookeeper://{proxy.address}{chroot}"
+        async with asynclock.connect(url, session_timeout=5, op_timeout=3) as locks:
+            held = await locks.acquire("held", ttl=5, on_lost="flag")
+            proxy.blackhole()  # the client cannot reconnect while the session is closed
+            await expire_session(zookeeper_server, grant_of(held))
+            proxy.reset()
+            proxy.pass_through()
+            # No error: the acquire finds the session gone and starts a new one.
+            with anyio.fail_after(3):
+                async with locks.lock("next", ttl=5) as lease:
+                    assert grant_of(lease).session is not grant_of(held).session
+            assert held.lost and "expired or was closed" in (held.lost_reason or "")
+            await held.release()  # nothing to do, and no error either
+            async with locks.lock("held", ttl=5, timeout=1) as again:
+                assert again.token > held.token
+    assert await znodes_under(admin, chroot) in ([], [f"{chroot}/held"], [f"{chroot}/next"])
+
+
+async def test_inspect_gives_the_holders_owner_secret_to_the_core_which_shows_its_hash(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    url = f"{zookeeper_server.url}{chroot}"
+    parent = f"{chroot}/seen"
+    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+        assert await backend_of(other).inspect("seen") == asynclock.abc.LockInfo(
+            "seen", held=False, waiters=0
+        )
+        lease = await locks.acquire("seen", ttl=5)
+        # Nodes that are not ours take no part (and are not taken for the holder).
+        await admin.create(f"{parent}/a-stranger-0000000000")
+
+        async def wait_then_release() -> None:
+            async with other.lock("seen", ttl=5, timeout=2):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_then_release)
+            await wait_until_children(admin, parent, 3)
+            raw = await backend_of(other).inspect("seen")
+            assert raw.owner == grant_of(lease).owner  # the secret, for the core to hash
+            assert (raw.held, raw.token, raw.waiters) == (True, lease.token, 1)
+            shown = await other.inspect("seen")
+            assert shown.owner == lease.owner != grant_of(lease).owner
+            await lease.release()
+        await admin.delete(f"{parent}/a-stranger-0000000000")
+        # Readers before the first writer all hold the lock.
+        rw = ReadWriteLock(locks, "seen")
+        async with rw.read(ttl=5) as first, ReadWriteLock(other, "seen").read(ttl=5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_then_release)
+                await wait_until_children(admin, parent, 3)
+                info = await locks.inspect("seen")
+                assert (info.held, info.owner, info.waiters) == (True, first.owner, 1)
+                tg.cancel_scope.cancel()
+
+
 # -- cleanup ---------------------------------------------------------------------------------
 
 
