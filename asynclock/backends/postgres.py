@@ -11,8 +11,21 @@ How a lock is held
 
 Waiting
     In the server: ``pg_advisory_lock`` blocks in PostgreSQL's lock queue, which grants the lock
-    in the order the waiters asked. A cancelled wait is cancelled in the server too (asyncpg
-    sends a CancelRequest), and the connection is cleaned before it is reused.
+    in the order the waiters asked.
+
+Interrupted statements and dead connections
+    A connection whose statement was cancelled or failed half-way (a cancelled wait, a take
+    that timed out) is never used again: asyncpg's protocol state is then unknown (reusing it
+    gave "cannot switch to state 12; another operation (2) is in progress"). It is closed at
+    once, without an await, and its server session is ended with ``pg_terminate_backend`` from
+    another connection before the take returns, since a session blocked in the lock queue does
+    not read its socket (:meth:`PostgresBackend._end_session`, which survives any number of
+    cancellations). ``client_connection_check_interval`` is a backstop for waiters of processes
+    that died. A connection found dead when used (a pooled one the server or a proxy closed
+    while it was idle, or a waiter's session that the server's idle timer ended while this
+    process was paused) is replaced and the take starts again; only a new connection that fails
+    too is an outage. A release never fails: unlocking keeps the connection, closing it ends the
+    session, and either frees the lock.
 
 The lease
     An advisory lock lives exactly as long as its session, so the lease is the session: a
@@ -145,7 +158,8 @@ _RENEW = "SELECT pg_backend_pid()"
 # The connection is dedicated, so "all" is exactly our lock (with any re-entrant count).
 _RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
 _CREATE = "CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint NO CYCLE CACHE 1"
-#: How long a release waits for a renewal in flight on its connection before closing it instead.
+#: How long after a renewal was sent a release waits for its reply before closing the connection
+#: instead (a statement in flight: the connection cannot be unlocked and kept before it ends).
 _RENEWAL_WAIT = 0.05
 
 # Make sure a session of ours has ended: the server process of a connection we closed while it
@@ -573,12 +587,14 @@ class PostgresBackend(Backend[PostgresGrant]):
             return
         try:
             renewal = grant.renewal
-            if renewal is not None and not await _finished(
-                renewal, min(self.op_timeout, _RENEWAL_WAIT)
-            ):
-                # Its statement is in flight: the connection cannot be reused anyway.
-                self._discard(connection)
-                return
+            if renewal is not None:
+                # Its statement is in flight. A renewal just sent on a healthy server is back
+                # within milliseconds; one that has not come back by now (a hung server, often
+                # why the lease was lost) is not waited for: closing frees the lock just the same.
+                left = grant.renewal_sent_at + _RENEWAL_WAIT - anyio.current_time()
+                if left <= 0 or not await _finished(renewal, left):
+                    self._discard(connection)
+                    return
             await connection.execute(_RELEASE, timeout=self.op_timeout)
         except BaseException as exc:
             # Closed at once, never reused: whatever state the statement left, the session
@@ -1062,36 +1078,50 @@ async def _on_backend(
     idle_timeout: float | None,
     isolation: str | None,
 ) -> AsyncIterator[TransactionLock]:
-    connection = await backend._checkout()
-    body_ran = False
-    try:
-        async with _transaction(
-            connection,
-            name,
-            lock_key(name, backend.schema),
-            backend.sequence,
-            timeout,
-            idle_timeout,
-            isolation,
-            backend.op_timeout,
-        ) as held:
-            body_ran = True
-            yield held
-        # The body may have changed the session (SET, LISTEN, temporary tables, a session
-        # advisory lock): undo it before the connection is used for a lease. RESET ALL returns
-        # to the settings the connection was opened with, which are ours.
-        await connection.execute(_RESET, timeout=backend.op_timeout)
-    except BaseException as exc:
-        # Reused only after a clean refusal (timeout 0: the try ran to its end and was rolled
-        # back). A body may have left anything behind, and an interrupted statement leaves the
-        # connection in a state nobody knows: those are closed.
-        refused = isinstance(exc, AcquireTimeout) and timeout == 0
-        if body_ran or not refused or connection.is_closed() or connection.is_in_transaction():
-            backend._discard(connection)
-        else:
-            backend._checkin(connection)
-        raise
-    backend._checkin(connection)
+    fresh_failures = 0
+    while True:
+        connection, reused = await backend._checkout_reporting()
+        body_ran = False
+        try:
+            async with _transaction(
+                connection,
+                name,
+                lock_key(name, backend.schema),
+                backend.sequence,
+                timeout,
+                idle_timeout,
+                isolation,
+                backend.op_timeout,
+            ) as held:
+                body_ran = True
+                yield held
+            # The body may have changed the session (SET, LISTEN, temporary tables, a session
+            # advisory lock): undo it before the connection is used for a lease. RESET ALL
+            # returns to the settings the connection was opened with, which are ours.
+            await connection.execute(_RESET, timeout=backend.op_timeout)
+        except BaseException as exc:
+            broken = _connection_broken(connection, _unmapped(exc))
+            # Reused only after a clean refusal (timeout 0: the try ran to its end and was
+            # rolled back). A body may have left anything behind: closed. An interrupted take
+            # leaves the connection in a state nobody knows, and its session perhaps in the
+            # lock queue: closed, and the session ended (as for a session lock's take).
+            refused = isinstance(exc, AcquireTimeout) and timeout == 0
+            if body_ran:
+                backend._discard(connection)
+                raise
+            if refused and not connection.is_closed() and not connection.is_in_transaction():
+                backend._checkin(connection)
+                raise
+            await backend._end_session(connection, name)
+            if not isinstance(exc, Exception) or not broken:
+                raise
+            if not reused:
+                fresh_failures += 1
+                if fresh_failures >= 2:
+                    raise
+            continue  # a dead connection (pooled, or ended while waiting): take it on another
+        backend._checkin(connection)
+        return
 
 
 @asynccontextmanager

@@ -850,7 +850,7 @@ async def test_an_idle_pooled_connection_ended_by_the_server_is_replaced_without
     async with asynclock.connect(postgres_server.url, application_name=app, max_idle=1) as locks:
         backend = locks._backend
         assert isinstance(backend, PostgresBackend)
-        for take in ("lock", "try_acquire", "acquire with a timeout"):
+        for take in ("lock", "try_acquire", "acquire with a timeout", "transaction_lock"):
             async with locks.lock(name, ttl=5):
                 pass
             (pooled,) = backend._idle
@@ -864,9 +864,14 @@ async def test_an_idle_pooled_connection_ended_by_the_server_is_replaced_without
                 assert taken is not None
                 lease = taken
                 await lease.release()
-            else:
+            elif take == "acquire with a timeout":
                 lease = await locks.acquire(name, ttl=5, timeout=1)
                 await lease.release()
+            else:
+                async with transaction_lock(locks, name, timeout=1) as (connection, _):
+                    assert connection is not pooled
+                assert pooled.is_closed()
+                continue
             assert lease.grant.connection is not pooled  # type: ignore[attr-defined]
             assert pooled.is_closed()
         # Pushed over pg_terminate_backend the way a client sees it: once noticed, a dead
@@ -966,6 +971,32 @@ async def test_the_release_after_an_in_process_pause_past_the_ttl_is_silent(
             pass
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert all("lost" in message and "releas" not in message for message in messages), messages
+
+
+async def test_a_killed_waiter_process_leaves_the_servers_queue_within_the_check_interval(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    """A session blocked in the lock queue does not read its socket, so a waiter whose process
+    died stayed queued until it was granted the lock. client_connection_check_interval (1 s,
+    set on our connections where the server supports it) makes the server notice."""
+    async with asynclock.connect(postgres_server.url) as locks:
+        backend = locks._backend
+        assert isinstance(backend, PostgresBackend)
+        assert backend._server_settings["client_connection_check_interval"] == "1000"
+        holder = await locks.acquire(name, ttl=30)
+        process = await anyio.open_process(
+            [sys.executable, "-c", HOLDER, postgres_server.url, name, "30"], cwd=ROOT
+        )
+        async with process:
+            await wait_for_waiters(admin, name, 1)
+            process.kill()
+            killed_at = anyio.current_time()
+            await process.wait()
+            with anyio.fail_after(3):
+                while await waiters(admin, name):  # noqa: ASYNC110 (polling the server)
+                    await anyio.sleep(0.02)
+        assert anyio.current_time() - killed_at < 1.5
+        await holder.release()
 
 
 # -- native cancellation (issue 15, item 4) ----------------------------------------------------
