@@ -1,0 +1,84 @@
+"""The backend kit: what every backend needs and no backend should write again.
+
+A backend imports from here (and from its driver), nothing else of asynclock:
+
+- the contract (:mod:`asynclock.abc`) and the error hierarchy;
+- :mod:`._address`: host/port lists in URLs, IPv6 brackets, passwords kept out of messages;
+- :mod:`._retry`: one backoff policy with jitter;
+- :mod:`._tasks`: background tasks owned from ``open()`` to ``aclose()``, work abandoned after
+  a time bound, and deferred cleanup;
+- :func:`finish`: cleanup after a cancelled acquire that survives any cancellation;
+- :mod:`._pool`: idle connections, never reused after an interrupted request;
+- :mod:`._translate`: driver errors into the hierarchy, with "may have been applied" and
+  "proven gone" outcomes;
+- :data:`RENEWAL`: when leases are renewed (for a backend-side keepalive).
+"""
+
+from ..._errors import (
+    AcquireTimeout,
+    BackendTimeout,
+    BackendUnavailable,
+    InvalidArgument,
+    InvalidURL,
+    LockError,
+    UnsupportedFeature,
+)
+from ..._renewal import RENEWAL, RenewalPolicy
+from ..._shield import Deferred, finish
+from ..._validate import Options, redact
+from ...abc import (
+    Backend,
+    Capabilities,
+    Grant,
+    LockInfo,
+    LockRequest,
+    Lost,
+    Renewed,
+    RenewOutcome,
+    Unknown,
+    WaiterRegistry,
+)
+from ._address import HostPort, bracket, parse_host, parse_hosts, split_userinfo
+from ._pool import IdlePool
+from ._retry import Backoff, RetryPolicy
+from ._tasks import TaskHost
+from ._translate import MayHaveApplied, ProvenGone, Translator, translate
+
+__all__ = (
+    "RENEWAL",
+    "AcquireTimeout",
+    "Backend",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "Backoff",
+    "Capabilities",
+    "Deferred",
+    "Grant",
+    "HostPort",
+    "IdlePool",
+    "InvalidArgument",
+    "InvalidURL",
+    "LockError",
+    "LockInfo",
+    "LockRequest",
+    "Lost",
+    "MayHaveApplied",
+    "Options",
+    "ProvenGone",
+    "RenewOutcome",
+    "RenewalPolicy",
+    "Renewed",
+    "RetryPolicy",
+    "TaskHost",
+    "Translator",
+    "Unknown",
+    "UnsupportedFeature",
+    "WaiterRegistry",
+    "bracket",
+    "finish",
+    "parse_host",
+    "parse_hosts",
+    "redact",
+    "split_userinfo",
+    "translate",
+)

@@ -1,0 +1,111 @@
+"""Server addresses in lock URLs: ``host``, ``host:port``, ``[v6]``, ``[v6]:port``, lists of them.
+
+Every backend that names servers in its URL reads them here, so that a port out of range, an
+IPv6 address without brackets or an empty entry is refused in the same words everywhere.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from ..._errors import InvalidURL
+from ..._validate import redact
+
+__all__ = ("HostPort", "bracket", "parse_host", "parse_hosts", "split_userinfo")
+
+
+@dataclass(frozen=True, slots=True)
+class HostPort:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{bracket(self.host)}:{self.port}"
+
+    @property
+    def family(self) -> int | None:
+        """4 or 6 for an IP address, None for a host name."""
+        try:
+            return ipaddress.ip_address(self.host).version
+        except ValueError:
+            return None
+
+
+def bracket(host: str) -> str:
+    """The host as it is written in a URL: IPv6 addresses in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
+def parse_host(text: str, *, default_port: int, url: str, example: str) -> HostPort:
+    """One ``host[:port]`` entry; IPv6 addresses in brackets, ports 1-65535."""
+    shown = redact(url)
+    entry = text.strip()
+    if not entry:
+        raise InvalidURL(f"{shown!r} names an empty host; expected for example {example}")
+    if entry.startswith("["):
+        host, closed, rest = entry[1:].partition("]")
+        if not closed or not host:
+            raise InvalidURL(
+                f"{shown!r}: unbalanced '[' in {entry!r}; expected for example {example}"
+            )
+        if rest and not rest.startswith(":"):
+            raise InvalidURL(
+                f"{shown!r}: unexpected {rest!r} after [{host}]; expected for example {example}"
+            )
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise InvalidURL(
+                f"{shown!r}: [{host}] is not an IPv6 address; expected for example {example}"
+            ) from None
+        port_text = rest[1:] if rest else None
+    else:
+        if entry.count(":") > 1:
+            raise InvalidURL(
+                f"{shown!r}: IPv6 addresses go in brackets, as in [::1]:{default_port}; "
+                f"expected for example {example}"
+            )
+        host, colon, port_text_or_empty = entry.partition(":")
+        port_text = port_text_or_empty if colon else None
+        if not host:
+            raise InvalidURL(
+                f"{shown!r} names no host in {entry!r}; expected for example {example}"
+            )
+        if not all(char.isalnum() or char in "-._%" for char in host):
+            raise InvalidURL(
+                f"{shown!r}: {host!r} is not a host name or address; expected for example {example}"
+            )
+    if port_text is None:
+        return HostPort(host, default_port)
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise InvalidURL(
+            f"{shown!r}: port {port_text!r} is not a number from 1 to 65535; expected for "
+            f"example {example}"
+        )
+    return HostPort(host, int(port_text))
+
+
+def parse_hosts(
+    text: str, *, default_port: int, url: str, example: str, one_family: bool = False
+) -> tuple[HostPort, ...]:
+    """A comma-separated list of ``host[:port]`` entries (at least one).
+
+    ``one_family`` refuses a list that mixes IPv4 and IPv6 addresses (gRPC's resolver takes one).
+    """
+    hosts = tuple(
+        parse_host(part, default_port=default_port, url=url, example=example)
+        for part in text.split(",")
+    )
+    if one_family and len({host.family for host in hosts if host.family is not None}) > 1:
+        raise InvalidURL(
+            f"{redact(url)!r} mixes IPv4 and IPv6 addresses; list the servers by one family "
+            f"(or by host name), for example {example}"
+        )
+    return hosts
+
+
+def split_userinfo(netloc: str) -> tuple[str | None, str]:
+    """``user:password@hosts`` -> (``user:password`` or None, ``hosts``); percent-encoding kept."""
+    userinfo, at, hosts = netloc.rpartition("@")
+    return (userinfo if at else None), hosts

@@ -1,0 +1,93 @@
+"""Idle connections kept for reuse, written once for every backend that pools them.
+
+Two rules make a pool safe for locks: a connection that had a request in flight when its caller
+was cancelled or timed out is never reused (its protocol state is unknown: a reply may still
+come, a transaction may be open), and one that died while it sat idle (the server's idle
+timeout, a terminated session, a reset) is replaced, not reported as an outage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Generic, TypeVar
+
+import anyio
+
+__all__ = ("IdlePool",)
+
+C = TypeVar("C")
+
+
+class IdlePool(Generic[C]):
+    """Connections made by ``connect()``, kept idle (most recently used first) up to ``keep``.
+
+    ``alive(c)`` says whether an idle connection may still be used (it must not do I/O);
+    ``abort(c)`` drops one at once without awaiting (closes its socket); ``close(c)`` closes one
+    in order, at :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        *,
+        connect: Callable[[], Awaitable[C]],
+        alive: Callable[[C], bool],
+        abort: Callable[[C], None],
+        close: Callable[[C], Awaitable[None]],
+        keep: int = 4,
+    ) -> None:
+        self._connect = connect
+        self._alive = alive
+        self._abort = abort
+        self._close = close
+        self._keep = keep
+        self._idle: list[C] = []
+        self._closed = False
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    async def take(self) -> C:
+        """An idle connection that is still alive, or a new one."""
+        while self._idle:
+            connection = self._idle.pop()
+            if self._alive(connection):
+                return connection
+            self._abort(connection)
+        return await self._connect()
+
+    def give_back(self, connection: C, *, reusable: bool) -> None:
+        """Return ``connection``; unless ``reusable`` (its last request completed) it is dropped."""
+        if (
+            reusable
+            and not self._closed
+            and len(self._idle) < self._keep
+            and self._alive(connection)
+        ):
+            self._idle.append(connection)
+        else:
+            self._abort(connection)
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[C]:
+        """A connection for the block; reused only if the block completed (no error, no
+        cancellation)."""
+        connection = await self.take()
+        reusable = False
+        try:
+            yield connection
+            reusable = True
+        finally:
+            self.give_back(connection, reusable=reusable)
+
+    async def aclose(self) -> None:
+        """Close every idle connection. Idempotent."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        with anyio.CancelScope(shield=True):
+            for connection in idle:
+                try:
+                    await self._close(connection)
+                except Exception:
+                    self._abort(connection)

@@ -1,0 +1,60 @@
+"""Driver errors into asynclock's hierarchy, at the backend boundary, in one dialect.
+
+A backend gives either a table (``{DriverTimeout: BackendTimeout, OSError:
+BackendUnavailable}``, first match wins, subclasses first) or a function that looks at the
+error and returns the exception to raise (``None``: not a driver error, let it through). Two
+private outcomes every backend can raise or return, so that the code above it can act on them:
+
+- :class:`MayHaveApplied`: the request was sent and no answer came, so the server may have
+  carried it out (a take that may hold the lock now must be undone);
+- :class:`ProvenGone`: the server proved that the lease or session is gone (renewal reports
+  :class:`asynclock.abc.Lost`, not :class:`asynclock.abc.Unknown`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+
+from ..._errors import BackendTimeout, BackendUnavailable, LockError
+
+__all__ = ("MayHaveApplied", "ProvenGone", "Translator", "translate")
+
+Translator = (
+    Mapping[type[BaseException], type[LockError]] | Callable[[Exception, str], LockError | None]
+)
+
+
+class MayHaveApplied(BackendTimeout):
+    """The request was sent and not answered in time: it may have been applied."""
+
+
+class ProvenGone(BackendUnavailable):
+    """The server proved that the lease (or session) is gone."""
+
+
+@contextmanager
+def translate(translator: Translator, context: str) -> Iterator[None]:
+    """Raise driver errors inside the block as asynclock errors, ``from`` the original.
+
+    ``context`` says what was being done ("renewing 3 locks on redis://127.0.0.1:6379"), which
+    the driver's error rarely says.
+    """
+    try:
+        yield
+    except LockError:
+        raise
+    except Exception as exc:
+        error = _translated(translator, exc, context)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def _translated(translator: Translator, exc: Exception, context: str) -> LockError | None:
+    if callable(translator) and not isinstance(translator, Mapping):
+        return translator(exc, context)
+    for source, target in translator.items():
+        if isinstance(exc, source):
+            return target(f"{context}: {type(exc).__name__}: {exc}")
+    return None
