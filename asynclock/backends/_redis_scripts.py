@@ -70,9 +70,9 @@ def lock_key(prefix: str, name: str) -> str:
 
 
 def token_key(prefix: str, name: str) -> str:
-    """The fencing counter of ``name``; it never expires, so tokens keep increasing. The take
-    starts a missing one from the server's clock in microseconds (see ``next_token`` in
-    :data:`TAKE`), so a counter lost in a restart does not hand out old tokens again."""
+    """The fencing counter of ``name`` (the last token); it never expires. The take never
+    hands out less than the server's clock in microseconds (see ``next_token`` in
+    :data:`TAKE`), so a counter lost or restored old in a restart does not repeat tokens."""
     return f"{prefix}{TOKEN_TAG}{name}"
 
 
@@ -187,16 +187,18 @@ local function server_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The next fencing token. A counter the server does not have (a restart without persistence, an
--- eviction, a new name) starts from the server's clock in microseconds, so it begins above every
--- token handed out before for this name, as long as the clock does not go back and there were
--- fewer acquisitions than microseconds. Below 2^53, so exact in a Lua number.
+-- The next fencing token: one more than the last, but never below the server's clock in
+-- microseconds. So a counter that Redis forgot (a restart without persistence, an eviction) or
+-- brought back old (an RDB snapshot, the last second of an AOF lost in a crash) still gives a
+-- token above every one handed out before, as long as the clock does not go back and the name
+-- was taken fewer times than microseconds went by. Below 2^53: exact as a Lua number.
 local function next_token()
-  if redis.call('EXISTS', counter) == 0 then
-    local t = redis.call('TIME')
-    redis.call('SET', counter, string.format('%d', tonumber(t[1]) * 1000000 + tonumber(t[2])))
-  end
-  return redis.call('INCR', counter)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local last = redis.call('GET', counter)
+  local token = math.max(last and tonumber(last) + 1 or 0, now)
+  redis.call('SET', counter, string.format('%d', token))
+  return token
 end
 
 -- Forget waiters whose place expired (their process died or stalled).
@@ -240,7 +242,7 @@ if holder == owner then
   return {1, tonumber(redis.call('GET', counter))}
 end
 if not holder and redis.call('EXISTS', queue) == 0 then
-  -- Free and nobody waits: the common case, without reading the clock.
+  -- Free and nobody waits: the common case.
   redis.call('SET', lock, owner, 'PX', ttl)
   redis.call('DEL', wake .. owner)
   return {1, next_token()}

@@ -12,9 +12,18 @@ the wake even if it comes while the waiter is between two calls. A holder that d
 releasing is noticed by the first waiter when the key's expiry passes (it sleeps until then,
 with jitter), and everyone else refreshes their place every ``waiter_ttl / 3``.
 
-The fencing counter only increases while Redis keeps its data: :func:`RedisBackend.open` reads
-the server's persistence and eviction settings and warns (:class:`RedisDurabilityWarning`) when
-a restart or eviction could lose counters or locks.
+Tokens never repeat for a name, also when Redis forgets the counter (a restart without
+persistence, an eviction): a missing counter starts from the server's clock in microseconds, above
+every token handed out before, as long as that clock does not go back. Held locks are another
+matter: :func:`RedisBackend.open` reads the server's persistence and eviction settings and warns
+(:class:`RedisDurabilityWarning`) when a restart or eviction could lose them. One idle connection
+per client notices a restart at once, and leases whose keys it took are reported lost then.
+
+Failures: every call is bounded by ``op_timeout``, with the backend's own timer, which lets a
+reply that arrived while the process was stalled be read rather than counted as a timeout. A
+take interrupted in flight (timeout, cancellation) has its undo written right behind it on the
+same connection, so the server runs the two in order whenever it gets to them: a frozen server
+that wakes up cannot leave the lock to a caller that has given up.
 """
 
 from __future__ import annotations
@@ -66,11 +75,12 @@ _MIN_VERSION = (6, 0)
 
 
 class RedisDurabilityWarning(UserWarning):
-    """The Redis server may lose lock keys or fencing counters (eviction, or no AOF).
+    """The Redis server may lose held locks (eviction, or no AOF).
 
-    Fencing tokens only strictly increase while Redis keeps the counters: a restart without the
-    append-only file starts them again from 1, and an eviction policy other than ``noeviction``
-    (with ``maxmemory`` set) may drop locks that are still held. Silence it with the option
+    A restart without the append-only file forgets every held lock (their holders are told at
+    once, but another client may take the lock first), and an eviction policy other than
+    ``noeviction`` (with ``maxmemory`` set) may drop locks that are still held. Tokens stay safe
+    either way: a lost counter restarts from the server's clock. Silence it with the option
     ``durability_warning=false`` once you have decided that this is acceptable.
     """
 
@@ -573,13 +583,13 @@ def durability_problems(settings: Mapping[str, str]) -> list[str]:
     problems = []
     if settings.get("appendonly") == "no":
         problems.append(
-            "appendonly is 'no', so a restart loses the fencing counters (tokens start again "
-            "at 1) and every held lock; set 'appendonly yes'"
+            "appendonly is 'no', so a restart loses every held lock (another client can take a "
+            "lock while its holder, told at once, is still stopping); set 'appendonly yes'"
         )
     elif settings.get("appendfsync") == "no":
         problems.append(
-            "appendfsync is 'no', so a crash of the machine can lose the last ~30 s of counter "
-            "increments; set 'appendfsync everysec' or 'always'"
+            "appendfsync is 'no', so a crash of the machine can lose the last ~30 s of writes, "
+            "locks taken then among them; set 'appendfsync everysec' or 'always'"
         )
     policy = settings.get("maxmemory-policy", "noeviction")
     if settings.get("maxmemory", "0") not in ("0", "") and policy != "noeviction":
