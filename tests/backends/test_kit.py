@@ -165,9 +165,15 @@ async def test_task_host_owns_its_tasks_and_abandons_late_work() -> None:
 
     await host.open()
     host.start_soon(forever, name="forever")
-    assert await TaskHost.within(0.05, lambda: anyio.sleep(1), "slow work") is None
+
+    async def slow() -> int:
+        await anyio.sleep(1)
+        return 1
+
     async def quick() -> int:
         return 7
+
+    assert await TaskHost.within(0.05, slow, "slow work") is None
 
     assert await TaskHost.within(1, quick, "quick work") == 7
     await host.aclose()
