@@ -12,9 +12,10 @@ the wake even if it comes while the waiter is between two calls. A holder that d
 releasing is noticed by the first waiter when the key's expiry passes (it sleeps until then,
 with jitter), and everyone else refreshes their place every ``waiter_ttl / 3``.
 
-Tokens never repeat for a name, also when Redis forgets the counter (a restart without
-persistence, an eviction): a missing counter starts from the server's clock in microseconds, above
-every token handed out before, as long as that clock does not go back. Held locks are another
+Tokens never repeat for a name, also when Redis forgets the counter or brings it back old (a
+restart without persistence, an eviction, a snapshot): a token is never below the server's clock
+in microseconds, so it is above every token handed out before, as long as that clock does not go
+back. Held locks are another
 matter: :func:`RedisBackend.open` reads the server's persistence and eviction settings and warns
 (:class:`RedisDurabilityWarning`) when a restart or eviction could lose them. One idle connection
 per client notices a restart at once, and leases whose keys it took are reported lost then.
@@ -80,7 +81,7 @@ class RedisDurabilityWarning(UserWarning):
     A restart without the append-only file forgets every held lock (their holders are told at
     once, but another client may take the lock first), and an eviction policy other than
     ``noeviction`` (with ``maxmemory`` set) may drop locks that are still held. Tokens stay safe
-    either way: a lost counter restarts from the server's clock. Silence it with the option
+    either way: no token is below the server's clock in microseconds. Silence it with the option
     ``durability_warning=false`` once you have decided that this is acceptable.
     """
 
