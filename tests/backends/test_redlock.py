@@ -590,26 +590,37 @@ async def test_native_cancellation_strands_nothing_on_any_master(
         await lease.release()
         round_trip = anyio.current_time() - started
         stranded: list[str] = []
+        hit: dict[str, int] = {}  # where the cancellations landed
         for cycle in range(300):
             kind = ("lock", "acquire-release", "timeout", "queued")[cycle % 4]
             blocker = await other.acquire(name, ttl=ttl) if kind == "queued" else None
 
-            async def cycle_body(kind: str = kind) -> None:
+            phase = ["acquire"]
+
+            async def cycle_body(kind: str = kind, phase: list[str] = phase) -> None:
                 if kind == "acquire-release":
                     held = await locks.acquire(name, ttl=ttl)
+                    phase[0] = "release"
                     await held.release()
                 elif kind == "timeout":
                     async with asyncio.timeout(rng.uniform(0, 3 * round_trip)):
                         async with locks.lock(name, ttl=ttl):
+                            phase[0] = "body"
                             await asyncio.sleep(rng.uniform(0, round_trip))
+                            phase[0] = "exit"
                 else:
                     async with locks.lock(name, ttl=ttl):
+                        phase[0] = "body"
                         await asyncio.sleep(rng.uniform(0, round_trip))
+                        phase[0] = "exit"
+                phase[0] = "done"
 
             task = asyncio.create_task(cycle_body())
             cancels = rng.choice((1, 2, 3))
             for _ in range(cancels):
                 await asyncio.sleep(rng.uniform(0, 1.5 * round_trip))
+                if not task.done():
+                    hit[phase[0]] = hit.get(phase[0], 0) + 1
                 task.cancel()
             with suppress(asyncio.CancelledError, TimeoutError):
                 await task
@@ -628,6 +639,8 @@ async def test_native_cancellation_strands_nothing_on_any_master(
             if len(stranded) >= 3:
                 break
         assert stranded == []
+        # The cancellations did land in each phase (the exit includes its release).
+        assert all(hit.get(where, 0) >= 10 for where in ("acquire", "release", "exit")), hit
         # One connection per master all along: a cancelled request costs no connection.
         assert all(count == 1 for count in await named_connections(redis_servers, client_name))
     assert await leftovers(redis_servers, prefix, client_name) == []
