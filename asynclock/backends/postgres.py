@@ -172,8 +172,9 @@ _END_SESSION = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 WHERE pid = $1 AND usename = current_user AND application_name = $2
 """
-#: Pause between two looks at a session that is ending.
+#: Pause between two looks at a session that is ending, and the longest it is waited for.
 _END_POLL = 0.002
+_END_TIMEOUT = 1.0
 #: How often a server process running one of our statements (a wait) checks that the client is
 #: still there; a backstop for waits whose session we could not end ourselves (a killed
 #: process). Probed at open: servers on platforms without the check refuse the setting.
@@ -535,7 +536,7 @@ class PostgresBackend(Backend[PostgresGrant]):
                         )
             except BaseException as exc:
                 broken = _connection_broken(connection, _unmapped(exc))
-                await self._end_session(connection, request.name)
+                await self._end_session(connection, request.name, _unmapped(exc))
                 if not isinstance(exc, Exception) or not broken:
                     raise
                 if not reused:
@@ -615,21 +616,38 @@ class PostgresBackend(Backend[PostgresGrant]):
             return
         self._checkin(connection)
 
-    async def _end_session(self, connection: Any, name: str) -> None:
+    async def _end_session(
+        self, connection: Any, name: str, error: BaseException | None = None
+    ) -> None:
         """Close ``connection`` at once, and make sure its server session has ended too.
 
         The close alone ends a session that is idle or finishing a short statement within
         milliseconds, but not one blocked in the lock queue, which does not read its socket:
         so ``pg_terminate_backend`` from another connection ends it, and this returns once the
-        server process is gone (a few milliseconds). Survives any cancellation (``asynclock._shield.finish``)
-        and is bounded by ``op_timeout``; a failure is only logged, the close already done.
+        server process is gone (a few milliseconds). Survives any cancellation
+        (``asynclock._shield.finish``) and is bounded by ``min(op_timeout, 1 s)``: a server
+        that does not answer gets the close, and the check of its connections, instead.
+        Skipped after a timeout (``error``), which only a short statement can have.
         """
         pid = connection.get_server_pid()
         self._discard(connection)  # no await before: nothing can cancel the close
+        if isinstance(error, TimeoutError):
+            return  # the server did not answer: another connection would wait as long
+
+        def unfinished() -> None:
+            logger.info(
+                "asynclock: %s did not answer while ending session %d of an interrupted take "
+                "of %r; it ends when the server reads the close",
+                self.describe(),
+                pid,
+                name,
+            )
+
         await finish(
             functools.partial(self._terminate_session, pid, name),
-            timeout=self.op_timeout,
+            timeout=min(self.op_timeout, _END_TIMEOUT),
             what=f"ending the server session {pid} of an interrupted take of {name!r}",
+            unfinished=unfinished,
         )
 
     async def _terminate_session(self, pid: int, name: str) -> None:
@@ -1112,7 +1130,7 @@ async def _on_backend(
             if refused and not connection.is_closed() and not connection.is_in_transaction():
                 backend._checkin(connection)
                 raise
-            await backend._end_session(connection, name)
+            await backend._end_session(connection, name, _unmapped(exc))
             if not isinstance(exc, Exception) or not broken:
                 raise
             if not reused:

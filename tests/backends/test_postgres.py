@@ -999,6 +999,42 @@ async def test_a_killed_waiter_process_leaves_the_servers_queue_within_the_check
         await holder.release()
 
 
+async def test_takes_on_a_server_that_stopped_answering_fail_within_their_bounds(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
+) -> None:
+    """A take whose statement times out is one op_timeout (no second wait for ending a
+    session that only ran a short statement), and a timed-out wait gives up ending its
+    session after at most op_timeout (1 s at most): both return promptly on a hung server."""
+    op_timeout = 0.3
+    async with FaultProxy(postgres_server.host, postgres_server.port) as proxy:
+        url = (
+            f"postgresql://postgres@{proxy.address}/postgres?op_timeout={op_timeout}"
+            f"&application_name={app}"
+        )
+        async with asynclock.connect(url) as locks, asynclock.connect(postgres_server.url) as other:
+            async with locks.lock(name, ttl=5):
+                pass  # a pooled connection, through the proxy
+            proxy.blackhole()
+            started = anyio.current_time()
+            with pytest.raises(asynclock.BackendTimeout):
+                await locks.try_acquire(name, ttl=5)
+            assert anyio.current_time() - started < op_timeout + 0.2
+            proxy.pass_through()
+            holder = await other.acquire(name, ttl=5)
+            waiting = asyncio.create_task(locks.acquire(name, ttl=5, timeout=0.5))
+            await wait_for_waiters(admin, name, 1)
+            proxy.blackhole()
+            started = anyio.current_time()
+            with pytest.raises(asynclock.AcquireTimeout):
+                await waiting
+            assert anyio.current_time() - started < 0.5 + op_timeout + 0.2
+            proxy.pass_through()
+            await holder.release()
+            async with locks.lock(name, ttl=5, timeout=5):
+                pass
+    assert await settle_sessions(admin, app, 0) == 0
+
+
 # -- native cancellation (issue 15, item 4) ----------------------------------------------------
 
 
