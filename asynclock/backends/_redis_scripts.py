@@ -526,6 +526,10 @@ def _received(conn: AbstractConnection) -> bool:
     if sock is None:
         return False
     try:
+        if hasattr(select, "poll"):  # no limit on the descriptor's number, unlike select()
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
         readable, _, _ = select.select([sock.fileno()], [], [], 0)
     except (OSError, ValueError):
         return False
