@@ -783,10 +783,21 @@ class RedlockBackend(Backend[RedlockGrant]):
             return grant, count, 0
         # Any master that said yes, or might have (no answer), may hold our key; one that
         # said no did not write it.
+        # The deletes are waited for only where the take was answered: a master that did not
+        # answer within the bound runs the delete right after the take whenever it does, and
+        # waiting for it again would double the bound (try_acquire on hung masters).
         maybe = [m for m, r in zip(masters, results, strict=True) if _said(r) != 0]
+        answered_yes = [m for m, r in zip(masters, results, strict=True) if _said(r) == 1]
         if maybe:
             await finish(
-                functools.partial(self._release_on, maybe, request.name, request.owner, ttl),
+                functools.partial(
+                    self._release_on,
+                    maybe,
+                    request.name,
+                    request.owner,
+                    ttl,
+                    wait_for=answered_yes,
+                ),
                 timeout=self._release_wait(ttl) + 0.05,
                 what=f"undoing a failed Redlock round for {request.name!r}",
                 unfinished=functools.partial(_still_queued, request.name),
@@ -931,29 +942,38 @@ class RedlockBackend(Backend[RedlockGrant]):
         ttl: float,
         *,
         wake_waiters: bool = False,
+        wait_for: Sequence[_Master] | None = None,
     ) -> int:
-        """Delete our key on ``masters``; return how many answered. The deletes are queued
-        before the first await (and go out even if nobody waits for them any more), so a
-        cancellation cannot stop them; waiting for the answers is bounded by the request
+        """Delete our key on ``masters``; return how many of them answered. The deletes are
+        queued before the first await (and go out even if nobody waits for them any more), so
+        a cancellation cannot stop them; waiting for the answers is bounded by the request
         bound. Idempotent: running it twice deletes nothing of anybody else's.
 
         ``wake_waiters`` (a release of a grant, not the undo of a round): the task of this
-        client whose turn it is to wait for ``name`` looks again at once."""
+        client whose turn it is to wait for ``name`` looks again at once. ``wait_for``: the
+        masters whose answers are waited for (all of them by default; the count is of those)."""
         key = self.lock_key(name)
-        futures = [
-            master.submit(("EVAL", _RELEASE, 1, key, owner), keep=True) for master in masters
-        ]
+        futures = {
+            master: master.submit(("EVAL", _RELEASE, 1, key, owner), keep=True)
+            for master in masters
+        }
         # Whoever of this client waits for the name may take it now: its take reaches every
         # master behind these deletes.
         room = self._rooms.get(name) if wake_waiters else None
         if room is not None:
             room.kick.set()
-        # Every master is waited for until a majority answered, then briefly: a delete not
-        # answered yet still runs (it is queued behind our take), so a hung minority master
-        # costs a release only the grace.
-        results = await _gather(
-            futures, self._release_wait(ttl), self._majority_answered, grace=_RELEASE_GRACE
-        )
+        if wait_for is None:
+            waited = list(futures.values())
+            # Every master is waited for until a majority answered, then briefly: a delete
+            # not answered yet still runs (it is queued behind our take), so a hung minority
+            # master costs a release only the grace.
+            decided, grace = self._majority_answered, _RELEASE_GRACE
+        else:
+            waited = [futures[master] for master in wait_for]
+            decided, grace = _never, 0.0
+        if not waited:
+            return 0
+        results = await _gather(waited, self._release_wait(ttl), decided, grace=grace)
         return sum(1 for result in results if not isinstance(result, _Failed))
 
     def _majority_answered(self, results: list[Any]) -> bool:
@@ -972,6 +992,10 @@ def _check_master_count(count: int, url: str | None = None) -> None:
         "while costing more than one server: use redis://host:port for a single Redis "
         f"server, or list {MIN_MASTERS} or more masters (5 tolerate 2 failing), e.g. {_EXAMPLE}"
     )
+
+
+def _never(results: list[Any]) -> bool:
+    return False
 
 
 def _said(result: Any) -> int | None:

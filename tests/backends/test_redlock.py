@@ -813,3 +813,33 @@ async def test_a_hung_masters_connection_is_closed_after_op_timeout_and_replaced
         await anyio.sleep(1.1)  # a take buffered on the closed connection expires with its ttl
         assert await named_connections(servers, client_name) == [1, 1, 1]
     assert await leftovers(servers, prefix, client_name) == []
+
+
+@pytest.mark.parametrize("frozen_for", [0.5, 1.6])
+async def test_an_attempt_given_up_on_frozen_masters_is_undone_when_they_answer(
+    prefix: str, name: str, frozen_for: float
+) -> None:
+    """Item 9 of issue 15 on Redlock: try_acquire on masters that are all SIGSTOPped gives up
+    after one request bound (ttl / 10), and its takes, which the masters run when they resume,
+    are undone by the deletes queued behind them: no ghost holder. Also when the connections
+    were closed as hung (op_timeout 1 s) before the masters resumed."""
+    with ExitStack() as stack:
+        servers = [stack.enter_context(RedisServer()) for _ in range(3)]
+        addresses = [server.address for server in servers]
+        async with connect(addresses, prefix, op_timeout=1) as locks:
+            for server in servers:
+                server.pause()
+            try:
+                started = anyio.current_time()
+                with pytest.raises(asynclock.BackendUnavailable, match="only 0 of 3"):
+                    await locks.try_acquire(name, ttl=5)
+                assert anyio.current_time() - started < 0.5 + 0.3
+                await anyio.sleep(max(0.0, started + frozen_for - anyio.current_time()))
+            finally:
+                for server in servers:
+                    server.resume()
+            await anyio.sleep(0.2)
+            assert await holders(servers, lua.lock_key(prefix, name)) == [None] * 3
+            lease = await locks.try_acquire(name, ttl=5)
+            assert lease is not None
+            await lease.release()
