@@ -41,6 +41,8 @@ _CAPABILITY_NAMES = ("fencing", "fifo", "loss_detection", "quorum", "cross_proce
 #: How long releasing an already lost lease may keep the caller: the server may be hanging (often
 #: the reason for the loss), and the rest of the release goes on in the background.
 _LOST_RELEASE_WAIT = 0.25
+#: How long closing the client waits for releases still retried in the background.
+_CLOSE_GRACE = 1.0
 
 
 def connect(
@@ -262,10 +264,10 @@ class LockClient:
 
     async def _close(self) -> None:
         await release_all(self._supervisor.leases)
-        # Releases still retried in the background get one more release_timeout, then stop:
-        # the server frees what they held when its lease expires (etcd and ZooKeeper at once,
-        # since closing the backend ends its lease or session).
-        await self._deferred.aclose(self._release_timeout)
+        # Releases still retried in the background get a little longer (a server that hung
+        # may be back), then stop: the server frees what they held when its lease expires
+        # (etcd and ZooKeeper at once, since closing the backend ends its lease or session).
+        await self._deferred.aclose(min(self._release_timeout, _CLOSE_GRACE))
         self._renewal_scope.cancel()
         self._close_requested.set()
         await self._backend_closed.wait()
