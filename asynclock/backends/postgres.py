@@ -789,21 +789,26 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     async def inspect(self, name: str) -> LockInfo:
         key = lock_key(name, self.schema) & 0xFFFFFFFFFFFFFFFF
-        connection = await self._checkout()
-        try:
-            with map_exceptions(_ERRORS, f"inspecting lock {name!r} on {self.describe()}"):
-                with anyio.fail_after(self.op_timeout):
-                    rows = await connection.fetch(
-                        "SELECT l.granted, l.pid, a.application_name "
-                        "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-                        "WHERE l.locktype = 'advisory' AND l.objsubid = 1 "
-                        "AND l.classid = $1 AND l.objid = $2",
-                        key >> 32,
-                        key & 0xFFFFFFFF,
-                    )
-        except BaseException:
-            self._discard(connection)
-            raise
+        while True:
+            connection, reused = await self._checkout_reporting()
+            try:
+                with map_exceptions(_ERRORS, f"inspecting lock {name!r} on {self.describe()}"):
+                    with anyio.fail_after(self.op_timeout):
+                        rows = await connection.fetch(
+                            "SELECT l.granted, l.pid, a.application_name "
+                            "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                            "WHERE l.locktype = 'advisory' AND l.objsubid = 1 "
+                            "AND l.classid = $1 AND l.objid = $2",
+                            key >> 32,
+                            key & 0xFFFFFFFF,
+                        )
+            except BaseException as exc:
+                broken = _connection_broken(connection, _unmapped(exc))
+                self._discard(connection)  # holds no lock: closing it is all the clean-up
+                if reused and broken and isinstance(exc, Exception):
+                    continue  # died in the pool: ask on another connection
+                raise
+            break
         self._checkin(connection)
         holders = [row for row in rows if row["granted"]]
         waiters = len(rows) - len(holders)

@@ -754,7 +754,7 @@ async def test_processes_paused_past_their_ttl_holding_or_waiting_see_only_lease
     see nothing but LeaseLost and AcquireTimeout (before the fix: asyncpg's "cannot switch to
     state 12" and "terminating connection due to idle-session timeout" as BackendUnavailable),
     the release of a session that is gone logs nothing, and the lock stays usable."""
-    ttl, pause, rounds = 1.0, 1.6, 8
+    ttl, pause, rounds = 1.0, 1.6, 6
     seconds = rounds * (pause + 0.8) + 3.0
     workers = [
         await anyio.open_process(
@@ -850,7 +850,8 @@ async def test_an_idle_pooled_connection_ended_by_the_server_is_replaced_without
     async with asynclock.connect(postgres_server.url, application_name=app, max_idle=1) as locks:
         backend = locks._backend
         assert isinstance(backend, PostgresBackend)
-        for take in ("lock", "try_acquire", "acquire with a timeout", "transaction_lock"):
+        takes = ("lock", "try_acquire", "acquire with a timeout", "transaction_lock", "inspect")
+        for take in takes:
             async with locks.lock(name, ttl=5):
                 pass
             (pooled,) = backend._idle
@@ -867,9 +868,13 @@ async def test_an_idle_pooled_connection_ended_by_the_server_is_replaced_without
             elif take == "acquire with a timeout":
                 lease = await locks.acquire(name, ttl=5, timeout=1)
                 await lease.release()
-            else:
+            elif take == "transaction_lock":
                 async with transaction_lock(locks, name, timeout=1) as (connection, _):
                     assert connection is not pooled
+                assert pooled.is_closed()
+                continue
+            else:
+                assert not (await locks.inspect(name)).held
                 assert pooled.is_closed()
                 continue
             assert lease.grant.connection is not pooled  # type: ignore[attr-defined]
