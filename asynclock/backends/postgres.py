@@ -58,6 +58,7 @@ import hashlib
 import logging
 import math
 import ssl
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -289,6 +290,8 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._connections: set[Any] = set()
         #: The grant each holding connection holds.
         self._held: dict[Any, PostgresGrant] = {}
+        #: The server process of each connection (asyncpg forgets it once it aborted one).
+        self._pids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._described = redact(dsn.split("?", 1)[0])
         #: Renewal queries in flight (see _renew_one); each ends with its query or connection.
         self._renewals: set[asyncio.Task[Any]] = set()
@@ -629,9 +632,9 @@ class PostgresBackend(Backend[PostgresGrant]):
         that does not answer gets the close, and the check of its connections, instead.
         Skipped after a timeout (``error``), which only a short statement can have.
         """
-        pid = connection.get_server_pid()
+        pid = self._pids.get(connection)
         self._discard(connection)  # no await before: nothing can cancel the close
-        if isinstance(error, TimeoutError):
+        if pid is None or isinstance(error, TimeoutError):
             return  # the server did not answer: another connection would wait as long
 
         def unfinished() -> None:
@@ -709,6 +712,7 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     def _adopted(self, connection: Any) -> None:
         self._connections.add(connection)
+        self._pids[connection] = connection.get_server_pid()
         connection.add_termination_listener(self._connection_closed)
 
     def _connection_closed(self, connection: Any) -> None:
