@@ -543,6 +543,26 @@ async def test_a_release_wakes_the_next_local_waiter_at_once(
         await second.release()
 
 
+async def test_waiters_of_one_client_take_turns_in_arrival_order(
+    redis_servers: list[RedisServer], prefix: str, name: str
+) -> None:
+    addresses = [server.address for server in redis_servers]
+    order: list[int] = []
+
+    async def wait(index: int) -> None:
+        async with locks.lock(name, ttl=5):
+            order.append(index)
+
+    async with connect(addresses, prefix) as locks, connect(addresses, prefix) as other:
+        blocker = await other.acquire(name, ttl=5)
+        async with anyio.create_task_group() as tg:
+            for index in range(20):
+                tg.start_soon(wait, index)
+                await anyio.sleep(0.005)
+            await blocker.release()
+    assert order == list(range(20))
+
+
 # -- cleanup that cannot be overtaken or interrupted ------------------------------------------
 
 
