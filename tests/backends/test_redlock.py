@@ -563,6 +563,43 @@ async def test_waiters_of_one_client_take_turns_in_arrival_order(
     assert order == list(range(20))
 
 
+async def test_many_waiters_that_give_up_leave_nothing_behind(
+    redis_servers: list[RedisServer], prefix: str, name: str
+) -> None:
+    """500 waiters behind another client's holder, half ended by their timeout and half by
+    asyncio.timeout (a native cancel): all end promptly, the local turns are gone, and the lock
+    is free for the next one at once."""
+    client_name = f"asynclock-giveup-{uuid.uuid4().hex[:8]}"
+    addresses = [server.address for server in redis_servers]
+    outcomes: list[str] = []
+
+    async def wait(index: int) -> None:
+        try:
+            if index % 2:
+                await locks.acquire(name, ttl=5, timeout=0.2)
+            else:
+                async with asyncio.timeout(0.2):
+                    await locks.acquire(name, ttl=5)
+        except (asynclock.AcquireTimeout, TimeoutError):
+            outcomes.append("gave up")
+
+    async with connect(addresses, prefix, client_name=client_name) as locks:
+        async with connect(addresses, prefix) as other:
+            blocker = await other.acquire(name, ttl=5)
+            started = anyio.current_time()
+            async with anyio.create_task_group() as tg:
+                for index in range(500):
+                    tg.start_soon(wait, index)
+            assert anyio.current_time() - started < 3
+            assert outcomes == ["gave up"] * 500
+            assert locks._backend._rooms == {}  # type: ignore[attr-defined]
+            await blocker.release()
+        lease = await locks.try_acquire(name, ttl=5)
+        assert lease is not None
+        await lease.release()
+    assert await leftovers(redis_servers, prefix, client_name) == []
+
+
 # -- cleanup that cannot be overtaken or interrupted ------------------------------------------
 
 
