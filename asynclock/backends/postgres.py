@@ -257,8 +257,8 @@ class PostgresBackend(Backend[PostgresGrant]):
     driver = "asyncpg"
     #: idle_session_timeout counts in milliseconds, and a ttl is renewed every ttl / 3 with one
     #: round trip per held connection, which must be back before the local deadline (about
-    #: 0.89 ttl): 0.1 s leaves some 55 ms for it. Measured on a loaded 2-core machine with a
-    #: local server, ttl 0.1 s held through 10 s without a loss (tests/backends/test_postgres.py).
+    #: 0.89 ttl): 0.1 s leaves some 55 ms for it. On a shared 2-core machine with a local
+    #: server, 2 s holds (20 ttls) at ttl 0.1 s kept their leases (tests/backends/test_postgres.py).
     min_ttl = 0.1
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
@@ -603,8 +603,9 @@ class PostgresBackend(Backend[PostgresGrant]):
         except BaseException as exc:
             # Closed at once, never reused: whatever state the statement left, the session
             # ends with the connection, and the lock with it.
+            gone = _connection_broken(connection, exc)
             self._discard(connection)
-            if isinstance(exc, Exception) and not _connection_broken(connection, exc):
+            if isinstance(exc, Exception) and not gone:
                 logger.warning(
                     "asynclock: unlocking %r on %s failed (%r); closed its connection "
                     "instead, so the server frees the lock when it reads the close, at the "

@@ -1040,6 +1040,33 @@ async def test_takes_on_a_server_that_stopped_answering_fail_within_their_bounds
     assert await settle_sessions(admin, app, 0) == 0
 
 
+async def test_a_release_the_server_does_not_answer_closes_the_connection_and_says_so(
+    postgres_server: PostgresServer,
+    admin: asyncpg.Connection,
+    name: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Unlocking times out (a hung server, no renewal in flight): the connection is closed
+    instead, which ends the session and frees the lock once the server reads the close; the
+    warning says exactly that, and the release does not fail or linger."""
+    op_timeout = 0.3
+    async with FaultProxy(postgres_server.host, postgres_server.port) as proxy:
+        url = f"postgresql://postgres@{proxy.address}/postgres?op_timeout={op_timeout}"
+        async with asynclock.connect(url) as locks, asynclock.connect(postgres_server.url) as other:
+            lease = await locks.acquire(name, ttl=10)  # first renewal only after 3.3 s
+            proxy.blackhole()
+            started = anyio.current_time()
+            await lease.release()
+            assert anyio.current_time() - started < op_timeout + 0.2
+            assert await holders(admin, name) == [lease.grant.pid]  # type: ignore[attr-defined]
+            proxy.pass_through()
+            freed = await other.acquire(name, ttl=10, timeout=2)
+            await freed.release()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "closed its connection instead" in warning
+    assert "frees the lock when it reads the close" in warning
+
+
 # -- native cancellation (issue 15, item 4) ----------------------------------------------------
 
 
