@@ -111,6 +111,15 @@ _RECHECK_EVERY = 30.0
 _UNSYNCED_POLLS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0.11)
 _BACKOFF_MIN = 0.02
 _BACKOFF_MAX = 1.0
+#: A call not answered within this long makes the client ask etcd whether a new leader was
+#: elected since it was sent (then it is sent again); etcd answers a healthy call in
+#: milliseconds.
+_SLOW_CALL = 0.25
+#: How often a slow call asks again.
+_TERM_POLL = 0.1
+#: How long a call goes on retrying while no endpoint accepts connections: enough to
+#: reconnect after a connection reset, short enough that a wrong URL fails fast.
+_UNREACHABLE_GRACE = 1.0
 
 _TRANSIENT_CODES = frozenset(
     {
@@ -202,6 +211,8 @@ class _Attempt:
     rev: int = 0
     #: A request that may create ``key``, still in flight when we were cancelled.
     inflight: Any = None
+    #: A request that may have created ``key`` failed or was given up (and sent again).
+    ambiguous: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +225,10 @@ class _Place:
     next_in_line: bool
     #: The revision of the read.
     seen: int
+
+
+class _Superseded(Exception):
+    """etcd elected a new leader while a call waited for its answer: send it again."""
 
 
 class _LeaseMissing(BackendUnavailable):
@@ -300,6 +315,11 @@ class EtcdBackend(Backend[EtcdGrant]):
         self._metadata: Metadata = ()
         self._server_version: str | None = None
         self._closed = False
+        #: The highest raft term seen in a reply, and in a Status probe with a leader.
+        self._term = 0
+        self._leader_term = 0
+        self._probed_at = -math.inf
+        self._probing: anyio.Event | None = None
 
         #: The lease new acquisitions of each ttl bucket (whole seconds) go on.
         self._current: dict[int, _EtcdLease] = {}
@@ -404,8 +424,8 @@ class EtcdBackend(Backend[EtcdGrant]):
                 await self._authenticate()
             status = await self._call(
                 "connecting",
-                lambda md: self._maintenance.Status(
-                    rpc.StatusRequest(), timeout=self.op_timeout, metadata=md
+                lambda md, timeout: self._maintenance.Status(
+                    rpc.StatusRequest(), timeout=timeout, metadata=md
                 ),
             )
             self._server_version = str(status.version)
@@ -413,11 +433,11 @@ class EtcdBackend(Backend[EtcdGrant]):
             # may read our prefix.
             await self._call(
                 "reading the lock prefix",
-                lambda md: self._kv.Range(
+                lambda md, timeout: self._kv.Range(
                     rpc.RangeRequest(
                         key=self._prefix, range_end=_prefix_end(self._prefix), count_only=True
                     ),
-                    timeout=self.op_timeout,
+                    timeout=timeout,
                     metadata=md,
                 ),
             )
@@ -616,7 +636,7 @@ class EtcdBackend(Backend[EtcdGrant]):
         """Create our key only if there is no key under the name (nobody holds or waits)."""
         for _ in range(3):
             lease = await self._lease_for(attempt.bucket)
-            self._place(attempt, lease)
+            key = self._place(attempt, lease)
             try:
                 reply = await self._txn(
                     f"taking lock {attempt.request.name!r}",
@@ -631,6 +651,9 @@ class EtcdBackend(Backend[EtcdGrant]):
                             )
                         ],
                         success=[_put(attempt)],
+                        # Our own key, in case an earlier try of this request (given up or
+                        # failed, then sent again) created it.
+                        failure=[_range(key)],
                     ),
                     keep=attempt,
                 )
@@ -638,11 +661,20 @@ class EtcdBackend(Backend[EtcdGrant]):
                 attempt.key = None
                 self._lease_died(lease, _lease_gone(lease))
                 continue
-            if not reply.succeeded:
-                attempt.key = None
-                return False
-            attempt.rev = int(reply.header.revision)
-            return True
+            if reply.succeeded:
+                attempt.rev = int(reply.header.revision)
+                return True
+            own = reply.responses[0].response_range.kvs
+            if own:
+                # Created by the earlier try, when nothing else was under the name: ours.
+                attempt.rev = int(own[0].create_revision)
+                return True
+            if attempt.ambiguous:
+                # An earlier try might still land (it cannot, once etcd answered a later
+                # request of ours, but be sure): the next sweep deletes whatever it made.
+                self._orphans[key] = 0
+            attempt.key = None
+            return False
         raise BackendUnavailable(
             f"taking lock {attempt.request.name!r} on {self.describe()}: every lease etcd "
             "granted was gone by the next request"
@@ -656,7 +688,7 @@ class EtcdBackend(Backend[EtcdGrant]):
         prefix = self._name_prefix(name)
         reply = await self._call(
             f"inspecting lock {name!r}",
-            lambda md: self._kv.Range(
+            lambda md, timeout: self._kv.Range(
                 rpc.RangeRequest(
                     key=prefix,
                     range_end=_prefix_end(prefix),
@@ -664,7 +696,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                     sort_order=rpc.RangeRequest.ASCEND,
                     keys_only=True,
                 ),
-                timeout=self.op_timeout,
+                timeout=timeout,
                 metadata=md,
             ),
         )
@@ -676,9 +708,9 @@ class EtcdBackend(Backend[EtcdGrant]):
         lease_hex, _, owner = bytes(first.key)[len(prefix) :].decode("ascii").partition("-")
         ttl = await self._call(
             f"reading the lease of lock {name!r}",
-            lambda md: self._lease_stub.LeaseTimeToLive(
+            lambda md, timeout: self._lease_stub.LeaseTimeToLive(
                 rpc.LeaseTimeToLiveRequest(ID=int(lease_hex, 16)),
-                timeout=self.op_timeout,
+                timeout=timeout,
                 metadata=md,
             ),
         )
@@ -696,11 +728,12 @@ class EtcdBackend(Backend[EtcdGrant]):
         # "<prefix><encoded>/" holds the keys of exactly one name.
         return self._prefix + quote(name, safe="").encode("ascii") + b"/"
 
-    def _place(self, attempt: _Attempt, lease: _EtcdLease) -> None:
+    def _place(self, attempt: _Attempt, lease: _EtcdLease) -> bytes:
         """Put the attempt's (next) key on ``lease``."""
         attempt.lease = lease
         attempt.key = attempt.prefix + f"{lease.id:016x}-{attempt.request.owner}".encode("ascii")
         attempt.rev = 0
+        return attempt.key
 
     def _hand_over(self, attempt: _Attempt) -> EtcdGrant:
         lease, key = attempt.lease, attempt.key
@@ -1057,7 +1090,13 @@ class EtcdBackend(Backend[EtcdGrant]):
                 if isinstance(cause, grpc.aio.AioRpcError) and "lease already exists" in str(
                     cause.details()
                 ):
-                    self._granted.discard(lease_id)
+                    # Almost surely our own grant, sent again after an answer that was lost
+                    # (two random 62-bit ids colliding is not worth a thought): adopt it.
+                    lease = _EtcdLease(lease_id, bucket, bucket, sent_at)
+                    if await self._refresh(lease):
+                        self._leases[lease.id] = lease
+                        self._current[bucket] = lease
+                        return lease
                     continue
                 raise
             if reply.error:
@@ -1071,10 +1110,10 @@ class EtcdBackend(Backend[EtcdGrant]):
             return lease
         raise BackendUnavailable(f"{self.describe()} refused three random lease ids")
 
-    def _grant_rpc(self, bucket: int, lease_id: int, metadata: Metadata) -> Any:
+    def _grant_rpc(self, bucket: int, lease_id: int, metadata: Metadata, timeout: float) -> Any:
         return self._lease_stub.LeaseGrant(
             rpc.LeaseGrantRequest(TTL=bucket, ID=lease_id),
-            timeout=self.op_timeout,
+            timeout=timeout,
             metadata=metadata,
         )
 
@@ -1083,7 +1122,7 @@ class EtcdBackend(Backend[EtcdGrant]):
         sent_at = anyio.current_time()
         ttl: int = await self._call(
             f"renewing lease {lease.id:016x}",
-            lambda md: _in_task(self._keepalive(lease.id, md)),
+            lambda md, timeout: _in_task(self._keepalive(lease.id, md, timeout)),
         )
         if ttl <= 0:
             self._lease_died(lease, _lease_gone(lease))
@@ -1094,8 +1133,8 @@ class EtcdBackend(Backend[EtcdGrant]):
             lease.retry_at = 0.0
         return True
 
-    async def _keepalive(self, lease_id: int, metadata: Metadata) -> int:
-        call = self._lease_stub.LeaseKeepAlive(timeout=self.op_timeout, metadata=metadata)
+    async def _keepalive(self, lease_id: int, metadata: Metadata, timeout: float) -> int:
+        call = self._lease_stub.LeaseKeepAlive(timeout=timeout, metadata=metadata)
         try:
             await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
             reply = await call.read()
@@ -1121,8 +1160,8 @@ class EtcdBackend(Backend[EtcdGrant]):
         try:
             await self._call(
                 f"revoking lease {lease_id:016x}",
-                lambda md: self._lease_stub.LeaseRevoke(
-                    rpc.LeaseRevokeRequest(ID=lease_id), timeout=self.op_timeout, metadata=md
+                lambda md, timeout: self._lease_stub.LeaseRevoke(
+                    rpc.LeaseRevokeRequest(ID=lease_id), timeout=timeout, metadata=md
                 ),
             )
         except _LeaseMissing:
@@ -1152,8 +1191,8 @@ class EtcdBackend(Backend[EtcdGrant]):
         else:
             await self._call(
                 what,
-                lambda md: self._kv.DeleteRange(
-                    rpc.DeleteRangeRequest(key=key), timeout=self.op_timeout, metadata=md
+                lambda md, timeout: self._kv.DeleteRange(
+                    rpc.DeleteRangeRequest(key=key), timeout=timeout, metadata=md
                 ),
             )
 
@@ -1168,18 +1207,38 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     # -- calls -------------------------------------------------------------------------------
 
-    async def _txn(self, what: str, request: Any, *, keep: _Attempt | None = None) -> Any:
+    async def _txn(
+        self, what: str, request: Any, *, keep: _Attempt | None = None, retry: bool = True
+    ) -> Any:
         return await self._call(
             what,
-            lambda md: self._kv.Txn(request, timeout=self.op_timeout, metadata=md),
+            lambda md, timeout: self._kv.Txn(request, timeout=timeout, metadata=md),
             keep=keep,
+            retry=retry,
         )
 
     async def _call(
-        self, what: str, call: Callable[[Metadata], Any], *, keep: _Attempt | None = None
+        self,
+        what: str,
+        call: Callable[[Metadata, float], Any],
+        *,
+        keep: _Attempt | None = None,
+        retry: bool = True,
     ) -> Any:
-        """Make a call (``call(metadata)`` returns a unary gRPC call or a coroutine) and
-        translate its errors; re-authenticates once when etcd has dropped our token.
+        """Make a call (``call(metadata, timeout)`` returns a unary gRPC call or a coroutine),
+        within ``op_timeout`` in all, and translate its errors; re-authenticates once when etcd
+        has dropped our token.
+
+        Every request this module sends is safe to repeat (guarded creates and deletes of keys
+        unique to one acquisition, reads, keepalives, grants of a lease id we chose), so with
+        ``retry`` it is sent again, until ``op_timeout`` is spent:
+
+        * at once, when etcd has elected a leader of a later term since it was sent (a write
+          that a follower forwarded to a leader that just died is never answered: etcd drops
+          it and would wait out its own request timeout, 5 s plus two election timeouts);
+        * after a short pause, when the connection broke under it or etcd had no leader
+          (``UNAVAILABLE``); "nothing listens" only for a second, so that a wrong URL still
+          fails fast.
 
         With ``keep``, a cancelled call is not cancelled on the wire but left to finish, in
         ``keep.inflight``: it may create a key, and the clean-up must delete it only after
@@ -1187,18 +1246,97 @@ class EtcdBackend(Backend[EtcdGrant]):
         """
         if self._channel is None:
             raise BackendUnavailable(f"{what}: {self.describe()} is closed")
-        for attempt in (1, 2):
+        deadline = anyio.current_time() + self.op_timeout
+        reauthenticated = False
+        unreachable_since: float | None = None
+        pause = _BACKOFF_MIN
+        while True:
+            term = self._term
             try:
-                pending = call(self._metadata)
+                pending = call(self._metadata, max(0.001, deadline - anyio.current_time()))
                 if isinstance(pending, grpc.aio.Call):
-                    return await _settle(pending, keep)
-                return await pending
+                    reply = await self._await_unary(pending, keep, term if retry else None)
+                else:
+                    reply = await pending
+            except _Superseded:
+                if keep is not None:
+                    keep.ambiguous = True
+                continue
             except grpc.aio.AioRpcError as exc:
-                if attempt == 1 and self.user is not None and _token_rejected(exc):
+                if self.user is not None and _token_rejected(exc) and not reauthenticated:
+                    reauthenticated = True
                     await self._authenticate()
                     continue
-                raise self._translate(exc, what) from exc
-        raise AssertionError("unreachable")
+                now = anyio.current_time()
+                if not retry or self._channel is None or not _retry_soon(exc):
+                    raise self._translate(exc, what) from exc
+                if _unreachable(exc):
+                    unreachable_since = now if unreachable_since is None else unreachable_since
+                    if now - unreachable_since >= _UNREACHABLE_GRACE:
+                        raise self._translate(exc, what) from exc
+                if now + pause >= deadline:
+                    raise self._translate(exc, what) from exc
+                if keep is not None:
+                    keep.ambiguous = True  # it may have reached etcd before the error
+                await anyio.sleep(pause * random.uniform(0.5, 1.0))
+                pause = min(pause * 2.0, _BACKOFF_MAX / 4.0)
+                continue
+            header = getattr(reply, "header", None)
+            if header is not None:
+                self._term = max(self._term, int(header.raft_term))
+            return reply
+
+    async def _await_unary(self, call: Any, keep: _Attempt | None, term: int | None) -> Any:
+        """:func:`_settle`, and with ``term``: give the call up (:class:`_Superseded`) once it
+        has been slow for a while and etcd has a leader of a term later than ``term``."""
+        if term is None or call.done():
+            return await _settle(call, keep)
+        done = anyio.Event()
+        call.add_done_callback(lambda _call: done.set())
+        superseded = False
+        try:
+            with anyio.move_on_after(_SLOW_CALL):
+                await done.wait()
+            while not done.is_set() and not superseded:
+                superseded = await self._new_leader_since(term)
+                if not superseded:
+                    with anyio.move_on_after(_TERM_POLL):
+                        await done.wait()
+        except BaseException:
+            if keep is not None:
+                keep.inflight = call
+            else:
+                call.cancel()
+            raise
+        if superseded and not call.done():
+            call.cancel()
+            raise _Superseded
+        return await call
+
+    async def _new_leader_since(self, term: int) -> bool:
+        """Whether etcd has elected a leader in a term after ``term`` (one ``Status`` probe,
+        shared by every slow call of this client)."""
+        now = anyio.current_time()
+        if now - self._probed_at >= _TERM_POLL / 2.0 and self._probing is None:
+            self._probing = anyio.Event()
+            try:
+                status = await _settle(
+                    self._maintenance.Status(
+                        rpc.StatusRequest(), timeout=_TERM_POLL * 2.0, metadata=self._metadata
+                    )
+                )
+            except grpc.aio.AioRpcError:
+                pass
+            else:
+                if int(status.leader):
+                    self._leader_term = max(self._leader_term, int(status.raftTerm))
+            finally:
+                self._probed_at = anyio.current_time()
+                self._probing.set()
+                self._probing = None
+        elif self._probing is not None:
+            await self._probing.wait()
+        return self._leader_term > term
 
     def _translate(self, exc: Any, what: str) -> BackendUnavailable:
         code = exc.code()
@@ -1279,6 +1417,8 @@ class EtcdBackend(Backend[EtcdGrant]):
                 compare=[_fence(grant)],
                 success=[rpc.RequestOp(request_txn=inner)],
             ),
+            # The caller's operations need not be safe to repeat: sent once.
+            retry=False,
         )
         if not reply.succeeded:
             raise LeaseLost(
@@ -1496,6 +1636,19 @@ def _lease_gone(lease: _EtcdLease) -> str:
 
 def _lease_gone_id(lease_id: int) -> str:
     return f"etcd lease {lease_id:016x} expired or was revoked: its lock keys are gone"
+
+
+def _retry_soon(exc: Any) -> bool:
+    """A failure worth sending the same request again for, after a short pause."""
+    code = exc.code()
+    details = str(exc.details() or "")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True  # connection reset or refused, no leader, leader changed, etcd timed out
+    return code == grpc.StatusCode.UNKNOWN and "proposal dropped" in details
+
+
+def _unreachable(exc: Any) -> bool:
+    return "failed to connect" in str(exc.details() or "").lower()
 
 
 def _token_rejected(exc: Any) -> bool:
