@@ -502,7 +502,14 @@ class LockClient:
             deadline = anyio.current_time() + timeout
             # However short the timeout, the lock is tried once: it bounds the wait, not the
             # first attempt (timeout=1e-9 must not fail where timeout=0 succeeds).
-            grant = await self._backend.try_acquire(request)
+            try:
+                grant = await self._backend.try_acquire(request)
+            except BackendUnavailable:
+                # With time left, the wait below retries as the backend does (a Redlock
+                # majority may come back), as it did before this first try existed.
+                if anyio.current_time() >= deadline:
+                    raise
+                grant = None
             if grant is not None or anyio.current_time() >= deadline:
                 return grant
         with anyio.CancelScope(deadline=deadline):

@@ -53,6 +53,7 @@ class _ZooKeeperProcess(Server):
         *,
         myid: int,
         tick_time_ms: int,
+        max_session_timeout_ms: int | None,
         start_timeout: float,
         stop_timeout: float,
     ) -> None:
@@ -62,6 +63,7 @@ class _ZooKeeperProcess(Server):
                 raise ServerNotInstalled(jar, package)
         self.myid = myid
         self.tick_time_ms = tick_time_ms
+        self.max_session_timeout_ms = max_session_timeout_ms
         self.quorum_port = free_port()
         self.election_port = free_port()
         self._ensemble: list[_ZooKeeperProcess] = []
@@ -91,6 +93,11 @@ class _ZooKeeperProcess(Server):
         data.mkdir()
         lines = [
             f"tickTime={self.tick_time_ms}",
+            *(
+                [f"maxSessionTimeout={self.max_session_timeout_ms}"]
+                if self.max_session_timeout_ms is not None
+                else []
+            ),
             "initLimit=10",
             "syncLimit=5",
             f"dataDir={data}",
@@ -143,20 +150,23 @@ class _ZooKeeperProcess(Server):
 class ZooKeeperServer(_ZooKeeperProcess, SingleServer):
     """A standalone ZooKeeper server on 127.0.0.1.
 
-    ``tick_time_ms`` sets the session timeouts a client can get: from 2 to 20 ticks (1-10 s at
-    the default 500 ms).
+    ``tick_time_ms`` sets the shortest session timeout a client can get (2 ticks: 1 s at the
+    default 500 ms); ``max_session_timeout_ms`` the longest (60 s by default, so that the
+    client's default ttl of 30 s works; ``None`` keeps ZooKeeper's own 20 ticks).
     """
 
     def __init__(
         self,
         tick_time_ms: int = 500,
         *,
+        max_session_timeout_ms: int | None = 60_000,
         start_timeout: float = 60.0,
         stop_timeout: float = 10.0,
     ) -> None:
         super().__init__(
             myid=1,
             tick_time_ms=tick_time_ms,
+            max_session_timeout_ms=max_session_timeout_ms,
             start_timeout=start_timeout,
             stop_timeout=stop_timeout,
         )
@@ -174,10 +184,12 @@ class ZooKeeperEnsemble(Cluster[ZooKeeperMember]):
         size: int = 3,
         *,
         tick_time_ms: int = 500,
+        max_session_timeout_ms: int | None = 60_000,
         start_timeout: float = 60.0,
         stop_timeout: float = 10.0,
     ) -> None:
         self.tick_time_ms = tick_time_ms
+        self.max_session_timeout_ms = max_session_timeout_ms
         super().__init__(size, start_timeout=start_timeout, stop_timeout=stop_timeout)
 
     def _make_members(self) -> list[ZooKeeperMember]:
@@ -185,6 +197,7 @@ class ZooKeeperEnsemble(Cluster[ZooKeeperMember]):
             ZooKeeperMember(
                 myid=i + 1,
                 tick_time_ms=self.tick_time_ms,
+                max_session_timeout_ms=self.max_session_timeout_ms,
                 start_timeout=self.start_timeout,
                 stop_timeout=self.stop_timeout,
             )

@@ -281,41 +281,44 @@ async def test_silent_server_fails_within_op_timeout(zookeeper_server: ZooKeeper
 async def test_ttl_is_the_negotiated_session_timeout_and_others_are_refused(
     zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
 ) -> None:
-    """tickTime 500 ms: the server allows session timeouts of 1 to 10 s, exactly."""
+    """tickTime 500 ms, maxSessionTimeout 60 s: session timeouts of 1 to 60 s, exactly."""
     async with asynclock.connect(f"{zookeeper_server.url}{chroot}") as locks:
         for ttl in (1.0, 2.5, 10.0):
             async with locks.lock("t", ttl=ttl) as lease:
                 assert lease.ttl == ttl
                 assert grant_of(lease).session is not None
                 assert grant_of(lease).session.timeout == ttl  # type: ignore[union-attr]
-        # The default ttl (30 s) is asked for, the server negotiates 10 s: refused, saying
-        # what to do, and the bound is learned (the lower one is not known yet).
+        # The default ttl (30 s) works against the project's own test server.
+        async with locks.lock("t") as lease:
+            assert lease.ttl == 30.0
+        # 90 s is asked for, the server negotiates 60 s: refused, saying what to do, and the
+        # bound is learned (the lower one is not known yet).
         with pytest.raises(asynclock.InvalidArgument) as info:
-            async with locks.lock("t"):
-                pytest.fail("a 30 s lock in a 10 s session")
+            async with locks.lock("t", ttl=90):
+                pytest.fail("a 90 s lock in a 60 s session")
         assert str(info.value) == (
-            f"ttl 30 s cannot be honoured by ZooKeeper at {backend_of(locks).describe()}: a "
+            f"ttl 90 s cannot be honoured by ZooKeeper at {backend_of(locks).describe()}: a "
             "lock's ttl is the timeout of its ZooKeeper session, and this server allows session "
-            "timeouts of at most 10 s; pass ttl=10 or less (locks.lock(name, ttl=10)), or raise "
-            "the server's maxSessionTimeout to at least 30000 ms (zoo.cfg; by default it is 20 "
+            "timeouts of at most 60 s; pass ttl=60 or less (locks.lock(name, ttl=60)), or raise "
+            "the server's maxSessionTimeout to at least 90000 ms (zoo.cfg; by default it is 20 "
             "times tickTime)"
         )
         assert "?" not in str(info.value)
         # The bound refuses the next one before any round trip (lock() itself raises).
-        with pytest.raises(asynclock.InvalidArgument, match=r"at most 10 s; pass ttl=10 or less"):
-            locks.lock("t", ttl=11)
+        with pytest.raises(asynclock.InvalidArgument, match=r"at most 60 s; pass ttl=60 or less"):
+            locks.lock("t", ttl=61)
         with pytest.raises(
             asynclock.InvalidArgument,
-            match=r"allows session timeouts from 1 to 10 s; pass ttl=1 or more, or lower the "
+            match=r"allows session timeouts from 1 to 60 s; pass ttl=1 or more, or lower the "
             r"server's minSessionTimeout to at most 500 ms",
         ):
             await locks.acquire("t", ttl=0.5)
-        with pytest.raises(asynclock.InvalidArgument, match="from 1 to 10 s; pass ttl=1 or more"):
+        with pytest.raises(asynclock.InvalidArgument, match="from 1 to 60 s; pass ttl=1 or more"):
             locks.lock("t", ttl=0.2)
-        with pytest.raises(asynclock.InvalidArgument, match="from 1 to 10 s; pass ttl=10 or less"):
-            locks.lock("t", ttl=30)
+        with pytest.raises(asynclock.InvalidArgument, match="from 1 to 60 s; pass ttl=60 or less"):
+            locks.lock("t", ttl=90)
         sessions = backend_of(locks).extra_info()["sessions"]
-        assert sorted(sessions) == [1000, 2500, 10000]  # the refused ones were closed
+        assert sorted(sessions) == [1000, 2500, 10000, 30000]  # the refused ones were closed
     async with asynclock.connect(f"{zookeeper_server.url}{chroot}") as fresh:
         # Only the lower bound learned: it says so, and what to do.
         with pytest.raises(

@@ -89,7 +89,7 @@ def zookeeper_backend(zookeeper_server: ZooKeeperServer) -> BackendUnderTest:
         extra = alive_connections(zookeeper_server) - baseline
         return left + ([f"{extra} connection(s) still open"] if extra > 0 else [])
 
-    # The test server's tickTime is 500 ms: sessions of 1-10 s, which covers the suite's
+    # The test server's tickTime is 500 ms, its maxSessionTimeout 60 s: sessions of 1-60 s, which covers the suite's
     # ttl * 1 ... ttl * 10. The session opened at connect serves the ttl * 5 locks.
     return BackendUnderTest(
         "zookeeper",
