@@ -1,0 +1,1 @@
+"""Store-specific extras built on a client and its leases (they live above the backends)."""
