@@ -83,4 +83,6 @@ def etcd_backend(etcd_server: EtcdServer) -> BackendUnderTest:
         options={"prefix": prefix},
         servers=[etcd_server],
         url_via=lambda addresses: f"etcd://{addresses[0]}",
+        url_for_hosts=lambda hosts: f"etcd://{hosts}",
+        many_hosts=True,
     )

@@ -88,4 +88,6 @@ def postgres_backend(postgres_server: PostgresServer) -> BackendUnderTest:
         url_via=lambda addresses: (
             f"postgresql://postgres@{addresses[0]}/postgres?application_name={application_name}"
         ),
+        url_for_hosts=lambda hosts: f"postgresql://postgres@{hosts}/postgres",
+        many_hosts=True,
     )

@@ -59,5 +59,6 @@ def redis_backend(redis_server: RedisServer) -> BackendUnderTest:
         options={"prefix": prefix, "client_name": client_name, "durability_warning": False},
         servers=[redis_server],
         url_via=lambda addresses: f"redis://{addresses[0]}/0",
+        url_for_hosts=lambda hosts: f"redis://{hosts}/0",
         persistent=False,
     )

@@ -45,5 +45,8 @@ def redlock_backend(redis_servers: list[RedisServer]) -> BackendUnderTest:
         options={"prefix": prefix, "client_name": client_name},
         servers=list(redis_servers),
         url_via=lambda addresses: "redlock://" + ",".join(addresses) + "/0",
+        # Three masters are the minimum: the entry under test plus two more.
+        url_for_hosts=lambda hosts: f"redlock://{hosts},127.0.0.1:1,127.0.0.1:2/0",
+        many_hosts=True,
         persistent=False,
     )

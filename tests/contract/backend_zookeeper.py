@@ -100,4 +100,6 @@ def zookeeper_backend(zookeeper_server: ZooKeeperServer) -> BackendUnderTest:
         options={"session_timeout": 5.0, "op_timeout": 3.0},
         servers=[zookeeper_server],
         url_via=lambda addresses: f"zookeeper://{addresses[0]}{chroot}",
+        url_for_hosts=lambda hosts: f"zookeeper://{hosts}{chroot}",
+        many_hosts=True,
     )

@@ -33,6 +33,11 @@ class BackendUnderTest:
     #: Make the store stop answering this client (a server SIGSTOPped, or what stands for it
     #: on an in-process store) for the duration of the ``with`` block.
     hang: Callable[[asynclock.LockClient], AbstractContextManager[None]] | None = None
+    #: The URL for servers at ``hosts`` (a ``host:port`` list as the URL writes it), for the
+    #: checks of malformed URLs and unreachable servers; None for in-process stores.
+    url_for_hosts: Callable[[str], str] | None = None
+    #: The URL takes a list of servers (``a:1,b:2``).
+    many_hosts: bool = False
     #: The server forgets nothing it promised to keep when it restarts (Redis without
     #: persistence does forget its keys: the fault contract then checks tokens still rise).
     persistent: bool = True
