@@ -8,7 +8,7 @@
 """
 
 from ._client import LockClient as LockClient
-from ._client import connect as connect
+from ._connect import connect as connect
 from ._decorator import locked as locked
 from ._errors import AcquireTimeout as AcquireTimeout
 from ._errors import BackendTimeout as BackendTimeout

@@ -49,7 +49,7 @@ import anyio
 import anyio.abc
 
 from . import _registry
-from ._client import connect
+from ._connect import connect
 from ._errors import (
     AcquireTimeout,
     BackendUnavailable,

@@ -1,4 +1,4 @@
-"""``connect(url)``: the client that owns a backend, its connections and the renewal task."""
+"""LockClient: locks on one backend: lock(), acquire(), try_acquire(), lock_all(), inspect()."""
 
 from __future__ import annotations
 
@@ -6,14 +6,12 @@ import dataclasses
 import functools
 import logging
 import math
-import sys
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import anyio
-from anyio.abc import TaskGroup, TaskStatus
 
 from . import _fencing, _validate
 from ._deadlock import waiter_for, watch_for_deadlock
@@ -24,109 +22,21 @@ from ._errors import (
     DeadlockDetected,
     InvalidArgument,
     LockError,
-    UnsupportedFeature,
     Waiter,
 )
+from ._host import BackendHost
 from ._lease import Lease, OnLost, public_owner
-from ._registry import make_backend, redact
 from ._renewal import RENEWAL
 from ._scope import LockContext, MultiLockContext, release_all
-from ._shield import Deferred, finish, on_asyncio
+from ._shield import finish
 from ._supervisor import Supervisor
 from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest, WaiterRegistry
 
 logger = logging.getLogger("asynclock")
 
-_CAPABILITY_NAMES = ("fencing", "fifo", "loss_detection", "quorum", "cross_process")
 #: How long releasing an already lost lease may keep the caller: the server may be hanging (often
 #: the reason for the loss), and the rest of the release goes on in the background.
 _LOST_RELEASE_WAIT = 0.25
-#: How long closing the client waits for releases still retried in the background.
-_CLOSE_GRACE = 1.0
-
-
-def connect(
-    url: str,
-    /,
-    *,
-    require: Collection[str] = (),
-    drift: float = 0.01,
-    margin: float | None = None,
-    connect_timeout: float = 10.0,
-    release_timeout: float = 5.0,
-    deadlock_detection: bool = False,
-    deadlock_interval: float = 0.5,
-    label: str | None = None,
-    **options: Any,
-) -> LockClient:
-    """Make a lock client for ``url``; use it as ``async with asynclock.connect(url) as locks:``.
-
-    The URL scheme picks the backend (``sqlite:///path``, ``redis://``, ``redlock://``,
-    ``etcd://``, ``zookeeper://``, ``postgresql://``, ``memory://``). Backend options can be given
-    in the query string or as keyword arguments; keyword arguments win.
-
-    ``require`` names capabilities the backend must have (``"fencing"``, ``"fifo"``,
-    ``"loss_detection"``, ``"quorum"``, ``"cross_process"``); a backend without one is refused with
-    :class:`UnsupportedFeature` before anything connects.
-
-    ``drift`` (share of the ttl) and ``margin`` (seconds; default ``min(1, ttl / 10)``) shorten the
-    local deadline so that the body is cancelled before the server can expire the lock, even if
-    the two clocks run at slightly different rates.
-
-    Nothing connects until the client is entered, and bad input is refused at once:
-
-    >>> asynclock.connect("mysql://db.internal/locks")
-    Traceback (most recent call last):
-    asynclock.InvalidURL: unknown lock backend 'mysql' in 'mysql://db.internal/locks'; known schemes: etcd, memory, postgres, postgresql, redis, rediss, redlock, sqlite, zookeeper
-    >>> asynclock.connect("sqlite:///tmp/locks.db", ttl=5)
-    Traceback (most recent call last):
-    asynclock.InvalidArgument: unknown option(s) for sqlite://: ttl (known: busy_timeout, synchronous)
-
-    ``deadlock_detection=True`` makes every wait longer than ``deadlock_interval`` publish who
-    waits for what in the lock store, and fails the youngest waiter of any cycle with
-    :class:`DeadlockDetected` (within about three intervals). ``label`` names this client in those
-    records and errors (default: the host name).
-    """
-    drift = _validate.positive_seconds(drift, "drift") if drift else 0.0
-    if drift >= 0.5:
-        raise InvalidArgument(f"drift is a share of the ttl below 0.5, got {drift!r}")
-    if margin is not None:
-        margin = _validate.positive_seconds(margin, "margin")
-    connect_timeout = _validate.positive_seconds(connect_timeout, "connect_timeout")
-    release_timeout = _validate.positive_seconds(release_timeout, "release_timeout")
-    if isinstance(require, str):
-        require = (require,)  # require="fencing" means the one capability, not its letters
-    unknown = set(require) - set(_CAPABILITY_NAMES)
-    if unknown:
-        raise InvalidArgument(
-            f"unknown capabilities in require: {', '.join(sorted(unknown))} "
-            f"(known: {', '.join(_CAPABILITY_NAMES)})"
-        )
-    deadlock_interval = _validate.positive_seconds(deadlock_interval, "deadlock_interval")
-    if label is not None and (not isinstance(label, str) or "/" in label or not label):
-        raise InvalidArgument(f"label must be a non-empty str without '/', got {label!r}")
-    backend = make_backend(url, options)
-    _check_event_loop(backend, url)
-    if deadlock_detection and backend.waiter_registry() is None:
-        raise UnsupportedFeature(
-            f"{redact(url)} has no place for deadlock detection's records; use lock_all() or "
-            "timeouts instead, or a backend that has one (see the multi-lock guide)"
-        )
-    missing = [name for name in require if not getattr(backend.capabilities, name)]
-    if missing:
-        raise UnsupportedFeature(
-            f"{redact(url)} does not provide {', '.join(missing)}; see the backend guide for one "
-            "that does (etcd, ZooKeeper and PostgreSQL provide fencing and loss detection)"
-        )
-    return LockClient(
-        backend,
-        drift=drift,
-        margin=margin,
-        connect_timeout=connect_timeout,
-        release_timeout=release_timeout,
-        deadlock_interval=deadlock_interval if deadlock_detection else None,
-        label=label,
-    )
 
 
 class LockClient:
@@ -155,79 +65,18 @@ class LockClient:
         self._connect_timeout = connect_timeout
         self._release_timeout = release_timeout
         self._supervisor = Supervisor(backend)
-        self._task_group: TaskGroup | None = None
-        # Made in __aenter__: anyio primitives need a running event loop, and a client may be
-        # made at import time. The renewal task has its own scope so that closing the client
-        # stops it without cancelling the caller's code, which runs inside the group's scope.
-        self._renewal_scope: anyio.CancelScope
-        self._close_requested: anyio.Event
-        self._backend_closed: anyio.Event
-        #: Releases that did not finish in time and go on in the background.
-        self._deferred = Deferred(attempt_timeout=release_timeout)
-        self._state = "new"
+        self._host = BackendHost(
+            backend,
+            self._supervisor,
+            connect_timeout=connect_timeout,
+            release_timeout=release_timeout,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        if self._state != "new":
-            raise RuntimeError("a LockClient can be entered once; call asynclock.connect() again")
-        _check_event_loop(self._backend, self._backend.describe())
-        self._state = "opening"
-        self._renewal_scope = anyio.CancelScope()
-        self._close_requested = anyio.Event()
-        self._backend_closed = anyio.Event()
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        try:
-            await task_group.start(self._host_backend, name="asynclock backend")
-        except BaseException:
-            self._state = "closed"
-            # Nothing else runs in the group yet; close it without handing it the error, which
-            # would come back wrapped in an ExceptionGroup. (No shield here: a scope entered
-            # between the group's enter and exit would break their nesting.)
-            await task_group.__aexit__(None, None, None)
-            raise
-        task_group.start_soon(self._renew, name="asynclock renewal")
-        self._task_group = task_group
-        self._deferred.bind(task_group)
-        self._state = "open"
+        await self._host.open()
         return self
-
-    async def _host_backend(self, *, task_status: TaskStatus[None]) -> None:
-        """Open, hold and close the backend in one task of the client's task group.
-
-        The backend may enter a task group in ``open()`` and leave it in ``aclose()``: both run
-        here, and the connect timeout's scope stays open (disarmed) in between, so everything
-        the backend starts nests inside it properly.
-        """
-        opened = False
-        try:
-            with anyio.CancelScope(
-                deadline=anyio.current_time() + self._connect_timeout
-            ) as connect_scope:
-                await self._backend.open()
-                opened = True
-                connect_scope.deadline = math.inf
-                task_status.started()
-                await self._close_requested.wait()
-                # Called at the nesting level of open(), so that a task group the backend
-                # entered there can be left here.
-                await self._backend.aclose()
-        except BaseException:
-            if not opened:
-                with anyio.CancelScope(shield=True):
-                    await self._backend.aclose()
-            raise
-        finally:
-            self._backend_closed.set()
-        if not opened:
-            with anyio.CancelScope(shield=True):
-                await self._backend.aclose()
-            raise BackendTimeout(
-                f"{self._backend.describe()} did not answer within {self._connect_timeout:g} s; "
-                "check that the server runs and the URL's host and port are right, or raise "
-                "connect_timeout"
-            )
 
     async def __aexit__(
         self,
@@ -236,45 +85,15 @@ class LockClient:
         tb: TracebackType | None,
     ) -> None:
         try:
-            await self.aclose()
+            await self._host.aclose()
         finally:
-            task_group, self._task_group = self._task_group, None
-            if task_group is not None:
-                # The renewal task is stopped by now. The caller's exception is not the task
-                # group's business: handing it over would wrap it in an ExceptionGroup. Only a
-                # crash of the renewal task itself surfaces from here (as a group).
-                await task_group.__aexit__(None, None, None)
+            await self._host.leave()
 
     async def aclose(self) -> None:
         """Release every lease still held and close the backend. Idempotent, and it finishes
         (within ``release_timeout + connect_timeout``) whatever cancels the caller, anyio's or
         asyncio's native cancellation alike."""
-        if self._state != "open":
-            return
-        self._state = "closing"
-        closed = await finish(
-            self._close,
-            timeout=self._release_timeout + self._connect_timeout,
-            what=f"closing the lock client of {self._backend.describe()}",
-        )
-        if not closed and self._task_group is not None:
-            # The backend did not close in time: stop its host task rather than hang the exit.
-            self._task_group.cancel_scope.cancel()
-        self._state = "closed"
-
-    async def _close(self) -> None:
-        await release_all(self._supervisor.leases)
-        # Releases still retried in the background get a little longer (a server that hung
-        # may be back), then stop: the server frees what they held when its lease expires
-        # (etcd and ZooKeeper at once, since closing the backend ends its lease or session).
-        await self._deferred.aclose(min(self._release_timeout, _CLOSE_GRACE))
-        self._renewal_scope.cancel()
-        self._close_requested.set()
-        await self._backend_closed.wait()
-
-    async def _renew(self) -> None:
-        with self._renewal_scope:
-            await self._supervisor.run()
+        await self._host.aclose()
 
     # -- locks -------------------------------------------------------------------------------
 
@@ -391,7 +210,7 @@ class LockClient:
         Raises :class:`UnsupportedFeature` on backends that cannot tell (Redlock).
         """
         name = _validate.lock_name(name)
-        if self._state != "open":
+        if self._host.state != "open":
             raise RuntimeError(
                 "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
             )
@@ -438,7 +257,7 @@ class LockClient:
         *,
         track_context: bool,
     ) -> Lease:
-        if self._state != "open":
+        if self._host.state != "open":
             raise RuntimeError(
                 "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
             )
@@ -504,6 +323,8 @@ class LockClient:
             # first attempt (timeout=1e-9 must not fail where timeout=0 succeeds).
             try:
                 grant = await self._backend.try_acquire(request)
+            except BackendTimeout:
+                raise  # the server did not answer: one timeout is one op_timeout
             except BackendUnavailable:
                 # With time left, the wait below retries as the backend does (a Redlock
                 # majority may come back), as it did before this first try existed.
@@ -575,7 +396,7 @@ class LockClient:
     def _defer_release(self, grant: Grant, error: BaseException | None) -> None:
         """Go on releasing ``grant`` in the client's task group until the server answers."""
         what = f"in {self._release_timeout:g} s" if error is None else f"({error!r})"
-        retried = self._deferred.retry(
+        retried = self._host.deferred.retry(
             functools.partial(self._backend.release, grant), f"releasing {grant.name!r}"
         )
         logger.warning(
@@ -587,23 +408,6 @@ class LockClient:
             if retried
             else "the client is closed, so the server frees it when its lease expires",
         )
-
-
-def _check_event_loop(backend: Backend[Grant], url: str) -> None:
-    """Refuse, by name, a backend whose driver cannot run on the event loop in use (trio)."""
-    if on_asyncio() or "trio" in backend.event_loops:
-        return
-    trio = sys.modules.get("trio")  # a running trio has been imported
-    if trio is None:
-        return
-    try:
-        trio.lowlevel.current_task()
-    except RuntimeError:
-        return  # no event loop at all (a client made at import time)
-    raise UnsupportedFeature(
-        f"{redact(url)} needs asyncio: its driver ({backend.driver}) does not run under trio. "
-        "Under trio use memory:// or sqlite://, or run this client on asyncio"
-    )
 
 
 def _canonical(name: str) -> bytes:
