@@ -14,7 +14,7 @@ from typing import Self
 import anyio
 
 from . import _fencing, _validate
-from ._deadlock import waiter_for, watch_for_deadlock
+from ._deadlock import wait_watching_deadlocks, waiter_for
 from ._errors import (
     AcquireTimeout,
     BackendTimeout,
@@ -30,7 +30,7 @@ from ._renewal import RENEWAL
 from ._scope import LockContext, MultiLockContext, release_all
 from ._shield import finish
 from ._supervisor import Supervisor
-from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest, WaiterRegistry
+from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest
 
 logger = logging.getLogger("asynclock")
 
@@ -336,40 +336,16 @@ class LockClient:
         with anyio.CancelScope(deadline=deadline):
             if registry is None or self._deadlock_interval is None:
                 return await self._backend.acquire(request)
-            return await self._wait_watching_deadlocks(request, registry, deadlocks)
+            return await wait_watching_deadlocks(
+                self._backend,
+                request,
+                registry,
+                waiter_for(request.name, self._label),
+                interval=self._deadlock_interval,
+                found=deadlocks,
+                release_timeout=self._release_timeout,
+            )
         return None
-
-    async def _wait_watching_deadlocks(
-        self, request: LockRequest, registry: WaiterRegistry, deadlocks: list[list[Waiter]]
-    ) -> Grant | None:
-        assert self._deadlock_interval is not None
-        me = waiter_for(request.name, self._label)
-        grant: Grant | None = None
-        try:
-            async with anyio.create_task_group() as task_group:
-                await task_group.start(
-                    functools.partial(
-                        watch_for_deadlock,
-                        registry,
-                        me,
-                        interval=self._deadlock_interval,
-                        found=deadlocks,
-                        give_up=task_group.cancel_scope,
-                    )
-                )
-                grant = await self._backend.acquire(request)
-                task_group.cancel_scope.cancel()
-        except BaseException:
-            # Cancelled while the watcher stopped: the grant exists on the server and must not
-            # be stranded there.
-            if grant is not None:
-                await finish(
-                    functools.partial(self._backend.release, grant),
-                    timeout=self._release_timeout,
-                    what=f"releasing {request.name!r} after a cancelled acquire",
-                )
-            raise
-        return grant
 
     async def _release(self, lease: Lease) -> None:
         if lease.released:

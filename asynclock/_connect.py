@@ -63,14 +63,7 @@ def connect(
         margin = _validate.positive_seconds(margin, "margin")
     connect_timeout = _validate.positive_seconds(connect_timeout, "connect_timeout")
     release_timeout = _validate.positive_seconds(release_timeout, "release_timeout")
-    if isinstance(require, str):
-        require = (require,)  # require="fencing" means the one capability, not its letters
-    unknown = set(require) - set(_CAPABILITY_NAMES)
-    if unknown:
-        raise InvalidArgument(
-            f"unknown capabilities in require: {', '.join(sorted(unknown))} "
-            f"(known: {', '.join(_CAPABILITY_NAMES)})"
-        )
+    require = _capability_names(require)
     deadlock_interval = _validate.positive_seconds(deadlock_interval, "deadlock_interval")
     if label is not None and (not isinstance(label, str) or "/" in label or not label):
         raise InvalidArgument(f"label must be a non-empty str without '/', got {label!r}")
@@ -96,3 +89,15 @@ def connect(
         deadlock_interval=deadlock_interval if deadlock_detection else None,
         label=label,
     )
+
+
+def _capability_names(require: Collection[str]) -> tuple[str, ...]:
+    if isinstance(require, str):
+        require = (require,)  # require="fencing" means the one capability, not its letters
+    unknown = set(require) - set(_CAPABILITY_NAMES)
+    if unknown:
+        raise InvalidArgument(
+            f"unknown capabilities in require: {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(_CAPABILITY_NAMES)})"
+        )
+    return tuple(require)

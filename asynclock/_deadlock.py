@@ -16,6 +16,7 @@ second victim in the same cycle, because the victim is a function of the cycle a
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -30,7 +31,8 @@ from anyio.abc import TaskStatus
 
 from . import _fencing
 from ._errors import Waiter
-from .abc import WaiterRegistry
+from ._shield import finish
+from .abc import Backend, Grant, LockRequest, WaiterRegistry
 
 logger = logging.getLogger("asynclock")
 
@@ -150,3 +152,43 @@ def _load(value: str) -> Waiter | None:
         )
     except (ValueError, KeyError, TypeError):
         return None  # a record from another version, or damaged: no edge rather than a crash
+
+
+async def wait_watching_deadlocks(
+    backend: Backend[Grant],
+    request: LockRequest,
+    registry: WaiterRegistry,
+    me: Waiter,
+    *,
+    interval: float,
+    found: list[list[Waiter]],
+    release_timeout: float,
+) -> Grant | None:
+    """``backend.acquire(request)`` while this waiter's record is published and cycles are
+    looked for; None (and the cycle in ``found``) if this waiter is a cycle's victim."""
+    grant: Grant | None = None
+    try:
+        async with anyio.create_task_group() as task_group:
+            await task_group.start(
+                functools.partial(
+                    watch_for_deadlock,
+                    registry,
+                    me,
+                    interval=interval,
+                    found=found,
+                    give_up=task_group.cancel_scope,
+                )
+            )
+            grant = await backend.acquire(request)
+            task_group.cancel_scope.cancel()
+    except BaseException:
+        # Cancelled while the watcher stopped: the grant exists on the server and must not be
+        # stranded there.
+        if grant is not None:
+            await finish(
+                functools.partial(backend.release, grant),
+                timeout=release_timeout,
+                what=f"releasing {request.name!r} after a cancelled acquire",
+            )
+        raise
+    return grant
