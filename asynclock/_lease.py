@@ -6,7 +6,7 @@ import enum
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import anyio
 
@@ -14,12 +14,20 @@ from ._errors import UnsupportedFeature
 from ._renewal import RENEWAL
 from .abc import Grant
 
-if TYPE_CHECKING:
-    from ._scope import BodyScope
-
 logger = logging.getLogger("asynclock")
 
 OnLost = Literal["cancel", "flag"]
+
+
+class BodyScope(Protocol):
+    """What a lease needs of the body it guards (``asynclock._scope.BodyScope``); a protocol,
+    so that this module does not import the one above it."""
+
+    def refresh(self) -> None:
+        """Move the body's deadline to the earliest deadline of its leases."""
+
+    def cancel(self) -> None:
+        """Cancel the body."""
 
 
 def public_owner(secret: str) -> str:
