@@ -1134,15 +1134,47 @@ class EtcdBackend(Backend[EtcdGrant]):
         return True
 
     async def _keepalive(self, lease_id: int, metadata: Metadata, timeout: float) -> int:
+        """One keepalive on a stream of its own. Like a unary call (see ``_await_unary``), it
+        is given up, to be sent again, when it is slow and etcd has elected a new leader since
+        it was sent."""
+        term = self._term
         call = self._lease_stub.LeaseKeepAlive(timeout=timeout, metadata=metadata)
+        replies: list[Any] = []
+        errors: list[Exception] = []
+        done = anyio.Event()
+
+        async def read() -> None:
+            try:
+                await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                replies.append(await call.read())
+            except Exception as exc:
+                errors.append(exc)
+            finally:
+                done.set()
+
+        superseded = False
         try:
-            await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
-            reply = await call.read()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                with anyio.move_on_after(_SLOW_CALL):
+                    await done.wait()
+                while not done.is_set() and not superseded:
+                    superseded = await self._new_leader_since(term)
+                    if not superseded:
+                        with anyio.move_on_after(_TERM_POLL):
+                            await done.wait()
+                # Never cancel the reader (gRPC would turn that into a bare CancelledError):
+                # cancelling the call ends its read.
+                call.cancel()
         finally:
             call.cancel()
-        if reply is grpc.aio.EOF:
+        if superseded and not replies:
+            raise _Superseded
+        if errors:
+            raise errors[0]
+        if not replies or replies[0] is grpc.aio.EOF:
             raise BackendUnavailable(f"{self.describe()} closed the keepalive stream")
-        return int(reply.TTL)
+        return int(replies[0].TTL)
 
     def _lease_died(self, lease: _EtcdLease, reason: str) -> None:
         if lease.dead:
