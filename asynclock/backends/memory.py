@@ -19,19 +19,22 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.lowlevel
 
-from .._errors import BackendUnavailable, InvalidURL
-from .._validate import Options
-from ..abc import (
+from ._kit import (
     Backend,
+    BackendUnavailable,
     Capabilities,
     Grant,
+    InvalidURL,
     LockInfo,
     LockRequest,
     Lost,
+    Options,
     Renewed,
     RenewOutcome,
     Unknown,
     WaiterRegistry,
+    redact,
+    split_userinfo,
 )
 
 __all__ = ("Faults", "MemoryBackend")
@@ -110,7 +113,6 @@ class _MemoryWaiters(WaiterRegistry):
 
 
 class MemoryBackend(Backend[Grant]):
-    schemes = ("memory",)
     # Pure anyio (and the standard library): runs on trio as well.
     event_loops = frozenset({"asyncio", "trio"})
     # No round trip to outlast: only the margin.
@@ -130,9 +132,11 @@ class MemoryBackend(Backend[Grant]):
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
         parts = urlsplit(url)
-        if parts.port is not None or parts.username:
+        userinfo, namespace = split_userinfo(parts.netloc)
+        # A namespace is a name, not a server: no port, no user or password.
+        if userinfo is not None or ":" in namespace:
             raise InvalidURL(
-                f"memory:// takes only a namespace name, as in memory://tests; got {url!r}"
+                f"memory:// takes only a namespace name, as in memory://tests; got {redact(url)!r}"
             )
         Options(options, "memory://").finish()
         return cls(parts.netloc + parts.path)

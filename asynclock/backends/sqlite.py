@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import random
 import sqlite3
 import threading
 import time
@@ -29,19 +28,23 @@ from typing import Self, TypeVar
 import anyio
 import anyio.to_thread
 
-from .._errors import BackendUnavailable, InvalidURL
-from .._shield import finish
-from .._validate import Options
-from ..abc import (
+from ._kit import (
     Backend,
+    BackendUnavailable,
     Capabilities,
     Grant,
+    InvalidURL,
     LockInfo,
     LockRequest,
     Lost,
+    Options,
     Renewed,
     RenewOutcome,
+    RetryPolicy,
+    Translator,
     WaiterRegistry,
+    finish,
+    translate,
 )
 
 __all__ = ("SQLiteBackend",)
@@ -70,9 +73,14 @@ CREATE TABLE IF NOT EXISTS asynclock_waiters (
 
 _SYNCHRONOUS = ("off", "normal", "full", "extra")
 
-#: Backoff while polling a held lock: first retry, cap.
-_POLL_MIN = 0.002
-_POLL_MAX = 0.05
+#: Backoff while polling a held lock: 2 ms first, doubling up to 50 ms, each drawn from
+#: [pause / 2, pause].
+_POLL = RetryPolicy(first=0.002, cap=0.05, factor=2.0, jitter=0.5)
+#: Pauses between attempts to open a new file that another process is switching to WAL:
+#: 5-20 ms each.
+_OPEN_RACE = RetryPolicy(first=0.02, cap=0.02, factor=1.0, jitter=0.75)
+#: Every driver error is the file being unusable (locked past busy_timeout, unreadable, full).
+_ERRORS: Translator = {sqlite3.Error: BackendUnavailable}
 
 
 def _boot_id() -> str:
@@ -137,7 +145,6 @@ class _SQLiteWaiters(WaiterRegistry):
 
 
 class SQLiteBackend(Backend[Grant]):
-    schemes = ("sqlite",)
     # Pure anyio (and the standard library): runs on trio as well.
     event_loops = frozenset({"asyncio", "trio"})
     capabilities = Capabilities(
@@ -198,34 +205,35 @@ class SQLiteBackend(Backend[Grant]):
             raise BackendUnavailable(
                 f"cannot open {self.describe()}: the directory {directory!r} does not exist"
             )
+        with translate(_ERRORS, f"cannot open {self.describe()}"):
+            self._connection = self._connect_sync()
+
+    def _connect_sync(self) -> sqlite3.Connection:
         # Processes opening a new file at once race to switch it to WAL, and SQLite reports
         # that race as "database is locked" without waiting on its busy handler: retry, within
         # busy_timeout.
+        pauses = _OPEN_RACE.backoff()
         deadline = time.monotonic() + self._busy_timeout
         while True:
-            connection = None
             try:
-                connection = sqlite3.connect(
-                    self.path,
-                    timeout=self._busy_timeout,
-                    isolation_level=None,
-                    check_same_thread=False,
-                )
-                connection.execute("PRAGMA journal_mode=WAL")
-                connection.execute(f"PRAGMA synchronous={self._synchronous}")
-                connection.executescript(_SCHEMA)
-                break
+                return self._connect_once()
             except sqlite3.OperationalError as exc:
-                if connection is not None:
-                    connection.close()
                 if "locked" not in str(exc) or time.monotonic() >= deadline:
-                    raise BackendUnavailable(f"cannot open {self.describe()}: {exc}") from exc
-                time.sleep(random.uniform(0.005, 0.02))  # in the worker thread
-            except sqlite3.Error as exc:
-                if connection is not None:
-                    connection.close()
-                raise BackendUnavailable(f"cannot open {self.describe()}: {exc}") from exc
-        self._connection = connection
+                    raise
+            time.sleep(pauses.next_delay())  # in the worker thread
+
+    def _connect_once(self) -> sqlite3.Connection:
+        connection = sqlite3.connect(
+            self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
+        )
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute(f"PRAGMA synchronous={self._synchronous}")
+            connection.executescript(_SCHEMA)
+        except BaseException:
+            connection.close()
+            raise
+        return connection
 
     async def aclose(self) -> None:
         connection, self._connection = self._connection, None
@@ -247,18 +255,14 @@ class SQLiteBackend(Backend[Grant]):
         # waiters get a turn. Across processes there is no queue, only polling.
         queue = self._queues.setdefault(request.name, deque())
         queue.append(request.owner)
-        delay = _POLL_MIN
+        polls = _POLL.backoff()
         try:
             while True:
                 if queue[0] == request.owner:
                     grant, holder_expires_at = await self._take(request)
                     if grant is not None:
                         return grant
-                    wake_at = min(
-                        holder_expires_at,
-                        anyio.current_time() + delay * random.uniform(0.5, 1.0),
-                    )
-                    delay = min(delay * 2, _POLL_MAX)
+                    wake_at = min(holder_expires_at, anyio.current_time() + polls.next_delay())
                 else:
                     wake_at = math.inf  # woken when the waiter ahead leaves
                 # Sleep until a release in this process, the holder's expiry, or the next poll.
@@ -349,10 +353,8 @@ class SQLiteBackend(Backend[Grant]):
             with self._thread_lock:
                 return func()
 
-        try:
+        with translate(_ERRORS, self.describe()):
             return await anyio.to_thread.run_sync(locked, limiter=self._limiter)
-        except sqlite3.Error as exc:
-            raise BackendUnavailable(f"{self.describe()}: {exc}") from exc
 
     def _db(self) -> sqlite3.Connection:
         if self._connection is None:
