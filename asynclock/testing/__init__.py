@@ -16,17 +16,17 @@ The pytest plugin (loaded automatically) provides the servers as session fixture
 ``zookeeper_ensemble``, ``postgres_server``, plus ``selected_backends`` and ``--backends``.
 """
 
+from ._cluster import Cluster as Cluster
 from ._etcd import EtcdCluster as EtcdCluster
 from ._etcd import EtcdMember as EtcdMember
 from ._etcd import EtcdServer as EtcdServer
+from ._host import ServerError as ServerError
+from ._host import ServerNotInstalled as ServerNotInstalled
+from ._host import ServerStartError as ServerStartError
+from ._host import find_binary as find_binary
+from ._host import free_port as free_port
 from ._postgres import PostgresServer as PostgresServer
-from ._process import Cluster as Cluster
 from ._process import Server as Server
-from ._process import ServerError as ServerError
-from ._process import ServerNotInstalled as ServerNotInstalled
-from ._process import ServerStartError as ServerStartError
-from ._process import find_binary as find_binary
-from ._process import free_port as free_port
 from ._proxy import FaultProxy as FaultProxy
 from ._proxy import ProxyMode as ProxyMode
 from ._redis import RedisServer as RedisServer

@@ -7,7 +7,9 @@ import json
 import uuid
 from typing import Any
 
-from ._process import Cluster, Server, SingleServer, find_binary, free_port
+from ._cluster import Cluster
+from ._host import find_binary, free_port
+from ._process import Server, SingleServer
 
 
 def _http_json(host: str, port: int, method: str, path: str, timeout: float) -> Any:

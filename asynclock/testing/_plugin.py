@@ -15,8 +15,8 @@ import pytest
 
 if TYPE_CHECKING:
     from ._etcd import EtcdCluster, EtcdServer
+    from ._host import ServerNotInstalled
     from ._postgres import PostgresServer
-    from ._process import ServerNotInstalled
     from ._redis import RedisServer
     from ._zookeeper import ZooKeeperEnsemble, ZooKeeperServer
 
@@ -89,7 +89,7 @@ def _running(config: pytest.Config, server: str, factory: Callable[[], _S]) -> I
     selected = _option(config)
     if selected is not None and not selected & _SERVER_BACKENDS[server]:
         pytest.skip(f"{server} is not among --backends={','.join(sorted(selected))}")
-    from ._process import ServerNotInstalled
+    from ._host import ServerNotInstalled
 
     try:
         instance = factory()

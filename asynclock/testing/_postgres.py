@@ -9,7 +9,8 @@ import signal
 import subprocess
 from typing import Final
 
-from ._process import ServerStartError, SingleServer, find_binary, run_checked
+from ._host import ServerStartError, find_binary, run_checked
+from ._process import SingleServer
 
 _PG_BIN_DIRS: Final = ("/usr/lib/postgresql/*/bin",)
 _OS_USER: Final = "postgres"

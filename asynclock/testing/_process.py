@@ -1,199 +1,27 @@
-"""The machinery every test server shares: ports, temp dirs, process groups, readiness, cleanup."""
+"""One test server process: its start, readiness, faults, shutdown and cleanup."""
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import glob
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import tempfile
-import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Final, Generic, Self, TypeVar
+from typing import ClassVar, Final, Self
 
-#: Every server listens here and nowhere else.
-LOOPBACK: Final = "127.0.0.1"
-
-_LOG_TAIL_LINES: Final = 30
-
-
-class ServerError(Exception):
-    """Base class of the errors raised by the test servers."""
-
-
-class ServerNotInstalled(ServerError):
-    """A program a test server needs is not installed; the message names the apt package."""
-
-    def __init__(self, binary: str, apt_package: str) -> None:
-        super().__init__(
-            f"{binary} is not installed; install it with: apt-get install {apt_package}"
-        )
-        self.binary = binary
-        self.apt_package = apt_package
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled as its constructor's arguments (the default would pass only the message).
-        return (type(self), (self.binary, self.apt_package), self.__dict__)
-
-
-class ServerStartError(ServerError):
-    """A test server did not start or did not become ready in time; the message ends with its log."""
-
-
-def find_binary(name: str, apt_package: str, *, extra_dirs: Iterable[str] = ()) -> str:
-    """Return the path of the program ``name``, or raise :class:`ServerNotInstalled`.
-
-    ``PATH`` is searched first, then ``extra_dirs`` (shell globs, newest match first, for tools
-    such as PostgreSQL's that Debian keeps out of ``PATH``).
-    """
-    found = shutil.which(name)
-    if found is not None:
-        return found
-    for pattern in extra_dirs:
-        for directory in sorted(glob.glob(pattern), key=_version_key, reverse=True):
-            found = shutil.which(name, path=directory)
-            if found is not None:
-                return found
-    raise ServerNotInstalled(name, apt_package)
-
-
-def _version_key(path: str) -> tuple[int, ...]:
-    # "/usr/lib/postgresql/15/bin" must sort after ".../9.6/bin", which string order gets wrong.
-    return tuple(int(part) for part in path.replace("/", ".").split(".") if part.isdigit())
-
-
-_ports_lock = threading.Lock()
-_ports_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """Return a loopback TCP port that is free now and was not handed out before in this process.
-
-    Remembering the ports matters when a cluster asks for nine ports before any member binds:
-    the kernel could otherwise hand out the same ephemeral port twice.
-    """
-    with _ports_lock:
-        for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((LOOPBACK, 0))
-                port: int = sock.getsockname()[1]
-            if port not in _ports_handed_out:
-                _ports_handed_out.add(port)
-                return port
-    raise ServerError("no free loopback port found")
-
-
-def make_temp_dir(kind: str) -> Path:
-    """A fresh directory for one server, in RAM when ``/dev/shm`` is usable (etcd and ZooKeeper
-    start 20-40 % faster there)."""
-    shm = "/dev/shm"
-    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-    return Path(tempfile.mkdtemp(prefix=f"asynclock-{kind}-", dir=base))
-
-
-def log_tail(paths: Iterable[Path], lines: int = _LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of each existing file, labelled, for error messages."""
-    parts = []
-    for path in paths:
-        try:
-            with path.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 16384))
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-        tail = "\n".join(text.splitlines()[-lines:])
-        if tail:
-            parts.append(f"--- {path} ---\n{tail}")
-    return "\n".join(parts) if parts else "(the server wrote no log)"
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _descendants(root: int) -> list[int]:
-    """Live descendants of ``root``, parents before children (from /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for entry in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(entry) as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may contain spaces and parentheses.
-        fields = stat.rpartition(")")[2].split()
-        if len(fields) > 1 and fields[0] not in {"Z", "X"}:
-            children.setdefault(int(fields[1]), []).append(int(stat.split(" ", 1)[0]))
-    found: list[int] = []
-    queue = [root]
-    while queue:
-        for child in children.get(queue.pop(0), []):
-            found.append(child)
-            queue.append(child)
-    return found
-
-
-def signal_tree(pid: int, sig: signal.Signals) -> None:
-    """Send ``sig`` to the process group of ``pid`` and to every descendant of ``pid``.
-
-    The group alone is not enough: PostgreSQL puts each backend in a session of its own, so
-    that a signal to the postmaster's group would leave the backends serving.
-    """
-    if sig == signal.SIGCONT:
-        # Children first, so that a resumed parent finds its children running.
-        for child in reversed(_descendants(pid)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(child, sig)
-        _signal_group(pid, sig)
-        return
-    # Freeze the parent first, so that it forks no child we would miss, and list the children
-    # before a SIGKILL reparents them to init.
-    _signal_group(pid, signal.SIGSTOP)
-    descendants = _descendants(pid)
-    for child in descendants:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, signal.SIGSTOP)
-    if sig == signal.SIGSTOP:
-        _wait_stopped([pid, *descendants])
-        return
-    _signal_group(pid, sig)
-    for child in descendants:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, sig)
-
-
-def _wait_stopped(pids: Iterable[int], timeout: float = 2.0) -> None:
-    """Wait until every thread of ``pids`` has stopped.
-
-    kill() only queues SIGSTOP: the 23 threads of a busy JVM take up to 8 ms to stop, time
-    enough to answer a request sent right after pause() returned.
-    """
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        while time.monotonic() < deadline:
-            running = False
-            for entry in glob.glob(f"/proc/{pid}/task/*/stat"):
-                try:
-                    with open(entry) as f:
-                        state = f.read().rpartition(")")[2].split()[0]
-                except (OSError, IndexError):
-                    continue
-                if state not in {"T", "t", "Z", "X"}:
-                    running = True
-                    break
-            if not running:
-                break
-            time.sleep(0.0005)
+from ._host import (
+    LOOPBACK,
+    ServerStartError,
+    free_port,
+    log_tail,
+    make_temp_dir,
+    retry_on_port_clash,
+)
+from ._signals import signal_tree
 
 
 class _Resources:
@@ -501,25 +329,16 @@ class Server(abc.ABC):
 
     def _start_fresh_on_clash(self, attempts: int = 3) -> None:
         """First start, retrying on new ports if another process took a port in the meantime."""
-        for attempt in range(attempts):
-            try:
-                self._begin_start()
-                self._finish_start()
-            except BaseException as exc:
-                # Whatever failed, nothing of this attempt may outlive it.
-                self._resources.cleanup()
-                self._prepared = False
-                retry = isinstance(exc, ServerStartError) and _port_clash(str(exc))
-                if not retry or attempt + 1 == attempts:
-                    raise
-                self._reallocate_ports()
-            else:
-                return
 
+        def start() -> None:
+            self._begin_start()
+            self._finish_start()
 
-def _port_clash(message: str) -> bool:
-    lowered = message.lower()
-    return "address already in use" in lowered or "bindexception" in lowered
+        def undo() -> None:
+            self._resources.cleanup()
+            self._prepared = False
+
+        retry_on_port_clash(start, undo, self._reallocate_ports, attempts=attempts)
 
 
 class SingleServer(Server):
@@ -534,177 +353,3 @@ class SingleServer(Server):
         else:
             self._start_fresh_on_clash()
         return self
-
-
-M = TypeVar("M", bound=Server)
-
-
-class Cluster(abc.ABC, Generic[M]):
-    """Several members of one replicated service, started together.
-
-    Every member is a :class:`Server` with its own pause/resume/kill/restart. A member's
-    :meth:`Server.restart` waits until that member serves, which needs a quorum; to bring back
-    a whole cluster use :meth:`restart`.
-    """
-
-    def __init__(self, size: int, *, start_timeout: float, stop_timeout: float) -> None:
-        if size < 1:
-            raise ValueError("a cluster needs at least one member")
-        self.size = size
-        self.start_timeout = start_timeout
-        self.stop_timeout = stop_timeout
-        self._members: list[M] = self._make_members()
-        self._started = False
-
-    @abc.abstractmethod
-    def _make_members(self) -> list[M]:
-        """Create (not start) the members, each configured with all members' ports."""
-
-    @abc.abstractmethod
-    def _is_leader(self, member: M, timeout: float) -> bool:
-        """Whether ``member`` is the leader right now; may raise OSError."""
-
-    @property
-    @abc.abstractmethod
-    def url(self) -> str:
-        """The asynclock URL listing every member."""
-
-    @property
-    def members(self) -> list[M]:
-        """The members, in a new list; fault-inject them one by one."""
-        return list(self._members)
-
-    @property
-    def address(self) -> str:
-        """``host:port,host:port,...`` of all members."""
-        return ",".join(member.address for member in self._members)
-
-    def start(self) -> Self:
-        """Start every member and wait until each serves."""
-        if self._started:
-            return self
-        for attempt in range(3):
-            try:
-                _start_together(self._members, self._members)
-            except BaseException as exc:
-                for member in self._members:
-                    member.stop()
-                retry = isinstance(exc, ServerStartError) and _port_clash(str(exc))
-                if not retry or attempt == 2:
-                    raise
-                self._members = self._make_members()
-            else:
-                self._started = True
-                return self
-        raise AssertionError("unreachable")
-
-    def stop(self) -> None:
-        """Stop every member and delete its data; idempotent."""
-        errors = []
-        for member in self._shutdown_order():
-            try:
-                member.stop()
-            except Exception as exc:  # one member's failure must not leak the others
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def restart(self) -> None:
-        """Stop every running member, then start all of them together on the same ports with the
-        same data; returns once each serves."""
-        for member in self._shutdown_order():
-            member._terminate()
-        _start_together(self._members, [])
-
-    def _shutdown_order(self) -> Iterator[M]:
-        """Members one at a time, each time the current leader first if there is one.
-
-        A stopping etcd leader hands leadership to a peer it believes alive and waits up to six
-        seconds for it; stopping leaders first means that peer is alive. Stopping members in
-        parallel or followers first makes the last leader wait the full six seconds.
-        """
-        remaining = list(self._members)
-        while remaining:
-            chosen = remaining[0]
-            for member in remaining:
-                if member.is_running and not member.is_paused:
-                    with contextlib.suppress(OSError, ValueError):
-                        if self._is_leader(member, 0.5):
-                            chosen = member
-                            break
-            remaining.remove(chosen)
-            yield chosen
-
-    def leader(self, timeout: float = 10.0) -> M:
-        """The current leader, waiting up to ``timeout`` seconds for an election to finish."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for member in self._members:
-                if not member.is_running or member.is_paused:
-                    continue
-                with contextlib.suppress(OSError, ValueError):
-                    if self._is_leader(member, 1.0):
-                        return member
-            if time.monotonic() >= deadline:
-                raise ServerError(f"{type(self).__name__} has no leader after {timeout:g} s")
-            time.sleep(0.05)
-
-    def kill_leader(self, timeout: float = 10.0) -> M:
-        """SIGKILL the current leader and return it (restart it with ``member.restart()``)."""
-        member = self.leader(timeout)
-        member.kill()
-        return member
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.address}>"
-
-
-def _start_together(members: Sequence[Server], fresh: Sequence[Server]) -> None:
-    """Launch all members before waiting for any: a member only serves once a quorum runs."""
-    for member in members:
-        if member in fresh:
-            member._begin_start()
-        else:
-            member._launch()
-    for member in members:
-        member._finish_start()
-
-
-def run_checked(
-    command: Sequence[str],
-    *,
-    what: str,
-    user: str | None = None,
-    cwd: Path | None = None,
-    timeout: float = 60.0,
-) -> str:
-    """Run a helper program to completion and return its output, or raise ServerStartError."""
-    try:
-        result = subprocess.run(
-            command,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            cwd=cwd,
-            timeout=timeout,
-            user=user,
-            group=user,
-            extra_groups=[] if user is not None else None,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise ServerStartError(f"{what} did not finish within {timeout:g} s") from exc
-    output = (result.stdout + result.stderr).decode("utf-8", "replace")
-    if result.returncode != 0:
-        raise ServerStartError(f"{what} failed with status {result.returncode}:\n{output}")
-    return output

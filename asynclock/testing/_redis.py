@@ -9,7 +9,8 @@ import socket
 from pathlib import Path
 from typing import Final
 
-from ._process import ServerNotInstalled, SingleServer, find_binary
+from ._host import ServerNotInstalled, find_binary
+from ._process import SingleServer
 
 _OFFSET = re.compile(r"^([+-]\d+(?:\.\d+)?)([smhdy]?)$")
 _UNIT_SECONDS: Final = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "y": 365 * 86400}

@@ -20,8 +20,8 @@ from dataclasses import replace
 import anyio
 
 from ._etcd import EtcdServer
+from ._host import ServerNotInstalled
 from ._postgres import PostgresServer
-from ._process import ServerNotInstalled
 from ._redis import RedisServer
 from ._safety import SafetyConfig, SafetyReport, run_safety
 from ._zookeeper import ZooKeeperServer

@@ -7,7 +7,9 @@ import socket
 from pathlib import Path
 from typing import Final
 
-from ._process import Cluster, Server, ServerNotInstalled, SingleServer, find_binary, free_port
+from ._cluster import Cluster
+from ._host import ServerNotInstalled, find_binary, free_port
+from ._process import Server, SingleServer
 
 _JARS: Final = (
     ("/usr/share/java/zookeeper.jar", "zookeeper"),
