@@ -26,7 +26,7 @@ _BACKENDS: dict[str, _Entry] = {
     "sqlite": _Entry("asynclock.backends.sqlite", "SQLiteBackend"),
     "redis": _Entry("asynclock.backends.redis", "RedisBackend", "redis", ("redis",)),
     "rediss": _Entry("asynclock.backends.redis", "RedisBackend", "redis", ("redis",)),
-    "redlock": _Entry("asynclock.backends.redlock", "RedlockBackend", "redis", ("redis",)),
+    "redlock": _Entry("asynclock.backends.redis", "RedlockBackend", "redis", ("redis",)),
     "etcd": _Entry("asynclock.backends.etcd", "EtcdBackend", "etcd", ("aetcd", "grpc")),
     "zookeeper": _Entry(
         "asynclock.backends.zookeeper", "ZooKeeperBackend", "zookeeper", ("aiozk",)

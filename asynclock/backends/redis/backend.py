@@ -29,67 +29,49 @@ that wakes up cannot leave the lock to a caller that has given up.
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import logging
-import math
 import random
-import warnings
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, Self
-from urllib.parse import urlsplit
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Self
 
 import anyio
-import redis.exceptions
 
-from .._errors import (
+from .._kit import (
+    Backend,
     BackendTimeout,
     BackendUnavailable,
-    InvalidURL,
-    UnsupportedFeature,
-    map_exceptions,
-)
-from .._registry import redact
-from .._shield import finish
-from .._validate import Options
-from ..abc import (
-    Backend,
     Capabilities,
     Grant,
+    HostPort,
+    InvalidURL,
     LockInfo,
     LockRequest,
     Lost,
+    Options,
     Renewed,
     RenewOutcome,
+    TaskHost,
     WaiterRegistry,
+    finish,
+    parse_host,
+    redact,
+    translate,
 )
-from . import _redis_scripts as lua
+from . import _scripts as lua
+from ._lane import Lane, Undo
+from ._server import RestartWatcher, check_server
+from ._settings import COMMON_OPTIONS, DEFAULT_PORT, ERRORS, Settings, common_settings, split_url
 
-__all__ = ("RedisBackend", "RedisDurabilityWarning")
+__all__ = ("RedisBackend",)
 
-logger = logging.getLogger("asynclock")
-
-_EXAMPLE = "redis://127.0.0.1:6379/0 or rediss://user:password@redis.example:6380/0"
-_DEFAULT_WAITER_TTL = 5.0
-#: Oldest server with what the scripts need (TIME in scripts, fractional BLPOP timeouts).
-_MIN_VERSION = (6, 0)
-
-
-class RedisDurabilityWarning(UserWarning):
-    """The Redis server may lose held locks (eviction, or no AOF).
-
-    A restart without the append-only file forgets every held lock (their holders are told at
-    once, but another client may take the lock first), and an eviction policy other than
-    ``noeviction`` (with ``maxmemory`` set) may drop locks that are still held. Tokens stay safe
-    either way: no token is below the server's clock in microseconds. Silence it with the option
-    ``durability_warning=false`` once you have decided that this is acceptable.
-    """
+_EXAMPLE: Final = "redis://127.0.0.1:6379/0 or rediss://user:password@redis.example:6380/0"
+_SCHEMES: Final = ("redis", "rediss")
+_DEFAULT_WAITER_TTL: Final = 5.0
 
 
 class RedisBackend(Backend[Grant]):
     """Locks on one Redis server, with fencing tokens and a fair (FIFO) waiter queue."""
 
-    schemes = ("redis", "rediss")
     driver = "redis-py"
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
@@ -97,8 +79,8 @@ class RedisBackend(Backend[Grant]):
 
     def __init__(
         self,
-        address: lua.Address,
-        settings: lua.Settings,
+        address: HostPort,
+        settings: Settings,
         *,
         waiter_ttl: float = _DEFAULT_WAITER_TTL,
         durability_warning: bool = True,
@@ -109,52 +91,34 @@ class RedisBackend(Backend[Grant]):
         self.durability_warning = durability_warning
         self._waiter_ttl_ms = max(1, lua.ttl_ms(waiter_ttl))
         self._wake_prefix = lua.wake_prefix(settings.prefix)
-        self._pool: redis.asyncio.ConnectionPool | None = None
-        self._lane: lua.Lane | None = None
+        self._lane: Lane | None = None
+        self._watcher: RestartWatcher | None = None
         self._closed = False
         self._server_info: dict[str, str] = {}
-        #: The server's run id (a new one at every start), if INFO may be read.
-        self._run_id: str | None = None
         #: Leases granted and not released, by owner id: told at once when a restart lost them.
         self._held: dict[str, tuple[Grant, Callable[[str], None]]] = {}
-        #: Background work: the restart watcher, clean-ups that wait for the server to answer.
-        self._tasks: set[asyncio.Task[None]] = set()
+        #: The restart watcher, the undo replies, the clean-ups that wait for the server.
+        self._host = TaskHost(cleanup_timeout=settings.op_timeout)
 
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
-        try:
-            parts = urlsplit(url)
-            netloc = parts.netloc
-        except ValueError as exc:
-            raise InvalidURL(f"malformed Redis URL {redact(url)!r}: {exc}") from None
-        scheme = parts.scheme.lower()
-        if scheme not in cls.schemes:
-            raise InvalidURL(f"{redact(url)!r} is not a redis:// or rediss:// URL")
-        if parts.fragment:
-            raise InvalidURL(f"{redact(url)!r}: a Redis URL has no #fragment; e.g. {_EXAMPLE}")
-        username, password, hosts = lua.split_userinfo(netloc)
-        if "," in hosts:
+        parts = split_url(url, schemes=_SCHEMES, example=_EXAMPLE)
+        if "," in parts.hosts:
             raise InvalidURL(
                 f"{redact(url)!r} lists several servers: redis:// is one server; for Redlock "
                 "over several independent masters use redlock://h1:6379,h2:6379,h3:6379"
             )
-        address = lua.parse_address(hosts or "localhost", redact(url), _EXAMPLE)
-        db = lua.parse_db(parts.path, redact(url), _EXAMPLE)
-        source = f"{scheme}://"
-        opts = Options(options, source)
-        settings = lua.common_settings(
-            opts,
-            source=source,
-            db=db,
-            username=username,
-            password=password,
-            tls=scheme == "rediss",
+        address = parse_host(
+            parts.hosts or "localhost", default_port=DEFAULT_PORT, url=url, example=_EXAMPLE
         )
+        source = f"{parts.scheme}://"
+        opts = Options(options, source)
+        settings = common_settings(opts, source=source, url=parts, tls=parts.scheme == "rediss")
         waiter_ttl = opts.number("waiter_ttl", _DEFAULT_WAITER_TTL, minimum=0.05)
         durability_warning = opts.flag("durability_warning", True)
-        opts.finish((*lua.COMMON_OPTIONS, "waiter_ttl", "durability_warning"))
+        opts.finish((*COMMON_OPTIONS, "waiter_ttl", "durability_warning"))
         return cls(address, settings, waiter_ttl=waiter_ttl, durability_warning=durability_warning)
 
     def describe(self) -> str:
@@ -192,150 +156,58 @@ class RedisBackend(Backend[Grant]):
 
     # -- life cycle --------------------------------------------------------------------------
 
+    @property
+    def _run_id(self) -> str | None:
+        """The server's run id (a new one at every start), if INFO may be read."""
+        return self._watcher.run_id if self._watcher is not None else None
+
     async def open(self) -> None:
         if self._lane is not None or self._closed:
             raise RuntimeError("a RedisBackend can be opened once")
-        pool = self._pool = self.settings.pool(self.address)
-        lane = self._lane = lua.Lane(pool, self.settings.op_timeout)
+        await self._host.open()
+        pool = self.settings.pool(self.address)
+        lane = self._lane = Lane(pool, self.settings.op_timeout, self._host)
         try:
-            with map_exceptions(
-                lua.ERRORS,
+            with translate(
+                ERRORS,
                 f"cannot reach {self.describe()} (is redis-server running there, and are the "
                 "host, port, user and password right?)",
             ):
                 await lane.call("PING")
-                await self._inspect_server(lane)
+                run_id, self._server_info = await check_server(
+                    lane, self.describe(), durability_warning=self.durability_warning
+                )
                 # Load the scripts now, so that the first acquire costs one round trip.
-                for script in (lua.TAKE, lua.RELEASE, lua.LEAVE, lua.RENEW, lua.HELD):
+                for script in (lua.TAKE, lua.RELEASE, lua.LEAVE, lua.RENEW):
                     await lane.call("SCRIPT", "LOAD", script.text)
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self.aclose()
+            # Not under a shield: the host's task group was entered above, at this level.
+            await self.aclose()
             raise
-        self._spawn(self._watch_restarts())
-
-    async def _inspect_server(self, lane: lua.Lane) -> None:
-        """Check the version, and warn when the server can lose counters or held locks."""
-        try:
-            info = lua.as_text(await lane.call("INFO", "server"))
-        except redis.exceptions.ResponseError:
-            info = ""  # INFO disabled by ACL or rename-command: nothing to check
-        for line in info.splitlines():
-            key, _, value = line.partition(":")
-            if key == "run_id":
-                self._run_id = value.strip()
-            if key == "redis_version":
-                self._server_info["redis_version"] = value.strip()
-                numbers = tuple(int(part) for part in value.split(".")[:2] if part.isdigit())
-                if numbers < _MIN_VERSION:
-                    raise UnsupportedFeature(
-                        f"{self.describe()} runs Redis {value.strip()}; asynclock needs Redis "
-                        f"{'.'.join(map(str, _MIN_VERSION))} or newer"
-                    )
-        settings: dict[str, str] = {}
-        try:
-            for key in ("appendonly", "appendfsync", "maxmemory", "maxmemory-policy"):
-                reply = await lane.call("CONFIG", "GET", key)
-                # A map (RESP3, or redis-py's parser) or a flat list of names and values.
-                items = (
-                    list(reply.items())
-                    if isinstance(reply, dict)
-                    else list(zip(reply[::2], reply[1::2], strict=True))
-                )
-                settings.update(
-                    (lua.as_text(name).lower(), lua.as_text(value).lower()) for name, value in items
-                )
-        except redis.exceptions.ResponseError as exc:
-            # CONFIG is often disabled on managed services: not knowing is not an error.
-            logger.info(
-                "asynclock: cannot read the persistence settings of %s (%s); the durability "
-                "check is skipped",
-                self.describe(),
-                exc,
-            )
-            return
-        self._server_info.update(settings)
-        if self.durability_warning:
-            problems = durability_problems(settings)
-            if problems:
-                warnings.warn(
-                    RedisDurabilityWarning(
-                        f"{self.describe()} can lose what the locks rely on: "
-                        + "; ".join(problems)
-                        + ". Pass durability_warning=false if that is acceptable (for example "
-                        "for efficiency locks)"
-                    ),
-                    stacklevel=2,
-                )
+        watcher = RestartWatcher(
+            pool, self.settings.op_timeout, self.describe(), run_id, self._report_lost_after_restart
+        )
+        self._watcher = watcher
+        self._host.start_soon(watcher.run, name=f"asynclock: restart watcher of {self.describe()}")
 
     async def aclose(self) -> None:
         self._closed = True
         self._held.clear()
-        tasks, self._tasks = self._tasks, set()
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                await asyncio.wait(tasks)
+        # Clean-ups still pending get a moment (they need the lane), then everything stops.
+        await self._host.aclose()
         lane, self._lane = self._lane, None
         if lane is not None:
             await lane.aclose()
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run ``work`` in a task of its own until it ends or the backend closes."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _watch_restarts(self) -> None:
-        """Hold one idle connection and learn at once when it ends: the server went away
-        (restart, kill) or dropped it. After a restart (a new run id, or no run id to compare)
-        every lease whose key is gone is reported lost now, not at its next renewal."""
-        assert self._pool is not None
-        first, pause = True, 0.05
-        while not self._closed:
-            conn = self._pool.make_connection()  # type: ignore[no-untyped-call]
-            try:
-                with anyio.fail_after(self.settings.op_timeout):
-                    await conn.connect()
-                    await conn.send_packed_command(lua.pack(("INFO", "server")), False)
-                    try:
-                        info = lua.as_text(await conn.read_response(timeout=math.inf))
-                    except redis.exceptions.ResponseError:
-                        info = ""  # INFO refused (ACL): every reconnect is then checked
-                run_id = next(
-                    (
-                        line.partition(":")[2].strip()
-                        for line in info.splitlines()
-                        if line.startswith("run_id:")
-                    ),
-                    None,
-                )
-                restarted = not first and (run_id is None or run_id != self._run_id)
-                if run_id is not None and run_id != self._run_id:
-                    restarted = restarted or self._run_id is not None
-                    self._run_id = run_id
-                first, pause = False, 0.05
-                if restarted and self._held:
-                    await self._report_lost_after_restart()
-                # Nothing is ever sent on this connection again: this read ends only when the
-                # connection does.
-                await conn.read_response(timeout=math.inf, disconnect_on_error=False)
-            except Exception as exc:
-                logger.debug("asynclock: restart watcher of %s: %r", self.describe(), exc)
-            finally:
-                if conn._writer is not None:
-                    conn._writer.close()
-                conn._reader = conn._writer = None
-            await anyio.sleep(pause)
-            pause = min(0.5, pause * 2)
-
     async def _report_lost_after_restart(self) -> None:
         held = list(self._held.values())
+        if not held:
+            return
+        # RENEW with ttls of 0 only tells which keys are still ours.
         reply = await self._script(
-            lua.HELD,
+            lua.RENEW,
             [self.lock_key(grant.name) for grant, _ in held],
-            [grant.owner for grant, _ in held],
+            [*(grant.owner for grant, _ in held), *(0 for _ in held)],
             f"checking {len(held)} lock(s) after a restart",
         )
         for (grant, on_lost), code in zip(held, lua.codes(reply, len(held)), strict=True):
@@ -355,7 +227,7 @@ class RedisBackend(Backend[Grant]):
     def waiter_registry(self) -> WaiterRegistry:
         return _RedisWaiters(self)
 
-    def _connected(self) -> lua.Lane:
+    def _connected(self) -> Lane:
         if self._lane is None:
             raise BackendUnavailable(f"{self.describe()} is closed (or was never opened)")
         return self._lane
@@ -364,7 +236,7 @@ class RedisBackend(Backend[Grant]):
         self, script: lua.Script, keys: Sequence[str], args: Sequence[str | int], what: str
     ) -> Any:
         lane = self._connected()
-        with map_exceptions(lua.ERRORS, f"{what} on {self.describe()}"):
+        with translate(ERRORS, f"{what} on {self.describe()}"):
             return await lane.script(script, keys, args)
 
     async def inspect(self, name: str) -> LockInfo:
@@ -377,15 +249,15 @@ class RedisBackend(Backend[Grant]):
         return LockInfo(
             name,
             held=True,
-            owner=holder.decode() if isinstance(holder, bytes) else str(holder),
+            owner=lua.as_text(holder),
             token=int(counter) if counter is not None else None,
             expires_in=int(ms_left) / 1000 if int(ms_left) >= 0 else None,
             waiters=int(waiters),
         )
 
-    def _undo_for(self, request: LockRequest) -> lua.Undo:
+    def _undo_for(self, request: LockRequest) -> Undo:
         """LEAVE for ``request``, sent as plain EVAL (it must not depend on the script cache)."""
-        return lua.Undo(
+        return Undo(
             "EVAL",
             lua.LEAVE.text,
             4,
@@ -396,12 +268,12 @@ class RedisBackend(Backend[Grant]):
         )
 
     async def _take_once(
-        self, request: LockRequest, mode: str, undo: lua.Undo
+        self, request: LockRequest, mode: str, undo: Undo
     ) -> tuple[Grant | None, int]:
         ms = lua.ttl_ms(request.ttl)
         lane = self._connected()
         sent_at = anyio.current_time()
-        with map_exceptions(lua.ERRORS, f"taking lock {request.name!r} on {self.describe()}"):
+        with translate(ERRORS, f"taking lock {request.name!r} on {self.describe()}"):
             reply = await lane.script(
                 lua.TAKE,
                 self._keys(request.name),
@@ -443,9 +315,7 @@ class RedisBackend(Backend[Grant]):
                 else:
                     wait = refresh * random.uniform(0.8, 1.0)
                 wait = max(wait, 0.001)
-                with map_exceptions(
-                    lua.ERRORS, f"waiting for lock {request.name!r} on {self.describe()}"
-                ):
+                with translate(ERRORS, f"waiting for lock {request.name!r} on {self.describe()}"):
                     await lane.call(
                         "BLPOP", wake_key, f"{wait:.3f}", timeout=wait + self.settings.op_timeout
                     )
@@ -453,7 +323,7 @@ class RedisBackend(Backend[Grant]):
             await self._clean_up(request, undo, exc)
             raise
 
-    async def _clean_up(self, request: LockRequest, undo: lua.Undo, error: BaseException) -> None:
+    async def _clean_up(self, request: LockRequest, undo: Undo, error: BaseException) -> None:
         """Leave nothing behind after an interrupted or failed acquire.
 
         A take interrupted in flight has its undo queued behind it on its own connection
@@ -490,32 +360,14 @@ class RedisBackend(Backend[Grant]):
         )
 
     def _leave_later(self, request: LockRequest) -> None:
-        if self._closed:
-            return
-        self._spawn(self._keep_leaving(request))
-
-    async def _keep_leaving(self, request: LockRequest) -> None:
-        # Past this, whatever the acquire left has expired on the server by itself.
-        keep = max(request.ttl, self.waiter_ttl) + self.settings.op_timeout
-        give_up = anyio.current_time() + keep
-        pause, problem = 0.05, None
-        while anyio.current_time() < give_up:
-            try:
-                await self._leave_once(request)
-            except Exception as exc:
-                problem = exc
-            else:
-                return
-            await anyio.sleep(pause)
-            pause = min(1.0, pause * 2)
-        logger.warning(
-            "asynclock: could not clean up after an interrupted acquire of %r on %s (%s); "
-            "the server drops what is left within %g s",
-            request.name,
-            self.describe(),
-            problem,
-            keep,
-        )
+        """LEAVE in the background until the server answers (or the backend closes; the
+        server then drops what is left when its ttl and ``waiter_ttl`` run out)."""
+        if not self._closed:
+            self._host.deferred.retry(
+                functools.partial(self._leave_once, request),
+                f"cleaning up after an interrupted acquire of {request.name!r} on "
+                f"{self.describe()}",
+            )
 
     async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
         if not grants:
@@ -576,27 +428,3 @@ class _RedisWaiters(WaiterRegistry):
             lua.SCAN_WAITERS, self._keys, [], "reading the wait records"
         )
         return [lua.as_text(value) for value in values]
-
-
-def durability_problems(settings: Mapping[str, str]) -> list[str]:
-    """What in ``CONFIG GET appendonly appendfsync maxmemory maxmemory-policy`` (lowercased)
-    can lose fencing counters or held locks; empty when nothing can."""
-    problems = []
-    if settings.get("appendonly") == "no":
-        problems.append(
-            "appendonly is 'no', so a restart loses every held lock (another client can take a "
-            "lock while its holder, told at once, is still stopping); set 'appendonly yes'"
-        )
-    elif settings.get("appendfsync") == "no":
-        problems.append(
-            "appendfsync is 'no', so a crash of the machine can lose the last ~30 s of writes, "
-            "locks taken then among them; set 'appendfsync everysec' or 'always'"
-        )
-    policy = settings.get("maxmemory-policy", "noeviction")
-    if settings.get("maxmemory", "0") not in ("0", "") and policy != "noeviction":
-        what = "held locks and fencing counters" if policy.startswith("allkeys") else "held locks"
-        problems.append(
-            f"maxmemory-policy is {policy!r}, so under memory pressure Redis may evict {what}; "
-            "set 'maxmemory-policy noeviction'"
-        )
-    return problems

@@ -1,0 +1,27 @@
+"""Locks on Redis: ``redis://`` / ``rediss://`` (one server) and ``redlock://`` (Redlock over
+several independent masters), side by side on one set of Lua scripts and settings.
+
+Layout (imports go down this list, never up):
+
+- :mod:`.backend`: :class:`RedisBackend` (one server, fencing tokens, a fair queue);
+- :mod:`.redlock`: :class:`RedlockBackend` (a majority of masters, no fencing);
+- :mod:`._server`: what the single-server backend checks on its server (version, durability,
+  restarts);
+- :mod:`._lane`: the single-server wire (pooled redis-py connections, one per blocked waiter);
+- :mod:`._wire`: Redlock's wire (one pipelined connection per master, in-order cleanup);
+- :mod:`._settings`: URL forms, shared options, TLS, error translation;
+- :mod:`._scripts`: the Lua scripts and key names (one copy of each).
+"""
+
+from ._server import RedisDurabilityWarning, durability_problems
+from .backend import RedisBackend
+from .redlock import MIN_MASTERS, RedlockBackend, RedlockGrant
+
+__all__ = (
+    "MIN_MASTERS",
+    "RedisBackend",
+    "RedisDurabilityWarning",
+    "RedlockBackend",
+    "RedlockGrant",
+    "durability_problems",
+)

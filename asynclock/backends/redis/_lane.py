@@ -1,0 +1,323 @@
+"""Calls to one Redis server over redis-py connections: the ``redis://`` backend's wire.
+
+(Redlock has a wire of its own, :mod:`._wire`: one pipelined connection per master, because
+its cleanup relies on the order of requests on one connection, and its calls never block. The
+single-server backend needs a connection per blocked waiter (``BLPOP``), which a pipelined
+connection cannot give.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import select
+from collections.abc import Sequence
+from typing import Any, Final
+
+import anyio
+import redis.asyncio
+import redis.exceptions
+from redis.asyncio.connection import AbstractConnection
+
+from .._kit import TaskHost
+from ._scripts import Script
+
+logger = logging.getLogger("asynclock")
+
+
+def pack(args: Sequence[str | int | float | bytes]) -> bytes:
+    """One command in RESP, the way redis-py's ``pack_command`` writes it but without its
+    per-argument encoder calls (a third of a call's client-side time)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+#: Idle connections a lane keeps; more are closed when their call ends.
+_MAX_IDLE = 16
+#: A timeout that fires this long after its deadline fired late: the event loop was stalled (the
+#: process was paused, or something blocked the loop), and a reply may be waiting unread.
+LATE_TIMER: Final = 0.02
+#: How long a call whose timeout fired late, or found part of a reply already received, may
+#: still read what has arrived.
+LATE_GRACE: Final = 0.1
+#: How long a connection with an interrupted call and its undo behind it is kept to read their
+#: replies (and be reused) before it is closed; the server runs both in order either way.
+_DRAIN_FOR = 30.0
+
+
+class Undo:
+    """What a :class:`Lane` sends after a call that was interrupted with its command in flight.
+
+    A command whose reply did not come in time, or whose caller was cancelled after it was
+    sent, may still run on the server. The lane then writes ``args`` on the *same* connection,
+    right behind it and without an await, so the server runs the undo after the command, in
+    that order, whenever it gets to them (also after a freeze), and nothing can cancel it.
+    ``sent`` tells whether the command was written at least once (it may have run), ``queued``
+    whether the undo went out behind it (then nothing is left to clean up).
+    """
+
+    __slots__ = ("args", "queued", "sent")
+
+    def __init__(self, *args: str | int | float | bytes) -> None:
+        self.args = args
+        self.sent = False
+        self.queued = False
+
+
+def _write(conn: AbstractConnection, packed: bytes) -> None:
+    """Hand ``packed`` to the transport, without an await (nothing can cut it in half)."""
+    writer = conn._writer
+    if writer is None or writer.transport.is_closing():
+        raise redis.exceptions.ConnectionError("the connection was closed")
+    writer.write(packed)
+
+
+def _received(conn: AbstractConnection) -> bool:
+    """Bytes (or the end of the stream) have arrived on ``conn`` that nobody has read yet:
+    in the stream reader's buffer, or still in the kernel's socket buffer.
+
+    The kernel is asked too because a process stopped just after the event loop polled its
+    sockets runs its due timers, on resuming, before it polls again: the reply is then in the
+    socket but not in the reader yet.
+    """
+    reader, writer = conn._reader, conn._writer
+    if reader is None or writer is None:
+        return False
+    # StreamReader keeps them in ``_buffer``; there is no public way to ask without reading.
+    if getattr(reader, "_buffer", b""):
+        return True
+    sock = writer.transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        if hasattr(select, "poll"):  # no limit on the descriptor's number, unlike select()
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(readable)
+
+
+def _usable(conn: AbstractConnection) -> bool:
+    """An idle connection that the server (or a proxy) has not closed meanwhile."""
+    reader, writer = conn._reader, conn._writer
+    if reader is None or writer is None or writer.transport.is_closing():
+        return False
+    return not reader.at_eof() and reader.exception() is None
+
+
+class Lane:
+    """Calls to one Redis server over redis-py connections, without its pool's per-call work.
+
+    redis-py's client takes a lock, checks the socket, runs a retry wrapper and records metrics
+    on every command; on loopback that is a quarter of a round trip, and a lock cycle is two
+    round trips. A lane keeps idle connections in a list (last used first) and opens another
+    when all are busy, so concurrent calls never wait for each other.
+
+    A connection that fails or is cancelled in mid-call is closed and never reused, so a late
+    reply cannot reach the wrong caller (or, with an :class:`Undo`, it is reused only after both
+    replies were read). An idle connection the server closed meanwhile (``CLIENT KILL``, a
+    restart, a proxy reset) is dropped when it is next picked. A call that fails on a
+    connection error is retried once on a fresh connection: every script here is idempotent for
+    its owner id, so running it twice is safe.
+
+    Timeouts are the lane's own, not the driver's: one that fires late (the loop was stalled, for
+    example by a paused process), or finds reply bytes received but not read yet, lets the call
+    read what arrived, for up to :data:`LATE_GRACE` seconds, before it counts as a timeout.
+    """
+
+    def __init__(
+        self, pool: redis.asyncio.ConnectionPool, op_timeout: float, host: TaskHost
+    ) -> None:
+        self._pool = pool
+        self._host = host
+        self._op_timeout = op_timeout
+        self._idle: list[AbstractConnection] = []
+        self._every: set[AbstractConnection] = set()
+        #: The drains running in the backend's task host (each stops when its scope is cancelled).
+        self._drains: set[anyio.CancelScope] = set()
+        self._closed = False
+
+    @property
+    def connections(self) -> int:
+        """Open connections (idle and busy)."""
+        return sum(1 for conn in self._every if conn.is_connected)
+
+    @property
+    def draining(self) -> int:
+        """Connections that still wait for the replies of an interrupted call and its undo."""
+        return len(self._drains)
+
+    def _idle_connection(self) -> AbstractConnection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if _usable(conn):
+                return conn
+            self._discard(conn)
+        return None
+
+    def _discard(self, conn: AbstractConnection) -> None:
+        """Close ``conn`` now, without an await (so no cancellation can keep it open)."""
+        self._every.discard(conn)
+        if conn._writer is not None:
+            conn._writer.close()
+        conn._reader = conn._writer = None
+
+    async def _open(self, conn: AbstractConnection) -> None:
+        # The handshake (AUTH, CLIENT SETNAME, SELECT) reads replies with no socket timeout of
+        # its own: bound it, or a frozen server would hold us for ever.
+        with anyio.CancelScope(deadline=anyio.current_time() + self._op_timeout) as scope:
+            await conn.connect()  # type: ignore[no-untyped-call]
+            return
+        late = anyio.current_time() - scope.deadline > LATE_TIMER or _received(conn)
+        # Fired late, or the server did answer: a stalled loop, not a slow server. The state of
+        # the half-done handshake is unknown, so it is not resumed; the caller gets a connection
+        # error and tries a new connection.
+        kind = redis.exceptions.ConnectionError if late else redis.exceptions.TimeoutError
+        raise kind(f"no reply to the connection handshake within {self._op_timeout:g} s")
+
+    async def _read(self, conn: AbstractConnection, limit: float) -> Any:
+        # disconnect_on_error=False: an interrupted read leaves the connection and hiredis's
+        # buffer as they were (its only await is the socket read), so it can be read again.
+        if limit == math.inf:
+            return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+        with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+            return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+        if anyio.current_time() - scope.deadline > LATE_TIMER or _received(conn):
+            # The timer ran well after its deadline, after a stall in which the reply may well
+            # have come, or the reply is here already (the stall ended just after the deadline):
+            # it is in the socket, just not read yet. Read what has arrived.
+            with anyio.move_on_after(LATE_GRACE):
+                return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+        raise redis.exceptions.TimeoutError(f"no reply within {limit:g} s")
+
+    async def call(
+        self,
+        *args: str | int | float | bytes,
+        timeout: float | None = None,
+        undo: Undo | None = None,
+    ) -> Any:
+        """Send one command and return its reply.
+
+        The reply must come within ``timeout`` seconds (``op_timeout`` by default; ``math.inf``
+        waits for ever, for blocking commands that the caller bounds). With ``undo``, a call
+        interrupted after its command went out (timeout, cancellation) writes the undo behind
+        it on the same connection before the error propagates (see :class:`Undo`).
+        """
+        if self._closed:
+            raise redis.exceptions.ConnectionError("the lock backend is closed")
+        limit = self._op_timeout if timeout is None else timeout
+        packed = pack(args)
+        for attempt in (1, 2):
+            # The retry always opens a new connection: the idle ones may all be dead alike.
+            conn = self._idle_connection() if attempt == 1 else None
+            if conn is None:
+                conn = self._pool.make_connection()  # type: ignore[no-untyped-call]
+                self._every.add(conn)
+                try:
+                    await self._open(conn)
+                except redis.exceptions.ConnectionError:
+                    self._discard(conn)
+                    if attempt == 2 or self._closed:
+                        raise
+                    continue
+                except BaseException:
+                    # Half set up (an error reply to SELECT, say): never to be used.
+                    self._discard(conn)
+                    raise
+            sent = False
+            try:
+                _write(conn, packed)
+                sent = True
+                if undo is not None:
+                    undo.sent = True
+                reply = await self._read(conn, limit)
+            except redis.exceptions.ResponseError:
+                self._checkin(conn)  # an error reply: the connection itself is fine
+                raise
+            except redis.exceptions.ConnectionError:
+                self._discard(conn)
+                if attempt == 2 or self._closed:
+                    raise
+                continue
+            except BaseException:
+                # No reply in time, or cancelled: the command may still run on the server.
+                if not (sent and undo is not None and self._queue_undo(conn, undo)):
+                    self._discard(conn)
+                raise
+            self._checkin(conn)
+            return reply
+        raise AssertionError("unreachable")
+
+    def _queue_undo(self, conn: AbstractConnection, undo: Undo) -> bool:
+        writer = conn._writer
+        closing = writer is None or writer.transport.is_closing()
+        if closing or self._closed or not self._host.running:
+            return False
+        assert writer is not None
+        writer.write(pack(undo.args))
+        undo.queued = True
+        scope = anyio.CancelScope()
+        self._drains.add(scope)
+        self._host.start_soon(self._drain, conn, 2, scope, name="asynclock: redis undo replies")
+        return True
+
+    async def _drain(
+        self, conn: AbstractConnection, replies: int, scope: anyio.CancelScope
+    ) -> None:
+        """Read the replies of an interrupted call and its undo, then reuse the connection."""
+        try:
+            with scope, anyio.move_on_after(max(_DRAIN_FOR, self._op_timeout)):
+                for _ in range(replies):
+                    # An error reply (NOSCRIPT, say) is a whole reply too.
+                    with contextlib.suppress(redis.exceptions.ResponseError):
+                        await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+                self._checkin(conn)
+                return
+        except Exception as exc:
+            logger.debug("asynclock: reading the replies of an undone call: %r", exc)
+        finally:
+            self._drains.discard(scope)
+            if conn in self._every and conn not in self._idle:
+                self._discard(conn)
+
+    def _checkin(self, conn: AbstractConnection) -> None:
+        if len(self._idle) < _MAX_IDLE and not self._closed:
+            self._idle.append(conn)
+        else:
+            # A burst of waiters (one connection each) is over: do not keep them all.
+            self._discard(conn)
+
+    async def script(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        undo: Undo | None = None,
+    ) -> Any:
+        """``EVALSHA``, loading the script first if the server does not know it (a restart
+        flushes scripts)."""
+        try:
+            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args, undo=undo)
+        except redis.exceptions.NoScriptError:
+            await self.call("SCRIPT", "LOAD", script.text)
+            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args, undo=undo)
+
+    async def aclose(self) -> None:
+        """Close every connection, busy ones included (their callers get a connection error)."""
+        self._closed = True
+        self._idle.clear()
+        # The drains end with the backend's task host; their connections are closed here.
+        for scope in list(self._drains):
+            scope.cancel()
+        every, self._every = self._every, set()
+        for conn in every:
+            if conn._writer is not None:
+                conn._writer.close()
+            conn._reader = conn._writer = None

@@ -1,0 +1,353 @@
+"""The Lua scripts of ``redis://`` and ``redlock://``, and the keys they work on (one copy each).
+
+Every script is idempotent for one owner id: a call is sent again after a reconnect, and a
+retry of a call whose reply was lost must find the same state, not a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Final
+
+from .._kit import BackendUnavailable, InvalidArgument
+
+# Each kind of key has its own tag; no tag is a prefix of another, and the lock name is the
+# rest of the key, so distinct names (and kinds) always give distinct keys.
+LOCK_TAG: Final = "lock:"
+TOKEN_TAG: Final = "token:"
+QUEUE_TAG: Final = "queue:"
+QUEUE_TTL_TAG: Final = "queue-ttl:"
+WAKE_TAG: Final = "wake:"
+#: Deadlock detection's two keys (whole keys, not tags: no lock name follows).
+WAITERS_KEY: Final = "deadlock:waiters"
+WAITERS_TTL_KEY: Final = "deadlock:expiry"
+
+
+def lock_key(prefix: str, name: str) -> str:
+    """The key that holds the lock ``name`` (its value is the owner id of the lease)."""
+    return f"{prefix}{LOCK_TAG}{name}"
+
+
+def token_key(prefix: str, name: str) -> str:
+    """The fencing counter of ``name`` (the last token); it never expires. The take never
+    hands out less than the server's clock in microseconds (see ``next_token`` in
+    :data:`TAKE`), so a counter lost or restored old in a restart does not repeat tokens."""
+    return f"{prefix}{TOKEN_TAG}{name}"
+
+
+def queue_key(prefix: str, name: str) -> str:
+    """Sorted set of the waiters for ``name``, scored by arrival."""
+    return f"{prefix}{QUEUE_TAG}{name}"
+
+
+def queue_ttl_key(prefix: str, name: str) -> str:
+    """Sorted set of the same waiters, scored by when their place expires (server ms)."""
+    return f"{prefix}{QUEUE_TTL_TAG}{name}"
+
+
+def wake_prefix(prefix: str) -> str:
+    """Prefix of the per-waiter wake lists (``<prefix>wake:<owner id>``)."""
+    return f"{prefix}{WAKE_TAG}"
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """A Lua script and its SHA1, for ``EVALSHA``."""
+
+    text: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.text.encode()).hexdigest())
+
+
+# -- Lua ------------------------------------------------------------------------------------
+
+#: Renew many locks in one call. KEYS: lock keys. ARGV: owner ids, then ttls in ms, one each
+#: (a ttl of 0 only checks: which locks are still ours, after a restart say, changing nothing).
+#: Returns one code per key: 1 renewed (or held), 0 the key is gone, -1 another owner holds it.
+RENEW: Final = Script(
+    """
+local n = #KEYS
+local out = {}
+for i = 1, n do
+  local holder = redis.call('GET', KEYS[i])
+  if holder == ARGV[i] then
+    if tonumber(ARGV[n + i]) > 0 then
+      redis.call('PEXPIRE', KEYS[i], ARGV[n + i])
+    end
+    out[i] = 1
+  elseif holder then
+    out[i] = -1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+)
+
+#: Returns {1, 0} when the lock is ours now, {0, pttl of the holder} otherwise.
+REDLOCK_TAKE: Final = Script(
+    """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, 0}
+end
+if holder then
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {1, 0}
+"""
+)
+
+#: Delete the lock if, and only if, its value is our owner id. KEYS: lock key. ARGV: owner id.
+COMPARE_AND_DELETE: Final = Script(
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+)
+
+# The fair queue of the single-instance backend. KEYS, for all three scripts: the lock key, the
+# fencing counter, the queue (arrival order) and the queue's expiry set. ARGV[1] is the owner id
+# of the lease (which is also its name in the queue), ARGV[2] the wake-list prefix and ARGV[3] how
+# long, in ms, a waiter's place lasts without a refresh.
+_QUEUE_FUNCTIONS = """
+local lock, counter, queue, expiry = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local owner, wake, waiter_ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The next fencing token: one more than the last, but never below the server's clock in
+-- microseconds. So a counter that Redis forgot (a restart without persistence, an eviction) or
+-- brought back old (an RDB snapshot, the last second of an AOF lost in a crash) still gives a
+-- token above every one handed out before, as long as the clock does not go back and the name
+-- was taken fewer times than microseconds went by. Below 2^53: exact as a Lua number.
+local function next_token()
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local last = redis.call('GET', counter)
+  local token = math.max(last and tonumber(last) + 1 or 0, now)
+  redis.call('SET', counter, string.format('%d', token))
+  return token
+end
+
+-- Forget waiters whose place expired (their process died or stalled).
+local function prune(now)
+  local dead = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
+  for _, member in ipairs(dead) do
+    redis.call('ZREM', queue, member)
+    redis.call('ZREM', expiry, member)
+    redis.call('DEL', wake .. member)
+  end
+end
+
+-- Tell the first live waiter to look again: its wake list gets one element, which its BLPOP
+-- takes at once or on its next wait.
+local function wake_head()
+  if redis.call('EXISTS', queue) == 0 then
+    return nil
+  end
+  prune(server_ms())
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if head then
+    redis.call('DEL', wake .. head)
+    redis.call('RPUSH', wake .. head, 1)
+    redis.call('PEXPIRE', wake .. head, waiter_ttl)
+  end
+  return head
+end
+"""
+
+#: Take the lock, or (``ARGV[5] == 'wait'``) join or refresh the queue. ARGV[4]: ttl in ms.
+#: Returns {1, token} when the lock is ours, else {0, hint}: ms until it is worth looking again
+#: (-1: no idea, wait for a wake or the refresh interval).
+TAKE: Final = Script(
+    _QUEUE_FUNCTIONS
+    + """
+local ttl, mode = ARGV[4], ARGV[5]
+local holder = redis.call('GET', lock)
+if holder == owner then
+  -- A retried take whose first reply was lost: the lock is ours already.
+  redis.call('PEXPIRE', lock, ttl)
+  return {1, tonumber(redis.call('GET', counter))}
+end
+if not holder and redis.call('EXISTS', queue) == 0 then
+  -- Free and nobody waits: the common case.
+  redis.call('SET', lock, owner, 'PX', ttl)
+  redis.call('DEL', wake .. owner)
+  return {1, next_token()}
+end
+local now = server_ms()
+prune(now)
+local head = redis.call('ZRANGE', queue, 0, 0)[1]
+if not holder and (not head or head == owner) then
+  redis.call('SET', lock, owner, 'PX', ttl)
+  local token = next_token()
+  redis.call('DEL', wake .. owner)
+  if head then
+    redis.call('ZREM', queue, owner)
+    redis.call('ZREM', expiry, owner)
+    -- The next in line is first now: wake it, so that it learns when this lease would expire
+    -- and takes over on time if this holder dies or stalls without releasing.
+    wake_head()
+  end
+  return {1, token}
+end
+if mode ~= 'wait' then
+  return {0, -1}
+end
+if not redis.call('ZSCORE', queue, owner) then
+  local last = redis.call('ZRANGE', queue, -1, -1, 'WITHSCORES')
+  local score = 0
+  if last[2] then
+    score = tonumber(last[2]) + 1
+  end
+  redis.call('ZADD', queue, score, owner)
+  if not head then
+    head = owner
+  end
+end
+redis.call('ZADD', expiry, now + waiter_ttl, owner)
+for _, key in ipairs({queue, expiry}) do
+  if redis.call('PTTL', key) < waiter_ttl then
+    redis.call('PEXPIRE', key, waiter_ttl)
+  end
+end
+if holder then
+  if head == owner then
+    return {0, redis.call('PTTL', lock)}
+  end
+  return {0, -1}
+end
+-- Free, but another waiter is first: make sure it knows, and look again when its place
+-- would run out if it never comes.
+wake_head()
+return {0, math.floor(tonumber(redis.call('ZSCORE', expiry, head))) - now}
+"""
+)
+
+#: What ``asynclock status`` shows, in one atomic read. KEYS as for TAKE. Returns {holder or
+#: false, ms left, counter, live waiters}.
+INSPECT: Final = Script(
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {
+  redis.call('GET', KEYS[1]),
+  redis.call('PTTL', KEYS[1]),
+  redis.call('GET', KEYS[2]),
+  redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf'),
+}
+"""
+)
+
+#: Release: delete the lock if it is ours and wake the first waiter. Returns 1 if deleted.
+RELEASE: Final = Script(
+    _QUEUE_FUNCTIONS
+    + """
+if redis.call('GET', lock) ~= owner then
+  return 0
+end
+redis.call('DEL', lock)
+wake_head()
+return 1
+"""
+)
+
+#: Undo whatever an interrupted acquire may have left: the lock if it is ours (a take whose
+#: reply never came), our place in the queue, our wake list; then, if the lock is free, wake
+#: the next waiter (we may have been woken and are not going to take it).
+LEAVE: Final = Script(
+    _QUEUE_FUNCTIONS
+    + """
+if redis.call('GET', lock) == owner then
+  redis.call('DEL', lock)
+end
+redis.call('ZREM', queue, owner)
+redis.call('ZREM', expiry, owner)
+redis.call('DEL', wake .. owner)
+if redis.call('EXISTS', lock) == 0 then
+  wake_head()
+end
+return 1
+"""
+)
+
+
+# Deadlock detection's wait-for records: a hash of records and a sorted set of when each
+# expires (server ms). KEYS: the hash, the sorted set.
+
+#: ARGV: record key, value, ttl in ms.
+PUBLISH_WAITER: Final = Script(
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
+for _, key in ipairs(KEYS) do
+  if redis.call('PTTL', key) < ttl then
+    redis.call('PEXPIRE', key, ttl)
+  end
+end
+return 1
+"""
+)
+
+#: ARGV: record key.
+WITHDRAW_WAITER: Final = Script(
+    """
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+)
+
+#: Drop expired records, return the values of the others.
+SCAN_WAITERS: Final = Script(
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, key in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
+  redis.call('HDEL', KEYS[1], key)
+  redis.call('ZREM', KEYS[2], key)
+end
+return redis.call('HVALS', KEYS[1])
+"""
+)
+
+
+def ttl_ms(ttl: float) -> int:
+    """The ttl in whole milliseconds as the server applies it (never rounded up)."""
+    return math.floor(ttl * 1000 + 1e-6)
+
+
+def check_ttl_ms(ttl: float, source: str, minimum_ms: int = 1) -> None:
+    if ttl_ms(ttl) < minimum_ms:
+        raise InvalidArgument(
+            f"{source} stores ttls in whole milliseconds; {ttl!r} s is below {minimum_ms} ms"
+        )
+
+
+def codes(reply: object, expected: int) -> list[int]:
+    """A script's list of integer codes, checked, so a surprise is an error and not a guess."""
+    if not isinstance(reply, list) or len(reply) != expected:
+        raise BackendUnavailable(f"unexpected reply from a lock script: {reply!r}")
+    return [int(code) for code in reply]
+
+
+def as_text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)

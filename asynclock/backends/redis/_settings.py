@@ -1,0 +1,201 @@
+"""How to reach Redis: the URL forms, the options every Redis backend shares, TLS, and the
+translation of redis-py's errors (one copy for ``redis://`` and ``redlock://``)."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import unquote
+
+import redis.asyncio
+import redis.exceptions
+from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from .._kit import (
+    BackendTimeout,
+    BackendUnavailable,
+    HostPort,
+    InvalidArgument,
+    InvalidURL,
+    Options,
+    Translator,
+    redact,
+    split_userinfo,
+)
+
+#: Key prefix used when the ``prefix`` option is not given.
+DEFAULT_PREFIX: Final = "asynclock:"
+#: Bound of every single server call, in seconds, unless ``op_timeout`` says otherwise.
+DEFAULT_OP_TIMEOUT: Final = 5.0
+#: Name the connections carry in ``CLIENT LIST``.
+DEFAULT_CLIENT_NAME: Final = "asynclock"
+
+#: The port when a URL names none.
+DEFAULT_PORT: Final = 6379
+
+#: Driver errors, most specific first (the first match wins). The builtin ``TimeoutError``
+#: comes from our own ``anyio.fail_after`` bounds.
+ERRORS: Final[Translator] = {
+    TimeoutError: BackendTimeout,
+    redis.exceptions.TimeoutError: BackendTimeout,
+    redis.exceptions.RedisError: BackendUnavailable,
+    OSError: BackendUnavailable,
+}
+
+_SSL_CERT_REQS = ("none", "optional", "required")
+_SSL_OPTIONS = (
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+)
+#: Options every Redis-based backend understands.
+COMMON_OPTIONS: Final = ("prefix", "op_timeout", "client_name", *_SSL_OPTIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How to reach one or more Redis servers (everything but the address)."""
+
+    db: int
+    username: str | None
+    password: str | None
+    tls: bool
+    prefix: str
+    op_timeout: float
+    client_name: str
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_cert_reqs: str = "required"
+    ssl_check_hostname: bool = True
+
+    def pool(self, address: HostPort) -> redis.asyncio.ConnectionPool:
+        """A redis-py connection factory for ``address`` (no I/O yet); :class:`Lane` uses it.
+
+        Reads have no socket timeout of their own: :class:`Lane` bounds each call (BLPOP waits
+        longer than ``op_timeout`` by design). A failed connect is retried once, at once.
+        """
+        extra: dict[str, Any] = {}
+        connection_class: type[AbstractConnection] = redis.asyncio.Connection
+        if self.tls:
+            connection_class = redis.asyncio.SSLConnection
+            extra = {
+                "ssl_ca_certs": self.ssl_ca_certs,
+                "ssl_certfile": self.ssl_certfile,
+                "ssl_keyfile": self.ssl_keyfile,
+                "ssl_cert_reqs": self.ssl_cert_reqs,
+                "ssl_check_hostname": self.ssl_check_hostname,
+            }
+        return redis.asyncio.ConnectionPool(
+            connection_class=connection_class,
+            host=address.host,
+            port=address.port,
+            db=self.db,
+            username=self.username,
+            password=self.password,
+            socket_timeout=None,
+            socket_connect_timeout=self.op_timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+            client_name=self.client_name or None,
+            **extra,
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS context of these settings, for connections made without redis-py."""
+        context = ssl.create_default_context(cafile=self.ssl_ca_certs)
+        if self.ssl_certfile:
+            context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        if self.ssl_cert_reqs == "none":
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        else:
+            context.check_hostname = self.ssl_check_hostname
+            context.verify_mode = (
+                ssl.CERT_OPTIONAL if self.ssl_cert_reqs == "optional" else ssl.CERT_REQUIRED
+            )
+        return context
+
+
+@dataclass(frozen=True, slots=True)
+class RedisURL:
+    """A Redis URL taken apart: ``scheme://[user[:password]@]hosts[/db]``."""
+
+    scheme: str
+    username: str | None
+    password: str | None
+    hosts: str
+    db: int
+
+
+def split_url(url: str, *, schemes: tuple[str, ...], example: str) -> RedisURL:
+    """Take ``url`` apart (the hosts are left to the caller, for the kit's parser)."""
+    shown = redact(url)
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in schemes:
+        wanted = " or ".join(f"{name}://" for name in schemes)
+        raise InvalidURL(f"{shown!r} is not a {wanted} URL; e.g. {example}")
+    if "#" in rest:
+        raise InvalidURL(f"{shown!r}: a Redis URL has no #fragment; e.g. {example}")
+    netloc, slash, path = rest.partition("/")
+    userinfo, hosts = split_userinfo(netloc)
+    username = password = None
+    if userinfo is not None:
+        user, colon, secret = userinfo.partition(":")
+        username, password = (unquote(user) or None), (unquote(secret) if colon else None)
+    return RedisURL(scheme.lower(), username, password, hosts, _db(slash + path, shown, example))
+
+
+def _db(path: str, url: str, example: str) -> int:
+    db_text = path.strip("/")
+    if not db_text:
+        return 0
+    if not db_text.isdigit():
+        raise InvalidURL(
+            f"{url!r}: the path must be a database number such as /0, got {path!r}; expected "
+            f"for example {example}"
+        )
+    return int(db_text)
+
+
+def common_settings(opts: Options, *, source: str, url: RedisURL, tls: bool) -> Settings:
+    """Read the options all Redis backends share (``opts.finish()`` is left to the caller)."""
+    db, username, password = url.db, url.username, url.password
+    prefix = opts.text("prefix", DEFAULT_PREFIX)
+    op_timeout = opts.number("op_timeout", DEFAULT_OP_TIMEOUT, minimum=0.001)
+    client_name = opts.text("client_name", DEFAULT_CLIENT_NAME)
+    if any(ch.isspace() or ord(ch) < 0x21 for ch in client_name):
+        raise InvalidArgument(
+            f"option 'client_name' of {source} must be a name without spaces (or empty, to "
+            f"send no CLIENT SETNAME), got {client_name!r}"
+        )
+    given_ssl = [key for key in _SSL_OPTIONS if key in opts]
+    if given_ssl and not tls:
+        raise InvalidArgument(
+            f"{', '.join(given_ssl)} only apply to TLS connections: use "
+            + ("rediss://" if source.startswith("redis") else "the option tls=true")
+        )
+    cert_reqs = opts.text("ssl_cert_reqs", "required").lower()
+    if cert_reqs not in _SSL_CERT_REQS:
+        raise InvalidArgument(
+            f"option 'ssl_cert_reqs' of {source} must be one of {', '.join(_SSL_CERT_REQS)}, "
+            f"got {cert_reqs!r}"
+        )
+    return Settings(
+        db=db,
+        username=username,
+        password=password,
+        tls=tls,
+        prefix=prefix,
+        op_timeout=op_timeout,
+        client_name=client_name,
+        ssl_ca_certs=opts.optional_text("ssl_ca_certs"),
+        ssl_certfile=opts.optional_text("ssl_certfile"),
+        ssl_keyfile=opts.optional_text("ssl_keyfile"),
+        ssl_cert_reqs=cert_reqs,
+        ssl_check_hostname=opts.flag("ssl_check_hostname", True),
+    )

@@ -1,0 +1,544 @@
+"""``redlock://h1:6379,h2:6379,h3:6379/0``: Redlock over several independent Redis masters.
+
+The algorithm as antirez describes it (and Kleppmann analyses it): send the take to every
+master at once, with a per-request time bound small against the ttl; the lock is ours when a
+majority said yes and time is left, the validity being ``ttl - elapsed - drift``. Otherwise
+release on every master that may have said yes and retry after a jittered, capped delay.
+Renew extends the key on every master and holds on a majority; release deletes on all. Every
+time is read from the monotonic clock, and the validity starts before the first request of the
+round was sent.
+
+Many waiters, one client: the tasks of one client that wait for the same name queue locally
+(first come, first served), and only the first of them runs rounds, with the backoff; a release
+by this client wakes it at once. So 1,000 waiting tasks cost the masters what one waiter costs,
+and they never split the masters' votes among themselves.
+
+Connections: one per master, pipelined (see :mod:`._wire`), so the release that follows an
+abandoned take reaches each master after that take and cannot overtake it.
+
+Redlock has no sound fencing token: the masters share no counter, so nothing orders two
+acquisitions. ``capabilities.fencing`` is False, grants carry no token, and ``lease.token`` /
+``asynclock.current_token()`` raise :class:`asynclock.UnsupportedFeature`. Use it for efficiency
+locks (work done twice costs time, not correctness); its safety rests on bounded network
+delays, process pauses and clock drift, which real systems do not guarantee.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Self
+
+import anyio
+
+from .._kit import (
+    Backend,
+    BackendUnavailable,
+    Capabilities,
+    Grant,
+    HostPort,
+    InvalidArgument,
+    InvalidURL,
+    LockRequest,
+    Lost,
+    Options,
+    Renewed,
+    RenewOutcome,
+    RetryPolicy,
+    TaskHost,
+    Unknown,
+    finish,
+    parse_hosts,
+    redact,
+)
+from . import _scripts as lua
+from ._settings import COMMON_OPTIONS, DEFAULT_PORT, Settings, common_settings, split_url
+from ._wire import Failed, Master, gather
+
+__all__ = ("MIN_MASTERS", "RedlockBackend", "RedlockGrant")
+
+logger = logging.getLogger("asynclock")
+
+_EXAMPLE = "redlock://127.0.0.1:6379,127.0.0.1:6380,127.0.0.1:6381/0"
+#: Fewer masters than this are refused (see ``_check_master_count``).
+MIN_MASTERS: Final = 3
+_DEFAULT_DRIFT = 0.01
+#: Fixed part of the drift allowance (antirez: "plus 2 milliseconds").
+_DRIFT_FLOOR = 0.002
+_DEFAULT_MAX_RETRY_DELAY = 0.1
+_FIRST_RETRY_DELAY = 0.002
+#: Per-master request bound in a round, as a share of the ttl (and never above op_timeout).
+_REQUEST_SHARE = 0.1
+#: Least time a release waits for the masters' answers.
+_MIN_RELEASE_WAIT = 0.05
+#: How long a release waits for the slower masters once a majority answered.
+_RELEASE_GRACE = 0.01
+#: How long opening waits for the slower masters once a majority answered.
+_OPEN_GRACE = 0.25
+#: How long closing the client waits for requests still on their way (releases) to be answered.
+_DRAIN_ON_CLOSE = 0.5
+
+
+@dataclass(eq=False, slots=True)
+class RedlockGrant(Grant):
+    """A Redlock grant: ``ttl`` is the validity (requested ttl less the drift allowance);
+    ``ttl_ms`` the expiry set on each master."""
+
+    ttl_ms: int = 0
+
+
+class _Room:
+    """The tasks of this client waiting for one name: they take turns, first come first
+    served, and only the one whose turn it is runs rounds."""
+
+    __slots__ = ("kick", "turn", "users")
+
+    def __init__(self) -> None:
+        self.turn = asyncio.Lock()
+        #: Set when this client released the name: the waiter whose turn it is looks again now.
+        self.kick = asyncio.Event()
+        self.users = 0
+
+
+# -- the backend ------------------------------------------------------------------------------
+
+
+class RedlockBackend(Backend[RedlockGrant]):
+    """Redlock across independent Redis masters: efficiency locks that survive a minority of
+    masters being down, paused or partitioned away."""
+
+    driver = "asyncio streams, plus redis-py"
+    capabilities = Capabilities(
+        fencing=False, fifo=False, loss_detection=True, quorum=True, cross_process=True
+    )
+
+    def __init__(
+        self,
+        addresses: Sequence[HostPort],
+        settings: Settings,
+        *,
+        drift: float = _DEFAULT_DRIFT,
+        max_retry_delay: float = _DEFAULT_MAX_RETRY_DELAY,
+    ) -> None:
+        _check_master_count(len(addresses))
+        self.addresses = tuple(addresses)
+        self.settings = settings
+        self.drift = drift
+        self.max_retry_delay = max_retry_delay
+        self.quorum = len(self.addresses) // 2 + 1
+        self._masters: list[Master] = []
+        #: The connections' tasks: connecting, reading replies, watching for a hung master.
+        self._host = TaskHost(cleanup_timeout=settings.op_timeout)
+        self._retry = RetryPolicy(first=_FIRST_RETRY_DELAY, cap=max_retry_delay, factor=2.0)
+        self._rooms: dict[str, _Room] = {}
+        self._closed = False
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
+        parts = split_url(url, schemes=("redlock",), example=_EXAMPLE)
+        if not parts.hosts:
+            raise InvalidURL(f"{redact(url)!r} names no masters; e.g. {_EXAMPLE}")
+        addresses = parse_hosts(parts.hosts, default_port=DEFAULT_PORT, url=url, example=_EXAMPLE)
+        if len(set(addresses)) != len(addresses):
+            raise InvalidURL(
+                f"{redact(url)!r} names a master twice; Redlock needs independent masters, e.g. "
+                f"{_EXAMPLE}"
+            )
+        _check_master_count(len(addresses), redact(url))
+        opts = Options(options, "redlock://")
+        tls = opts.flag("tls", False)
+        settings = common_settings(opts, source="redlock://", url=parts, tls=tls)
+        drift = opts.number("drift", _DEFAULT_DRIFT)
+        if drift >= 0.5:
+            raise InvalidArgument(
+                f"option 'drift' of redlock:// is a share of the ttl below 0.5, got {drift!r}"
+            )
+        max_retry_delay = opts.number("max_retry_delay", _DEFAULT_MAX_RETRY_DELAY, minimum=0.001)
+        opts.finish((*COMMON_OPTIONS, "tls", "drift", "max_retry_delay"))
+        return cls(addresses, settings, drift=drift, max_retry_delay=max_retry_delay)
+
+    def describe(self) -> str:
+        user = f"{self.settings.username}@" if self.settings.username else ""
+        hosts = ",".join(str(address) for address in self.addresses)
+        return f"redlock://{user}{hosts}/{self.settings.db}"
+
+    def extra_info(self) -> Mapping[str, Any]:
+        return {
+            "masters": len(self.addresses),
+            "quorum": self.quorum,
+            "prefix": self.settings.prefix,
+            "drift": self.drift,
+            "connections_per_master": [master.open_connections for master in self._masters],
+        }
+
+    def lock_key(self, name: str) -> str:
+        return lua.lock_key(self.settings.prefix, name)
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._masters or self._closed:
+            raise RuntimeError("a RedlockBackend can be opened once")
+        await self._host.open()
+        self._masters = [Master(address, self.settings, self._host) for address in self.addresses]
+        try:
+            await self._check_masters()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _check_masters(self) -> None:
+        futures = [master.submit(("PING",)) for master in self._masters]
+        # A hung minority does not hold up the start for op_timeout: a majority and a moment
+        # for the others is enough (a connection still being set up goes on in its own task).
+        results = await gather(
+            futures, self.settings.op_timeout, self._majority_answered, grace=_OPEN_GRACE
+        )
+        down = [
+            f"{master.address} ({_reason(result)})"
+            for master, result in zip(self._masters, results, strict=True)
+            if isinstance(result, Failed)
+        ]
+        if len(self._masters) - len(down) < self.quorum:
+            raise BackendUnavailable(
+                f"cannot reach a majority of {self.describe()}: {len(down)} of "
+                f"{len(self._masters)} masters did not answer ({'; '.join(down)}); check "
+                "that redis-server runs on each and that the hosts, ports and password are "
+                "right"
+            )
+        if down:
+            logger.warning(
+                "asynclock: %s: %d of %d masters did not answer (%s); locking goes on with "
+                "the majority",
+                self.describe(),
+                len(down),
+                len(self._masters),
+                "; ".join(down),
+            )
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        masters = self._masters
+        # Releases just sent (by the client's close) get a moment to be answered.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_DRAIN_ON_CLOSE):
+            while any(master.busy for master in masters):  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        self._closed = True
+        for master in masters:
+            master.close()
+        # Not under a shield: the host's task group was entered in open(), at this level.
+        await self._host.aclose()
+
+    # -- rounds ------------------------------------------------------------------------------
+
+    def _live_masters(self) -> list[Master]:
+        if not self._masters or self._closed:
+            raise BackendUnavailable(f"{self.describe()} is closed (or was never opened)")
+        return self._masters
+
+    def _request_timeout(self, ttl: float) -> float:
+        return min(self.settings.op_timeout, max(0.005, ttl * _REQUEST_SHARE))
+
+    def _drift_allowance(self, ttl: float) -> float:
+        return ttl * self.drift + _DRIFT_FLOOR
+
+    def check_ttl(self, ttl: float) -> None:
+        lua.check_ttl_ms(ttl, "redlock://", minimum_ms=10)
+        if self._drift_allowance(ttl) >= ttl / 2:
+            raise InvalidArgument(
+                f"a {ttl:g} s ttl leaves no validity after Redlock's drift allowance "
+                f"({self._drift_allowance(ttl) * 1000:.1f} ms); use a longer ttl"
+            )
+
+    async def _round(self, request: LockRequest) -> tuple[RedlockGrant | None, int, int]:
+        """One Redlock round: (grant or None, masters that answered, largest holder pttl)."""
+        masters = self._live_masters()
+        key = self.lock_key(request.name)
+        ms = lua.ttl_ms(request.ttl)
+        ttl = ms / 1000
+        count = len(masters)
+
+        def decided(results: list[Any]) -> bool:
+            # Ours on a majority; or held elsewhere, as a majority of answers shows (masters
+            # that failed prove nothing: the others are waited for, so that try_acquire can
+            # tell "held" from "cannot tell").
+            yes = sum(1 for r in results if _said(r) == 1)
+            no = sum(1 for r in results if _said(r) == 0)
+            return yes >= self.quorum or (count - no < self.quorum and yes + no >= self.quorum)
+
+        sent_at = anyio.current_time()
+        # Sent to every master before the first await: rounds of this client reach every
+        # master in the same order, so they cannot split the votes among themselves.
+        futures = [
+            master.submit(("EVAL", lua.REDLOCK_TAKE.text, 1, key, request.owner, ms))
+            for master in masters
+        ]
+        try:
+            results = await gather(futures, self._request_timeout(ttl), decided)
+        except BaseException:
+            # Cancelled mid-round: any master may hold our key. The deletes are queued on each
+            # connection behind the takes before the first await of the cleanup.
+            await finish(
+                functools.partial(self._release_on, masters, request.name, request.owner, ttl),
+                timeout=self._release_wait(ttl) + 0.05,
+                what=f"undoing a cancelled Redlock round for {request.name!r}",
+                unfinished=functools.partial(_still_queued, request.name),
+            )
+            raise
+        yes = sum(1 for r in results if _said(r) == 1)
+        validity = ttl - (anyio.current_time() - sent_at) - self._drift_allowance(ttl)
+        if yes >= self.quorum and validity > 0:
+            grant = RedlockGrant(
+                request.name,
+                request.owner,
+                None,
+                sent_at,
+                ttl - self._drift_allowance(ttl),
+                ttl_ms=ms,
+            )
+            return grant, count, 0
+        # Any master that said yes, or might have (no answer), may hold our key; one that
+        # said no did not write it.
+        # The deletes are waited for only where the take was answered: a master that did not
+        # answer within the bound runs the delete right after the take whenever it does, and
+        # waiting for it again would double the bound (try_acquire on hung masters).
+        maybe = [m for m, r in zip(masters, results, strict=True) if _said(r) != 0]
+        answered_yes = [m for m, r in zip(masters, results, strict=True) if _said(r) == 1]
+        if maybe:
+            await finish(
+                functools.partial(
+                    self._release_on,
+                    maybe,
+                    request.name,
+                    request.owner,
+                    ttl,
+                    wait_for=answered_yes,
+                ),
+                timeout=self._release_wait(ttl) + 0.05,
+                what=f"undoing a failed Redlock round for {request.name!r}",
+                unfinished=functools.partial(_still_queued, request.name),
+            )
+        answered = sum(1 for r in results if isinstance(r, list))
+        pttl = max((r[1] for r in results if _said(r) == 0), default=0)
+        return None, answered, pttl
+
+    async def try_acquire(self, request: LockRequest) -> RedlockGrant | None:
+        grant, answered, _ = await self._round(request)
+        if grant is None and answered < self.quorum:
+            raise BackendUnavailable(
+                f"only {answered} of {len(self._masters)} masters of {self.describe()} "
+                f"answered; Redlock needs {self.quorum} to decide whether {request.name!r} is "
+                "free"
+            )
+        return grant
+
+    async def acquire(self, request: LockRequest) -> RedlockGrant:
+        self._live_masters()
+        room = self._rooms.get(request.name)
+        if room is None:
+            room = self._rooms[request.name] = _Room()
+        room.users += 1
+        try:
+            async with room.turn:
+                # No await between the grant and the return: the turn passes on at once.
+                return await self._contend(request, room)
+        finally:
+            room.users -= 1
+            if room.users == 0 and self._rooms.get(request.name) is room:
+                del self._rooms[request.name]
+
+    async def _contend(self, request: LockRequest, room: _Room) -> RedlockGrant:
+        backoff = self._retry.backoff()
+        warned = False
+        while True:
+            room.kick.clear()
+            grant, answered, pttl = await self._round(request)
+            if grant is not None:
+                return grant
+            if answered < self.quorum and not warned:
+                warned = True
+                logger.warning(
+                    "asynclock: only %d of %d masters of %s answer; acquiring %r keeps "
+                    "retrying until a majority is back or the caller's timeout",
+                    answered,
+                    len(self._masters),
+                    self.describe(),
+                    request.name,
+                )
+            wait = backoff.next_delay()
+            if 0 < pttl / 1000 < wait:
+                wait = pttl / 1000 + random.uniform(0.0005, 0.002)
+            with anyio.move_on_after(wait):
+                await room.kick.wait()
+            if room.kick.is_set():
+                backoff.reset()
+
+    async def renew(self, grants: Sequence[RedlockGrant]) -> Sequence[RenewOutcome]:
+        if not grants:
+            return []
+        masters = self._live_masters()
+        keys = [self.lock_key(grant.name) for grant in grants]
+        args: list[str | int] = [grant.owner for grant in grants]
+        args += [grant.ttl_ms for grant in grants]
+        count = len(masters)
+
+        def codes(result: Any) -> list[int] | None:
+            if isinstance(result, list) and len(result) == len(grants):
+                return [int(code) for code in result]
+            return None
+
+        def decided(results: list[Any]) -> bool:
+            replies = [codes(r) for r in results]
+            for index in range(len(grants)):
+                ok = sum(1 for r in replies if r is not None and r[index] == 1)
+                no = sum(1 for r in replies if r is not None and r[index] != 1)
+                if ok < self.quorum and count - no >= self.quorum:
+                    return False
+            return True
+
+        sent_at = anyio.current_time()
+        command = ("EVAL", lua.RENEW.text, len(keys), *keys, *args)
+        futures = [master.submit(command) for master in masters]
+        shortest = min(grant.ttl_ms for grant in grants) / 1000
+        results = await gather(futures, self._request_timeout(shortest), decided)
+        elapsed = anyio.current_time() - sent_at
+        replies = [codes(r) for r in results]
+        failures = [r.error for r in results if isinstance(r, Failed)]
+        failures += [
+            BackendUnavailable(f"unexpected reply from a lock script: {r!r}")
+            for r, reply in zip(results, replies, strict=True)
+            if reply is None and not isinstance(r, Failed)
+        ]
+        outcomes: list[RenewOutcome] = []
+        for index, grant in enumerate(grants):
+            ttl = grant.ttl_ms / 1000
+            ok = sum(1 for r in replies if r is not None and r[index] == 1)
+            no = sum(1 for r in replies if r is not None and r[index] != 1)
+            if ok >= self.quorum and ttl - elapsed - self._drift_allowance(ttl) > 0:
+                outcomes.append(Renewed(sent_at, ttl - self._drift_allowance(ttl)))
+            elif count - no < self.quorum:
+                outcomes.append(
+                    Lost(
+                        f"{no} of {count} masters of {self.describe()} no longer hold lock "
+                        f"{grant.name!r}, so no majority can"
+                    )
+                )
+            else:
+                error = failures[0] if failures else TimeoutError("renewal took too long")
+                outcomes.append(
+                    Unknown(
+                        BackendUnavailable(
+                            f"only {ok} of {count} masters of {self.describe()} renewed lock "
+                            f"{grant.name!r} in time (first error: {error!r})"
+                        )
+                    )
+                )
+        return outcomes
+
+    async def release(self, grant: RedlockGrant) -> None:
+        masters = self._live_masters()
+        answered = await self._release_on(
+            masters, grant.name, grant.owner, grant.ttl_ms / 1000, wake_waiters=True
+        )
+        if answered < self.quorum:
+            raise BackendUnavailable(
+                f"releasing {grant.name!r}: only {answered} of {len(masters)} masters of "
+                f"{self.describe()} answered; the others free it when its ttl runs out"
+            )
+
+    def _release_wait(self, ttl: float) -> float:
+        return max(self._request_timeout(ttl), _MIN_RELEASE_WAIT)
+
+    async def _release_on(
+        self,
+        masters: Sequence[Master],
+        name: str,
+        owner: str,
+        ttl: float,
+        *,
+        wake_waiters: bool = False,
+        wait_for: Sequence[Master] | None = None,
+    ) -> int:
+        """Delete our key on ``masters``; return how many of them answered. The deletes are
+        queued before the first await (and go out even if nobody waits for them any more), so
+        a cancellation cannot stop them; waiting for the answers is bounded by the request
+        bound. Idempotent: running it twice deletes nothing of anybody else's.
+
+        ``wake_waiters`` (a release of a grant, not the undo of a round): the task of this
+        client whose turn it is to wait for ``name`` looks again at once. ``wait_for``: the
+        masters whose answers are waited for (all of them by default; the count is of those)."""
+        key = self.lock_key(name)
+        futures = {
+            master: master.submit(("EVAL", lua.COMPARE_AND_DELETE.text, 1, key, owner), keep=True)
+            for master in masters
+        }
+        # Whoever of this client waits for the name may take it now: its take reaches every
+        # master behind these deletes.
+        room = self._rooms.get(name) if wake_waiters else None
+        if room is not None:
+            room.kick.set()
+        if wait_for is None:
+            waited = list(futures.values())
+            # Every master is waited for until a majority answered, then briefly: a delete
+            # not answered yet still runs (it is queued behind our take), so a hung minority
+            # master costs a release only the grace.
+            decided, grace = self._majority_answered, _RELEASE_GRACE
+        else:
+            waited = [futures[master] for master in wait_for]
+            decided, grace = _never, 0.0
+        if not waited:
+            return 0
+        results = await gather(waited, self._release_wait(ttl), decided, grace=grace)
+        return sum(1 for result in results if not isinstance(result, Failed))
+
+    def _majority_answered(self, results: list[Any]) -> bool:
+        answered = sum(1 for r in results if r is not None and not isinstance(r, Failed))
+        return answered >= self.quorum
+
+
+def _check_master_count(count: int, url: str | None = None) -> None:
+    if count >= MIN_MASTERS:
+        return
+    where = f"{url!r} names" if url else "got"
+    raise InvalidArgument(
+        f"Redlock needs at least {MIN_MASTERS} independent masters; {where} {count}. A "
+        f"majority of {count} master{'s' if count != 1 else ''} is "
+        f"{'it' if count == 1 else 'all of them'}, so the lock would tolerate no failure "
+        "while costing more than one server: use redis://host:port for a single Redis "
+        f"server, or list {MIN_MASTERS} or more masters (5 tolerate 2 failing), e.g. {_EXAMPLE}"
+    )
+
+
+def _never(results: list[Any]) -> bool:
+    return False
+
+
+def _said(result: Any) -> int | None:
+    """1: the master said yes; 0: it said no (someone else holds the key); None: no answer
+    (or one that proves nothing)."""
+    if isinstance(result, list) and len(result) == 2 and isinstance(result[0], int):
+        return 1 if result[0] == 1 else 0
+    return None
+
+
+def _still_queued(name: str) -> None:
+    logger.debug(
+        "asynclock: the release of %r after an interrupted Redlock round is still on its way "
+        "to a master that does not answer; its key expires with its ttl otherwise",
+        name,
+    )
+
+
+def _reason(result: object) -> str:
+    if isinstance(result, Failed):
+        error = result.error
+        text = str(error) or type(error).__name__
+        return text if len(text) < 120 else text[:117] + "..."
+    return "ok"
