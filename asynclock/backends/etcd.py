@@ -17,9 +17,14 @@ How a lock works here:
   revision (so it is on a live lease: etcd#11456 granted locks on dead leases) and that no lower
   key is left.
 * Release deletes our key in a transaction guarded on its create revision. An acquire that is
-  cancelled deletes the key it may have created (shielded, bounded by ``op_timeout``), once its
-  create request is done. A delete that fails is retried on the client's later renewals and
-  waits; the key dies with its lease in any case.
+  cancelled deletes the key it may have created, once its create request is done; both
+  clean-ups go through :func:`asynclock._shield.finish`, so they finish whatever cancels the
+  caller, a native ``Task.cancel()`` included (bounded by twice ``op_timeout``). A delete that
+  fails is retried by the client's later acquires, renewals and waits; the key dies with its
+  lease in any case.
+* Every request is safe to send twice, so a call is sent again within ``op_timeout`` when the
+  connection broke or etcd had no leader, and at once when etcd elected a new leader since it
+  was sent (after a leader kill, a forwarded write is otherwise never answered).
 
 The backend runs no task of its own: held locks are renewed by the client's supervisor
 (``renew``), and waiters refresh the lease their queue entry rides on (one of them at a time).

@@ -737,6 +737,37 @@ async def test_connections_reset_before_and_during_holds_raise_nothing(
         assert await direct.count(prefix.encode()) == 0
 
 
+async def test_a_take_whose_answer_was_lost_is_sent_again_and_finds_its_own_key(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """The take reached etcd, its answer did not (connection reset): sent again, it must not
+    say "held by someone else" about our own key, nor leave a second one."""
+    async with (
+        FaultProxy(etcd_server.host, etcd_server.port) as proxy,
+        asynclock.connect(f"etcd://{proxy.address}", prefix=prefix) as locks,
+        raw(etcd_server.address) as direct,
+    ):
+        await (await locks.acquire("t", ttl=10)).release()  # a fresh lease: one request left
+        base = key_prefix(prefix, "t")
+        got: list[asynclock.Lease | None] = []
+
+        async def take() -> None:
+            got.append(await locks.try_acquire("t", ttl=10))
+
+        async with anyio.create_task_group() as tg:
+            proxy.drop_replies()
+            tg.start_soon(take)
+            await wait_until(functools.partial(_count_is, direct, base, 1), timeout=3)
+            proxy.pass_through()
+            proxy.reset()
+        (lease,) = got
+        assert lease is not None
+        (key,) = await direct.keys(base)
+        assert lease.token == key.create_revision
+        await lease.release()
+        assert await direct.count(base) == 0
+
+
 async def test_inspect_shows_the_holders_public_owner_and_the_waiters(
     etcd_server: EtcdServer, prefix: str
 ) -> None:
