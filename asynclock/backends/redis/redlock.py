@@ -25,13 +25,12 @@ delays, process pauses and clock drift, which real systems do not guarantee.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Self
+from typing import Any, Self
 
 import anyio
 
@@ -44,18 +43,28 @@ from .._kit import (
     InvalidArgument,
     InvalidURL,
     LockRequest,
-    Lost,
     Options,
-    Renewed,
     RenewOutcome,
     RetryPolicy,
     TaskHost,
-    Unknown,
     finish,
     parse_hosts,
     redact,
 )
 from . import _scripts as lua
+from ._quorum import (
+    EXAMPLE,
+    MIN_MASTERS,
+    RenewVotes,
+    Room,
+    check_master_count,
+    majority_answered,
+    never,
+    reason,
+    round_decided,
+    said,
+    still_queued,
+)
 from ._settings import COMMON_OPTIONS, DEFAULT_PORT, Settings, common_settings, split_url
 from ._wire import Failed, Master, gather
 
@@ -63,9 +72,6 @@ __all__ = ("MIN_MASTERS", "RedlockBackend", "RedlockGrant")
 
 logger = logging.getLogger("asynclock")
 
-_EXAMPLE = "redlock://127.0.0.1:6379,127.0.0.1:6380,127.0.0.1:6381/0"
-#: Fewer masters than this are refused (see ``_check_master_count``).
-MIN_MASTERS: Final = 3
 _DEFAULT_DRIFT = 0.01
 #: Fixed part of the drift allowance (antirez: "plus 2 milliseconds").
 _DRIFT_FLOOR = 0.002
@@ -91,19 +97,6 @@ class RedlockGrant(Grant):
     ttl_ms: int = 0
 
 
-class _Room:
-    """The tasks of this client waiting for one name: they take turns, first come first
-    served, and only the one whose turn it is runs rounds."""
-
-    __slots__ = ("kick", "turn", "users")
-
-    def __init__(self) -> None:
-        self.turn = asyncio.Lock()
-        #: Set when this client released the name: the waiter whose turn it is looks again now.
-        self.kick = asyncio.Event()
-        self.users = 0
-
-
 # -- the backend ------------------------------------------------------------------------------
 
 
@@ -124,33 +117,36 @@ class RedlockBackend(Backend[RedlockGrant]):
         drift: float = _DEFAULT_DRIFT,
         max_retry_delay: float = _DEFAULT_MAX_RETRY_DELAY,
     ) -> None:
-        _check_master_count(len(addresses))
+        check_master_count(len(addresses))
         self.addresses = tuple(addresses)
         self.settings = settings
         self.drift = drift
         self.max_retry_delay = max_retry_delay
         self.quorum = len(self.addresses) // 2 + 1
+        self._majority: Callable[[list[Any]], bool] = functools.partial(
+            majority_answered, quorum=self.quorum
+        )
         self._masters: list[Master] = []
         #: The connections' tasks: connecting, reading replies, watching for a hung master.
         self._host = TaskHost(cleanup_timeout=settings.op_timeout)
         self._retry = RetryPolicy(first=_FIRST_RETRY_DELAY, cap=max_retry_delay, factor=2.0)
-        self._rooms: dict[str, _Room] = {}
+        self._rooms: dict[str, Room] = {}
         self._closed = False
 
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
-        parts = split_url(url, schemes=("redlock",), example=_EXAMPLE)
+        parts = split_url(url, schemes=("redlock",), example=EXAMPLE)
         if not parts.hosts:
-            raise InvalidURL(f"{redact(url)!r} names no masters; e.g. {_EXAMPLE}")
-        addresses = parse_hosts(parts.hosts, default_port=DEFAULT_PORT, url=url, example=_EXAMPLE)
+            raise InvalidURL(f"{redact(url)!r} names no masters; e.g. {EXAMPLE}")
+        addresses = parse_hosts(parts.hosts, default_port=DEFAULT_PORT, url=url, example=EXAMPLE)
         if len(set(addresses)) != len(addresses):
             raise InvalidURL(
                 f"{redact(url)!r} names a master twice; Redlock needs independent masters, e.g. "
-                f"{_EXAMPLE}"
+                f"{EXAMPLE}"
             )
-        _check_master_count(len(addresses), redact(url))
+        check_master_count(len(addresses), redact(url))
         opts = Options(options, "redlock://")
         tls = opts.flag("tls", False)
         settings = common_settings(opts, source="redlock://", url=parts, tls=tls)
@@ -197,11 +193,9 @@ class RedlockBackend(Backend[RedlockGrant]):
         futures = [master.submit(("PING",)) for master in self._masters]
         # A hung minority does not hold up the start for op_timeout: a majority and a moment
         # for the others is enough (a connection still being set up goes on in its own task).
-        results = await gather(
-            futures, self.settings.op_timeout, self._majority_answered, grace=_OPEN_GRACE
-        )
+        results = await gather(futures, self.settings.op_timeout, self._majority, grace=_OPEN_GRACE)
         down = [
-            f"{master.address} ({_reason(result)})"
+            f"{master.address} ({reason(result)})"
             for master, result in zip(self._masters, results, strict=True)
             if isinstance(result, Failed)
         ]
@@ -264,15 +258,7 @@ class RedlockBackend(Backend[RedlockGrant]):
         ms = lua.ttl_ms(request.ttl)
         ttl = ms / 1000
         count = len(masters)
-
-        def decided(results: list[Any]) -> bool:
-            # Ours on a majority; or held elsewhere, as a majority of answers shows (masters
-            # that failed prove nothing: the others are waited for, so that try_acquire can
-            # tell "held" from "cannot tell").
-            yes = sum(1 for r in results if _said(r) == 1)
-            no = sum(1 for r in results if _said(r) == 0)
-            return yes >= self.quorum or (count - no < self.quorum and yes + no >= self.quorum)
-
+        decided = functools.partial(round_decided, count=count, quorum=self.quorum)
         sent_at = anyio.current_time()
         # Sent to every master before the first await: rounds of this client reach every
         # master in the same order, so they cannot split the votes among themselves.
@@ -289,10 +275,10 @@ class RedlockBackend(Backend[RedlockGrant]):
                 functools.partial(self._release_on, masters, request.name, request.owner, ttl),
                 timeout=self._release_wait(ttl) + 0.05,
                 what=f"undoing a cancelled Redlock round for {request.name!r}",
-                unfinished=functools.partial(_still_queued, request.name),
+                unfinished=functools.partial(still_queued, request.name),
             )
             raise
-        yes = sum(1 for r in results if _said(r) == 1)
+        yes = sum(1 for r in results if said(r) == 1)
         validity = ttl - (anyio.current_time() - sent_at) - self._drift_allowance(ttl)
         if yes >= self.quorum and validity > 0:
             grant = RedlockGrant(
@@ -309,8 +295,8 @@ class RedlockBackend(Backend[RedlockGrant]):
         # The deletes are waited for only where the take was answered: a master that did not
         # answer within the bound runs the delete right after the take whenever it does, and
         # waiting for it again would double the bound (try_acquire on hung masters).
-        maybe = [m for m, r in zip(masters, results, strict=True) if _said(r) != 0]
-        answered_yes = [m for m, r in zip(masters, results, strict=True) if _said(r) == 1]
+        maybe = [m for m, r in zip(masters, results, strict=True) if said(r) != 0]
+        answered_yes = [m for m, r in zip(masters, results, strict=True) if said(r) == 1]
         if maybe:
             await finish(
                 functools.partial(
@@ -323,10 +309,10 @@ class RedlockBackend(Backend[RedlockGrant]):
                 ),
                 timeout=self._release_wait(ttl) + 0.05,
                 what=f"undoing a failed Redlock round for {request.name!r}",
-                unfinished=functools.partial(_still_queued, request.name),
+                unfinished=functools.partial(still_queued, request.name),
             )
         answered = sum(1 for r in results if isinstance(r, list))
-        pttl = max((r[1] for r in results if _said(r) == 0), default=0)
+        pttl = max((r[1] for r in results if said(r) == 0), default=0)
         return None, answered, pttl
 
     async def try_acquire(self, request: LockRequest) -> RedlockGrant | None:
@@ -343,7 +329,7 @@ class RedlockBackend(Backend[RedlockGrant]):
         self._live_masters()
         room = self._rooms.get(request.name)
         if room is None:
-            room = self._rooms[request.name] = _Room()
+            room = self._rooms[request.name] = Room()
         room.users += 1
         try:
             async with room.turn:
@@ -354,7 +340,7 @@ class RedlockBackend(Backend[RedlockGrant]):
             if room.users == 0 and self._rooms.get(request.name) is room:
                 del self._rooms[request.name]
 
-    async def _contend(self, request: LockRequest, room: _Room) -> RedlockGrant:
+    async def _contend(self, request: LockRequest, room: Room) -> RedlockGrant:
         backoff = self._retry.backoff()
         warned = False
         while True:
@@ -387,60 +373,21 @@ class RedlockBackend(Backend[RedlockGrant]):
         keys = [self.lock_key(grant.name) for grant in grants]
         args: list[str | int] = [grant.owner for grant in grants]
         args += [grant.ttl_ms for grant in grants]
-        count = len(masters)
-
-        def codes(result: Any) -> list[int] | None:
-            if isinstance(result, list) and len(result) == len(grants):
-                return [int(code) for code in result]
-            return None
-
-        def decided(results: list[Any]) -> bool:
-            replies = [codes(r) for r in results]
-            for index in range(len(grants)):
-                ok = sum(1 for r in replies if r is not None and r[index] == 1)
-                no = sum(1 for r in replies if r is not None and r[index] != 1)
-                if ok < self.quorum and count - no >= self.quorum:
-                    return False
-            return True
-
+        votes = RenewVotes(len(masters), self.quorum, len(grants))
         sent_at = anyio.current_time()
         command = ("EVAL", lua.RENEW.text, len(keys), *keys, *args)
         futures = [master.submit(command) for master in masters]
         shortest = min(grant.ttl_ms for grant in grants) / 1000
-        results = await gather(futures, self._request_timeout(shortest), decided)
+        results = await gather(futures, self._request_timeout(shortest), votes.decided)
         elapsed = anyio.current_time() - sent_at
-        replies = [codes(r) for r in results]
-        failures = [r.error for r in results if isinstance(r, Failed)]
-        failures += [
-            BackendUnavailable(f"unexpected reply from a lock script: {r!r}")
-            for r, reply in zip(results, replies, strict=True)
-            if reply is None and not isinstance(r, Failed)
-        ]
-        outcomes: list[RenewOutcome] = []
-        for index, grant in enumerate(grants):
-            ttl = grant.ttl_ms / 1000
-            ok = sum(1 for r in replies if r is not None and r[index] == 1)
-            no = sum(1 for r in replies if r is not None and r[index] != 1)
-            if ok >= self.quorum and ttl - elapsed - self._drift_allowance(ttl) > 0:
-                outcomes.append(Renewed(sent_at, ttl - self._drift_allowance(ttl)))
-            elif count - no < self.quorum:
-                outcomes.append(
-                    Lost(
-                        f"{no} of {count} masters of {self.describe()} no longer hold lock "
-                        f"{grant.name!r}, so no majority can"
-                    )
-                )
-            else:
-                error = failures[0] if failures else TimeoutError("renewal took too long")
-                outcomes.append(
-                    Unknown(
-                        BackendUnavailable(
-                            f"only {ok} of {count} masters of {self.describe()} renewed lock "
-                            f"{grant.name!r} in time (first error: {error!r})"
-                        )
-                    )
-                )
-        return outcomes
+        return votes.outcomes(
+            [(grant.name, grant.ttl_ms / 1000) for grant in grants],
+            results,
+            sent_at=sent_at,
+            elapsed=elapsed,
+            allowance=self._drift_allowance,
+            where=self.describe(),
+        )
 
     async def release(self, grant: RedlockGrant) -> None:
         masters = self._live_masters()
@@ -489,56 +436,11 @@ class RedlockBackend(Backend[RedlockGrant]):
             # Every master is waited for until a majority answered, then briefly: a delete
             # not answered yet still runs (it is queued behind our take), so a hung minority
             # master costs a release only the grace.
-            decided, grace = self._majority_answered, _RELEASE_GRACE
+            decided, grace = self._majority, _RELEASE_GRACE
         else:
             waited = [futures[master] for master in wait_for]
-            decided, grace = _never, 0.0
+            decided, grace = never, 0.0
         if not waited:
             return 0
         results = await gather(waited, self._release_wait(ttl), decided, grace=grace)
         return sum(1 for result in results if not isinstance(result, Failed))
-
-    def _majority_answered(self, results: list[Any]) -> bool:
-        answered = sum(1 for r in results if r is not None and not isinstance(r, Failed))
-        return answered >= self.quorum
-
-
-def _check_master_count(count: int, url: str | None = None) -> None:
-    if count >= MIN_MASTERS:
-        return
-    where = f"{url!r} names" if url else "got"
-    raise InvalidArgument(
-        f"Redlock needs at least {MIN_MASTERS} independent masters; {where} {count}. A "
-        f"majority of {count} master{'s' if count != 1 else ''} is "
-        f"{'it' if count == 1 else 'all of them'}, so the lock would tolerate no failure "
-        "while costing more than one server: use redis://host:port for a single Redis "
-        f"server, or list {MIN_MASTERS} or more masters (5 tolerate 2 failing), e.g. {_EXAMPLE}"
-    )
-
-
-def _never(results: list[Any]) -> bool:
-    return False
-
-
-def _said(result: Any) -> int | None:
-    """1: the master said yes; 0: it said no (someone else holds the key); None: no answer
-    (or one that proves nothing)."""
-    if isinstance(result, list) and len(result) == 2 and isinstance(result[0], int):
-        return 1 if result[0] == 1 else 0
-    return None
-
-
-def _still_queued(name: str) -> None:
-    logger.debug(
-        "asynclock: the release of %r after an interrupted Redlock round is still on its way "
-        "to a master that does not answer; its key expires with its ttl otherwise",
-        name,
-    )
-
-
-def _reason(result: object) -> str:
-    if isinstance(result, Failed):
-        error = result.error
-        text = str(error) or type(error).__name__
-        return text if len(text) < 120 else text[:117] + "..."
-    return "ok"
