@@ -358,7 +358,7 @@ async def test_holders_show_in_pg_stat_activity_and_idle_connections_hold_nothin
         assert all(count == 0 for _, count in await sessions(admin, app))
         backend = locks._backend
         assert isinstance(backend, PostgresBackend)
-        for connection in backend._idle:
+        for connection in backend._sessions.pool._idle:
             assert await connection.fetchval("SHOW idle_session_timeout") == "0"
     assert await settle_sessions(admin, app, 0) == 0
 
@@ -684,7 +684,7 @@ async def test_a_cancelled_acquire_does_not_wait_for_its_connect(
             proxy.pass_through()
             # The connect ends on its own and its connection joins the idle pool.
             with anyio.fail_after(10):
-                while not backend._idle:  # noqa: ASYNC110 (nothing to wait on but the pool)
+                while not backend._sessions.pool._idle:  # noqa: ASYNC110 (nothing to wait on but the pool)
                     await anyio.sleep(0.05)
             await held[0].release()
     assert await settle_sessions(admin, app, 0) == 0
@@ -854,7 +854,7 @@ async def test_an_idle_pooled_connection_ended_by_the_server_is_replaced_without
         for take in takes:
             async with locks.lock(name, ttl=5):
                 pass
-            (pooled,) = backend._idle
+            (pooled,) = backend._sessions.pool._idle
             terminate_while_the_loop_is_blocked(postgres_server.dsn, pooled.get_server_pid())
             assert not pooled.is_closed()  # not noticed yet: the checkout will hand it out
             if take == "lock":
@@ -881,7 +881,7 @@ async def test_an_idle_pooled_connection_ended_by_the_server_is_replaced_without
             assert pooled.is_closed()
         # Pushed over pg_terminate_backend the way a client sees it: once noticed, a dead
         # pooled connection is skipped at checkout.
-        (pooled,) = backend._idle
+        (pooled,) = backend._sessions.pool._idle
         await admin.execute("SELECT pg_terminate_backend($1, 5000)", pooled.get_server_pid())
         with anyio.fail_after(2):
             while not pooled.is_closed():  # noqa: ASYNC110 (asyncpg notices on its own)
@@ -943,7 +943,7 @@ async def test_a_wait_cancelled_mid_statement_is_not_reused_and_the_next_acquire
             if not taken:
                 # Interrupted: the waiting session has ended, and its connection is not kept.
                 assert await admin.fetchval(SESSION_EXISTS, waiter[0]) is None
-                assert waiter[0] not in {c.get_server_pid() for c in backend._connections}
+                assert waiter[0] not in {c.get_server_pid() for c in backend._sessions.all}
                 interrupted += 1
             assert await waiters(admin, name) == 0
             if not holder.released:
@@ -1127,7 +1127,7 @@ async def test_native_cancels_of_acquire_release_and_exit_strand_nothing(
                 assert await settle_sessions(admin, app, max_idle) <= max_idle
         backend = locks._backend
         assert isinstance(backend, PostgresBackend)
-        assert len(backend._connections) <= max_idle
+        assert len(backend._sessions.all) <= max_idle
     assert await settle_sessions(admin, app, 0) == 0
     assert sorted(free_after)[int(cycles * 0.99)] < 0.1
 
@@ -1244,7 +1244,7 @@ async def test_transaction_lock_returns_a_clean_connection_to_the_pool(
             await connection.execute("SET lock_timeout = '1s'")
             await connection.execute("SELECT pg_advisory_lock(12345)")
             await connection.execute("LISTEN somewhere")
-        assert backend._idle == [connection]
+        assert backend._sessions.pool._idle == [connection]
         assert await connection.fetchval("SHOW lock_timeout") == "0"
         assert await connection.fetchval("SHOW application_name") == app
         assert await connection.fetchval("SELECT count(*) FROM pg_listening_channels()") == 0

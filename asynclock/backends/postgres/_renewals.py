@@ -1,0 +1,121 @@
+"""The grant, and its renewals: one tiny query per held connection that restarts the server's
+idle timer (``idle_session_timeout = ttl``), never cancelled."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from .._kit import BackendTimeout, Grant, Lost, Renewed, RenewOutcome, TaskHost, Unknown
+from ._sql import RENEW
+
+
+@dataclass(eq=False, slots=True)
+class Renewal:
+    """The renewal query of one grant in flight."""
+
+    sent_at: float
+    done: anyio.Event = field(default_factory=anyio.Event)
+    pid: int | None = None
+    error: Exception | None = None
+    cancelled: bool = False
+
+    async def finished(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the reply, without cancelling the query."""
+        if not self.done.is_set():
+            with anyio.move_on_after(timeout):
+                await self.done.wait()
+        return self.done.is_set()
+
+
+@dataclass(eq=False, slots=True)
+class PostgresGrant(Grant):
+    """A held advisory lock: its key, and the dedicated connection that holds it."""
+
+    key: int
+    #: The server process of the session that holds the lock (checked on every renewal).
+    pid: int
+    connection: Any = field(repr=False)
+    on_lost: Callable[[str], None] = field(repr=False)
+    #: The renewal query in flight, if any.
+    renewal: Renewal | None = field(default=None, repr=False)
+    released: bool = False
+
+
+class Renewals:
+    """The renewal queries of one backend, run in its task group."""
+
+    def __init__(self, host: TaskHost, server: str, op_timeout: float) -> None:
+        self._host = host
+        self._server = server
+        self._op_timeout = op_timeout
+        #: Renewal queries in flight; each ends with its query or its connection.
+        self._running: set[Renewal] = set()
+
+    async def renew(self, grant: PostgresGrant) -> RenewOutcome:
+        """Restart the server's idle timer of one held connection.
+
+        The query is never cancelled: a renewal that is slow (a network blip) still restarts
+        the timer when it reaches the server, and its late reply is a valid renewal from its send
+        time. Cancelling it would make asyncpg send a CancelRequest and, if that cannot get
+        through either, close the connection at the next query, losing a lease that the blip
+        alone would not have cost. So the query runs in a task of the backend's own, at most one
+        per grant at a time; it ends with the query or with the connection (release and aclose
+        close connections they cannot use), and this call waits for it up to ``op_timeout``.
+        """
+        connection = grant.connection
+        if grant.released:
+            return Lost("the lock was released")
+        if connection.is_closed():
+            return Lost(
+                "the connection holding the advisory lock closed; the lock ends with the session"
+            )
+        renewal = grant.renewal
+        if renewal is None:
+            renewal = grant.renewal = Renewal(anyio.current_time())
+            self._running.add(renewal)
+            self._host.start_soon(self._query, grant, renewal, name="asynclock: renew")
+        if not await renewal.finished(self._op_timeout) or renewal.cancelled:
+            return Unknown(
+                BackendTimeout(
+                    f"renewing {grant.name!r} on {self._server}: no answer for "
+                    f"{anyio.current_time() - renewal.sent_at:.3g} s"
+                )
+            )
+        if renewal.error is not None:
+            if connection.is_closed():
+                return Lost(
+                    "the connection holding the advisory lock closed "
+                    f"({type(renewal.error).__name__}); the lock ends with the session"
+                )
+            return Unknown(renewal.error)
+        if renewal.pid != grant.pid:
+            return Lost(
+                f"the connection now reaches server process {renewal.pid}, not {grant.pid} "
+                "which held the lock (a connection pooler in between?); the lock ended with "
+                "that session"
+            )
+        return Renewed(renewal.sent_at, grant.ttl)
+
+    async def _query(self, grant: PostgresGrant, renewal: Renewal) -> None:
+        try:
+            renewal.pid = await grant.connection.fetchval(RENEW)
+        except Exception as exc:
+            renewal.error = exc
+        except BaseException:
+            renewal.cancelled = True  # by aclose(), once the connections are closed
+            raise
+        finally:
+            self._running.discard(renewal)
+            if grant.renewal is renewal:
+                grant.renewal = None
+            renewal.done.set()
+
+    async def wait_all(self, timeout: float) -> None:
+        """Wait (shielded) up to ``timeout`` for the queries in flight to end."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            for renewal in list(self._running):
+                await renewal.done.wait()

@@ -1,0 +1,65 @@
+"""What ``open()`` checks on the server: its version, the token sequence, the connection check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+
+from .._kit import BackendUnavailable
+from ._sql import lock_key
+
+#: How often a server process running one of our statements (a wait) checks that the client is
+#: still there; a backstop for waits whose session we could not end ourselves (a killed
+#: process). Probed at open: servers on platforms without the check refuse the setting.
+CHECK_INTERVAL_MS = "1000"
+
+
+def check_version(connection: Any, server: str) -> str:
+    """The server's version ("15.4"); refused below 14."""
+    version = connection.get_server_version()
+    shown = f"{version.major}.{version.minor}"
+    if version.major < 14:
+        raise BackendUnavailable(
+            f"{server} runs PostgreSQL {shown}; asynclock needs 14 or later (it relies on "
+            "idle_session_timeout to expire the lease of a client that stopped renewing)"
+        )
+    return shown
+
+
+async def ensure_sequence(
+    connection: Any, *, sequence: str, schema: str, create: str, server: str
+) -> None:
+    """Create the token sequence if it is missing; refuse one that is not ``CACHE 1``.
+
+    A missing schema and a missing right to create it are the translator's (``CHECKING``)."""
+    if await connection.fetchval("SELECT to_regclass($1)", sequence) is None:
+        async with connection.transaction():
+            # Concurrent CREATE ... IF NOT EXISTS can still collide on the catalog's unique
+            # index: one creator at a time.
+            await connection.execute(
+                "SELECT pg_advisory_xact_lock($1)", lock_key("create sequence", schema)
+            )
+            await connection.execute(create)
+    cache = await connection.fetchval(
+        "SELECT seqcache FROM pg_sequence WHERE seqrelid = to_regclass($1)", sequence
+    )
+    if cache is None:
+        raise BackendUnavailable(
+            f"{sequence} on {server} is not a sequence; drop it or choose another ?schema=..."
+        )
+    if cache != 1:
+        # Sessions would draw from private caches: a later holder could get a smaller token.
+        raise BackendUnavailable(
+            f"the token sequence {sequence} has CACHE {cache}, so tokens would not increase "
+            f"across sessions: ALTER SEQUENCE {sequence} CACHE 1"
+        )
+
+
+async def probe_check_interval(connection: Any, server_settings: dict[str, str]) -> None:
+    """Add ``client_connection_check_interval`` to the settings if the server has it."""
+    try:
+        await connection.execute(f"SET client_connection_check_interval = {CHECK_INTERVAL_MS}")
+    except asyncpg.PostgresError:
+        return  # a server platform without the check: the backstop is simply absent
+    server_settings["client_connection_check_interval"] = CHECK_INTERVAL_MS

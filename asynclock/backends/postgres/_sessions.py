@@ -1,0 +1,297 @@
+"""Dedicated connections: connecting, the idle pool, and ending the session of an interrupted one.
+
+A connection whose statement was cancelled or failed half-way is never used again (asyncpg's
+protocol state is then unknown: reusing it gave "cannot switch to state 12; another operation
+(2) is in progress"). It is closed at once, without an await, and its server session is ended
+with ``pg_terminate_backend`` from another connection (:meth:`Sessions.end_session`), since a
+session blocked in the lock queue does not read its socket. An idle connection found dead (the
+server's or a proxy's idle timeout) is replaced by the pool, not reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import ssl
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import asyncpg
+
+from .._kit import BackendUnavailable, IdlePool, RetryPolicy, TaskHost, finish, translate
+from ._sql import END_SESSION
+from ._translate import CONNECTING, Errors
+
+logger = logging.getLogger("asynclock")
+
+#: Pauses between two looks at a session that is ending (it ends within milliseconds), and the
+#: longest it is waited for.
+END_POLL = RetryPolicy(first=0.002, cap=0.01, factor=1.5, jitter=0.5)
+END_TIMEOUT = 1.0
+
+
+@dataclass(eq=False, slots=True)
+class _Connect:
+    """One connect in flight, in a task of the backend's own."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    connection: Any = None
+    error: Exception | None = None
+    #: The caller stopped waiting: the connection, if one comes, goes to the idle pool.
+    abandoned: bool = False
+
+
+class Replacements:
+    """Dead connections replaced during one take: a pooled one (it may have died idle) any
+    number of times, a new one once (then the server is reported as it is)."""
+
+    __slots__ = ("fresh_failures",)
+
+    def __init__(self) -> None:
+        self.fresh_failures = 0
+
+    def worked(self) -> None:
+        """The connection worked: a later death is its own."""
+        self.fresh_failures = 0
+
+    def again(self, error: BaseException, *, broken: bool, reused: bool) -> bool:
+        """Whether to take again on another connection after ``error``."""
+        if not isinstance(error, Exception) or not broken:
+            return False
+        if not reused:
+            self.fresh_failures += 1
+            if self.fresh_failures >= 2:
+                return False
+        return True
+
+
+class Sessions:
+    """Every connection of one backend: idle, waiting or holding."""
+
+    def __init__(
+        self,
+        *,
+        dsn: str,
+        ssl_context: ssl.SSLContext | None,
+        server_settings: dict[str, str],
+        application_name: str,
+        op_timeout: float,
+        connect_timeout: float,
+        max_idle: int,
+        errors: Errors,
+        host: TaskHost,
+        on_closed: Callable[[Any], None],
+        busy: Callable[[Any], bool],
+    ) -> None:
+        self._dsn = dsn
+        self._ssl = ssl_context
+        #: Settings of every new connection (open() may add to them).
+        self.server_settings = server_settings
+        self._application_name = application_name
+        self._op_timeout = op_timeout
+        self._connect_timeout = connect_timeout
+        self._errors = errors
+        self._host = host
+        self._on_closed = on_closed
+        #: Whether a connection has a statement in flight that its close must not wait for.
+        self._busy = busy
+        self.pool: IdlePool[Any] = IdlePool(
+            connect=self._connect,
+            alive=lambda connection: not connection.is_closed(),
+            abort=self.discard,
+            close=self.close,
+            keep=max_idle,
+        )
+        self.all: set[Any] = set()
+        #: The server process of each connection (asyncpg forgets it once it aborted one).
+        self._pids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._connecting: set[_Connect] = set()
+        self._connects = 0
+        self.open = False
+
+    # -- taking and giving back --------------------------------------------------------------
+
+    async def take(self) -> tuple[Any, bool]:
+        """A connection that holds nothing, and whether it comes from the idle pool (it may
+        have died there without asyncpg having noticed yet)."""
+        connects = self._connects
+        connection = await self.pool.take()
+        return connection, self._connects == connects
+
+    def give_back(self, connection: Any) -> None:
+        """Keep a connection that holds no lock for reuse, or close it."""
+        self.pool.give_back(connection, reusable=True)
+
+    def discard(self, connection: Any) -> None:
+        """Close at once, without an await (nothing can interrupt it)."""
+        self.all.discard(connection)
+        connection.terminate()
+
+    async def close(self, connection: Any) -> None:
+        if connection.is_closed():
+            self.all.discard(connection)
+        elif self._busy(connection):
+            connection.terminate()  # a statement in flight: asyncpg's close would cancel it
+        else:
+            try:
+                await connection.close(timeout=self._op_timeout)
+            except Exception:
+                connection.terminate()
+
+    # -- connecting --------------------------------------------------------------------------
+
+    async def _connect(self) -> Any:
+        """A new dedicated connection, bounded by ``connect_timeout``.
+
+        The connect runs in a task of the backend's own that our caller waits for but never
+        cancels: asyncpg leaves an exception that nobody retrieves (logged as an error by
+        asyncio) when a connect is cancelled inside its TLS negotiation (sslmode=prefer, the
+        default; see MagicStack/asyncpg#1211 and #1310). A caller that is cancelled stops
+        waiting at once; the connect then ends on its own (within ``connect_timeout``) and its
+        connection joins the idle pool.
+        """
+        self._connects += 1
+        if not self.open:
+            raise self._closed()
+        pending = _Connect()
+        self._connecting.add(pending)
+        self._host.start_soon(self._run_connect, pending, name="asynclock: postgres connect")
+        try:
+            await pending.done.wait()
+        except BaseException:
+            pending.abandoned = True
+            if pending.done.is_set():
+                self._adopt_abandoned(pending)
+            raise
+        if pending.error is not None:
+            raise pending.error
+        connection = pending.connection
+        if connection is None:  # cancelled by aclose()
+            raise self._closed()
+        if not self.open:
+            connection.terminate()
+            raise self._closed()
+        self._adopt(connection)
+        return connection
+
+    async def _run_connect(self, pending: _Connect) -> None:
+        try:
+            with translate(self._errors, CONNECTING):
+                # asyncpg's own timeout bounds each attempt; ours bounds the whole call.
+                with anyio.fail_after(self._connect_timeout + 1.0):
+                    pending.connection = await asyncpg.connect(
+                        self._dsn,
+                        ssl=self._ssl,
+                        timeout=self._connect_timeout,
+                        statement_cache_size=16,
+                        server_settings=self.server_settings,
+                    )
+        except Exception as exc:
+            pending.error = exc
+        finally:
+            self._connecting.discard(pending)
+            pending.done.set()
+            if pending.abandoned:
+                self._adopt_abandoned(pending)
+
+    def _adopt(self, connection: Any) -> None:
+        self.all.add(connection)
+        self._pids[connection] = connection.get_server_pid()
+        connection.add_termination_listener(self._closed_by_driver)
+
+    def _adopt_abandoned(self, pending: _Connect) -> None:
+        """Take over the connection of a connect whose caller stopped waiting for it."""
+        connection, pending.connection = pending.connection, None
+        if connection is None:
+            return
+        if self.open:
+            self._adopt(connection)
+            self.give_back(connection)
+        else:
+            connection.terminate()
+
+    def _closed_by_driver(self, connection: Any) -> None:
+        """asyncpg's termination listener: the connection closed, for whatever reason."""
+        self.all.discard(connection)
+        self._on_closed(connection)
+
+    def _closed(self) -> BackendUnavailable:
+        return BackendUnavailable(f"the lock client for {self._errors.server} is closed")
+
+    # -- ending the session of an interrupted statement --------------------------------------
+
+    async def end_session(self, connection: Any, name: str, error: BaseException | None) -> None:
+        """Close ``connection`` at once, and make sure its server session has ended too.
+
+        The close alone ends a session that is idle or finishing a short statement within
+        milliseconds, but not one blocked in the lock queue, which does not read its socket:
+        so ``pg_terminate_backend`` from another connection ends it, and this returns once the
+        server process is gone (a few milliseconds). Survives any cancellation (``finish``) and
+        is bounded by ``min(op_timeout, 1 s)``: a server that does not answer gets the close,
+        and the check of its connections, instead. Skipped after a timeout (``error``), which
+        only a short statement can have.
+        """
+        pid = self._pids.get(connection)
+        self.discard(connection)  # no await before: nothing can cancel the close
+        if pid is None or isinstance(error, TimeoutError):
+            return  # the server did not answer: another connection would wait as long
+
+        def unfinished() -> None:
+            logger.info(
+                "asynclock: %s did not answer while ending session %d of an interrupted take "
+                "of %r; it ends when the server reads the close",
+                self._errors.server,
+                pid,
+                name,
+            )
+
+        await finish(
+            functools.partial(self._terminate_session, pid, name),
+            timeout=min(self._op_timeout, END_TIMEOUT),
+            what=f"ending the server session {pid} of an interrupted take of {name!r}",
+            unfinished=unfinished,
+        )
+
+    async def _terminate_session(self, pid: int, name: str) -> None:
+        # Idempotent (finish() may run it again from the start): ending an ended session is a
+        # no-op, and a connection whose statement was interrupted is closed, not reused.
+        try:
+            helper, _ = await self.take()
+        except Exception as exc:
+            logger.info("asynclock: cannot end the session %d of %r: %r", pid, name, exc)
+            return
+        polls = END_POLL.backoff()
+        try:
+            while await helper.fetchval(
+                END_SESSION, pid, self._application_name, timeout=self._op_timeout
+            ):
+                await polls.pause()
+        except BaseException as exc:
+            self.discard(helper)
+            if not isinstance(exc, Exception):
+                raise
+            logger.info("asynclock: cannot end the session %d of %r: %r", pid, name, exc)
+            return
+        self.give_back(helper)
+
+    # -- closing -----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        self.open = False
+        with anyio.CancelScope(shield=True):
+            # Cancelling a connect that a healthy server is about to complete can make asyncpg
+            # log an error (see _connect), so give those a moment; one stuck on a server that
+            # does not answer is waiting for a reply, where cancelling it (the backend's
+            # TaskHost does, when it closes) is clean.
+            with anyio.move_on_after(min(self._connect_timeout, 0.5)):
+                for pending in list(self._connecting):
+                    await pending.done.wait()
+            connections = list(self.all)
+            self.all.clear()
+            async with anyio.create_task_group() as task_group:
+                for connection in connections:
+                    task_group.start_soon(self.close, connection)
+            await self.pool.aclose()  # what is left in it is closed already

@@ -1,0 +1,92 @@
+"""The statements: take, wait, token, renew, release, ending a session; and the lock key."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+__all__ = ("lock_key",)
+
+SEQUENCE = "asynclock_token_seq"
+#: ``idle_session_timeout`` is an int of milliseconds.
+MAX_TIMEOUT_MS = 2**31 - 1
+
+# Take the lock if it is free, arm the server's idle timer and draw the token: one round trip.
+# No row comes back when the lock is busy. A row proves that the WHERE clause ran to its end,
+# so the timer is armed whenever the lock was taken; set_config runs only after the lock was
+# taken (AND evaluates left to right and stops at false), so a busy attempt leaves the timer
+# at 0, which is what every connection in the idle pool has.
+TAKE = """
+WITH attempt AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS taken)
+SELECT nextval($2::regclass), pg_backend_pid() FROM attempt
+WHERE attempt.taken AND set_config('idle_session_timeout', $3, false) IS NOT NULL
+"""
+# Wait in the server's lock queue. The idle timer is armed once granted, so a client that
+# vanishes right after the grant still loses the lock after ttl.
+WAIT = "SELECT pg_advisory_lock($1), set_config('idle_session_timeout', $2, false)"
+# After the wait: draw the token (under the lock) and restart the idle timer, which starts
+# after this statement was sent: that send time is the lease's valid_from.
+TOKEN = "SELECT nextval($1::regclass), pg_backend_pid()"
+RENEW = "SELECT pg_backend_pid()"
+# The connection is dedicated, so "all" is exactly our lock (with any re-entrant count).
+RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
+CREATE = "CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint NO CYCLE CACHE 1"
+INSPECT = (
+    "SELECT l.granted, l.pid, a.application_name "
+    "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+    "WHERE l.locktype = 'advisory' AND l.objsubid = 1 "
+    "AND l.classid = $1 AND l.objid = $2"
+)
+
+# Make sure a session of ours has ended: the server process of a connection we closed while it
+# had a statement in flight (a cancelled or failed wait, take or token). It may still be blocked
+# in the lock queue, which does not read the socket: pg_terminate_backend ends it. Repeated until
+# the process no longer shows, which it does until after it has released its locks (they go in
+# a before_shmem_exit callback, its pg_stat_activity entry in a later on_shmem_exit one).
+# (pg_terminate_backend's own wait polls in steps of 100 ms: far too slow for this.)
+END_SESSION = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE pid = $1 AND usename = current_user AND application_name = $2
+"""
+
+# -- the transaction-scoped variant (asynclock.extras.postgres) ------------------------------
+
+# Wait for the transaction-level lock, then draw the token: the outer SELECT needs the CTE's
+# row, so the lock is granted before nextval runs.
+XACT_WAIT = """
+WITH granted AS MATERIALIZED (SELECT pg_advisory_xact_lock($1))
+SELECT nextval($2::regclass) FROM granted
+"""
+XACT_TRY = """
+WITH attempt AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($1) AS taken)
+SELECT nextval($2::regclass) FROM attempt WHERE attempt.taken
+"""
+RESET = "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; DISCARD TEMP"
+
+
+def lock_key(name: str, schema: str = "public") -> int:
+    """The advisory lock key (a signed 64-bit int) of lock ``name`` with tokens in ``schema``.
+
+    The first 8 bytes of a BLAKE2b hash of the schema and the full UTF-8 name, so the key does
+    not depend on the server's version or collation. In ``pg_locks`` the lock shows as
+    ``locktype = 'advisory' AND objsubid = 1 AND classid = (key >> 32) & 0xFFFFFFFF AND
+    objid = key & 0xFFFFFFFF``.
+    """
+    encoded_schema = schema.encode("utf-8")
+    data = len(encoded_schema).to_bytes(2, "big") + encoded_schema + name.encode("utf-8")
+    digest = hashlib.blake2b(data, digest_size=8, person=b"asynclock.pg").digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def quote_ident(identifier: str) -> str:
+    return '"' + identifier.replace('"', '""') + '"'
+
+
+def sequence_name(schema: str) -> str:
+    """The token sequence of ``schema``, as a quoted, schema-qualified name."""
+    return f"{quote_ident(schema)}.{quote_ident(SEQUENCE)}"
+
+
+def timeout_ms(seconds: float) -> int:
+    # Rounded up: the server must never expire the lease before the client's ttl.
+    return max(1, math.ceil(seconds * 1000.0))

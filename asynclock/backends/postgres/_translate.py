@@ -1,0 +1,149 @@
+"""asyncpg's errors into asynclock's, in one translator (``kit.translate(errors, context)``).
+
+What the user can do about an error depends on what was being done: a refused login at connect
+wants the password checked, a missing schema while checking the server wants ``?schema=``. So
+the translator reads the context's kind (:data:`CONNECTING`, :data:`CHECKING`, or any other
+text: a statement) and finds the first matching row of its table; anything else of the driver
+becomes a BackendUnavailable (a BackendTimeout when it timed out) naming what was being done.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+import asyncpg
+
+from .._kit import BackendTimeout, BackendUnavailable, LockError
+
+#: The context of a connect, and of the checks after it (the token sequence).
+CONNECTING = "connecting"
+CHECKING = "checking the server"
+#: SQLSTATE classes of errors that end the session: 08 connection exception, 57P operator
+#: intervention (pg_terminate_backend, shutdown, idle_session_timeout).
+SESSION_ENDED = ("08", "57P")
+DRIVER_ERRORS = (
+    TimeoutError,
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+)
+
+# (context, errors, class, message); fields: {server}, {error}, {connect_timeout}, {schema},
+# {sequence}, {create}.
+_TABLE: tuple[tuple[str, tuple[type[BaseException], ...], type[LockError], str], ...] = (
+    (
+        CONNECTING,
+        (TimeoutError,),
+        BackendTimeout,
+        "cannot connect to {server} within {connect_timeout:g} s: check that PostgreSQL runs "
+        "and is reachable there, or raise ?connect_timeout=",
+    ),
+    (
+        CONNECTING,
+        (asyncpg.TooManyConnectionsError,),
+        BackendUnavailable,
+        "{server} refused a new connection: {error}. Each held or waiting lock uses a "
+        "connection of its own: raise max_connections on the server",
+    ),
+    (
+        CONNECTING,
+        (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidPasswordError),
+        BackendUnavailable,
+        "{server} refused the login: {error}. Check the user and password and the server's "
+        "pg_hba.conf",
+    ),
+    (
+        CONNECTING,
+        (asyncpg.InvalidCatalogNameError,),
+        BackendUnavailable,
+        "{server}: {error}; check the database name",
+    ),
+    (
+        CONNECTING,
+        (ssl.SSLError,),
+        BackendUnavailable,
+        "cannot connect to {server}: TLS failed: {error}. Check sslmode and sslrootcert (the CA "
+        "that signed the server's certificate), or the ssl context",
+    ),
+    (
+        CONNECTING,
+        (FileNotFoundError,),
+        BackendUnavailable,
+        "cannot connect to {server}: {error}: a file named in the options (sslrootcert, "
+        "sslcert, sslkey, passfile) does not exist",
+    ),
+    (
+        CONNECTING,
+        DRIVER_ERRORS,
+        BackendUnavailable,
+        "cannot connect to {server}: {kind}: {error}. Check that PostgreSQL runs there and "
+        "accepts TCP connections (listen_addresses, port, pg_hba.conf)",
+    ),
+    (
+        CHECKING,
+        (asyncpg.InvalidSchemaNameError,),
+        BackendUnavailable,
+        "the schema {schema!r} does not exist on {server}: create it (CREATE SCHEMA ...) or "
+        "choose another with ?schema=...",
+    ),
+    (
+        CHECKING,
+        (asyncpg.InsufficientPrivilegeError,),
+        BackendUnavailable,
+        "the user of {server} may not create the token sequence: create it once as its owner "
+        "with {create}, and GRANT USAGE ON SEQUENCE {sequence} TO the lock users",
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Errors:
+    """The translator of one backend (it knows the server and the options to name)."""
+
+    server: str
+    connect_timeout: float
+    schema: str
+    sequence: str
+    create: str
+
+    def __call__(self, error: Exception, context: str) -> LockError | None:
+        for kind, sources, target, message in _TABLE:
+            if kind == context and isinstance(error, sources):
+                return target(
+                    message.format(
+                        server=self.server,
+                        error=error,
+                        kind=type(error).__name__,
+                        connect_timeout=self.connect_timeout,
+                        schema=self.schema,
+                        sequence=self.sequence,
+                        create=self.create,
+                    )
+                )
+        if not isinstance(error, DRIVER_ERRORS):
+            return None
+        target = BackendTimeout if isinstance(error, TimeoutError) else BackendUnavailable
+        return target(f"{context} on {self.server}: {type(error).__name__}: {error}")
+
+
+def unmapped(error: BaseException) -> BaseException:
+    """The driver's error behind one of ours (see :func:`translate`), or ``error`` itself."""
+    cause = error.__cause__
+    return cause if isinstance(error, LockError) and cause is not None else error
+
+
+def connection_broken(connection: asyncpg.Connection, error: BaseException) -> bool:
+    """Whether ``error`` of a statement on ``connection`` says the connection itself is gone or
+    unusable (closed by the server or the network, or asyncpg's protocol state confused), as
+    opposed to the server not answering (a timeout) or refusing the statement (an SQL error)."""
+    error = unmapped(error)
+    if isinstance(error, TimeoutError):
+        return False
+    if connection.is_closed():
+        return True
+    if isinstance(error, asyncpg.InterfaceError | asyncpg.InternalClientError | OSError):
+        return True
+    sqlstate = getattr(error, "sqlstate", None) or ""
+    return isinstance(error, asyncpg.PostgresError) and sqlstate.startswith(SESSION_ENDED)

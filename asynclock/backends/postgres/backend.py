@@ -1,0 +1,391 @@
+"""The PostgresBackend: takes, waits, renewals and releases on dedicated connections."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Self
+
+import anyio
+
+from .._kit import (
+    Backend,
+    Capabilities,
+    InvalidArgument,
+    LockInfo,
+    LockRequest,
+    RenewOutcome,
+    TaskHost,
+    Unknown,
+    redact,
+    translate,
+)
+from ._renewals import PostgresGrant, Renewals
+from ._server import check_version, ensure_sequence, probe_check_interval
+from ._sessions import Replacements, Sessions
+from ._sql import (
+    CREATE,
+    INSPECT,
+    MAX_TIMEOUT_MS,
+    RELEASE,
+    TAKE,
+    TOKEN,
+    WAIT,
+    lock_key,
+    sequence_name,
+    timeout_ms,
+)
+from ._translate import CHECKING, Errors, connection_broken, unmapped
+from ._urls import SCHEMES, read_url
+
+__all__ = ("PostgresBackend", "PostgresGrant")
+
+logger = logging.getLogger("asynclock")
+
+# Session settings of every dedicated connection: our waits are bounded by the caller, not by a
+# server default; tokens must survive a crash; the idle timeout is set per lease.
+_SERVER_SETTINGS = {
+    "lock_timeout": "0",
+    "statement_timeout": "0",
+    "idle_session_timeout": "0",
+    "idle_in_transaction_session_timeout": "0",
+    "synchronous_commit": "on",
+}
+#: How long after a renewal was sent a release waits for its reply before closing the connection
+#: instead (a statement in flight: the connection cannot be unlocked and kept before it ends).
+_RENEWAL_WAIT = 0.05
+
+
+class PostgresBackend(Backend[PostgresGrant]):
+    schemes = SCHEMES
+    driver = "asyncpg"
+    #: idle_session_timeout counts in milliseconds, and a ttl is renewed every ttl / 3 with one
+    #: round trip per held connection, which must be back before the local deadline (about
+    #: 0.89 ttl): 0.1 s leaves some 55 ms for it. On a shared 2-core machine with a local
+    #: server, 2 s holds (20 ttls) at ttl 0.1 s kept their leases (tests/backends/test_postgres.py).
+    min_ttl = 0.1
+    capabilities = Capabilities(
+        fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
+    )
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        schema: str = "public",
+        application_name: str = "asynclock",
+        op_timeout: float = 5.0,
+        connect_timeout: float = 5.0,
+        max_idle: int = 4,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self._dsn = dsn
+        self.schema = schema
+        self.application_name = application_name
+        self.op_timeout = op_timeout
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self._ssl = ssl_context
+        #: The token sequence, as a quoted, schema-qualified name.
+        self.sequence = sequence_name(schema)
+        self._described = redact(dsn.split("?", 1)[0])
+        self._translator = Errors(
+            self._described,
+            connect_timeout,
+            schema,
+            self.sequence,
+            CREATE.format(sequence=self.sequence),
+        )
+        #: The grant each holding connection holds.
+        self._held: dict[Any, PostgresGrant] = {}
+        self._server_version: str | None = None
+        #: Settings of every connection opened after open() (see _server.CHECK_INTERVAL_MS).
+        self._server_settings = {**_SERVER_SETTINGS, "application_name": application_name}
+        self._host = TaskHost()
+        self._renewals = Renewals(self._host, self._described, op_timeout)
+        self._sessions = Sessions(
+            dsn=dsn,
+            ssl_context=ssl_context,
+            server_settings=self._server_settings,
+            application_name=application_name,
+            op_timeout=op_timeout,
+            connect_timeout=connect_timeout,
+            max_idle=max_idle,
+            errors=self._translator,
+            host=self._host,
+            on_closed=self._connection_closed,
+            busy=self._renewing,
+        )
+        self._state = "new"
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
+        settings = read_url(url, options)
+        return cls(
+            settings.dsn,
+            schema=settings.schema,
+            application_name=settings.application_name,
+            op_timeout=settings.op_timeout,
+            connect_timeout=settings.connect_timeout,
+            max_idle=settings.max_idle,
+            ssl_context=settings.ssl_context,
+        )
+
+    def describe(self) -> str:
+        return self._described
+
+    def extra_info(self) -> Mapping[str, Any]:
+        return {
+            "server_version": self._server_version,
+            "schema": self.schema,
+            "sequence": self.sequence,
+            "application_name": self.application_name,
+            "op_timeout": self.op_timeout,
+            "max_idle": self.max_idle,
+            "connections": len(self._sessions.all),
+            "idle_connections": self._sessions.pool.idle,
+        }
+
+    def check_ttl(self, ttl: float) -> None:
+        if ttl * 1000.0 > MAX_TIMEOUT_MS:
+            raise InvalidArgument(
+                f"ttl {ttl:g} s is longer than PostgreSQL's idle_session_timeout allows "
+                f"({MAX_TIMEOUT_MS / 1000:g} s)"
+            )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._state != "new":
+            raise RuntimeError("a PostgresBackend can be opened once")
+        self._state = "open"
+        await self._host.open()
+        self._sessions.open = True
+        try:
+            connection, _ = await self._sessions.take()
+            try:
+                with self._errors(CHECKING), anyio.fail_after(self.op_timeout):
+                    self._server_version = check_version(connection, self._described)
+                    await ensure_sequence(
+                        connection,
+                        sequence=self.sequence,
+                        schema=self.schema,
+                        create=self._translator.create,
+                        server=self._described,
+                    )
+                    await probe_check_interval(connection, self._server_settings)
+            except BaseException:
+                self._sessions.discard(connection)
+                raise
+            self._sessions.give_back(connection)
+        except BaseException:
+            # Not in a shield scope: the task host's group, entered above, is left in there
+            # (the steps of aclose() that must finish are shielded one by one).
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        await self._sessions.aclose()
+        # Their connections are closed, so every renewal query has ended or ends now.
+        await self._renewals.wait_all(self.op_timeout)
+        await self._host.aclose()
+
+    # -- the contract ------------------------------------------------------------------------
+
+    async def try_acquire(self, request: LockRequest) -> PostgresGrant | None:
+        return await self._take(request, wait=False)
+
+    async def acquire(self, request: LockRequest) -> PostgresGrant:
+        grant = await self._take(request, wait=True)
+        assert grant is not None
+        return grant
+
+    async def _take(self, request: LockRequest, *, wait: bool) -> PostgresGrant | None:
+        """Take the lock (``wait``: in the server's queue until it is ours) on a connection that
+        holds nothing, with its token.
+
+        A statement that fails or is cancelled half-way leaves its connection in a state nobody
+        knows (asyncpg's protocol may still expect the reply), so that connection is closed, never
+        reused, and its server session is ended before this returns (``Sessions.end_session``): a
+        cancelled wait leaves the server's queue, a lock granted at the last moment is free
+        again. A connection that turns out to be dead (a pooled one the server or a proxy closed
+        while it was idle, or a waiter's session the server ended while this process was paused)
+        is replaced and the take starts again: that is no outage. Only a new connection that
+        fails as well is reported.
+        """
+        key = lock_key(request.name, self.schema)
+        ttl_ms = str(timeout_ms(request.ttl))
+        replacements = Replacements()
+        while True:
+            connection, reused = await self._sessions.take()
+            try:
+                with self._errors(f"taking {request.name!r}"):
+                    sent_at = anyio.current_time()
+                    row = await connection.fetchrow(
+                        TAKE, key, self.sequence, ttl_ms, timeout=self.op_timeout
+                    )
+                    if row is None and not wait:
+                        self._sessions.give_back(connection)
+                        return None
+                    if row is None:
+                        replacements.worked()
+                        # Queue in the server; the caller's cancel scope bounds the wait.
+                        await connection.execute(WAIT, key, ttl_ms)
+                        sent_at = anyio.current_time()
+                        row = await connection.fetchrow(
+                            TOKEN, self.sequence, timeout=self.op_timeout
+                        )
+            except BaseException as exc:
+                broken = connection_broken(connection, exc)
+                await self._sessions.end_session(connection, request.name, unmapped(exc))
+                if not replacements.again(exc, broken=broken, reused=reused):
+                    raise
+                logger.info(
+                    "asynclock: a connection to %s died while taking %r (%r); taking it on "
+                    "another one",
+                    self.describe(),
+                    request.name,
+                    unmapped(exc),
+                )
+                continue
+            return self._grant(request, key, connection, row, sent_at)
+
+    def _grant(
+        self, request: LockRequest, key: int, connection: Any, row: Any, sent_at: float
+    ) -> PostgresGrant:
+        grant = PostgresGrant(
+            name=request.name,
+            owner=request.owner,
+            token=int(row[0]),
+            valid_from=sent_at,
+            ttl=timeout_ms(request.ttl) / 1000.0,
+            key=key,
+            pid=int(row[1]),
+            connection=connection,
+            on_lost=request.on_lost,
+        )
+        self._held[connection] = grant
+        if connection.is_closed():
+            # Closed between the reply and now: the listener may have run already.
+            self._connection_closed(connection)
+        return grant
+
+    async def renew(self, grants: Sequence[PostgresGrant]) -> Sequence[RenewOutcome]:
+        if len(grants) == 1:
+            return [await self._renewals.renew(grants[0])]
+        outcomes: list[RenewOutcome] = [Unknown(RuntimeError("not renewed"))] * len(grants)
+
+        async def renew_one(index: int, grant: PostgresGrant) -> None:
+            outcomes[index] = await self._renewals.renew(grant)
+
+        # One round trip per connection is unavoidable (each has its own idle timer); they all
+        # run at the same time.
+        async with anyio.create_task_group() as task_group:
+            for index, grant in enumerate(grants):
+                task_group.start_soon(renew_one, index, grant)
+        return outcomes
+
+    def _renewing(self, connection: Any) -> bool:
+        grant = self._held.get(connection)
+        return grant is not None and grant.renewal is not None
+
+    async def release(self, grant: PostgresGrant) -> None:
+        """Unlock, and keep the connection for reuse; or close it, which ends the session.
+
+        Either frees the lock: an advisory lock ends with its session. So this never leaves
+        work for a retry. A session already gone (revoked, restarted, ended by the server's
+        idle timeout while this process was paused) took the lock with it: nothing to say. A
+        connection that does not answer is closed instead: the server frees the lock when it
+        reads the close (at once when it is reachable), at the latest ``ttl`` after the last
+        renewal it received.
+        """
+        if grant.released:
+            return
+        grant.released = True
+        connection = grant.connection
+        self._held.pop(connection, None)
+        if connection.is_closed():
+            self._sessions.all.discard(connection)
+            return
+        try:
+            renewal = grant.renewal
+            if renewal is not None:
+                # Its statement is in flight. A renewal just sent on a healthy server is back
+                # within milliseconds; one that has not come back by now (a hung server, often
+                # why the lease was lost) is not waited for: closing frees the lock just the same.
+                left = renewal.sent_at + _RENEWAL_WAIT - anyio.current_time()
+                if left <= 0 or not await renewal.finished(left):
+                    self._sessions.discard(connection)
+                    return
+            await connection.execute(RELEASE, timeout=self.op_timeout)
+        except BaseException as exc:
+            # Closed at once, never reused: whatever state the statement left, the session
+            # ends with the connection, and the lock with it.
+            gone = connection_broken(connection, exc)
+            self._sessions.discard(connection)
+            if not isinstance(exc, Exception):
+                raise
+            if not gone:
+                logger.warning(
+                    "asynclock: unlocking %r on %s failed (%r); closed its connection "
+                    "instead, so the server frees the lock when it reads the close, at the "
+                    "latest %g s after the last renewal it received",
+                    grant.name,
+                    self.describe(),
+                    exc,
+                    grant.ttl,
+                )
+            return
+        self._sessions.give_back(connection)
+
+    async def inspect(self, name: str) -> LockInfo:
+        key = lock_key(name, self.schema) & 0xFFFFFFFFFFFFFFFF
+        while True:
+            connection, reused = await self._sessions.take()
+            try:
+                with self._errors(f"inspecting lock {name!r}"), anyio.fail_after(self.op_timeout):
+                    rows = await connection.fetch(INSPECT, key >> 32, key & 0xFFFFFFFF)
+            except BaseException as exc:
+                broken = connection_broken(connection, exc)
+                self._sessions.discard(connection)  # holds no lock: closing it is all
+                if reused and broken and isinstance(exc, Exception):
+                    continue  # died in the pool: ask on another connection
+                raise
+            break
+        self._sessions.give_back(connection)
+        holders = [row for row in rows if row["granted"]]
+        waiters = len(rows) - len(holders)
+        if not holders:
+            return LockInfo(name, held=False, waiters=waiters)
+        holder = holders[0]
+        # The token lives in the holder's session only, and the server's idle timer is not
+        # exposed to other sessions: neither is shown.
+        return LockInfo(
+            name,
+            held=True,
+            waiters=waiters,
+            holder=f"{holder['application_name'] or '?'} (backend pid {holder['pid']})",
+        )
+
+    # -- loss --------------------------------------------------------------------------------
+
+    def _connection_closed(self, connection: Any) -> None:
+        """The connection closed, for whatever reason (asyncpg's termination listener)."""
+        self._sessions.all.discard(connection)
+        grant = self._held.pop(connection, None)
+        if grant is not None and not grant.released:
+            grant.on_lost(
+                f"the connection holding the advisory lock on {self._described} closed (server "
+                "restart, pg_terminate_backend, idle_session_timeout or a network failure); "
+                "the lock ends with the session"
+            )
+
+    def _errors(self, what: str) -> AbstractContextManager[None]:
+        return translate(self._translator, what)
