@@ -21,12 +21,8 @@ import pytest
 from aiozk import ZKClient, exc, protocol
 
 import asynclock
-from asynclock.backends.zookeeper import (
-    ReadWriteLock,
-    ZooKeeperBackend,
-    ZooKeeperGrant,
-    encode_name,
-)
+from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
+from asynclock.extras.zookeeper import ReadWriteLock
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble, ZooKeeperServer
 from tests.contract.backend_zookeeper import (
     alive_connections,
@@ -111,7 +107,8 @@ def test_url_with_servers_chroot_credentials_and_options() -> None:
         {"op_timeout": "2.5", "session_timeout": 4},
     )
     settings = backend._settings
-    assert settings.hosts == (("10.0.0.1", 2281), ("10.0.0.2", 2181), ("::1", 2182))
+    hosts = tuple((host.host, host.port) for host in settings.hosts)
+    assert hosts == (("10.0.0.1", 2281), ("10.0.0.2", 2181), ("::1", 2182))
     assert settings.chroot == "/locks/ünï"
     assert (settings.user, settings.password) == ("app", "p@ss")
     assert (settings.op_timeout, settings.session_timeout) == (2.5, 4.0)
@@ -127,11 +124,11 @@ def test_url_with_servers_chroot_credentials_and_options() -> None:
     ("url", "message"),
     [
         ("zookeeper://", "names no server"),
-        ("zookeeper://h:0/x", "bad port"),
-        ("zookeeper://h:99999/x", "bad port"),
-        ("zookeeper://h:abc/x", "bad port"),
-        ("zookeeper://h1:2181,,h2:2181/x", "empty host"),
-        ("zookeeper://::1:2181/x", "IPv6"),
+        ("zookeeper://h:0/x", "port '0' is not a number from 1 to 65535"),
+        ("zookeeper://h:99999/x", "port '99999' is not a number from 1 to 65535"),
+        ("zookeeper://h:abc/x", "port 'abc' is not a number from 1 to 65535"),
+        ("zookeeper://h1:2181,,h2:2181/x", "names an empty host"),
+        ("zookeeper://::1:2181/x", "IPv6 addresses go in brackets"),
         ("zookeeper://h//x", r"bad chroot '//x'.*empty part \(a doubled '/'\)"),
         ("zookeeper://h///", r"empty part \(a doubled '/'\)"),
         ("zookeeper://h/a//b", r"bad chroot '/a//b'.*doubled '/'"),
@@ -352,7 +349,7 @@ async def test_locks_with_one_ttl_share_one_session_and_renew_in_one_call(
 async def test_a_session_nobody_uses_is_closed_after_a_while(
     zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("asynclock.backends.zookeeper._IDLE_SESSION", 0.5)
+    monkeypatch.setattr("asynclock.backends.zookeeper._session.IDLE_SESSION", 0.5)
     url = f"{zookeeper_server.url}{chroot}"
     async with asynclock.connect(url, session_timeout=3) as locks:
         lease = await locks.acquire("idle", ttl=1)
@@ -377,7 +374,7 @@ async def expire_session(server: ZooKeeperServer, grant: ZooKeeperGrant) -> None
         last_seen_zxid=0,
         timeout=round(session.timeout * 1000),
         session_id=session.session_id,
-        password=session._password,
+        password=session._id.password,
         read_only=False,
     ).serialize()
     close = protocol.CloseRequest().serialize(1)
@@ -1135,3 +1132,11 @@ async def test_read_write_lock_needs_the_zookeeper_backend() -> None:
     async with asynclock.connect("memory://") as locks:
         with pytest.raises(asynclock.UnsupportedFeature, match="zookeeper"):
             ReadWriteLock(locks, "x")
+
+
+def test_read_write_lock_is_still_importable_from_the_backend() -> None:
+    from asynclock.backends import zookeeper
+
+    assert zookeeper.ReadWriteLock is ReadWriteLock
+    with pytest.raises(AttributeError):
+        zookeeper.NoSuchName  # noqa: B018

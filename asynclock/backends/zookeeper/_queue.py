@@ -1,0 +1,332 @@
+"""Waiting for a lock: Curator's queue recipe, one attempt in one session.
+
+The acquirer creates an ephemeral sequential node; the lowest sequence number holds the lock
+and every other waiter watches only the node just before its own (FIFO, no herd). A reader
+waits for the writers before it, a writer for everyone before it. The fencing token is the
+node's ``czxid``, returned by the same ``Create2`` round trip.
+
+Server error replies are raised as aiozk exceptions and the session's private ones as they
+are: the backend translates them (``_errors.zk_errors``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from aiozk import exc as zk_exc
+from aiozk import protocol as zk
+from aiozk.protocol.create import Create2Request
+
+from .._kit import BackendUnavailable, LockRequest, finish
+from ._errors import SERVER_ERRORS, ConnectionLoss, NotConnected, SessionGone
+from ._lease import LockSession, ZooKeeperGrant
+from ._names import EXCLUSIVE, PROTECTED, SHARED, Kind, encode_name
+from ._session import ATTEMPTS
+from ._tree import Tree
+from ._wire import CONTAINER, EPHEMERAL_SEQUENTIAL, NO_EVENT, CreateContainerRequest
+
+__all__ = ("Attempt", "Queued", "blockers", "queue")
+
+logger = logging.getLogger("asynclock.zookeeper")
+
+
+def _checked(reply: Any) -> Any:
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+class Attempt:
+    """One pass of the queue recipe in one session; cleans up whatever it does not hand over."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        session: LockSession,
+        request: LockRequest,
+        kind: Kind,
+        op_timeout: float,
+    ) -> None:
+        self.tree = tree
+        self.session = session
+        self.request = request
+        self.kind = kind
+        self.op_timeout = op_timeout
+        self.parent = tree.parent(request.name)
+        self.prefix = f"{PROTECTED}{encode_name(request.owner)}-{kind}-"
+        #: Our node's name once we know it.
+        self.node: str | None = None
+        #: A create was sent whose outcome we do not know.
+        self.unsure = False
+
+    async def run(self, wait: bool) -> ZooKeeperGrant | None:
+        session = self.session
+        session.users += 1
+        try:
+            czxid, children, listed_at = await self._enqueue()
+            while True:
+                assert self.node is not None
+                ahead = blockers(children, self.node, self.kind)
+                if ahead is None:
+                    # Our node is gone (deleted by someone, or its session expired): queue again.
+                    if session.dead:
+                        raise SessionGone(session.dead_reason)
+                    self.node = None
+                    czxid, children, listed_at = await self._enqueue()
+                    continue
+                if not ahead:
+                    return self._granted(czxid, listed_at)
+                if not wait:
+                    return None
+                watched = ahead[-1]
+                gone_since = await self._wait_for(f"{self.parent}/{watched}")
+                if gone_since is not None and len(ahead) == 1:
+                    # The only node ahead that blocked us is gone, and a node created later
+                    # always gets a higher sequence number: the lock is ours, no need to list.
+                    children = [child for child in children if child != watched]
+                    listed_at = gone_since
+                    continue
+                listed_at = anyio.current_time()
+                (reply,) = await session.call_retrying(
+                    zk.GetChildrenRequest(path=self.parent, watch=False)
+                )
+                children = [] if isinstance(reply, zk_exc.NoNode) else _checked(reply).children
+        finally:
+            session.users -= 1
+            if self.node is not None or self.unsure:
+                # Survives native cancellation too (a second Task.cancel() would go through an
+                # anyio shield and leave the node in a live session: stranded until close).
+                await finish(
+                    self._abandon,
+                    timeout=self.op_timeout + 1.0,
+                    what=f"deleting the lock node of a cancelled acquire of {self.request.name!r}",
+                    unfinished=self._leave_to_janitor,
+                )
+
+    def _granted(self, czxid: int, listed_at: float) -> ZooKeeperGrant:
+        path = f"{self.parent}/{self.node}"
+        grant = ZooKeeperGrant(
+            name=self.request.name,
+            owner=self.request.owner,
+            token=czxid,
+            valid_from=listed_at,
+            ttl=self.session.timeout,
+            path=path,
+            kind=self.kind,
+            session=self.session,
+        )
+        self.session.hold(path, self.request.on_lost)
+        self.node = None  # handed over: nothing to clean up
+        return grant
+
+    def _requests(self) -> list[Any]:
+        requests: list[Any] = [
+            Create2Request(
+                path=f"{self.parent}/{self.prefix}",
+                data=b"",
+                acl=self.tree.acl,
+                flags=EPHEMERAL_SEQUENTIAL,
+            ),
+            zk.GetChildrenRequest(path=self.parent, watch=False),
+        ]
+        # The parent is a container node: created here when we do not know it exists,
+        # deleted by the janitor (or by the server) once empty.
+        if self.parent not in self.tree.parents:
+            requests.insert(
+                0,
+                CreateContainerRequest(
+                    path=self.parent,
+                    data=self.request.name.encode(),
+                    acl=self.tree.acl,
+                    flags=CONTAINER,
+                ),
+            )
+        return requests
+
+    async def _enqueue(self) -> tuple[int, list[str], float]:
+        """Create our node (reusing it if a lost reply hid it) and list the queue."""
+        session = self.session
+        tree = self.tree
+        for _ in range(ATTEMPTS):
+            sent_at = anyio.current_time()
+            self.unsure = True
+            try:
+                *made_parent, created, listed = await session.call(*self._requests())
+            except NotConnected:
+                self.unsure = False
+                raise
+            except ConnectionLoss:
+                found = await self._find_own()
+                if found is not None:
+                    return found
+                continue
+            if made_parent and isinstance(made_parent[0], zk_exc.NoNode):
+                # Someone deleted the chroot: make it again.
+                self.unsure = False
+                await tree.ensure_chroot(session)
+                continue
+            if isinstance(created, zk_exc.NoNode):
+                # The parent is gone (deleted once it was empty): make it again.
+                self.unsure = False
+                tree.parents.pop(self.parent, None)
+                continue
+            _checked(created)
+            self.unsure = False
+            self.node = created.path.rpartition("/")[2]
+            tree.touch(self.parent)
+            return created.stat.created_zxid, _checked(listed).children, sent_at
+        raise BackendUnavailable(
+            f"acquiring {self.request.name!r} on {tree.where}: could not create the "
+            f"lock node in {ATTEMPTS} attempts"
+        )
+
+    async def _find_own(self) -> tuple[int, list[str], float] | None:
+        """After a create whose reply was lost: find the node it made, if it made one."""
+        sent_at = anyio.current_time()
+        (listed,) = await self.session.call_retrying(
+            zk.GetChildrenRequest(path=self.parent, watch=False)
+        )
+        if isinstance(listed, zk_exc.NoNode):
+            self.unsure = False
+            return None
+        children = _checked(listed).children
+        mine = sorted((c for c in children if c.startswith(self.prefix)), key=_sequence)
+        if not mine:
+            self.unsure = False
+            return None
+        # Keep the first; any later one is a duplicate from another lost reply (until they are
+        # deleted, a cancellation cleans up by prefix: every node of this lease).
+        self.node = mine[0]
+        if mine[1:]:
+            await self.session.delete([f"{self.parent}/{extra}" for extra in mine[1:]], self.parent)
+            children = [c for c in children if c not in mine[1:]]
+        self.unsure = False
+        (stat,) = await self.session.call_retrying(
+            zk.ExistsRequest(path=f"{self.parent}/{self.node}", watch=False)
+        )
+        if isinstance(stat, zk_exc.NoNode):
+            self.node = None
+            return None
+        logger.info("asynclock: reusing lock node %s/%s after a lost reply", self.parent, self.node)
+        return _checked(stat).stat.created_zxid, children, sent_at
+
+    async def _wait_for(self, path: str) -> float | None:
+        """Wait until ``path`` is gone or changed, or the session's state changed.
+
+        Returns, when ``path`` is known to be gone, a time before a request the server answered
+        after that (a valid ``valid_from``); None when something else woke us.
+        """
+        woken = anyio.Event()
+        deleted = False
+
+        def wake(event_type: int = NO_EVENT) -> None:
+            nonlocal deleted
+            deleted = deleted or event_type == zk.WatchEvent.DELETED
+            woken.set()
+
+        def state_changed() -> None:
+            woken.set()
+
+        session = self.session
+        session.add_watch(path, wake)
+        session.add_listener(state_changed)
+        try:
+            sent_at = anyio.current_time()
+            (reply,) = await session.call_retrying(zk.GetDataRequest(path=path, watch=True))
+            if isinstance(reply, zk_exc.NoNode):
+                return sent_at
+            _checked(reply)
+            await woken.wait()
+            # The event came over a live connection of a live session; the last request the
+            # server answered bounds when it last heard from us.
+            return session.heard_sent_at if deleted and session.state == "connected" else None
+        finally:
+            session.drop_watch(path, wake)
+            session.drop_listener(state_changed)
+
+    def _orphan_prefix(self) -> str:
+        # Unsure (a create or a duplicate delete whose outcome is unknown): every node of this
+        # lease; otherwise just the one we know.
+        if self.unsure or self.node is None:
+            return self.prefix
+        return self.node
+
+    def _leave_to_janitor(self) -> None:
+        self.session.add_orphan(self.parent, self._orphan_prefix())
+
+    async def _abandon(self) -> None:
+        """Delete what this attempt created (bounded; left to the session's janitor if not).
+
+        Idempotent: :func:`asynclock.backends._kit.finish` runs it again from the start when a
+        native cancellation interrupted it.
+        """
+        session = self.session
+        if not session.usable:
+            return
+        prefix = self._orphan_prefix()
+        if session.state != "connected":
+            session.add_orphan(self.parent, prefix)
+            return
+        try:
+            with anyio.fail_after(self.op_timeout):
+                if prefix == self.prefix:
+                    await session.delete_matching(self.parent, prefix)
+                else:
+                    await session.delete([f"{self.parent}/{prefix}"], self.parent)
+        except (ConnectionLoss, TimeoutError, *SERVER_ERRORS):
+            session.add_orphan(self.parent, prefix)
+        except SessionGone:
+            pass
+
+
+def _sequence(child: str) -> int:
+    suffix = child.rpartition("-")[2]
+    return int(suffix) if suffix.isdigit() else -1
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Queued:
+    sequence: int
+    child: str = field(compare=False)
+    #: The encoded owner id (``encode_name(request.owner)``).
+    owner: str = field(compare=False)
+    kind: str = field(compare=False)
+
+
+def queue(children: Sequence[str]) -> list[Queued]:
+    """Our lock nodes among ``children`` (``_c_<owner>-<kind>-<sequence>``), in queue order;
+    anything else takes no part in the order."""
+    found: list[Queued] = []
+    for child in children:
+        head, _, suffix = child.rpartition("-")
+        owner_part, _, child_kind = head.rpartition("-")
+        owner = owner_part.removeprefix(PROTECTED)
+        if (
+            not child.startswith(PROTECTED)
+            or not suffix.isdigit()
+            or child_kind not in (EXCLUSIVE, SHARED)
+            or not owner
+        ):
+            continue
+        found.append(Queued(int(suffix), child, owner, child_kind))
+    found.sort()
+    return found
+
+
+def blockers(children: Sequence[str], node: str, kind: Kind) -> list[str] | None:
+    """The nodes ahead of ``node`` that keep it from the lock, in queue order (empty: it holds
+    the lock); None if ``node`` is not among ``children``."""
+    entries = queue(children)
+    for index, entry in enumerate(entries):
+        if entry.child == node:
+            ahead = entries[:index]
+            break
+    else:
+        return None
+    if kind == SHARED:
+        ahead = [entry for entry in ahead if entry.kind == EXCLUSIVE]
+    return [entry.child for entry in ahead]

@@ -1,0 +1,73 @@
+"""The backend's part of the znode tree: the chroot, and one parent node per lock name.
+
+A lock's parent ``<chroot>/<encoded name>`` is a container node, kept while it is in use and
+deleted once it has been empty and unused for a while (the server deletes empty containers
+too, should the client die first).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+from aiozk import ACL as ZkACL
+from aiozk import exc as zk_exc
+from aiozk import protocol as zk
+
+from .._kit import translate
+from ._errors import ConnectionLoss, SessionGone, zk_errors
+from ._names import encode_name
+from ._session import Session
+from ._urls import Settings
+
+__all__ = ("Tree",)
+
+logger = logging.getLogger("asynclock.zookeeper")
+
+
+class Tree:
+    def __init__(self, settings: Settings, where: str) -> None:
+        self.chroot = settings.chroot
+        self.where = where
+        #: Lock parent nodes this client created or used lately, and when it last did.
+        self.parents: dict[str, float] = {}
+        if settings.user is None:
+            self.acl = [zk.UNRESTRICTED_ACCESS]
+        else:
+            # "auth" with an empty id: the server puts in the digest of our credentials.
+            self.acl = [ZkACL.make("auth", "", True, True, True, True, True)]
+
+    def parent(self, name: str) -> str:
+        """The parent node of the lock ``name``."""
+        return f"{self.chroot.rstrip('/')}/{encode_name(name)}"
+
+    def touch(self, parent: str) -> None:
+        self.parents[parent] = anyio.current_time()
+
+    def stale(self, linger: float) -> list[str]:
+        """The parents nobody of this client used for ``linger`` seconds."""
+        cutoff = anyio.current_time() - linger
+        return [parent for parent, used in self.parents.items() if used < cutoff]
+
+    async def ensure_chroot(self, session: Session) -> None:
+        parts = self.chroot.strip("/").split("/")
+        paths = ["/" + "/".join(parts[: index + 1]) for index in range(len(parts))]
+        with translate(zk_errors, f"creating the chroot {self.chroot} on {self.where}"):
+            replies = await session.call_retrying(
+                *(zk.CreateRequest(path=path, data=b"", acl=self.acl, flags=0) for path in paths)
+            )
+            for reply in replies:
+                if isinstance(reply, Exception) and not isinstance(reply, zk_exc.NodeExists):
+                    raise reply
+
+    async def delete_parents(self, session: Session | None, parents: list[str]) -> None:
+        """Delete these lock parents if they are empty (one pipelined round trip)."""
+        if session is None or not parents:
+            return
+        for parent in parents:
+            self.parents.pop(parent, None)
+        try:
+            await session.call(*(zk.DeleteRequest(path=parent, version=-1) for parent in parents))
+        except (ConnectionLoss, SessionGone) as exc:
+            # Container nodes: the server deletes them once empty in any case.
+            logger.debug("asynclock: deleting empty lock parents failed: %r", exc)
