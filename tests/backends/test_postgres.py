@@ -27,7 +27,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
-from asynclock.backends.postgres import PostgresBackend, lock_key, transaction_lock
+from asynclock.backends.postgres import PostgresBackend, lock_key
+from asynclock.extras.postgres import TransactionLock, transaction_lock
 from asynclock.testing import FaultProxy, PostgresServer, free_port
 from tests.contract.backend_postgres import HOLDERS_OF_KEY, key_parts, terminate_holder
 
@@ -196,9 +197,8 @@ def test_url_options_reach_the_driver_and_our_own_are_applied() -> None:
     PostgresBackend.from_url("postgresql://u@h1:5432,h2:5433,[::1]:5434/db", {})
 
 
-def test_unknown_and_malformed_options_are_refused_by_name() -> None:
-    with pytest.raises(asynclock.InvalidArgument, match=r"unknown option.*colour"):
-        asynclock.connect("postgresql://127.0.0.1/db?colour=blue")
+def test_malformed_options_are_refused_by_name() -> None:
+    # Unknown options: the contract's (tests/contract/test_boundary.py).
     with pytest.raises(asynclock.InvalidArgument, match="sslmode"):
         asynclock.connect("postgresql://127.0.0.1/db?sslmode=sometimes")
     with pytest.raises(asynclock.InvalidArgument, match="op_timeout"):
@@ -215,19 +215,21 @@ def test_unknown_and_malformed_options_are_refused_by_name() -> None:
 
 @pytest.mark.parametrize(
     "url",
-    [
-        "postgresql://127.0.0.1:port/db",
-        "postgresql://127.0.0.1:0/db",
-        "postgresql://127.0.0.1:70000/db",
-        "postgresql://[::1/db",
-        "postgresql://h1,,h2/db",
-        "postgresql://127.0.0.1/db/extra",
-        "postgresql://127.0.0.1/db#frag",
-    ],
+    # Ports, brackets and empty hosts: the contract's (tests/contract/test_boundary.py).
+    ["postgresql://127.0.0.1/db/extra", "postgresql://127.0.0.1/db#frag", "postgresql://h:1#x/db"],
 )
 def test_malformed_urls_raise_invalid_url_with_an_example(url: str) -> None:
     with pytest.raises(asynclock.InvalidURL, match=r"postgresql://user:password@127\.0\.0\.1"):
         PostgresBackend.from_url(url, {})
+
+
+def test_transaction_lock_is_still_importable_from_the_backend() -> None:
+    import asynclock.backends.postgres as backend_module
+
+    assert backend_module.transaction_lock is transaction_lock
+    assert backend_module.TransactionLock is TransactionLock
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = backend_module.no_such_name
 
 
 def test_lock_keys_depend_on_the_full_name_and_the_schema() -> None:
