@@ -6,16 +6,16 @@ import abc
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from types import TracebackType
 from typing import Generic, Self, TypeVar
 
 from ._host import ServerError, retry_on_port_clash
+from ._lifecycle import StartStop
 from ._process import Server
 
 M = TypeVar("M", bound=Server)
 
 
-class Cluster(abc.ABC, Generic[M]):
+class Cluster(StartStop, Generic[M]):
     """Several members of one replicated service, started together.
 
     Every member is a :class:`Server` with its own pause/resume/kill/restart. A member's
@@ -127,17 +127,6 @@ class Cluster(abc.ABC, Generic[M]):
         member = self.leader(timeout)
         member.kill()
         return member
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.address}>"

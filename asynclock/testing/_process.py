@@ -10,7 +10,6 @@ import subprocess
 import time
 import weakref
 from pathlib import Path
-from types import TracebackType
 from typing import ClassVar, Final, Self
 
 from ._host import (
@@ -21,6 +20,7 @@ from ._host import (
     make_temp_dir,
     retry_on_port_clash,
 )
+from ._lifecycle import StartStop
 from ._signals import signal_tree
 
 
@@ -51,7 +51,7 @@ class _Resources:
             self.directory = None
 
 
-class Server(abc.ABC):
+class Server(StartStop):
     """One server process on a free loopback port, in its own temp dir and process group.
 
     Use it as a context manager, or call :meth:`start` and :meth:`stop`. :meth:`start` returns
@@ -96,7 +96,7 @@ class Server(abc.ABC):
     def _probe(self, timeout: float) -> bool:
         """Whether the server answers requests now; may raise OSError."""
 
-    def _prepare(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
+    def _prepare(self) -> None:
         """Write configuration into the fresh data dir; runs before the first launch only."""
 
     def _reallocate_ports(self) -> None:
@@ -206,17 +206,6 @@ class Server(abc.ABC):
         self._terminate()
         self._launch()
         self._finish_start()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         if self._stopped:

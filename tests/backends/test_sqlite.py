@@ -134,6 +134,14 @@ async def test_a_missing_directory_is_a_named_error(tmp_path: Path) -> None:
             pass
 
 
+async def test_a_file_that_is_no_database_is_a_named_error(tmp_path: Path) -> None:
+    path = tmp_path / "locks.db"
+    path.write_bytes(b"not a database, " * 512)
+    with pytest.raises(asynclock.BackendUnavailable, match=r"cannot open sqlite://.*DatabaseError"):
+        async with asynclock.connect(f"sqlite://{path}"):
+            pass
+
+
 async def test_a_row_from_another_boot_is_not_held(tmp_path: Path) -> None:
     import sqlite3
     from contextlib import closing
