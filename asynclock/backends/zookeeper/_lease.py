@@ -16,11 +16,10 @@ import anyio
 from aiozk import exc as zk_exc
 from aiozk import protocol as zk
 
-from .._kit import Grant, TaskHost
+from .._kit import Grant
 from ._errors import SERVER_ERRORS, ConnectionLoss, SessionGone
 from ._names import EXCLUSIVE, Kind
-from ._session import Session
-from ._urls import Settings
+from ._session import Context, Session
 from ._wire import RETRY
 
 __all__ = ("LockSession", "ZooKeeperGrant")
@@ -48,15 +47,9 @@ class LockSession(Session):
     under a lock's parent node (the backend deletes parents unused for a while)."""
 
     def __init__(
-        self,
-        settings: Settings,
-        host: TaskHost,
-        where: str,
-        timeout_ms: int,
-        forget: Callable[[Session], None],
-        touch_parent: Callable[[str], None],
+        self, context: Context, timeout_ms: int, touch_parent: Callable[[str], None]
     ) -> None:
-        super().__init__(settings, host, where, timeout_ms, forget)
+        super().__init__(context, timeout_ms)
         self._touch_parent = touch_parent
         self._held: dict[str, _Held] = {}
         self._to_arm: set[str] = set()

@@ -40,28 +40,25 @@ def _checked(reply: Any) -> Any:
     return reply
 
 
+@dataclass(eq=False)
 class Attempt:
     """One pass of the queue recipe in one session; cleans up whatever it does not hand over."""
 
-    def __init__(
-        self,
-        tree: Tree,
-        session: LockSession,
-        request: LockRequest,
-        kind: Kind,
-        op_timeout: float,
-    ) -> None:
-        self.tree = tree
-        self.session = session
-        self.request = request
-        self.kind = kind
-        self.op_timeout = op_timeout
-        self.parent = tree.parent(request.name)
-        self.prefix = f"{PROTECTED}{encode_name(request.owner)}-{kind}-"
-        #: Our node's name once we know it.
-        self.node: str | None = None
-        #: A create was sent whose outcome we do not know.
-        self.unsure = False
+    tree: Tree
+    session: LockSession
+    request: LockRequest
+    kind: Kind
+    op_timeout: float
+    parent: str = field(init=False)
+    prefix: str = field(init=False)
+    #: Our node's name once we know it.
+    node: str | None = field(default=None, init=False)
+    #: A create was sent whose outcome we do not know.
+    unsure: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.parent = self.tree.parent(self.request.name)
+        self.prefix = f"{PROTECTED}{encode_name(self.request.owner)}-{self.kind}-"
 
     async def run(self, wait: bool) -> ZooKeeperGrant | None:
         session = self.session

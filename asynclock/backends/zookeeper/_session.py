@@ -12,6 +12,7 @@ import contextlib
 import logging
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -33,7 +34,7 @@ from ._wire import (
     frame,
 )
 
-__all__ = ("IDLE_SESSION", "Session")
+__all__ = ("ATTEMPTS", "IDLE_SESSION", "Context", "Session")
 
 logger = logging.getLogger("asynclock.zookeeper")
 
@@ -45,6 +46,17 @@ IDLE_SESSION = 60.0
 State = Literal["new", "connected", "suspended", "dead"]
 
 
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What every session of one backend shares: its settings, task host, URL (for messages)
+    and ``forget(session)``, told when a session dies or is closed as idle."""
+
+    settings: Settings
+    host: TaskHost
+    where: str
+    forget: Callable[[Session], None]
+
+
 class Session:
     """States: ``connected``, ``suspended`` (reconnecting; calls wait up to ``op_timeout``)
     and ``dead`` (expired or closed; final).
@@ -53,18 +65,11 @@ class Session:
     task per connection) and :meth:`_busy`.
     """
 
-    def __init__(
-        self,
-        settings: Settings,
-        host: TaskHost,
-        where: str,
-        timeout_ms: int,
-        forget: Callable[[Session], None],
-    ) -> None:
-        self._settings = settings
-        self._host = host
-        self.where = where
-        self._forget = forget
+    def __init__(self, context: Context, timeout_ms: int) -> None:
+        self._settings = context.settings
+        self._host = context.host
+        self.where = context.where
+        self._forget = context.forget
         self._id = Identity(requested_ms=timeout_ms, timeout=timeout_ms / 1000.0)
         self.state: State = "new"
         self.dead_reason = ""

@@ -5,9 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
-from .._kit import HostPort, InvalidArgument, InvalidURL, Options, parse_hosts, split_userinfo
+from .._kit import (
+    HostPort,
+    InvalidArgument,
+    InvalidURL,
+    Options,
+    parse_hosts,
+    redact,
+    split_userinfo,
+)
 from ._names import forbidden
 
 __all__ = ("Settings", "describe", "parse_url")
@@ -29,13 +37,18 @@ class Settings:
 
 
 def parse_url(url: str, options: Mapping[str, object]) -> Settings:
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() != "zookeeper":
-        raise InvalidURL(f"{url!r} is not a zookeeper:// URL; expected e.g. {_EXAMPLE}")
-    if "#" in rest:
+    shown = redact(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise InvalidURL(f"malformed {shown!r}: {exc}; expected e.g. {_EXAMPLE}") from None
+    if parts.scheme.lower() != "zookeeper" or not url.partition(":")[2].startswith("//"):
+        raise InvalidURL(f"{shown!r} is not a zookeeper:// URL; expected e.g. {_EXAMPLE}")
+    if "#" in url:
         raise InvalidURL(f"a zookeeper:// URL has no #fragment; expected e.g. {_EXAMPLE}")
-    netloc, slash, path = rest.partition("/")
-    userinfo, host_text = split_userinfo(netloc)
+    if parts.query:
+        raise InvalidURL(f"{shown!r}: pass the options to from_url(), not in the URL")
+    userinfo, host_text = split_userinfo(parts.netloc)
     user = password = None
     if userinfo is not None:
         raw_user, colon, raw_password = userinfo.partition(":")
@@ -46,25 +59,18 @@ def parse_url(url: str, options: Mapping[str, object]) -> Settings:
                 "special characters percent-encoded: "
                 "zookeeper://app:s3cret@127.0.0.1:2181/locks"
             )
-    redacted = f"zookeeper://{'***@' if userinfo is not None else ''}{host_text}{slash}{path}"
+    redacted = f"zookeeper://{'***@' if userinfo is not None else ''}{host_text}{parts.path}"
     if not host_text:
         raise InvalidURL(f"{redacted!r} names no server; expected e.g. {_EXAMPLE}")
     hosts = parse_hosts(host_text, default_port=_DEFAULT_PORT, url=redacted, example=_EXAMPLE)
-    chroot = _parse_chroot(slash + path, redacted)
+    chroot = _parse_chroot(parts.path, redacted)
     opts = Options(options, "zookeeper://")
     op_timeout = opts.number("op_timeout", 5.0, minimum=0.001)
     session_timeout = opts.number("session_timeout", 10.0, minimum=0.001)
     opts.finish(_OPTIONS)
     if round(session_timeout * 1000) > 0x7FFFFFFF:
         raise InvalidArgument(f"session_timeout {session_timeout:g} s is too large")
-    return Settings(
-        hosts=hosts,
-        chroot=chroot,
-        user=user,
-        password=password,
-        op_timeout=op_timeout,
-        session_timeout=session_timeout,
-    )
+    return Settings(hosts, chroot, user, password, op_timeout, session_timeout)
 
 
 def describe(settings: Settings) -> str:

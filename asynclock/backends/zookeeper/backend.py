@@ -33,7 +33,7 @@ from ._errors import SessionGone, zk_errors
 from ._lease import LockSession, ZooKeeperGrant
 from ._names import KIND, SHARED, Kind
 from ._queue import Attempt, queue
-from ._session import ATTEMPTS, Session
+from ._session import ATTEMPTS, Context, Session
 from ._tree import Tree
 from ._urls import Settings, describe, parse_url
 
@@ -67,6 +67,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         # Made in open(): from_url() may run outside of an event loop.
         self._session_lock: anyio.Lock | None = None
         self._host = TaskHost(cleanup_timeout=settings.op_timeout)
+        self._context = Context(settings, self._host, describe(settings), self._forget_session)
         self._min_ms: int | None = None
         self._max_ms: int | None = None
         self._state: Literal["new", "open", "closed"] = "new"
@@ -125,14 +126,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         return next((s for s in self._sessions.values() if s.state == "connected"), None)
 
     async def _new_session(self, timeout_ms: int) -> LockSession:
-        session = LockSession(
-            self._settings,
-            self._host,
-            self.describe(),
-            timeout_ms,
-            self._forget_session,
-            self._tree.touch,
-        )
+        session = LockSession(self._context, timeout_ms, self._tree.touch)
         with translate(zk_errors, "opening a ZooKeeper session"):
             await session.start()
         negotiated = round(session.timeout * 1000)
