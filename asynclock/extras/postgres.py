@@ -10,6 +10,7 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import anyio
@@ -38,6 +39,7 @@ __all__ = ("TransactionLock", "transaction_lock")
 
 logger = logging.getLogger("asynclock")
 
+#: The translator for a connection of the caller's (the backend's names its server).
 _YOUR_CONNECTION = Errors("your asyncpg connection", 0.0, "", "", "")
 
 
@@ -111,17 +113,8 @@ async def transaction_lock(
             "transaction_lock needs a LockClient or PostgresBackend on postgresql://, a "
             f"postgresql:// URL or an asyncpg connection, not {type(target).__name__}"
         )
-    async with _transaction(
-        target,
-        name,
-        lock_key(name, schema),
-        sequence_name(schema),
-        timeout,
-        idle_timeout,
-        isolation,
-        5.0,
-        None,
-    ) as held:
+    take = _Take(name, lock_key(name, schema), sequence_name(schema), timeout, idle_timeout, 5.0)
+    async with _transaction(target, take, isolation, _YOUR_CONNECTION) as held:
         yield held
 
 
@@ -156,21 +149,13 @@ async def _on_backend(
 ) -> AsyncIterator[TransactionLock]:
     sessions = backend._sessions
     replacements = Replacements()
+    key = lock_key(name, backend.schema)
+    take = _Take(name, key, backend.sequence, timeout, idle_timeout, backend.op_timeout)
     while True:
         connection, reused = await sessions.take()
         body_ran = False
         try:
-            async with _transaction(
-                connection,
-                name,
-                lock_key(name, backend.schema),
-                backend.sequence,
-                timeout,
-                idle_timeout,
-                isolation,
-                backend.op_timeout,
-                backend,
-            ) as held:
+            async with _transaction(connection, take, isolation, backend._translator) as held:
                 body_ran = True
                 yield held
             # The body may have changed the session (SET, LISTEN, temporary tables, a session
@@ -198,29 +183,30 @@ async def _on_backend(
         return
 
 
+@dataclass(frozen=True, slots=True)
+class _Take:
+    """What one transaction_lock takes, and how long it may wait."""
+
+    name: str
+    key: int
+    sequence: str
+    timeout: float | None
+    idle_timeout: float | None
+    op_timeout: float
+
+
 @asynccontextmanager
 async def _transaction(
-    connection: Any,
-    name: str,
-    key: int,
-    sequence: str,
-    timeout: float | None,
-    idle_timeout: float | None,
-    isolation: str | None,
-    op_timeout: float,
-    backend: PostgresBackend | None,
+    connection: Any, take: _Take, isolation: str | None, errors: Errors
 ) -> AsyncIterator[TransactionLock]:
-    # The backend's translator names its server; a connection of the caller's is named so.
-    errors = backend._translator if backend is not None else _YOUR_CONNECTION
+    name, op_timeout = take.name, take.op_timeout
     transaction = connection.transaction(isolation=isolation)
     context = f"taking {name!r} for a transaction"
     with translate(errors, context), anyio.fail_after(op_timeout):
         await transaction.start()
     try:
         with translate(errors, context):
-            token = await _take_in_transaction(
-                connection, name, key, sequence, timeout, idle_timeout, op_timeout
-            )
+            token = await _take_in_transaction(connection, take)
         yield TransactionLock(connection, token)
     except BaseException:
         with anyio.CancelScope(shield=True), anyio.move_on_after(op_timeout):
@@ -235,30 +221,24 @@ async def _transaction(
         await transaction.commit()
 
 
-async def _take_in_transaction(
-    connection: Any,
-    name: str,
-    key: int,
-    sequence: str,
-    timeout: float | None,
-    idle_timeout: float | None,
-    op_timeout: float,
-) -> int:
-    if idle_timeout is not None:
+async def _take_in_transaction(connection: Any, take: _Take) -> int:
+    if take.idle_timeout is not None:
         await connection.execute(
             "SELECT set_config('idle_in_transaction_session_timeout', $1, true)",
-            str(timeout_ms(idle_timeout)),
-            timeout=op_timeout,
+            str(timeout_ms(take.idle_timeout)),
+            timeout=take.op_timeout,
         )
-    if timeout == 0:
-        token = await connection.fetchval(XACT_TRY, key, sequence, timeout=op_timeout)
+    if take.timeout == 0:
+        token = await connection.fetchval(
+            XACT_TRY, take.key, take.sequence, timeout=take.op_timeout
+        )
         if token is None:
-            raise AcquireTimeout(name, 0.0)
+            raise AcquireTimeout(take.name, 0.0)
         return int(token)
     # At the timeout asyncpg cancels the wait in the server; the caller's rollback frees the
     # lock if it was granted at that very moment.
-    with anyio.move_on_after(math.inf if timeout is None else timeout) as scope:
-        token = await connection.fetchval(XACT_WAIT, key, sequence)
+    with anyio.move_on_after(math.inf if take.timeout is None else take.timeout) as scope:
+        token = await connection.fetchval(XACT_WAIT, take.key, take.sequence)
     if scope.cancelled_caught:
-        raise AcquireTimeout(name, timeout or 0.0)
+        raise AcquireTimeout(take.name, take.timeout or 0.0)
     return int(token)

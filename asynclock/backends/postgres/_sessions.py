@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import ssl
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import asyncpg
 from .._kit import BackendUnavailable, IdlePool, RetryPolicy, TaskHost, finish, translate
 from ._sql import END_SESSION
 from ._translate import CONNECTING, Errors
+from ._urls import Settings
 
 logger = logging.getLogger("asynclock")
 
@@ -73,26 +73,18 @@ class Sessions:
 
     def __init__(
         self,
-        *,
-        dsn: str,
-        ssl_context: ssl.SSLContext | None,
+        settings: Settings,
         server_settings: dict[str, str],
-        application_name: str,
-        op_timeout: float,
-        connect_timeout: float,
-        max_idle: int,
         errors: Errors,
         host: TaskHost,
+        *,
         on_closed: Callable[[Any], None],
         busy: Callable[[Any], bool],
     ) -> None:
-        self._dsn = dsn
-        self._ssl = ssl_context
+        self._settings = settings
         #: Settings of every new connection (open() may add to them).
         self.server_settings = server_settings
-        self._application_name = application_name
-        self._op_timeout = op_timeout
-        self._connect_timeout = connect_timeout
+        self._op_timeout = settings.op_timeout
         self._errors = errors
         self._host = host
         self._on_closed = on_closed
@@ -103,7 +95,7 @@ class Sessions:
             alive=lambda connection: not connection.is_closed(),
             abort=self.discard,
             close=self.close,
-            keep=max_idle,
+            keep=settings.max_idle,
         )
         self.all: set[Any] = set()
         #: The server process of each connection (asyncpg forgets it once it aborted one).
@@ -181,11 +173,11 @@ class Sessions:
         try:
             with translate(self._errors, CONNECTING):
                 # asyncpg's own timeout bounds each attempt; ours bounds the whole call.
-                with anyio.fail_after(self._connect_timeout + 1.0):
+                with anyio.fail_after(self._settings.connect_timeout + 1.0):
                     pending.connection = await asyncpg.connect(
-                        self._dsn,
-                        ssl=self._ssl,
-                        timeout=self._connect_timeout,
+                        self._settings.dsn,
+                        ssl=self._settings.ssl_context,
+                        timeout=self._settings.connect_timeout,
                         statement_cache_size=16,
                         server_settings=self.server_settings,
                     )
@@ -266,7 +258,7 @@ class Sessions:
         polls = END_POLL.backoff()
         try:
             while await helper.fetchval(
-                END_SESSION, pid, self._application_name, timeout=self._op_timeout
+                END_SESSION, pid, self._settings.application_name, timeout=self._op_timeout
             ):
                 await polls.pause()
         except BaseException as exc:
@@ -286,7 +278,7 @@ class Sessions:
             # log an error (see _connect), so give those a moment; one stuck on a server that
             # does not answer is waiting for a reply, where cancelling it (the backend's
             # TaskHost does, when it closes) is clean.
-            with anyio.move_on_after(min(self._connect_timeout, 0.5)):
+            with anyio.move_on_after(min(self._settings.connect_timeout, 0.5)):
                 for pending in list(self._connecting):
                     await pending.done.wait()
             connections = list(self.all)

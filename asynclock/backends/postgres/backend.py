@@ -38,7 +38,7 @@ from ._sql import (
     timeout_ms,
 )
 from ._translate import CHECKING, Errors, connection_broken, unmapped
-from ._urls import SCHEMES, read_url
+from ._urls import SCHEMES, Settings, read_url
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 
@@ -105,16 +105,14 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._server_settings = {**_SERVER_SETTINGS, "application_name": application_name}
         self._host = TaskHost()
         self._renewals = Renewals(self._host, self._described, op_timeout)
+        settings = Settings(
+            dsn, schema, application_name, op_timeout, connect_timeout, max_idle, ssl_context
+        )
         self._sessions = Sessions(
-            dsn=dsn,
-            ssl_context=ssl_context,
-            server_settings=self._server_settings,
-            application_name=application_name,
-            op_timeout=op_timeout,
-            connect_timeout=connect_timeout,
-            max_idle=max_idle,
-            errors=self._translator,
-            host=self._host,
+            settings,
+            self._server_settings,
+            self._translator,
+            self._host,
             on_closed=self._connection_closed,
             busy=self._renewing,
         )
