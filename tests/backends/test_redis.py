@@ -32,11 +32,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def prefix() -> str:
-    return f"test-{uuid.uuid4().hex[:10]}:"
-
-
-@pytest.fixture
 def name() -> str:
     return f"redis-test/{uuid.uuid4().hex[:8]}"
 
