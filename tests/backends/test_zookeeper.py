@@ -244,6 +244,25 @@ async def test_tricky_names_are_distinct_locks_on_the_server(
             await maybe.release()
 
 
+def test_one_translator_turns_session_outcomes_and_server_errors_into_the_hierarchy() -> None:
+    from asynclock.backends._kit import MayHaveApplied, ProvenGone
+    from asynclock.backends.zookeeper import _errors
+
+    context = "acquiring 'x' on zookeeper://127.0.0.1:2181/asynclock"
+    not_sent = _errors.zk_errors(_errors.NotConnected("not connected"), context)
+    assert isinstance(not_sent, asynclock.BackendTimeout)
+    assert not isinstance(not_sent, MayHaveApplied)  # nothing was sent
+    assert isinstance(_errors.zk_errors(_errors.ConnectionLoss("broke"), context), MayHaveApplied)
+    gone = _errors.zk_errors(_errors.SessionGone("expired"), context)
+    assert isinstance(gone, ProvenGone)
+    assert str(gone) == f"{context}: expired"
+    refused = _errors.zk_errors(exc.NoAuth(), context)
+    assert isinstance(refused, asynclock.BackendUnavailable)
+    assert "refused access (NoAuth)" in str(refused)
+    assert isinstance(_errors.zk_errors(_errors.error_for(-9999), context), asynclock.LockError)
+    assert _errors.zk_errors(ValueError("not ours"), context) is None
+
+
 # -- connecting ------------------------------------------------------------------------------
 
 
