@@ -1,7 +1,8 @@
 """Kept for compatibility: the Redis backends' scripts, keys and wire now live in
 :mod:`asynclock.backends.redis` (``_scripts``, ``_settings``, ``_lane``)."""
 
-from .redis._lane import Lane, Undo, pack
+from .redis._lane import Lane, Undo
+from .redis._resp import pack
 from .redis._scripts import (
     LOCK_TAG,
     QUEUE_TAG,

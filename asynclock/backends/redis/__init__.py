@@ -5,10 +5,12 @@ Layout (imports go down this list, never up):
 
 - :mod:`.backend`: :class:`RedisBackend` (one server, fencing tokens, a fair queue);
 - :mod:`.redlock`: :class:`RedlockBackend` (a majority of masters, no fencing);
+- :mod:`._quorum`: Redlock's majority arithmetic and its local queue of waiters;
 - :mod:`._server`: what the single-server backend checks on its server (version, durability,
   restarts);
 - :mod:`._lane`: the single-server wire (pooled redis-py connections, one per blocked waiter);
 - :mod:`._wire`: Redlock's wire (one pipelined connection per master, in-order cleanup);
+- :mod:`._resp`: the Redis protocol, written and read (both wires);
 - :mod:`._settings`: URL forms, shared options, TLS, error translation;
 - :mod:`._scripts`: the Lua scripts and key names (one copy of each).
 """

@@ -13,7 +13,8 @@ import redis.asyncio
 import redis.exceptions
 
 from .._kit import RetryPolicy, UnsupportedFeature
-from ._lane import Lane, pack
+from ._lane import Lane
+from ._resp import pack
 from ._scripts import as_text
 
 logger = logging.getLogger("asynclock")

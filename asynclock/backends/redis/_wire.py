@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 
 from .._kit import BackendTimeout, BackendUnavailable, HostPort, TaskHost
-from ._lane import pack
+from ._resp import ErrorReply, ProtocolError, pack, read_reply
 from ._settings import Settings
 
 logger = logging.getLogger("asynclock")
@@ -41,39 +41,6 @@ class Failed:
 
     def __repr__(self) -> str:
         return f"<failed: {self.error!r}>"
-
-
-class ErrorReply(str):
-    """A RESP error reply (``-ERR ...``)."""
-
-    __slots__ = ()
-
-
-class ProtocolError(Exception):
-    """The server sent something that is not a reply to what was asked."""
-
-
-async def _read_reply(reader: asyncio.StreamReader) -> Any:
-    """One RESP2 reply. An error reply comes back as an :class:`ErrorReply` value."""
-    line = await reader.readuntil(b"\r\n")
-    kind, rest = line[:1], line[1:-2]
-    if kind == b":":
-        return int(rest)
-    if kind == b"$":
-        size = int(rest)
-        if size < 0:
-            return None
-        return (await reader.readexactly(size + 2))[:-2]
-    if kind == b"*":
-        count = int(rest)
-        if count < 0:
-            return None
-        return [await _read_reply(reader) for _ in range(count)]
-    if kind == b"+":
-        return rest
-    if kind == b"-":
-        return ErrorReply(rest.decode("utf-8", "replace"))
-    raise ProtocolError(f"unexpected reply line {line[:40]!r}")
 
 
 def _now() -> float:
@@ -135,7 +102,7 @@ class _Link:
         master = self.master
         try:
             while self.alive:
-                self._deliver(await _read_reply(self.reader))
+                self._deliver(await read_reply(self.reader))
         except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
             master.lost(self, _unavailable(master, "closed the connection", exc), retry=True)
         except (ProtocolError, ValueError, asyncio.LimitOverrunError) as exc:
@@ -330,7 +297,7 @@ class Master:
         commands.append(("PING",))
         writer.write(b"".join(pack(command) for command in commands))
         for command in commands:
-            reply = await _read_reply(reader)
+            reply = await read_reply(reader)
             if isinstance(reply, ErrorReply):
                 raise BackendUnavailable(
                     f"Redis master {self.address} refused {command[0]}: {reply}; check the "
