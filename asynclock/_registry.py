@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
 from ._errors import InvalidURL, MissingDependency
 from ._validate import redact
@@ -55,14 +55,16 @@ def split_url(url: object) -> tuple[str, dict[str, str]]:
         raise InvalidURL(
             f"{url!r} is not a lock URL: expected scheme://..., for example {_EXAMPLES}"
         )
+    # Only the scheme and the query are read here: the server list is the backend's to read
+    # (with the kit), so that a malformed address gets the same words on every backend.
+    scheme = url.partition("://")[0].lower()
+    query_text = url.partition("?")[2].partition("#")[0]
     try:
-        parts = urlsplit(url)
-        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+        query = parse_qsl(query_text, keep_blank_values=True, strict_parsing=bool(query_text))
     except ValueError as exc:
         raise InvalidURL(
             f"malformed lock URL {redact(url)!r}: {exc}; for example {_EXAMPLES}"
         ) from None
-    scheme = parts.scheme.lower()
     if scheme not in _BACKENDS:
         raise InvalidURL(
             f"unknown lock backend {scheme!r} in {redact(url)!r}; known schemes: "
