@@ -82,12 +82,17 @@ class IdlePool(Generic[C]):
             self.give_back(connection, reusable=reusable)
 
     async def aclose(self) -> None:
-        """Close every idle connection. Idempotent."""
+        """Close every idle connection, all at once (a hung server costs one close, not one per
+        connection). Idempotent."""
         self._closed = True
         idle, self._idle = self._idle, []
         with anyio.CancelScope(shield=True):
-            for connection in idle:
-                try:
-                    await self._close(connection)
-                except Exception:
-                    self._abort(connection)
+            async with anyio.create_task_group() as group:
+                for connection in idle:
+                    group.start_soon(self._close_one, connection)
+
+    async def _close_one(self, connection: C) -> None:
+        try:
+            await self._close(connection)
+        except Exception:
+            self._abort(connection)
