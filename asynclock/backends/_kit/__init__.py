@@ -38,7 +38,15 @@ from ...abc import (
     Unknown,
     WaiterRegistry,
 )
-from ._address import HostPort, bracket, parse_host, parse_hosts, split_userinfo
+from ._address import (
+    HostPort,
+    ServerURL,
+    bracket,
+    parse_host,
+    parse_hosts,
+    split_server_url,
+    split_userinfo,
+)
 from ._pool import IdlePool
 from ._retry import Backoff, RetryPolicy
 from ._tasks import TaskHost
@@ -69,6 +77,7 @@ __all__ = (
     "RenewalPolicy",
     "Renewed",
     "RetryPolicy",
+    "ServerURL",
     "TaskHost",
     "Translator",
     "Unknown",
@@ -79,6 +88,7 @@ __all__ = (
     "parse_host",
     "parse_hosts",
     "redact",
+    "split_server_url",
     "split_userinfo",
     "translate",
 )

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from ..._errors import InvalidURL
 from ..._validate import redact
 
-__all__ = ("HostPort", "bracket", "parse_host", "parse_hosts", "split_userinfo")
+__all__ = (
+    "HostPort",
+    "ServerURL",
+    "bracket",
+    "parse_host",
+    "parse_hosts",
+    "split_server_url",
+    "split_userinfo",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +117,29 @@ def split_userinfo(netloc: str) -> tuple[str | None, str]:
     """``user:password@hosts`` -> (``user:password`` or None, ``hosts``); percent-encoding kept."""
     userinfo, at, hosts = netloc.rpartition("@")
     return (userinfo if at else None), hosts
+
+
+@dataclass(frozen=True, slots=True)
+class ServerURL:
+    """The parts of ``scheme://[userinfo@]hosts[/path][?query][#fragment]``, unparsed."""
+
+    scheme: str
+    userinfo: str | None
+    hosts: str
+    path: str
+    query: str
+    fragment: str
+
+
+def split_server_url(url: str, *, schemes: tuple[str, ...], example: str) -> ServerURL:
+    """Split a server URL without judging its host list (``urllib.parse.urlsplit`` refuses a
+    bracketed host it cannot read in words of its own): :func:`parse_hosts` reads that."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in schemes:
+        wanted = " or ".join(f"{name}://" for name in schemes)
+        raise InvalidURL(f"{redact(url)!r} is not a {wanted} URL; expected for example {example}")
+    rest, _, fragment = rest.partition("#")
+    rest, _, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
+    userinfo, hosts = split_userinfo(netloc)
+    return ServerURL(scheme.lower(), userinfo, hosts, slash + path, query, fragment)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from .._kit import (
     HostPort,
@@ -14,7 +14,7 @@ from .._kit import (
     Options,
     parse_hosts,
     redact,
-    split_userinfo,
+    split_server_url,
 )
 from ._names import forbidden
 
@@ -38,17 +38,12 @@ class Settings:
 
 def parse_url(url: str, options: Mapping[str, object]) -> Settings:
     shown = redact(url)
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        raise InvalidURL(f"malformed {shown!r}: {exc}; expected e.g. {_EXAMPLE}") from None
-    if parts.scheme.lower() != "zookeeper" or not url.partition(":")[2].startswith("//"):
-        raise InvalidURL(f"{shown!r} is not a zookeeper:// URL; expected e.g. {_EXAMPLE}")
+    parts = split_server_url(url, schemes=("zookeeper",), example=_EXAMPLE)
     if "#" in url:
         raise InvalidURL(f"a zookeeper:// URL has no #fragment; expected e.g. {_EXAMPLE}")
     if parts.query:
         raise InvalidURL(f"{shown!r}: pass the options to from_url(), not in the URL")
-    userinfo, host_text = split_userinfo(parts.netloc)
+    userinfo, host_text = parts.userinfo, parts.hosts
     user = password = None
     if userinfo is not None:
         raw_user, colon, raw_password = userinfo.partition(":")
