@@ -14,8 +14,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
+
+from anyio.abc import AsyncResource
 
 from ._errors import UnsupportedFeature
 
@@ -152,8 +153,9 @@ class WaiterRegistry(ABC):
 G = TypeVar("G", bound=Grant)
 
 
-class Backend(ABC, Generic[G]):
-    """A lock store. One instance per client; entered with ``async with`` before any other call.
+class Backend(AsyncResource, Generic[G]):
+    """A lock store. One instance per client; entered with ``async with`` before any other call
+    (leaving it awaits ``aclose()``, as every anyio ``AsyncResource``).
 
     Every method may be cancelled at any await. ``acquire`` and ``try_acquire`` must then leave
     nothing behind (clean up in a shielded scope) and must not return a grant they have not handed
@@ -184,14 +186,6 @@ class Backend(ABC, Generic[G]):
     async def __aenter__(self) -> Self:
         await self.open()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     @abstractmethod
     async def open(self) -> None:
