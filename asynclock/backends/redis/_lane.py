@@ -214,8 +214,7 @@ class Lane:
                 try:
                     await self._open(conn)
                 except redis.exceptions.ConnectionError:
-                    self._discard(conn)
-                    if attempt == 2 or self._closed:
+                    if not self._retry_after_dropping(conn, attempt):
                         raise
                     continue
                 except BaseException:
@@ -233,8 +232,7 @@ class Lane:
                 self._checkin(conn)  # an error reply: the connection itself is fine
                 raise
             except redis.exceptions.ConnectionError:
-                self._discard(conn)
-                if attempt == 2 or self._closed:
+                if not self._retry_after_dropping(conn, attempt):
                     raise
                 continue
             except BaseException:
@@ -245,6 +243,11 @@ class Lane:
             self._checkin(conn)
             return reply
         raise AssertionError("unreachable")
+
+    def _retry_after_dropping(self, conn: AbstractConnection, attempt: int) -> bool:
+        """``conn`` broke: close it; True if the call may be tried once more (on a new one)."""
+        self._discard(conn)
+        return attempt == 1 and not self._closed
 
     def _queue_undo(self, conn: AbstractConnection, undo: Undo) -> bool:
         writer = conn._writer
