@@ -163,8 +163,6 @@ class Backend(AsyncResource, Generic[G]):
     boundary (see :func:`asynclock._errors.map_exceptions`).
     """
 
-    #: URL schemes that select this backend.
-    schemes: tuple[str, ...] = ()
     capabilities: Capabilities
     #: The shortest ttl the core accepts: a lease must outlast a renewal round trip plus the
     #: safety margin, or it is lost as soon as it is granted.

@@ -38,7 +38,7 @@ from ._sql import (
     timeout_ms,
 )
 from ._translate import CHECKING, Errors, connection_broken, unmapped
-from ._urls import SCHEMES, Settings, read_url
+from ._urls import Settings, read_url
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 
@@ -59,7 +59,6 @@ _RENEWAL_WAIT = 0.05
 
 
 class PostgresBackend(Backend[PostgresGrant]):
-    schemes = SCHEMES
     driver = "asyncpg"
     #: idle_session_timeout counts in milliseconds, and a ttl is renewed every ttl / 3 with one
     #: round trip per held connection, which must be back before the local deadline (about

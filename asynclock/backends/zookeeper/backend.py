@@ -54,7 +54,6 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     (locks whose ttl equals it share it; every other ttl opens its own session on first use).
     """
 
-    schemes = ("zookeeper",)
     driver = "aiozk"
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=True, cross_process=True
