@@ -25,7 +25,11 @@ T = TypeVar("T")
 
 class TaskHost:
     """A backend's task group. ``await host.open()`` in ``Backend.open()``, ``await
-    host.aclose()`` in ``Backend.aclose()`` (idempotent; it cancels what still runs)."""
+    host.aclose()`` in ``Backend.aclose()`` (idempotent; it cancels what still runs).
+
+    Call ``aclose()`` at the nesting level of ``open()``, never inside a cancel scope of your
+    own (``with CancelScope(shield=True): await host.aclose()`` breaks the group's nesting and
+    anyio raises): the client already runs ``Backend.aclose()`` where nothing cancels it."""
 
     def __init__(self, *, cleanup_timeout: float = 5.0) -> None:
         self._group: TaskGroup | None = None
