@@ -14,6 +14,8 @@ from .._errors import StaleToken as StaleToken
 from ._aiohttp import aiohttp_client_middleware as aiohttp_client_middleware
 from ._aiohttp import aiohttp_fencing_middleware as aiohttp_fencing_middleware
 from ._asgi import FencingMiddleware as FencingMiddleware
+from ._etcd import fence_compare as fence_compare
+from ._etcd import fenced_txn as fenced_txn
 from ._http import LOCK_HEADER as LOCK_HEADER
 from ._http import TOKEN_HEADER as TOKEN_HEADER
 from ._http import Guard as Guard
@@ -41,6 +43,8 @@ __all__ = (
     "aiohttp_client_middleware",
     "aiohttp_fencing_middleware",
     "encode_lock_name",
+    "fence_compare",
+    "fenced_txn",
     "fencing_headers",
     "httpx_request_hook",
     "incoming_token",

@@ -31,7 +31,8 @@ from aetcd import rpc
 
 import asynclock
 from asynclock.abc import Grant, Renewed
-from asynclock.backends.etcd import EtcdBackend, EtcdGrant, fence_compare, fenced_txn
+from asynclock.backends.etcd import EtcdBackend, EtcdGrant
+from asynclock.fencing import fence_compare, fenced_txn
 from asynclock.testing import EtcdCluster, EtcdServer, FaultProxy, find_binary, free_port
 from tests.contract.backend_etcd import etcd_backend
 from tests.contract.harness import BackendUnderTest
@@ -126,11 +127,8 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 
     [
         ("etcd://", "names no host"),
         ("etcd://127.0.0.1:2379/locks", "take no path"),
-        ("etcd://127.0.0.1:99999", "not a TCP port"),
-        ("etcd://127.0.0.1:port", "not a TCP port"),
-        ("etcd://127.0.0.1:2379,,127.0.0.1:2380", "cannot read host"),
-        ("etcd://[::1]2379", "cannot read host"),
-        ("etcd://bad host:2379", "cannot read host"),
+        # Ports, brackets and empty entries: the contract's test_boundary (the kit's words).
+        ("etcd://bad host:2379", "is not a host name or address"),
         ("etcd://127.0.0.1:2379,[::1]:2379", "mixes IPv4 and IPv6"),
         ("etcd://root@127.0.0.1:2379", "user:password@host"),
     ],
@@ -837,6 +835,10 @@ async def test_200_waiters_are_served_in_arrival_order(
 async def test_fenced_txn_commits_only_while_our_key_has_our_create_revision(
     etcd_server: EtcdServer, prefix: str
 ) -> None:
+    import asynclock.backends.etcd as old_path
+
+    # The old import path still works (kept for compatibility).
+    assert old_path.fenced_txn is fenced_txn and old_path.fence_compare is fence_compare
     data = f"{prefix}data".encode()
     async with (
         asynclock.connect(etcd_server.url, prefix=prefix) as locks,

@@ -1,0 +1,66 @@
+"""``etcd://host:port[,host:port...]``: locks in etcd v3 (the recipe of Go's ``concurrency`` package).
+
+How a lock works here:
+
+* Every client keeps **one etcd lease per distinct ttl** (in whole seconds), granted on the first
+  acquire with that ttl and revoked when the client closes. Every key the client creates rides on
+  it, so renewing a thousand held locks costs one keepalive per lease (plus one batched read that
+  checks the keys are still there), like Go's ``concurrency.Session``. A lease is kept alive on
+  one schedule (the kit's ``RENEWAL``), by the client's supervisor while locks are held on it and
+  by its waiters while only they ride on it.
+* Taking ``name`` creates ``<prefix><percent-encoded name>/<lease id>-<owner id>`` on our lease,
+  in a transaction guarded by ``create_revision == 0``. The key's create revision is the fencing
+  token: etcd's revision is one counter for the whole cluster, so tokens strictly increase. The
+  owner id (random per acquisition) makes the key unique, so two acquisitions of one name from one
+  client (same lease) are two queue entries that exclude each other like any others.
+* The holder is the key with the lowest create revision under the name. A waiter watches only
+  the key just before its own for its DELETE (FIFO, no thundering herd), and before reporting
+  success re-reads, in one linearizable read, that its own key still exists with its create
+  revision (so it is on a live lease: etcd#11456 granted locks on dead leases) and that no lower
+  key is left.
+* Release deletes our key in a transaction guarded on its create revision. An acquire that is
+  cancelled deletes the key it may have created, once its create request is done; both
+  clean-ups go through the kit's ``finish``, so they finish whatever cancels the caller, a
+  native ``Task.cancel()`` included (bounded by twice ``op_timeout``). A delete that fails is
+  retried by the client's later acquires, renewals and waits (and, after a cancelled acquire,
+  in the background by ``TaskHost.deferred``); the key dies with its lease in any case.
+* Every request is safe to send twice, so a call is sent again within ``op_timeout`` when the
+  connection broke or etcd had no leader, and at once when etcd elected a new leader since it
+  was sent (after a leader kill, a forwarded write is otherwise never answered).
+
+It talks to etcd through aetcd's generated gRPC stubs (``aetcd.rpc``) on a ``grpc.aio`` channel
+of its own: aetcd's ``Client`` has no TLS, no range limits or create-revision filters, no
+keepalive stream, and its watcher returns errors instead of raising them.
+
+The package, imported in one direction (each file only from those below it):
+
+* ``backend.py``: :class:`EtcdBackend`, the contract's calls;
+* ``_queue.py``: taking a lock, queueing for it, leaving the queue after a cancel;
+* ``_watch.py``: a waiter's wait for its turn (watches, the lease kept alive meanwhile);
+* ``_keys.py``: deletes of lock keys, and the keys whose delete failed;
+* ``_lease.py``: :class:`EtcdGrant`, the client's leases and their keepalive stream;
+* ``_wire.py``: the gRPC channel, deadlines, re-authentication, the resend logic;
+* ``_errors.py``: gRPC statuses into asynclock's errors (one translator);
+* ``_proto.py``: request messages; ``_urls.py``: the URL and the settings.
+
+``fenced_txn`` and ``fence_compare`` (they take a Lease) live in :mod:`asynclock.fencing`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._lease import EtcdGrant
+from .backend import EtcdBackend
+
+__all__ = ("EtcdBackend", "EtcdGrant", "fence_compare", "fenced_txn")
+
+
+def __getattr__(name: str) -> Any:
+    # Kept for compatibility: fenced_txn and fence_compare live in asynclock.fencing (above
+    # the backends, as they take a Lease); imported lazily, on first use of the old path.
+    if name in ("fenced_txn", "fence_compare"):
+        from ...fencing import _etcd
+
+        return getattr(_etcd, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,254 @@
+"""The client's etcd leases (one per ttl bucket), their grants, keepalives and revocation.
+
+Renewal is decided in one place, :data:`RENEWAL`: a lease is kept alive ``RENEWAL.next_after``
+its last proof of life, whether locks are held on it (the client's supervisor calls
+``renew``) or only waiters' keys ride on it (the waiters keep it alive, one at a time). Either
+keepalive moves ``valid_from``, and the other one then has nothing to send.
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import grpc
+from aetcd import rpc
+
+from .._kit import RENEWAL, BackendUnavailable, Grant, LockError, ProvenGone
+from ._errors import Superseded
+from ._wire import Metadata, Wire
+
+__all__ = ("ClientLease", "EtcdGrant", "Leases", "lease_gone")
+
+
+@dataclass(eq=False, slots=True)
+class EtcdGrant(Grant):
+    """A lock held in etcd. ``token`` is the create revision of ``key``, our key on lease
+    ``lease_id``; a transaction that compares ``create_revision(key) == token`` commits only
+    while we hold the lock (see :func:`asynclock.fencing.fence_compare` and
+    :func:`asynclock.fencing.fenced_txn`)."""
+
+    key: bytes
+    lease_id: int
+    on_lost: Callable[[str], None] = field(repr=False)
+
+
+class ClientLease:
+    """One etcd lease of this client; every key of one ttl bucket rides on it."""
+
+    __slots__ = ("bucket", "dead", "held", "id", "refreshing", "retry_at", "ttl", "valid_from")
+
+    def __init__(self, lease_id: int, bucket: int, ttl: int, valid_from: float) -> None:
+        self.id = lease_id
+        self.bucket = bucket
+        #: As granted by the server (at least the bucket).
+        self.ttl = ttl
+        #: When the last grant or keepalive that etcd answered with a ttl was sent: the lease
+        #: lives at least until ``valid_from + ttl``.
+        self.valid_from = valid_from
+        self.dead = False
+        self.held: set[EtcdGrant] = set()
+        self.refreshing = False
+        #: After a keepalive that proved nothing, the next one no earlier than this.
+        self.retry_at = 0.0
+
+    def fresh(self, now: float) -> bool:
+        """Refreshed within the last half of its ttl: good for a new grant (the supervisor
+        renews it at once), and no keepalive of its own when locks are taken back to back."""
+        return not self.dead and now < self.valid_from + self.ttl / 2.0
+
+    def refresh_due(self) -> float:
+        """When this lease is kept alive next (:data:`RENEWAL`'s schedule)."""
+        return max(RENEWAL.next_after(self.valid_from, self.ttl), self.retry_at)
+
+    def renewed_since(self, valid_from: float, now: float) -> bool:
+        """Whether a keepalive after ``valid_from`` proved it alive, recently enough that the
+        next one is not due yet."""
+        return not self.dead and self.valid_from > valid_from and now < self.refresh_due()
+
+
+def lease_gone(lease_id: int) -> str:
+    return f"etcd lease {lease_id:016x} expired or was revoked: its lock keys are gone"
+
+
+class Leases:
+    """The leases of one client."""
+
+    def __init__(self, wire: Wire) -> None:
+        self._wire = wire
+        #: The lease new acquisitions of each ttl bucket (whole seconds) go on.
+        self.current: dict[int, ClientLease] = {}
+        #: Every lease of ours not known to be gone, by id.
+        self.by_id: dict[int, ClientLease] = {}
+        #: Lease ids that may exist on the server: revoked in ``aclose``. Includes grants whose
+        #: answer never came (we choose the id, so a lost answer leaks nothing).
+        self._granted: set[int] = set()
+        self._granting: dict[int, anyio.Lock] = {}
+
+    async def lease_for(self, bucket: int) -> ClientLease:
+        """A live lease for ``bucket``, refreshed within the last half of its ttl."""
+        lease = self.current.get(bucket)
+        if lease is not None and lease.fresh(anyio.current_time()):
+            return lease
+        async with self._granting.setdefault(bucket, anyio.Lock()):
+            lease = self.current.get(bucket)
+            if lease is not None and lease.fresh(anyio.current_time()):
+                return lease
+            # Not renewed lately (nothing held on it): ask whether it still lives. A lease
+            # past its known expiry is most likely gone, but a keepalive whose answer was lost
+            # may have kept it: this way none is left behind.
+            if lease is not None and not lease.dead and await self.refresh(lease):
+                return lease
+            return await self._grant(bucket)
+
+    async def _grant(self, bucket: int) -> ClientLease:
+        for _ in range(3):
+            # We choose the id, so a grant whose answer is lost is still revoked in aclose.
+            lease_id = secrets.randbits(62) + 1
+            self._granted.add(lease_id)
+            sent_at = anyio.current_time()
+            try:
+                reply = await self._wire.call(
+                    f"granting a {bucket} s lease",
+                    functools.partial(self._grant_rpc, bucket, lease_id),
+                )
+            except BackendUnavailable as exc:
+                cause = exc.__cause__
+                if isinstance(cause, grpc.aio.AioRpcError) and "lease already exists" in str(
+                    cause.details()
+                ):
+                    # Almost surely our own grant, sent again after an answer that was lost
+                    # (two random 62-bit ids colliding is not worth a thought): adopt it.
+                    lease = ClientLease(lease_id, bucket, bucket, sent_at)
+                    if await self.refresh(lease):
+                        return self._adopt(lease)
+                    continue
+                raise
+            if reply.error:
+                self._granted.discard(lease_id)
+                raise BackendUnavailable(
+                    f"granting a lease on {self._wire.describe} failed: {reply.error}"
+                )
+            return self._adopt(ClientLease(int(reply.ID), bucket, int(reply.TTL), sent_at))
+        raise BackendUnavailable(f"{self._wire.describe} refused three random lease ids")
+
+    def _grant_rpc(self, bucket: int, lease_id: int, metadata: Metadata, timeout: float) -> Any:
+        return self._wire.lease.LeaseGrant(
+            rpc.LeaseGrantRequest(TTL=bucket, ID=lease_id), timeout=timeout, metadata=metadata
+        )
+
+    def _adopt(self, lease: ClientLease) -> ClientLease:
+        self.by_id[lease.id] = lease
+        self.current[lease.bucket] = lease
+        return lease
+
+    async def refresh(self, lease: ClientLease) -> bool:
+        """One keepalive: True if etcd extended the lease, False if it is gone."""
+        sent_at = anyio.current_time()
+        ttl: int = await self._wire.call(
+            f"renewing lease {lease.id:016x}",
+            lambda md, timeout: self._wire.detached(
+                self._keepalive, lease.id, md, timeout, name=f"keepalive of {lease.id:016x}"
+            ),
+        )
+        if ttl <= 0:
+            self.died(lease, lease_gone(lease.id))
+            return False
+        if not lease.dead:
+            lease.valid_from = max(lease.valid_from, sent_at)
+            lease.ttl = ttl
+            lease.retry_at = 0.0
+        return True
+
+    async def refresh_if_due(self, lease: ClientLease) -> bool:
+        """A waiter's keepalive of the lease its key rides on, when :data:`RENEWAL` says it is
+        due and no other waiter is sending one; whether it sent one."""
+        now = anyio.current_time()
+        if lease.refreshing or lease.dead or now < lease.refresh_due():
+            return False
+        lease.refreshing = True
+        try:
+            await self.refresh(lease)
+        except LockError:
+            lease.retry_at = RENEWAL.retry_at(anyio.current_time(), lease.ttl)
+        finally:
+            lease.refreshing = False
+        return True
+
+    async def _keepalive(self, lease_id: int, metadata: Metadata, timeout: float) -> int:
+        """One keepalive on a stream of its own. Like a unary call, it is given up, to be sent
+        again, when it is slow and etcd has elected a new leader since it was sent."""
+        wire = self._wire
+        term = wire.term
+        call = wire.lease.LeaseKeepAlive(timeout=timeout, metadata=metadata)
+        replies: list[Any] = []
+        errors: list[Exception] = []
+        done = anyio.Event()
+
+        async def read() -> None:
+            try:
+                await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                replies.append(await call.read())
+            except Exception as exc:
+                errors.append(exc)
+            except BaseException:
+                if not call.cancelled():  # ours, below: the read ends, nothing to report
+                    raise
+            finally:
+                done.set()
+
+        superseded = False
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                superseded = await wire.superseded(done, term)
+                # Never cancel the reader (gRPC would turn that into a bare CancelledError):
+                # cancelling the call ends its read.
+                call.cancel()
+        finally:
+            call.cancel()
+        if superseded and not replies:
+            raise Superseded
+        if errors:
+            raise errors[0]
+        if not replies or replies[0] is grpc.aio.EOF:
+            raise BackendUnavailable(f"{wire.describe} closed the keepalive stream")
+        return int(replies[0].TTL)
+
+    def died(self, lease: ClientLease, reason: str) -> None:
+        if lease.dead:
+            return
+        lease.dead = True
+        if self.current.get(lease.bucket) is lease:
+            del self.current[lease.bucket]
+        self.by_id.pop(lease.id, None)
+        self._granted.discard(lease.id)
+        for grant in list(lease.held):
+            grant.on_lost(reason)
+        lease.held.clear()
+
+    async def revoke_all(self) -> None:
+        """Revoke every lease that may exist (deleting every key still on it), within
+        ``op_timeout``; quiet: a lease left behind expires by itself."""
+        with anyio.move_on_after(self._wire.settings.op_timeout):
+            async with anyio.create_task_group() as tg:
+                for lease_id in list(self._granted):
+                    tg.start_soon(self._revoke, lease_id)
+
+    async def _revoke(self, lease_id: int) -> None:
+        try:
+            await self._wire.call(
+                f"revoking lease {lease_id:016x}",
+                lambda md, timeout: self._wire.lease.LeaseRevoke(
+                    rpc.LeaseRevokeRequest(ID=lease_id), timeout=timeout, metadata=md
+                ),
+            )
+        except ProvenGone:
+            pass
+        except Exception:  # quiet: it expires by itself; nothing else may stop aclose()
+            return
+        self._granted.discard(lease_id)

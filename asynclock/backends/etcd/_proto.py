@@ -1,0 +1,120 @@
+"""etcd's request messages as this backend builds them (``aetcd.rpc`` protobufs), and the
+conversion of ``aetcd`` transaction operations into them (for fenced transactions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aetcd import rpc
+from aetcd import transactions as aetcd_transactions
+
+from .._kit import InvalidArgument
+
+__all__ = (
+    "create_is",
+    "delete_op",
+    "prefix_end",
+    "put_op",
+    "range_op",
+    "to_compare",
+    "to_request_op",
+)
+
+
+def put_op(key: bytes, owner: str, lease_id: int) -> Any:
+    return rpc.RequestOp(
+        request_put=rpc.PutRequest(key=key, value=owner.encode("ascii"), lease=lease_id)
+    )
+
+
+def range_op(key: bytes, range_end: bytes = b"", **fields: Any) -> Any:
+    return rpc.RequestOp(
+        request_range=rpc.RangeRequest(key=key, range_end=range_end, keys_only=True, **fields)
+    )
+
+
+def delete_op(key: bytes) -> Any:
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+
+
+def create_is(key: bytes, revision: int, range_end: bytes = b"") -> Any:
+    """A comparison: the create revision of ``key`` (every key up to ``range_end``) is
+    ``revision`` (0: it does not exist)."""
+    return rpc.Compare(
+        key=key,
+        range_end=range_end,
+        target=rpc.Compare.CREATE,
+        result=rpc.Compare.EQUAL,
+        create_revision=revision,
+    )
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix`` (it ends with '/' here)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+def to_compare(item: Any) -> Any:
+    if isinstance(item, rpc.Compare):
+        return item
+    if isinstance(item, aetcd_transactions.BaseCompare):
+        return item.build_message()
+    raise InvalidArgument(
+        f"compare takes aetcd comparisons or aetcd.rpc.Compare, not {type(item).__name__}"
+    )
+
+
+_WRAPPERS: tuple[tuple[Any, str], ...] = (
+    (rpc.PutRequest, "request_put"),
+    (rpc.RangeRequest, "request_range"),
+    (rpc.DeleteRangeRequest, "request_delete_range"),
+    (rpc.TxnRequest, "request_txn"),
+)
+
+
+def to_request_op(item: Any) -> Any:
+    if isinstance(item, rpc.RequestOp):
+        return item
+    for message, field_name in _WRAPPERS:
+        if isinstance(item, message):
+            return rpc.RequestOp(**{field_name: item})
+    if isinstance(item, aetcd_transactions.Put):
+        lease = item.lease
+        return rpc.RequestOp(
+            request_put=rpc.PutRequest(
+                key=_bytes(item.key),
+                value=_bytes(item.value),
+                lease=int(getattr(lease, "id", lease) or 0),
+                prev_kv=bool(item.prev_kv),
+            )
+        )
+    if isinstance(item, aetcd_transactions.Get):
+        return rpc.RequestOp(
+            request_range=rpc.RangeRequest(key=_bytes(item.key), range_end=_end(item.range_end))
+        )
+    if isinstance(item, aetcd_transactions.Delete):
+        return rpc.RequestOp(
+            request_delete_range=rpc.DeleteRangeRequest(
+                key=_bytes(item.key), range_end=_end(item.range_end), prev_kv=bool(item.prev_kv)
+            )
+        )
+    if isinstance(item, aetcd_transactions.Txn):
+        return rpc.RequestOp(
+            request_txn=rpc.TxnRequest(
+                compare=[to_compare(each) for each in item.compare],
+                success=[to_request_op(each) for each in item.success or ()],
+                failure=[to_request_op(each) for each in item.failure or ()],
+            )
+        )
+    raise InvalidArgument(
+        f"transaction operations are aetcd operations or aetcd.rpc requests, not "
+        f"{type(item).__name__}"
+    )
+
+
+def _end(range_end: bytes | str | None) -> bytes:
+    return _bytes(range_end) if range_end is not None else b""
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("utf-8")

@@ -1,0 +1,296 @@
+"""The queue of one lock name: taking it, queueing for it, and leaving the queue.
+
+The holder is the key with the lowest create revision under the name. A waiter watches only
+the key just before its own (see :mod:`._watch`), and before reporting success re-reads, in
+one linearizable read, that its own key still exists with its create revision (so it is on a
+live lease: etcd#11456 granted locks on dead leases) and that no lower key is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import anyio
+from aetcd import rpc
+
+from .._kit import (
+    BackendUnavailable,
+    LockError,
+    LockRequest,
+    ProvenGone,
+    RetryPolicy,
+    TaskHost,
+    finish,
+)
+from ._errors import transient
+from ._keys import Keys
+from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
+from ._proto import create_is, prefix_end, put_op, range_op
+from ._urls import bucket
+from ._watch import Place, TurnWait
+from ._wire import Wire, ended
+
+__all__ = ("Attempt", "Queue")
+
+#: Pauses of a wait between failed tries (a broken connection, no leader).
+_FAILURES = RetryPolicy(first=0.02, cap=1.0)
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One acquisition's place in the queue."""
+
+    request: LockRequest
+    bucket: int
+    prefix: bytes
+    end: bytes
+    lease: ClientLease | None = None
+    #: Set just before the request that may create it is sent: from then on it may exist.
+    key: bytes | None = None
+    #: Its create revision once known (0 while unknown).
+    rev: int = 0
+    #: A request that may create ``key``, still in flight when we were cancelled.
+    inflight: Any = None
+    #: A request that may have created ``key`` failed or was given up (and sent again).
+    ambiguous: bool = False
+
+    def put(self) -> Any:
+        assert self.key is not None and self.lease is not None
+        return put_op(self.key, self.request.owner, self.lease.id)
+
+    def requeue(self) -> None:
+        """Our key is gone (its lease expired or was revoked, or someone deleted it)."""
+        self.key = None
+        self.rev = 0
+
+
+class Queue:
+    """Taking, waiting for and leaving locks, for one client."""
+
+    def __init__(
+        self, wire: Wire, leases: Leases, keys: Keys, host: TaskHost, prefix: bytes
+    ) -> None:
+        self._wire = wire
+        self._leases = leases
+        self._keys = keys
+        self._host = host
+        self._prefix = prefix
+
+    def name_prefix(self, name: str) -> bytes:
+        # Percent-encoding with no safe characters is injective and never yields "/", so
+        # "<prefix><encoded>/" holds the keys of exactly one name.
+        return self._prefix + quote(name, safe="").encode("ascii") + b"/"
+
+    def attempt(self, request: LockRequest) -> Attempt:
+        prefix = self.name_prefix(request.name)
+        return Attempt(request, bucket(request.ttl), prefix, prefix_end(prefix))
+
+    def _place(self, attempt: Attempt, lease: ClientLease) -> bytes:
+        """Put the attempt's (next) key on ``lease``."""
+        attempt.lease = lease
+        attempt.key = attempt.prefix + f"{lease.id:016x}-{attempt.request.owner}".encode("ascii")
+        attempt.rev = 0
+        return attempt.key
+
+    def hand_over(self, attempt: Attempt) -> EtcdGrant:
+        lease, key = attempt.lease, attempt.key
+        assert lease is not None and key is not None and attempt.rev > 0
+        grant = EtcdGrant(
+            name=attempt.request.name,
+            owner=attempt.request.owner,
+            token=attempt.rev,
+            valid_from=lease.valid_from,
+            ttl=float(lease.ttl),
+            key=key,
+            lease_id=lease.id,
+            on_lost=attempt.request.on_lost,
+        )
+        lease.held.add(grant)
+        return grant
+
+    async def take_if_free(self, attempt: Attempt) -> bool:
+        """Create our key only if there is no key under the name (nobody holds or waits)."""
+        for _ in range(3):
+            lease = await self._leases.lease_for(attempt.bucket)
+            key = self._place(attempt, lease)
+            try:
+                reply = await self._wire.txn(
+                    f"taking lock {attempt.request.name!r}",
+                    rpc.TxnRequest(
+                        compare=[create_is(attempt.prefix, 0, range_end=attempt.end)],
+                        success=[attempt.put()],
+                        # Our own key, in case an earlier try of this request (given up or
+                        # failed, then sent again) created it.
+                        failure=[range_op(key)],
+                    ),
+                    keep=attempt,
+                )
+            except ProvenGone:
+                attempt.key = None
+                self._leases.died(lease, lease_gone(lease.id))
+                continue
+            if reply.succeeded:
+                attempt.rev = int(reply.header.revision)
+                return True
+            own = reply.responses[0].response_range.kvs
+            if own:
+                # Created by the earlier try, when nothing else was under the name: ours.
+                attempt.rev = int(own[0].create_revision)
+                return True
+            if attempt.ambiguous:
+                # An earlier try might still land (it cannot, once etcd answered a later
+                # request of ours, but be sure): the next sweep deletes whatever it made.
+                self._keys.orphans[key] = 0
+            attempt.key = None
+            return False
+        raise BackendUnavailable(
+            f"taking lock {attempt.request.name!r} on {self._wire.describe}: every lease etcd "
+            "granted was gone by the next request"
+        )
+
+    async def wait_for(self, attempt: Attempt) -> None:
+        """Queue (or find our place again) and wait until our key is the lowest."""
+        failures = _FAILURES.backoff(window=2.0 * self._wire.settings.op_timeout)
+        while True:
+            try:
+                if attempt.rev == 0:
+                    if attempt.key is None or attempt.lease is None:
+                        self._place(attempt, await self._leases.lease_for(attempt.bucket))
+                    state = await self._enqueue(attempt)
+                else:
+                    state = await self._check(attempt)
+                lease = attempt.lease
+                assert lease is not None
+                if state is None:
+                    attempt.requeue()  # at the back
+                    continue
+                failures.reset()
+                if state.predecessor is None:
+                    if lease.fresh(anyio.current_time()):
+                        return
+                    # Our lease was not refreshed lately: prove it alive, then look again.
+                    if not await self._leases.refresh(lease):
+                        attempt.requeue()
+                    continue
+                await self._wait_turn(attempt, lease, state)
+            except ProvenGone:
+                if attempt.lease is not None:
+                    self._leases.died(attempt.lease, lease_gone(attempt.lease.id))
+                attempt.requeue()
+            except BackendUnavailable as exc:
+                if self._wire.channel is None or not transient(exc):
+                    raise
+                await failures.pause(exc)
+
+    async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Place) -> None:
+        own = attempt.key
+        assert own is not None
+        wait = TurnWait(self._wire, self._leases, self._keys, own, place, attempt.request.name)
+        await wait.run(lease)
+
+    async def _enqueue(self, attempt: Attempt) -> Place | None:
+        """Create our key (or find it, after an ambiguous failure) and name the key before it."""
+        key = attempt.key
+        assert key is not None
+        reply = await self._wire.txn(
+            f"queueing for lock {attempt.request.name!r}",
+            rpc.TxnRequest(
+                compare=[create_is(key, 0)],
+                # Our key was created last, so the newest keys are ours, the one before, and
+                # whether there is one before that.
+                success=[
+                    attempt.put(),
+                    range_op(
+                        attempt.prefix,
+                        attempt.end,
+                        sort_target=rpc.RangeRequest.CREATE,
+                        sort_order=rpc.RangeRequest.DESCEND,
+                        limit=3,
+                    ),
+                ],
+                failure=[range_op(key)],
+            ),
+            keep=attempt,
+        )
+        seen = int(reply.header.revision)
+        if reply.succeeded:
+            kvs = reply.responses[1].response_range.kvs
+            attempt.rev = seen
+            return Place(bytes(kvs[1].key) if len(kvs) > 1 else None, len(kvs) == 2, seen)
+        kvs = reply.responses[0].response_range.kvs
+        if not kvs:  # pragma: no cover - the compare saw it, the read in the same txn must too
+            raise BackendUnavailable(f"etcd lost key {key!r} within one transaction")
+        # Created by an earlier try whose answer was lost: keep its place.
+        attempt.rev = int(kvs[0].create_revision)
+        return await self._check(attempt)
+
+    async def _check(self, attempt: Attempt) -> Place | None:
+        """One linearizable read: ``None`` if our key is gone, else our place."""
+        key = attempt.key
+        assert key is not None
+        reply = await self._wire.txn(
+            f"checking our place for lock {attempt.request.name!r}",
+            rpc.TxnRequest(
+                success=[
+                    range_op(key),
+                    range_op(
+                        attempt.prefix,
+                        attempt.end,
+                        max_create_revision=attempt.rev - 1,
+                        sort_target=rpc.RangeRequest.CREATE,
+                        sort_order=rpc.RangeRequest.DESCEND,
+                        limit=2,
+                    ),
+                ]
+            ),
+        )
+        own = reply.responses[0].response_range.kvs
+        if not own or int(own[0].create_revision) != attempt.rev:
+            return None
+        lower = reply.responses[1].response_range.kvs
+        return Place(
+            bytes(lower[0].key) if lower else None, len(lower) == 1, int(reply.header.revision)
+        )
+
+    async def abandon(self, attempt: Attempt) -> None:
+        """Delete the key a failed or cancelled acquisition may have created.
+
+        Runs to its end whatever cancels the caller, a native ``Task.cancel()`` included (see
+        :func:`finish`), within twice ``op_timeout``: if its create request was still in
+        flight, etcd must be done with it before the delete goes out (the delete travels on
+        another stream and could overtake it), then the delete itself. What does not finish
+        stays an orphan, deleted in the background (``TaskHost.deferred``) and by the next
+        acquire, wait or renewal.
+        """
+        key, rev, inflight = attempt.key, attempt.rev, attempt.inflight
+        attempt.key = None
+        attempt.rev = 0
+        attempt.inflight = None
+        if key is None:
+            return
+        what = f"withdrawing from lock {attempt.request.name!r}"
+        keys, op_timeout = self._keys, self._wire.settings.op_timeout
+
+        async def withdraw() -> None:
+            # Idempotent: finish() may run it again, from the start, in a task of its own.
+            landed = inflight is None or await ended(inflight, op_timeout)
+            try:
+                await keys.delete(key, rev, what)
+            except BaseException as exc:
+                keys.orphans[key] = rev
+                if isinstance(exc, LockError):
+                    return  # quiet: the caller's own error or cancellation is what matters
+                raise
+            if landed:
+                keys.orphans.pop(key, None)
+            else:
+                # The create may still land after the delete: look again later.
+                keys.orphans[key] = rev
+
+        def unfinished() -> None:
+            keys.orphans[key] = rev
+            self._host.deferred.retry(lambda: keys.delete_orphan(key, rev), what)
+
+        await finish(withdraw, timeout=2.0 * op_timeout, what=what, unfinished=unfinished)

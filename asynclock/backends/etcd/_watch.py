@@ -1,0 +1,203 @@
+"""A waiter's wait for its turn: watches on the key before its own (and on its own), with the
+lease its key rides on kept alive meanwhile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import grpc
+from aetcd import rpc
+
+from .._kit import RENEWAL, BackendTimeout, BackendUnavailable, LockError, translate
+from ._errors import token_rejected
+from ._keys import Keys
+from ._lease import ClientLease, Leases
+from ._proto import range_op
+from ._wire import Wire
+
+__all__ = ("Place", "TurnWait")
+
+#: A waiter re-reads the queue this often even without a watch event (a belt to the braces of
+#: watch revisions and gRPC keepalive pings).
+_RECHECK_EVERY: Final = 30.0
+#: When the next waiter's watch may be unsynced (see ``TurnWait._after_watch``), it looks again
+#: after these delays (seconds from the watch's start), covering etcd's 100 ms catch-up period.
+_UNSYNCED_POLLS: Final = (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0.11)
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where our key stands, as one read saw it."""
+
+    #: The key just before ours; None when ours is the lowest (we hold the lock).
+    predecessor: bytes | None
+    #: The key before ours is the lowest: we are next.
+    next_in_line: bool
+    #: The revision of the read.
+    seen: int
+
+
+class TurnWait:
+    """One wait: :meth:`run` returns when the key before ours, or ours, is deleted (or to look
+    again), and raises what went wrong."""
+
+    def __init__(
+        self, wire: Wire, leases: Leases, keys: Keys, own: bytes, place: Place, name: str
+    ) -> None:
+        assert place.predecessor is not None
+        self._wire = wire
+        self._leases = leases
+        self._keys = keys
+        self._own = own
+        self._predecessor = place.predecessor
+        self._place = place
+        self._what = f"waiting for lock {name!r}"
+        self._changed = anyio.Event()
+        #: The revision the watches start from, once both exist.
+        self._armed: list[int] = []
+        self._woke = False
+        self._failed: list[BaseException] = []
+
+    async def run(self, lease: ClientLease) -> None:
+        wire = self._wire
+        # hasleader: a member cut off from the cluster ends the watch instead of going quiet.
+        call = wire.watch.Watch(metadata=(*wire.metadata, ("hasleader", "true")))
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._read, call)
+                polls = await self._first_look()
+                if polls is not None:
+                    await self._idle(lease, polls)
+                tg.cancel_scope.cancel()
+        finally:
+            call.cancel()
+        for error in self._failed:
+            if isinstance(error, grpc.aio.AioRpcError):
+                if wire.settings.user is not None and token_rejected(error):
+                    await wire.authenticate()
+                    return
+                with translate(wire.errors, f"{self._what} on {wire.describe}"):
+                    raise error
+            if isinstance(error, LockError):
+                raise error
+            raise BackendUnavailable(f"{self._what} on {wire.describe}: {error!r}") from error
+
+    def _wake(self) -> None:
+        self._woke = True
+        self._changed.set()
+
+    async def _read(self, call: Any) -> None:
+        # Never cancelled while waiting: cancelling a gRPC read cancels the whole stream.
+        try:
+            for key in (self._predecessor, self._own):
+                await call.write(
+                    rpc.WatchRequest(
+                        create_request=rpc.WatchCreateRequest(
+                            key=key, filters=[rpc.WatchCreateRequest.NOPUT]
+                        )
+                    )
+                )
+            created = 0
+            start = 0
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    self._failed.append(BackendUnavailable(f"{self._what}: the watch ended"))
+                    return
+                if response.created:
+                    created += 1
+                    start = max(start, int(response.header.revision))
+                    if created == 2:
+                        self._armed.append(start)
+                        self._changed.set()
+                if response.events or response.canceled or response.compact_revision:
+                    return
+        except Exception as exc:  # raised by run(), out of the task group
+            self._failed.append(exc)
+        finally:
+            self._wake()
+
+    async def _first_look(self) -> list[float] | None:
+        """Wait for the watches; the times to look again at (None: no wait is needed)."""
+        op_timeout = self._wire.settings.op_timeout
+        with anyio.move_on_after(op_timeout):
+            await self._changed.wait()
+        if not self._armed and not self._woke:
+            self._failed.append(
+                BackendTimeout(
+                    f"{self._what} on {self._wire.describe}: etcd did not create the watch "
+                    f"within {op_timeout:g} s (op_timeout)"
+                )
+            )
+            return []
+        place = self._place
+        if self._armed and not self._woke and (self._armed[0] > place.seen or place.next_in_line):
+            try:
+                return await self._after_watch(self._armed[0])
+            except LockError as exc:  # raised by run(), out of the task group
+                self._failed.append(exc)
+        return []
+
+    async def _idle(self, lease: ClientLease, polls: list[float]) -> None:
+        """Until a watch fires: look again at ``polls``, keep the lease alive when due."""
+        recheck_at = anyio.current_time() + _RECHECK_EVERY
+        while not self._woke and not self._failed and not lease.dead:
+            now = anyio.current_time()
+            if now >= recheck_at:
+                return
+            # Another waiter's keepalive is in flight: look again when a retry would be due.
+            due = RENEWAL.retry_at(now, lease.ttl) if lease.refreshing else lease.refresh_due()
+            wake_at = due
+            if polls:
+                wake_at = min(wake_at, polls[0])
+            self._changed = anyio.Event()
+            if self._woke:
+                return
+            with anyio.move_on_at(min(wake_at, recheck_at)):
+                await self._changed.wait()
+            if self._woke:
+                return
+            if polls and anyio.current_time() >= polls[0]:
+                polls.pop(0)
+                try:
+                    if not (await self._both_exist())[0]:
+                        return
+                except LockError as exc:
+                    self._failed.append(exc)
+            # Our queue entry rides on the lease: keep it alive while we wait.
+            elif await self._leases.refresh_if_due(lease) and self._keys.orphans:
+                await self._keys.sweep()
+
+    async def _after_watch(self, start: int) -> list[float] | None:
+        """Once the watches exist (from revision ``start``): a read covers what happened since
+        the place was read. Returns None if a watched key is already gone, ``[]`` if the
+        watches can be trusted alone, else the times at which to look again.
+
+        etcd 3.4 turns a watch "from now" into one from ``Rev() + 1`` before it locks its store;
+        a write that commits in between leaves the watch "unsynced", and etcd delivers its
+        events from a loop that runs every 100 ms. For the next waiter in line that would delay
+        the hand-over by up to 100 ms, so it looks again a few times during that window, unless
+        the read proves nothing was written since the watch started (so it is synced).
+        """
+        exists, revision = await self._both_exist()
+        if not exists:
+            return None
+        if not self._place.next_in_line or revision <= start:
+            return []
+        now = anyio.current_time()
+        return [now + delay for delay in _UNSYNCED_POLLS]
+
+    async def _both_exist(self) -> tuple[bool, int]:
+        reply = await self._wire.txn(
+            self._what,
+            rpc.TxnRequest(
+                success=[
+                    range_op(self._predecessor, count_only=True),
+                    range_op(self._own, count_only=True),
+                ]
+            ),
+        )
+        exists = all(response.response_range.count for response in reply.responses)
+        return exists, int(reply.header.revision)

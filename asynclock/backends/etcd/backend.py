@@ -1,0 +1,328 @@
+"""The etcd backend: the contract's calls on the wire, the leases, the keys and the queue."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Self
+
+import anyio
+from aetcd import rpc
+
+from .._kit import (
+    Backend,
+    BackendUnavailable,
+    Capabilities,
+    HostPort,
+    LockError,
+    LockInfo,
+    LockRequest,
+    Lost,
+    Renewed,
+    RenewOutcome,
+    TaskHost,
+    Unknown,
+)
+from ._keys import Keys
+from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
+from ._proto import create_is, prefix_end, range_op, to_compare, to_request_op
+from ._queue import Queue
+from ._urls import DEFAULT_PREFIX, Settings, check_ttl, read_url
+from ._wire import Wire
+
+__all__ = ("EtcdBackend",)
+
+#: Key reads per renewal transaction; below etcd's default ``--max-txn-ops`` (128).
+_KEYS_PER_TXN = 64
+
+
+class EtcdBackend(Backend[EtcdGrant]):
+    """Locks in etcd v3. Made by ``asynclock.connect("etcd://...")``; see docs/backends/etcd.md."""
+
+    driver = "gRPC (grpc.aio, through aetcd)"
+    capabilities = Capabilities(
+        fencing=True, fifo=True, loss_detection=True, quorum=True, cross_process=True
+    )
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        op_timeout: float = 5.0,
+        user: str | None = None,
+        password: str | None = None,
+        tls: bool = False,
+        ca_cert: str | None = None,
+        cert_cert: str | None = None,
+        cert_key: str | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
+        self._settings = settings = Settings(
+            tuple(HostPort(host, port) for host, port in endpoints),
+            prefix=prefix,
+            op_timeout=op_timeout,
+            user=user,
+            password=password,
+            tls=tls,
+            ca_cert=ca_cert,
+            cert_cert=cert_cert,
+            cert_key=cert_key,
+            tls_server_name=tls_server_name,
+        )
+        self.endpoints = tuple((host, port) for host, port in endpoints)
+        self.prefix = prefix
+        self.op_timeout = op_timeout
+        self.user = user
+        self.tls = settings.tls
+        self._host = TaskHost(cleanup_timeout=op_timeout)
+        self._wire = Wire(settings, self._host)
+        self._leases = Leases(self._wire)
+        self._keys = Keys(self._wire)
+        self._queue = Queue(
+            self._wire, self._leases, self._keys, self._host, prefix.encode("utf-8")
+        )
+        self._opened = False
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
+        endpoints, keywords = read_url(url, options)
+        return cls(endpoints, **keywords)
+
+    def describe(self) -> str:
+        return self._wire.describe
+
+    def extra_info(self) -> Mapping[str, Any]:
+        return {
+            "endpoints": [str(host) for host in self._settings.hosts],
+            "prefix": self.prefix,
+            "op_timeout": self.op_timeout,
+            "tls": self.tls,
+            "server_version": self._wire.server_version,
+            "leases": {
+                bucket: f"{lease.id:016x}" for bucket, lease in self._leases.current.items()
+            },
+        }
+
+    def check_ttl(self, ttl: float) -> None:
+        check_ttl(ttl)
+
+    # -- open and close ----------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._opened:
+            raise RuntimeError("an EtcdBackend is opened once")
+        self._opened = True
+        await self._host.open()
+        try:
+            await self._wire.open()
+        except BaseException:
+            # Not in a shield scope: the task host's group, entered above, is left in there
+            # (the steps of aclose() that must finish are shielded one by one).
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with anyio.CancelScope(shield=True):
+                if self._wire.channel is not None:
+                    # Revoking the leases deletes every key still on them, orphans included.
+                    await self._leases.revoke_all()
+            # Deferred deletes still pending find their keys gone with the leases.
+            await self._host.aclose()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._wire.close()
+
+    # -- the contract ------------------------------------------------------------------------
+
+    async def try_acquire(self, request: LockRequest) -> EtcdGrant | None:
+        attempt = self._queue.attempt(request)
+        if self._keys.orphans:
+            # A key of ours left behind (a delete that failed) may be the one in the way.
+            await self._keys.sweep()
+        try:
+            taken = await self._queue.take_if_free(attempt)
+        except BaseException:
+            await self._queue.abandon(attempt)
+            raise
+        return self._queue.hand_over(attempt) if taken else None
+
+    async def acquire(self, request: LockRequest) -> EtcdGrant:
+        attempt = self._queue.attempt(request)
+        if self._keys.orphans:
+            await self._keys.sweep()
+        try:
+            await self._queue.wait_for(attempt)
+        except BaseException:
+            await self._queue.abandon(attempt)
+            raise
+        # No await between the final check and handing the grant over.
+        return self._queue.hand_over(attempt)
+
+    async def renew(self, grants: Sequence[EtcdGrant]) -> Sequence[RenewOutcome]:
+        outcomes: dict[int, RenewOutcome] = {}
+        leases: dict[int, ClientLease] = {}
+        for index, grant in enumerate(grants):
+            lease = self._leases.by_id.get(grant.lease_id)
+            if lease is None or lease.dead:
+                outcomes[index] = Lost(lease_gone(grant.lease_id))
+            else:
+                leases[lease.id] = lease
+        live = [grant for index, grant in enumerate(grants) if index not in outcomes]
+        refreshed, present, checked = await self._renew_round(leases, live)
+        for index, grant in enumerate(grants):
+            if index in outcomes:
+                continue
+            lease = leases[grant.lease_id]
+            result = refreshed.get(lease.id, True)
+            if isinstance(result, BaseException):
+                outcomes[index] = Unknown(result)
+            elif not result:
+                outcomes[index] = Lost(lease_gone(lease.id))
+            elif grant.key in checked and present.get(grant.key) != grant.token:
+                outcomes[index] = Lost(
+                    f"the lock key {grant.key!r} was deleted on the server (by an operator or "
+                    "another client); someone else may hold the lock now"
+                )
+            else:
+                outcomes[index] = Renewed(lease.valid_from, float(lease.ttl))
+        return [outcomes[index] for index in range(len(grants))]
+
+    async def _renew_round(
+        self, leases: Mapping[int, ClientLease], live: Sequence[EtcdGrant]
+    ) -> tuple[dict[int, bool | BaseException], dict[bytes, int], set[bytes]]:
+        """One keepalive per lease that needs one, and a read of every key, concurrently."""
+        refreshed: dict[int, bool | BaseException] = {}
+        present: dict[bytes, int] = {}
+        checked: set[bytes] = set()
+        now = anyio.current_time()
+        known = {
+            lease_id: min(grant.valid_from for grant in live if grant.lease_id == lease_id)
+            for lease_id in leases
+        }
+
+        async def keepalive(lease: ClientLease) -> None:
+            try:
+                refreshed[lease.id] = await self._leases.refresh(lease)
+            except LockError as exc:
+                refreshed[lease.id] = exc
+
+        async def check(chunk: Sequence[EtcdGrant]) -> None:
+            # A read of each key: an operator's delete proves loss even while the lease lives.
+            try:
+                reply = await self._wire.txn(
+                    f"checking {len(chunk)} lock key(s)",
+                    rpc.TxnRequest(success=[range_op(grant.key) for grant in chunk]),
+                )
+            except LockError:
+                return
+            for grant, response in zip(chunk, reply.responses, strict=True):
+                checked.add(grant.key)
+                for kv in response.response_range.kvs:
+                    present[bytes(kv.key)] = int(kv.create_revision)
+
+        async with anyio.create_task_group() as tg:
+            for lease in leases.values():
+                # One schedule per lease: a waiter's keepalive since the last renewal counts.
+                if not lease.renewed_since(known[lease.id], now):
+                    tg.start_soon(keepalive, lease)
+            for start in range(0, len(live), _KEYS_PER_TXN):
+                tg.start_soon(check, live[start : start + _KEYS_PER_TXN])
+            if self._keys.orphans:
+                tg.start_soon(self._keys.sweep)
+        return refreshed, present, checked
+
+    async def release(self, grant: EtcdGrant) -> None:
+        lease = self._leases.by_id.get(grant.lease_id)
+        if lease is not None:
+            lease.held.discard(grant)
+        token = grant.token or 0
+        # Idempotent (a guarded delete of a key unique to this grant): the core may run it
+        # again from the start after a native cancellation, or retry it in the background.
+        try:
+            await self._keys.delete(grant.key, token, f"releasing lock {grant.name!r}")
+        except BaseException as exc:
+            # Interrupted or failed: whoever comes next (a renewal, a wait, the next acquire,
+            # or this release run again) deletes it.
+            self._keys.orphans[grant.key] = token
+            if isinstance(exc, BackendUnavailable):
+                raise type(exc)(
+                    f"{exc}. The key is deleted on a later renewal or acquire, or with its "
+                    "lease when the client closes"
+                ) from exc
+            raise
+        self._keys.orphans.pop(grant.key, None)
+
+    async def inspect(self, name: str) -> LockInfo:
+        prefix = self._queue.name_prefix(name)
+        wire = self._wire
+        reply = await wire.call(
+            f"inspecting lock {name!r}",
+            lambda md, timeout: wire.kv.Range(
+                rpc.RangeRequest(
+                    key=prefix,
+                    range_end=prefix_end(prefix),
+                    sort_target=rpc.RangeRequest.CREATE,
+                    sort_order=rpc.RangeRequest.ASCEND,
+                    keys_only=True,
+                ),
+                timeout=timeout,
+                metadata=md,
+            ),
+        )
+        kvs = list(reply.kvs)
+        if not kvs:
+            return LockInfo(name, held=False, waiters=0)
+        # The lowest create revision holds the lock; its key ends in "<lease hex>-<owner>".
+        first = kvs[0]
+        lease_hex, _, owner = bytes(first.key)[len(prefix) :].decode("ascii").partition("-")
+        ttl = await wire.call(
+            f"reading the lease of lock {name!r}",
+            lambda md, timeout: wire.lease.LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=int(lease_hex, 16)), timeout=timeout, metadata=md
+            ),
+        )
+        return LockInfo(
+            name,
+            held=True,
+            owner=owner or None,
+            token=int(first.create_revision),
+            expires_in=float(ttl.TTL) if int(ttl.TTL) >= 0 else None,
+            waiters=len(kvs) - 1,
+        )
+
+    # -- fencing inside etcd -----------------------------------------------------------------
+
+    async def fenced_txn(
+        self,
+        grant: EtcdGrant,
+        *,
+        compare: Iterable[Any] = (),
+        success: Iterable[Any] = (),
+        failure: Iterable[Any] = (),
+    ) -> tuple[bool, list[Any]] | None:
+        """Run a transaction that commits only while ``grant``'s key has its create revision:
+        ``(succeeded, responses)`` of the caller's transaction, or None if the key is no longer
+        ours (nothing was applied). :func:`asynclock.fencing.fenced_txn` is the public form."""
+        inner = rpc.TxnRequest(
+            compare=[to_compare(item) for item in compare],
+            success=[to_request_op(item) for item in success],
+            failure=[to_request_op(item) for item in failure],
+        )
+        reply = await self._wire.txn(
+            f"running a transaction fenced by lock {grant.name!r}",
+            rpc.TxnRequest(
+                compare=[create_is(grant.key, grant.token or 0)],
+                success=[rpc.RequestOp(request_txn=inner)],
+            ),
+            # The caller's operations need not be safe to repeat: sent once.
+            retry=False,
+        )
+        if not reply.succeeded:
+            return None
+        result = reply.responses[0].response_txn
+        return bool(result.succeeded), list(result.responses)
