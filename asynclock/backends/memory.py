@@ -201,14 +201,15 @@ class MemoryBackend(Backend[Grant]):
         lock.holder = _Holder(request.owner, sent_at + request.ttl, request.on_lost)
         return Grant(request.name, request.owner, lock.counter, sent_at, request.ttl)
 
-    async def _call(self) -> None:
-        """Where every call meets the "server": a checkpoint, or a wait while it is paused."""
-        await anyio.lowlevel.checkpoint()
+    async def _paused(self) -> None:
+        """Wait while the "server" is paused (every call passes here after its checkpoint)."""
         while self.faults.paused:  # noqa: ASYNC110 (a test fault, set from outside)
             await anyio.sleep(0.005)
 
     async def try_acquire(self, request: LockRequest) -> Grant | None:
-        await self._call()
+        await anyio.lowlevel.checkpoint()
+        if self.faults.paused:
+            await self._paused()
         now = anyio.current_time()
         lock = self._store.get(request.name)
         if lock.free(now) and not lock.waiters:
@@ -216,7 +217,9 @@ class MemoryBackend(Backend[Grant]):
         return None
 
     async def acquire(self, request: LockRequest) -> Grant:
-        await self._call()
+        await anyio.lowlevel.checkpoint()
+        if self.faults.paused:
+            await self._paused()
         lock = self._store.get(request.name)
         lock.waiters.append(request.owner)
         try:
@@ -238,7 +241,9 @@ class MemoryBackend(Backend[Grant]):
 
     async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
-        await self._call()
+        await anyio.lowlevel.checkpoint()
+        if self.faults.paused:
+            await self._paused()
         match self.faults.renew:
             case "fail":
                 return [Unknown(BackendUnavailable("injected renewal failure"))] * len(grants)
@@ -260,7 +265,9 @@ class MemoryBackend(Backend[Grant]):
         return outcomes
 
     async def release(self, grant: Grant) -> None:
-        await self._call()
+        await anyio.lowlevel.checkpoint()
+        if self.faults.paused:
+            await self._paused()
         lock = self._store.get(grant.name)
         if lock.holder is not None and lock.holder.owner == grant.owner:
             lock.holder = None
