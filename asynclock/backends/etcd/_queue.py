@@ -60,23 +60,38 @@ class Attempt:
         assert self.key is not None and self.lease is not None
         return put_op(self.key, self.request.owner, self.lease.id)
 
+    def own(self) -> bytes:
+        """Our key (placed)."""
+        assert self.key is not None
+        return self.key
+
+    def newest(self, limit: int, **fields: Any) -> Any:
+        """A read of the newest ``limit`` keys under the name (newest first)."""
+        return range_op(
+            self.prefix,
+            self.end,
+            sort_target=rpc.RangeRequest.CREATE,
+            sort_order=rpc.RangeRequest.DESCEND,
+            limit=limit,
+            **fields,
+        )
+
     def requeue(self) -> None:
         """Our key is gone (its lease expired or was revoked, or someone deleted it)."""
         self.key = None
         self.rev = 0
 
 
+@dataclass(slots=True)
 class Queue:
     """Taking, waiting for and leaving locks, for one client."""
 
-    def __init__(
-        self, wire: Wire, leases: Leases, keys: Keys, host: TaskHost, prefix: bytes
-    ) -> None:
-        self._wire = wire
-        self._leases = leases
-        self._keys = keys
-        self._host = host
-        self._prefix = prefix
+    _wire: Wire
+    _leases: Leases
+    _keys: Keys
+    _host: TaskHost
+    #: The key prefix of every lock (the ``prefix`` option, encoded).
+    _prefix: bytes
 
     def name_prefix(self, name: str) -> bytes:
         # Percent-encoding with no safe characters is injective and never yields "/", so
@@ -185,31 +200,20 @@ class Queue:
                 await failures.pause(exc)
 
     async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Place) -> None:
-        own = attempt.key
-        assert own is not None
-        wait = TurnWait(self._wire, self._leases, self._keys, own, place, attempt.request.name)
+        name = attempt.request.name
+        wait = TurnWait(self._wire, self._leases, self._keys, attempt.own(), place, name)
         await wait.run(lease)
 
     async def _enqueue(self, attempt: Attempt) -> Place | None:
         """Create our key (or find it, after an ambiguous failure) and name the key before it."""
-        key = attempt.key
-        assert key is not None
+        key = attempt.own()
         reply = await self._wire.txn(
             f"queueing for lock {attempt.request.name!r}",
             rpc.TxnRequest(
                 compare=[create_is(key, 0)],
                 # Our key was created last, so the newest keys are ours, the one before, and
                 # whether there is one before that.
-                success=[
-                    attempt.put(),
-                    range_op(
-                        attempt.prefix,
-                        attempt.end,
-                        sort_target=rpc.RangeRequest.CREATE,
-                        sort_order=rpc.RangeRequest.DESCEND,
-                        limit=3,
-                    ),
-                ],
+                success=[attempt.put(), attempt.newest(3)],
                 failure=[range_op(key)],
             ),
             keep=attempt,
@@ -228,23 +232,10 @@ class Queue:
 
     async def _check(self, attempt: Attempt) -> Place | None:
         """One linearizable read: ``None`` if our key is gone, else our place."""
-        key = attempt.key
-        assert key is not None
+        lower_only = attempt.newest(2, max_create_revision=attempt.rev - 1)
         reply = await self._wire.txn(
             f"checking our place for lock {attempt.request.name!r}",
-            rpc.TxnRequest(
-                success=[
-                    range_op(key),
-                    range_op(
-                        attempt.prefix,
-                        attempt.end,
-                        max_create_revision=attempt.rev - 1,
-                        sort_target=rpc.RangeRequest.CREATE,
-                        sort_order=rpc.RangeRequest.DESCEND,
-                        limit=2,
-                    ),
-                ]
-            ),
+            rpc.TxnRequest(success=[range_op(attempt.own()), lower_only]),
         )
         own = reply.responses[0].response_range.kvs
         if not own or int(own[0].create_revision) != attempt.rev:

@@ -78,9 +78,7 @@ class EtcdBackend(Backend[EtcdGrant]):
         self._wire = Wire(settings, self._host)
         self._leases = Leases(self._wire)
         self._keys = Keys(self._wire)
-        self._queue = Queue(
-            self._wire, self._leases, self._keys, self._host, prefix.encode("utf-8")
-        )
+        self._queue = Queue(self._wire, self._leases, self._keys, self._host, prefix.encode())
         self._opened = False
         self._closed = False
 
