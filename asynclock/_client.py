@@ -8,7 +8,6 @@ import logging
 import math
 import uuid
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Self
 
 import anyio
@@ -78,12 +77,8 @@ class LockClient:
         await self._host.open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
+        # The caller's exception is not ours to handle: closing is the same either way.
         try:
             await self._host.aclose()
         finally:

@@ -201,26 +201,25 @@ class MemoryBackend(Backend[Grant]):
         lock.holder = _Holder(request.owner, sent_at + request.ttl, request.on_lost)
         return Grant(request.name, request.owner, lock.counter, sent_at, request.ttl)
 
-    async def _paused(self) -> None:
-        """Wait while the "server" is paused (every call passes here after its checkpoint)."""
+    async def _server(self) -> None:
+        """Where every call meets the "server": a checkpoint, or a wait while it is paused."""
+        await anyio.lowlevel.checkpoint()
         while self.faults.paused:  # noqa: ASYNC110 (a test fault, set from outside)
             await anyio.sleep(0.005)
 
+    async def _reach(self, name: str) -> _Lock:
+        await self._server()
+        return self._store.get(name)
+
     async def try_acquire(self, request: LockRequest) -> Grant | None:
-        await anyio.lowlevel.checkpoint()
-        if self.faults.paused:
-            await self._paused()
+        lock = await self._reach(request.name)
         now = anyio.current_time()
-        lock = self._store.get(request.name)
         if lock.free(now) and not lock.waiters:
             return self._take(lock, request, now)
         return None
 
     async def acquire(self, request: LockRequest) -> Grant:
-        await anyio.lowlevel.checkpoint()
-        if self.faults.paused:
-            await self._paused()
-        lock = self._store.get(request.name)
+        lock = await self._reach(request.name)
         lock.waiters.append(request.owner)
         try:
             while True:
@@ -241,9 +240,7 @@ class MemoryBackend(Backend[Grant]):
 
     async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
-        await anyio.lowlevel.checkpoint()
-        if self.faults.paused:
-            await self._paused()
+        await self._server()
         match self.faults.renew:
             case "fail":
                 return [Unknown(BackendUnavailable("injected renewal failure"))] * len(grants)
@@ -265,10 +262,7 @@ class MemoryBackend(Backend[Grant]):
         return outcomes
 
     async def release(self, grant: Grant) -> None:
-        await anyio.lowlevel.checkpoint()
-        if self.faults.paused:
-            await self._paused()
-        lock = self._store.get(grant.name)
+        lock = await self._reach(grant.name)
         if lock.holder is not None and lock.holder.owner == grant.owner:
             lock.holder = None
             lock.notify()
