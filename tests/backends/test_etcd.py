@@ -258,6 +258,33 @@ async def test_one_lease_per_ttl_and_one_keepalive_per_lease_for_any_number_of_l
         assert not lease_ids & await direct.lease_ids()  # ... and revoked on close
 
 
+async def test_a_lease_with_held_locks_and_waiters_is_kept_alive_on_one_schedule(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """The supervisor (for the held lock) and the waiter (for its queue entry) keep the same
+    lease alive: one keepalive per renewal interval between them, not one each."""
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        raw(etcd_server.address) as direct,
+    ):
+        held = await locks.acquire("held", ttl=3)
+        # A key without a lease blocks "busy", so the only lease renewed is ours.
+        blocker = key_prefix(prefix, "busy") + b"blocker"
+        await direct.kv.Put(rpc.PutRequest(key=blocker, value=b"x"))
+        waiter = asyncio.create_task(locks.acquire("busy", ttl=3))
+        await anyio.sleep(0.3)
+        renewed = metric(etcd_server, "etcd_debugging_lease_renewed_total")
+        await anyio.sleep(4.0)  # four renewal intervals of 1 s
+        sent = metric(etcd_server, "etcd_debugging_lease_renewed_total") - renewed
+        assert 3 <= sent <= 5, f"{sent:g} keepalives in 4 s for one lease of 3 s"
+        assert not held.lost and not waiter.done()
+        await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=blocker))
+        with anyio.fail_after(5):
+            taken = await waiter
+        await taken.release()
+        await held.release()
+
+
 async def test_two_acquisitions_of_one_name_in_one_client_exclude_each_other(
     etcd_server: EtcdServer, prefix: str
 ) -> None:

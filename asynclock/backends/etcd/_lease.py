@@ -40,7 +40,7 @@ class EtcdGrant(Grant):
 class ClientLease:
     """One etcd lease of this client; every key of one ttl bucket rides on it."""
 
-    __slots__ = ("bucket", "dead", "held", "id", "refreshing", "retry_at", "ttl", "valid_from")
+    __slots__ = ("bucket", "dead", "held", "id", "pending", "retry_at", "ttl", "valid_from")
 
     def __init__(self, lease_id: int, bucket: int, ttl: int, valid_from: float) -> None:
         self.id = lease_id
@@ -52,9 +52,14 @@ class ClientLease:
         self.valid_from = valid_from
         self.dead = False
         self.held: set[EtcdGrant] = set()
-        self.refreshing = False
+        #: Set when the keepalive in flight (at most one per lease) is answered.
+        self.pending: anyio.Event | None = None
         #: After a keepalive that proved nothing, the next one no earlier than this.
         self.retry_at = 0.0
+
+    @property
+    def refreshing(self) -> bool:
+        return self.pending is not None
 
     def fresh(self, now: float) -> bool:
         """Refreshed within the last half of its ttl: good for a new grant (the supervisor
@@ -147,7 +152,23 @@ class Leases:
         return lease
 
     async def refresh(self, lease: ClientLease) -> bool:
-        """One keepalive: True if etcd extended the lease, False if it is gone."""
+        """One keepalive: True if etcd extended the lease, False if it is gone. While one is in
+        flight (a waiter's, or the supervisor's), its answer serves every caller."""
+        before = lease.valid_from
+        while lease.pending is not None:
+            await lease.pending.wait()
+            if lease.dead:
+                return False
+            if lease.valid_from > before:
+                return True
+        lease.pending = pending = anyio.Event()
+        try:
+            return await self._refresh(lease)
+        finally:
+            lease.pending = None
+            pending.set()
+
+    async def _refresh(self, lease: ClientLease) -> bool:
         sent_at = anyio.current_time()
         ttl: int = await self._wire.call(
             f"renewing lease {lease.id:016x}",
@@ -170,13 +191,10 @@ class Leases:
         now = anyio.current_time()
         if lease.refreshing or lease.dead or now < lease.refresh_due():
             return False
-        lease.refreshing = True
         try:
             await self.refresh(lease)
         except LockError:
             lease.retry_at = RENEWAL.retry_at(anyio.current_time(), lease.ttl)
-        finally:
-            lease.refreshing = False
         return True
 
     async def _keepalive(self, lease_id: int, metadata: Metadata, timeout: float) -> int:
