@@ -1,0 +1,114 @@
+"""The package's layering, checked from the source (every import, TYPE_CHECKING ones too).
+
+- no import circle anywhere in asynclock (imports made when a module is imported; one inside a
+  function is lazy on purpose);
+- a backend imports only the backend kit, its own package, its driver and the standard library:
+  never the core (``_client``, ``_lease``, ``_registry``...) and never another backend;
+- no file over 500 lines, no class over 350, no function over 80 (scripts/limits.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import runpy
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "asynclock"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(module: str) -> set[str]:
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _module_level(ast.parse(path.read_text(encoding="utf-8")).body):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                name = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                name = node.module or ""
+            for alias in node.names:
+                target = f"{name}.{alias.name}"
+                found.add(target if target in MODULES else name)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name in MODULES and name != module}
+
+
+def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements run when the module is imported (``if TYPE_CHECKING:`` and ``try:``
+    blocks included); not function bodies, where an import is lazy on purpose (the old import
+    paths of the extras, kept for compatibility, import them on first use)."""
+    found: list[ast.stmt] = []
+    for node in body:
+        found.append(node)
+        if isinstance(node, ast.If):
+            found += _module_level(node.body) + _module_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            found += _module_level(node.body) + _module_level(node.finalbody)
+            for handler in node.handlers:
+                found += _module_level(handler.body)
+    return found
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def test_there_is_no_import_circle() -> None:
+    circles: list[list[str]] = []
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == "open":
+                circles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert circles == []
+
+
+_OLD_PATHS = {"redlock": "redis", "_redis_scripts": "redis"}
+
+
+def test_backends_import_only_the_kit_and_their_own_package() -> None:
+    upward = []
+    for module, targets in GRAPH.items():
+        parts = module.split(".")
+        if len(parts) < 3 or parts[1] != "backends" or parts[2] == "_kit":
+            continue
+        # The old module paths of the Redis family re-export from its package.
+        own = "asynclock.backends." + _OLD_PATHS.get(parts[2], parts[2])
+        for target in targets:
+            if target == "asynclock.backends" or target.startswith(
+                ("asynclock.backends._kit", own)
+            ):
+                continue
+            upward.append(f"{module} imports {target}")
+    assert upward == []
+
+
+def test_files_classes_and_functions_are_within_the_size_limits() -> None:
+    limits = runpy.run_path(str(PACKAGE.parent / "scripts" / "limits.py"))
+    problems = [
+        problem for path in sorted(PACKAGE.rglob("*.py")) for problem in limits["check"](path)
+    ]
+    assert problems == []
