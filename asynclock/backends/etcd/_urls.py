@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import quote, unquote
 
-from .._kit import HostPort, InvalidArgument, InvalidURL, Options, parse_hosts, split_userinfo
+from .._kit import HostPort, InvalidArgument, InvalidURL, Options, parse_hosts, split_server_url
 
 __all__ = (
     "DEFAULT_PORT",
@@ -111,16 +111,13 @@ def read_url(
 
 
 def _parse_url(url: str) -> tuple[tuple[HostPort, ...], str | None, str | None]:
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() != "etcd":
-        raise InvalidURL(f"{url!r} is not an etcd URL: expected {URL_EXAMPLE}")
-    netloc, _, path = rest.partition("/")
-    if path or "#" in netloc:
+    parts = split_server_url(url, schemes=("etcd",), example=URL_EXAMPLE)
+    if len(parts.path) > 1 or parts.fragment or "#" in url:
         raise InvalidURL(
             f"etcd URLs take no path: got {url!r}. Set the key prefix with the prefix option "
             f"(?prefix=/myapp/locks/); for example {URL_EXAMPLE}"
         )
-    userinfo, host_text = split_userinfo(netloc)
+    userinfo, host_text = parts.userinfo, parts.hosts
     user: str | None = None
     password: str | None = None
     if userinfo is not None:
