@@ -15,7 +15,6 @@ from .abc import Backend, Grant, Lost, Renewed, RenewOutcome, Unknown
 logger = logging.getLogger("asynclock")
 
 
-
 class Supervisor:
     """Renews leases on the schedule of :data:`asynclock._renewal.RENEWAL` and ends them when
     renewal proves loss.
