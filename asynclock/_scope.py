@@ -9,6 +9,7 @@ way ``asyncio.timeout`` treats cancellations it did not cause.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextvars import Token
@@ -22,6 +23,8 @@ from ._errors import LeaseLost
 from ._lease import Lease, OnLost
 
 T = TypeVar("T")
+
+logger = logging.getLogger("asynclock")
 
 
 class BodyScope:
@@ -79,6 +82,7 @@ class _HeldContext(ABC, Generic[T]):
         for token in reversed(self._context_tokens):
             _fencing.pop(token)
         caught_own_cancel = False
+        loss_known_in_body = False
         if self._body is not None:
             for lease in leases:
                 lease._detach_scope(self._body)
@@ -86,6 +90,7 @@ class _HeldContext(ABC, Generic[T]):
             # clean exit too, which would turn every clean exit into a LeaseLost.
             self._body.scope.__exit__(exc_type, exc, tb)
             caught_own_cancel = self._body.scope.cancelled_caught
+            loss_known_in_body = self._body.scope.cancel_called
         # Reading lost_reason also marks a lease lost whose deadline has passed.
         lost = [(lease.name, lease.lost_reason) for lease in leases if lease.lost_reason]
         if len(leases) == 1:
@@ -98,6 +103,19 @@ class _HeldContext(ABC, Generic[T]):
                 raise LeaseLost(leases[0].name, "cancelled by its lease scope")
             return
         name, reason = lost[0]
+        if exc is None and not loss_known_in_body:
+            # The body returned before the loss was known (this process was paused, or the
+            # deadline passed without a checkpoint): its work is done. Raising now could only
+            # get finished work redone; the loss is reported beside the result instead.
+            for lease_name, lease_reason in lost:
+                logger.warning(
+                    "asynclock: lease on %r was lost after its body had run to completion "
+                    "(%s); the body's work is done, but another holder may have overlapped "
+                    "it unless its writes were fenced",
+                    lease_name,
+                    lease_reason,
+                )
+            return
         if exc is not None and not caught_own_cancel:
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 # Someone else cancelled us as well: theirs wins, as asyncio.timeout does.

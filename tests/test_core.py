@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -103,6 +104,19 @@ async def test_loss_without_a_checkpoint_is_reported_at_exit(locks: asynclock.Lo
     with pytest.raises(asynclock.LeaseLost):
         async with locks.lock("a", ttl=30.0):
             memory(locks).expire("a", notify=True)
+
+
+async def test_a_body_that_finished_before_its_loss_was_known_keeps_its_result(
+    locks: asynclock.LockClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As if this process were paused past the ttl at the body's last step: the deadline passes
+    # with no checkpoint, so the body returns before anything could tell it.
+    async with locks.lock("a", ttl=0.3) as lease:
+        time.sleep(0.35)  # noqa: ASYNC251 - blocking the loop is the point: a pause
+    assert lease.lost
+    assert "local deadline" in (lease.lost_reason or "")
+    assert "after its body had run to completion" in caplog.text
+    assert await locks.try_acquire("a") is not None
 
 
 async def test_other_exceptions_from_the_body_propagate(locks: asynclock.LockClient) -> None:
