@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import uuid
@@ -27,22 +26,18 @@ from ._host import BackendHost
 from ._lease import Lease, OnLost, public_owner
 from ._renewal import RENEWAL
 from ._scope import LockContext, MultiLockContext, release_all
-from ._shield import finish
 from ._supervisor import Supervisor
 from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest
 
 logger = logging.getLogger("asynclock")
 
-#: How long releasing an already lost lease may keep the caller: the server may be hanging (often
-#: the reason for the loss), and the rest of the release goes on in the background.
-_LOST_RELEASE_WAIT = 0.25
-
 
 class LockClient:
-    """Locks on one backend. Made by :func:`connect`; enter it before use.
+    """Locks on one backend. Made by :func:`connect`; enter it (``async with``) or
+    ``await client.start()`` it before use.
 
-    Leaving the ``async with`` releases every lease still held and closes the backend, also when
-    the block is cancelled.
+    Leaving the ``async with`` (or :meth:`aclose`) releases every lease still held and closes the
+    backend, also when the block is cancelled.
     """
 
     def __init__(
@@ -84,10 +79,21 @@ class LockClient:
         finally:
             await self._host.leave()
 
+    async def start(self) -> Self:
+        """Open the client without ``async with``; close it with :meth:`aclose`, from any task.
+
+        For frameworks whose start-up and shutdown hooks run in different tasks (arq's
+        ``on_startup``/``on_shutdown``, saq, taskiq, a test fixture). The client then keeps a
+        task of its own for its background work, which :meth:`aclose` stops and waits for.
+        Raises as ``async with`` does when the backend cannot be reached.
+        """
+        await self._host.start()
+        return self
+
     async def aclose(self) -> None:
         """Release every lease still held and close the backend. Idempotent, and it finishes
         (within ``release_timeout + connect_timeout``) whatever cancels the caller, anyio's or
-        asyncio's native cancellation alike."""
+        asyncio's native cancellation alike. After :meth:`start`, any task may call it."""
         await self._host.aclose()
 
     # -- locks -------------------------------------------------------------------------------
@@ -293,7 +299,7 @@ class LockClient:
             drift=self._drift,
             margin=margin,
             fencing=self._backend.capabilities.fencing,
-            releaser=self._release,
+            releaser=self._host.release,
         )
         holder.append(lease)
         for reason in early_loss:
@@ -341,44 +347,6 @@ class LockClient:
                 release_timeout=self._release_timeout,
             )
         return None
-
-    async def _release(self, lease: Lease) -> None:
-        if lease.released:
-            return
-        lease._check_deadline()
-        lost = lease.lost
-        lease._mark_released()
-        self._supervisor.discard(lease)
-        _fencing.discard(lease)
-        grant = lease.grant
-        # A lost lease is released only so that nothing stays behind: the caller need not wait
-        # for a server that may be hanging (that is often why the lease was lost).
-        wait = min(self._release_timeout, _LOST_RELEASE_WAIT) if lost else self._release_timeout
-        try:
-            await finish(
-                functools.partial(self._backend.release, grant),
-                timeout=wait,
-                what=f"releasing {grant.name!r}",
-                unfinished=functools.partial(self._defer_release, grant, None),
-            )
-        except Exception as exc:
-            self._defer_release(grant, exc)
-
-    def _defer_release(self, grant: Grant, error: BaseException | None) -> None:
-        """Go on releasing ``grant`` in the client's task group until the server answers."""
-        what = f"in {self._release_timeout:g} s" if error is None else f"({error!r})"
-        retried = self._host.deferred.retry(
-            functools.partial(self._backend.release, grant), f"releasing {grant.name!r}"
-        )
-        logger.warning(
-            "asynclock: releasing %r on %s did not complete %s; %s",
-            grant.name,
-            self._backend.describe(),
-            what,
-            "retrying in the background until the server answers or the client closes"
-            if retried
-            else "the client is closed, so the server frees it when its lease expires",
-        )
 
 
 def _canonical(name: str) -> bytes:

@@ -1,27 +1,45 @@
 """The client's host: the task group that runs the backend, the renewal loop and background
-releases, opened in ``__aenter__`` and closed in ``aclose()``.
+releases, opened in ``__aenter__`` (or ``start()``) and closed in ``aclose()``.
 
 The backend is opened and closed in one task of this group, at the same nesting level, so a
 backend may own a task group from ``open()`` to ``aclose()``. Closing finishes whatever cancels
 the caller (anyio's or asyncio's native cancellation alike).
+
+A task group must be left by the task that entered it. ``async with`` does both in the caller's
+task. ``start()`` is for frameworks whose start-up and shutdown hooks run in different tasks
+(arq, saq, taskiq, ASGI lifespans split in two, test fixtures): the group is then entered and left
+by a task of the host's own, which ``aclose()`` stops and waits for, so it is owned and joined,
+never left running.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
+import logging
 import math
 import sys
-from typing import Literal
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from . import _fencing
 from ._errors import BackendTimeout, UnsupportedFeature
+from ._lease import Lease
 from ._scope import release_all
 from ._shield import Deferred, finish, on_asyncio
 from ._supervisor import Supervisor
 from ._validate import redact
 from .abc import Backend, Grant
 
+logger = logging.getLogger("asynclock")
+
+#: How long releasing an already lost lease may keep the caller: the server may be hanging (often
+#: the reason for the loss), and the rest of the release goes on in the background.
+_LOST_RELEASE_WAIT = 0.25
 #: How long closing the client waits for releases still retried in the background.
 _CLOSE_GRACE = 1.0
 
@@ -53,6 +71,11 @@ class BackendHost:
         #: Releases that did not finish in time and go on in the background.
         self.deferred = Deferred(attempt_timeout=release_timeout)
         self.state: State = "new"
+        #: With start(): the host's own task, told to stop by ``_stop`` and done at ``_own_done``.
+        self._own_task: Any = None
+        self._stop: anyio.Event | None = None
+        self._own_done: anyio.Event | None = None
+        self._own_failure: BaseException | None = None
 
     async def open(self) -> None:
         if self.state != "new":
@@ -114,15 +137,79 @@ class BackendHost:
                 "connect_timeout"
             )
 
+    async def start(self) -> None:
+        """Open in a task of the host's own, so that :meth:`aclose` may come from any task."""
+        if self.state != "new" or self._own_task is not None:
+            raise RuntimeError("a LockClient can be started once; call asynclock.connect() again")
+        check_event_loop(self._backend, self._backend.describe())
+        opened = anyio.Event()
+        stop = self._stop = anyio.Event()
+        done = self._own_done = anyio.Event()
+
+        opening = anyio.CancelScope()
+
+        async def own() -> None:
+            try:
+                # Encloses the task group's whole life (entered in open(), left in leave()),
+                # so that cancelling it is a proper way to give up an opening.
+                with opening:
+                    try:
+                        await self.open()
+                    finally:
+                        opened.set()
+                    try:
+                        await stop.wait()
+                    finally:
+                        # Also when the event loop shuts down with the client still open.
+                        try:
+                            await self._close_if_open()
+                        finally:
+                            await self.leave()
+            except BaseException as exc:
+                # Nobody awaits this task but through ``done``: the failure is handed to
+                # start() (opening) or aclose() (a crash of the renewal task), not lost.
+                self._own_failure = exc
+            finally:
+                done.set()
+
+        self._own_task = _spawn(own, f"asynclock client of {redact(self._backend.describe())}")
+        try:
+            await opened.wait()
+        except BaseException:
+            # Cancelled while opening: give the opening up (open() closes what it opened).
+            opening.cancel()
+            stop.set()
+            await finish(done.wait, timeout=self._close_timeout, what="stopping the client")
+            raise
+        failure, self._own_failure = self._own_failure, None
+        if failure is not None:
+            raise failure
+
+    @property
+    def _close_timeout(self) -> float:
+        return self._release_timeout + self._connect_timeout
+
     async def aclose(self) -> None:
         """Release every lease still held and close the backend. Idempotent; it finishes
         (within ``release_timeout + connect_timeout``) whatever cancels the caller."""
+        await self._close_if_open()
+        if self._stop is None or self._own_done is None:
+            return
+        self._stop.set()
+        await finish(
+            self._own_done.wait, timeout=_CLOSE_GRACE, what="stopping the client's own task"
+        )
+        failure, self._own_failure = self._own_failure, None
+        if failure is not None:
+            raise failure
+
+    async def _close_if_open(self) -> None:
         if self.state != "open":
             return
         self.state = "closing"
         closed = await finish(
             self._close,
-            timeout=self._release_timeout + self._connect_timeout,
+            timeout=self._close_timeout,
             what=f"closing the lock client of {self._backend.describe()}",
         )
         if not closed and self._task_group is not None:
@@ -149,6 +236,45 @@ class BackendHost:
         self._close_requested.set()
         await self._backend_closed.wait()
 
+    async def release(self, lease: Lease) -> None:
+        """Release ``lease``: at once if the server answers in time, else in the background."""
+        if lease.released:
+            return
+        lease._check_deadline()
+        lost = lease.lost
+        lease._mark_released()
+        self._supervisor.discard(lease)
+        _fencing.discard(lease)
+        grant = lease.grant
+        # A lost lease is released only so that nothing stays behind: the caller need not wait
+        # for a server that may be hanging (that is often why the lease was lost).
+        wait = min(self._release_timeout, _LOST_RELEASE_WAIT) if lost else self._release_timeout
+        try:
+            await finish(
+                functools.partial(self._backend.release, grant),
+                timeout=wait,
+                what=f"releasing {grant.name!r}",
+                unfinished=functools.partial(self._defer_release, grant, None),
+            )
+        except Exception as exc:
+            self._defer_release(grant, exc)
+
+    def _defer_release(self, grant: Grant, error: BaseException | None) -> None:
+        """Go on releasing ``grant`` in the host's task group until the server answers."""
+        what = f"in {self._release_timeout:g} s" if error is None else f"({error!r})"
+        retried = self.deferred.retry(
+            functools.partial(self._backend.release, grant), f"releasing {grant.name!r}"
+        )
+        logger.warning(
+            "asynclock: releasing %r on %s did not complete %s; %s",
+            grant.name,
+            self._backend.describe(),
+            what,
+            "retrying in the background until the server answers or the client closes"
+            if retried
+            else "the client is closed, so the server frees it when its lease expires",
+        )
+
     async def _renew(self) -> None:
         with self._renewal_scope:
             await self._supervisor.run()
@@ -169,3 +295,21 @@ def check_event_loop(backend: Backend[Grant], url: str) -> None:
         f"{redact(url)} needs asyncio: its driver ({backend.driver}) does not run under trio. "
         "Under trio use memory:// or sqlite://, or run this client on asyncio"
     )
+
+
+def _spawn(func: Callable[[], Coroutine[Any, Any, None]], name: str) -> Any:
+    """Run ``func`` in a task of its own, outside every cancel scope of the caller.
+
+    Its owner keeps the returned handle and waits for the task to end: this is how a client
+    outlives the task that started it, not a task left to run on its own.
+    """
+    if on_asyncio():
+        # A fresh context: the caller's (a held lease's fencing token, say) is not the host's.
+        return asyncio.get_running_loop().create_task(
+            func(),
+            name=name,
+            context=contextvars.Context(),
+        )
+    import trio
+
+    return trio.lowlevel.spawn_system_task(func, name=name)

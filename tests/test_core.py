@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,49 @@ def memory(locks: asynclock.LockClient) -> MemoryBackend:
     backend = locks._backend
     assert isinstance(backend, MemoryBackend)
     return backend
+
+
+async def test_a_started_client_refuses_a_second_start_or_async_with() -> None:
+    locks = await asynclock.connect(f"memory://core-{uuid.uuid4().hex[:8]}").start()
+    try:
+        with pytest.raises(RuntimeError, match="once"):
+            await locks.start()
+        with pytest.raises(RuntimeError, match="once"):
+            await locks.__aenter__()
+    finally:
+        await locks.aclose()
+    with pytest.raises(RuntimeError, match="once"):
+        await locks.start()
+
+
+@pytest.mark.parametrize("cancels", [1, 3])
+async def test_start_cancelled_natively_while_opening_leaves_nothing_running(cancels: int) -> None:
+    locks = asynclock.connect(f"memory://core-{uuid.uuid4().hex[:8]}")
+    backend = memory(locks)
+    backend.faults.paused = True  # open() waits, as on a server that does not answer
+    before = set(asyncio.all_tasks())
+    task = asyncio.ensure_future(locks.start())
+    await asyncio.sleep(0.05)
+    for _ in range(cancels):
+        task.cancel()
+        await asyncio.sleep(0)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert locks._host.state == "closed"
+    assert set(asyncio.all_tasks()) == before
+
+
+def test_a_started_client_left_open_is_closed_when_the_loop_ends() -> None:
+    url = f"memory://core-{uuid.uuid4().hex[:8]}"
+    seen: list[MemoryBackend] = []
+
+    async def main() -> None:
+        locks = await asynclock.connect(url).start()
+        seen.append(memory(locks))
+        await locks.acquire("left", ttl=5)
+
+    asyncio.run(main())
+    assert seen[0]._store.get("left").holder is None  # released on the way out, not stranded
 
 
 async def test_a_hung_renewal_cancels_the_body_before_the_server_expiry(

@@ -88,3 +88,18 @@ def test_asyncio_only_backends_are_refused_under_trio_by_name(url: str, driver: 
                 pass
 
     anyio.run(main, backend="trio")
+
+
+def test_a_client_started_in_one_task_is_closed_from_another_on_trio() -> None:
+    async def main() -> None:
+        locks = asynclock.connect("memory://trio-start")
+        async with anyio.create_task_group() as startup:
+            startup.start_soon(locks.start)
+        async with locks.lock("a", ttl=0.5) as lease:
+            await anyio.sleep(0.7)  # renewed by the client's own (system) task
+            assert not lease.lost
+        async with anyio.create_task_group() as shutdown:
+            shutdown.start_soon(locks.aclose)
+        assert locks._host.state == "closed"
+
+    anyio.run(main, backend="trio")

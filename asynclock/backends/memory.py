@@ -148,6 +148,7 @@ class MemoryBackend(Backend[Grant]):
         return _MemoryWaiters(self._store)
 
     async def open(self) -> None:
+        await self._server()
         if self.faults.unreachable:
             raise BackendUnavailable(f"{self.describe()} is marked unreachable by its test faults")
 

@@ -7,6 +7,7 @@ never a hang or a driver's own exception.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -73,3 +74,17 @@ async def test_an_unreachable_server_is_backend_unavailable_within_seconds(
             pass
     assert time.monotonic() - started < 6
     assert "127.0.0.1" in str(info.value), "the message names the server"
+
+
+@pytest.mark.not_on(*SERVERLESS, reason="no server to be unreachable")
+async def test_start_on_an_unreachable_server_raises_and_leaves_no_task(
+    backend: BackendUnderTest,
+) -> None:
+    assert backend.url_for_hosts is not None
+    url = backend.url_for_hosts(f"127.0.0.1:{free_port()}")
+    before = {task.get_name() for task in asyncio.all_tasks()}
+    locks = asynclock.connect(url, **backend.options, connect_timeout=2)
+    with pytest.raises(asynclock.BackendUnavailable):
+        await locks.start()
+    await locks.aclose()  # harmless after a failed start
+    assert {task.get_name() for task in asyncio.all_tasks()} == before

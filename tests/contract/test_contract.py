@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import anyio
@@ -290,6 +291,34 @@ async def test_closing_the_client_releases_what_it_holds(
         lease = await other.try_acquire(name, ttl=backend.ttl * 5)
         assert lease is not None
         await lease.release()
+
+
+async def test_a_client_started_in_one_task_is_closed_from_another(
+    backend: BackendUnderTest, name: str
+) -> None:
+    # As arq, saq and taskiq do: open in a start-up hook, close in a shutdown hook, each hook
+    # in a task of its own, the jobs in others again.
+    locks = backend.connect()
+    before = _tasks()
+    async with anyio.create_task_group() as startup:
+        startup.start_soon(locks.start)
+    lease = await locks.acquire(name, ttl=backend.ttl)
+    await anyio.sleep(backend.ttl * 1.2)
+    assert lease.held  # renewed by the client's own task, which outlived the start-up task
+    async with anyio.create_task_group() as shutdown:
+        shutdown.start_soon(locks.aclose)
+        shutdown.start_soon(locks.aclose)  # idempotent, also when called at the same time
+    assert lease.released
+    await locks.aclose()
+    assert _tasks() == before  # the client's own task is joined, not left running
+    async with backend.connect() as other:
+        again = await other.try_acquire(name, ttl=backend.ttl)
+        assert again is not None
+        await again.release()
+
+
+def _tasks() -> set[str]:
+    return {task.get_name() for task in asyncio.all_tasks()}
 
 
 async def test_inspect_shows_the_holder_its_token_and_the_waiters(
