@@ -6,9 +6,11 @@
     @locked("orders/{order_id}", client=lambda: app[LOCKS])
     async def pay(request: web.Request) -> web.Response: ...
 
-The lock is held while the handler runs. When someone else holds it the request gets 423 Locked
-at once (or after waiting up to ``timeout``); when the lease is lost while the handler runs, the
-handler is cancelled and the request gets 503.
+The lock is held while the handler runs. Every error of that lock has a documented answer, never
+a 500: busy 423 (``Retry-After``), lost while the handler ran 503 ``lease_lost`` (the handler was
+cancelled), lock server unavailable 503 ``lock_unavailable`` (``Retry-After``), deadlock victim
+409. A handler that ran to completion keeps its response; if its lease turned out lost
+afterwards, the response carries ``Asynclock-Lease-Lost: <reason>``.
 """
 
 from __future__ import annotations
@@ -16,13 +18,20 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import ParamSpec
+from typing import ParamSpec, Unpack
 
-from .. import _validate
 from .._decorator import ClientSource, resolve_client
-from .._errors import AcquireTimeout, InvalidArgument, LeaseLost, MissingDependency
-from .._lease import Lease
-from . import template_fields
+from .._errors import MissingDependency
+from ._web import (
+    LEASE_LOST_HEADER,
+    LockOptions,
+    Refusal,
+    Settings,
+    holding,
+    lock_name,
+    loss_header,
+    refuse_if_registered,
+)
 
 try:
     from aiohttp import web
@@ -31,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - aiohttp is installed in the tes
         "asynclock.integrations.aiohttp needs aiohttp: pip install 'asynclock[aiohttp]'"
     ) from exc
 
-__all__ = ("FENCING_RESOURCE", "FENCING_TOKEN", "locked")
+__all__ = ("FENCING_RESOURCE", "FENCING_TOKEN", "LEASE_LOST_HEADER", "LockOptions", "locked")
 
 #: Where :func:`asynclock.fencing.aiohttp_fencing_middleware` puts the accepted fencing token
 #: (``None`` when the request carried none): ``request[FENCING_TOKEN]``.
@@ -41,24 +50,6 @@ FENCING_RESOURCE = web.RequestKey[str | None]("fencing_resource")
 
 P = ParamSpec("P")
 Handler = Callable[P, Awaitable[web.StreamResponse]]
-
-
-class _RequestFields:
-    """What a template is formatted with: ``request.match_info``, then the query string."""
-
-    __slots__ = ("_request",)
-
-    def __init__(self, request: web.BaseRequest) -> None:
-        self._request = request
-
-    def __getitem__(self, key: str) -> str:
-        match_info = getattr(self._request, "match_info", None)
-        if match_info is not None and key in match_info:
-            return str(match_info[key])
-        value = self._request.query.get(key)
-        if value is None:
-            raise KeyError(key)
-        return value
 
 
 def _request_of(args: tuple[object, ...]) -> web.BaseRequest:
@@ -72,83 +63,62 @@ def _request_of(args: tuple[object, ...]) -> web.BaseRequest:
 
 
 def locked(
-    template: str,
-    *,
-    client: ClientSource,
-    ttl: float = 30.0,
-    timeout: float | None = 0,
-    busy_status: int = 423,
-    lost_status: int = 503,
+    template: str, *, client: ClientSource, **options: Unpack[LockOptions]
 ) -> Callable[[Handler[P]], Handler[P]]:
     """Hold the lock named by ``template`` while the decorated aiohttp handler runs.
 
     ``template`` is formatted with the route's ``request.match_info`` by name, then with the
     query string; a request missing a name gets 400. ``client`` is an open
     :class:`asynclock.LockClient` or a function returning one (for a client opened in
-    ``app.cleanup_ctx``). ``timeout=0`` answers ``busy_status`` (423 Locked) at once when the lock
-    is held; a number waits up to that many seconds first, ``None`` waits as long as it takes. If
-    the lease is lost while the handler runs, the handler is cancelled and the request answered
-    with ``lost_status`` (503). Answers are JSON: ``{"error": "lock_busy" or "lease_lost",
-    "lock": name, "message": ...}``.
+    ``app.cleanup_ctx``). Options (:class:`LockOptions`): ``ttl=30``; ``timeout=0`` answers
+    ``busy_status`` (423) at once when the lock is held, a number waits up to that many seconds
+    first, ``None`` waits as long as it takes; ``lost_status=503``; ``retry_after=1`` (seconds,
+    in ``Retry-After``). Answers are JSON, ``{"error": ..., "lock": name, "message": ...}``
+    (the table is in docs/integrations.md). Apply it to the handler *before* registering it: a
+    handler already registered (``@routes.post`` above it, ``app.router.add_post`` earlier)
+    raises :class:`asynclock.InvalidArgument`, since the route would call it without the lock.
 
+    A handler that returned keeps its response even if its lease turns out lost afterwards (its
+    work is done): a response not yet sent then carries ``Asynclock-Lease-Lost: <reason>``.
     A handler that has already started sending a streamed response (``StreamResponse``,
-    WebSocket) cannot be answered with 503 any more: then :class:`asynclock.LeaseLost` propagates
-    and aiohttp drops the connection, so the client sees a failed request, not a complete one.
+    WebSocket) when the lease is lost cannot be answered with 503 any more: then
+    :class:`asynclock.LeaseLost` propagates and aiohttp drops the connection, so the client sees
+    a failed request, not a complete one.
     """
-    template_fields(template)
-    ttl = _validate.positive_seconds(ttl, "ttl")
-    timeout = _validate.timeout(timeout)
+    settings = Settings.make(template, options)
 
     def decorate(handler: Handler[P]) -> Handler[P]:
         if not inspect.iscoroutinefunction(handler):
             raise TypeError(f"@locked needs an `async def` handler, got {handler!r}")
+        refuse_if_registered(handler, _route_of, "aiohttp")
 
         @functools.wraps(handler)
         async def locked_handler(*args: P.args, **kwargs: P.kwargs) -> web.StreamResponse:
             request = _request_of(args)
             try:
-                name = _validate.lock_name(template.format_map(_RequestFields(request)))
-            except KeyError as exc:
-                return _answer(
-                    400,
-                    "missing_lock_name_part",
-                    None,
-                    f"the lock name {template!r} needs {exc.args[0]!r} from the path or the "
-                    "query string",
+                name = lock_name(settings, getattr(request, "match_info", {}), request.query)
+                async with holding(resolve_client(client), name, settings) as lease:
+                    response = await handler(*args, **kwargs)
+            except Refusal as refusal:
+                if request.writer.output_size > 0 and refusal.__cause__ is not None:
+                    raise refusal.__cause__ from None  # a response is already on its way
+                return web.json_response(
+                    refusal.body(), status=refusal.status, headers=refusal.headers
                 )
-            except InvalidArgument as exc:
-                return _answer(400, "invalid_lock_name", None, str(exc))
-            lease: Lease | None = None
-            try:
-                async with resolve_client(client).lock(name, ttl=ttl, timeout=timeout) as lease:
-                    return await handler(*args, **kwargs)
-            except AcquireTimeout:
-                if lease is not None:
-                    raise  # from a lock the handler itself took
-                return _answer(
-                    busy_status,
-                    "lock_busy",
-                    name,
-                    f"{name!r} is held by another request; try again later",
-                )
-            except LeaseLost as exc:
-                if lease is None or not lease.lost or request.writer.output_size > 0:
-                    raise  # another lock's, or a response is already on its way
-                return _answer(
-                    lost_status,
-                    "lease_lost",
-                    name,
-                    f"the lock {name!r} was lost while the request ran, so it was stopped "
-                    f"({exc.reason}); its effects may be partial, retry it",
-                )
+            header = loss_header(lease)
+            if header is not None and not response.prepared:
+                response.headers[header[0]] = header[1]
+            return response
 
         return locked_handler
 
     return decorate
 
 
-def _answer(status: int, error: str, name: str | None, message: str) -> web.Response:
-    body: dict[str, object] = {"error": error, "message": message}
-    if name is not None:
-        body["lock"] = name
-    return web.json_response(body, status=status)
+def _route_of(owner: object, func: object) -> str | None:
+    if isinstance(owner, web.RouteDef) and owner.handler is func:
+        return f"{owner.method} {owner.path}"
+    if isinstance(owner, web.AbstractRoute) and owner.handler is func:
+        resource = owner.resource.canonical if owner.resource is not None else "?"
+        return f"{owner.method} {resource}"
+    return None

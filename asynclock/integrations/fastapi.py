@@ -6,10 +6,11 @@
     @locked("orders/{order_id}", client=lambda: app.state.locks)
     async def pay(order_id: int) -> Receipt: ...
 
-The lock is held while the endpoint runs. When someone else holds it the request gets
-423 Locked at once (or after waiting up to ``timeout``); when the lease is lost while the endpoint
-runs, the endpoint is cancelled and the request gets 503, so nothing it does after the loss is
-reported as a success.
+The lock is held while the endpoint runs. Every error of that lock has a documented answer,
+never a 500: busy 423 (``Retry-After``), lost while the endpoint ran 503 ``lease_lost`` (the
+endpoint was cancelled), lock server unavailable 503 ``lock_unavailable`` (``Retry-After``),
+deadlock victim 409. An endpoint that ran to completion keeps its response; if its lease turned
+out lost afterwards, the response carries ``Asynclock-Lease-Lost: <reason>``.
 """
 
 from __future__ import annotations
@@ -17,62 +18,70 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, Unpack
 
-from .. import _validate
 from .._decorator import ClientSource, lock_name_for, resolve_client
-from .._errors import (
-    AcquireTimeout,
-    InvalidArgument,
-    LeaseLost,
-    MissingDependency,
-    UnsupportedFeature,
-)
+from .._errors import InvalidArgument, MissingDependency, UnsupportedFeature
 from .._lease import Lease
-from . import template_fields
+from ._web import (
+    LEASE_LOST_HEADER,
+    LockOptions,
+    Refusal,
+    Settings,
+    checked_name,
+    holding,
+    lock_name,
+    loss_header,
+    refuse_if_registered,
+)
 
 try:
-    from fastapi import Depends, HTTPException, Request
+    from fastapi import Depends, HTTPException, Request, Response
+    from starlette.routing import BaseRoute
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 except ImportError as exc:  # pragma: no cover - FastAPI is installed in the test environment
     raise MissingDependency(
         "asynclock.integrations.fastapi needs FastAPI: pip install 'asynclock[fastapi]'"
     ) from exc
 
-__all__ = ("lock_dependency", "locked")
+__all__ = ("LEASE_LOST_HEADER", "LeaseLossHeaders", "LockOptions", "lock_dependency", "locked")
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
+# The parameter @locked adds to the endpoint's signature when it has no Response parameter of
+# its own: FastAPI then passes the response whose headers it merges into the answer.
+_RESPONSE = "asynclock_response"
+# Where lock_dependency leaves a completed body's loss for LeaseLossHeaders (the ASGI scope is
+# the only thing it shares with the code that sends the response).
+_SCOPE_KEY = "asynclock.lease_lost"
+
 
 def locked(
-    template: str,
-    *,
-    client: ClientSource,
-    ttl: float = 30.0,
-    timeout: float | None = 0,
-    busy_status: int = 423,
-    lost_status: int = 503,
+    template: str, *, client: ClientSource, **options: Unpack[LockOptions]
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
     """Hold the lock named by ``template`` while the decorated endpoint runs.
 
-    Put it *below* the route decorator. ``template`` is formatted with the endpoint's parameters
-    by name (path and query parameters, bodies, dependencies: ``"orders/{order.id}"`` works);
-    the endpoint's signature is kept, so FastAPI sees the same parameters and documents them.
+    Put it *below* the route decorator; above it, the route would call the undecorated function,
+    so this raises :class:`asynclock.InvalidArgument` when the module is imported. ``template``
+    is formatted with the endpoint's parameters by name (path and query parameters, bodies,
+    dependencies: ``"orders/{order.id}"`` works); the endpoint's signature is kept, so FastAPI
+    sees the same parameters and documents them.
 
     ``client`` is an open :class:`asynclock.LockClient`, or a function returning one (the usual
-    choice: a client opened in the app's lifespan). ``timeout=0`` answers ``busy_status`` (423
-    Locked) at once when the lock is held; a number waits up to that many seconds first, ``None``
-    waits as long as it takes. If the lease is lost while the endpoint runs, the endpoint is
-    cancelled and the request is answered with ``lost_status`` (503). Both answers are
-    :class:`fastapi.HTTPException` with a JSON ``detail``: ``{"error": "lock_busy" or
-    "lease_lost", "lock": name, "message": ...}``, so the app's exception handlers see them.
+    choice: a client opened in the app's lifespan). Options (:class:`LockOptions`): ``ttl=30``;
+    ``timeout=0`` answers ``busy_status`` (423) at once when the lock is held, a number waits up
+    to that many seconds first, ``None`` waits as long as it takes; ``lost_status=503``;
+    ``retry_after=1`` (seconds, in ``Retry-After``). Answers are :class:`fastapi.HTTPException`
+    with a JSON ``detail``: ``{"error": ..., "lock": name, "message": ...}``, so the app's
+    exception handlers see them (the table is in docs/integrations.md).
 
-    The lock covers the endpoint function, not the sending of its response: a
-    ``StreamingResponse`` returned by the endpoint streams after the lock is released.
+    An endpoint that returned keeps its response even if its lease turns out lost afterwards
+    (its work is done): the response then carries ``Asynclock-Lease-Lost: <reason>``. The lock
+    covers the endpoint function, not the sending of its response: a ``StreamingResponse``
+    streams after the lock is released.
     """
-    template_names = template_fields(template)
-    ttl = _validate.positive_seconds(ttl, "ttl")
-    timeout = _validate.timeout(timeout)
+    settings = Settings.make(template, options)
 
     def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         if not inspect.iscoroutinefunction(func):
@@ -80,69 +89,62 @@ def locked(
                 f"@locked needs an `async def` endpoint, got {func!r}: a sync endpoint runs in a "
                 "thread, which cannot be cancelled when the lease is lost"
             )
+        refuse_if_registered(func, _route_of, "FastAPI")
         signature = inspect.signature(func)
-        unknown = template_names - set(signature.parameters)
+        unknown = settings.fields - set(signature.parameters)
         if unknown:
             raise InvalidArgument(
                 f"lock name template {template!r} uses {', '.join(sorted(unknown))}, which "
                 f"{'is not a parameter' if len(unknown) == 1 else 'are not parameters'} of "
                 f"{func.__qualname__} (parameters: {', '.join(signature.parameters) or 'none'})"
             )
+        own_response = _response_parameter(func)
 
         @functools.wraps(func)
         async def endpoint(*args: P.args, **kwargs: P.kwargs) -> R:
-            name = lock_name_for(template, signature, args, kwargs)
+            if own_response is None:
+                response = kwargs.pop(_RESPONSE, None)
+            else:
+                response = kwargs.get(own_response)
             try:
-                _validate.lock_name(name)
-            except InvalidArgument as exc:
-                # The name is made of request data, so a bad one is the request's fault.
-                raise HTTPException(
-                    400, detail={"error": "invalid_lock_name", "message": str(exc)}
-                ) from None
-            lease: Lease | None = None
-            try:
-                async with resolve_client(client).lock(name, ttl=ttl, timeout=timeout) as lease:
-                    return await func(*args, **kwargs)
-            except AcquireTimeout as exc:
-                if lease is not None:
-                    raise  # from a lock the endpoint itself took
-                raise _busy(busy_status, name) from exc
-            except LeaseLost as exc:
-                if lease is None or not lease.lost:
-                    raise  # from a lock the endpoint itself took
-                raise _lost(lost_status, name, exc) from exc
+                name = checked_name(lock_name_for(template, signature, args, kwargs))
+                async with holding(resolve_client(client), name, settings) as lease:
+                    result = await func(*args, **kwargs)
+            except Refusal as refusal:
+                raise _http_error(refusal) from refusal.__cause__
+            header = loss_header(lease)
+            if header is not None:
+                # FastAPI sends a returned Response as it is, and merges the injected one's
+                # headers into the response it builds from any other return value.
+                target = result if isinstance(result, Response) else response
+                if isinstance(target, Response):
+                    target.headers[header[0]] = header[1]
+            return result
 
+        if own_response is None:
+            endpoint.__signature__ = _with_response(signature)  # type: ignore[attr-defined]
         return endpoint
 
     return decorate
 
 
-def lock_dependency(
-    template: str,
-    *,
-    client: ClientSource,
-    ttl: float = 30.0,
-    timeout: float | None = 0,
-    busy_status: int = 423,
-    lost_status: int = 503,
-) -> Any:
+def lock_dependency(template: str, *, client: ClientSource, **options: Unpack[LockOptions]) -> Any:
     """The dependency form of :func:`locked`, for ``lease: Annotated[Lease, lock_dependency(...)]``.
 
     Returns a ``Depends(..., scope="function")``: the lock is taken before the endpoint runs and
     released when it returns, before the response is sent, so the lease's cancel scope encloses
-    exactly the endpoint. The endpoint receives the :class:`asynclock.Lease`. Busy and lost
-    answer as :func:`locked` does.
+    exactly the endpoint. The endpoint receives the :class:`asynclock.Lease`. The options and
+    answers are those of :func:`locked`.
 
     ``template`` is formatted with the request's *raw* path parameters, then its query
     parameters, as strings (``/orders/007`` gives ``orders/007``, where :func:`locked` formats
     the parsed ``order_id: int`` as ``orders/7``). A request missing a name gets 400. The
     endpoint must be ``async def``: a sync endpoint runs in a thread that cannot be cancelled.
-    Needs FastAPI's dependency scopes (``Depends(scope=...)``, FastAPI >= 0.121; tested with
-    0.165, where a cancel scope opened in a dependency may enclose the endpoint).
+    FastAPI builds the response before a function-scoped dependency exits, so a loss learned
+    at that exit reaches the response header only through :class:`LeaseLossHeaders`. Needs
+    FastAPI's dependency scopes (``Depends(scope=...)``, FastAPI >= 0.121; tested with 0.165).
     """
-    template_fields(template)
-    ttl = _validate.positive_seconds(ttl, "ttl")
-    timeout = _validate.timeout(timeout)
+    settings = Settings.make(template, options)
     if "scope" not in inspect.signature(Depends).parameters:
         raise UnsupportedFeature(
             "lock_dependency needs FastAPI's dependency scopes (FastAPI >= 0.121); upgrade "
@@ -157,71 +159,75 @@ def lock_dependency(
                 "endpoint runs in a thread, which cannot be cancelled when the lease is lost"
             )
         try:
-            name = _validate.lock_name(template.format_map(_RequestFields(request)))
-        except KeyError as exc:
-            raise HTTPException(
-                400,
-                detail={
-                    "error": "missing_lock_name_part",
-                    "message": f"the lock name {template!r} needs {exc.args[0]!r} from the "
-                    "path or the query string",
-                },
-            ) from None
-        except InvalidArgument as exc:
-            raise HTTPException(
-                400, detail={"error": "invalid_lock_name", "message": str(exc)}
-            ) from None
-        lease: Lease | None = None
-        try:
-            async with resolve_client(client).lock(name, ttl=ttl, timeout=timeout) as lease:
+            name = lock_name(settings, request.path_params, request.query_params)
+            async with holding(resolve_client(client), name, settings) as lease:
                 yield lease
-        except AcquireTimeout as exc:
-            if lease is not None:
-                raise
-            raise _busy(busy_status, name) from exc
-        except LeaseLost as exc:
-            if lease is None or not lease.lost:
-                raise
-            raise _lost(lost_status, name, exc) from exc
+        except Refusal as refusal:
+            raise _http_error(refusal) from refusal.__cause__
+        header = loss_header(lease)
+        if header is not None:
+            request.scope[_SCOPE_KEY] = header[1]
 
     return Depends(hold_lock, scope="function")
 
 
-class _RequestFields:
-    """What a dependency's template is formatted with: path parameters, then the query string."""
+class LeaseLossHeaders:
+    """ASGI middleware: adds ``Asynclock-Lease-Lost`` for :func:`lock_dependency` endpoints.
 
-    __slots__ = ("_request",)
+    ``app.add_middleware(LeaseLossHeaders)``. FastAPI has built the response by the time a
+    function-scoped dependency learns (at its exit) that the lease was lost after the endpoint
+    returned; the dependency leaves the reason in the ASGI scope, and this adds it to the
+    response's headers as they are sent. Not needed for :func:`locked`, which sets it itself.
+    """
 
-    def __init__(self, request: Request) -> None:
-        self._request = request
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
-    def __getitem__(self, key: str) -> str:
-        if key in self._request.path_params:
-            return str(self._request.path_params[key])
-        value = self._request.query_params.get(key)
-        if value is None:
-            raise KeyError(key)
-        return value
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
 
+        async def send_with_header(message: Message) -> None:
+            reason = scope.get(_SCOPE_KEY)
+            if message["type"] == "http.response.start" and reason is not None:
+                headers = [*message.get("headers", ()), (b"asynclock-lease-lost", reason.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
 
-def _busy(status: int, name: str) -> HTTPException:
-    return HTTPException(
-        status,
-        detail={
-            "error": "lock_busy",
-            "lock": name,
-            "message": f"{name!r} is held by another request; try again later",
-        },
-    )
+        await self.app(scope, receive, send_with_header)
 
 
-def _lost(status: int, name: str, exc: LeaseLost) -> HTTPException:
-    return HTTPException(
-        status,
-        detail={
-            "error": "lease_lost",
-            "lock": name,
-            "message": f"the lock {name!r} was lost while the request ran, so it was stopped "
-            f"({exc.reason}); its effects may be partial, retry it",
-        },
-    )
+def _http_error(refusal: Refusal) -> HTTPException:
+    return HTTPException(refusal.status, detail=refusal.body(), headers=refusal.headers or None)
+
+
+def _route_of(owner: object, func: object) -> str | None:
+    if isinstance(owner, BaseRoute) and getattr(owner, "endpoint", None) is func:
+        methods = ",".join(sorted(getattr(owner, "methods", None) or ()))
+        return f"{methods} {getattr(owner, 'path', '?')}".strip()
+    return None
+
+
+def _response_parameter(func: Callable[..., object]) -> str | None:
+    """The name of the endpoint's own ``Response`` parameter, if it has one."""
+    try:
+        signature = inspect.signature(func, eval_str=True)
+    except NameError:  # an annotation only a type checker can resolve: FastAPI will say so
+        signature = inspect.signature(func)
+    for parameter in signature.parameters.values():
+        annotation = parameter.annotation
+        if isinstance(annotation, type) and issubclass(annotation, Response):
+            return parameter.name
+    return None
+
+
+def _with_response(signature: inspect.Signature) -> inspect.Signature:
+    parameters = list(signature.parameters.values())
+    extra = inspect.Parameter(_RESPONSE, inspect.Parameter.KEYWORD_ONLY, annotation=Response)
+    # A keyword-only parameter must come before **kwargs.
+    at = len(parameters)
+    if parameters and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD:
+        at -= 1
+    parameters.insert(at, extra)
+    return signature.replace(parameters=parameters)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -12,6 +12,7 @@ import uvicorn
 from aiohttp import web
 
 import asynclock
+from asynclock.abc import Grant, LockRequest
 from asynclock.backends.memory import MemoryBackend
 
 
@@ -60,3 +61,36 @@ def memory(locks: asynclock.LockClient) -> MemoryBackend:
     backend = locks._backend
     assert isinstance(backend, MemoryBackend)
     return backend
+
+
+class FailingMemory(MemoryBackend):
+    """The memory backend, except that every acquire raises ``fail()`` while it is set.
+
+    Stands for a lock server that is down (``BackendUnavailable``), hangs (``BackendTimeout``),
+    or for anything else an acquire can raise, so each answer of the integrations is reached
+    through the real client.
+    """
+
+    fail: Callable[[], asynclock.LockError] | None = None
+
+    async def try_acquire(self, request: LockRequest) -> Grant | None:
+        await anyio.lowlevel.checkpoint()
+        if self.fail is not None:
+            raise self.fail()
+        return await super().try_acquire(request)
+
+    async def acquire(self, request: LockRequest) -> Grant:
+        await anyio.lowlevel.checkpoint()
+        if self.fail is not None:
+            raise self.fail()
+        return await super().acquire(request)
+
+
+@asynccontextmanager
+async def failing_locks() -> AsyncIterator[tuple[asynclock.LockClient, FailingMemory]]:
+    backend = FailingMemory(f"failing-{uuid.uuid4().hex[:8]}")
+    client = asynclock.LockClient(
+        backend, drift=0.01, margin=None, connect_timeout=5.0, release_timeout=1.0
+    )
+    async with client:
+        yield client, backend

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import logging
+import re
+import time
+from collections.abc import Callable
 from typing import Annotated, Any
+from urllib.parse import unquote
 
 import anyio
 import httpx
 import pytest
-from fastapi import FastAPI, Query
+from fastapi import APIRouter, FastAPI, Query, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 import asynclock
-from asynclock.integrations.fastapi import lock_dependency, locked
+from asynclock.integrations.fastapi import (
+    LEASE_LOST_HEADER,
+    LeaseLossHeaders,
+    lock_dependency,
+    locked,
+)
 
-from ._servers import memory, serve_asgi
+from ._servers import failing_locks, memory, serve_asgi
 
 pytestmark = pytest.mark.anyio
 
@@ -317,3 +328,259 @@ async def test_the_dependency_refuses_a_sync_endpoint(locks: asynclock.LockClien
     ) as http:
         with pytest.raises(TypeError, match="async def"):
             await http.get("/sync/1")
+
+
+# -- every lock error has a documented answer ----------------------------------------------------
+
+
+def failing_app(locks: asynclock.LockClient) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/orders/{order_id}")
+    @locked("orders/{order_id}", client=locks, retry_after=7)
+    async def pay(order_id: int) -> dict[str, Any]:
+        return {"order": order_id}
+
+    @app.post("/dep/orders/{order_id}")
+    async def pay_with_dependency(
+        order_id: int,
+        lease: asynclock.Lease = lock_dependency(  # noqa: B008
+            "orders/{order_id}", client=locks, retry_after=7, timeout=1
+        ),
+    ) -> dict[str, Any]:
+        return {"order": order_id}
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("fail", "status", "error"),
+    [
+        (
+            lambda: asynclock.BackendUnavailable("redis://x: connection refused"),
+            503,
+            "lock_unavailable",
+        ),
+        (
+            lambda: asynclock.BackendTimeout("redis://x did not answer within 1 s"),
+            503,
+            "lock_unavailable",
+        ),
+        (lambda: asynclock.DeadlockDetected("orders/1", []), 409, "deadlock"),
+    ],
+    ids=["unavailable", "timeout", "deadlock"],
+)
+@pytest.mark.parametrize("prefix", ["", "/dep"])
+async def test_lock_errors_while_acquiring_are_answered_never_500(
+    prefix: str,
+    fail: Callable[[], asynclock.LockError],
+    status: int,
+    error: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with failing_locks() as (locks, backend):
+        async with serve_asgi(failing_app(locks)) as url, httpx.AsyncClient(base_url=url) as http:
+            backend.fail = fail
+            with caplog.at_level(logging.WARNING, logger="asynclock"):
+                refused = await http.post(f"{prefix}/orders/1")
+            backend.fail = None
+            after = await http.post(f"{prefix}/orders/1")  # the server is back: served again
+    assert refused.status_code == status
+    assert refused.json()["detail"]["error"] == error
+    assert refused.json()["detail"]["lock"] == "orders/1"
+    assert refused.headers["retry-after"] == "7"
+    if error == "lock_unavailable":
+        assert any("answered 503 for the lock 'orders/1'" in r.message for r in caplog.records)
+    assert after.status_code == 200
+
+
+@pytest.mark.parametrize("prefix", ["", "/dep"])
+async def test_busy_answer_says_when_to_retry(locks: asynclock.LockClient, prefix: str) -> None:
+    async with serve_asgi(failing_app(locks)) as url, httpx.AsyncClient(base_url=url) as http:
+        async with locks.lock("orders/2"):
+            busy = await http.post(f"{prefix}/orders/2")
+    assert busy.status_code == 423
+    assert busy.headers["retry-after"] == "7"
+
+
+async def test_a_lost_lease_answer_does_not_invite_a_retry(locks: asynclock.LockClient) -> None:
+    gate = Gate()
+    async with serve_asgi(gated_app(locks, gate)) as url, httpx.AsyncClient(base_url=url) as http:
+        answers: list[httpx.Response] = []
+        async with anyio.create_task_group() as task_group:
+
+            async def call() -> None:
+                answers.append(await http.post("/orders/4"))
+
+            task_group.start_soon(call)
+            await gate.entered.wait()
+            memory(locks).expire("orders/4", notify=True)
+    assert answers[0].status_code == 503
+    assert "retry-after" not in answers[0].headers  # its effects may be partial
+    assert "retry" not in answers[0].json()["detail"]["message"]
+
+
+# -- a body that completed keeps its response -------------------------------------------------------
+
+
+def pausing_app(locks: asynclock.LockClient, done: list[str]) -> FastAPI:
+    """Each endpoint blocks the event loop past its 0.2 s ttl, then returns: no checkpoint in
+    between, so the loss is only known once the body has completed (a paused process)."""
+    app = FastAPI()
+    app.add_middleware(LeaseLossHeaders)
+
+    def pause(what: str) -> None:
+        time.sleep(0.4)  # blocking the loop is the point: a paused process
+        done.append(what)
+
+    @app.post("/plain/{order_id}")
+    @locked("orders/{order_id}", client=locks, ttl=0.2)
+    async def plain(order_id: int) -> dict[str, Any]:
+        pause("plain")
+        return {"booked": order_id}
+
+    @app.post("/response/{order_id}")
+    @locked("orders/{order_id}", client=locks, ttl=0.2)
+    async def returns_a_response(order_id: int) -> JSONResponse:
+        pause("response")
+        return JSONResponse({"booked": order_id}, status_code=201)
+
+    @app.post("/own/{order_id}")
+    @locked("orders/{order_id}", client=locks, ttl=0.2)
+    async def own_response_parameter(order_id: int, response: Response) -> dict[str, Any]:
+        response.headers["x-own"] = "kept"
+        pause("own")
+        return {"booked": order_id}
+
+    @app.post("/dep/{order_id}")
+    async def dependency(
+        order_id: int,
+        lease: asynclock.Lease = lock_dependency("orders/{order_id}", client=locks, ttl=0.2),  # noqa: B008
+    ) -> dict[str, Any]:
+        pause("dependency")
+        return {"booked": order_id}
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("path", "status"), [("plain", 200), ("response", 201), ("own", 200), ("dep", 200)]
+)
+async def test_a_body_that_completed_keeps_its_response_and_reports_the_loss(
+    locks: asynclock.LockClient, path: str, status: int
+) -> None:
+    done: list[str] = []
+    async with (
+        serve_asgi(pausing_app(locks, done)) as url,
+        httpx.AsyncClient(base_url=url, timeout=10) as http,
+    ):
+        answer = await http.post(f"/{path}/5")
+        free = await locks.try_acquire("orders/5", ttl=1.0)  # and the lock was released
+    assert answer.status_code == status  # not 503 "retry": the booking is done
+    assert answer.json() == {"booked": 5}
+    assert len(done) == 1
+    reason = unquote(answer.headers[LEASE_LOST_HEADER])
+    assert "no successful renewal before the local deadline" in reason
+    if path == "own":
+        assert answer.headers["x-own"] == "kept"
+    assert free is not None
+    await free.release()
+
+
+async def test_the_dependency_reports_the_loss_only_through_the_middleware(
+    locks: asynclock.LockClient,
+) -> None:
+    app = FastAPI()
+
+    @app.post("/dep/{order_id}")
+    async def dependency(
+        order_id: int,
+        lease: asynclock.Lease = lock_dependency("orders/{order_id}", client=locks, ttl=0.2),  # noqa: B008
+    ) -> int:
+        time.sleep(0.4)  # noqa: ASYNC251 - a paused process
+        return order_id
+
+    async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
+        answer = await http.post("/dep/6")
+    assert answer.status_code == 200
+    assert LEASE_LOST_HEADER not in answer.headers  # FastAPI built the response already
+
+
+async def test_a_completed_body_whose_lease_held_has_no_loss_header(
+    locks: asynclock.LockClient,
+) -> None:
+    async with (
+        serve_asgi(pausing_app(locks, [])) as url,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        ok = await http.post("/orders/1", json={})  # no such route: 404, no header
+    assert LEASE_LOST_HEADER not in ok.headers
+    app = FastAPI()
+
+    @app.get("/fine")
+    @locked("fine", client=locks)
+    async def fine() -> str:
+        return "ok"
+
+    async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url) as http:
+        answer = await http.get("/fine")
+    assert answer.status_code == 200
+    assert LEASE_LOST_HEADER not in answer.headers
+
+
+# -- errors that are not ours pass through --------------------------------------------------------
+
+
+async def test_errors_of_locks_the_endpoint_took_itself_propagate(
+    locks: asynclock.LockClient,
+) -> None:
+    app = FastAPI()
+
+    @app.post("/transfer/{a}/{b}")
+    @locked("accounts/{a}", client=locks)
+    async def transfer(a: str, b: str) -> str:
+        async with locks.lock(f"accounts/{b}", timeout=0):
+            return "moved"
+
+    async with locks.lock("accounts/y"):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://app"
+        ) as http:
+            with pytest.raises(asynclock.AcquireTimeout, match="accounts/y"):
+                await http.post("/transfer/x/y")
+
+
+# -- @locked in the wrong order --------------------------------------------------------------------
+
+
+def test_locked_above_the_route_decorator_fails_at_import() -> None:
+    locks = no_client
+    app = FastAPI()
+    router = APIRouter()
+    with pytest.raises(asynclock.InvalidArgument, match=r"below\* the route decorator") as info:
+
+        @locked("orders/{order_id}", client=locks)
+        @app.post("/orders/{order_id}")
+        async def pay(order_id: int) -> None: ...
+
+    assert "POST /orders/{order_id}" in str(info.value)
+    with pytest.raises(asynclock.InvalidArgument, match=re.escape("GET /items/{item}")):
+
+        @locked("items/{item}", client=locks)
+        @router.get("/items/{item}")
+        async def item(item: str) -> None: ...
+
+    async def registered(order_id: int) -> None: ...
+
+    app.add_api_route("/later/{order_id}", registered, methods=["PUT"])
+    with pytest.raises(asynclock.InvalidArgument, match=re.escape("PUT /later/{order_id}")):
+        locked("orders/{order_id}", client=locks)(registered)
+
+
+def test_options_are_checked_when_the_endpoint_is_defined() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="unknown option tll; the options are"):
+        locked("a", client=no_client, tll=3)  # type: ignore[call-arg]
+    with pytest.raises(asynclock.InvalidArgument, match="retry_after must be whole seconds"):
+        lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[typeddict-item]
+    with pytest.raises(asynclock.InvalidArgument, match="busy_status must be an HTTP error"):
+        locked("a", client=no_client, busy_status=200)
