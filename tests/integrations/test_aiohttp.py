@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+import re
+import time
+from collections.abc import Callable
+from urllib.parse import unquote
+
 import aiohttp
 import anyio
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 import asynclock
-from asynclock.integrations.aiohttp import locked
+from asynclock.integrations.aiohttp import LEASE_LOST_HEADER, locked
 
-from ._servers import memory, serve_aiohttp
+from ._servers import failing_locks, memory, serve_aiohttp
 
 pytestmark = pytest.mark.anyio
 
@@ -205,3 +212,164 @@ def test_mistakes_are_reported_when_the_handler_is_defined() -> None:
         @locked("orders/{id}", client=no_client)  # type: ignore[arg-type]
         def sync(request: web.Request) -> web.Response:
             return web.Response()
+
+
+# -- every lock error has a documented answer ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fail", "status", "error"),
+    [
+        (lambda: asynclock.BackendUnavailable("redis://x: refused"), 503, "lock_unavailable"),
+        (lambda: asynclock.BackendTimeout("redis://x: no answer in 1 s"), 503, "lock_unavailable"),
+        (lambda: asynclock.DeadlockDetected("orders/1", []), 409, "deadlock"),
+    ],
+    ids=["unavailable", "timeout", "deadlock"],
+)
+@pytest.mark.parametrize("timeout", [0, 1])
+async def test_lock_errors_while_acquiring_are_answered_never_500(
+    fail: Callable[[], asynclock.LockError],
+    status: int,
+    error: str,
+    timeout: float,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with failing_locks() as (locks, backend):
+
+        @locked("orders/{order_id}", client=locks, timeout=timeout, retry_after=7)
+        async def pay(request: web.Request) -> web.Response:
+            return web.json_response({"order": request.match_info["order_id"]})
+
+        app = web.Application()
+        app.router.add_post("/orders/{order_id}", pay)
+        async with serve_aiohttp(app) as url, aiohttp.ClientSession(url) as http:
+            backend.fail = fail
+            with caplog.at_level(logging.WARNING, logger="asynclock"):
+                async with http.post("/orders/1") as refused:
+                    body = await refused.json()
+            backend.fail = None
+            async with http.post("/orders/1") as after:
+                pass
+    assert refused.status == status
+    assert body["error"] == error
+    assert body["lock"] == "orders/1"
+    assert refused.headers["Retry-After"] == "7"
+    if error == "lock_unavailable":
+        assert any("answered 503 for the lock 'orders/1'" in r.message for r in caplog.records)
+    assert after.status == 200
+
+
+async def test_busy_says_when_to_retry_and_lost_does_not(locks: asynclock.LockClient) -> None:
+    gate = Gate()
+    async with serve_aiohttp(gated_app(locks, gate)) as url, aiohttp.ClientSession(url) as http:
+        async with locks.lock("orders/8"):
+            async with http.post("/orders/8") as busy:
+                pass
+        lost: list[tuple[int, dict[str, str], str | None]] = []
+        async with anyio.create_task_group() as task_group:
+
+            async def call() -> None:
+                async with http.post("/orders/3") as answer:
+                    lost.append(
+                        (answer.status, await answer.json(), answer.headers.get("Retry-After"))
+                    )
+
+            task_group.start_soon(call)
+            await gate.entered.wait()
+            memory(locks).expire("orders/3", notify=True)
+    assert busy.status == 423
+    assert busy.headers["Retry-After"] == "1"  # the default
+    status, body, retry_after = lost[0]
+    assert status == 503
+    assert body["error"] == "lease_lost"
+    assert retry_after is None  # its effects may be partial: no invitation to retry
+    assert "retry" not in body["message"]
+
+
+# -- a body that completed keeps its response -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["json", "stream"])
+async def test_a_body_that_completed_keeps_its_response_and_reports_the_loss(
+    locks: asynclock.LockClient, kind: str
+) -> None:
+    @locked("orders/{order_id}", client=locks, ttl=0.2)
+    async def book(request: web.Request) -> web.StreamResponse:
+        if kind == "stream":
+            # Headers already sent: the answer stands, and only the log reports the loss.
+            response = web.StreamResponse(status=201)
+            await response.prepare(request)
+            time.sleep(0.4)  # noqa: ASYNC251 - blocking the loop is the point: a paused process
+            await response.write(b"booked")
+            return response
+        time.sleep(0.4)  # noqa: ASYNC251 - blocking the loop is the point: a paused process
+        return web.json_response({"booked": request.match_info["order_id"]}, status=201)
+
+    app = web.Application()
+    app.router.add_post("/orders/{order_id}", book)
+    async with serve_aiohttp(app) as url, aiohttp.ClientSession(url) as http:
+        async with http.post("/orders/5") as answer:
+            body = await answer.read()
+        free = await locks.try_acquire("orders/5", ttl=1.0)
+    assert answer.status == 201  # not 503 "retry": the booking is done
+    if kind == "json":
+        assert body == b'{"booked": "5"}'
+        reason = unquote(answer.headers[LEASE_LOST_HEADER])
+        assert "no successful renewal before the local deadline" in reason
+    else:
+        assert body == b"booked"
+        assert LEASE_LOST_HEADER not in answer.headers
+    assert free is not None
+    await free.release()
+
+
+async def test_errors_of_locks_the_handler_took_itself_propagate(
+    locks: asynclock.LockClient,
+) -> None:
+    @locked("accounts/{a}", client=locks)
+    async def transfer(request: web.Request) -> web.Response:
+        async with locks.lock(f"accounts/{request.match_info['b']}", timeout=0):
+            return web.Response(text="moved")
+
+    app = web.Application()
+    app.router.add_post("/transfer/{a}/{b}", transfer)
+    request = make_mocked_request("POST", "/transfer/x/y", match_info={"a": "x", "b": "y"}, app=app)
+    async with locks.lock("accounts/y"):
+        with pytest.raises(asynclock.AcquireTimeout, match="accounts/y"):
+            await transfer(request)
+
+
+# -- @locked in the wrong order --------------------------------------------------------------------
+
+
+def test_locked_after_registering_the_handler_fails_at_import() -> None:
+    def no_client() -> asynclock.LockClient:
+        raise AssertionError("not needed")
+
+    routes = web.RouteTableDef()
+    with pytest.raises(asynclock.InvalidArgument, match=r"below\* the route decorator") as info:
+
+        @locked("orders/{order_id}", client=no_client)
+        @routes.post("/orders/{order_id}")
+        async def pay(request: web.Request) -> web.Response:
+            return web.Response()
+
+    assert "POST /orders/{order_id}" in str(info.value)
+
+    async def refund(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_put("/orders/{order_id}/refund", refund)
+    with pytest.raises(asynclock.InvalidArgument, match=re.escape("PUT /orders/{order_id}/refund")):
+        locked("orders/{order_id}", client=no_client)(refund)
+
+    # The right order: the route holds the wrapper, and the wrapper's function is free.
+    @routes.post("/ok/{order_id}")
+    @locked("orders/{order_id}", client=no_client)
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response()
+
+    last = routes[-1]
+    assert isinstance(last, web.RouteDef)
+    assert last.handler is ok

@@ -581,6 +581,6 @@ def test_options_are_checked_when_the_endpoint_is_defined() -> None:
     with pytest.raises(asynclock.InvalidArgument, match="unknown option tll; the options are"):
         locked("a", client=no_client, tll=3)  # type: ignore[call-arg]
     with pytest.raises(asynclock.InvalidArgument, match="retry_after must be whole seconds"):
-        lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[typeddict-item]
+        lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[arg-type]
     with pytest.raises(asynclock.InvalidArgument, match="busy_status must be an HTTP error"):
         locked("a", client=no_client, busy_status=200)
