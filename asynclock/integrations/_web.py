@@ -36,6 +36,7 @@ from .._errors import (
     InvalidArgument,
     LeaseLost,
     LockError,
+    MissingDependency,
 )
 from .._lease import Lease
 from . import template_fields
@@ -96,6 +97,13 @@ class Settings:
             lost_status=_status(options.get("lost_status", defaults.lost_status), "lost_status"),
             retry_after=_retry_after(options.get("retry_after", defaults.retry_after)),
         )
+
+
+def missing(module: str, framework: str, extra: str) -> MissingDependency:
+    """The error for an integration whose framework is not installed: it names the extra."""
+    return MissingDependency(
+        f"asynclock.integrations.{module} needs {framework}: pip install 'asynclock[{extra}]'"
+    )
 
 
 def _status(value: object, what: str) -> int:

@@ -21,24 +21,13 @@ from collections.abc import Awaitable, Callable
 from typing import ParamSpec, Unpack
 
 from .._decorator import ClientSource, resolve_client
-from .._errors import MissingDependency
-from ._web import (
-    LEASE_LOST_HEADER,
-    LockOptions,
-    Refusal,
-    Settings,
-    holding,
-    lock_name,
-    loss_header,
-    refuse_if_registered,
-)
+from . import _web
+from ._web import LEASE_LOST_HEADER, LockOptions
 
 try:
     from aiohttp import web
 except ImportError as exc:  # pragma: no cover - aiohttp is installed in the test environment
-    raise MissingDependency(
-        "asynclock.integrations.aiohttp needs aiohttp: pip install 'asynclock[aiohttp]'"
-    ) from exc
+    raise _web.missing("aiohttp", "aiohttp", "aiohttp") from exc
 
 __all__ = ("FENCING_RESOURCE", "FENCING_TOKEN", "LEASE_LOST_HEADER", "LockOptions", "locked")
 
@@ -85,27 +74,27 @@ def locked(
     :class:`asynclock.LeaseLost` propagates and aiohttp drops the connection, so the client sees
     a failed request, not a complete one.
     """
-    settings = Settings.make(template, options)
+    settings = _web.Settings.make(template, options)
 
     def decorate(handler: Handler[P]) -> Handler[P]:
         if not inspect.iscoroutinefunction(handler):
             raise TypeError(f"@locked needs an `async def` handler, got {handler!r}")
-        refuse_if_registered(handler, _route_of, "aiohttp")
+        _web.refuse_if_registered(handler, _route_of, "aiohttp")
 
         @functools.wraps(handler)
         async def locked_handler(*args: P.args, **kwargs: P.kwargs) -> web.StreamResponse:
             request = _request_of(args)
             try:
-                name = lock_name(settings, getattr(request, "match_info", {}), request.query)
-                async with holding(resolve_client(client), name, settings) as lease:
+                name = _web.lock_name(settings, getattr(request, "match_info", {}), request.query)
+                async with _web.holding(resolve_client(client), name, settings) as lease:
                     response = await handler(*args, **kwargs)
-            except Refusal as refusal:
+            except _web.Refusal as refusal:
                 if request.writer.output_size > 0 and refusal.__cause__ is not None:
                     raise refusal.__cause__ from None  # a response is already on its way
                 return web.json_response(
                     refusal.body(), status=refusal.status, headers=refusal.headers
                 )
-            header = loss_header(lease)
+            header = _web.loss_header(lease)
             if header is not None and not response.prepared:
                 response.headers[header[0]] = header[1]
             return response

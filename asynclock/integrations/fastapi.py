@@ -21,28 +21,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar, Unpack
 
 from .._decorator import ClientSource, lock_name_for, resolve_client
-from .._errors import InvalidArgument, MissingDependency, UnsupportedFeature
+from .._errors import InvalidArgument, UnsupportedFeature
 from .._lease import Lease
-from ._web import (
-    LEASE_LOST_HEADER,
-    LockOptions,
-    Refusal,
-    Settings,
-    checked_name,
-    holding,
-    lock_name,
-    loss_header,
-    refuse_if_registered,
-)
+from . import _web
+from ._web import LEASE_LOST_HEADER, LockOptions
 
 try:
     from fastapi import Depends, HTTPException, Request, Response
     from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 except ImportError as exc:  # pragma: no cover - FastAPI is installed in the test environment
-    raise MissingDependency(
-        "asynclock.integrations.fastapi needs FastAPI: pip install 'asynclock[fastapi]'"
-    ) from exc
+    raise _web.missing("fastapi", "FastAPI", "fastapi") from exc
 
 __all__ = ("LEASE_LOST_HEADER", "LeaseLossHeaders", "LockOptions", "lock_dependency", "locked")
 
@@ -81,7 +70,7 @@ def locked(
     covers the endpoint function, not the sending of its response: a ``StreamingResponse``
     streams after the lock is released.
     """
-    settings = Settings.make(template, options)
+    settings = _web.Settings.make(template, options)
 
     def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         if not inspect.iscoroutinefunction(func):
@@ -89,7 +78,7 @@ def locked(
                 f"@locked needs an `async def` endpoint, got {func!r}: a sync endpoint runs in a "
                 "thread, which cannot be cancelled when the lease is lost"
             )
-        refuse_if_registered(func, _route_of, "FastAPI")
+        _web.refuse_if_registered(func, _route_of, "FastAPI")
         signature = inspect.signature(func)
         unknown = settings.fields - set(signature.parameters)
         if unknown:
@@ -107,12 +96,12 @@ def locked(
             else:
                 response = kwargs.get(own_response)
             try:
-                name = checked_name(lock_name_for(template, signature, args, kwargs))
-                async with holding(resolve_client(client), name, settings) as lease:
+                name = _web.checked_name(lock_name_for(template, signature, args, kwargs))
+                async with _web.holding(resolve_client(client), name, settings) as lease:
                     result = await func(*args, **kwargs)
-            except Refusal as refusal:
+            except _web.Refusal as refusal:
                 raise _http_error(refusal) from refusal.__cause__
-            header = loss_header(lease)
+            header = _web.loss_header(lease)
             if header is not None:
                 # FastAPI sends a returned Response as it is, and merges the injected one's
                 # headers into the response it builds from any other return value.
@@ -144,7 +133,7 @@ def lock_dependency(template: str, *, client: ClientSource, **options: Unpack[Lo
     at that exit reaches the response header only through :class:`LeaseLossHeaders`. Needs
     FastAPI's dependency scopes (``Depends(scope=...)``, FastAPI >= 0.121; tested with 0.165).
     """
-    settings = Settings.make(template, options)
+    settings = _web.Settings.make(template, options)
     if "scope" not in inspect.signature(Depends).parameters:
         raise UnsupportedFeature(
             "lock_dependency needs FastAPI's dependency scopes (FastAPI >= 0.121); upgrade "
@@ -159,12 +148,12 @@ def lock_dependency(template: str, *, client: ClientSource, **options: Unpack[Lo
                 "endpoint runs in a thread, which cannot be cancelled when the lease is lost"
             )
         try:
-            name = lock_name(settings, request.path_params, request.query_params)
-            async with holding(resolve_client(client), name, settings) as lease:
+            name = _web.lock_name(settings, request.path_params, request.query_params)
+            async with _web.holding(resolve_client(client), name, settings) as lease:
                 yield lease
-        except Refusal as refusal:
+        except _web.Refusal as refusal:
             raise _http_error(refusal) from refusal.__cause__
-        header = loss_header(lease)
+        header = _web.loss_header(lease)
         if header is not None:
             request.scope[_SCOPE_KEY] = header[1]
 
@@ -198,7 +187,7 @@ class LeaseLossHeaders:
         await self.app(scope, receive, send_with_header)
 
 
-def _http_error(refusal: Refusal) -> HTTPException:
+def _http_error(refusal: _web.Refusal) -> HTTPException:
     return HTTPException(refusal.status, detail=refusal.body(), headers=refusal.headers or None)
 
 
