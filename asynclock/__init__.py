@@ -23,6 +23,8 @@ from ._errors import NotHeld as NotHeld
 from ._errors import StaleToken as StaleToken
 from ._errors import UnsupportedFeature as UnsupportedFeature
 from ._errors import Waiter as Waiter
+from ._events import ConnectionState as ConnectionState
+from ._events import StateChange as StateChange
 from ._fencing import current_lease as current_lease
 from ._fencing import current_token as current_token
 from ._fencing import held_leases as held_leases
@@ -37,6 +39,7 @@ __all__ = (
     "BackendTimeout",
     "BackendUnavailable",
     "Capabilities",
+    "ConnectionState",
     "DeadlockDetected",
     "InvalidArgument",
     "InvalidURL",
@@ -50,6 +53,7 @@ __all__ = (
     "MultiLockContext",
     "NotHeld",
     "StaleToken",
+    "StateChange",
     "UnsupportedFeature",
     "Waiter",
     "connect",

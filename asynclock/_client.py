@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Self
 
 import anyio
@@ -22,10 +23,12 @@ from ._errors import (
     LockError,
     Waiter,
 )
+from ._events import AcquireOutcome, ConnectionState, Events, LossKind, Source, StateChange
 from ._host import BackendHost
 from ._lease import Lease, OnLost, public_owner
 from ._renewal import RENEWAL
 from ._scope import LockContext, MultiLockContext, release_all
+from ._state import StateTracker
 from ._supervisor import Supervisor
 from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest
 
@@ -58,10 +61,15 @@ class LockClient:
         self._margin = margin
         self._connect_timeout = connect_timeout
         self._release_timeout = release_timeout
-        self._supervisor = Supervisor(backend)
+        described = backend.describe()
+        self._events = Events(Source(backend=described.split(":", 1)[0], address=described))
+        self._state = StateTracker(self._events)
+        self._supervisor = Supervisor(backend, self._events, self._state)
         self._host = BackendHost(
             backend,
             self._supervisor,
+            self._events,
+            self._state,
             connect_timeout=connect_timeout,
             release_timeout=release_timeout,
         )
@@ -104,6 +112,16 @@ class LockClient:
         return self._backend.capabilities
 
     @property
+    def state(self) -> ConnectionState:
+        """How this client sees its server, from its own calls (see :class:`ConnectionState`)."""
+        return self._state.state
+
+    def state_changes(self) -> AsyncIterator[StateChange]:
+        """``async for change in locks.state_changes():`` every change of :attr:`state` from
+        now on; the iteration ends when the client closes."""
+        return self._state.changes()
+
+    @property
     def held(self) -> frozenset[Lease]:
         """Every lease this client holds now."""
         return self._supervisor.leases
@@ -135,7 +153,7 @@ class LockClient:
         async def acquire() -> list[Lease]:
             return [await self._acquire(name, ttl, timeout, on_lost, track_context=False)]
 
-        return LockContext(acquire, on_lost)
+        return LockContext(acquire, on_lost, self._events)
 
     def lock_all(
         self,
@@ -177,7 +195,7 @@ class LockClient:
                 raise
             return taken
 
-        return MultiLockContext(acquire, on_lost)
+        return MultiLockContext(acquire, on_lost, self._events)
 
     async def acquire(
         self,
@@ -273,7 +291,32 @@ class LockClient:
                 early_loss.append(reason)
 
         request = LockRequest(name=name, ttl=ttl, owner=uuid.uuid4().hex, on_lost=lost)
-        grant: Grant | None = None
+        started = anyio.current_time()
+        try:
+            grant = await self._grant(request, timeout)
+        except BaseException as exc:
+            observe_acquire(self._state, self._events, name, started, None, exc)
+            raise
+        observe_acquire(self._state, self._events, name, started, grant, None)
+        # No await from here until the lease is registered: a cancellation cannot strand it.
+        lease = Lease(
+            grant,
+            on_lost=on_lost,
+            drift=self._drift,
+            margin=margin,
+            fencing=self._backend.capabilities.fencing,
+            releaser=self._host.release,
+            on_loss=self._on_loss,
+        )
+        holder.append(lease)
+        for reason in early_loss:
+            lease._mark_lost(reason)
+        self._supervisor.add(lease)
+        if track_context:
+            _fencing.push(lease)
+        return lease
+
+    async def _grant(self, request: LockRequest, timeout: float | None) -> Grant:
         deadlocks: list[list[Waiter]] = []
         try:
             if timeout == 0:
@@ -286,58 +329,43 @@ class LockClient:
             # A backend is meant to translate its driver's errors; one that slips through still
             # reaches the user as one of ours, with the original attached.
             raise BackendUnavailable(
-                f"acquiring {name!r} on {self._backend.describe()} failed: {exc!r}"
+                f"acquiring {request.name!r} on {self._backend.describe()} failed: {exc!r}"
             ) from exc
         if grant is None and deadlocks:
-            raise DeadlockDetected(name, deadlocks[0])
+            raise DeadlockDetected(request.name, deadlocks[0])
         if grant is None:
-            raise AcquireTimeout(name, timeout or 0.0)
-        # No await from here until the lease is registered: a cancellation cannot strand it.
-        lease = Lease(
-            grant,
-            on_lost=on_lost,
-            drift=self._drift,
-            margin=margin,
-            fencing=self._backend.capabilities.fencing,
-            releaser=self._host.release,
-        )
-        holder.append(lease)
-        for reason in early_loss:
-            lease._mark_lost(reason)
-        self._supervisor.add(lease)
-        if track_context:
-            _fencing.push(lease)
-        return lease
+            raise AcquireTimeout(request.name, timeout or 0.0)
+        return grant
+
+    def _on_loss(self, lease: Lease, kind: LossKind, reason: str) -> None:
+        if kind == "deadline":
+            self._state.deadline_passed(lease.name)
+        if self._events:
+            self._events.emit("lost", lease.name, kind, reason)
 
     async def _wait(
         self, request: LockRequest, timeout: float | None, deadlocks: list[list[Waiter]]
     ) -> Grant | None:
         """Wait for the lock until ``timeout``; with deadlock detection, also until this task is
         found to be the victim of a cycle (then ``deadlocks`` holds the cycle)."""
+        if not self._events:
+            return await self._wait_for_grant(request, timeout, deadlocks)
+        self._events.emit("waiting", request.name, 1)
+        try:
+            return await self._wait_for_grant(request, timeout, deadlocks)
+        finally:
+            self._events.emit("waiting", request.name, -1)
+
+    async def _wait_for_grant(
+        self, request: LockRequest, timeout: float | None, deadlocks: list[list[Waiter]]
+    ) -> Grant | None:
         registry = self._backend.waiter_registry() if self._deadlock_interval else None
-        if timeout is None and registry is None:
-            return await self._backend.acquire(request)
-        deadline = math.inf
-        if timeout is not None:
-            deadline = anyio.current_time() + timeout
-            # However short the timeout, the lock is tried once: it bounds the wait, not the
-            # first attempt (timeout=1e-9 must not fail where timeout=0 succeeds).
-            try:
-                grant = await self._backend.try_acquire(request)
-            except BackendTimeout:
-                raise  # the server did not answer: one timeout is one op_timeout
-            except BackendUnavailable:
-                # With time left, the wait below retries as the backend does (a Redlock
-                # majority may come back), as it did before this first try existed.
-                if anyio.current_time() >= deadline:
-                    raise
-                grant = None
-            if grant is not None or anyio.current_time() >= deadline:
-                return grant
-        with anyio.CancelScope(deadline=deadline):
-            if registry is None or self._deadlock_interval is None:
-                return await self._backend.acquire(request)
-            return await wait_watching_deadlocks(
+        wait: Callable[[], Awaitable[Grant | None]]
+        if registry is None or self._deadlock_interval is None:
+            wait = functools.partial(self._backend.acquire, request)
+        else:
+            wait = functools.partial(
+                wait_watching_deadlocks,
                 self._backend,
                 request,
                 registry,
@@ -346,9 +374,68 @@ class LockClient:
                 found=deadlocks,
                 release_timeout=self._release_timeout,
             )
-        return None
+        if timeout is None:
+            return await wait()
+        return await try_then_wait(self._backend, request, timeout, wait)
 
 
 def _canonical(name: str) -> bytes:
     # Byte order of the UTF-8 form: the same in every process and language.
     return name.encode("utf-8")
+
+
+def observe_acquire(
+    state: StateTracker,
+    events: Events,
+    name: str,
+    started: float,
+    grant: Grant | None,
+    error: BaseException | None,
+) -> None:
+    """Tell the connection state and the observers how an acquire ended."""
+    outcome: AcquireOutcome
+    if error is None:
+        outcome = "acquired"
+    elif isinstance(error, AcquireTimeout):
+        outcome = "busy" if error.timeout == 0 else "timeout"
+    elif isinstance(error, DeadlockDetected):
+        outcome = "deadlock"
+    elif isinstance(error, BackendUnavailable | BackendTimeout):
+        state.reached(False, error)
+        outcome = "error"
+    elif isinstance(error, anyio.get_cancelled_exc_class()):
+        outcome = "cancelled"
+    else:
+        outcome = "error"
+    if outcome in ("acquired", "busy", "timeout"):
+        state.reached(True)
+    if events:
+        token = grant.token if grant is not None else None
+        events.emit("acquired", name, outcome, anyio.current_time() - started, token)
+
+
+async def try_then_wait(
+    backend: Backend[Grant],
+    request: LockRequest,
+    timeout: float,
+    wait: Callable[[], Awaitable[Grant | None]],
+) -> Grant | None:
+    """Try the lock once, then ``wait()`` for it until ``timeout`` has passed."""
+    deadline = anyio.current_time() + timeout
+    # However short the timeout, the lock is tried once: it bounds the wait, not the first
+    # attempt (timeout=1e-9 must not fail where timeout=0 succeeds).
+    try:
+        grant = await backend.try_acquire(request)
+    except BackendTimeout:
+        raise  # the server did not answer: one timeout is one op_timeout
+    except BackendUnavailable:
+        # With time left, the wait below retries as the backend does (a Redlock majority may
+        # come back), as it did before this first try existed.
+        if anyio.current_time() >= deadline:
+            raise
+        grant = None
+    if grant is not None or anyio.current_time() >= deadline:
+        return grant
+    with anyio.move_on_at(deadline):
+        return await wait()
+    return None

@@ -28,9 +28,11 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from . import _fencing
 from ._errors import BackendTimeout, UnsupportedFeature
+from ._events import Events
 from ._lease import Lease
 from ._scope import release_all
 from ._shield import Deferred, finish, on_asyncio
+from ._state import StateTracker
 from ._supervisor import Supervisor
 from ._validate import redact
 from .abc import Backend, Grant
@@ -53,12 +55,16 @@ class BackendHost:
         self,
         backend: Backend[Grant],
         supervisor: Supervisor,
+        events: Events,
+        state: StateTracker,
         *,
         connect_timeout: float,
         release_timeout: float,
     ) -> None:
         self._backend = backend
         self._supervisor = supervisor
+        self._events = events
+        self._connection = state
         self._connect_timeout = connect_timeout
         self._release_timeout = release_timeout
         self._task_group: TaskGroup | None = None
@@ -216,6 +222,7 @@ class BackendHost:
             # The backend did not close in time: stop its host task rather than hang the exit.
             self._task_group.cancel_scope.cancel()
         self.state = "closed"
+        self._connection.closed()
 
     async def leave(self) -> None:
         """Leave the task group (after :meth:`aclose`), in the task that opened it."""
@@ -249,15 +256,21 @@ class BackendHost:
         # A lost lease is released only so that nothing stays behind: the caller need not wait
         # for a server that may be hanging (that is often why the lease was lost).
         wait = min(self._release_timeout, _LOST_RELEASE_WAIT) if lost else self._release_timeout
+        if self._events:
+            held = anyio.current_time() - grant.valid_from
+            self._events.emit("released", grant.name, held, lost)
         try:
-            await finish(
+            released = await finish(
                 functools.partial(self._backend.release, grant),
                 timeout=wait,
                 what=f"releasing {grant.name!r}",
                 unfinished=functools.partial(self._defer_release, grant, None),
             )
         except Exception as exc:
+            self._connection.reached(False, exc)
             self._defer_release(grant, exc)
+        else:
+            self._connection.reached(released, None if released else TimeoutError(wait))
 
     def _defer_release(self, grant: Grant, error: BaseException | None) -> None:
         """Go on releasing ``grant`` in the host's task group until the server answers."""

@@ -11,6 +11,7 @@ from typing import Literal, Protocol
 import anyio
 
 from ._errors import UnsupportedFeature
+from ._events import LossKind
 from ._renewal import RENEWAL
 from .abc import Grant
 
@@ -63,6 +64,7 @@ class Lease:
         "_lost_event",
         "_lost_reason",
         "_margin",
+        "_on_loss",
         "_releaser",
         "_scopes",
         "_state",
@@ -79,8 +81,10 @@ class Lease:
         margin: float,
         fencing: bool,
         releaser: Callable[[Lease], Awaitable[None]],
+        on_loss: Callable[[Lease, LossKind, str], None] | None = None,
     ) -> None:
         self._grant = grant
+        self._on_loss = on_loss
         self.on_lost: OnLost = on_lost
         self._drift = drift
         self._margin = margin
@@ -209,7 +213,8 @@ class Lease:
         if self._state is LeaseState.HELD and anyio.current_time() >= self._deadline:
             self._mark_lost(
                 f"no successful renewal before the local deadline (ttl {self.ttl:g} s); "
-                "the server may already have expired it"
+                "the server may already have expired it",
+                "deadline",
             )
 
     def _extend(self, valid_from: float, ttl: float) -> None:
@@ -228,7 +233,7 @@ class Lease:
     def _deadline_for(self, valid_from: float, ttl: float) -> float:
         return valid_from + ttl * (1.0 - self._drift) - self._margin
 
-    def _mark_lost(self, reason: str) -> None:
+    def _mark_lost(self, reason: str, kind: LossKind = "server") -> None:
         if self._state is not LeaseState.HELD:
             return
         self._state = LeaseState.LOST
@@ -236,6 +241,8 @@ class Lease:
         if self._lost_event is not None:
             self._lost_event.set()
         logger.warning("asynclock: lease on %r lost: %s", self.name, reason)
+        if self._on_loss is not None:
+            self._on_loss(self, kind, reason)
         for body in self._scopes:
             body.cancel()
 

@@ -31,6 +31,12 @@ class RenewalPolicy:
         """When to try again after a renewal at ``now`` that proved nothing."""
         return now + max(self.min_retry, ttl * self.interval * self.retry_fraction)
 
+    def suspect_after(self, ttl: float) -> float:
+        """How long a renewal may go unanswered before the server counts as unreachable (the
+        client's state turns SUSPENDED): the retry spacing, which a healthy round trip never
+        comes near."""
+        return max(self.min_retry, ttl * self.interval * self.retry_fraction)
+
     def joins_batch(self, next_renewal: float, ttl: float, now: float) -> bool:
         """Whether a lease due at ``next_renewal`` is renewed with a batch that is due ``now``."""
         return next_renewal - ttl * self.batch_window <= now

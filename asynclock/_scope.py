@@ -14,12 +14,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextvars import Token
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 
 from . import _fencing
 from ._errors import LeaseLost
+from ._events import Events, Observer
 from ._lease import Lease, OnLost
 
 T = TypeVar("T")
@@ -44,14 +45,27 @@ class BodyScope:
 
 
 class _HeldContext(ABC, Generic[T]):
-    __slots__ = ("_acquire", "_body", "_context_tokens", "_leases", "_on_lost")
+    __slots__ = (
+        "_acquire",
+        "_body",
+        "_context_tokens",
+        "_events",
+        "_leases",
+        "_observed",
+        "_on_lost",
+    )
 
-    def __init__(self, acquire: Callable[[], Awaitable[list[Lease]]], on_lost: OnLost) -> None:
+    def __init__(
+        self, acquire: Callable[[], Awaitable[list[Lease]]], on_lost: OnLost, events: Events
+    ) -> None:
         self._acquire = acquire
         self._on_lost = on_lost
+        self._events = events
         self._leases: list[Lease] | None = None
         self._body: BodyScope | None = None
         self._context_tokens: list[Token[tuple[Lease, ...]]] = []
+        #: What each observer returned when the body began (its span, say).
+        self._observed: list[tuple[Observer, Any]] = []
 
     @abstractmethod
     def _result(self, leases: list[Lease]) -> T:
@@ -69,9 +83,28 @@ class _HeldContext(ABC, Generic[T]):
             self._body = body
             for lease in leases:
                 lease._attach_scope(body)
+        if self._events:
+            lease = leases[0]
+            self._observed = self._events.enter_body(lease.name, lease.grant.token)
         return self._result(leases)
 
     async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._observed:
+            return await self._exit(exc_type, exc, tb)
+        try:
+            await self._exit(exc_type, exc, tb)
+        except BaseException as error:
+            self._events.exit_body(self._observed, error)
+            raise
+        self._events.exit_body(self._observed, None)
+        return None
+
+    async def _exit(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
@@ -115,6 +148,8 @@ class _HeldContext(ABC, Generic[T]):
                     lease_name,
                     lease_reason,
                 )
+                if self._events:
+                    self._events.emit("finished_after_loss", lease_name, lease_reason)
             return
         if exc is not None and not caught_own_cancel:
             if isinstance(exc, anyio.get_cancelled_exc_class()):

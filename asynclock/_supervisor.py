@@ -8,8 +8,10 @@ from collections.abc import Sequence
 
 import anyio
 
+from ._events import Events
 from ._lease import Lease
 from ._renewal import RENEWAL
+from ._state import StateTracker
 from .abc import Backend, Grant, Lost, Renewed, RenewOutcome, Unknown
 
 logger = logging.getLogger("asynclock")
@@ -28,8 +30,10 @@ class Supervisor:
     this loop at all (they are cancel scope deadlines), so a stuck loop never delays a cancellation.
     """
 
-    def __init__(self, backend: Backend[Grant]) -> None:
+    def __init__(self, backend: Backend[Grant], events: Events, state: StateTracker) -> None:
         self._backend = backend
+        self._events = events
+        self._state = state
         self._leases: set[Lease] = set()
         #: The loop's sleep, and when it ends. A lease due earlier moves that deadline instead
         #: of waking the loop: acquiring costs the renewal task nothing until a renewal is due.
@@ -80,12 +84,18 @@ class Supervisor:
     async def _renew(self, batch: Sequence[Lease]) -> None:
         outcomes: Sequence[RenewOutcome] | None = None
         self.renew_calls += 1
+        started = anyio.current_time()
+        suspect_at = started + RENEWAL.suspect_after(min(lease.ttl for lease in batch))
         with anyio.move_on_at(min(lease.deadline for lease in batch)):
-            try:
-                outcomes = await self._backend.renew([lease.grant for lease in batch])
-            except Exception as exc:
-                logger.info("asynclock: renewal of %d lease(s) failed: %r", len(batch), exc)
-                outcomes = [Unknown(exc)] * len(batch)
+            async with anyio.create_task_group() as watch:
+                # A renewal that hangs says the server is unreachable long before it times out.
+                watch.start_soon(self._suspect, suspect_at, len(batch))
+                try:
+                    outcomes = await self._backend.renew([lease.grant for lease in batch])
+                except Exception as exc:
+                    logger.info("asynclock: renewal of %d lease(s) failed: %r", len(batch), exc)
+                    outcomes = [Unknown(exc)] * len(batch)
+                watch.cancel_scope.cancel()
         if outcomes is None:
             outcomes = [Unknown(TimeoutError("renewal did not answer before the deadline"))] * len(
                 batch
@@ -96,6 +106,7 @@ class Supervisor:
                 f"for {len(batch)} grants"
             )
         now = anyio.current_time()
+        self._report(outcomes, now - started)
         for lease, outcome in zip(batch, outcomes, strict=True):
             match outcome:
                 case Renewed(valid_from=valid_from, ttl=ttl):
@@ -105,3 +116,20 @@ class Supervisor:
                         lease._mark_lost(reason)
                 case Unknown():
                     lease.next_renewal = RENEWAL.retry_at(now, lease.ttl)
+
+    async def _suspect(self, at: float, leases: int) -> None:
+        await anyio.sleep_until(at)
+        self._state.reached(
+            False, TimeoutError(f"a renewal of {leases} lease(s) has not been answered yet")
+        )
+
+    def _report(self, outcomes: Sequence[RenewOutcome], latency: float) -> None:
+        # Any answer from the server (renewed or proven lost) shows it reachable; only a round
+        # trip in which every outcome is unknown counts as a failed call.
+        unknown = [outcome for outcome in outcomes if isinstance(outcome, Unknown)]
+        reached = len(unknown) < len(outcomes)
+        self._state.reached(reached, None if reached else unknown[0].error)
+        if self._events:
+            lost = any(isinstance(outcome, Lost) for outcome in outcomes)
+            result = "lost" if lost else "renewed" if reached else "failed"
+            self._events.emit("renewed", len(outcomes), latency, result)

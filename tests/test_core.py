@@ -457,3 +457,37 @@ async def test_closing_the_client_stops_background_releases_after_release_timeou
         await lease.release()
     # One release_timeout inline, one more for the background retry at close, then it stops.
     assert anyio.current_time() - started < 1.5
+
+
+async def test_connection_state_suspended_then_reconnected_without_a_loss(
+    locks: asynclock.LockClient,
+) -> None:
+    changes = locks.state_changes()
+    async with locks.lock("a", ttl=1.0) as lease:
+        memory(locks).faults.renew = "fail"
+        with anyio.fail_after(1):
+            suspended = await anext(changes)
+        assert suspended.state is asynclock.ConnectionState.SUSPENDED
+        assert not locks.state.connected
+        memory(locks).faults.renew = "ok"
+        with anyio.fail_after(1):
+            reconnected = await anext(changes)
+        assert reconnected.previous is asynclock.ConnectionState.SUSPENDED
+        assert reconnected.state is asynclock.ConnectionState.RECONNECTED
+        assert not lease.lost
+
+
+async def test_an_observer_that_raises_is_dropped_not_allowed_to_break_a_lock(
+    locks: asynclock.LockClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    from asynclock._events import Observer
+
+    class Broken(Observer):
+        def acquired(self, *args: object) -> None:
+            raise ValueError("observer bug")
+
+    locks._events.subscribe(Broken())
+    async with locks.lock("a", ttl=1.0):
+        pass
+    assert "observer bug" in caplog.text
+    assert not locks._events  # unsubscribed

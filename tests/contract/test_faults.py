@@ -11,7 +11,9 @@ Written once, run against every real backend (see tests/contract/conftest.py):
     acquire, release and ``async with`` exit, 1,000 cycles: the lock is free for another client
     within 100 ms of the cancelled task ending, nothing is left on the server, no task runs on;
 (e) the server restarted between holds: tokens still strictly increase, and locks work again
-    within a few seconds.
+    within a few seconds;
+(g) the network to the server partitioned while a lease is held: the client's connection state
+    goes SUSPENDED, then LOST at the lease's deadline, then RECONNECTED once the server answers.
 
 Measurements go to the file named by ``ASYNCLOCK_FAULT_REPORT`` (JSON lines), when it is set.
 """
@@ -36,6 +38,7 @@ import anyio
 import pytest
 
 import asynclock
+from asynclock import ConnectionState
 from asynclock.testing import FaultProxy
 from tests.contract.fault_worker import open_resource
 from tests.contract.harness import BackendUnderTest
@@ -129,6 +132,65 @@ async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
                     proxy.reset()
                 await anyio.sleep(0.05)
             assert tokens == sorted(set(tokens))
+
+
+# -- (g) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.not_on("memory", "sqlite", reason="no connection to a server")
+async def test_connection_state_follows_a_partition_and_its_end(
+    backend: BackendUnderTest, name: str
+) -> None:
+    async with AsyncExitStack() as stack:
+        proxies = [
+            await stack.enter_async_context(FaultProxy(server.host, server.port))
+            for server in backend.servers
+        ]
+        async with backend.connect_via([proxy.address for proxy in proxies]) as locks:
+            changes = locks.state_changes()
+            assert locks.state is ConnectionState.CONNECTED
+            lease = await locks.acquire(name, ttl=backend.ttl)
+            partitioned_at = anyio.current_time()
+            for proxy in proxies:
+                proxy.blackhole()
+            with anyio.fail_after(backend.ttl * 3):
+                suspended = await anext(changes)
+                lost = await anext(changes)
+            assert (suspended.previous, suspended.state) == (
+                ConnectionState.CONNECTED,
+                ConnectionState.SUSPENDED,
+            )
+            assert lost.state is ConnectionState.LOST
+            assert lease.lost
+            # Suspected when the first renewal (at ttl/3) goes unanswered, well before the deadline.
+            assert suspended.at - partitioned_at < backend.ttl * 0.6
+            for proxy in proxies:
+                proxy.pass_through()
+                proxy.reset()
+            with anyio.fail_after(backend.ttl * 10):
+                while not locks.state.connected:
+                    with suppress(asynclock.LockError):
+                        again = await locks.try_acquire(name, ttl=backend.ttl)
+                        if again is not None:
+                            await again.release()
+                    await anyio.sleep(0.05)
+            reconnected = await anext(changes)
+            assert (reconnected.previous, reconnected.state) == (
+                ConnectionState.LOST,
+                ConnectionState.RECONNECTED,
+            )
+            assert locks.state.connected
+            await lease.release()
+        closed = await anext(changes)
+        assert closed.state is ConnectionState.CLOSED
+        with pytest.raises(StopAsyncIteration):
+            await anext(changes)
+    report(
+        "connection_state",
+        backend,
+        suspended_after=round(suspended.at - partitioned_at, 3),
+        lost_after=round(lost.at - partitioned_at, 3),
+    )
 
 
 # -- (c) ------------------------------------------------------------------------------------
