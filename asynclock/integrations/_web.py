@@ -203,14 +203,18 @@ async def holding(locks: LockClient, name: str, settings: Settings) -> AsyncIter
     except LockError as exc:
         if exc is body_error:
             raise
+        if lease is not None and body_error is None:
+            # The body returned, so its work is done and its answer stands: never "retry" for
+            # committed work. This is a LeaseLost when the loss was signalled while the body
+            # ran but it returned before reaching a checkpoint (so it was never stopped), or an
+            # error of the release (which does not raise for I/O today).
+            logger.warning(
+                "asynclock: %s; the body had completed, so its answer stands", exc, exc_info=False
+            )
+            return
         refusal = _refusal(exc, name, settings, acquired=lease is not None)
         if refusal is None:
             raise
-        if lease is not None and body_error is None:
-            # Raised while releasing after the body completed (release does not raise for I/O
-            # today): the body's work is done, so its answer stands rather than "retry".
-            logger.warning("asynclock: releasing %r after the body completed: %s", name, exc)
-            return
         raise refusal from exc
 
 

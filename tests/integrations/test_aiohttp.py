@@ -373,3 +373,23 @@ def test_locked_after_registering_the_handler_fails_at_import() -> None:
     last = routes[-1]
     assert isinstance(last, web.RouteDef)
     assert last.handler is ok
+
+
+async def test_a_body_that_returned_before_its_cancellation_landed_keeps_its_response(
+    locks: asynclock.LockClient,
+) -> None:
+    # The loss is signalled while the body runs, but the body returns without another
+    # checkpoint, so it is never stopped: its work is done and its answer stands.
+    @locked("orders/{order_id}", client=locks)
+    async def pay(request: web.Request) -> web.Response:
+        memory(locks).expire(f"orders/{request.match_info['order_id']}", notify=True)
+        return web.Response(text="paid")
+
+    app = web.Application()
+    app.router.add_post("/orders/{order_id}", pay)
+    async with serve_aiohttp(app) as url, aiohttp.ClientSession(url) as http:
+        async with http.post("/orders/9") as answer:
+            text = await answer.text()
+    assert answer.status == 200
+    assert text == "paid"
+    assert unquote(answer.headers[LEASE_LOST_HEADER]) == "the lock was removed on the server"

@@ -584,3 +584,33 @@ def test_options_are_checked_when_the_endpoint_is_defined() -> None:
         lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[arg-type]
     with pytest.raises(asynclock.InvalidArgument, match="busy_status must be an HTTP error"):
         locked("a", client=no_client, busy_status=200)
+
+
+@pytest.mark.parametrize("prefix", ["", "/dep"])
+async def test_a_body_that_returned_before_its_cancellation_landed_keeps_its_response(
+    locks: asynclock.LockClient, prefix: str
+) -> None:
+    # The loss is signalled while the body runs, but the body returns without another
+    # checkpoint, so it is never stopped: its work is done and its answer stands.
+    app = FastAPI()
+    app.add_middleware(LeaseLossHeaders)
+
+    @app.post("/orders/{order_id}")
+    @locked("orders/{order_id}", client=locks)
+    async def pay(order_id: int) -> int:
+        memory(locks).expire(f"orders/{order_id}", notify=True)
+        return order_id
+
+    @app.post("/dep/orders/{order_id}")
+    async def pay_with_dependency(
+        order_id: int,
+        lease: asynclock.Lease = lock_dependency("orders/{order_id}", client=locks),  # noqa: B008
+    ) -> int:
+        memory(locks).expire(lease.name, notify=True)
+        return order_id
+
+    async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url) as http:
+        answer = await http.post(f"{prefix}/orders/9")
+    assert answer.status_code == 200
+    assert answer.json() == 9
+    assert unquote(answer.headers[LEASE_LOST_HEADER]) == "the lock was removed on the server"
