@@ -23,16 +23,26 @@ from ._errors import (
     LockError,
     Waiter,
 )
-from ._events import AcquireOutcome, ConnectionState, Events, LossKind, Source, StateChange
+from ._events import AcquireOutcome, ConnectionState, Events, LossKind, StateChange
 from ._host import BackendHost
 from ._lease import Lease, OnLost, public_owner
 from ._renewal import RENEWAL
 from ._scope import LockContext, MultiLockContext, release_all
 from ._state import StateTracker
-from ._supervisor import Supervisor
 from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest
 
 logger = logging.getLogger("asynclock")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Settings:
+    """How a client treats its leases (see :func:`asynclock.connect` for each)."""
+
+    drift: float
+    margin: float | None
+    release_timeout: float
+    deadlock_interval: float | None
+    label: str | None
 
 
 class LockClient:
@@ -55,24 +65,11 @@ class LockClient:
         label: str | None = None,
     ) -> None:
         self._backend = backend
-        self._deadlock_interval = deadlock_interval
-        self._label = label
-        self._drift = drift
-        self._margin = margin
-        self._connect_timeout = connect_timeout
-        self._release_timeout = release_timeout
-        described = backend.describe()
-        self._events = Events(Source(backend=described.split(":", 1)[0], address=described))
-        self._state = StateTracker(self._events)
-        self._supervisor = Supervisor(backend, self._events, self._state)
-        self._host = BackendHost(
-            backend,
-            self._supervisor,
-            self._events,
-            self._state,
-            connect_timeout=connect_timeout,
-            release_timeout=release_timeout,
+        self._settings = _Settings(drift, margin, release_timeout, deadlock_interval, label)
+        self._host = host = BackendHost(
+            backend, connect_timeout=connect_timeout, release_timeout=release_timeout
         )
+        self._events, self._state, self._supervisor = host.events, host.connection, host.supervisor
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -258,9 +255,11 @@ class LockClient:
             raise InvalidArgument(f"on_lost must be 'cancel' or 'flag', got {on_lost!r}")
 
     def _margin_for(self, ttl: float) -> float:
-        margin = self._margin if self._margin is not None else min(1.0, ttl / 10.0)
+        margin = self._settings.margin
+        if margin is None:
+            margin = min(1.0, ttl / 10.0)
         # A deadline before the first renewal would lose every lease.
-        if not RENEWAL.leaves_time_to_renew(ttl, ttl * (1.0 - self._drift) - margin):
+        if not RENEWAL.leaves_time_to_renew(ttl, ttl * (1.0 - self._settings.drift) - margin):
             raise InvalidArgument(
                 f"margin {margin:g} s leaves no time to renew a {ttl:g} s lease: use a larger ttl "
                 "or a smaller margin"
@@ -302,7 +301,7 @@ class LockClient:
         lease = Lease(
             grant,
             on_lost=on_lost,
-            drift=self._drift,
+            drift=self._settings.drift,
             margin=margin,
             fencing=self._backend.capabilities.fencing,
             releaser=self._host.release,
@@ -359,9 +358,9 @@ class LockClient:
     async def _wait_for_grant(
         self, request: LockRequest, timeout: float | None, deadlocks: list[list[Waiter]]
     ) -> Grant | None:
-        registry = self._backend.waiter_registry() if self._deadlock_interval else None
+        registry = self._backend.waiter_registry() if self._settings.deadlock_interval else None
         wait: Callable[[], Awaitable[Grant | None]]
-        if registry is None or self._deadlock_interval is None:
+        if registry is None or self._settings.deadlock_interval is None:
             wait = functools.partial(self._backend.acquire, request)
         else:
             wait = functools.partial(
@@ -369,10 +368,10 @@ class LockClient:
                 self._backend,
                 request,
                 registry,
-                waiter_for(request.name, self._label),
-                interval=self._deadlock_interval,
+                waiter_for(request.name, self._settings.label),
+                interval=self._settings.deadlock_interval,
                 found=deadlocks,
-                release_timeout=self._release_timeout,
+                release_timeout=self._settings.release_timeout,
             )
         if timeout is None:
             return await wait()

@@ -28,7 +28,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from . import _fencing
 from ._errors import BackendTimeout, UnsupportedFeature
-from ._events import Events
+from ._events import Events, Source
 from ._lease import Lease
 from ._scope import release_all
 from ._shield import Deferred, finish, on_asyncio
@@ -54,19 +54,17 @@ class BackendHost:
     def __init__(
         self,
         backend: Backend[Grant],
-        supervisor: Supervisor,
-        events: Events,
-        state: StateTracker,
         *,
         connect_timeout: float,
         release_timeout: float,
     ) -> None:
         self._backend = backend
-        self._supervisor = supervisor
-        self._events = events
-        self._connection = state
-        self._connect_timeout = connect_timeout
-        self._release_timeout = release_timeout
+        self._connect_timeout, self._release_timeout = connect_timeout, release_timeout
+        described = backend.describe()
+        #: What happens to the client's locks, for observers; and its connection state.
+        self.events = Events(Source(backend=described.split(":", 1)[0], address=described))
+        self.connection = StateTracker(self.events)
+        self.supervisor = Supervisor(backend, self.events, self.connection)
         self._task_group: TaskGroup | None = None
         # Made in open(): anyio primitives need a running event loop, and a client may be
         # made at import time. The renewal task has its own scope so that closing the client
@@ -222,7 +220,7 @@ class BackendHost:
             # The backend did not close in time: stop its host task rather than hang the exit.
             self._task_group.cancel_scope.cancel()
         self.state = "closed"
-        self._connection.closed()
+        self.connection.closed()
 
     async def leave(self) -> None:
         """Leave the task group (after :meth:`aclose`), in the task that opened it."""
@@ -234,7 +232,7 @@ class BackendHost:
             await task_group.__aexit__(None, None, None)
 
     async def _close(self) -> None:
-        await release_all(self._supervisor.leases)
+        await release_all(self.supervisor.leases)
         # Releases still retried in the background get a little longer (a server that hung
         # may be back), then stop: the server frees what they held when its lease expires
         # (etcd and ZooKeeper at once, since closing the backend ends its lease or session).
@@ -250,15 +248,15 @@ class BackendHost:
         lease._check_deadline()
         lost = lease.lost
         lease._mark_released()
-        self._supervisor.discard(lease)
+        self.supervisor.discard(lease)
         _fencing.discard(lease)
         grant = lease.grant
         # A lost lease is released only so that nothing stays behind: the caller need not wait
         # for a server that may be hanging (that is often why the lease was lost).
         wait = min(self._release_timeout, _LOST_RELEASE_WAIT) if lost else self._release_timeout
-        if self._events:
+        if self.events:
             held = anyio.current_time() - grant.valid_from
-            self._events.emit("released", grant.name, held, lost)
+            self.events.emit("released", grant.name, held, lost)
         try:
             released = await finish(
                 functools.partial(self._backend.release, grant),
@@ -267,10 +265,10 @@ class BackendHost:
                 unfinished=functools.partial(self._defer_release, grant, None),
             )
         except Exception as exc:
-            self._connection.reached(False, exc)
+            self.connection.reached(False, exc)
             self._defer_release(grant, exc)
         else:
-            self._connection.reached(released, None if released else TimeoutError(wait))
+            self.connection.reached(released, None if released else TimeoutError(wait))
 
     def _defer_release(self, grant: Grant, error: BaseException | None) -> None:
         """Go on releasing ``grant`` in the host's task group until the server answers."""
@@ -290,7 +288,7 @@ class BackendHost:
 
     async def _renew(self) -> None:
         with self._renewal_scope:
-            await self._supervisor.run()
+            await self.supervisor.run()
 
 
 def check_event_loop(backend: Backend[Grant], url: str) -> None:
