@@ -1,0 +1,336 @@
+"""arq, saq and taskiq with their real workers: 2 worker processes each, 500 jobs over 10 accounts,
+against the session's real Redis (the queue and the locks), once deferring busy jobs at once
+(``timeout=0``) and once waiting for the lock.
+
+The jobs (tests/integrations/jobqueue_*.py) record their start and end in Redis while they hold
+their lock; the tests check that no two jobs of one account overlapped, that every job ran exactly
+once and that the queue reports every job as succeeded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import uuid
+from abc import ABC, abstractmethod
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis.asyncio
+
+from asynclock.testing import RedisServer
+
+from .jobqueue_common import READY_KEY, call, records_key
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).parents[2]
+JOBS = 500
+ACCOUNTS = [f"acct{number}" for number in range(10)]
+#: Redis databases of their own: one per queue, one for the locks (each run has its own prefix).
+QUEUE_DBS = {"arq": 8, "saq": 9, "taskiq": 10}
+LOCK_DB = 11
+#: How long one batch of 500 jobs may take before the test gives up.
+BATCH_TIMEOUT = 40.0
+
+
+def job_list(seed: int) -> list[tuple[str, int]]:
+    """500 jobs over 10 accounts in a shuffled order, so that busy locks are common."""
+    jobs = [(ACCOUNTS[number % len(ACCOUNTS)], number) for number in range(JOBS)]
+    random.Random(seed).shuffle(jobs)
+    return jobs
+
+
+class JobQueue(ABC):
+    """One queue under test: how to start its worker, submit jobs and read their outcomes."""
+
+    name: str
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.db = QUEUE_DBS[self.name]
+        self.url = f"redis://127.0.0.1:{port}/{self.db}"
+
+    @abstractmethod
+    def worker_command(self) -> list[str]:
+        """The queue's own worker, as a user starts it."""
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Connect to the queue, as the application that enqueues does."""
+
+    @abstractmethod
+    async def submit(self, mode: str, account: str, job_id: int) -> Any:
+        """Enqueue one job for the job function ``mode``; returns its handle."""
+
+    @abstractmethod
+    async def outcome(self, handle: Any) -> tuple[str | None, int]:
+        """Why the job did not succeed (``None`` if it did), and how often it was deferred."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Disconnect."""
+
+    async def outcomes(self, handles: list[Any]) -> tuple[list[str], int]:
+        """The jobs that did not succeed (with why), and how many deferrals the queue saw."""
+        failed: list[str] = []
+        deferrals = 0
+        for handle in handles:
+            error, deferred = await self.outcome(handle)
+            if error is not None:
+                failed.append(error)
+            deferrals += deferred
+        return failed, deferrals
+
+
+class Arq(JobQueue):
+    name = "arq"
+
+    def worker_command(self) -> list[str]:
+        return [sys.executable, "-m", "arq", "tests.integrations.jobqueue_arq.WorkerSettings"]
+
+    async def open(self) -> None:
+        from arq import create_pool
+        from arq.connections import RedisSettings
+
+        self.pool = await create_pool(
+            RedisSettings(host="127.0.0.1", port=self.port, database=self.db)
+        )
+
+    async def submit(self, mode: str, account: str, job_id: int) -> Any:
+        handle = await self.pool.enqueue_job(mode, account, job_id)
+        assert handle is not None
+        return handle
+
+    async def outcome(self, handle: Any) -> tuple[str | None, int]:
+        # result_info() unpickles the stored result: an asynclock error must survive that.
+        info = await handle.result_info()
+        if info is None or not info.success:
+            return f"{handle.job_id}: {info and info.result!r}", 0
+        return None, info.job_try - 1  # each deferral was one of arq's tries
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+
+class Saq(JobQueue):
+    name = "saq"
+
+    def worker_command(self) -> list[str]:
+        return [sys.executable, "-m", "saq", "tests.integrations.jobqueue_saq.settings"]
+
+    async def open(self) -> None:
+        from saq import Queue
+
+        self.queue = Queue.from_url(self.url, name="jobqueue")
+        await self.queue.connect()
+
+    async def submit(self, mode: str, account: str, job_id: int) -> Any:
+        handle = await self.queue.enqueue(mode, account=account, job_id=job_id, timeout=30)
+        assert handle is not None
+        return handle
+
+    async def outcome(self, handle: Any) -> tuple[str | None, int]:
+        from saq.job import Status
+
+        job = await self.queue.job(handle.key)
+        if job is None or job.status is not Status.COMPLETE:
+            return f"{handle.key}: {job and job.status} {job and job.error}", 0
+        return None, int(job.meta.get("asynclock", {}).get("deferrals", 0))
+
+    async def aclose(self) -> None:
+        await self.queue.disconnect()
+
+
+class Taskiq(JobQueue):
+    name = "taskiq"
+
+    def worker_command(self) -> list[str]:
+        # One taskiq worker command with its own process manager and 2 worker processes.
+        return [
+            sys.executable, "-m", "taskiq", "worker",
+            "tests.integrations.jobqueue_taskiq:broker",
+            "--workers", "2",
+            "--max-async-tasks", "5",
+            "--shutdown-timeout", "10",
+        ]  # fmt: skip
+
+    async def open(self) -> None:
+        from .jobqueue_taskiq_redis import RedisListBroker, RedisResultBackend
+
+        self.results: RedisResultBackend[str] = RedisResultBackend(self.url)
+        self.broker = RedisListBroker(self.url, queue_name="jobqueue").with_result_backend(
+            self.results
+        )
+        await self.broker.startup()
+
+    async def submit(self, mode: str, account: str, job_id: int) -> Any:
+        from taskiq.kicker import AsyncKicker
+
+        kicker: AsyncKicker[Any, Any] = AsyncKicker(f"jobqueue.{mode}", self.broker, {})
+        return await kicker.kiq(account, job_id)
+
+    async def outcome(self, handle: Any) -> tuple[str | None, int]:
+        if not await self.results.is_result_ready(handle.task_id):
+            return f"{handle.task_id}: no result", 0
+        result = await self.results.get_result(handle.task_id)
+        if result.is_err:
+            return f"{handle.task_id}: {result.error!r}", 0
+        return None, int(result.labels.get("X-Taskiq-requeue", 0))
+
+    async def aclose(self) -> None:
+        await self.broker.shutdown()
+
+
+QUEUES: dict[str, type[Arq] | type[Saq] | type[Taskiq]] = {
+    "arq": Arq,
+    "saq": Saq,
+    "taskiq": Taskiq,
+}
+
+
+@contextmanager
+def workers(command: list[str], env: dict[str, str], log: Path, count: int) -> Iterator[list[Any]]:
+    """Start ``count`` copies of ``command`` (each in a process group of its own) and stop them
+    however the test ends: SIGTERM (the workers' graceful shutdown), then SIGKILL."""
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        with log.open("ab") as output:
+            processes.extend(
+                subprocess.Popen(
+                    command,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+                for _ in range(count)
+            )
+        yield processes
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        # A manager's children (taskiq) are in its group: nothing of the group may outlive it.
+        for process in processes:
+            with suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+@asynccontextmanager
+async def raw_redis(port: int, db: int) -> AsyncIterator[redis.asyncio.Redis]:
+    client = redis.asyncio.Redis(host="127.0.0.1", port=port, db=db)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def overlaps(records: list[dict[str, Any]]) -> list[str]:
+    """Pairs of jobs of one account whose held intervals intersect."""
+    by_account: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        by_account[record["account"]].append(record)
+    found = []
+    for account, runs in by_account.items():
+        runs.sort(key=lambda run: run["start"])
+        for before, after in itertools.pairwise(runs):
+            if after["start"] < before["end"]:
+                found.append(f"{account}: job {before['job']} and job {after['job']}")
+    found += [
+        f"{r['account']}: job {r['job']} saw {r['active']} active"
+        for r in records
+        if r["active"] != 1
+    ]
+    return found
+
+
+@pytest.mark.parametrize("queue_name", list(QUEUES))
+async def test_500_jobs_over_10_accounts_on_2_worker_processes(
+    queue_name: str, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    queue = QUEUES[queue_name](redis_server.port)
+    prefix = f"jq-{queue_name}-{uuid.uuid4().hex[:6]}:"
+    lock_url = (
+        f"redis://127.0.0.1:{redis_server.port}/{LOCK_DB}?prefix={prefix}&durability_warning=false"
+    )
+    env = dict(os.environ)
+    env.update(
+        JOBQUEUE_PORT=str(redis_server.port), JOBQUEUE_DB=str(queue.db), JOBQUEUE_LOCKS=lock_url
+    )
+    log = tmp_path / f"{queue_name}-workers.log"
+    async with (
+        raw_redis(redis_server.port, queue.db) as records_db,
+        raw_redis(redis_server.port, LOCK_DB) as lock_db,
+    ):
+        await records_db.flushdb()
+        await queue.open()
+        try:
+            with workers(
+                queue.worker_command(), env, log, 1 if queue_name == "taskiq" else 2
+            ) as processes:
+                with anyio.fail_after(20):
+                    while await call(records_db, "SCARD", READY_KEY) < 2:
+                        exited = [p.returncode for p in processes if p.poll() is not None]
+                        assert not exited, f"worker exited ({exited}):\n{log.read_text()[-3000:]}"
+                        await anyio.sleep(0.05)
+                # saq sweeps its active list once a worker has started; a job it dequeued but
+                # had not yet marked active would be taken for a stuck one (saq's own race).
+                await anyio.sleep(0.5)
+                for seed, mode in enumerate(["deferring", "waiting"]):
+                    jobs = job_list(seed)
+                    handles = [await queue.submit(mode, *job) for job in jobs]
+                    with anyio.move_on_after(BATCH_TIMEOUT):
+                        while await call(records_db, "LLEN", records_key(mode)) < JOBS:
+                            exited = [p.returncode for p in processes if p.poll() is not None]
+                            assert not exited, (
+                                f"worker exited ({exited}):\n{log.read_text()[-3000:]}"
+                            )
+                            await anyio.sleep(0.05)
+                    raw = await call(records_db, "LRANGE", records_key(mode), 0, -1)
+                    records = [json.loads(item) for item in raw]
+                    runs = Counter(record["job"] for record in records)
+                    assert set(runs) == {job_id for _, job_id in jobs}, (
+                        f"{mode}: {JOBS - len(runs)} jobs never ran\n{log.read_text()[-3000:]}"
+                    )
+                    twice = [record for record in records if runs[record["job"]] > 1]
+                    assert twice == [], f"{mode}: ran more than once\n{log.read_text()[-20000:]}"
+                    assert overlaps(records) == [], mode
+                    assert len({record["pid"] for record in records}) == 2, mode
+                    # The queue writes a job's outcome just after the job's record.
+                    failed, deferrals = await queue.outcomes(handles)
+                    with anyio.move_on_after(10):
+                        while failed:
+                            await anyio.sleep(0.1)
+                            failed, deferrals = await queue.outcomes(handles)
+                    assert failed == [], mode
+                    if mode == "deferring":
+                        assert deferrals > 0  # busy locks did defer jobs
+                    print(f"{queue_name} {mode}: {len(records)} jobs, {deferrals} deferrals")
+        finally:
+            await queue.aclose()
+        # The workers shut down gracefully: their clients released everything and closed.
+        # (The fencing counters, prefix + "token:", stay by design: tokens never repeat.)
+        keys = [key.decode() async for key in lock_db.scan_iter(match=f"{prefix}*")]
+        assert [key for key in keys if not key.startswith(f"{prefix}token:")] == []
+        if keys:
+            await lock_db.delete(*keys)
+        assert "Traceback" not in log.read_text() or queue_name == "saq", log.read_text()[-3000:]
+        await records_db.flushdb()
