@@ -1,0 +1,259 @@
+"""Scenarios: FastAPI (uvicorn) and aiohttp under load against a real Redis, with outages.
+
+Two instances of each app book orders in one shared ledger: instance A reaches Redis through a
+:class:`~asynclock.testing.FaultProxy`, instance B directly. 1,500 requests from 32 concurrent
+clients, over 10 orders; in the middle, A's link to Redis is cut for 1.5 s, then the Redis server
+itself is frozen (SIGSTOP) for 1.3 s, then one of A's handlers blocks the event loop past its ttl
+after it has booked (a paused process). Every answer must be one of the documented ones (no
+500), no order is ever booked by two holders at once or with an older fencing token, an answer
+is 200 exactly when its body completed (so no "lease_lost" for committed work), and
+``Retry-After`` comes with every busy and lock-unavailable answer.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import anyio
+import httpx
+import pytest
+from aiohttp import web
+from anyio.abc import TaskGroup
+from fastapi import FastAPI, Header
+
+import asynclock
+from asynclock.integrations import aiohttp as aiohttp_locks
+from asynclock.integrations import fastapi as fastapi_locks
+from asynclock.integrations.fastapi import LEASE_LOST_HEADER
+from asynclock.testing import FaultProxy, RedisServer
+from tests.contract.backend_redis import redis_leftovers
+
+from ._servers import serve_aiohttp, serve_asgi
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+TTL = 1.0
+ORDERS = 10
+REQUESTS = 1500
+CLIENTS = 32
+#: The request whose handler blocks the loop past its ttl after booking, on its own order.
+PAUSED = "paused"
+#: Requests whose body is still running when an outage begins: it must lose its lease.
+LONG = "long"
+
+
+@dataclass
+class Ledger:
+    """The protected resource: bookings per order, watching for overlaps and stale tokens."""
+
+    active: Counter[str] = field(default_factory=Counter)
+    highest: dict[str, int] = field(default_factory=dict)
+    #: request id -> (order, token), for every booking made: the body's last step.
+    booked: dict[str, tuple[str, int]] = field(default_factory=dict)
+    overlaps: int = 0
+    stale: int = 0
+
+    async def book(self, order: str, token: int, request_id: str) -> None:
+        self.active[order] += 1
+        try:
+            if self.active[order] > 1:
+                self.overlaps += 1
+            # The write in flight: a lost lease cancels it here. The "long" ones outlast each
+            # outage, so that an outage finds a body holding its lease.
+            await anyio.sleep(3.0 if request_id.startswith(LONG) else 0.01)
+            if token <= self.highest.get(order, 0):
+                self.stale += 1
+            self.highest[order] = token
+            self.booked[request_id] = (order, token)
+        finally:
+            self.active[order] -= 1
+
+
+def pause_if_asked(request_id: str) -> None:
+    if request_id == PAUSED:
+        time.sleep(TTL * 1.6)  # the process stops past its ttl, after its work is done
+
+
+def fastapi_app(locks: asynclock.LockClient, ledger: Ledger) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/orders/{order}")
+    @fastapi_locks.locked("orders/{order}", client=locks, ttl=TTL, timeout=0.3)
+    async def book(order: str, request_id: Annotated[str, Header()]) -> dict[str, Any]:
+        token = asynclock.current_token()
+        await ledger.book(order, token, request_id)
+        pause_if_asked(request_id)
+        return {"token": token}
+
+    return app
+
+
+def aiohttp_app(locks: asynclock.LockClient, ledger: Ledger) -> web.Application:
+    @aiohttp_locks.locked("orders/{order}", client=locks, ttl=TTL, timeout=0.3)
+    async def book(request: web.Request) -> web.Response:
+        token = asynclock.current_token()
+        request_id = request.headers["request-id"]
+        await ledger.book(request.match_info["order"], token, request_id)
+        pause_if_asked(request_id)
+        return web.json_response({"token": token})
+
+    app = web.Application()
+    app.router.add_post("/orders/{order}", book)
+    return app
+
+
+@dataclass(frozen=True)
+class Answer:
+    request_id: str
+    status: int
+    error: str | None
+    retry_after: str | None
+    lease_lost: str | None
+
+
+def answer_of(request_id: str, response: httpx.Response) -> Answer:
+    error = None
+    if response.status_code != 200:
+        body = response.json()
+        error = (body.get("detail") if isinstance(body.get("detail"), dict) else body)["error"]
+    return Answer(
+        request_id,
+        response.status_code,
+        error,
+        response.headers.get("retry-after"),
+        response.headers.get("asynclock-lease-lost"),
+    )
+
+
+Serve = Callable[[Any], AbstractAsyncContextManager[str]]
+
+
+async def run_scenario(
+    redis_server: RedisServer, make_app: Callable[[asynclock.LockClient, Ledger], Any], serve: Serve
+) -> tuple[list[Answer], Ledger]:
+    tag = uuid.uuid4().hex[:8]
+    prefix, client_name = f"web-outage-{tag}:", f"asynclock-web-{tag}"
+    options = (
+        f"/0?prefix={prefix}&client_name={client_name}&op_timeout=0.3&durability_warning=false"
+    )
+    ledger = Ledger()
+    answers: list[Answer] = []
+    async with AsyncExitStack() as stack:
+        proxy = await stack.enter_async_context(FaultProxy(redis_server.host, redis_server.port))
+        locks_a = await stack.enter_async_context(
+            asynclock.connect(f"redis://{proxy.address}{options}")
+        )
+        locks_b = await stack.enter_async_context(
+            asynclock.connect(f"redis://{redis_server.host}:{redis_server.port}{options}")
+        )
+        http: list[httpx.AsyncClient] = []
+        for locks in (locks_a, locks_b):
+            url = await stack.enter_async_context(serve(make_app(locks, ledger)))
+            limits = httpx.Limits(max_connections=CLIENTS)
+            http.append(
+                await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=url, timeout=20, limits=limits)
+                )
+            )
+
+        async def post(instance: int, order: str, request_id: str) -> None:
+            response = await http[instance].post(
+                f"/orders/{order}", headers={"request-id": request_id}
+            )
+            answers.append(answer_of(request_id, response))
+
+        async def reached(count: float) -> None:
+            while len(answers) < count:  # noqa: ASYNC110 - answers come from many tasks
+                await anyio.sleep(0.01)
+
+        pending = iter(range(REQUESTS))
+
+        async def client() -> None:
+            for number in pending:
+                await post(number % 2, f"o{number % ORDERS}", str(number))
+
+        async def faults(task_group: TaskGroup) -> None:
+            await reached(REQUESTS * 0.2)
+            task_group.start_soon(post, 0, "long-a", f"{LONG}-a")
+            await anyio.sleep(0.2)
+            # Instance A cannot reach Redis; B goes on. A's renewals fail, so the long body's
+            # lease reaches its local deadline (at most 0.33 + 0.89 s after the last renewal)
+            # within the cut: it is cancelled.
+            proxy.cut(1.5)
+            await anyio.sleep(1.5)
+            await reached(REQUESTS * 0.45)
+            task_group.start_soon(post, 1, "long-b", f"{LONG}-b")
+            await anyio.sleep(0.4)
+            redis_server.pause()  # nobody can reach Redis
+            try:
+                await anyio.sleep(1.3)
+            finally:
+                redis_server.resume()
+            await reached(REQUESTS * 0.7)
+            await post(0, "booked-then-paused", PAUSED)
+
+        with anyio.fail_after(40):
+            async with anyio.create_task_group() as task_group:
+                task_group.start_soon(faults, task_group)
+                for _ in range(CLIENTS):
+                    task_group.start_soon(client)
+    # Nothing left behind: every lock key released or expired, every connection closed.
+    with anyio.fail_after(5):
+        while leftovers := await redis_leftovers(redis_server, prefix, client_name):  # noqa: ASYNC110
+            await anyio.sleep(0.1)
+    assert leftovers == []
+    return answers, ledger
+
+
+def check(answers: list[Answer], ledger: Ledger) -> Counter[str]:
+    outcomes = Counter(f"{answer.status} {answer.error or 'ok'}" for answer in answers)
+    reported = sum(1 for answer in answers if answer.status == 200 and answer.lease_lost)
+    print(
+        f"\n{len(answers)} answers: {dict(outcomes)}; {len(ledger.booked)} bookings; "
+        f"{reported} answered 200 with {LEASE_LOST_HEADER}"
+    )
+    assert len(answers) == REQUESTS + 3
+    # Only the documented answers: never a 500.
+    assert set(outcomes) <= {"200 ok", "423 lock_busy", "503 lease_lost", "503 lock_unavailable"}
+    for answer in answers:
+        if answer.error in ("lock_busy", "lock_unavailable"):
+            assert answer.retry_after == "1", answer
+        if answer.error == "lease_lost":
+            assert answer.retry_after is None, answer  # its effects may be partial
+    # No double booking: never two holders at once, never an older token after a newer one.
+    assert ledger.overlaps == 0
+    assert ledger.stale == 0
+    # 200 exactly for the bodies that completed: no "lease_lost" (or anything else) for
+    # committed work, and no 200 for work that was stopped.
+    assert {answer.request_id for answer in answers if answer.status == 200} == set(ledger.booked)
+    # The process paused past its ttl after booking kept its answer, with the loss beside it.
+    paused = next(answer for answer in answers if answer.request_id == PAUSED)
+    assert paused.status == 200
+    assert paused.lease_lost is not None
+    assert "deadline" in paused.lease_lost
+    # The outages were felt, and the service went on serving around them.
+    assert outcomes["503 lock_unavailable"] > 0
+    # The bodies running when each outage began were stopped, and said so.
+    for long in (f"{LONG}-a", f"{LONG}-b"):
+        answer = next(answer for answer in answers if answer.request_id == long)
+        assert (answer.status, answer.error) == (503, "lease_lost"), answer
+    assert outcomes["200 ok"] > REQUESTS / 4
+    return outcomes
+
+
+async def test_fastapi_under_uvicorn_through_a_redis_outage_and_a_paused_process(
+    redis_server: RedisServer,
+) -> None:
+    check(*await run_scenario(redis_server, fastapi_app, serve_asgi))
+
+
+async def test_aiohttp_through_a_redis_outage_and_a_paused_process(
+    redis_server: RedisServer,
+) -> None:
+    check(*await run_scenario(redis_server, aiohttp_app, serve_aiohttp))
