@@ -6,19 +6,17 @@ installed: the server modules are imported inside the fixtures, and no driver is
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import pytest
 
 if TYPE_CHECKING:
-    from ._etcd import EtcdCluster, EtcdServer
     from ._host import ServerNotInstalled
-    from ._postgres import PostgresServer
     from ._redis import RedisServer
-    from ._zookeeper import ZooKeeperEnsemble, ZooKeeperServer
 
     _S = TypeVar("_S", bound=AbstractContextManager[object])
 
@@ -99,13 +97,42 @@ def _running(config: pytest.Config, server: str, factory: Callable[[], _S]) -> I
         yield instance
 
 
-@pytest.fixture(scope="session")
-def redis_server(pytestconfig: pytest.Config) -> Iterator[RedisServer]:
-    """A :class:`~asynclock.testing.RedisServer` shared by the whole session."""
-    from ._redis import RedisServer
+def _session_server(server: str, module: str, cls: str, doc: str) -> Any:
+    """A session fixture running one ``cls`` from ``module`` (imported only when used)."""
 
-    with _running(pytestconfig, "redis", RedisServer) as server:
-        yield server
+    def fixture(pytestconfig: pytest.Config) -> Iterator[Any]:
+        factory = getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+        with _running(pytestconfig, server, factory) as instance:
+            yield instance
+
+    fixture.__doc__ = doc
+    return pytest.fixture(scope="session")(fixture)
+
+
+redis_server = _session_server(
+    "redis", "_redis", "RedisServer", "A :class:`~asynclock.testing.RedisServer` for the session."
+)
+etcd_server = _session_server(
+    "etcd", "_etcd", "EtcdServer", "A single-member :class:`~asynclock.testing.EtcdServer`."
+)
+etcd_cluster = _session_server(
+    "etcd", "_etcd", "EtcdCluster", "A three-member :class:`~asynclock.testing.EtcdCluster`."
+)
+zookeeper_server = _session_server(
+    "zookeeper",
+    "_zookeeper",
+    "ZooKeeperServer",
+    "A standalone :class:`~asynclock.testing.ZooKeeperServer`.",
+)
+zookeeper_ensemble = _session_server(
+    "zookeeper",
+    "_zookeeper",
+    "ZooKeeperEnsemble",
+    "A three-member :class:`~asynclock.testing.ZooKeeperEnsemble`.",
+)
+postgres_server = _session_server(
+    "postgres", "_postgres", "PostgresServer", "A :class:`~asynclock.testing.PostgresServer`."
+)
 
 
 @pytest.fixture(scope="session")
@@ -118,48 +145,3 @@ def redis_servers(pytestconfig: pytest.Config) -> Iterator[list[RedisServer]]:
             stack.enter_context(_running(pytestconfig, "redis", RedisServer)) for _ in range(3)
         ]
         yield servers
-
-
-@pytest.fixture(scope="session")
-def etcd_server(pytestconfig: pytest.Config) -> Iterator[EtcdServer]:
-    """A single-member :class:`~asynclock.testing.EtcdServer` shared by the whole session."""
-    from ._etcd import EtcdServer
-
-    with _running(pytestconfig, "etcd", EtcdServer) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def etcd_cluster(pytestconfig: pytest.Config) -> Iterator[EtcdCluster]:
-    """A three-member :class:`~asynclock.testing.EtcdCluster` shared by the whole session."""
-    from ._etcd import EtcdCluster
-
-    with _running(pytestconfig, "etcd", EtcdCluster) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="session")
-def zookeeper_server(pytestconfig: pytest.Config) -> Iterator[ZooKeeperServer]:
-    """A standalone :class:`~asynclock.testing.ZooKeeperServer` shared by the whole session."""
-    from ._zookeeper import ZooKeeperServer
-
-    with _running(pytestconfig, "zookeeper", ZooKeeperServer) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def zookeeper_ensemble(pytestconfig: pytest.Config) -> Iterator[ZooKeeperEnsemble]:
-    """A three-member :class:`~asynclock.testing.ZooKeeperEnsemble` shared by the session."""
-    from ._zookeeper import ZooKeeperEnsemble
-
-    with _running(pytestconfig, "zookeeper", ZooKeeperEnsemble) as ensemble:
-        yield ensemble
-
-
-@pytest.fixture(scope="session")
-def postgres_server(pytestconfig: pytest.Config) -> Iterator[PostgresServer]:
-    """A :class:`~asynclock.testing.PostgresServer` shared by the whole session."""
-    from ._postgres import PostgresServer
-
-    with _running(pytestconfig, "postgres", PostgresServer) as server:
-        yield server
