@@ -86,6 +86,15 @@ class JobLock:
         parameters (a typo fails at import, not in the first job). ``skip`` leading parameters
         are the queue's own (arq's and saq's ``ctx``) and cannot be formatted into a name."""
         if not inspect.iscoroutinefunction(func):
+            # arq.func() keeps the function as .coroutine, taskiq's @broker.task as
+            # .original_func: @locked above them would lock nothing the worker calls.
+            inner = getattr(func, "original_func", None) or getattr(func, "coroutine", None)
+            if inspect.iscoroutinefunction(inner):
+                raise InvalidArgument(
+                    f"@locked is above the queue's own decorator of {inner.__qualname__!r}, so "
+                    f"the worker would run the job without the lock: put @locked directly "
+                    f"above `async def`, below @broker.task or inside arq.func(...)"
+                )
             raise TypeError(
                 f"asynclock.integrations.{self.queue}.locked needs an `async def` job function, "
                 f"got {func!r}; put it directly above the function, below the queue's own "

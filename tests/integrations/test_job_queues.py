@@ -9,6 +9,7 @@ once and that the queue reports every job as succeeded.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -28,6 +29,7 @@ import anyio
 import pytest
 import redis.asyncio
 
+import asynclock
 from asynclock.testing import RedisServer
 
 from .jobqueue_common import READY_KEY, call, records_key
@@ -334,3 +336,168 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
             await lock_db.delete(*keys)
         assert "Traceback" not in log.read_text() or queue_name == "saq", log.read_text()[-3000:]
         await records_db.flushdb()
+
+
+# -- the lifecycle helpers, with each queue's own worker in this process ---------------------------
+
+
+@asynccontextmanager
+async def lock_server(redis_server: RedisServer, label: str) -> AsyncIterator[tuple[str, str]]:
+    """A lock URL with a prefix of its own; afterwards, no key of it may be left but the fencing
+    counters (which stay by design), and those are cleaned up."""
+    prefix = f"jq-{label}-{uuid.uuid4().hex[:6]}:"
+    url = (
+        f"redis://127.0.0.1:{redis_server.port}/{LOCK_DB}?prefix={prefix}&durability_warning=false"
+    )
+    async with raw_redis(redis_server.port, LOCK_DB) as lock_db:
+        yield url, prefix
+        keys = [key.decode() async for key in lock_db.scan_iter(match=f"{prefix}*")]
+        assert [key for key in keys if not key.startswith(f"{prefix}token:")] == []
+        if keys:
+            await lock_db.delete(*keys)
+
+
+def new_tasks(before: set[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
+    return [task for task in asyncio.all_tasks() - before if not task.done()]
+
+
+# arq's Worker.close() calls redis-py's deprecated close().
+@pytest.mark.filterwarnings("ignore:Call to deprecated close:DeprecationWarning")
+async def test_arq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
+    redis_server: RedisServer,
+) -> None:
+    from arq import Worker, create_pool
+    from arq.connections import RedisSettings
+
+    from asynclock.integrations.arq import WorkerLocks, locked
+
+    settings = RedisSettings(host="127.0.0.1", port=redis_server.port, database=QUEUE_DBS["arq"])
+    hooks_ran_in: dict[str, asyncio.Task[Any] | None] = {}
+    async with (
+        lock_server(redis_server, "arq-life") as (lock_url, prefix),
+        raw_redis(redis_server.port, LOCK_DB) as lock_db,
+    ):
+        worker_locks = WorkerLocks(lock_url)
+
+        async def on_startup(ctx: dict[str, Any]) -> None:
+            hooks_ran_in["startup"] = asyncio.current_task()
+            await worker_locks.on_startup(ctx)
+
+        async def on_shutdown(ctx: dict[str, Any]) -> None:
+            hooks_ran_in["shutdown"] = asyncio.current_task()
+            await worker_locks.on_shutdown(ctx)
+
+        @locked("life/{n}", ttl=1)
+        async def lose(ctx: dict[str, Any], n: int) -> str:
+            # As if the lock had expired on the server: the next renewal finds it gone.
+            await lock_db.delete(f"{prefix}lock:life/{n}")
+            await asyncio.sleep(5)
+            return "not reached"
+
+        @locked("life/{n}")
+        async def keep(ctx: dict[str, Any], n: int) -> int:
+            return n * 2
+
+        before = asyncio.all_tasks()
+        pool = await create_pool(settings)
+        try:
+            # arq names a job after its function's __qualname__, which @locked keeps.
+            lost_job = await pool.enqueue_job(lose.__qualname__, 1)
+            kept_job = await pool.enqueue_job(keep.__qualname__, 2)
+            assert lost_job is not None and kept_job is not None
+            worker = Worker(
+                functions=[lose, keep],  # type: ignore[list-item]
+                redis_settings=settings,
+                on_startup=on_startup,
+                on_shutdown=on_shutdown,
+                burst=True,
+                handle_signals=False,
+                poll_delay=0.01,
+                max_tries=1,
+            )
+            # As arq's Worker.run() does: main() in a task of its own, close() in another.
+            with anyio.fail_after(20):
+                await asyncio.create_task(worker.main())
+                await worker.close()
+            assert await kept_job.result(timeout=1) == 4
+            # The failed job's result is read back (unpickled) as asynclock's own error.
+            info = await lost_job.result_info()
+            assert info is not None and not info.success
+            assert isinstance(info.result, asynclock.LeaseLost)
+            assert info.result.name == "life/1"
+        finally:
+            await pool.aclose()
+        assert hooks_ran_in["startup"] is not hooks_ran_in["shutdown"]
+        with pytest.raises(RuntimeError, match="not open"):
+            worker_locks.client  # noqa: B018 - closed at shutdown
+        assert new_tasks(before) == []
+
+
+async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
+    redis_server: RedisServer,
+) -> None:
+    from saq import Queue, Worker
+    from saq.job import Status
+
+    from asynclock.integrations.saq import WorkerLocks, locked
+
+    async with lock_server(redis_server, "saq-life") as (lock_url, _):
+        worker_locks = WorkerLocks(lock_url)
+
+        @locked("life/{n}")
+        async def keep(ctx: Any, *, n: int) -> int:
+            assert ctx["asynclock"] is worker_locks.client
+            return n * 2
+
+        before = asyncio.all_tasks()
+        queue = Queue.from_url(f"redis://127.0.0.1:{redis_server.port}/{QUEUE_DBS['saq']}")
+        await queue.connect()
+        try:
+            worker = Worker(
+                queue,
+                functions=[keep],
+                startup=worker_locks.startup,
+                shutdown=worker_locks.shutdown,
+                concurrency=2,
+            )
+            job = await queue.enqueue(keep.__qualname__, n=3)
+            assert job is not None
+            running = asyncio.create_task(worker.start())
+            with anyio.fail_after(20):
+                await job.refresh(until_complete=10)
+                assert (job.status, job.result) == (Status.COMPLETE, 6), job.error
+                await worker.stop()  # from this task: start-up ran in the worker's
+                await running
+        finally:
+            await queue.disconnect()
+        with pytest.raises(RuntimeError, match="not open"):
+            worker_locks.client  # noqa: B018 - closed at shutdown
+        assert new_tasks(before) == []
+
+
+async def test_taskiq_worker_events_open_and_close_the_client(redis_server: RedisServer) -> None:
+    from taskiq import InMemoryBroker
+
+    from asynclock.integrations.taskiq import WorkerLocks, locked
+
+    async with lock_server(redis_server, "taskiq-life") as (lock_url, _):
+        broker = InMemoryBroker()
+        worker_locks = WorkerLocks(lock_url).install(broker)
+
+        @broker.task
+        @locked("life/{n}")
+        async def keep(n: int) -> int:
+            return n * 2
+
+        before = asyncio.all_tasks()
+        # WORKER_STARTUP and WORKER_SHUTDOWN in different tasks.
+        await asyncio.create_task(broker.startup())
+        assert broker.state.asynclock is worker_locks.client
+        sent = await keep.kiq(4)
+        result = await sent.wait_result(timeout=10)
+        assert not result.is_err
+        await broker.shutdown()
+        assert "asynclock" not in broker.state
+        with pytest.raises(RuntimeError, match="not open"):
+            worker_locks.client  # noqa: B018 - closed at shutdown
+        assert new_tasks(before) == []

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -144,3 +145,212 @@ async def test_arq_style_job_function(locks: asynclock.LockClient) -> None:
     assert str(results["first"]).startswith("charged 10 with token")
     assert str(results["other"]).startswith("charged 11 with token")
     assert sorted(ctx["charged"]) == [10, 11]
+
+
+# -- the queue integrations' decorators, called as their workers call them -----------------------
+
+
+async def hold_elsewhere(locks: asynclock.LockClient, name: str) -> asynclock.Lease:
+    lease = await locks.try_acquire(name)
+    assert lease is not None
+    return lease
+
+
+async def test_arq_defers_a_busy_job_with_retry_and_jitter(locks: asynclock.LockClient) -> None:
+    from arq import Retry
+
+    from asynclock.integrations import arq
+
+    ran: list[int] = []
+
+    @arq.locked("invoice-{invoice_id}", defer=2.0, jitter=0.5)
+    async def charge(ctx: dict[str, Any], invoice_id: int) -> int:
+        ran.append(invoice_id)
+        return invoice_id
+
+    holder = await hold_elsewhere(locks, "invoice-7")
+    delays = []
+    for _ in range(20):
+        with pytest.raises(Retry) as caught:
+            await charge({"job_try": 1, "asynclock": locks}, 7)
+        assert isinstance(caught.value.__cause__, asynclock.AcquireTimeout)
+        assert caught.value.defer_score is not None
+        delays.append(caught.value.defer_score / 1000)
+    assert ran == []
+    assert all(1.0 <= delay <= 3.0 for delay in delays), delays
+    assert len(set(delays)) > 1  # jittered
+    await holder.release()
+    assert await charge({"job_try": 2, "asynclock": locks}, 7) == 7
+
+
+async def test_arq_waits_for_the_lock_on_the_last_try_instead_of_failing(
+    locks: asynclock.LockClient,
+) -> None:
+    from asynclock.integrations import arq
+
+    @arq.locked("invoice-{invoice_id}", max_tries=3)
+    async def charge(ctx: dict[str, Any], invoice_id: int) -> str:
+        return f"charged {invoice_id}"
+
+    holder = await hold_elsewhere(locks, "invoice-8")
+    result: list[str] = []
+
+    async def last_try() -> None:
+        result.append(await charge({"job_try": 3, "asynclock": locks}, 8))
+
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(last_try)
+        await anyio.sleep(0.05)
+        assert result == []  # waiting, not deferred (arq would fail a 4th try)
+        await holder.release()
+    assert result == ["charged 8"]
+
+
+async def test_a_timeout_from_the_jobs_own_lock_is_its_error_not_a_deferral(
+    locks: asynclock.LockClient,
+) -> None:
+    from asynclock.integrations import arq
+
+    @arq.locked("outer-{n}")
+    async def job(ctx: dict[str, Any], n: int) -> None:
+        async with locks.lock("inner", timeout=0):
+            pass
+
+    holder = await hold_elsewhere(locks, "inner")
+    with pytest.raises(asynclock.AcquireTimeout) as caught:
+        await job({"job_try": 1, "asynclock": locks}, 1)
+    assert caught.value.name == "inner"
+    await holder.release()
+
+
+async def test_a_job_that_returned_before_its_loss_was_known_keeps_its_result(
+    locks: asynclock.LockClient,
+) -> None:
+    from asynclock.integrations import arq
+
+    @arq.locked("slow-{n}", ttl=0.3)
+    async def job(ctx: dict[str, Any], n: int) -> str:
+        time.sleep(0.35)  # noqa: ASYNC251 - a paused process: the deadline passes unseen
+        return "done"
+
+    # Returned, not raised (LeaseLost would make arq record a failure; Retry would redo it).
+    assert await job({"job_try": 1, "asynclock": locks}, 1) == "done"
+
+
+async def test_a_job_whose_lease_is_lost_while_it_runs_fails_with_lease_lost(
+    locks: asynclock.LockClient,
+) -> None:
+    from asynclock.integrations import arq
+
+    started = anyio.Event()
+
+    @arq.locked("doomed-{n}")
+    async def job(ctx: dict[str, Any], n: int) -> str:
+        started.set()
+        await anyio.sleep(10)
+        return "should not finish"
+
+    failures: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            await job({"job_try": 1, "asynclock": locks}, 1)
+        except asynclock.LeaseLost as exc:  # arq records it as the job's failure
+            failures.append(exc)
+
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(run)
+        await started.wait()
+        memory(locks).expire("doomed-1", notify=True)
+    assert [type(exc) for exc in failures] == [asynclock.LeaseLost]
+
+
+async def test_saq_defers_with_one_more_retry_and_restores_the_jobs_own_settings(
+    locks: asynclock.LockClient,
+) -> None:
+    from saq.job import Job
+
+    from asynclock.integrations import saq
+
+    @saq.locked("invoice-{invoice_id}", defer=2.0, jitter=0.25)
+    async def charge(ctx: dict[str, Any], *, invoice_id: int) -> int:
+        return invoice_id
+
+    job = Job("charge", kwargs={"invoice_id": 3}, retries=2, retry_delay=7.0, retry_backoff=30.0)
+    job.attempts = 1  # as saq's worker counts it before calling the function
+    holder = await hold_elsewhere(locks, "invoice-3")
+    with pytest.raises(asynclock.AcquireTimeout):
+        await charge({"job": job, "asynclock": locks}, invoice_id=3)
+    # saq now retries it (retries > attempts) after this deferral's delay, without backoff.
+    assert (job.retries, job.retryable) == (3, True)
+    assert 1.5 <= job.next_retry_delay() <= 2.5
+    assert job.meta["asynclock"]["deferrals"] == 1
+    await holder.release()
+    job.attempts = 2
+    assert await charge({"job": job, "asynclock": locks}, invoice_id=3) == 3
+    # The job's own retry settings are back for its real failures; one retry is still its own.
+    assert (job.retry_delay, job.retry_backoff) == (7.0, 30.0)
+    assert job.retries - job.meta["asynclock"]["deferrals"] == 2
+
+
+async def test_taskiq_requeues_a_busy_task_until_it_gets_the_lock(
+    locks: asynclock.LockClient,
+) -> None:
+    from taskiq import InMemoryBroker
+
+    from asynclock.integrations import taskiq
+
+    broker = InMemoryBroker()
+    runs: list[int] = []
+
+    @broker.task
+    @taskiq.locked("invoice-{invoice_id}", client=locks, defer=0.01)
+    async def charge(invoice_id: int) -> int:
+        runs.append(invoice_id)
+        return invoice_id * 10
+
+    await broker.startup()
+    try:
+        holder = await hold_elsewhere(locks, "invoice-5")
+        sent = await charge.kiq(5)
+        await anyio.sleep(0.1)
+        assert runs == []
+        await holder.release()
+        result = await sent.wait_result(timeout=5)
+        await broker.wait_all()
+    finally:
+        await broker.shutdown()
+    assert not result.is_err
+    assert cast(object, result.return_value) == 50
+    assert runs == [5]  # run once, after several deferrals
+    assert int(result.labels["X-Taskiq-requeue"]) > 1
+
+
+async def test_decorator_mistakes_fail_at_import(locks: asynclock.LockClient) -> None:
+    from taskiq import InMemoryBroker
+
+    from asynclock.integrations import arq, taskiq
+
+    with pytest.raises(asynclock.InvalidArgument, match=r"invoice_no.*not a parameter"):
+
+        @arq.locked("invoice-{invoice_no}")
+        async def charge(ctx: dict[str, Any], invoice_id: int) -> None: ...
+
+    broker = InMemoryBroker()
+
+    async def task(invoice_id: int) -> None: ...
+
+    with pytest.raises(asynclock.InvalidArgument, match=r"below @broker\.task"):
+        taskiq.locked("invoice-{invoice_id}")(broker.task(task))
+    with pytest.raises(asynclock.InvalidArgument, match="jitter"):
+        arq.locked("x", jitter=2)
+
+
+async def test_a_job_without_a_client_says_where_to_open_one() -> None:
+    from asynclock.integrations import arq
+
+    @arq.locked("x-{n}")
+    async def job(ctx: dict[str, Any], n: int) -> None: ...
+
+    with pytest.raises(RuntimeError, match="WorkerLocks"):
+        await job({"job_try": 1}, 1)
