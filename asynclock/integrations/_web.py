@@ -269,8 +269,8 @@ def refuse_if_registered(
     Route decorators (``@app.post``, ``@routes.post``) register the function and return it
     unchanged, so a ``@locked`` above them wraps a function that the router will call without
     the wrapper, and no lock would ever be taken. ``gc.get_referrers`` finds the routes holding
-    ``func``; it costs one pass over the tracked objects (about 4 ms for 64,000) per decorated
-    endpoint, at import time only.
+    ``func``; it costs one pass over the tracked objects per decorated endpoint, at import time
+    only (measured: 2 ms with 54,000 tracked objects, 9 ms with 450,000, 19 ms with a million).
     """
     for referrer in gc.get_referrers(func):
         owners = [referrer]
