@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 from urllib.parse import quote, unquote
 
 from .._kit import HostPort, InvalidArgument, InvalidURL, Options, parse_hosts, split_server_url
@@ -18,7 +18,7 @@ __all__ = (
     "Settings",
     "bucket",
     "check_ttl",
-    "read_url",
+    "read_settings",
 )
 
 DEFAULT_PORT: Final = 2379
@@ -81,33 +81,30 @@ class Settings:
         return f"etcd://{user}{','.join(str(host) for host in self.hosts)}"
 
 
-def read_url(
-    url: str, options: Mapping[str, object]
-) -> tuple[tuple[tuple[str, int], ...], dict[str, Any]]:
-    """The endpoints of ``url`` and the keyword arguments of ``EtcdBackend``."""
+def read_settings(url: str, options: Mapping[str, object]) -> Settings:
+    """What an ``EtcdBackend`` for ``url`` with ``options`` is made with, checked."""
     hosts, url_user, url_password = _parse_url(url)
     opts = Options(options, "etcd://")
-    prefix = opts.text("prefix", DEFAULT_PREFIX)
-    op_timeout = opts.number("op_timeout", 5.0, minimum=0.001)
     user = opts.optional_text("user")
     password = opts.optional_text("password")
     if url_user is not None:
         if user is not None or password is not None:
             raise InvalidArgument("etcd:// got a user in the URL and as an option: give it once")
         user, password = url_user, url_password
-    keywords: dict[str, Any] = {
-        "prefix": prefix,
-        "op_timeout": op_timeout,
-        "user": user,
-        "password": password,
-        "tls": opts.flag("tls", False),
-        "ca_cert": opts.optional_text("ca_cert"),
-        "cert_cert": opts.optional_text("cert_cert"),
-        "cert_key": opts.optional_text("cert_key"),
-        "tls_server_name": opts.optional_text("tls_server_name"),
-    }
+    settings = Settings(
+        hosts,
+        prefix=opts.text("prefix", DEFAULT_PREFIX),
+        op_timeout=opts.number("op_timeout", 5.0, minimum=0.001),
+        user=user,
+        password=password,
+        tls=opts.flag("tls", False),
+        ca_cert=opts.optional_text("ca_cert"),
+        cert_cert=opts.optional_text("cert_cert"),
+        cert_key=opts.optional_text("cert_key"),
+        tls_server_name=opts.optional_text("tls_server_name"),
+    )
     opts.finish(_KNOWN_OPTIONS)
-    return tuple((host.host, host.port) for host in hosts), keywords
+    return settings
 
 
 def _parse_url(url: str) -> tuple[tuple[HostPort, ...], str | None, str | None]:

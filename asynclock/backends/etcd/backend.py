@@ -12,7 +12,6 @@ from .._kit import (
     Backend,
     BackendUnavailable,
     Capabilities,
-    HostPort,
     LockError,
     LockInfo,
     LockRequest,
@@ -26,7 +25,7 @@ from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
 from ._proto import create_is, prefix_end, range_op, to_compare, to_request_op
 from ._queue import Queue
-from ._urls import DEFAULT_PREFIX, Settings, check_ttl, read_url
+from ._urls import Settings, check_ttl, read_settings
 from ._wire import Wire
 
 __all__ = ("EtcdBackend",)
@@ -43,49 +42,25 @@ class EtcdBackend(Backend[EtcdGrant]):
         fencing=True, fifo=True, loss_detection=True, quorum=True, cross_process=True
     )
 
-    def __init__(
-        self,
-        endpoints: Sequence[tuple[str, int]],
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        op_timeout: float = 5.0,
-        user: str | None = None,
-        password: str | None = None,
-        tls: bool = False,
-        ca_cert: str | None = None,
-        cert_cert: str | None = None,
-        cert_key: str | None = None,
-        tls_server_name: str | None = None,
-    ) -> None:
-        self._settings = settings = Settings(
-            tuple(HostPort(host, port) for host, port in endpoints),
-            prefix=prefix,
-            op_timeout=op_timeout,
-            user=user,
-            password=password,
-            tls=tls,
-            ca_cert=ca_cert,
-            cert_cert=cert_cert,
-            cert_key=cert_key,
-            tls_server_name=tls_server_name,
-        )
-        self.endpoints = tuple((host, port) for host, port in endpoints)
-        self.prefix = prefix
-        self.op_timeout = op_timeout
-        self.user = user
-        self.tls = settings.tls
-        self._host = TaskHost(cleanup_timeout=op_timeout)
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        #: The servers, as (host, port) pairs; the URL's other parts are read from settings.
+        self.endpoints = tuple((host.host, host.port) for host in settings.hosts)
+        self.prefix, self.op_timeout = settings.prefix, settings.op_timeout
+        self.user, self.tls = settings.user, settings.tls
+        self._host = TaskHost(cleanup_timeout=settings.op_timeout)
         self._wire = Wire(settings, self._host)
         self._leases = Leases(self._wire)
         self._keys = Keys(self._wire)
-        self._queue = Queue(self._wire, self._leases, self._keys, self._host, prefix.encode())
+        self._queue = Queue(
+            self._wire, self._leases, self._keys, self._host, settings.prefix.encode()
+        )
         self._opened = False
         self._closed = False
 
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
-        endpoints, keywords = read_url(url, options)
-        return cls(endpoints, **keywords)
+        return cls(read_settings(url, options))
 
     def describe(self) -> str:
         return self._wire.describe
