@@ -7,7 +7,10 @@ The script starts both services on free ports of 127.0.0.1, sends them concurren
 prints what happened and exits (status 1 if anything was not as expected):
 
 * ``@locked`` on a handler: of five withdrawals from one account sent at once, one runs and the
-  others get 423 Locked; five deposits sent at once wait their turn (``timeout=5``) and all run.
+  others get 423 Locked with ``Retry-After: 1``; five deposits sent at once wait their turn
+  (``timeout=5``) and all run. (A lock server that is down gets 503 ``lock_unavailable`` with
+  ``Retry-After``; a lease lost while the handler runs cancels it and gets 503 ``lease_lost``;
+  one lost after the handler returned keeps its answer, with ``Asynclock-Lease-Lost``.)
 * Each handler calls the ledger with an aiohttp session whose client middleware adds the lock's
   ``Fencing-Token`` and ``Fencing-Lock`` headers; the ledger's fencing middleware refuses a stale
   token (a holder that was paused while newer holders wrote) with 409.
@@ -116,7 +119,10 @@ async def demo(lock_url: str) -> bool:
 
             async def post(path: str, amount: int) -> tuple[int, dict[str, Any]]:
                 async with user.post(path, params={"amount": amount}) as answer:
-                    return answer.status, await answer.json()
+                    body = await answer.json()
+                    if "Retry-After" in answer.headers:
+                        body["retry_after"] = answer.headers["Retry-After"]
+                    return answer.status, body
 
             deposits = await asyncio.gather(
                 *(post("/accounts/alice/deposit", 10) for _ in range(5))
@@ -147,6 +153,7 @@ async def demo(lock_url: str) -> bool:
         all(status == 200 for status, _ in deposits)
         and len(set(tokens)) == 5
         and statuses == {200: 1, 423: 4}
+        and all(body.get("retry_after") == "1" for status, body in withdrawals if status == 423)
         and stale.status == 409
     )
 
@@ -157,7 +164,7 @@ def describe(answers: list[tuple[int, dict[str, Any]]]) -> str:
         if status == 200:
             parts.append(f"200 (token {body['token']}, balance {body['balance']})")
         else:
-            parts.append(f"{status} {body['error']}")
+            parts.append(f"{status} {body['error']} (Retry-After {body.get('retry_after')})")
     return ", ".join(parts)
 
 

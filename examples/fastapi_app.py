@@ -7,7 +7,10 @@ The script starts both services with uvicorn on free ports of 127.0.0.1, sends t
 requests, prints what happened and exits (status 1 if anything was not as expected):
 
 * ``@locked`` on an endpoint: of five withdrawals from one account sent at once, one runs and the
-  others get 423 Locked; five deposits sent at once wait their turn (``timeout=5``) and all run.
+  others get 423 Locked with ``Retry-After: 1``; five deposits sent at once wait their turn
+  (``timeout=5``) and all run. (A lock server that is down gets 503 ``lock_unavailable`` with
+  ``Retry-After``; a lease lost while the endpoint runs cancels it and gets 503 ``lease_lost``;
+  one lost after the endpoint returned keeps its answer, with ``Asynclock-Lease-Lost``.)
 * Each endpoint calls the ledger with httpx; the request hook adds the lock's ``Fencing-Token``
   and ``Fencing-Lock`` headers, and the ledger's ``FencingMiddleware`` refuses a stale token
   (a holder that was paused while newer holders wrote) with 409.
@@ -142,6 +145,11 @@ async def demo(lock_url: str) -> bool:
         all(answer.status_code == 200 for answer in deposits)
         and len(set(tokens)) == 5
         and statuses == {200: 1, 423: 4}
+        and all(
+            answer.headers.get("retry-after") == "1"
+            for answer in withdrawals
+            if answer.status_code == 423
+        )
         and stale.status_code == 409
     )
 
@@ -158,7 +166,8 @@ def describe(answers: list[httpx.Response]) -> str:
         if answer.status_code == 200:
             parts.append(f"200 (token {body['token']}, balance {body['balance']})")
         else:
-            parts.append(f"{answer.status_code} {body['detail']['error']}")
+            retry = answer.headers.get("retry-after")
+            parts.append(f"{answer.status_code} {body['detail']['error']} (Retry-After {retry})")
     return ", ".join(parts)
 
 

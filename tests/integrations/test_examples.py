@@ -19,8 +19,16 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 #: What each example must print, besides "as expected".
 EXPECTED = {
-    "fastapi_app.py": ["5 withdrawals at once: ", "423 lock_busy", "409 fencing token"],
-    "aiohttp_app.py": ["5 withdrawals at once: ", "423 lock_busy", "409 fencing token"],
+    "fastapi_app.py": [
+        "5 withdrawals at once: ",
+        "423 lock_busy (Retry-After 1)",
+        "409 fencing token",
+    ],
+    "aiohttp_app.py": [
+        "5 withdrawals at once: ",
+        "423 lock_busy (Retry-After 1)",
+        "409 fencing token",
+    ],
     "worker_pool.py": ["overlapping jobs on one account: 0"],
 }
 
