@@ -27,6 +27,7 @@ puts the job straight back at the end of the queue.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Concatenate, TypeVar, cast
 
@@ -36,7 +37,7 @@ from ._jobs import CONTEXT_KEY, Busy, JobLock, P, R, WorkerClient, requires
 with requires("saq"):
     from saq.job import Job
 
-__all__ = ("WorkerLocks", "locked")
+__all__ = ("QuietDeferrals", "WorkerLocks", "locked")
 
 C = TypeVar("C")  # saq's context: saq.types.Context or the application's own TypedDict
 
@@ -95,7 +96,10 @@ def locked(
             except Busy as busy:
                 assert isinstance(current, Job)
                 _defer(current, busy.delay)
-                raise busy.error from None
+                error = busy.error
+                error.add_note(f"asynclock: deferred; saq runs the job again in {busy.delay:.2g} s")
+                error.asynclock_deferred = True  # type: ignore[attr-defined]  # for QuietDeferrals
+                raise error from None
 
         return job
 
@@ -125,6 +129,16 @@ def _restore_retry_settings(job: Job) -> None:
         job.retry_backoff = saved["retry_backoff"]
         # The count stays, for whoever wants to see how often the job waited for its lock.
         job.meta[META_KEY] = {"deferrals": int(saved.get("deferrals", 0))}
+
+
+class QuietDeferrals(logging.Filter):
+    """A logging filter for saq's logger that drops its "Error processing job" records for
+    deferrals (saq logs every failure it retries with a traceback, and a deferral is one):
+    ``logging.getLogger("saq").addFilter(QuietDeferrals())``. Other errors pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not getattr(error, "asynclock_deferred", False)
 
 
 class WorkerLocks(WorkerClient):

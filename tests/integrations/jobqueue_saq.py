@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from saq import Queue
 from saq.types import Context
 
-from asynclock.integrations.saq import WorkerLocks, locked
+from asynclock.integrations.saq import QuietDeferrals, WorkerLocks, locked
 
 from .jobqueue_common import HOLD, LOCK_URL, QUEUE_URL, TEMPLATE, WAIT, Recorder
 
 QUEUE_NAME = "jobqueue"
+
+# saq logs every retried failure with a traceback; deferrals are expected, other errors are not.
+logging.getLogger("saq").addFilter(QuietDeferrals())
 
 worker_locks = WorkerLocks(LOCK_URL)
 recorder = Recorder()
