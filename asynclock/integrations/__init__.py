@@ -2,8 +2,13 @@
 
 * :mod:`asynclock.integrations.fastapi`: ``@locked(template, client=...)`` for FastAPI endpoints.
 * :mod:`asynclock.integrations.aiohttp`: the same for aiohttp handlers.
+* :mod:`asynclock.integrations.arq`, :mod:`~asynclock.integrations.saq`,
+  :mod:`~asynclock.integrations.taskiq`: ``@locked(template)`` for jobs, which defers a job whose
+  lock is busy in that queue's own way (arq ``Retry``, saq's retry, taskiq ``Context.requeue()``)
+  and never drops it, and ``WorkerLocks``, which opens a lock client at worker start-up and closes
+  it at shutdown.
 
-Job functions (plain asyncio workers, arq, taskiq, saq) need no integration: decorate them with
+A plain asyncio worker pool needs no integration: decorate its job functions with
 :func:`asynclock.locked`. Each submodule imports its framework, so import only the one you use.
 """
 
