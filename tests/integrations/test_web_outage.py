@@ -56,11 +56,14 @@ class Ledger:
     highest: dict[str, int] = field(default_factory=dict)
     #: request id -> (order, token), for every booking made: the body's last step.
     booked: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: request ids whose body has begun its write.
+    writing: set[str] = field(default_factory=set)
     overlaps: int = 0
     stale: int = 0
 
     async def book(self, order: str, token: int, request_id: str) -> None:
         self.active[order] += 1
+        self.writing.add(request_id)
         try:
             if self.active[order] > 1:
                 self.overlaps += 1
@@ -172,6 +175,10 @@ async def run_scenario(
             while len(answers) < count:  # noqa: ASYNC110 - answers come from many tasks
                 await anyio.sleep(0.01)
 
+        async def holding(request_id: str) -> None:
+            while request_id not in ledger.writing:  # noqa: ASYNC110 - set by the handler
+                await anyio.sleep(0.01)
+
         pending = iter(range(REQUESTS))
 
         async def client() -> None:
@@ -181,7 +188,7 @@ async def run_scenario(
         async def faults(task_group: TaskGroup) -> None:
             await reached(REQUESTS * 0.2)
             task_group.start_soon(post, 0, "long-a", f"{LONG}-a")
-            await anyio.sleep(0.2)
+            await holding(f"{LONG}-a")
             # Instance A cannot reach Redis; B goes on. A's renewals fail, so the long body's
             # lease reaches its local deadline (at most 0.33 + 0.89 s after the last renewal)
             # within the cut: it is cancelled.
@@ -189,7 +196,7 @@ async def run_scenario(
             await anyio.sleep(1.5)
             await reached(REQUESTS * 0.45)
             task_group.start_soon(post, 1, "long-b", f"{LONG}-b")
-            await anyio.sleep(0.4)
+            await holding(f"{LONG}-b")
             redis_server.pause()  # nobody can reach Redis
             try:
                 await anyio.sleep(1.3)
