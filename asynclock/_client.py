@@ -290,13 +290,36 @@ class LockClient:
                 early_loss.append(reason)
 
         request = LockRequest(name=name, ttl=ttl, owner=uuid.uuid4().hex, on_lost=lost)
-        started = anyio.current_time()
+        events = self._events
+        started = anyio.current_time() if events else 0.0
+        deadlocks: list[list[Waiter]] = []
         try:
-            grant = await self._grant(request, timeout)
+            if timeout == 0:
+                grant = await self._backend.try_acquire(request)
+            else:
+                grant = await self._wait(request, timeout, deadlocks)
         except BaseException as exc:
-            observe_acquire(self._state, self._events, name, started, None, exc)
-            raise
-        observe_acquire(self._state, self._events, name, started, grant, None)
+            error = exc
+            if isinstance(exc, Exception) and not isinstance(exc, LockError):
+                # A backend is meant to translate its driver's errors; one that slips through
+                # still reaches the user as one of ours, with the original attached.
+                error = BackendUnavailable(
+                    f"acquiring {name!r} on {self._backend.describe()} failed: {exc!r}"
+                )
+            observe_acquire(self._state, events, name, started, None, error)
+            if error is exc:
+                raise
+            raise error from exc
+        if grant is None:
+            refused = (
+                DeadlockDetected(name, deadlocks[0])
+                if deadlocks
+                else AcquireTimeout(name, timeout or 0.0)
+            )
+            observe_acquire(self._state, events, name, started, None, refused)
+            raise refused
+        if events or self._state.state is not ConnectionState.CONNECTED:
+            observe_acquire(self._state, events, name, started, grant, None)
         # No await from here until the lease is registered: a cancellation cannot strand it.
         lease = Lease(
             grant,
@@ -314,27 +337,6 @@ class LockClient:
         if track_context:
             _fencing.push(lease)
         return lease
-
-    async def _grant(self, request: LockRequest, timeout: float | None) -> Grant:
-        deadlocks: list[list[Waiter]] = []
-        try:
-            if timeout == 0:
-                grant = await self._backend.try_acquire(request)
-            else:
-                grant = await self._wait(request, timeout, deadlocks)
-        except LockError:
-            raise
-        except Exception as exc:
-            # A backend is meant to translate its driver's errors; one that slips through still
-            # reaches the user as one of ours, with the original attached.
-            raise BackendUnavailable(
-                f"acquiring {request.name!r} on {self._backend.describe()} failed: {exc!r}"
-            ) from exc
-        if grant is None and deadlocks:
-            raise DeadlockDetected(request.name, deadlocks[0])
-        if grant is None:
-            raise AcquireTimeout(request.name, timeout or 0.0)
-        return grant
 
     def _on_loss(self, lease: Lease, kind: LossKind, reason: str) -> None:
         if kind == "deadline":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -142,7 +143,9 @@ class Events:
             for observer in tuple(self._observers)
         ]
 
-    def exit_body(self, handles: list[tuple[Observer, Any]], error: BaseException | None) -> None:
+    def exit_body(
+        self, handles: Sequence[tuple[Observer, Any]], error: BaseException | None
+    ) -> None:
         for observer, handle in handles:
             self._call(observer, "body_exited", (handle, error))
 

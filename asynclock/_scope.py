@@ -24,6 +24,7 @@ from ._events import Events, Observer
 from ._lease import Lease, OnLost
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException | None)
 
 logger = logging.getLogger("asynclock")
 
@@ -65,7 +66,7 @@ class _HeldContext(ABC, Generic[T]):
         self._body: BodyScope | None = None
         self._context_tokens: list[Token[tuple[Lease, ...]]] = []
         #: What each observer returned when the body began (its span, say).
-        self._observed: list[tuple[Observer, Any]] = []
+        self._observed: Sequence[tuple[Observer, Any]] = ()
 
     @abstractmethod
     def _result(self, leases: list[Lease]) -> T:
@@ -94,22 +95,6 @@ class _HeldContext(ABC, Generic[T]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if not self._observed:
-            return await self._exit(exc_type, exc, tb)
-        try:
-            await self._exit(exc_type, exc, tb)
-        except BaseException as error:
-            self._events.exit_body(self._observed, error)
-            raise
-        self._events.exit_body(self._observed, None)
-        return None
-
-    async def _exit(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
         leases = self._leases
         assert leases is not None
         for token in reversed(self._context_tokens):
@@ -133,7 +118,8 @@ class _HeldContext(ABC, Generic[T]):
         if self._on_lost == "flag" or not lost:
             if caught_own_cancel:
                 # Only a lost lease cancels our scope; this cannot happen, but never swallow.
-                raise LeaseLost(leases[0].name, "cancelled by its lease scope")
+                raise self._exited(LeaseLost(leases[0].name, "cancelled by its lease scope"))
+            self._exited(exc)
             return
         name, reason = lost[0]
         if exc is None and not loss_known_in_body:
@@ -150,13 +136,21 @@ class _HeldContext(ABC, Generic[T]):
                 )
                 if self._events:
                     self._events.emit("finished_after_loss", lease_name, lease_reason)
+            self._exited(None)
             return
         if exc is not None and not caught_own_cancel:
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 # Someone else cancelled us as well: theirs wins, as asyncio.timeout does.
+                self._exited(exc)
                 return
-            raise LeaseLost(name, reason) from exc
-        raise LeaseLost(name, reason)
+            raise self._exited(LeaseLost(name, reason)) from exc
+        raise self._exited(LeaseLost(name, reason))
+
+    def _exited(self, error: E) -> E:
+        """Tell the observers the body ended with ``error`` (what ``async with`` raises)."""
+        if self._observed:
+            self._events.exit_body(self._observed, error)
+        return error
 
 
 async def release_all(leases: Collection[Lease]) -> None:
