@@ -163,6 +163,17 @@ async def test_a_body_that_finished_before_its_loss_was_known_keeps_its_result(
     assert await locks.try_acquire("a") is not None
 
 
+async def test_locked_keeps_the_result_of_a_call_that_finished_before_its_loss_was_known(
+    locks: asynclock.LockClient,
+) -> None:
+    @asynclock.locked("job/{n}", client=locks, ttl=0.3)
+    async def job(n: int) -> int:
+        time.sleep(0.35)  # noqa: ASYNC251 - a pause at the call's last step
+        return n * 2
+
+    assert await job(3) == 6
+
+
 async def test_other_exceptions_from_the_body_propagate(locks: asynclock.LockClient) -> None:
     with pytest.raises(KeyError):
         async with locks.lock("a", ttl=30.0):
