@@ -23,10 +23,13 @@ another). The metrics, spans and attributes are listed in docs/observability.md.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from ._errors import LeaseLost, MissingDependency
 from ._events import AcquireOutcome, LossKind, Observer, RenewalOutcome, Source, StateChange
@@ -154,6 +157,13 @@ class Instrumentation(Observer):
         # The body spans open now, by lock name: a loss (told from the renewal task) is added to
         # them as an event when it happens, not only when the body ends.
         self._bodies: dict[str, list[Span]] = {}
+        # The core times an acquire only when someone observes as it begins: one that began
+        # before this subscription is reported as lasting since the clock's zero. Such a wait
+        # is longer than we have been subscribed, which is how it is recognised and left out.
+        try:
+            self._since = anyio.current_time()
+        except Exception:  # made outside any event loop: no acquire can be in flight yet
+            self._since = -math.inf
         client._events.subscribe(self)
 
     def uninstrument(self) -> None:
@@ -168,6 +178,8 @@ class Instrumentation(Observer):
     def acquired(
         self, source: Source, name: str, outcome: AcquireOutcome, wait: float, token: int | None
     ) -> None:
+        if wait > anyio.current_time() - self._since:
+            return  # began before we subscribed: its start is unknown (see __init__)
         attributes = self._attributes(source, name)
         self._acquire.record(wait, {**attributes, OUTCOME: outcome})
         # Told when the acquire has ended: the span is made then, starting when it began.
@@ -266,6 +278,8 @@ def instrument(
         attribute. It must have few distinct values (one time series is made per value):
         :func:`default_name_template` by default. It must not raise: an observer that raises
         is unsubscribed (and logged).
+
+    Instrumenting one client twice records everything twice; instrument each client once.
     """
     return Instrumentation(
         client,
