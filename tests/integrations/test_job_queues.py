@@ -10,6 +10,7 @@ once and that the queue reports every job as succeeded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -20,7 +21,7 @@ import sys
 import uuid
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any, cast
@@ -259,6 +260,12 @@ async def raw_redis(port: int, db: int) -> AsyncIterator[redis.asyncio.Redis]:
         await client.aclose()
 
 
+def tail(log: Path, size: int | None = None) -> str:
+    """The workers' log (its last ``size`` characters), for failure messages."""
+    text = log.read_text()
+    return text if size is None else text[-size:]
+
+
 def overlaps(records: list[dict[str, Any]]) -> list[str]:
     """Pairs of jobs of one account whose held intervals intersect."""
     by_account: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -278,81 +285,6 @@ def overlaps(records: list[dict[str, Any]]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("queue_name", list(QUEUES))
-async def test_500_jobs_over_10_accounts_on_2_worker_processes(
-    queue_name: str, redis_server: RedisServer, tmp_path: Path
-) -> None:
-    queue = QUEUES[queue_name](redis_server.port)
-    prefix = f"jq-{queue_name}-{uuid.uuid4().hex[:6]}:"
-    lock_url = (
-        f"redis://127.0.0.1:{redis_server.port}/{LOCK_DB}?prefix={prefix}&durability_warning=false"
-    )
-    env = dict(os.environ)
-    env.update(
-        JOBQUEUE_PORT=str(redis_server.port), JOBQUEUE_DB=str(queue.db), JOBQUEUE_LOCKS=lock_url
-    )
-    log = tmp_path / f"{queue_name}-workers.log"
-    async with (
-        raw_redis(redis_server.port, queue.db) as records_db,
-        raw_redis(redis_server.port, LOCK_DB) as lock_db,
-    ):
-        await records_db.flushdb()
-        await queue.open()
-        try:
-            with workers(
-                queue.worker_command(), env, log, 1 if queue_name == "taskiq" else 2
-            ) as processes:
-                with anyio.fail_after(20):
-                    while await call(records_db, "SCARD", READY_KEY) < 2:
-                        exited = [p.returncode for p in processes if p.poll() is not None]
-                        assert not exited, f"worker exited ({exited}):\n{log.read_text()[-3000:]}"
-                        await anyio.sleep(0.05)
-                await queue.settled()
-                for seed, mode in enumerate(["deferring", "waiting"]):
-                    jobs = job_list(seed)
-                    handles = [await queue.submit(mode, *job) for job in jobs]
-                    with anyio.move_on_after(BATCH_TIMEOUT):
-                        while await call(records_db, "LLEN", records_key(mode)) < JOBS:
-                            exited = [p.returncode for p in processes if p.poll() is not None]
-                            assert not exited, (
-                                f"worker exited ({exited}):\n{log.read_text()[-3000:]}"
-                            )
-                            await anyio.sleep(0.05)
-                    raw = await call(records_db, "LRANGE", records_key(mode), 0, -1)
-                    records = [json.loads(item) for item in raw]
-                    runs = Counter(record["job"] for record in records)
-                    assert set(runs) == {job_id for _, job_id in jobs}, (
-                        f"{mode}: {JOBS - len(runs)} jobs never ran\n{log.read_text()[-3000:]}"
-                    )
-                    twice = [record for record in records if runs[record["job"]] > 1]
-                    assert twice == [], f"{mode}: ran more than once\n{log.read_text()[-20000:]}"
-                    assert overlaps(records) == [], mode
-                    assert len({record["pid"] for record in records}) == 2, mode
-                    # The queue writes a job's outcome just after the job's record.
-                    failed, deferrals = await queue.outcomes(handles)
-                    with anyio.move_on_after(10):
-                        while failed:
-                            await anyio.sleep(0.1)
-                            failed, deferrals = await queue.outcomes(handles)
-                    assert failed == [], mode
-                    if mode == "deferring":
-                        assert deferrals > 0  # busy locks did defer jobs
-                    print(f"{queue_name} {mode}: {len(records)} jobs, {deferrals} deferrals")
-        finally:
-            await queue.aclose()
-        # The workers shut down gracefully: their clients released everything and closed.
-        # (The fencing counters, prefix + "token:", stay by design: tokens never repeat.)
-        keys = [key.decode() async for key in lock_db.scan_iter(match=f"{prefix}*")]
-        assert [key for key in keys if not key.startswith(f"{prefix}token:")] == []
-        if keys:
-            await lock_db.delete(*keys)
-        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
-        await records_db.flushdb()
-
-
-# -- the lifecycle helpers, with each queue's own worker in this process ---------------------------
-
-
 @asynccontextmanager
 async def lock_server(redis_server: RedisServer, label: str) -> AsyncIterator[tuple[str, str]]:
     """A lock URL with a prefix of its own; afterwards, no key of it may be left but the fencing
@@ -362,11 +294,98 @@ async def lock_server(redis_server: RedisServer, label: str) -> AsyncIterator[tu
         f"redis://127.0.0.1:{redis_server.port}/{LOCK_DB}?prefix={prefix}&durability_warning=false"
     )
     async with raw_redis(redis_server.port, LOCK_DB) as lock_db:
-        yield url, prefix
-        keys = [key.decode() async for key in lock_db.scan_iter(match=f"{prefix}*")]
-        assert [key for key in keys if not key.startswith(f"{prefix}token:")] == []
-        if keys:
-            await lock_db.delete(*keys)
+        try:
+            yield url, prefix
+            keys = [key.decode() async for key in lock_db.scan_iter(match=f"{prefix}*")]
+            assert [key for key in keys if not key.startswith(f"{prefix}token:")] == []
+        finally:
+            keys = [key async for key in lock_db.scan_iter(match=f"{prefix}*")]
+            if keys:
+                await lock_db.delete(*keys)
+
+
+async def wait_for(
+    count: Callable[[], Awaitable[int]], want: int, processes: list[Any], log: Path, limit: float
+) -> None:
+    """Wait until ``count()`` reaches ``want`` (at most ``limit`` seconds); fail at once, with
+    the workers' log, if a worker process exits meanwhile."""
+    with anyio.move_on_after(limit):
+        while await count() < want:
+            exited = [process.returncode for process in processes if process.poll() is not None]
+            assert not exited, f"worker exited ({exited}):\n{tail(log, 3000)}"
+            await anyio.sleep(0.05)
+
+
+async def run_batch(
+    queue: JobQueue,
+    mode: str,
+    seed: int,
+    records_db: redis.asyncio.Redis,
+    workers: list[Any],
+    log: Path,
+) -> None:
+    """500 jobs of one kind through the running workers; checks what the jobs recorded."""
+    jobs = job_list(seed)
+    handles = [await queue.submit(mode, *job) for job in jobs]
+    await wait_for(
+        lambda: call(records_db, "LLEN", records_key(mode)), JOBS, workers, log, BATCH_TIMEOUT
+    )
+    raw = await call(records_db, "LRANGE", records_key(mode), 0, -1)
+    records = [json.loads(item) for item in raw]
+    runs = Counter(record["job"] for record in records)
+    assert set(runs) == {job_id for _, job_id in jobs}, (
+        f"{mode}: {JOBS - len(runs)} jobs never ran\n{tail(log, 3000)}"
+    )
+    twice = [record for record in records if runs[record["job"]] > 1]
+    assert twice == [], f"{mode}: ran more than once\n{tail(log, 20000)}"
+    assert overlaps(records) == [], mode
+    assert len({record["pid"] for record in records}) == 2, mode  # both processes worked
+    # The queue writes a job's outcome just after the job's record.
+    failed, deferrals = await queue.outcomes(handles)
+    with anyio.move_on_after(10):
+        while failed:
+            await anyio.sleep(0.1)
+            failed, deferrals = await queue.outcomes(handles)
+    assert failed == [], mode
+    if mode == "deferring":
+        assert deferrals > 0  # busy locks did defer jobs
+    print(f"{queue.name} {mode}: {len(records)} jobs, {deferrals} deferrals")
+
+
+@pytest.mark.parametrize("queue_name", list(QUEUES))
+async def test_500_jobs_over_10_accounts_on_2_worker_processes(
+    queue_name: str, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    queue = QUEUES[queue_name](redis_server.port)
+    log = tmp_path / f"{queue_name}-workers.log"
+    async with (
+        lock_server(redis_server, queue_name) as (lock_url, _),
+        raw_redis(redis_server.port, queue.db) as records_db,
+    ):
+        env = dict(os.environ)
+        env.update(
+            JOBQUEUE_PORT=str(redis_server.port), JOBQUEUE_DB=str(queue.db), JOBQUEUE_LOCKS=lock_url
+        )
+        await records_db.flushdb()
+        await queue.open()
+        try:
+            # taskiq's command starts 2 worker processes itself; arq and saq: 2 commands.
+            count = 1 if queue_name == "taskiq" else 2
+            with workers(queue.worker_command(), env, log, count) as processes:
+                ready = functools.partial(call, records_db, "SCARD", READY_KEY)
+                await wait_for(ready, 2, processes, log, 20)
+                assert await ready() == 2, f"workers did not start:\n{tail(log, 3000)}"
+                await queue.settled()
+                for seed, mode in enumerate(["deferring", "waiting"]):
+                    await run_batch(queue, mode, seed, records_db, processes, log)
+        finally:
+            await queue.aclose()
+            await records_db.flushdb()
+        # The workers shut down gracefully: no error, and (lock_server checks) no lock left.
+        assert "Traceback" not in tail(log), tail(log, 3000)
+
+
+# -- the lifecycle helpers, with each queue's own worker in this process ---------------------------
 
 
 def new_tasks(before: set[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
@@ -437,6 +456,8 @@ async def test_arq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
             assert info is not None and not info.success
             assert isinstance(info.result, asynclock.LeaseLost)
             assert info.result.name == "life/1"
+            with pytest.raises(asynclock.LeaseLost):
+                await lost_job.result(timeout=1)  # arq raises the job's own error
         finally:
             await pool.aclose()
         assert hooks_ran_in["startup"] is not hooks_ran_in["shutdown"]
