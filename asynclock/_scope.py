@@ -100,7 +100,6 @@ class _HeldContext(ABC, Generic[T]):
         for token in reversed(self._context_tokens):
             _fencing.pop(token)
         caught_own_cancel = False
-        loss_known_in_body = False
         if self._body is not None:
             for lease in leases:
                 lease._detach_scope(self._body)
@@ -108,7 +107,6 @@ class _HeldContext(ABC, Generic[T]):
             # clean exit too, which would turn every clean exit into a LeaseLost.
             self._body.scope.__exit__(exc_type, exc, tb)
             caught_own_cancel = self._body.scope.cancelled_caught
-            loss_known_in_body = self._body.scope.cancel_called
         # Reading lost_reason also marks a lease lost whose deadline has passed.
         lost = [(lease.name, lease.lost_reason) for lease in leases if lease.lost_reason]
         if len(leases) == 1:
@@ -122,10 +120,11 @@ class _HeldContext(ABC, Generic[T]):
             self._exited(exc)
             return
         name, reason = lost[0]
-        if exc is None and not loss_known_in_body:
-            # The body returned before the loss was known (this process was paused, or the
-            # deadline passed without a checkpoint): its work is done. Raising now could only
-            # get finished work redone; the loss is reported beside the result instead.
+        if exc is None:
+            # The body returned: its work is done, whether the loss came too late to stop it
+            # (this process was paused, the deadline passed without a checkpoint) or it went on
+            # regardless. Raising now could only get finished work redone; the loss is
+            # reported beside the result instead. LeaseLost means the body did not finish.
             for lease_name, lease_reason in lost:
                 logger.warning(
                     "asynclock: lease on %r was lost after its body had run to completion "
