@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import inspect
-import random
 import struct
 import time
 import unicodedata
@@ -25,7 +23,6 @@ from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encod
 from asynclock.extras.zookeeper import ReadWriteLock
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble, ZooKeeperServer
 from tests.contract.backend_zookeeper import (
-    alive_connections,
     delete_tree,
     zk_admin,
     znodes_under,
@@ -832,82 +829,6 @@ async def test_a_release_cancelled_natively_two_and_three_times_still_deletes_th
                 await free_for(other, "release")
                 assert not victim.held
                 assert_session_state_clean(victim)
-
-
-async def test_native_cancels_at_random_moments_of_acquire_release_and_exit_strand_nothing(
-    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
-) -> None:
-    """400 cycles: 1-3 ``Task.cancel()`` (or an ``asyncio.timeout``) at random moments of a
-    take, a wait behind another holder, a body, a release and an ``async with`` exit. After
-    every cycle another client gets the lock within 100 ms of the cancelled task ending; in the
-    end nothing is left: no znode, no session state, no task, no connection."""
-    rng = random.Random(15)
-    url = f"{zookeeper_server.url}{chroot}"
-    connections_before = alive_connections(zookeeper_server)
-    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
-        # Both clients open their 10 s sessions (and the tasks that run them) before counting.
-        started = anyio.current_time()
-        await (await locks.acquire("c", ttl=10)).release()
-        cycle_time = anyio.current_time() - started
-        await (await other.acquire("c", ttl=10)).release()
-        tasks_before = asyncio.all_tasks()
-        waited: list[float] = []
-        kinds: collections.Counter[str] = collections.Counter()
-        for cycle in range(400):
-            mode = ("with", "acquire", "waiter", "timeout")[cycle % 4]
-            blocker = await other.acquire("c", ttl=10) if mode == "waiter" else None
-            body = rng.uniform(0, cycle_time)
-
-            async def victim(mode: str = mode, body: float = body) -> None:
-                if mode == "acquire":
-                    lease = await locks.acquire("c", ttl=10)
-                    try:
-                        await asyncio.sleep(body)
-                    finally:
-                        await lease.release()
-                elif mode == "timeout":
-                    async with asyncio.timeout(rng.uniform(0, 2 * cycle_time)):
-                        async with locks.lock("c", ttl=10):
-                            await asyncio.sleep(body)
-                else:
-                    async with locks.lock("c", ttl=10):
-                        await asyncio.sleep(body)
-
-            task = asyncio.create_task(victim())
-            cancels = rng.choice((0, 1, 2)) if mode == "timeout" else rng.choice((1, 2, 3))
-            for _ in range(cancels):
-                await asyncio.sleep(rng.uniform(0, 1.5 * cycle_time))
-                if mode == "waiter" and rng.random() < 0.5:
-                    await blocker.release()  # type: ignore[union-attr]  # hand over meanwhile
-                task.cancel()
-            try:
-                await task
-                kinds["finished"] += 1
-            except (asyncio.CancelledError, TimeoutError) as error:
-                kinds[type(error).__name__] += 1
-            if blocker is not None:
-                await blocker.release()
-            try:
-                waited.append(await free_for(other, "c"))
-            except AssertionError as error:
-                left = await children(admin, f"{chroot}/c")
-                raise AssertionError(
-                    f"cycle {cycle} ({mode}, {cancels} cancels): {left}"
-                ) from error
-        await anyio.sleep(0.05)
-        assert [task for task in asyncio.all_tasks() - tasks_before if not task.done()] == []
-        assert not locks.held
-        assert_session_state_clean(locks)
-        assert await children(admin, f"{chroot}/c") == []
-    # Every outcome happened (a cancel can also come too late to matter).
-    assert kinds["CancelledError"] > 100 and kinds["TimeoutError"] > 10, kinds
-    assert sorted(waited)[-1] < 0.1
-
-    async def connections_closed() -> bool:
-        return alive_connections(zookeeper_server) <= connections_before
-
-    await until(connections_closed, 2)
-    assert await znodes_under(admin, chroot) == []
 
 
 # -- order -----------------------------------------------------------------------------------
