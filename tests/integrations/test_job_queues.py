@@ -474,7 +474,10 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
     from asynclock.integrations.saq import WorkerLocks, locked
 
-    async with lock_server(redis_server, "saq-life") as (lock_url, _):
+    async with (
+        lock_server(redis_server, "saq-life") as (lock_url, prefix),
+        raw_redis(redis_server.port, LOCK_DB) as lock_db,
+    ):
         worker_locks = WorkerLocks(lock_url)
 
         @locked("life/{n}")
@@ -482,23 +485,33 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
             assert ctx["asynclock"] is worker_locks.client
             return n * 2
 
+        @locked("life/{n}", ttl=1)
+        async def lose(ctx: Any, *, n: int) -> str:
+            await lock_db.delete(f"{prefix}lock:life/{n}")  # as if it had expired
+            await asyncio.sleep(5)
+            return "not reached"
+
         before = asyncio.all_tasks()
         queue = Queue.from_url(f"redis://127.0.0.1:{redis_server.port}/{QUEUE_DBS['saq']}")
         await queue.connect()
         try:
             worker = Worker(
                 queue,
-                functions=[keep],
+                functions=[keep, lose],
                 startup=worker_locks.startup,
                 shutdown=worker_locks.shutdown,
                 concurrency=2,
             )
             job = await queue.enqueue(keep.__qualname__, n=3)
-            assert job is not None
+            lost = await queue.enqueue(lose.__qualname__, n=4)  # retries=1: no retry
+            assert job is not None and lost is not None
             running = asyncio.create_task(worker.start())
             with anyio.fail_after(20):
                 await job.refresh(until_complete=10)
                 assert (job.status, job.result) == (Status.COMPLETE, 6), job.error
+                await lost.refresh(until_complete=10)
+                assert lost.status is Status.FAILED
+                assert "asynclock.LeaseLost: lease on lock 'life/4' was lost" in (lost.error or "")
                 await worker.stop()  # from this task: start-up ran in the worker's
                 await running
         finally:
@@ -513,7 +526,10 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
 
     from asynclock.integrations.taskiq import WorkerLocks, locked
 
-    async with lock_server(redis_server, "taskiq-life") as (lock_url, _):
+    async with (
+        lock_server(redis_server, "taskiq-life") as (lock_url, prefix),
+        raw_redis(redis_server.port, LOCK_DB) as lock_db,
+    ):
         broker = InMemoryBroker()
         worker_locks = WorkerLocks(lock_url).install(broker)
 
@@ -522,6 +538,13 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
         async def keep(n: int) -> int:
             return n * 2
 
+        @broker.task
+        @locked("life/{n}", ttl=1)
+        async def lose(n: int) -> str:
+            await lock_db.delete(f"{prefix}lock:life/{n}")  # as if it had expired
+            await asyncio.sleep(5)
+            return "not reached"
+
         before = asyncio.all_tasks()
         # WORKER_STARTUP and WORKER_SHUTDOWN in different tasks.
         await asyncio.create_task(broker.startup())
@@ -529,6 +552,9 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
         sent = await keep.kiq(4)
         result = await sent.wait_result(timeout=10)
         assert not result.is_err
+        lost = await (await lose.kiq(5)).wait_result(timeout=10)
+        assert lost.is_err
+        assert isinstance(lost.error, asynclock.LeaseLost)
         await broker.shutdown()
         assert "asynclock" not in broker.state
         with pytest.raises(RuntimeError, match="not open"):
