@@ -211,6 +211,24 @@ async def test_waiters_timeouts_and_busy_answers(
     }
 
 
+async def test_a_cancelled_wait_is_counted_as_cancelled_and_leaves_no_waiter(
+    telemetry: Telemetry, locks: asynclock.LockClient
+) -> None:
+    telemetry.instrument(locks)
+    holder = await locks.acquire("a", ttl=5)
+    with anyio.move_on_after(0.1):
+        await locks.acquire("a", ttl=5)
+    await holder.release()
+    assert telemetry.point("asynclock.acquire.duration", outcome="cancelled").count == 1
+    assert telemetry.point("asynclock.waiters").value == 0
+    (span,) = [
+        span
+        for span in telemetry.spans("asynclock.acquire")
+        if (span.attributes or {})["asynclock.outcome"] == "cancelled"
+    ]
+    assert span.status.status_code is StatusCode.UNSET  # the caller's decision, not a failure
+
+
 async def test_failed_renewals_and_the_connection_states_they_cause(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
