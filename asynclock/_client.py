@@ -291,7 +291,9 @@ class LockClient:
 
         request = LockRequest(name=name, ttl=ttl, owner=uuid.uuid4().hex, on_lost=lost)
         events = self._events
-        started = anyio.current_time() if events else 0.0
+        # Timed only when someone observes; None tells an observer who subscribed meanwhile
+        # that this acquire was not timed.
+        started = anyio.current_time() if events else None
         deadlocks: list[list[Waiter]] = []
         try:
             if timeout == 0:
@@ -389,7 +391,7 @@ def observe_acquire(
     state: StateTracker,
     events: Events,
     name: str,
-    started: float,
+    started: float | None,
     grant: Grant | None,
     error: BaseException | None,
 ) -> None:
@@ -410,7 +412,7 @@ def observe_acquire(
         outcome = "error"
     if outcome in ("acquired", "busy", "timeout"):
         state.reached(True)
-    if events:
+    if events and started is not None:
         token = grant.token if grant is not None else None
         events.emit("acquired", name, outcome, anyio.current_time() - started, token)
 

@@ -384,7 +384,7 @@ def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_public_names_match_all() -> None:
     # ("@py_..." names come from pytest's assertion rewriting of the installed plugin's package.)
     public = {name for name in dir(asynclock) if not name.startswith(("_", "@"))}
-    modules = {"abc", "backends", "extras", "fencing", "integrations"}
+    modules = {"abc", "backends", "extras", "fencing", "integrations", "otel"}
     assert isinstance(asynclock.__all__, tuple)
     assert public - modules - {"testing"} == set(asynclock.__all__)
     for name in asynclock.__all__:
