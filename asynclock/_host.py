@@ -196,13 +196,15 @@ class BackendHost:
     async def aclose(self) -> None:
         """Release every lease still held and close the backend. Idempotent; it finishes
         (within ``release_timeout + connect_timeout``) whatever cancels the caller."""
-        await self._close_if_open()
-        if self._stop is None or self._own_done is None:
-            return
-        self._stop.set()
-        await finish(
-            self._own_done.wait, timeout=_CLOSE_GRACE, what="stopping the client's own task"
-        )
+        try:
+            await self._close_if_open()
+        finally:
+            # Also when the caller is cancelled: the own task must not outlive the client.
+            if self._stop is not None and self._own_done is not None:
+                self._stop.set()
+                await finish(
+                    self._own_done.wait, timeout=_CLOSE_GRACE, what="stopping the client's task"
+                )
         failure, self._own_failure = self._own_failure, None
         if failure is not None:
             raise failure

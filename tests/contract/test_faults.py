@@ -431,3 +431,35 @@ async def test_a_client_closed_by_native_cancellation_leaves_nothing_behind(
                 probe = await other.try_acquire(each, ttl=ttl)
                 assert probe is not None, f"{each!r} still held after {cancels} cancels"
                 await probe.release()
+
+
+async def test_a_started_client_closed_or_started_under_native_cancellation_leaves_nothing(
+    backend: BackendUnderTest, name: str
+) -> None:
+    """(f) for ``start()`` / ``aclose()``: an ``aclose()`` from another task, cancelled natively
+    once or several times, still releases and closes; so does a ``start()`` cancelled while it
+    opens. No task of the client is left running."""
+    ttl = backend.ttl * 10
+    before = set(asyncio.all_tasks())
+    async with backend.connect() as other:
+        for cancels in (1, 2, 3):
+            locks = await backend.connect().start()
+            await locks.acquire(name, ttl=ttl)
+            closing = asyncio.create_task(locks.aclose())
+            for _ in range(cancels):
+                await asyncio.sleep(0)
+                closing.cancel()
+            with suppress(asyncio.CancelledError):
+                await closing
+            probe = await other.try_acquire(name, ttl=ttl)
+            assert probe is not None, f"{name!r} still held after {cancels} cancels of aclose()"
+            await probe.release()
+            starting = asyncio.create_task(backend.connect().start())
+            for _ in range(cancels):
+                await asyncio.sleep(0)
+                starting.cancel()
+            with suppress(asyncio.CancelledError):
+                started = await starting
+                await started.aclose()  # it won the race and opened: close it
+    await asyncio.sleep(0.01)
+    assert {task for task in asyncio.all_tasks() - before if not task.done()} == set()
