@@ -17,18 +17,22 @@ import time
 import uuid
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from . import _report
+from . import _report, _screen
 from ._peers import PEERS, Peer
-from ._servers import BACKENDS, Endpoint, NotAvailable, endpoint_from_url, start
+from ._plan import Plan
+from ._servers import BACKENDS, Endpoint, NotAvailable, start_all
 from ._suite import LogCounter, Settings, measure_peer, measure_target
 from ._targets import TARGETS, Target, make_target, package_version
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Seconds the budget keeps for stopping the servers (0.7-0.8 s for all of them here).
+STOP_RESERVE = 1.5
 
 DESCRIPTION = """\
 Measure asynclock's backends (and, with --peers, the peer libraries) on real servers started on
@@ -164,8 +168,15 @@ def _write(data: dict[str, Any], directory: Path, *, chart: bool) -> int:
         ) as exc:  # the figures are written already; a drawing bug must not hide them
             chart = False
             print(f"no chart: {type(exc).__name__}: {exc}", file=sys.stderr)
-    print(table)
-    print(f"written: {directory / 'latest.json'}, latest.md" + (", latest.png" if chart else ""))
+    # A quick run ends with the summary alone (the full report is in the file); a full run
+    # prints the full report, then the summary, so that the summary is what stays on screen.
+    if data.get("settings", {}).get("mode") not in ("quick", "smoke"):
+        print(table)
+    print(_screen.screen(data), end="")
+    print(
+        f"written: {directory / 'latest.json'}, latest.md (the full report)"
+        + (", latest.png" if chart else "")
+    )
     return 0
 
 
@@ -251,25 +262,15 @@ def run(
     }
     # The peers of the backends being measured, on the same servers.
     peer_objects = [peer for peer in PEERS if peers and peer.compare_with in selected]
-    kinds = {BACKENDS[name] for name in selected} | {peer.server for peer in peer_objects}
+    kinds = {kind for name in selected if (kind := BACKENDS[name])}
+    kinds |= {peer.server for peer in peer_objects}
     with ExitStack() as stack:
         workdir = Path(
             stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="asynclock-bench-", dir=_ram_dir())
             )
         )
-        endpoints: dict[str, Endpoint | NotAvailable] = {}
-        for kind in BACKENDS.values():
-            if kind is None or kind not in kinds:
-                continue
-            say(f"server {kind}: {'given' if kind in urls else 'starting'}")
-            try:
-                endpoints[kind] = (
-                    endpoint_from_url(kind, urls[kind]) if kind in urls else start(kind, stack)
-                )
-            except NotAvailable as exc:
-                endpoints[kind] = exc
-                say(f"  not available: {exc}")
+        endpoints, data["servers"] = start_all(kinds, urls, stack, say)
         targets: list[Target] = []
         for name in selected:
             kind = BACKENDS[name]
@@ -305,7 +306,18 @@ def run(
                 }
                 continue
             available_peers.append(peer)
-        measured = anyio.run(_measure, targets, available_peers, endpoints, settings, tag)
+        # Stopping the servers comes out of the budget too (well under a second each here).
+        plan = Plan.make(
+            settings.deadline - (STOP_RESERVE if data["servers"]["started"] else 0.2),
+            [target.name for target in targets],
+            [peer.name for peer in available_peers],
+        )
+        say(
+            f"plan: {len(targets)} backends, {len(available_peers)} peers in "
+            f"{max(0.0, plan.deadline - time.monotonic()):.0f} s: about "
+            f"{plan.per_backend():.1f} s a backend"
+        )
+        measured = anyio.run(_measure, targets, available_peers, endpoints, settings, plan, tag)
         for name in selected:
             if name in measured["backends"]:
                 data["backends"][name] = measured["backends"][name]
@@ -319,6 +331,8 @@ def run(
         data["floors"] = measured["floors"]
         data["versions"].update(measured["versions"])
         say("stopping servers")
+        stopping = time.monotonic()
+    data["servers"]["stop_s"] = time.monotonic() - stopping
     data["machine"]["load_end"] = _load()
     data["seconds"] = time.monotonic() - began
     data["targets"] = _report.evaluate_targets(data)
@@ -340,13 +354,14 @@ async def _measure(
     peers: list[Peer],
     endpoints: dict[str, Endpoint | NotAvailable],
     settings: Settings,
+    plan: Plan,
     tag: str,
 ) -> dict[str, Any]:
     logger = logging.getLogger("asynclock")
     counter = LogCounter()
     logger.addHandler(counter)
     try:
-        return await _measure_all(targets, peers, endpoints, settings, tag, counter)
+        return await _measure_all(targets, peers, endpoints, settings, plan, tag, counter)
     finally:
         logger.removeHandler(counter)
 
@@ -356,13 +371,19 @@ async def _measure_all(
     peers: list[Peer],
     endpoints: dict[str, Endpoint | NotAvailable],
     settings: Settings,
+    plan: Plan,
     tag: str,
     counter: LogCounter,
 ) -> dict[str, Any]:
+    """Each backend, then its peers, each within its share of the plan (``_plan``)."""
+
+    def share(unit: str) -> Settings:
+        return replace(settings, deadline=plan.share(unit))
+
     results: dict[str, Any] = {"backends": {}, "peers": {}, "floors": {}, "versions": {}}
     done: set[str] = set()
     for target in targets:
-        entry = await measure_target(target, settings, tag)
+        entry = await measure_target(target, share(f"backend {target.name}"), tag)
         entry["log"] = counter.take()
         results["backends"][target.name] = entry
         results["versions"].update(entry.get("versions", {}))
@@ -372,7 +393,9 @@ async def _measure_all(
                 results["floors"][kind] = entry["floor"]
         for peer in peers:
             if peer.compare_with == target.name and peer.name not in done:
-                results["peers"][peer.name] = await measure_peer(peer, settings, tag)
+                results["peers"][peer.name] = await measure_peer(
+                    peer, share(f"peer {peer.name}"), tag
+                )
                 counter.take()
                 done.add(peer.name)
     # Peers whose asynclock backend was not measured still run, with a floor of their own.
@@ -394,7 +417,7 @@ async def _measure_all(
                     }
             except Exception as exc:
                 settings.progress(f"floor of {peer.server}: {type(exc).__name__}: {exc}")
-        results["peers"][peer.name] = await measure_peer(peer, settings, tag)
+        results["peers"][peer.name] = await measure_peer(peer, share(f"peer {peer.name}"), tag)
     for peer in peers:
         results["versions"][peer.distribution] = peer.version()
     return results

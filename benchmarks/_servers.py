@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,3 +143,58 @@ def start(kind: str, stack: ExitStack) -> Endpoint:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise NotAvailable(f"{kind} did not start: {first_line}") from exc
     raise NotAvailable(f"no launcher for {kind!r}")
+
+
+def start_all(
+    kinds: Collection[str],
+    urls: Mapping[str, str],
+    stack: ExitStack,
+    say: Callable[[str], None],
+) -> tuple[dict[str, Endpoint | NotAvailable], dict[str, Any]]:
+    """The endpoints of ``kinds`` (given with --url, or started), and how long each took.
+
+    The servers start all at once, each launcher in a thread of its own: a launcher mostly
+    waits for its server to answer, so together they take about as long as the slowest. Each
+    server goes on a stack of its own entered on ``stack`` before its thread starts, so that
+    every one is stopped when ``stack`` closes, however the run ends (the pool is left, and so
+    every launcher has returned, before that)."""
+    wanted = [kind for kind in dict.fromkeys(BACKENDS.values()) if kind and kind in kinds]
+    endpoints: dict[str, Endpoint | NotAvailable] = {}
+    record: dict[str, Any] = {"started": {}, "given": []}
+    for kind in wanted:
+        if kind in urls:
+            say(f"server {kind}: given")
+            record["given"].append(kind)
+            try:
+                endpoints[kind] = endpoint_from_url(kind, urls[kind])
+            except NotAvailable as exc:
+                endpoints[kind] = exc
+                say(f"  not available: {exc}")
+    starting = [kind for kind in wanted if kind not in urls]
+    if not starting:
+        return endpoints, record
+    stacks = {kind: stack.enter_context(ExitStack()) for kind in starting}
+
+    def launch(kind: str) -> tuple[Endpoint | NotAvailable, float]:
+        began = time.monotonic()
+        try:
+            endpoint: Endpoint | NotAvailable = start(kind, stacks[kind])
+        except NotAvailable as exc:
+            endpoint = exc
+        return endpoint, time.monotonic() - began
+
+    say(f"servers: starting {', '.join(starting)} at once")
+    began = time.monotonic()
+    with ThreadPoolExecutor(len(starting), thread_name_prefix="bench-server") as pool:
+        futures = {pool.submit(launch, kind): kind for kind in starting}
+        for future in as_completed(futures):
+            kind = futures[future]
+            endpoint, seconds = future.result()
+            endpoints[kind] = endpoint
+            if isinstance(endpoint, Endpoint):
+                record["started"][kind] = seconds
+                say(f"server {kind}: started in {seconds:.2f} s")
+            else:
+                say(f"server {kind}: not available: {endpoint}")
+    record["all_s"] = time.monotonic() - began
+    return {kind: endpoints[kind] for kind in wanted}, record

@@ -1,8 +1,9 @@
 """The measurements: one asynclock backend at a time, then the peers on the same servers.
 
-Each phase is bounded by its own time limit and by the run's overall budget; a phase that fails
-or runs out of time is recorded as such (``{"error": ...}`` or ``{"skipped": ...}``) and the run
-goes on, so that a backend still being written cannot take the whole run down.
+Each phase is bounded by its own time limit and by the share of the run's budget that its backend
+or peer was given (``_plan``); a phase that fails, runs out of time or does not fit in the share
+is recorded as such (``{"error": ...}`` or ``{"skipped": ...}``) and the run goes on, so that a
+backend still being written cannot take the whole run down.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tracemalloc
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -68,6 +69,8 @@ class Settings:
     deadline: float
     processes: str = "embedded"
     progress: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr))
+    #: The run's whole budget, seconds (``deadline`` is a share's end while one is measured).
+    budget: float = 0.0
 
     @classmethod
     def make(cls, *, mode: str, budget: float, processes: str, quiet: bool = False) -> Settings:
@@ -100,6 +103,7 @@ class Settings:
                 deadline=deadline,
                 processes=processes,
                 progress=progress,
+                budget=budget,
             )
         if mode == "quick":
             return cls(
@@ -122,6 +126,7 @@ class Settings:
                 deadline=deadline,
                 processes=processes,
                 progress=progress,
+                budget=budget,
             )
         return cls(
             mode="full",
@@ -143,11 +148,13 @@ class Settings:
             deadline=deadline,
             processes=processes,
             progress=progress,
+            budget=budget,
         )
 
     def settings_record(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "budget_s": self.budget,
             "floor_iterations": self.floor.iterations,
             "latency_iterations": self.latency.iterations,
             "warmup": self.latency.warmup,
@@ -165,13 +172,42 @@ class Settings:
         }
 
 
+#: Why a phase did not run: the backend's (or peer's) share of the budget, see ``_plan``.
+SHARE_SPENT = "its share of the run's time budget was spent"
+
+
+def left(settings: Settings) -> float:
+    """Seconds left of the share being measured (``settings.deadline`` is the share's end)."""
+    return settings.deadline - time.monotonic()
+
+
+def fits(settings: Settings, seconds: float) -> bool:
+    """Whether something expected to take ``seconds`` ends within the share."""
+    return left(settings) >= seconds
+
+
+def cut(budget: Budget, seconds: float) -> Budget:
+    """``budget`` with its time cap lowered to ``seconds`` (the iteration count stays the
+    most): a short share gets fewer iterations, never none."""
+    return Budget(budget.iterations, budget.warmup, min(budget.seconds, seconds))
+
+
 async def phase(
-    settings: Settings, label: str, limit: float, body: Callable[[], Awaitable[Any]]
+    settings: Settings,
+    label: str,
+    limit: float,
+    body: Callable[[], Awaitable[Any]],
+    *,
+    essential: bool = False,
+    needs: float = 0.0,
 ) -> Any:
-    """Run one measurement within ``limit`` seconds; failures become a record, not a crash."""
-    if time.monotonic() > settings.deadline:
-        settings.progress(f"  {label}: skipped (time budget spent)")
-        return {"skipped": "the run's time budget was spent"}
+    """Run one measurement within ``limit`` seconds; failures become a record, not a crash.
+
+    An ``essential`` phase (one the summary table shows) always runs, cut to its share by its
+    caller; any other starts only if ``needs`` seconds are left of the share."""
+    if not essential and not fits(settings, needs):
+        settings.progress(f"  {label}: skipped ({SHARE_SPENT})")
+        return {"skipped": SHARE_SPENT}
     started = time.monotonic()
     try:
         with anyio.fail_after(limit):
@@ -267,9 +303,17 @@ def _hold_factory(locks: asynclock.LockClient, name: str, ttl: float) -> AsyncWo
 # -- one backend ----------------------------------------------------------------------------
 
 
+#: The contention run the summary table shows (contenders, hold): it runs first.
+TABLE_RUN = (8, 0.0)
+
+
 async def measure_target(target: Target, settings: Settings, tag: str) -> dict[str, Any]:
+    """Every phase for one backend within its share (``settings.deadline``, see ``_plan``):
+    the summary table's phases first, cut to fit, then the others while the share lasts."""
     say = settings.progress
-    say(f"{target.name}: {redact(target.url)}")
+    began = time.monotonic()
+    share = max(0.0, left(settings))
+    say(f"{target.name}: {redact(target.url)} (share of the budget: {share:.1f} s)")
     result: dict[str, Any] = {"status": "measured", "url": redact(target.url)}
     try:
         with anyio.fail_after(30):
@@ -292,21 +336,31 @@ async def measure_target(target: Target, settings: Settings, tag: str) -> dict[s
             "reason": f"connecting failed: {type(exc).__name__}: {exc}",
             "url": redact(target.url),
         }
+    result["share_s"] = share
+    result["connect_s"] = time.monotonic() - began
+    # The timing loops' caps shrink with the share (their iteration counts are the most).
+    floor_budget = cut(settings.floor, max(0.3, share * 0.04))
+    latency_budget = cut(settings.latency, max(0.5, share * 0.08))
 
     async def floor() -> dict[str, Any]:
         async with target.floor() as op:
-            return {"label": target.floor_label, **summarize(await time_op(op, settings.floor))}
+            return {"label": target.floor_label, **summarize(await time_op(op, floor_budget))}
 
-    result["floor"] = await phase(settings, "floor", settings.floor.seconds + 30, floor)
+    result["floor"] = await phase(
+        settings, "floor", floor_budget.seconds + 30, floor, essential=True
+    )
     pair_context = target.pair()
     if pair_context is not None:
 
         async def pair() -> dict[str, Any]:
             assert pair_context is not None
             async with pair_context as op:
-                return {"label": target.pair_label, **summarize(await time_op(op, settings.floor))}
+                return {"label": target.pair_label, **summarize(await time_op(op, floor_budget))}
 
-        result["pair"] = await phase(settings, "pair floor", settings.floor.seconds + 30, pair)
+        # Cheap, and what the targets compare with.
+        result["pair"] = await phase(
+            settings, "pair floor", floor_budget.seconds + 30, pair, essential=True
+        )
 
     async def uncontended() -> dict[str, Any]:
         async with target.connect() as locks:
@@ -316,82 +370,108 @@ async def measure_target(target: Target, settings: Settings, tag: str) -> dict[s
                 async with locks.lock(name, ttl=target.long_ttl):
                     pass
 
-            return summarize(await time_op(op, settings.latency))
+            return summarize(await time_op(op, latency_budget))
 
     result["uncontended"] = await phase(
-        settings, "uncontended", settings.latency.seconds + 30, uncontended
+        settings, "uncontended", latency_budget.seconds + 30, uncontended, essential=True
     )
-
-    runs = [
-        Run(count, hold, settings.duration, settings.grace)
-        for count in settings.contenders
-        for hold in settings.holds
-    ]
-
-    async def tasks() -> list[dict[str, Any]]:
-        records = []
-        async with target.connect() as locks:
-            for run in runs:
-                if time.monotonic() > settings.deadline:
-                    break
-                name = _name(tag, "tasks")
-                records.append(
-                    await contend_tasks(_hold_factory(locks, name, target.long_ttl), run)
-                )
-                say(_contention_line("tasks", records[-1]))
-        return records
-
+    runs = _task_runs(settings, share)
     limit = sum(run.duration + run.grace + 5 for run in runs) + 30
-    result["contention_tasks"] = await phase(settings, "contention (tasks)", limit, tasks)
-
-    wants_processes = settings.processes == "all" or (
-        settings.processes == "embedded" and target.name == "sqlite"
-    )
-    if wants_processes and target.cross_process:
-
-        async def processes() -> list[dict[str, Any]]:
-            records = []
-            for count in settings.process_contenders:
-                if time.monotonic() > settings.deadline:
-                    break
-                name = _name(tag, "processes")
-                async with process_pool(
-                    target.url, target.options, name, count, target.long_ttl, start_timeout=60
-                ) as run_on_pool:
-                    for hold in settings.holds:
-                        run = Run(count, hold, settings.process_duration, settings.grace)
-                        records.append(await anyio.to_thread.run_sync(run_on_pool, run))
-                        say(_contention_line("processes", records[-1]))
-            return records
-
-        limit = len(settings.process_contenders) * (
-            60 + len(settings.holds) * (settings.process_duration + settings.grace + 10)
-        )
-        result["contention_processes"] = await phase(
-            settings, "contention (processes)", limit, processes
-        )
-    elif wants_processes:
-        result["contention_processes"] = {"skipped": "the backend excludes within one process only"}
-
-    result["renewal"] = await phase(
+    result["contention_tasks"] = await phase(
         settings,
-        "renewal",
-        200 if settings.mode == "full" else 60,
-        lambda: _renewal(target, settings, tag),
+        "contention (tasks)",
+        limit,
+        lambda: _tasks(target, settings, tag, runs),
+        essential=True,
     )
     result["loss_to_cancel"] = await phase(
         settings,
         "lease loss -> body cancelled",
         settings.loss_repeats * (target.short_ttl * 3 + 5) + 20,
         lambda: _loss(target, settings, tag),
+        essential=True,
     )
+    wants_processes = settings.processes == "all" or (
+        settings.processes == "embedded" and target.name == "sqlite"
+    )
+    if wants_processes and target.cross_process:
+        limit = len(settings.process_contenders) * (
+            60 + len(settings.holds) * (settings.process_duration + settings.grace + 10)
+        )
+        result["contention_processes"] = await phase(
+            settings,
+            "contention (processes)",
+            limit,
+            lambda: _processes(target, settings, tag),
+            needs=_processes_seconds(settings),
+        )
+    elif wants_processes:
+        result["contention_processes"] = {"skipped": "the backend excludes within one process only"}
     result["memory"] = await phase(
         settings,
         "memory",
         120 if settings.mode == "full" else 60,
         lambda: _memory(target, settings, tag),
+        needs=1.0,
     )
+    result["renewal"] = await phase(
+        settings,
+        "renewal",
+        200 if settings.mode == "full" else 60,
+        lambda: _renewal(target, settings, tag),
+        needs=_renewal_seconds(target, settings, settings.renewal_counts[0]),
+    )
+    result["spent_s"] = time.monotonic() - began
+    say(f"{target.name}: done in {result['spent_s']:.1f} s (share {share:.1f} s)")
     return result
+
+
+def _task_runs(settings: Settings, share: float) -> list[Run]:
+    """The contention runs, the table's first and cut to fit a short share."""
+    runs = [
+        Run(count, hold, settings.duration, settings.grace)
+        for count in settings.contenders
+        for hold in settings.holds
+    ]
+    first = next((run for run in runs if (run.contenders, run.hold) == TABLE_RUN), runs[0])
+    rest = [run for run in runs if run is not first]
+    return [replace(first, duration=min(first.duration, max(0.2, share * 0.08))), *rest]
+
+
+async def _tasks(
+    target: Target, settings: Settings, tag: str, runs: list[Run]
+) -> list[dict[str, Any]]:
+    """The first run always, the others while the share lasts; in the report's order."""
+    records = []
+    async with target.connect() as locks:
+        for index, run in enumerate(runs):
+            if index and not fits(settings, run.duration + 0.3):
+                break
+            name = _name(tag, "tasks")
+            records.append(await contend_tasks(_hold_factory(locks, name, target.long_ttl), run))
+            settings.progress(_contention_line("tasks", records[-1]))
+    return sorted(records, key=lambda record: (record["contenders"], record["hold_ms"]))
+
+
+def _processes_seconds(settings: Settings) -> float:
+    """About what one count of processes takes: starting them, then one run per hold."""
+    return 1.0 + len(settings.holds) * (settings.process_duration + 0.3)
+
+
+async def _processes(target: Target, settings: Settings, tag: str) -> list[dict[str, Any]]:
+    records = []
+    for index, count in enumerate(settings.process_contenders):
+        if index and not fits(settings, _processes_seconds(settings)):
+            break
+        name = _name(tag, "processes")
+        async with process_pool(
+            target.url, target.options, name, count, target.long_ttl, start_timeout=60
+        ) as run_on_pool:
+            for hold in settings.holds:
+                run = Run(count, hold, settings.process_duration, settings.grace)
+                records.append(await anyio.to_thread.run_sync(run_on_pool, run))
+                settings.progress(_contention_line("processes", records[-1]))
+    return records
 
 
 def _contention_line(mode: str, record: dict[str, Any]) -> str:
@@ -434,12 +514,20 @@ async def _release_many(leases: list[asynclock.Lease]) -> None:
             group.start_soon(one, lease)
 
 
+def _renewal_seconds(target: Target, settings: Settings, wanted: int) -> float:
+    """About what measuring ``wanted`` held locks takes: taking them (a thousand or so a
+    second), waiting for a renewal, then the window."""
+    interval = target.renewal_ttl * (3 if wanted > 1000 else 1) / 3
+    intervals = 1 if wanted > 1000 else settings.renewal_intervals
+    return min(wanted, target.max_held) / 1000 + interval * (intervals + 1.5)
+
+
 async def _renewal(target: Target, settings: Settings, tag: str) -> list[dict[str, Any]]:
     """Round trips per renewal interval (ttl / 3) with 1, 100, 10,000 locks held by one client."""
     records: list[dict[str, Any]] = []
     async with target.connect() as locks:
-        for wanted in settings.renewal_counts:
-            if time.monotonic() > settings.deadline:
+        for index, wanted in enumerate(settings.renewal_counts):
+            if index and not fits(settings, _renewal_seconds(target, settings, wanted)):
                 break
             # Taking 10,000 locks takes seconds: a longer lease, so that none expires meanwhile.
             ttl = target.renewal_ttl * (3 if wanted > 1000 else 1)
@@ -510,8 +598,9 @@ async def _lose(
     samples: list[float],
     outcomes: dict[str, int],
 ) -> None:
-    for _ in range(settings.loss_repeats):
-        if time.monotonic() > settings.deadline:
+    for index in range(settings.loss_repeats):
+        # The first always (the summary shows it); one try takes up to about 2/3 of the ttl.
+        if index and not fits(settings, target.short_ttl * 2 / 3):
             break
         outcome, seconds = await _lose_once(target, locks, _name(tag, "loss"))
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
@@ -614,17 +703,31 @@ async def _memory(target: Target, settings: Settings, tag: str) -> dict[str, Any
 
 
 async def measure_peer(peer: Peer, settings: Settings, tag: str) -> dict[str, Any]:
+    """A peer within its share (``settings.deadline``): uncontended latency and the table's
+    contention run always (cut to fit), the run with a hold while the share lasts."""
     say = settings.progress
-    say(f"peer {peer.name} ({'sync, threads' if peer.sync else 'async'})")
-    result: dict[str, Any] = {"status": "measured", **peer_info(peer)}
+    share = max(0.0, left(settings))
+    say(
+        f"peer {peer.name} ({'sync, threads' if peer.sync else 'async'}; "
+        f"share of the budget: {share:.1f} s)"
+    )
+    result: dict[str, Any] = {"status": "measured", **peer_info(peer), "share_s": share}
+    latency = cut(settings.peer_latency, max(0.3, share * 0.15))
     runs = [
         Run(settings.peer_contenders, hold, settings.peer_duration, settings.grace)
         for hold in settings.holds
     ]
-    limit = settings.peer_latency.seconds + sum(r.duration + r.grace + 10 for r in runs) + 60
+    runs[0] = replace(runs[0], duration=min(runs[0].duration, max(0.2, share * 0.15)))
+    limit = latency.seconds + sum(r.duration + r.grace + 10 for r in runs) + 60
     if isinstance(peer, AsyncPeer):
         result.update(
-            await phase(settings, "peer", limit, lambda: _async_peer(peer, settings, tag, runs))
+            await phase(
+                settings,
+                "peer",
+                limit,
+                lambda: _async_peer(peer, settings, tag, latency, runs),
+                essential=True,
+            )
         )
     elif isinstance(peer, SyncPeer):
         result.update(
@@ -632,7 +735,8 @@ async def measure_peer(peer: Peer, settings: Settings, tag: str) -> dict[str, An
                 settings,
                 "peer",
                 limit,
-                lambda: anyio.to_thread.run_sync(_sync_peer, peer, settings, tag, runs),
+                lambda: anyio.to_thread.run_sync(_sync_peer, peer, settings, tag, latency, runs),
+                essential=True,
             )
         )
     if "error" in result or "skipped" in result:
@@ -641,7 +745,7 @@ async def measure_peer(peer: Peer, settings: Settings, tag: str) -> dict[str, An
 
 
 async def _async_peer(
-    peer: AsyncPeer, settings: Settings, tag: str, runs: list[Run]
+    peer: AsyncPeer, settings: Settings, tag: str, latency: Budget, runs: list[Run]
 ) -> dict[str, Any]:
     async with peer.session() as factory:
         async with factory(_name(tag, "peer"))(0) as hold:
@@ -651,15 +755,19 @@ async def _async_peer(
                     if not got:
                         raise RuntimeError("an uncontended acquire failed")
 
-            uncontended = summarize(await time_op(op, settings.peer_latency))
+            uncontended = summarize(await time_op(op, latency))
         contention = []
-        for run in runs:
+        for index, run in enumerate(runs):
+            if index and not fits(settings, run.duration + 0.3):
+                break
             contention.append(await contend_tasks(factory(_name(tag, "peer-tasks")), run))
             settings.progress(_contention_line("tasks", contention[-1]))
     return {"uncontended": uncontended, "contention_tasks": contention}
 
 
-def _sync_peer(peer: SyncPeer, settings: Settings, tag: str, runs: list[Run]) -> dict[str, Any]:
+def _sync_peer(
+    peer: SyncPeer, settings: Settings, tag: str, latency: Budget, runs: list[Run]
+) -> dict[str, Any]:
     with peer.session() as factory:
         with factory(_name(tag, "peer"))(0) as hold:
 
@@ -668,9 +776,11 @@ def _sync_peer(peer: SyncPeer, settings: Settings, tag: str, runs: list[Run]) ->
                     if not got:
                         raise RuntimeError("an uncontended acquire failed")
 
-            uncontended = summarize(time_sync_op(op, settings.peer_latency))
+            uncontended = summarize(time_sync_op(op, latency))
         contention = []
-        for run in runs:
+        for index, run in enumerate(runs):
+            if index and not fits(settings, run.duration + 0.3):
+                break
             contention.append(contend_threads(factory(_name(tag, "peer-threads")), run))
             settings.progress(_contention_line("threads", contention[-1]))
     return {"uncontended": uncontended, "contention_tasks": contention}

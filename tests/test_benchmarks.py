@@ -109,3 +109,75 @@ def test_the_report_has_the_tables_and_the_targets(results: tuple[dict[str, Any]
     # Targets of backends that were not run are listed, not silently dropped.
     assert {row["backend"] for row in data["targets"]} == {"redis", "etcd", "zookeeper", "postgres"}
     assert all(row["met"] is None for row in data["targets"])
+
+
+# -- the main job's quick run: every backend within a small budget (issue #18) ---------------
+
+#: The seven backends, in the order the run measures them and the table lists them.
+SEVEN = ["memory", "sqlite", "redis", "redlock", "etcd", "zookeeper", "postgres"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
+    """``bench --quick`` as scripts/main runs it, with a budget a fifth of the main job's."""
+    out = tmp_path_factory.mktemp("quick")
+    command = [sys.executable, "-m", "asynclock", "bench", "--quick", "--budget", "10"]
+    completed = subprocess.run(
+        [*command, "--no-chart", "--output-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    data: dict[str, Any] = json.loads((out / "latest.json").read_text())
+    return data, completed.stdout, completed.stderr
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    """The summary table's rows on stdout, by their first cell (header and rule left out)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("| ")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+    return {row[0]: row for row in cells}
+
+
+def test_the_quick_run_lists_all_seven_backends_in_one_table(
+    quick_run: tuple[dict[str, Any], str, str],
+) -> None:
+    data, stdout, stderr = quick_run
+    assert list(data["backends"]) == SEVEN
+    rows = table_rows(stdout)
+    assert list(rows) == SEVEN
+    for name, entry in data["backends"].items():
+        row = rows[name]
+        if entry["status"] != "measured":
+            # A server that is not installed is said to be missing, with the reason below.
+            assert row[1] == entry["status"] == "not available"
+            assert f"{name}: {entry['reason']}" in stdout
+            continue
+        # Every backend got its share: no column of the table was skipped or failed.
+        assert not {"skipped", "error", "not run", "-"} & set(row[1:]), row
+        for key in ("floor", "uncontended"):
+            assert entry[key]["n"] > 0
+        assert [r for r in entry["contention_tasks"] if (r["contenders"], r["hold_ms"]) == (8, 0)]
+        assert sum(entry["loss_to_cancel"]["outcomes"].values()) >= 1
+    # Progress went to stderr as the run went, the table (only) to stdout.
+    assert "plan: 7 backends" in stderr
+    for name in SEVEN:
+        assert f"\n{name}: " in stderr
+    assert "## Uncontended" not in stdout
+    # Every server the run started says how long it took to start.
+    assert set(data["servers"]["started"]) <= {"redis", "redlock", "etcd", "zookeeper", "postgres"}
+    assert all(positive(seconds) for seconds in data["servers"]["started"].values())
+
+
+def test_a_cell_with_too_few_samples_says_so() -> None:
+    from benchmarks._screen import percentile_cell
+
+    summary = {"n": 40, "p50_ms": 1.25, "p99_ms": 9.5}
+    assert percentile_cell(summary, "p99_ms") == "p99 n/a (n=40)"
+    assert percentile_cell(summary, "p50_ms") == "1.25"
+    assert percentile_cell({"n": 4, "p50_ms": 1.0}, "p50_ms") == "p50 n/a (n=4)"
+    assert percentile_cell({**summary, "n": 100}, "p99_ms") == "9.5"
+    assert percentile_cell({"skipped": "no time"}, "p50_ms") == "skipped"
