@@ -13,6 +13,7 @@ from typing import Self
 import anyio
 
 from . import _fencing, _validate
+from ._clock import now
 from ._deadlock import wait_watching_deadlocks, waiter_for
 from ._errors import (
     AcquireTimeout,
@@ -293,7 +294,7 @@ class LockClient:
         events = self._events
         # Timed only when someone observes; None tells an observer who subscribed meanwhile
         # that this acquire was not timed.
-        started = anyio.current_time() if events else None
+        started = now() if events else None
         deadlocks: list[list[Waiter]] = []
         try:
             if timeout == 0:
@@ -414,7 +415,7 @@ def observe_acquire(
         state.reached(True)
     if events and started is not None:
         token = grant.token if grant is not None else None
-        events.emit("acquired", name, outcome, anyio.current_time() - started, token)
+        events.emit("acquired", name, outcome, now() - started, token)
 
 
 async def try_then_wait(

@@ -27,6 +27,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from . import _fencing
+from ._clock import now
 from ._errors import BackendTimeout, UnsupportedFeature
 from ._events import Events, Source
 from ._lease import Lease
@@ -257,7 +258,7 @@ class BackendHost:
         # for a server that may be hanging (that is often why the lease was lost).
         wait = min(self._release_timeout, _LOST_RELEASE_WAIT) if lost else self._release_timeout
         if self.events:
-            held = anyio.current_time() - grant.valid_from
+            held = now() - grant.valid_from
             self.events.emit("released", grant.name, held, lost)
         try:
             released = await finish(

@@ -10,6 +10,7 @@ from typing import Literal, Protocol
 
 import anyio
 
+from ._clock import now
 from ._errors import UnsupportedFeature
 from ._events import LossKind
 from ._renewal import RENEWAL
@@ -141,7 +142,7 @@ class Lease:
         """Seconds until the local deadline; 0 once the lease is lost or released."""
         if self._state is not LeaseState.HELD:
             return 0.0
-        return max(0.0, self._deadline - anyio.current_time())
+        return max(0.0, self._deadline - now())
 
     @property
     def lost(self) -> bool:
@@ -210,7 +211,7 @@ class Lease:
         return self._state is LeaseState.HELD
 
     def _check_deadline(self) -> None:
-        if self._state is LeaseState.HELD and anyio.current_time() >= self._deadline:
+        if self._state is LeaseState.HELD and now() >= self._deadline:
             self._mark_lost(
                 f"no successful renewal before the local deadline (ttl {self.ttl:g} s); "
                 "the server may already have expired it",

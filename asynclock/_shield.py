@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 from anyio.abc import TaskGroup
 
+from ._clock import now
+
 logger = logging.getLogger("asynclock")
 
 Cleanup = Callable[[], Awaitable[object]]
@@ -42,7 +44,7 @@ async def finish(
     that arrived meanwhile is raised again once ``cleanup`` has finished or been given up.
     Exceptions of ``cleanup`` itself propagate.
     """
-    deadline = anyio.current_time() + timeout
+    deadline = now() + timeout
     interrupted: BaseException | None = None
     with anyio.CancelScope(shield=True, deadline=deadline) as scope:
         try:
@@ -80,7 +82,7 @@ async def _again_in_own_task(cleanup: Cleanup, deadline: float, what: str) -> bo
     task = asyncio.get_running_loop().create_task(_swallow_errors(cleanup, what))
     try:
         while not task.done():
-            left = deadline - anyio.current_time()
+            left = deadline - now()
             if left <= 0:
                 break
             try:

@@ -33,6 +33,7 @@ from ._kit import (
     RenewOutcome,
     Unknown,
     WaiterRegistry,
+    now,
     redact,
     split_userinfo,
 )
@@ -58,8 +59,10 @@ class _Lock:
         return self.holder is None or self.holder.expires_at <= now
 
     def notify(self) -> None:
-        self.changed.set()
-        self.changed = anyio.Event()
+        # Only waiters wait on the event: with none, there is nobody to wake.
+        if self.waiters:
+            self.changed.set()
+            self.changed = anyio.Event()
 
 
 class _Store:
@@ -214,9 +217,9 @@ class MemoryBackend(Backend[Grant]):
 
     async def try_acquire(self, request: LockRequest) -> Grant | None:
         lock = await self._reach(request.name)
-        now = anyio.current_time()
-        if lock.free(now) and not lock.waiters:
-            return self._take(lock, request, now)
+        at = now()
+        if lock.free(at) and not lock.waiters:
+            return self._take(lock, request, at)
         return None
 
     async def acquire(self, request: LockRequest) -> Grant:
@@ -224,12 +227,12 @@ class MemoryBackend(Backend[Grant]):
         lock.waiters.append(request.owner)
         try:
             while True:
-                now = anyio.current_time()
-                if lock.free(now) and lock.waiters[0] == request.owner:
+                at = now()
+                if lock.free(at) and lock.waiters[0] == request.owner:
                     lock.waiters.popleft()
                     # Whoever is next must look again once this holder is gone.
                     lock.notify()
-                    return self._take(lock, request, now)
+                    return self._take(lock, request, at)
                 expiry = lock.holder.expires_at if lock.holder is not None else math.inf
                 changed = lock.changed
                 with anyio.move_on_at(expiry):

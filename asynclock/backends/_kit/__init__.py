@@ -14,6 +14,7 @@ A backend imports from here (and from its driver), nothing else of asynclock:
 - :data:`RENEWAL`: when leases are renewed (for a backend-side keepalive).
 """
 
+from ..._clock import now
 from ..._errors import (
     AcquireTimeout,
     BackendTimeout,
@@ -85,6 +86,7 @@ __all__ = (
     "WaiterRegistry",
     "bracket",
     "finish",
+    "now",
     "parse_host",
     "parse_hosts",
     "redact",
