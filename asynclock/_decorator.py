@@ -4,8 +4,8 @@ For worker coroutines and job functions (plain asyncio workers; arq, saq and tas
 integrations, which also defer busy jobs): the lock name is formatted from the call's arguments,
 the lock is held for the call, and a call whose lease is lost is cancelled and raises
 :class:`asynclock.LeaseLost`, so the caller records a failure, not a success. A call that returned
-before its lease's loss was known keeps its result, as ``async with`` does (see the lease-loss
-guide): its work is done, and raising would only get it done twice.
+although its lease was lost (the loss came too late to stop it) keeps its result, as ``async with``
+does (see the lease-loss guide): its work is done, and raising would only get it done twice.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class Observer:
         """A lease was lost."""
 
     def finished_after_loss(self, source: Source, name: str, reason: str) -> None:
-        """A body ran to completion before its lease's loss was known: its result is kept
+        """A body ran to completion although its lease was lost: its result is kept
         (``async with`` does not raise), and this is where the loss is reported."""
 
     def reached(self, source: Source, ok: bool, error: BaseException | None) -> None:
