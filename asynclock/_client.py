@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import logging
 import math
-import uuid
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Self
 
@@ -290,7 +290,7 @@ class LockClient:
             else:
                 early_loss.append(reason)
 
-        request = LockRequest(name=name, ttl=ttl, owner=uuid.uuid4().hex, on_lost=lost)
+        request = LockRequest(name=name, ttl=ttl, owner=secrets.token_hex(16), on_lost=lost)
         events = self._events
         # Timed only when someone observes; None tells an observer who subscribed meanwhile
         # that this acquire was not timed.
