@@ -1,0 +1,460 @@
+"""The web scenario as a user runs it: three worker processes, a lock-server cut, a stopped worker.
+
+For each framework, three worker processes (``tests/integrations/web_worker_app.py``, one port
+each, so that the test can aim a request at the worker it will stop) book orders in one fenced
+resource on Redis. Their lock client reaches the session's Redis through a
+:class:`~asynclock.testing.FaultProxy`; the resource is reached directly, so the cut is an
+outage of the *lock server* only. Concurrent httpx clients send 1,200 requests over 10 orders.
+During the run:
+
+1. a long body holds its lock when the proxy cuts the link for 1.5 s: the lock server is
+   unreachable, requests get 503 ``lock_unavailable``, the long body is cancelled (503
+   ``lease_lost``);
+2. a worker is stopped (SIGSTOP) while one of its bodies holds ``orders/o3``, inside synchronous
+   work before its write; another worker takes the order over and books it; after more than the
+   ttl the stopped worker continues (SIGCONT) and sends its write with the expired lease's
+   token, which the resource refuses.
+
+Then: only documented answers (no 500), ``Retry-After`` where promised, the resource's record
+shows no order booked twice by one acquisition or with an older token, every 200 is a booking
+and every returned body a 200, and a booking whose request was answered 503 ``lease_lost`` is
+one whose body was stopped after its write had been sent (the core's rule: ``LeaseLost`` means the
+body did not finish; such an answer carries no ``Retry-After``, since its effects may be partial).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import redis.asyncio
+from anyio.abc import TaskGroup
+
+from asynclock.testing import FaultProxy, RedisServer
+from tests.contract.backend_redis import redis_leftovers
+
+from .web_worker_app import FRAMEWORKS, TTL
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = 3
+ORDERS = 10
+REQUESTS = 1200
+CLIENTS = 24
+#: A request to a worker that does not answer within this long counts as timed out.
+CLIENT_TIMEOUT = 8.0
+CUT = 1.5
+#: The stopped worker stays stopped at least this long: more than the ttl.
+STOP = 2.0 * TTL
+#: The order the stopped worker holds, and the worker that is stopped / that takes over.
+PAUSED_ORDER = "o3"
+STOPPED, TAKER = 1, 2
+#: Seconds of synchronous work in the body that is stopped: the window for the SIGSTOP.
+BLOCK = 0.6
+DOCUMENTED = {
+    (200, None),
+    (423, "lock_busy"),
+    (409, "deadlock"),
+    (503, "lease_lost"),
+    (503, "lock_unavailable"),
+}
+#: The answers that promise "nothing was done, retry later".
+RETRY_AFTER = {"lock_busy", "deadlock", "lock_unavailable"}
+
+
+@dataclass(frozen=True)
+class Answer:
+    request_id: str
+    worker: int
+    status: int | None  # None: no answer (the client's error is in ``failure``)
+    error: str | None = None
+    retry_after: str | None = None
+    lease_lost: str | None = None
+    body: dict[str, Any] | None = None
+    failure: str | None = None
+    sent: float = 0.0
+
+
+def answer_of(request_id: str, worker: int, sent: float, response: httpx.Response) -> Answer:
+    body = response.json()
+    error = None
+    if response.status_code != 200:
+        # FastAPI puts the answer under "detail" (an HTTPException); aiohttp at the top.
+        detail = body.get("detail")
+        error = (detail if isinstance(detail, dict) else body).get("error")
+    return Answer(
+        request_id,
+        worker,
+        response.status_code,
+        error,
+        response.headers.get("retry-after"),
+        response.headers.get("asynclock-lease-lost"),
+        body if response.status_code == 200 else None,
+        sent=sent,
+    )
+
+
+@dataclass
+class Worker:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def signal(self, signum: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signum)  # its own process group (start_new_session)
+
+
+def spawn(framework: str, env: dict[str, str], log: Path) -> Worker:
+    """Start one worker process on a listening socket made here and passed down."""
+    with socket.create_server(("127.0.0.1", 0), backlog=512) as listener:
+        port = listener.getsockname()[1]
+        with log.open("wb") as output:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.integrations.web_worker_app",
+                    framework,
+                    "--fd",
+                    str(listener.fileno()),
+                ],
+                pass_fds=[listener.fileno()],
+                env=env,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    return Worker(process, f"http://127.0.0.1:{port}", log)
+
+
+async def stop_all(workers: list[Worker]) -> None:
+    """SIGTERM each worker's group (after SIGCONT, in case it is stopped), SIGKILL if it stays."""
+    for worker in workers:
+        worker.signal(signal.SIGCONT)
+        worker.signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for worker in workers:
+        while worker.process.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
+            await anyio.sleep(0.05)
+        if worker.process.poll() is None:
+            worker.signal(signal.SIGKILL)
+            worker.process.wait()
+
+
+@asynccontextmanager
+async def running(framework: str, env: dict[str, str], logs: Path) -> AsyncIterator[list[Worker]]:
+    workers: list[Worker] = []
+    try:
+        for number in range(WORKERS):
+            # One at a time, so that a failed start still stops the ones already running.
+            workers.append(spawn(framework, env, logs / f"worker-{number}.log"))  # noqa: PERF401
+        async with httpx.AsyncClient(timeout=1.0) as probe:
+            for worker in workers:
+                await ready(probe, worker)
+        yield workers
+    finally:
+        await stop_all(workers)
+
+
+async def ready(probe: httpx.AsyncClient, worker: Worker) -> None:
+    """Wait until the worker answers (its lifespan has opened the lock client by then)."""
+    with anyio.fail_after(30):
+        while True:
+            if worker.process.poll() is not None:
+                raise AssertionError(f"worker exited: {worker.log.read_text()}")
+            with contextlib.suppress(httpx.TransportError):
+                if (await probe.get(f"{worker.url}/health")).status_code == 200:
+                    return
+            await anyio.sleep(0.05)
+
+
+def journal(directory: Path) -> Iterator[dict[str, Any]]:
+    for path in sorted(directory.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            yield json.loads(line)
+
+
+@dataclass
+class Run:
+    """Everything one scenario produced."""
+
+    answers: list[Answer] = field(default_factory=list)
+    #: The resource's record, in the order the writes were accepted.
+    bookings: list[dict[str, Any]] = field(default_factory=list)
+    #: request id -> the journal's events for it, in order.
+    steps: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    #: The request whose body was stopped, and when the stop and the continue were sent.
+    paused: str | None = None
+    stopped_at: float = 0.0
+    continued_at: float = 0.0
+    takeover: str | None = None
+    long: str = "long"
+
+    def events(self, request_id: str) -> list[str]:
+        return [step["event"] for step in self.steps.get(request_id, [])]
+
+
+async def scenario(redis_server: RedisServer, framework: str, directory: Path) -> Run:
+    tag = uuid.uuid4().hex[:8]
+    prefix, client_name = f"web-procs-{tag}:", f"asynclock-web-procs-{tag}"
+    # The resource's keys (bookings, fences) under a prefix of their own: they stay by design.
+    resource = f"web-procs-{tag}-resource:"
+    journal_dir = directory / "journal"
+    journal_dir.mkdir()
+    run = Run()
+    async with AsyncExitStack() as stack:
+        proxy = await stack.enter_async_context(FaultProxy(redis_server.host, redis_server.port))
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            ASYNCLOCK_WEB_LOCKS=(
+                f"redis://{proxy.address}/0?prefix={prefix}&client_name={client_name}"
+                "&op_timeout=0.3&durability_warning=false"
+            ),
+            ASYNCLOCK_WEB_RESOURCE=redis_server.url,
+            ASYNCLOCK_WEB_PREFIX=resource,
+            ASYNCLOCK_WEB_CLIENT_NAME=client_name,
+            ASYNCLOCK_WEB_JOURNAL=str(journal_dir),
+        )
+        workers = await stack.enter_async_context(running(framework, env, directory))
+        limits = httpx.Limits(max_connections=CLIENTS)
+        http = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=worker.url, timeout=CLIENT_TIMEOUT, limits=limits)
+            )
+            for worker in workers
+        ]
+        started = time.monotonic()
+        await drive(run, workers, http, proxy, journal_dir)
+        print(f"\n{framework}: {len(run.answers)} answers in {time.monotonic() - started:.1f} s")
+        # Shut the workers down (their clients release and close), then nothing may be left.
+        await stack.aclose()
+    for step in journal(journal_dir):
+        run.steps[step["request_id"]].append(step)
+    async with redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw:
+        # redis-py types its commands as "awaitable or not"; on the asyncio client they await.
+        items: list[bytes] = await raw.lrange(f"{resource}bookings", 0, -1)  # type: ignore[misc]
+        run.bookings = [json.loads(item) for item in items]
+        # Every lock key released or expired, every connection named client_name closed.
+        with anyio.move_on_after(5):
+            while leftovers := await redis_leftovers(redis_server, prefix, client_name):  # noqa: ASYNC110
+                await anyio.sleep(0.1)
+        assert leftovers == []
+        # What stays by design (token counters, fences, the bookings) belongs to this test.
+        ours = [key async for key in raw.scan_iter(match=f"web-procs-{tag}*", count=1000)]
+        if ours:
+            await raw.delete(*ours)
+        assert [key async for key in raw.scan_iter(match=f"web-procs-{tag}*", count=1000)] == []
+    return run
+
+
+async def drive(
+    run: Run,
+    workers: list[Worker],
+    http: list[httpx.AsyncClient],
+    proxy: FaultProxy,
+    journal_dir: Path,
+) -> None:
+    async def post(worker: int, order: str, request_id: str, **headers: str) -> Answer:
+        sent = time.monotonic()
+        try:
+            response = await http[worker].post(
+                f"/orders/{order}", headers={"request-id": request_id, **headers}
+            )
+        except httpx.TransportError as exc:
+            answer = Answer(request_id, worker, None, failure=type(exc).__name__, sent=sent)
+        else:
+            answer = answer_of(request_id, worker, sent, response)
+        run.answers.append(answer)
+        return answer
+
+    def holding(worker: int, request_id: str) -> bool:
+        # The journal's lines begin with the event and the request id (json.dumps keeps order).
+        path = journal_dir / f"{workers[worker].pid}.jsonl"
+        needle = json.dumps({"event": "holding", "request_id": request_id})[:-1] + ","
+        return path.exists() and needle in path.read_text()
+
+    async def reached(count: float) -> None:
+        while len(run.answers) < count:  # noqa: ASYNC110 - answers come from many tasks
+            await anyio.sleep(0.01)
+
+    pending = iter(range(REQUESTS))
+
+    async def client() -> None:
+        for number in pending:
+            await post(number % WORKERS, f"o{number % ORDERS}", str(number))
+
+    async def cut_the_lock_server(task_group: TaskGroup) -> None:
+        # A body holds its lease when the cut begins: its renewals go unanswered, so it is
+        # cancelled at its local deadline, within the cut.
+        task_group.start_soon(lambda: post(0, "long", run.long, work="3"))
+        with anyio.fail_after(5):
+            while not holding(0, run.long):  # noqa: ASYNC110 - written by the worker
+                await anyio.sleep(0.01)
+        proxy.cut(CUT)
+        await anyio.sleep(CUT)
+
+    async def stop_a_holder() -> None:
+        stopped = workers[STOPPED]
+        for attempt in range(50):
+            request_id = f"paused-{attempt}"
+            answered = anyio.Event()
+
+            async def pause(request_id: str = request_id, answered: anyio.Event = answered) -> None:
+                await post(STOPPED, PAUSED_ORDER, request_id, work="0", block=str(BLOCK))
+                answered.set()
+
+            task_group.start_soon(pause)
+            with anyio.fail_after(5):
+                while not (holding(STOPPED, request_id) or answered.is_set()):  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+            if answered.is_set():
+                continue  # busy: try again
+            # Its body is inside the synchronous work, before its write: stop the process.
+            stopped.signal(signal.SIGSTOP)
+            run.paused, run.stopped_at = request_id, time.monotonic()
+            break
+        assert run.paused is not None, "the worker to stop never held the order"
+        try:
+            # Once the stopped holder's key expires on Redis, another worker takes the order.
+            with anyio.fail_after(5):
+                for attempt in range(1000):
+                    if (await post(TAKER, PAUSED_ORDER, f"takeover-{attempt}")).status == 200:
+                        run.takeover = f"takeover-{attempt}"
+                        break
+                    await anyio.sleep(0.02)
+            await anyio.sleep(max(0.0, run.stopped_at + STOP - time.monotonic()))
+        finally:
+            stopped.signal(signal.SIGCONT)
+            run.continued_at = time.monotonic()
+
+    async def faults() -> None:
+        await reached(REQUESTS * 0.15)
+        await cut_the_lock_server(task_group)
+        await reached(REQUESTS * 0.45)
+        await stop_a_holder()
+
+    with anyio.fail_after(45):
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(faults)
+            for _ in range(CLIENTS):
+                task_group.start_soon(client)
+
+
+def check(run: Run, framework: str) -> Counter[str]:
+    outcomes = Counter(
+        f"{answer.status} {answer.error or 'ok'}"
+        if answer.status
+        else f"no answer {answer.failure}"
+        for answer in run.answers
+    )
+    by_id = {answer.request_id: answer for answer in run.answers}
+    assert len(by_id) == len(run.answers)
+    flagged = sum(1 for answer in run.answers if answer.status == 200 and answer.lease_lost)
+    booked = {booking["request_id"]: booking for booking in run.bookings}
+    lost_booked = sorted(
+        rid for rid, answer in by_id.items() if answer.error == "lease_lost" and rid in booked
+    )
+    print(
+        f"{framework}: {dict(sorted(outcomes.items()))}; {len(run.bookings)} bookings; "
+        f"{flagged} answered 200 with Asynclock-Lease-Lost; "
+        f"{len(lost_booked)} answered 503 lease_lost although their write was accepted; "
+        f"paused {run.paused}: {run.events(run.paused or '')}"
+    )
+
+    # Every request was answered, with a documented status: never a 500.
+    failures = [answer for answer in run.answers if answer.status is None]
+    assert failures == [], failures
+    undocumented = [a for a in run.answers if (a.status, a.error) not in DOCUMENTED]
+    assert undocumented == [], undocumented
+    for answer in run.answers:
+        if answer.error in RETRY_AFTER:
+            assert answer.retry_after == "1", answer
+        elif answer.error == "lease_lost":
+            # The body was stopped part way: its effects may be partial, so no "retry".
+            assert answer.retry_after is None, answer
+
+    # The resource's record: one booking per acquisition, and per order the tokens only rise,
+    # so no two holders ever booked an order at once and no expired lease's write got in.
+    assert len(booked) == len(run.bookings), "a request booked twice"
+    highest: dict[str, int] = {}
+    for booking in run.bookings:
+        assert booking["token"] > highest.get(booking["order"], 0), booking
+        highest[booking["order"]] = booking["token"]
+
+    for request_id, answer in by_id.items():
+        events = run.events(request_id)
+        made = booked.get(request_id)
+        if answer.status == 200:
+            # A 200 is a booking, the one the body made and returned.
+            assert made is not None and answer.body == made, (answer, made)
+            assert events[-1] == "returned", (answer, events)
+        elif answer.error == "lease_lost":
+            # LeaseLost means the body did not finish: it was stopped, never returned. If its
+            # write was accepted first (sent before the loss, its reply awaited when the body
+            # was cancelled), that booking is partial work, answered without "retry".
+            assert "returned" not in events, (answer, events)
+            assert events[-1] in ("stopped", "stale"), (answer, events)
+            if made is not None:
+                assert "write" in events, (answer, events)
+        else:
+            # Busy, unavailable, deadlock: nothing was done.
+            assert made is None and events == [], (answer, events)
+    for request_id, steps in run.steps.items():
+        # A body that returned keeps its answer (with the loss header if the lease was lost).
+        if steps[-1]["event"] == "returned":
+            assert by_id[request_id].status == 200, (by_id[request_id], steps)
+
+    # The outage was felt, and the service went on around it.
+    assert outcomes["503 lock_unavailable"] > 0
+    assert outcomes["200 ok"] > REQUESTS / 4
+    long = by_id[run.long]
+    assert (long.status, long.error) == (503, "lease_lost"), (long, run.events(run.long))
+    assert run.long not in booked
+
+    # The stopped worker's body: stopped inside its synchronous work for longer than the ttl,
+    # another worker booked the order meanwhile, and the write it then sent with the expired
+    # lease's token was refused by the resource.
+    assert run.paused is not None and run.takeover is not None
+    paused, steps = by_id[run.paused], run.steps[run.paused]
+    assert run.continued_at - run.stopped_at > TTL
+    blocked = next(step for step in steps if step["event"] == "blocked")
+    assert blocked["seconds"] > TTL, steps
+    write = next(step for step in steps if step["event"] == "write")
+    assert write["at"] > run.stopped_at + TTL, steps  # sent after SIGCONT
+    assert booked[run.takeover]["token"] > write["token"]
+    assert run.paused not in booked, "the resource accepted the stopped worker's stale write"
+    assert (paused.status, paused.error) == (503, "lease_lost"), (paused, steps)
+    return outcomes
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+async def test_three_worker_processes_through_a_lock_server_cut_and_a_stopped_worker(
+    redis_server: RedisServer, framework: str, tmp_path: Path
+) -> None:
+    run = await scenario(redis_server, framework, tmp_path)
+    check(run, framework)

@@ -1,0 +1,246 @@
+"""The web scenario's worker: a FastAPI or an aiohttp app that books orders under a lock.
+
+Run one process per worker, as a deployment would (``tests/integrations/test_web_processes.py``
+starts three per framework)::
+
+    python -m tests.integrations.web_worker_app fastapi --fd 3
+    python -m tests.integrations.web_worker_app aiohttp --fd 3
+
+``--fd`` is a listening TCP socket the parent made and passed down (so the port is known before
+the worker starts, with no race for a free port). The rest comes from the environment:
+
+* ``ASYNCLOCK_WEB_LOCKS``: the lock client's URL (in the test: Redis through a ``FaultProxy``);
+* ``ASYNCLOCK_WEB_RESOURCE``: the Redis that holds the bookings (in the test: reached directly,
+  so that cutting the lock server's link leaves the resource reachable);
+* ``ASYNCLOCK_WEB_PREFIX``: the prefix of the resource's keys;
+* ``ASYNCLOCK_WEB_CLIENT_NAME``: the resource connection's name (so leftovers can be found);
+* ``ASYNCLOCK_WEB_JOURNAL``: a directory; each worker appends what its bodies did to
+  ``<pid>.jsonl`` there.
+
+``POST /orders/{order}`` (header ``request-id``) holds ``orders/{order}`` (ttl 1 s, waits up to
+0.3 s) and books the order with one fenced Redis script (:class:`asynclock.fencing.RedisGuard`,
+``strict``: each token is accepted once, and only if it is newer than every token the order has
+seen): ``RPUSH <prefix>bookings {"request_id", "order", "token", "pid"}``. So the bookings list is
+the resource's own record, in the order the writes were accepted, and a holder whose lease
+expired while it was stopped cannot book after a newer holder did. Optional headers make a body
+hold its lock longer: ``work`` (seconds awaited, so a lost lease cancels it there) and ``block``
+(seconds of synchronous work, during which the test stops the process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Self
+
+import anyio
+import redis.asyncio
+import uvicorn
+from aiohttp import web
+from fastapi import FastAPI, Header
+
+import asynclock
+from asynclock.fencing import RedisGuard
+from asynclock.integrations import aiohttp as aiohttp_locks
+from asynclock.integrations import fastapi as fastapi_locks
+
+#: Lease time to live: short, so that a stopped worker loses its leases within the scenario.
+TTL = 1.0
+#: How long a request waits for a busy order before it is answered 423.
+WAIT = 0.3
+#: The default body's work before it books: long enough that outages find bodies in flight.
+WORK = 0.01
+FRAMEWORKS = ("fastapi", "aiohttp")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The worker's settings, from ``ASYNCLOCK_WEB_*``."""
+
+    lock_url: str
+    resource_url: str
+    prefix: str
+    client_name: str
+    journal: Path
+
+    @classmethod
+    def from_env(cls) -> Config:
+        try:
+            return cls(
+                os.environ["ASYNCLOCK_WEB_LOCKS"],
+                os.environ["ASYNCLOCK_WEB_RESOURCE"],
+                os.environ["ASYNCLOCK_WEB_PREFIX"],
+                os.environ["ASYNCLOCK_WEB_CLIENT_NAME"],
+                Path(os.environ["ASYNCLOCK_WEB_JOURNAL"]),
+            )
+        except KeyError as exc:
+            raise SystemExit(
+                f"web_worker_app needs the environment variable {exc.args[0]}"
+            ) from None
+
+    @property
+    def bookings_key(self) -> str:
+        return f"{self.prefix}bookings"
+
+
+class Journal:
+    """What this worker's bodies did, one JSON line per step, in ``<directory>/<pid>.jsonl``.
+
+    Written with plain ``os.write`` (no await), so a cancellation cannot lose or split a line:
+    the test reads it to tell a body that returned from one that was stopped part way.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f"{os.getpid()}.jsonl"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def record(self, event: str, request_id: str, **fields: object) -> None:
+        line = {"event": event, "request_id": request_id, "pid": os.getpid(), **fields}
+        line["at"] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
+        os.write(self._fd, (json.dumps(line) + "\n").encode())
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class Bookings:
+    """The fenced resource: the bookings list on Redis, written through a strict guard."""
+
+    def __init__(self, config: Config, client: redis.asyncio.Redis, journal: Journal) -> None:
+        self._key = config.bookings_key
+        self._guard = RedisGuard(client, prefix=f"{config.prefix}fence:", strict=True)
+        self._journal = journal
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: Config) -> AsyncIterator[Self]:
+        journal = Journal(config.journal)
+        client = redis.asyncio.Redis.from_url(config.resource_url, client_name=config.client_name)
+        try:
+            yield cls(config, client, journal)
+        finally:
+            await client.aclose()
+            journal.close()
+
+    async def book(
+        self, order: str, request_id: str, *, work: float = WORK, block: float = 0.0
+    ) -> dict[str, Any]:
+        """The body of ``POST /orders/{order}``, run while ``orders/{order}`` is held."""
+        token = asynclock.current_token()
+        self._journal.record("holding", request_id, order=order, token=token)
+        try:
+            if work:
+                await anyio.sleep(work)
+            if block:
+                # Synchronous work (no checkpoint): a stop that lands here lets the body go on
+                # to its write after SIGCONT, with the token of a lease that has expired.
+                started = time.monotonic()
+                time.sleep(block)  # noqa: ASYNC251 - the blocking is the point
+                self._journal.record("blocked", request_id, seconds=time.monotonic() - started)
+            entry = {"request_id": request_id, "order": order, "token": token, "pid": os.getpid()}
+            self._journal.record("write", request_id, order=order, token=token)
+            await self._guard.call(f"orders/{order}", "RPUSH", self._key, json.dumps(entry))
+        except asynclock.StaleToken as exc:
+            self._journal.record("stale", request_id, token=exc.token, highest=exc.highest)
+            raise
+        except BaseException as exc:
+            # Recorded, not handled: the cancellation (or error) goes on as it came.
+            self._journal.record("stopped", request_id, error=type(exc).__name__)
+            raise
+        # Nothing below awaits, so a body that got here returns: its work is complete.
+        self._journal.record("returned", request_id, token=token)
+        return entry
+
+
+def fastapi_app(config: Config) -> FastAPI:
+    """The FastAPI worker: lock client and resource opened in the lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with asynclock.connect(config.lock_url) as locks, Bookings.open(config) as bookings:
+            app.state.locks = locks
+            app.state.bookings = bookings
+            yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.post("/orders/{order}")
+    @fastapi_locks.locked("orders/{order}", client=lambda: app.state.locks, ttl=TTL, timeout=WAIT)
+    async def book(
+        order: str,
+        request_id: Annotated[str, Header()],
+        work: Annotated[float, Header()] = WORK,
+        block: Annotated[float, Header()] = 0.0,
+    ) -> dict[str, Any]:
+        bookings: Bookings = app.state.bookings
+        return await bookings.book(order, request_id, work=work, block=block)
+
+    @app.get("/health")
+    async def health() -> dict[str, int]:
+        return {"pid": os.getpid()}
+
+    return app
+
+
+LOCKS = web.AppKey("locks", asynclock.LockClient)
+BOOKINGS = web.AppKey("bookings", Bookings)
+
+
+def aiohttp_app(config: Config) -> web.Application:
+    """The aiohttp worker: lock client and resource opened in ``cleanup_ctx``."""
+    app = web.Application()
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            app[LOCKS] = await stack.enter_async_context(asynclock.connect(config.lock_url))
+            app[BOOKINGS] = await stack.enter_async_context(Bookings.open(config))
+            yield
+
+    app.cleanup_ctx.append(resources)
+
+    @aiohttp_locks.locked("orders/{order}", client=lambda: app[LOCKS], ttl=TTL, timeout=WAIT)
+    async def book(request: web.Request) -> web.Response:
+        headers = request.headers
+        entry = await app[BOOKINGS].book(
+            request.match_info["order"],
+            headers["request-id"],
+            work=float(headers.get("work", WORK)),
+            block=float(headers.get("block", 0.0)),
+        )
+        return web.json_response(entry)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"pid": os.getpid()})
+
+    app.router.add_post("/orders/{order}", book)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="a web worker that books orders under a lock")
+    parser.add_argument("framework", choices=FRAMEWORKS)
+    parser.add_argument("--fd", type=int, required=True, help="a listening TCP socket to serve")
+    args = parser.parse_args(argv)
+    config = Config.from_env()
+    sock = socket.socket(fileno=args.fd)  # family and type are read from the descriptor
+    if args.framework == "fastapi":
+        # SIGTERM makes uvicorn finish its requests, then run the lifespan's exit.
+        server = uvicorn.Server(
+            uvicorn.Config(fastapi_app(config), log_level="warning", ws="none", lifespan="on")
+        )
+        server.run(sockets=[sock])
+    else:
+        # run_app turns SIGTERM into a graceful exit that runs cleanup_ctx.
+        web.run_app(aiohttp_app(config), sock=sock, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
