@@ -36,10 +36,11 @@ STOP_RESERVE = 1.5
 
 DESCRIPTION = """\
 Measure asynclock's backends (and, with --peers, the peer libraries) on real servers started on
-127.0.0.1 through asynclock.testing, and print a Markdown table with every figure also shown as
-a ratio to a raw round trip of the same client library. Backends whose module or server is
-missing are listed as not available. Results go to benchmarks/results/ (latest.json,
-latest.md, latest.png).
+127.0.0.1 through asynclock.testing, within a time budget shared out across them, and print a
+one-screen table of every backend side by side, each figure beside the raw round trip of the
+same client library (a full run prints the full report before it). Backends whose module or
+server is missing are listed as not available. Results go to benchmarks/results/ (latest.json,
+latest.md with the full report, latest.png).
 """
 
 
@@ -49,7 +50,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--quick",
         action="store_true",
         help="short runs (a few hundred iterations, 0.4 s contention runs, fewer locks); "
-        "under a minute with --backends sqlite",
+        "every backend fits in 50 s with --budget 50 (what scripts/main runs)",
     )
     parser.add_argument(
         "--smoke",
@@ -90,7 +91,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=float,
         default=None,
         metavar="SECONDS",
-        help="no new measurement starts after this many seconds (default 570, --quick 240)",
+        help="the run's time in seconds, servers' start and stop included, shared out across "
+        "the backends (a peer gets half a share): each always gets the summary's figures, "
+        "with fewer iterations if its share is short, and what else fits "
+        "(default 570, --quick 240, --smoke 60)",
     )
     parser.add_argument(
         "--output-dir",

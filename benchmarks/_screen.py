@@ -233,7 +233,7 @@ def _notes(data: dict[str, Any]) -> list[str]:
 
 
 def _cut(settings: dict[str, Any], measured: dict[str, Any]) -> list[str]:
-    """What the backends' shares left out: phases skipped, contention runs not run."""
+    """What the backends' shares left out: phases skipped, runs or counts not reached."""
     skipped: dict[str, list[str]] = {}
     for name, entry in measured.items():
         for key in ("memory", "contention_processes", "renewal"):
@@ -241,15 +241,23 @@ def _cut(settings: dict[str, Any], measured: dict[str, Any]) -> list[str]:
             if isinstance(record, dict) and record.get("skipped") == SHARE_SPENT:
                 skipped.setdefault(key.replace("_", " "), []).append(name)
     out = [f"{what} for {', '.join(names)}" for what, names in skipped.items()]
-    planned = len(settings.get("contenders", [])) * len(settings.get("holds_ms", []))
-    short = [
-        f"{name} {len(entry['contention_tasks'])}"
-        for name, entry in measured.items()
-        if isinstance(entry.get("contention_tasks"), list)
-        and len(entry["contention_tasks"]) < planned
-    ]
-    if short:
-        out.append(f"contention runs of {planned} planned: {', '.join(short)}")
+    holds = len(settings.get("holds_ms", []))
+    planned = {
+        "contention_tasks": ("contention runs", len(settings.get("contenders", [])) * holds),
+        "contention_processes": (
+            "process runs",
+            len(settings.get("process_contenders", [])) * holds,
+        ),
+        "renewal": ("renewal counts", len(settings.get("renewal_counts", []))),
+    }
+    for key, (what, wanted) in planned.items():
+        short = [
+            f"{name} {len(entry[key])}"
+            for name, entry in measured.items()
+            if isinstance(entry.get(key), list) and len(entry[key]) < wanted
+        ]
+        if short:
+            out.append(f"{what}, of {wanted}: {', '.join(short)}")
     return out
 
 
