@@ -213,6 +213,8 @@ class Run:
     continued_at: float = 0.0
     takeover: str | None = None
     long: str = "long"
+    #: The fenced commands the resource received from the stopped worker's body (MONITOR).
+    received: list[str] = field(default_factory=list)
 
     def events(self, request_id: str) -> list[str]:
         return [step["event"] for step in self.steps.get(request_id, [])]
@@ -231,9 +233,12 @@ async def scenario(redis_server: RedisServer, framework: str, directory: Path) -
         env = dict(
             os.environ,
             PYTHONPATH=str(ROOT),
+            # waiter_ttl=1: a waiter of the stopped worker first in the order's fair queue keeps
+            # its place that long without a refresh (5 s by default), and until it is gone
+            # nobody else may take the free lock (see docs/backends/redis.md).
             ASYNCLOCK_WEB_LOCKS=(
                 f"redis://{proxy.address}/0?prefix={prefix}&client_name={client_name}"
-                "&op_timeout=0.3&durability_warning=false"
+                "&op_timeout=0.3&waiter_ttl=1&durability_warning=false"
             ),
             ASYNCLOCK_WEB_RESOURCE=redis_server.url,
             ASYNCLOCK_WEB_PREFIX=resource,
@@ -249,7 +254,7 @@ async def scenario(redis_server: RedisServer, framework: str, directory: Path) -
             for worker in workers
         ]
         started = time.monotonic()
-        await drive(run, workers, http, proxy, journal_dir)
+        await drive(run, workers, http, proxy, journal_dir, redis_server)
         print(f"\n{framework}: {len(run.answers)} answers in {time.monotonic() - started:.1f} s")
         # Shut the workers down (their clients release and close), then nothing may be left.
         await stack.aclose()
@@ -278,6 +283,7 @@ async def drive(
     http: list[httpx.AsyncClient],
     proxy: FaultProxy,
     journal_dir: Path,
+    redis_server: RedisServer,
 ) -> None:
     async def post(worker: int, order: str, request_id: str, **headers: str) -> Answer:
         sent = time.monotonic()
@@ -318,8 +324,28 @@ async def drive(
         proxy.cut(CUT)
         await anyio.sleep(CUT)
 
+    async def watch_the_resource(request_id: str, ready: anyio.Event, done: anyio.Event) -> None:
+        # MONITOR shows each command as the resource receives it: the evidence that the
+        # stopped worker's write arrived (and, with the bookings, that it was refused).
+        with anyio.CancelScope() as scope:
+            async with (
+                redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
+                raw.monitor() as monitor,
+            ):
+                ready.set()
+                task_group.start_soon(cancel_when, done, scope)
+                async for info in monitor.listen():
+                    if request_id in info["command"] and "EVAL" in info["command"]:
+                        run.received.append(info["command"])
+
+    async def cancel_when(done: anyio.Event, scope: anyio.CancelScope) -> None:
+        await done.wait()
+        await anyio.sleep(0.2)  # MONITOR lines lag the commands a little
+        scope.cancel()
+
     async def stop_a_holder() -> None:
         stopped = workers[STOPPED]
+        answered = anyio.Event()
         for attempt in range(50):
             request_id = f"paused-{attempt}"
             answered = anyio.Event()
@@ -339,7 +365,11 @@ async def drive(
             run.paused, run.stopped_at = request_id, time.monotonic()
             break
         assert run.paused is not None, "the worker to stop never held the order"
+        watching = anyio.Event()
+        task_group.start_soon(watch_the_resource, run.paused, watching, answered)
         try:
+            with anyio.fail_after(5):
+                await watching.wait()
             # Once the stopped holder's key expires on Redis, another worker takes the order.
             with anyio.fail_after(5):
                 for attempt in range(1000):
@@ -447,6 +477,7 @@ def check(run: Run, framework: str) -> Counter[str]:
     write = next(step for step in steps if step["event"] == "write")
     assert write["at"] > run.stopped_at + TTL, steps  # sent after SIGCONT
     assert booked[run.takeover]["token"] > write["token"]
+    assert len(run.received) == 1, run.received  # the write arrived...
     assert run.paused not in booked, "the resource accepted the stopped worker's stale write"
     assert (paused.status, paused.error) == (503, "lease_lost"), (paused, steps)
     return outcomes
