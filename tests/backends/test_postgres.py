@@ -818,7 +818,11 @@ async def test_processes_paused_past_their_ttl_holding_or_waiting_see_only_lease
     warnings = [line for line in everything if line.startswith("warning")]
     # The core says that a lease was lost; nothing may claim a release failed or is pending.
     assert [line for line in warnings if "releas" in line or "unlock" in line] == []
-    assert "expected LeaseLost" in everything  # a paused holder did lose its lease
+    # A paused holder did lose its lease: its body was cancelled (LeaseLost), or it had ended
+    # its last await before the loss could stop it, and the loss was reported beside it.
+    assert "expected LeaseLost" in everything or any(
+        "after its body had run to completion" in line for line in warnings
+    )
     for each in lines:
         done = each[-1].split()
         assert done[0] == "done" and int(done[2]) > 0, f"a worker starved after the pauses: {each}"
