@@ -23,8 +23,9 @@ the worker starts, with no race for a free port). The rest comes from the enviro
 seen): ``RPUSH <prefix>bookings {"request_id", "order", "token", "pid"}``. So the bookings list is
 the resource's own record, in the order the writes were accepted, and a holder whose lease
 expired while it was stopped cannot book after a newer holder did. Optional headers make a body
-hold its lock longer: ``work`` (seconds awaited, so a lost lease cancels it there) and ``block``
-(seconds of synchronous work, during which the test stops the process).
+hold its lock longer: ``work`` (seconds awaited, so a lost lease cancels it there), ``block``
+and ``after`` (seconds of synchronous work before / after the write, during which the test stops
+the process).
 """
 
 from __future__ import annotations
@@ -127,10 +128,18 @@ class Bookings:
             yield cls(config, client, journal)
         finally:
             await client.aclose()
+            # The last line: whatever was opened inside this block is closed by now.
+            journal.record("closed", "-")
             journal.close()
 
     async def book(
-        self, order: str, request_id: str, *, work: float = WORK, block: float = 0.0
+        self,
+        order: str,
+        request_id: str,
+        *,
+        work: float = WORK,
+        block: float = 0.0,
+        after: float = 0.0,
     ) -> dict[str, Any]:
         """The body of ``POST /orders/{order}``, run while ``orders/{order}`` is held."""
         token = asynclock.current_token()
@@ -138,15 +147,13 @@ class Bookings:
         try:
             if work:
                 await anyio.sleep(work)
-            if block:
-                # Synchronous work (no checkpoint): a stop that lands here lets the body go on
-                # to its write after SIGCONT, with the token of a lease that has expired.
-                started = time.monotonic()
-                time.sleep(block)  # noqa: ASYNC251 - the blocking is the point
-                self._journal.record("blocked", request_id, seconds=time.monotonic() - started)
+            # Synchronous work (no checkpoint): a stop that lands here lets the body go on to
+            # its write after SIGCONT, with the token of a lease that has expired.
+            self._block(request_id, block, "before")
             entry = {"request_id": request_id, "order": order, "token": token, "pid": os.getpid()}
             self._journal.record("write", request_id, order=order, token=token)
             await self._guard.call(f"orders/{order}", "RPUSH", self._key, json.dumps(entry))
+            self._journal.record("booked", request_id)
         except asynclock.StaleToken as exc:
             self._journal.record("stale", request_id, token=exc.token, highest=exc.highest)
             raise
@@ -154,9 +161,18 @@ class Bookings:
             # Recorded, not handled: the cancellation (or error) goes on as it came.
             self._journal.record("stopped", request_id, error=type(exc).__name__)
             raise
-        # Nothing below awaits, so a body that got here returns: its work is complete.
+        # Nothing below awaits, so a body that got here returns: its work is complete. A stop
+        # in this synchronous work lets it return after its lease expired.
+        self._block(request_id, after, "after")
         self._journal.record("returned", request_id, token=token)
         return entry
+
+    def _block(self, request_id: str, seconds: float, where: str) -> None:
+        if seconds:
+            started = time.monotonic()
+            time.sleep(seconds)  # it blocks the event loop, as CPU-bound work would
+            elapsed = time.monotonic() - started
+            self._journal.record("blocked", request_id, where=where, seconds=elapsed)
 
 
 def fastapi_app(config: Config) -> FastAPI:
@@ -164,7 +180,8 @@ def fastapi_app(config: Config) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with asynclock.connect(config.lock_url) as locks, Bookings.open(config) as bookings:
+        # The lock client closes first, so the journal's "closed" comes after both.
+        async with Bookings.open(config) as bookings, asynclock.connect(config.lock_url) as locks:
             app.state.locks = locks
             app.state.bookings = bookings
             yield
@@ -178,9 +195,10 @@ def fastapi_app(config: Config) -> FastAPI:
         request_id: Annotated[str, Header()],
         work: Annotated[float, Header()] = WORK,
         block: Annotated[float, Header()] = 0.0,
+        after: Annotated[float, Header()] = 0.0,
     ) -> dict[str, Any]:
         bookings: Bookings = app.state.bookings
-        return await bookings.book(order, request_id, work=work, block=block)
+        return await bookings.book(order, request_id, work=work, block=block, after=after)
 
     @app.get("/health")
     async def health() -> dict[str, int]:
@@ -199,8 +217,8 @@ def aiohttp_app(config: Config) -> web.Application:
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            app[LOCKS] = await stack.enter_async_context(asynclock.connect(config.lock_url))
             app[BOOKINGS] = await stack.enter_async_context(Bookings.open(config))
+            app[LOCKS] = await stack.enter_async_context(asynclock.connect(config.lock_url))
             yield
 
     app.cleanup_ctx.append(resources)
@@ -213,6 +231,7 @@ def aiohttp_app(config: Config) -> web.Application:
             headers["request-id"],
             work=float(headers.get("work", WORK)),
             block=float(headers.get("block", 0.0)),
+            after=float(headers.get("after", 0.0)),
         )
         return web.json_response(entry)
 
