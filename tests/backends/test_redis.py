@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -1041,3 +1042,37 @@ async def test_a_deadlock_between_two_clients_is_found_and_broken_once(
     assert sorted(outcomes) == ["deadlock", "done"]
     # The wait-for records were withdrawn.
     assert [key async for key in raw.scan_iter(match=f"{prefix}deadlock:*")] == []
+
+
+async def test_a_waiter_cut_off_holds_up_a_free_lock_no_longer_than_its_ttl(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    """A waiter whose process stops (here: its link to Redis is blackholed) can neither refresh
+    nor leave its place. First in line, it keeps a free lock from everyone behind it until its
+    place expires: after its ttl (1 s) when that is shorter than ``waiter_ttl`` (5 s), as a
+    waiter's key lives as long as its lease on etcd and ZooKeeper."""
+    async with (
+        FaultProxy(redis_server.host, redis_server.port) as proxy,
+        connect(f"redis://{proxy.address}/0", prefix) as stalled,
+        connect(redis_server, prefix) as holder,
+        connect(redis_server, prefix) as behind,
+        anyio.create_task_group() as tg,
+    ):
+        lease = await holder.acquire(name, ttl=5)
+
+        async def wait_in_line() -> None:
+            with suppress(asynclock.LockError):
+                await stalled.acquire(name, ttl=1, timeout=10)
+
+        tg.start_soon(wait_in_line)
+        await anyio.sleep(0.2)  # first in line now
+        proxy.blackhole()
+        cut_at = anyio.current_time()
+        await lease.release()
+        taken = await behind.acquire(name, ttl=1, timeout=4)
+        waited = anyio.current_time() - cut_at
+        await taken.release()
+        tg.cancel_scope.cancel()
+        proxy.pass_through()
+    # Its last refresh came at most ttl/3 before the cut; then its place lasts 1 s.
+    assert waited < 1.5, f"a stalled waiter held up the free lock for {waited:.2f} s"

@@ -277,7 +277,7 @@ class RedisBackend(Backend[Grant]):
             reply = await lane.script(
                 lua.TAKE,
                 self._keys(request.name),
-                [request.owner, self._wake_prefix, self._waiter_ttl_ms, ms, mode],
+                [request.owner, self._wake_prefix, self._place_ms(request), ms, mode],
                 undo,
             )
         taken, value = lua.codes(reply, 2)
@@ -286,6 +286,13 @@ class RedisBackend(Backend[Grant]):
             self._held[grant.owner] = (grant, request.on_lost)
             return grant, 0
         return None, value
+
+    def _place_ms(self, request: LockRequest) -> int:
+        """How long a waiter's place lasts without a refresh: ``waiter_ttl``, but never longer
+        than the lease it waits for, as on etcd and ZooKeeper, where a waiter's key lives as
+        long as its lease or session. A waiter whose process stopped then holds up a free lock
+        for at most that long (a web handler waiting 0.3 s with ttl 1 s: 1 s, not 5)."""
+        return max(1, min(self._waiter_ttl_ms, lua.ttl_ms(request.ttl)))
 
     async def try_acquire(self, request: LockRequest) -> Grant | None:
         undo = self._undo_for(request)
@@ -300,7 +307,7 @@ class RedisBackend(Backend[Grant]):
     async def acquire(self, request: LockRequest) -> Grant:
         lane = self._connected()
         wake_key = f"{self._wake_prefix}{request.owner}"
-        refresh = self.waiter_ttl / 3.0
+        refresh = self._place_ms(request) / 3000.0
         undo = self._undo_for(request)
         try:
             while True:
