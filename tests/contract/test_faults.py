@@ -30,7 +30,8 @@ import sqlite3
 import subprocess
 import sys
 import time
-from contextlib import AsyncExitStack, ExitStack, suppress
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,20 @@ async def wait_until_free(
             await anyio.sleep(0.01)
 
 
+@asynccontextmanager
+async def proxied(
+    backend: BackendUnderTest,
+) -> AsyncIterator[tuple[list[FaultProxy], asynclock.LockClient]]:
+    """A client of ``backend`` that reaches each of its servers through a fault proxy."""
+    async with AsyncExitStack() as stack:
+        proxies = [
+            await stack.enter_async_context(FaultProxy(server.host, server.port))
+            for server in backend.servers
+        ]
+        async with backend.connect_via([proxy.address for proxy in proxies]) as locks:
+            yield proxies, locks
+
+
 # -- (a) ------------------------------------------------------------------------------------
 
 
@@ -116,22 +131,17 @@ async def test_server_paused_past_the_ttl_cancels_the_body_and_exits_promptly(
 async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
     backend: BackendUnderTest, name: str
 ) -> None:
-    async with AsyncExitStack() as stack:
-        proxies = [
-            await stack.enter_async_context(FaultProxy(server.host, server.port))
-            for server in backend.servers
-        ]
-        async with backend.connect_via([proxy.address for proxy in proxies]) as locks:
-            tokens: list[int] = []
-            for _ in range(4):
-                with anyio.fail_after(backend.ttl * 10):
-                    async with locks.lock(name, ttl=backend.ttl * 5) as lease:
-                        if locks.capabilities.fencing:
-                            tokens.append(lease.token)
-                for proxy in proxies:
-                    proxy.reset()
-                await anyio.sleep(0.05)
-            assert tokens == sorted(set(tokens))
+    async with proxied(backend) as (proxies, locks):
+        tokens: list[int] = []
+        for _ in range(4):
+            with anyio.fail_after(backend.ttl * 10):
+                async with locks.lock(name, ttl=backend.ttl * 5) as lease:
+                    if locks.capabilities.fencing:
+                        tokens.append(lease.token)
+            for proxy in proxies:
+                proxy.reset()
+            await anyio.sleep(0.05)
+        assert tokens == sorted(set(tokens))
 
 
 # -- (g) ------------------------------------------------------------------------------------
@@ -141,50 +151,45 @@ async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
 async def test_connection_state_follows_a_partition_and_its_end(
     backend: BackendUnderTest, name: str
 ) -> None:
-    async with AsyncExitStack() as stack:
-        proxies = [
-            await stack.enter_async_context(FaultProxy(server.host, server.port))
-            for server in backend.servers
-        ]
-        async with backend.connect_via([proxy.address for proxy in proxies]) as locks:
-            changes = locks.state_changes()
-            assert locks.state is ConnectionState.CONNECTED
-            lease = await locks.acquire(name, ttl=backend.ttl)
-            partitioned_at = anyio.current_time()
-            for proxy in proxies:
-                proxy.blackhole()
-            with anyio.fail_after(backend.ttl * 3):
-                suspended = await anext(changes)
-                lost = await anext(changes)
-            assert (suspended.previous, suspended.state) == (
-                ConnectionState.CONNECTED,
-                ConnectionState.SUSPENDED,
-            )
-            assert lost.state is ConnectionState.LOST
-            assert lease.lost
-            # Suspected when the first renewal (at ttl/3) goes unanswered, well before the deadline.
-            assert suspended.at - partitioned_at < backend.ttl * 0.6
-            for proxy in proxies:
-                proxy.pass_through()
-                proxy.reset()
-            with anyio.fail_after(backend.ttl * 10):
-                while not locks.state.connected:
-                    with suppress(asynclock.LockError):
-                        again = await locks.try_acquire(name, ttl=backend.ttl)
-                        if again is not None:
-                            await again.release()
-                    await anyio.sleep(0.05)
-            reconnected = await anext(changes)
-            assert (reconnected.previous, reconnected.state) == (
-                ConnectionState.LOST,
-                ConnectionState.RECONNECTED,
-            )
-            assert locks.state.connected
-            await lease.release()
-        closed = await anext(changes)
-        assert closed.state is ConnectionState.CLOSED
-        with pytest.raises(StopAsyncIteration):
-            await anext(changes)
+    async with proxied(backend) as (proxies, locks):
+        changes = locks.state_changes()
+        assert locks.state is ConnectionState.CONNECTED
+        lease = await locks.acquire(name, ttl=backend.ttl)
+        partitioned_at = anyio.current_time()
+        for proxy in proxies:
+            proxy.blackhole()
+        with anyio.fail_after(backend.ttl * 3):
+            suspended = await anext(changes)
+            lost = await anext(changes)
+        assert (suspended.previous, suspended.state) == (
+            ConnectionState.CONNECTED,
+            ConnectionState.SUSPENDED,
+        )
+        assert lost.state is ConnectionState.LOST
+        assert lease.lost
+        # Suspected when the first renewal (at ttl/3) goes unanswered, well before the deadline.
+        assert suspended.at - partitioned_at < backend.ttl * 0.6
+        for proxy in proxies:
+            proxy.pass_through()
+            proxy.reset()
+        with anyio.fail_after(backend.ttl * 10):
+            while not locks.state.connected:
+                with suppress(asynclock.LockError):
+                    again = await locks.try_acquire(name, ttl=backend.ttl)
+                    if again is not None:
+                        await again.release()
+                await anyio.sleep(0.05)
+        reconnected = await anext(changes)
+        assert (reconnected.previous, reconnected.state) == (
+            ConnectionState.LOST,
+            ConnectionState.RECONNECTED,
+        )
+        assert locks.state.connected
+        await lease.release()
+    closed = await anext(changes)
+    assert closed.state is ConnectionState.CLOSED
+    with pytest.raises(StopAsyncIteration):
+        await anext(changes)
     report(
         "connection_state",
         backend,
