@@ -299,6 +299,8 @@ class LockClient:
         try:
             if timeout == 0:
                 grant = await self._backend.try_acquire(request)
+            elif timeout is None and not events and not self._settings.deadlock_interval:
+                grant = await self._backend.acquire(request)  # the common case, directly
             else:
                 grant = await self._wait(request, timeout, deadlocks)
         except BaseException as exc:

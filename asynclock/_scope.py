@@ -35,11 +35,14 @@ class BodyScope:
     __slots__ = ("leases", "scope")
 
     def __init__(self, leases: Sequence[Lease]) -> None:
-        self.scope = anyio.CancelScope()
+        self.scope = anyio.CancelScope(deadline=min(lease.deadline for lease in leases))
         self.leases = leases
 
     def refresh(self) -> None:
-        self.scope.deadline = min(lease.deadline for lease in self.leases)
+        deadline = min(lease.deadline for lease in self.leases)
+        # Setting a scope's deadline reschedules its timer, even to the same value.
+        if deadline != self.scope.deadline:
+            self.scope.deadline = deadline
 
     def cancel(self) -> None:
         self.scope.cancel()
