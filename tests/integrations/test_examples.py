@@ -33,10 +33,13 @@ EXPECTED = {
 }
 
 
-async def run_example(name: str, lock_url: str | None) -> tuple[int, str]:
-    env = {key: value for key, value in os.environ.items() if key != "ASYNCLOCK_URL"}
-    if lock_url is not None:
-        env["ASYNCLOCK_URL"] = lock_url
+async def run_example(
+    name: str, url: str | None, variable: str = "ASYNCLOCK_URL"
+) -> tuple[int, str]:
+    """Run ``examples/name`` with ``url`` in the environment ``variable`` (unset when None)."""
+    env = {key: value for key, value in os.environ.items() if key != variable}
+    if url is not None:
+        env[variable] = url
     with anyio.fail_after(60):
         done = await anyio.run_process(
             [sys.executable, "-W", "error", str(EXAMPLES / name)],

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import anyio
@@ -12,24 +9,12 @@ import pytest
 
 from asynclock.testing import RedisServer
 
+from .test_examples import run_example
+
 pytestmark = pytest.mark.anyio
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 NAMES = ["jobs_arq.py", "jobs_saq.py", "jobs_taskiq.py"]
-
-
-async def run_example(name: str, redis_url: str | None) -> tuple[int, str]:
-    env = {key: value for key, value in os.environ.items() if key != "ASYNCLOCK_REDIS_URL"}
-    if redis_url is not None:
-        env["ASYNCLOCK_REDIS_URL"] = redis_url
-    with anyio.fail_after(60):
-        done = await anyio.run_process(
-            [sys.executable, "-W", "error", str(EXAMPLES / name)],
-            env=env,
-            check=False,
-            stderr=subprocess.STDOUT,
-        )
-    return done.returncode, done.stdout.decode()
 
 
 async def test_every_job_example_runs_and_no_two_jobs_on_one_account_overlap(
@@ -41,7 +26,7 @@ async def test_every_job_example_runs_and_no_two_jobs_on_one_account_overlap(
     results: dict[tuple[str, str | None], tuple[int, str]] = {}
 
     async def run(name: str, redis_url: str | None) -> None:
-        results[name, redis_url] = await run_example(name, redis_url)
+        results[name, redis_url] = await run_example(name, redis_url, "ASYNCLOCK_REDIS_URL")
 
     async with anyio.create_task_group() as task_group:
         for name, redis_url in runs:
