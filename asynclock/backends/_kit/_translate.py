@@ -13,8 +13,9 @@ private outcomes every backend can raise or return, so that the code above it ca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Literal
 
 from ..._errors import BackendTimeout, BackendUnavailable, LockError
 
@@ -33,21 +34,34 @@ class ProvenGone(BackendUnavailable):
     """The server proved that the lease (or session) is gone."""
 
 
-@contextmanager
-def translate(translator: Translator, context: str) -> Iterator[None]:
+class translate:  # lower case: it is used as a function, `with translate(table, "what"):`
     """Raise driver errors inside the block as asynclock errors, ``from`` the original.
 
     ``context`` says what was being done ("renewing 3 locks on redis://127.0.0.1:6379"), which
-    the driver's error rarely says.
+    the driver's error rarely says. A class rather than a generator: it wraps every call a
+    backend makes, and a generator-based context manager costs several times more.
     """
-    try:
-        yield
-    except LockError:
-        raise
-    except Exception as exc:
-        error = _translated(translator, exc, context)
+
+    __slots__ = ("_context", "_translator")
+
+    def __init__(self, translator: Translator, context: str) -> None:
+        self._translator = translator
+        self._context = context
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, LockError):
+            return False
+        error = _translated(self._translator, exc, self._context)
         if error is None:
-            raise
+            return False
         raise error from exc
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
@@ -64,6 +65,7 @@ SELECT nextval($2::regclass) FROM attempt WHERE attempt.taken
 RESET = "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; DISCARD TEMP"
 
 
+@functools.lru_cache(maxsize=4096)  # hashed on every take; names repeat
 def lock_key(name: str, schema: str = "public") -> int:
     """The advisory lock key (a signed 64-bit int) of lock ``name`` with tokens in ``schema``.
 

@@ -19,6 +19,7 @@ from .._kit import (
     RenewOutcome,
     TaskHost,
     Unknown,
+    now,
     redact,
     translate,
 )
@@ -224,7 +225,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             connection, reused = await self._sessions.take()
             try:
                 with self._errors(f"taking {request.name!r}"):
-                    sent_at = anyio.current_time()
+                    sent_at = now()
                     row = await connection.fetchrow(
                         TAKE, key, self.sequence, ttl_ms, timeout=self.op_timeout
                     )
@@ -235,7 +236,7 @@ class PostgresBackend(Backend[PostgresGrant]):
                         replacements.worked()
                         # Queue in the server; the caller's cancel scope bounds the wait.
                         await connection.execute(WAIT, key, ttl_ms)
-                        sent_at = anyio.current_time()
+                        sent_at = now()
                         row = await connection.fetchrow(
                             TOKEN, self.sequence, timeout=self.op_timeout
                         )
@@ -317,7 +318,7 @@ class PostgresBackend(Backend[PostgresGrant]):
                 # Its statement is in flight. A renewal just sent on a healthy server is back
                 # within milliseconds; one that has not come back by now (a hung server, often
                 # why the lease was lost) is not waited for: closing frees the lock just the same.
-                left = renewal.sent_at + _RENEWAL_WAIT - anyio.current_time()
+                left = renewal.sent_at + _RENEWAL_WAIT - now()
                 if left <= 0 or not await renewal.finished(left):
                     self._sessions.discard(connection)
                     return

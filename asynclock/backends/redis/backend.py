@@ -53,6 +53,7 @@ from .._kit import (
     TaskHost,
     WaiterRegistry,
     finish,
+    now,
     parse_host,
     redact,
     translate,
@@ -272,7 +273,7 @@ class RedisBackend(Backend[Grant]):
     ) -> tuple[Grant | None, int]:
         ms = lua.ttl_ms(request.ttl)
         lane = self._connected()
-        sent_at = anyio.current_time()
+        sent_at = now()
         with translate(ERRORS, f"taking lock {request.name!r} on {self.describe()}"):
             reply = await lane.script(
                 lua.TAKE,
