@@ -1,17 +1,25 @@
-"""The clock of leases and cancel scopes: ``anyio.current_time()``, cheaply on asyncio.
+"""The event loop's cheap primitives: the clock, cancel scopes and a checkpoint, on asyncio.
 
-``anyio.current_time()`` finds the running library (sniffio) on every call, which costs more than
-the rest of an uncontended ``lock()`` + release does on the in-process backend, where the clock is
-read several times. On asyncio the same value is the running loop's ``time()``.
+``anyio.current_time()``, ``anyio.CancelScope()`` and ``anyio.lowlevel.checkpoint()`` find the
+running library (sniffio) on every call. On the hot path of an uncontended ``lock()`` + release
+on the in-process backend, that lookup cost more than the rest of the cycle. On asyncio the same
+things are the running loop's ``time()``, anyio's asyncio scope class, and ``asyncio.sleep(0)``
+(which is what anyio's asyncio checkpoint awaits). Elsewhere (trio) they are anyio's own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import types
+from collections.abc import Awaitable, Callable, Generator
 
 import anyio
+import anyio.lowlevel
 
-__all__ = ("now",)
+__all__ = ("cancel_scope", "checkpoint", "now")
+
+#: anyio's asyncio cancel scope class, learnt from the first scope anyio makes on asyncio.
+_asyncio_scope: Callable[..., anyio.CancelScope] | None = None
 
 
 def now() -> float:
@@ -20,3 +28,33 @@ def now() -> float:
         return asyncio.get_running_loop().time()
     except RuntimeError:  # trio (or no event loop, where anyio raises its own error)
         return anyio.current_time()
+
+
+def cancel_scope(*, shield: bool = False) -> anyio.CancelScope:
+    """``anyio.CancelScope(shield=shield)``, without looking up the event loop library."""
+    global _asyncio_scope
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return anyio.CancelScope(shield=shield)
+    if _asyncio_scope is None:
+        scope = anyio.CancelScope(shield=shield)
+        _asyncio_scope = type(scope)
+        return scope
+    return _asyncio_scope(shield=shield)
+
+
+def checkpoint() -> Awaitable[None]:
+    """``anyio.lowlevel.checkpoint()``: let other tasks run, and take a pending cancellation."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return anyio.lowlevel.checkpoint()
+    return _yield_to_loop()
+
+
+@types.coroutine
+def _yield_to_loop() -> Generator[None, None, None]:
+    # A bare yield is how asyncio.sleep(0) lets the loop run once (asyncio's __sleep0), here
+    # without the coroutine around it.
+    yield

@@ -115,21 +115,26 @@ class Observer:
 class Events:
     """One client's hub: calls each subscribed observer, in order of subscription."""
 
-    __slots__ = ("_observers", "source")
+    __slots__ = ("_observers", "active", "source")
 
     def __init__(self, source: Source) -> None:
         self.source = source
         self._observers: list[Observer] = []
+        #: Whether anyone subscribed: the core reads this on every acquire and release before
+        #: doing anything for observers (an attribute, not ``__bool__``: no call on that path).
+        self.active = False
 
     def __bool__(self) -> bool:
-        return bool(self._observers)
+        return self.active
 
     def subscribe(self, observer: Observer) -> None:
         self._observers.append(observer)
+        self.active = True
 
     def unsubscribe(self, observer: Observer) -> None:
         if observer in self._observers:
             self._observers.remove(observer)
+        self.active = bool(self._observers)
 
     def emit(self, event: str, *args: Any) -> None:
         """Call ``event`` on every observer with the source and ``args``."""

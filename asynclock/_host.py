@@ -31,7 +31,7 @@ from ._clock import now
 from ._errors import BackendTimeout, UnsupportedFeature
 from ._events import Events, Source
 from ._lease import Lease
-from ._scope import release_all
+from ._scope import Deadlines, release_all
 from ._shield import Deferred, finish, on_asyncio
 from ._state import StateTracker
 from ._supervisor import Supervisor
@@ -66,6 +66,8 @@ class BackendHost:
         self.events = Events(Source(backend=described.split(":", 1)[0], address=described))
         self.connection = StateTracker(self.events)
         self.supervisor = Supervisor(backend, self.events, self.connection)
+        #: Cancels bodies whose leases reach their local deadline.
+        self.deadlines = Deadlines()
         self._task_group: TaskGroup | None = None
         # Made in open(): anyio primitives need a running event loop, and a client may be
         # made at import time. The renewal task has its own scope so that closing the client
@@ -249,7 +251,7 @@ class BackendHost:
         if lease.released:
             return
         lease._check_deadline()
-        lost = lease.lost
+        lost = lease._lost_reason is not None
         lease._mark_released()
         self.supervisor.discard(lease)
         _fencing.discard(lease)
@@ -257,7 +259,7 @@ class BackendHost:
         # A lost lease is released only so that nothing stays behind: the caller need not wait
         # for a server that may be hanging (that is often why the lease was lost).
         wait = min(self._release_timeout, _LOST_RELEASE_WAIT) if lost else self._release_timeout
-        if self.events:
+        if self.events.active:
             held = now() - grant.valid_from
             self.events.emit("released", grant.name, held, lost)
         try:
@@ -291,7 +293,9 @@ class BackendHost:
 
     async def _renew(self) -> None:
         with self._renewal_scope:
-            await self.supervisor.run()
+            async with anyio.create_task_group() as watchers:
+                watchers.start_soon(self.deadlines.run, name="asynclock deadlines")
+                await self.supervisor.run()
 
 
 def check_event_loop(backend: Backend[Grant], url: str) -> None:

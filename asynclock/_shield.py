@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 
-from ._clock import now
+from ._clock import cancel_scope, now
 
 logger = logging.getLogger("asynclock")
 
@@ -46,9 +47,19 @@ async def finish(
     """
     deadline = now() + timeout
     interrupted: BaseException | None = None
-    with anyio.CancelScope(shield=True, deadline=deadline) as scope:
+    with cancel_scope(shield=True) as scope:
         try:
-            await cleanup()
+            # The first step runs before the scope gets its deadline: a cleanup that ends
+            # without suspending (a release with nothing to wait for) then costs no timer,
+            # which is as much as the rest of a lock cycle on memory://. One that suspends
+            # gets the deadline before its first wait reaches the event loop.
+            steps = cleanup().__await__()
+            try:
+                waiting_on = steps.send(None)
+            except StopIteration:
+                return True
+            scope.deadline = deadline
+            await _Resumed(steps, waiting_on)
         except anyio.get_cancelled_exc_class() as exc:
             if scope.cancel_called:
                 raise  # our own deadline: the scope swallows it
@@ -62,6 +73,33 @@ async def finish(
     if not done:
         _give_up(what, timeout, unfinished)
     raise interrupted
+
+
+class _Resumed:
+    """Awaits the rest of a coroutine whose first step has already run (and yielded
+    ``waiting_on`` to the event loop): every later step is passed through unchanged."""
+
+    __slots__ = ("_steps", "_waiting_on")
+
+    def __init__(self, steps: Generator[Any, Any, Any], waiting_on: Any) -> None:
+        self._steps = steps
+        self._waiting_on = waiting_on
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        steps, waiting_on = self._steps, self._waiting_on
+        while True:
+            try:
+                sent = yield waiting_on
+            except BaseException as exc:  # a cancellation, or what the loop throws in
+                try:
+                    waiting_on = steps.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    waiting_on = steps.send(sent)
+                except StopIteration as stop:
+                    return stop.value
 
 
 def _give_up(what: str, timeout: float, unfinished: Callable[[], None] | None) -> None:

@@ -64,7 +64,7 @@ class StateTracker:
         self.state = state
         for listener in tuple(self._listeners):
             listener._push(change)
-        if self._events:
+        if self._events.active:
             self._events.emit("state_changed", change)
 
 

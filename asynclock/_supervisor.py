@@ -27,7 +27,8 @@ class Supervisor:
 
     A renewal call is bounded by the earliest deadline in its batch: a server that hangs cannot
     hold the loop past the moment the lease must be given up. Deadlines themselves do not depend on
-    this loop at all (they are cancel scope deadlines), so a stuck loop never delays a cancellation.
+    this loop at all (the client's ``Deadlines`` task in :mod:`asynclock._scope` enforces them), so a
+    stuck loop never delays a cancellation.
     """
 
     def __init__(self, backend: Backend[Grant], events: Events, state: StateTracker) -> None:
@@ -129,7 +130,7 @@ class Supervisor:
         unknown = [outcome for outcome in outcomes if isinstance(outcome, Unknown)]
         reached = len(unknown) < len(outcomes)
         self._state.reached(reached, None if reached else unknown[0].error)
-        if self._events:
+        if self._events.active:
             lost = any(isinstance(outcome, Lost) for outcome in outcomes)
             result = "lost" if lost else "renewed" if reached else "failed"
             self._events.emit("renewed", len(outcomes), latency, result)

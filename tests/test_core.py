@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -90,6 +91,51 @@ async def test_a_hung_renewal_cancels_the_body_before_the_server_expiry(
     # ... and not long before: the deadline is ttl * (1 - drift) - margin.
     assert cancelled_at >= acquired_at + ttl * 0.99 - 0.1 - 0.01
     assert "a" in info.value.reason or "deadline" in info.value.reason
+
+
+async def test_a_lease_taken_while_a_renewal_hangs_is_cancelled_at_its_own_deadline(
+    locks: asynclock.LockClient,
+) -> None:
+    # The renewal loop is stuck in a renewal of "long" (bounded by long's deadline only), so it
+    # cannot end "short" in time; the client's deadline task, asleep until long's deadline,
+    # must be woken for short's earlier one.
+    memory(locks).faults.renew = "hang"
+    async with locks.lock("long", ttl=1.5) as long_lease:
+        await anyio.sleep_until(long_lease.next_renewal + 0.05)  # its renewal hangs now
+        with pytest.raises(asynclock.LeaseLost, match="local deadline"):
+            async with locks.lock("short", ttl=0.4) as short_lease:
+                await anyio.sleep(10)
+        cancelled_at = anyio.current_time()
+        assert cancelled_at < short_lease.grant.valid_from + 0.4  # before the server's expiry
+        assert not long_lease.lost
+
+
+async def test_a_renewed_body_outlives_its_first_deadline(locks: asynclock.LockClient) -> None:
+    # Renewals move the deadline later: the deadline task wakes at the old one, finds the lease
+    # renewed, and sleeps again instead of cancelling.
+    async with locks.lock("renewed", ttl=0.3) as lease:
+        first_deadline = lease.deadline
+        await anyio.sleep_until(first_deadline + 0.2)
+        assert not lease.lost
+        assert lease.deadline > first_deadline
+
+
+def test_owner_secrets_are_unique_and_a_forked_child_draws_its_own() -> None:
+    from asynclock._lease import new_owner
+
+    drawn = {new_owner() for _ in range(1000)}
+    assert len(drawn) == 1000
+    assert all(len(secret) == 32 and int(secret, 16) >= 0 for secret in drawn)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first secret must not be the parent's next one
+        os.write(write_end, new_owner().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read_end, 64).decode()
+    os.close(read_end)
+    os.close(write_end)
+    assert child != new_owner()
 
 
 async def test_failing_renewals_do_not_move_the_deadline(locks: asynclock.LockClient) -> None:
@@ -515,4 +561,4 @@ async def test_an_observer_that_raises_is_dropped_not_allowed_to_break_a_lock(
     async with locks.lock("a", ttl=1.0):
         pass
     assert "observer bug" in caplog.text
-    assert not locks._events  # unsubscribed
+    assert not locks._events.active  # unsubscribed

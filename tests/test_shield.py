@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from asynclock._shield import finish
@@ -100,3 +101,46 @@ async def test_errors_of_the_cleanup_propagate() -> None:
 
     with pytest.raises(OSError, match="refused"):
         await finish(broken, timeout=1, what="broken")
+
+
+async def test_a_cleanup_that_never_suspends_finishes_inline_and_keeps_a_pending_cancel() -> None:
+    calls: list[str] = []
+
+    async def local_release() -> None:  # like the in-process backend's release
+        calls.append("released")
+
+    with anyio.CancelScope() as outer:
+        outer.cancel()
+        assert await finish(local_release, timeout=1, what="local") is True
+        assert calls == ["released"]
+        await anyio.lowlevel.checkpoint()  # the caller's cancellation is still delivered
+        pytest.fail("the cancellation was swallowed")
+    assert outer.cancelled_caught
+
+
+class ScopedCleanup(Cleanup):
+    """A cleanup whose first step enters a cancel scope of its own and waits inside it (as a
+    backend's release bounded by ``anyio.fail_after`` does): finish's shield must enclose it."""
+
+    async def __call__(self) -> None:
+        self.started += 1
+        with anyio.CancelScope():
+            await anyio.sleep(self.seconds)
+        self.finished += 1
+
+
+async def test_a_cleanup_with_its_own_scope_nests_inside_the_shield() -> None:
+    cleanup = ScopedCleanup(0.05)
+    with anyio.move_on_after(0.01) as scope:
+        assert await finish(cleanup, timeout=5, what="scoped") is True
+        await anyio.sleep(1)
+    assert scope.cancelled_caught
+    assert (cleanup.started, cleanup.finished) == (1, 1)
+
+
+async def test_a_cleanup_with_its_own_scope_is_still_bounded_by_the_timeout() -> None:
+    cleanup = ScopedCleanup(10)
+    started = anyio.current_time()
+    assert await finish(cleanup, timeout=0.1, what="scoped and slow") is False
+    assert cleanup.finished == 0
+    assert anyio.current_time() - started < 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Self
 from urllib.parse import urlsplit
@@ -33,6 +33,7 @@ from ._kit import (
     RenewOutcome,
     Unknown,
     WaiterRegistry,
+    checkpoint,
     now,
     redact,
     split_userinfo,
@@ -205,26 +206,30 @@ class MemoryBackend(Backend[Grant]):
         lock.holder = _Holder(request.owner, sent_at + request.ttl, request.on_lost)
         return Grant(request.name, request.owner, lock.counter, sent_at, request.ttl)
 
-    async def _server(self) -> None:
+    def _server(self) -> Awaitable[None]:
         """Where a call meets the "server": a checkpoint, or a wait while it is paused (a
-        release only checkpoints while paused)."""
-        await anyio.lowlevel.checkpoint()
+        release only checkpoints while paused). Not a coroutine itself: on the common path it
+        is the checkpoint, one frame fewer for every call."""
+        if self.faults.paused:
+            return self._paused()
+        return checkpoint()
+
+    async def _paused(self) -> None:
+        await checkpoint()
         while self.faults.paused:  # noqa: ASYNC110 (a test fault, set from outside)
             await anyio.sleep(0.005)
 
-    async def _reach(self, name: str) -> _Lock:
-        await self._server()
-        return self._store.get(name)
-
     async def try_acquire(self, request: LockRequest) -> Grant | None:
-        lock = await self._reach(request.name)
+        await self._server()
+        lock = self._store.get(request.name)
         at = now()
         if lock.free(at) and not lock.waiters:
             return self._take(lock, request, at)
         return None
 
     async def acquire(self, request: LockRequest) -> Grant:
-        lock = await self._reach(request.name)
+        await self._server()
+        lock = self._store.get(request.name)
         lock.waiters.append(request.owner)
         try:
             while True:
