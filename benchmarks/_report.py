@@ -8,16 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ._targets import TARGETS as TARGET_CLASSES
-
-#: Targets from issue #9: (backend, floor the p50 is compared with, most p50 / floor, most
-#: 8-contender handoff p99 in ms).
-TARGETS: tuple[tuple[str, str, float, float], ...] = (
-    ("redis", "floor", 2.5, 3.0),
-    ("etcd", "pair", 1.5, 5.0),
-    ("zookeeper", "pair", 1.5, 4.0),
-    ("postgres", "pair", 1.3, 2.0),
-)
+from ._goals import evaluate
 
 
 def _ok(record: Any) -> bool:
@@ -86,53 +77,9 @@ def handoff_record(
 
 
 def evaluate_targets(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each issue #9 target: what was measured and whether it was met (None: not measured)."""
-    rows: list[dict[str, Any]] = []
-    for backend, floor_key, most_ratio, most_handoff in TARGETS:
-        entry = data.get("backends", {}).get(backend, {})
-        measured = entry.get("status") == "measured"
-        floor = entry.get(floor_key) if measured else None
-        p50 = entry.get("uncontended", {}).get("p50_ms") if measured else None
-        label = getattr(TARGET_CLASSES[backend], f"{floor_key}_label", None) or floor_key
-        floor_p50 = floor.get("p50_ms") if _ok(floor) and isinstance(floor, dict) else None
-        if isinstance(p50, (int, float)) and isinstance(floor_p50, (int, float)) and floor_p50 > 0:
-            value = p50 / floor_p50
-            rows.append(
-                {
-                    "backend": backend,
-                    "target": f"uncontended p50 <= {most_ratio:g}x {label}",
-                    "measured": f"{value:.2f}x ({ms(p50)} ms vs {ms(floor_p50)} ms)",
-                    "met": value <= most_ratio,
-                }
-            )
-        else:
-            rows.append(
-                {
-                    "backend": backend,
-                    "target": f"uncontended p50 <= {most_ratio:g}x {label}",
-                    "measured": "not measured"
-                    + ("" if measured else f" ({entry.get('reason', 'not run')})"),
-                    "met": None,
-                }
-            )
-        for hold in (0.0, 1.0):
-            record = handoff_record(entry, 8, hold) if measured else None
-            p99 = record["handoff"].get("p99_ms") if record else None
-            target = f"8-task handoff p99 <= {most_handoff:g} ms (hold {hold:g} ms)"
-            if isinstance(p99, (int, float)):
-                rows.append(
-                    {
-                        "backend": backend,
-                        "target": target,
-                        "measured": f"{ms(p99)} ms",
-                        "met": p99 <= most_handoff,
-                    }
-                )
-            else:
-                rows.append(
-                    {"backend": backend, "target": target, "measured": "not measured", "met": None}
-                )
-    return rows
+    """Each issue #18 target: what was measured, whether it was met, by how much it was missed
+    (``met`` None: not measured)."""
+    return evaluate(data)
 
 
 def slower_than_peers(data: dict[str, Any]) -> list[str]:
@@ -508,7 +455,7 @@ def markdown(data: dict[str, Any]) -> str:
         if notes:
             out += ["", *notes]
 
-    out += ["", "## Targets (issue #9)", ""]
+    out += ["", "## Targets (issue #18)", ""]
     target_rows = evaluate_targets(data)
     out += _table(
         ["backend", "target", "measured", "met"],

@@ -718,6 +718,9 @@ async def measure_peer(peer: Peer, settings: Settings, tag: str) -> dict[str, An
         for hold in settings.holds
     ]
     runs[0] = replace(runs[0], duration=min(runs[0].duration, max(0.2, share * 0.15)))
+    if settings.mode != "smoke" and settings.peer_contenders != 2:
+        # Issue #18 compares 2-task throughput too (etcd against aetcd).
+        runs.append(Run(2, 0.0, settings.peer_duration, settings.grace))
     limit = latency.seconds + sum(r.duration + r.grace + 10 for r in runs) + 60
     if isinstance(peer, AsyncPeer):
         result.update(
