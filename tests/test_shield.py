@@ -144,3 +144,15 @@ async def test_a_cleanup_with_its_own_scope_is_still_bounded_by_the_timeout() ->
     assert await finish(cleanup, timeout=0.1, what="scoped and slow") is False
     assert cleanup.finished == 0
     assert anyio.current_time() - started < 1
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_a_cleanup_with_its_own_scope_survives_native_cancels(cancels: int) -> None:
+    cleanup = ScopedCleanup(0.05)
+    task = asyncio.create_task(finish(cleanup, timeout=5, what="scoped"))
+    for _ in range(cancels):
+        await asyncio.sleep(0.01)
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleanup.finished >= 1  # run again from the start, in a task of its own
