@@ -286,16 +286,8 @@ class LockClient:
                 "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
             )
         margin = self._margin_for(ttl)
-        holder: list[Lease] = []
-        early_loss: list[str] = []
-
-        def lost(reason: str) -> None:
-            if holder:
-                holder[0]._mark_lost(reason)
-            else:
-                early_loss.append(reason)
-
-        request = LockRequest(name=name, ttl=ttl, owner=new_owner(), on_lost=lost)
+        losses = _LossBeforeLease()
+        request = LockRequest(name=name, ttl=ttl, owner=new_owner(), on_lost=losses.report)
         events = self._events
         # Timed only when someone observes; None tells an observer who subscribed meanwhile
         # that this acquire was not timed.
@@ -340,9 +332,7 @@ class LockClient:
             releaser=self._host.release,
             on_loss=self._on_loss,
         )
-        holder.append(lease)
-        for reason in early_loss:
-            lease._mark_lost(reason)
+        losses.hand_to(lease)
         self._supervisor.add(lease)
         if track_context:
             _fencing.push(lease)
@@ -450,3 +440,27 @@ async def try_then_wait(
     with anyio.move_on_at(deadline):
         return await wait()
     return None
+
+
+class _LossBeforeLease:
+    """``LockRequest.on_lost`` of one acquire: a loss the backend reports before the lease
+    exists (between the grant and its registration) is kept and handed to it."""
+
+    __slots__ = ("_lease", "_reasons")
+
+    def __init__(self) -> None:
+        self._lease: Lease | None = None
+        self._reasons: list[str] | None = None
+
+    def report(self, reason: str) -> None:
+        if self._lease is not None:
+            self._lease._mark_lost(reason)
+        elif self._reasons is None:
+            self._reasons = [reason]
+        else:
+            self._reasons.append(reason)
+
+    def hand_to(self, lease: Lease) -> None:
+        self._lease = lease
+        for reason in self._reasons or ():
+            lease._mark_lost(reason)
