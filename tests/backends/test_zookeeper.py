@@ -90,6 +90,10 @@ async def wait_until_children(admin: ZKClient, parent: str, count: int) -> list[
     return await children(admin, parent)
 
 
+async def _count(admin: ZKClient, parent: str, count: int) -> bool:
+    return len(await children(admin, parent)) == count
+
+
 async def node_exists(admin: ZKClient, path: str) -> bool:
     exists: bool = await admin.exists(path)
     return exists
@@ -875,6 +879,56 @@ async def test_200_waiters_are_served_in_arrival_order_without_a_herd(
             assert all(1 <= len(ids) <= 2 for ids in in_queue.values())
             await holder.release()
     assert served == list(range(200))
+
+
+async def test_only_a_holders_release_lets_the_waiter_behind_skip_listing_the_queue(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    """An exclusive release names its node in the parent's data, in the transaction that
+    deletes it: the waiter that watched it takes the lock without listing the queue. A node
+    that goes any other way (a cancelled waiter, another client's session closing, a reader's
+    release) leaves the data alone, and the waiter behind it waits on for the nodes ahead."""
+    url = f"{zookeeper_server.url}{chroot}"
+    parent = f"{chroot}/mark"
+    served: list[str] = []
+    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+        holder = await locks.acquire("mark", ttl=5)
+        holder_node = grant_of(holder).path.rpartition("/")[2]
+        cancelled = anyio.CancelScope()
+
+        async def waiter(label: str) -> None:
+            async with other.lock("mark", ttl=5):
+                served.append(label)
+
+        async def cancelled_waiter() -> None:
+            with cancelled:
+                await waiter("cancelled")
+
+        async with anyio.create_task_group() as tg:
+            async with zk_admin(zookeeper_server.address) as foreign:
+                # The queue: the holder, a node of another session, then waiters that each
+                # watch the node just before their own.
+                await foreign.create(f"{parent}/_c_foreign-lock-", ephemeral=True, sequential=True)
+                tg.start_soon(cancelled_waiter)
+                await wait_until_children(admin, parent, 3)
+                tg.start_soon(waiter, "second")
+                await wait_until_children(admin, parent, 4)
+                tg.start_soon(waiter, "third")
+                await wait_until_children(admin, parent, 5)
+                cancelled.cancel()  # "second" watched its node
+                await until(lambda: _count(admin, parent, 4))
+            # The foreign session closed, and its node went with it: "second" watched it next.
+            await until(lambda: _count(admin, parent, 3))
+            await anyio.sleep(0.3)
+            assert served == [], "a waiter took the lock while the holder still held it"
+            assert await admin.get_data(parent) != holder_node.encode()
+            await holder.release()
+            await until(lambda: served == ["second", "third"])
+        last = await admin.get_data(parent)
+        assert last.startswith(b"_c_") and last != holder_node.encode()
+        async with ReadWriteLock(locks, "mark").read(ttl=5):
+            pass
+        assert await admin.get_data(parent) == last  # a reader's release writes nothing
 
 
 # -- ensemble --------------------------------------------------------------------------------

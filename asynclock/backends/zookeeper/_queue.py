@@ -68,6 +68,9 @@ class Attempt:
             while True:
                 assert self.node is not None
                 ahead = blockers(children, self.node, self.kind)
+                # A waiter keeps the node it watches, not the listing (a name per node of the
+                # queue): its memory stays the same however long the queue.
+                del children
                 if ahead is None:
                     # Our node is gone (deleted by someone, or its session expired): queue again.
                     if session.dead:
@@ -79,14 +82,17 @@ class Attempt:
                     return self._granted(czxid, listed_at)
                 if not wait:
                     return None
-                watched = ahead[-1]
+                watched, alone = ahead[-1], len(ahead) == 1
+                del ahead
                 gone_since = await self._wait_for(f"{self.parent}/{watched}")
-                if gone_since is not None and len(ahead) == 1:
+                if gone_since is not None and alone:
                     # The only node ahead that blocked us is gone, and a node created later
                     # always gets a higher sequence number: the lock is ours, no need to list.
-                    children = [child for child in children if child != watched]
-                    listed_at = gone_since
-                    continue
+                    return self._granted(czxid, gone_since)
+                if gone_since is not None:
+                    released_at = await self._released_by_holder(watched)
+                    if released_at is not None:
+                        return self._granted(czxid, released_at)
                 listed_at = anyio.current_time()
                 (reply,) = await session.call_retrying(
                     zk.GetChildrenRequest(path=self.parent, watch=False)
@@ -244,6 +250,28 @@ class Attempt:
         finally:
             session.drop_watch(path, wake)
             session.drop_listener(state_changed)
+
+    async def _released_by_holder(self, node: str) -> float | None:
+        """Whether ``node``, a node ahead of ours that is gone, went with its holder's release.
+
+        Then nothing ahead of it is left (it held the lock, and no node is ever created ahead
+        of another), so the lock is ours without listing the queue: a hand-over costs the
+        same whatever the queue's length. An exclusive holder's release names its node in the
+        parent's data, in the transaction that deletes it (:meth:`LockSession.release`); a
+        node that went any other way (a cancelled waiter, an expired session, an operator)
+        leaves the parent's data alone, and the queue is listed. Returns when the check was
+        sent (a valid ``valid_from``), or None.
+        """
+        entries = queue([node])
+        if not entries or entries[0].kind != EXCLUSIVE:
+            return None  # readers hold together: one leaving proves nothing about the others
+        sent_at = anyio.current_time()
+        (reply,) = await self.session.call_retrying(
+            zk.GetDataRequest(path=self.parent, watch=False)
+        )
+        if isinstance(reply, Exception) or reply.data != node.encode():
+            return None
+        return sent_at
 
     def _orphan_prefix(self) -> str:
         # Unsure (a create or a duplicate delete whose outcome is unknown): every node of this
