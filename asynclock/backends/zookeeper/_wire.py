@@ -32,6 +32,7 @@ __all__ = (
     "NO_EVENT",
     "PING_XID",
     "WATCH_XID",
+    "Children",
     "Connection",
     "CreateContainerRequest",
     "Identity",
@@ -52,6 +53,7 @@ AUTH_XID = -4
 WATCH_XID = -1
 NO_EVENT = -1
 _MAX_FRAME = 64 * 1024 * 1024
+_INT = struct.Struct("!i")
 
 #: Pauses between passes over the servers while a session reconnects (each jittered down to
 #: half). The cap bounds how long after a leader election the client is back: members refuse
@@ -67,9 +69,34 @@ class CreateContainerRequest(Create2Request):  # type: ignore[misc]
     opcode = 19
 
 
+class Children:
+    """A ``getChildren`` reply, read in one tight loop: aiozk's generic reader takes five times
+    as long, and every waiter reads a listing (a name per node of its queue) when it queues."""
+
+    __slots__ = ("children",)
+    opcode = zk.GetChildrenRequest.opcode
+
+    def __init__(self, children: list[str]) -> None:
+        self.children = children
+
+    @classmethod
+    def deserialize(cls, body: bytes) -> Children:
+        (count,) = _INT.unpack_from(body)
+        children: list[str] = []
+        offset = 4
+        for _ in range(count):
+            (size,) = _INT.unpack_from(body, offset)
+            offset += 4
+            children.append(body[offset : offset + size].decode())
+            offset += size
+        return cls(children)
+
+
 def response_class(opcode: int) -> Any:
     if opcode == CreateContainerRequest.opcode:
         return zk.Create2Response
+    if opcode == Children.opcode:
+        return Children
     return zk.response_xref[opcode]
 
 
