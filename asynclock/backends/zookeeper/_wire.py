@@ -222,30 +222,48 @@ class Pending:
 
 
 class Watches:
-    """Callbacks for watch events, by path (a watch fires once)."""
+    """Callbacks for watch events, by path (a watch fires once).
+
+    A path's one callback is kept as it is, and a set made only when several wait for the
+    same path: each waiter watches the node just before its own, so one each is the rule.
+    """
 
     def __init__(self) -> None:
-        self._callbacks: dict[str, set[Callable[[int], None]]] = {}
+        self._callbacks: dict[str, _Callback | set[_Callback]] = {}
 
     def __len__(self) -> int:
-        return sum(len(callbacks) for callbacks in self._callbacks.values())
+        return sum(len(c) if isinstance(c, set) else 1 for c in self._callbacks.values())
 
-    def add(self, path: str, callback: Callable[[int], None]) -> None:
-        self._callbacks.setdefault(path, set()).add(callback)
+    def add(self, path: str, callback: _Callback) -> None:
+        known = self._callbacks.get(path)
+        if known is None:
+            self._callbacks[path] = callback
+        elif isinstance(known, set):
+            known.add(callback)
+        elif known != callback:
+            self._callbacks[path] = {known, callback}
 
-    def drop(self, path: str, callback: Callable[[int], None]) -> None:
-        callbacks = self._callbacks.get(path)
-        if callbacks is not None:
-            callbacks.discard(callback)
-            if not callbacks:
+    def drop(self, path: str, callback: _Callback) -> None:
+        known = self._callbacks.get(path)
+        if isinstance(known, set):
+            known.discard(callback)
+            if not known:
                 del self._callbacks[path]
+        elif known is not None and known == callback:
+            del self._callbacks[path]
 
     def fire(self, path: str, event_type: int) -> None:
-        for callback in self._callbacks.pop(path, ()):
+        known = self._callbacks.pop(path, None)
+        if known is None:
+            return
+        for callback in known if isinstance(known, set) else (known,):
             callback(event_type)
 
     def clear(self) -> None:
         self._callbacks.clear()
+
+
+_Callback = Callable[[int], None]
 
 
 @dataclass(slots=True)
