@@ -3,8 +3,9 @@ the order they started waiting, in a time that grows linearly with their number.
 
 Each waiter is started only once the one before it is queued on the server (``inspect`` counts
 it), so the order is defined. The clock runs from the holder's release until the last waiter
-is inside the lock: hand-overs only, not the queueing. The same run with 100 waiters, on the
-same clients, gives the ratio.
+is inside the lock: hand-overs only, not the queueing (which takes most of the test's time:
+every waiter is queued and counted before the next starts, and on ZooKeeper and etcd counting
+lists the whole queue). The same with 100 waiters, on the same clients, gives the ratio.
 
 Figures go to the file named by ``ASYNCLOCK_SCALE_REPORT`` (JSON lines), when it is set.
 """
@@ -12,6 +13,7 @@ Figures go to the file named by ``ASYNCLOCK_SCALE_REPORT`` (JSON lines), when it
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 from typing import Any
@@ -35,6 +37,9 @@ MAX_WAITERS_IN_ONE_CLIENT: dict[str, int] = {"postgres": 250}
 #: The large run may take this many times longer per waiter than the small one (noise on a
 #: shared machine, a server's garbage collection): linear growth is ratio ~ waiters / FEW.
 LINEAR_MARGIN = 2.0
+#: The large run is repeated once (the faster counts) when it took this many times longer
+#: per waiter than the small one: a burst of load elsewhere on the machine, or the real thing.
+RETRY_ABOVE = 1.25
 #: The longest either run may take, queueing included: a hang fails the test, never the suite.
 RUN_LIMIT = 60.0
 
@@ -84,9 +89,17 @@ async def pass_all(
             for index in range(count):
                 tg.start_soon(wait, index)
                 await _queued(holder, name, index + 1)
-            released = anyio.current_time()
-            await lease.release()
-            await done.wait()
+            # The 1,000 waiting tasks are a large heap, which every full pass of Python's
+            # cyclic collector walks (tens of ms each, more of them the more is allocated):
+            # the clock is for the hand-overs, so the collector leaves them out.
+            gc.collect()
+            gc.freeze()
+            try:
+                released = anyio.current_time()
+                await lease.release()
+                await done.wait()
+            finally:
+                gc.unfreeze()
     assert order == list(range(count)), "the waiters got the lock out of the order they queued"
     return last_in - released
 
@@ -99,12 +112,18 @@ async def test_1000_waiters_get_the_lock_in_fifo_order_in_linear_time(
     before = _tasks()
     async with backend.connect() as holder, backend.connect() as locks:
         started = anyio.current_time()
-        few = await pass_all(holder, locks, f"{name}/few", FEW, ttl)
-        large = await pass_all(holder, locks, f"{name}/many", many, ttl)
+        # Load from elsewhere on a shared machine only ever adds time: the best of a few runs
+        # is the cost (three small ones, and a second large one when the first looks slow).
+        fews = [await pass_all(holder, locks, f"{name}/few{run}", FEW, ttl) for run in range(3)]
+        few = min(fews)
+        larges = [await pass_all(holder, locks, f"{name}/many", many, ttl)]
+        if larges[0] / few > many / FEW * RETRY_ABOVE:
+            larges.append(await pass_all(holder, locks, f"{name}/many-again", many, ttl))
+        large = min(larges)
         spent = anyio.current_time() - started
     assert _tasks() == before, "tasks left running after the clients closed"
     bound = many / FEW * LINEAR_MARGIN
-    report(backend, few=FEW, many=many, few_s=few, many_s=large, total_s=spent)
+    report(backend, few=FEW, many=many, few_s=fews, many_s=larges, total_s=spent)
     print(
         f"{backend.name}: {FEW} waiters passed in {few * 1e3:.1f} ms, {many} in "
         f"{large * 1e3:.1f} ms (ratio {large / few:.1f}, bound {bound:g}); {spent:.1f} s in all"
