@@ -20,6 +20,7 @@ from aiozk import ZKClient, exc, protocol
 
 import asynclock
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
+from asynclock.backends.zookeeper._queue import MARK_AFTER
 from asynclock.extras.zookeeper import ReadWriteLock
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble, ZooKeeperServer
 from tests.contract.backend_zookeeper import (
@@ -884,16 +885,16 @@ async def test_200_waiters_are_served_in_arrival_order_without_a_herd(
 async def test_only_a_holders_release_lets_the_waiter_behind_skip_listing_the_queue(
     zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
 ) -> None:
-    """An exclusive release names its node in the parent's data, in the transaction that
-    deletes it: the waiter that watched it takes the lock without listing the queue. A node
-    that goes any other way (a cancelled waiter, another client's session closing, a reader's
-    release) leaves the data alone, and the waiter behind it waits on for the nodes ahead."""
+    """A lease that queued behind a long queue names its node in the parent's data when it is
+    released, in the transaction that deletes it: the waiter that watched it takes the lock
+    without listing the queue. A node that goes any other way (a cancelled waiter, another
+    client's session closing, a release without the mark) leaves the data alone, and the
+    waiter behind it waits on for the nodes still ahead."""
     url = f"{zookeeper_server.url}{chroot}"
     parent = f"{chroot}/mark"
     served: list[str] = []
     async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
-        holder = await locks.acquire("mark", ttl=5)
-        holder_node = grant_of(holder).path.rpartition("/")[2]
+        holder = await locks.acquire("mark", ttl=5)  # granted at once: its release has no mark
         cancelled = anyio.CancelScope()
 
         async def waiter(label: str) -> None:
@@ -906,29 +907,30 @@ async def test_only_a_holders_release_lets_the_waiter_behind_skip_listing_the_qu
 
         async with anyio.create_task_group() as tg:
             async with zk_admin(zookeeper_server.address) as foreign:
-                # The queue: the holder, a node of another session, then waiters that each
-                # watch the node just before their own.
-                await foreign.create(f"{parent}/_c_foreign-lock-", ephemeral=True, sequential=True)
+                # The queue: the holder, MARK_AFTER nodes of another session, then waiters
+                # that each watch the node just before their own.
+                for _ in range(MARK_AFTER):
+                    await foreign.create(
+                        f"{parent}/_c_foreign-lock-", ephemeral=True, sequential=True
+                    )
+                tg.start_soon(waiter, "first")
+                await wait_until_children(admin, parent, MARK_AFTER + 2)
                 tg.start_soon(cancelled_waiter)
-                await wait_until_children(admin, parent, 3)
+                await wait_until_children(admin, parent, MARK_AFTER + 3)
                 tg.start_soon(waiter, "second")
-                await wait_until_children(admin, parent, 4)
-                tg.start_soon(waiter, "third")
-                await wait_until_children(admin, parent, 5)
-                cancelled.cancel()  # "second" watched its node
-                await until(lambda: _count(admin, parent, 4))
-            # The foreign session closed, and its node went with it: "second" watched it next.
+                await wait_until_children(admin, parent, MARK_AFTER + 4)
+                queue = await children(admin, parent)
+                cancelled.cancel()  # "second" watched its node: it lists, and waits on
+                await until(lambda: _count(admin, parent, MARK_AFTER + 3))
+            # The foreign session closed and its nodes went with it: "first" watched the last.
             await until(lambda: _count(admin, parent, 3))
             await anyio.sleep(0.3)
             assert served == [], "a waiter took the lock while the holder still held it"
-            assert await admin.get_data(parent) != holder_node.encode()
+            assert await admin.get_data(parent) == b"mark"  # nothing named a node yet
             await holder.release()
-            await until(lambda: served == ["second", "third"])
-        last = await admin.get_data(parent)
-        assert last.startswith(b"_c_") and last != holder_node.encode()
-        async with ReadWriteLock(locks, "mark").read(ttl=5):
-            pass
-        assert await admin.get_data(parent) == last  # a reader's release writes nothing
+            await until(lambda: served == ["first", "second"])
+        # "first" named its node when it released, and "second", behind it, then its own.
+        assert await admin.get_data(parent) == queue[-1].encode()
 
 
 # -- ensemble --------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ class ZooKeeperGrant(Grant):
     path: str = ""
     kind: Kind = EXCLUSIVE
     session: LockSession | None = field(default=None, repr=False)
+    #: The release names the node in the parent's data (``_queue.MARK_AFTER``).
+    marks_release: bool = False
 
 
 @dataclass(slots=True)
@@ -185,15 +187,16 @@ class LockSession(Session):
                     raise reply
         self._touch_parent(parent)
 
-    async def release(self, path: str, parent: str, kind: Kind) -> None:
+    async def release(self, path: str, parent: str, *, mark: bool) -> None:
         """Delete the held node ``path`` (gone already is fine; an error reply is raised).
 
-        An exclusive hold also writes its node's name into the parent's data, in the same
-        transaction: the waiter that watched the node then knows that nothing ahead of it is
-        left, without listing the queue (``_queue.Attempt._released_by_holder``). Only a
-        release does that: a node deleted any other way leaves the parent's data alone.
+        With ``mark`` (an exclusive hold that queued behind a long queue), the node's name is
+        also written into the parent's data, in the same transaction: the waiter that watched
+        the node then knows that nothing ahead of it is left, without listing the queue
+        (``_queue.Attempt._released_by_holder``). Only a release does that: a node deleted any
+        other way leaves the parent's data alone.
         """
-        if kind != EXCLUSIVE:
+        if not mark:
             await self.delete([path], parent)
             return
         transaction = zk.TransactionRequest()
