@@ -20,6 +20,7 @@ from aiozk import ZKClient, exc, protocol
 
 import asynclock
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
+from asynclock.backends.zookeeper._queue import MARK_AFTER
 from asynclock.extras.zookeeper import ReadWriteLock
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble, ZooKeeperServer
 from tests.contract.backend_zookeeper import (
@@ -88,6 +89,10 @@ async def wait_until_children(admin: ZKClient, parent: str, count: int) -> list[
 
     await until(enough, 10)
     return await children(admin, parent)
+
+
+async def _count(admin: ZKClient, parent: str, count: int) -> bool:
+    return len(await children(admin, parent)) == count
 
 
 async def node_exists(admin: ZKClient, path: str) -> bool:
@@ -875,6 +880,57 @@ async def test_200_waiters_are_served_in_arrival_order_without_a_herd(
             assert all(1 <= len(ids) <= 2 for ids in in_queue.values())
             await holder.release()
     assert served == list(range(200))
+
+
+async def test_only_a_holders_release_lets_the_waiter_behind_skip_listing_the_queue(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    """A lease that queued behind a long queue names its node in the parent's data when it is
+    released, in the transaction that deletes it: the waiter that watched it takes the lock
+    without listing the queue. A node that goes any other way (a cancelled waiter, another
+    client's session closing, a release without the mark) leaves the data alone, and the
+    waiter behind it waits on for the nodes still ahead."""
+    url = f"{zookeeper_server.url}{chroot}"
+    parent = f"{chroot}/mark"
+    served: list[str] = []
+    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+        holder = await locks.acquire("mark", ttl=5)  # granted at once: its release has no mark
+        cancelled = anyio.CancelScope()
+
+        async def waiter(label: str) -> None:
+            async with other.lock("mark", ttl=5):
+                served.append(label)
+
+        async def cancelled_waiter() -> None:
+            with cancelled:
+                await waiter("cancelled")
+
+        async with anyio.create_task_group() as tg:
+            async with zk_admin(zookeeper_server.address) as foreign:
+                # The queue: the holder, MARK_AFTER nodes of another session, then waiters
+                # that each watch the node just before their own.
+                for _ in range(MARK_AFTER):
+                    await foreign.create(
+                        f"{parent}/_c_foreign-lock-", ephemeral=True, sequential=True
+                    )
+                tg.start_soon(waiter, "first")
+                await wait_until_children(admin, parent, MARK_AFTER + 2)
+                tg.start_soon(cancelled_waiter)
+                await wait_until_children(admin, parent, MARK_AFTER + 3)
+                tg.start_soon(waiter, "second")
+                await wait_until_children(admin, parent, MARK_AFTER + 4)
+                queue = await children(admin, parent)
+                cancelled.cancel()  # "second" watched its node: it lists, and waits on
+                await until(lambda: _count(admin, parent, MARK_AFTER + 3))
+            # The foreign session closed and its nodes went with it: "first" watched the last.
+            await until(lambda: _count(admin, parent, 3))
+            await anyio.sleep(0.3)
+            assert served == [], "a waiter took the lock while the holder still held it"
+            assert await admin.get_data(parent) == b"mark"  # nothing named a node yet
+            await holder.release()
+            await until(lambda: served == ["first", "second"])
+        # "first" named its node when it released, and "second", behind it, then its own.
+        assert await admin.get_data(parent) == queue[-1].encode()
 
 
 # -- ensemble --------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ class ZooKeeperGrant(Grant):
     path: str = ""
     kind: Kind = EXCLUSIVE
     session: LockSession | None = field(default=None, repr=False)
+    #: The release names the node in the parent's data (``_queue.MARK_AFTER``).
+    marks_release: bool = False
 
 
 @dataclass(slots=True)
@@ -183,6 +185,36 @@ class LockSession(Session):
             for reply in replies:
                 if isinstance(reply, Exception) and not isinstance(reply, zk_exc.NoNode):
                     raise reply
+        self._touch_parent(parent)
+
+    async def release(self, path: str, parent: str, *, mark: bool) -> None:
+        """Delete the held node ``path`` (gone already is fine; an error reply is raised).
+
+        With ``mark`` (an exclusive hold that queued behind a long queue), the node's name is
+        also written into the parent's data, in the same transaction: the waiter that watched
+        the node then knows that nothing ahead of it is left, without listing the queue
+        (``_queue.Attempt._released_by_holder``). Only a release does that: a node deleted any
+        other way leaves the parent's data alone.
+        """
+        if not mark:
+            await self.delete([path], parent)
+            return
+        transaction = zk.TransactionRequest()
+        transaction.add(zk.DeleteRequest(path=path, version=-1))
+        transaction.add(
+            zk.SetDataRequest(path=parent, data=path.rpartition("/")[2].encode(), version=-1)
+        )
+        (reply,) = await self.call_retrying(transaction)
+        if isinstance(reply, Exception):
+            raise reply
+        deleted, marked = reply.responses
+        if isinstance(marked, Exception) and not isinstance(deleted, zk_exc.NoNode):
+            # Refused as a whole, and not because the node is gone already (a retry after a
+            # lost reply, a revoke): the parent refused the write (another client's ACL, say).
+            # Released without the mark: the waiter lists the queue, as it does for a node
+            # that went any other way; the plain delete raises what it refuses.
+            await self.delete([path], parent)
+            return
         self._touch_parent(parent)
 
     def info(self) -> dict[str, Any]:

@@ -308,7 +308,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             return
         try:
             with translate(zk_errors, f"releasing {grant.name!r} on {self.describe()}"):
-                await session.delete([grant.path], parent)
+                await session.release(grant.path, parent, mark=grant.marks_release)
         except ProvenGone:
             return  # the node went with its session
         except BackendTimeout as exc:
