@@ -13,8 +13,11 @@ from typing import Final
 
 from .._kit import BackendUnavailable, InvalidArgument
 
-# Each kind of key has its own tag; no tag is a prefix of another, and the lock name is the
-# rest of the key, so distinct names (and kinds) always give distinct keys.
+# Each kind of key has its own tag; no tag is a prefix of another, and the lock name, in braces,
+# is the rest of the key, so distinct names (and kinds) always give distinct keys. The braces are
+# a Redis Cluster hash tag: every key of one name (lock, counter, queue, queue expiry) hashes to
+# the same slot, so one script may touch them all on a cluster. (A prefix with braces of its own
+# puts every name in one slot: still one slot per name.)
 LOCK_TAG: Final = "lock:"
 TOKEN_TAG: Final = "token:"
 QUEUE_TAG: Final = "queue:"
@@ -25,26 +28,30 @@ WAITERS_KEY: Final = "deadlock:waiters"
 WAITERS_TTL_KEY: Final = "deadlock:expiry"
 
 
+def _key(prefix: str, tag: str, name: str) -> str:
+    return f"{prefix}{tag}{{{name}}}"
+
+
 def lock_key(prefix: str, name: str) -> str:
     """The key that holds the lock ``name`` (its value is the owner id of the lease)."""
-    return f"{prefix}{LOCK_TAG}{name}"
+    return _key(prefix, LOCK_TAG, name)
 
 
 def token_key(prefix: str, name: str) -> str:
     """The fencing counter of ``name`` (the last token); it never expires. The take never
     hands out less than the server's clock in microseconds (see ``next_token`` in
     :data:`TAKE`), so a counter lost or restored old in a restart does not repeat tokens."""
-    return f"{prefix}{TOKEN_TAG}{name}"
+    return _key(prefix, TOKEN_TAG, name)
 
 
 def queue_key(prefix: str, name: str) -> str:
     """Sorted set of the waiters for ``name``, scored by arrival."""
-    return f"{prefix}{QUEUE_TAG}{name}"
+    return _key(prefix, QUEUE_TAG, name)
 
 
 def queue_ttl_key(prefix: str, name: str) -> str:
     """Sorted set of the same waiters, scored by when their place expires (server ms)."""
-    return f"{prefix}{QUEUE_TTL_TAG}{name}"
+    return _key(prefix, QUEUE_TTL_TAG, name)
 
 
 def wake_prefix(prefix: str) -> str:
