@@ -30,8 +30,10 @@ that wakes up cannot leave the lock to a caller that has given up.
 from __future__ import annotations
 
 import functools
-import random
+import math
+import secrets
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, Self
 
 import anyio
@@ -60,17 +62,27 @@ from .._kit import (
 )
 from . import _scripts as lua
 from ._lane import Lane, Undo
-from ._server import RestartWatcher, check_server
+from ._server import check_server
 from ._settings import COMMON_OPTIONS, DEFAULT_PORT, ERRORS, Settings, common_settings, split_url
+from ._wakes import WakeChannel
 
-__all__ = ("RedisBackend",)
+__all__ = ("RedisBackend", "RedisGrant")
 
 _EXAMPLE: Final = "redis://127.0.0.1:6379/0 or rediss://user:password@redis.example:6380/0"
 _SCHEMES: Final = ("redis", "rediss")
 _DEFAULT_WAITER_TTL: Final = 5.0
 
 
-class RedisBackend(Backend[Grant]):
+@dataclass(eq=False, slots=True)
+class RedisGrant(Grant):
+    """A ``redis://`` lease. ``lease_ttl`` is the ttl asked for, which renewals apply: a lock
+    handed over while its waiter was in line starts with what was left of the waiter's place
+    when that is shorter (``ttl``), so that a waiter that died in line stalls nobody for long."""
+
+    lease_ttl: float = 0.0
+
+
+class RedisBackend(Backend[RedisGrant]):
     """Locks on one Redis server, with fencing tokens and a fair (FIFO) waiter queue."""
 
     driver = "redis-py"
@@ -92,13 +104,15 @@ class RedisBackend(Backend[Grant]):
         self.durability_warning = durability_warning
         self._waiter_ttl_ms = max(1, lua.ttl_ms(waiter_ttl))
         self._wake_prefix = lua.wake_prefix(settings.prefix)
+        #: This client's id: its waiters' queue entries name it, hand-overs wake its channel.
+        self._client_id = secrets.token_hex(8)
         self._lane: Lane | None = None
-        self._watcher: RestartWatcher | None = None
+        self._wakes: WakeChannel | None = None
         self._closed = False
         self._server_info: dict[str, str] = {}
         #: Leases granted and not released, by owner id: told at once when a restart lost them.
-        self._held: dict[str, tuple[Grant, Callable[[str], None]]] = {}
-        #: The restart watcher, the undo replies, the clean-ups that wait for the server.
+        self._held: dict[str, tuple[RedisGrant, Callable[[str], None]]] = {}
+        #: The wake channel, the undo replies, the clean-ups that wait for the server.
         self._host = TaskHost(cleanup_timeout=settings.op_timeout)
 
     # -- construction ------------------------------------------------------------------------
@@ -160,7 +174,7 @@ class RedisBackend(Backend[Grant]):
     @property
     def _run_id(self) -> str | None:
         """The server's run id (a new one at every start), if INFO may be read."""
-        return self._watcher.run_id if self._watcher is not None else None
+        return self._wakes.run_id if self._wakes is not None else None
 
     async def open(self) -> None:
         if self._lane is not None or self._closed:
@@ -181,19 +195,26 @@ class RedisBackend(Backend[Grant]):
                 # Load the scripts now, so that the first acquire costs one round trip.
                 for script in (lua.TAKE, lua.RELEASE, lua.LEAVE, lua.RENEW):
                     await lane.call("SCRIPT", "LOAD", script.text)
+                wakes = self._wakes = WakeChannel(
+                    pool,
+                    self.settings.op_timeout,
+                    self.describe(),
+                    f"{self._wake_prefix}{self._client_id}",
+                    self._report_lost_after_restart,
+                )
+                wakes.run_id = run_id
+                conn = await wakes.connect()
         except BaseException:
             # Not under a shield: the host's task group was entered above, at this level.
             await self.aclose()
             raise
-        watcher = RestartWatcher(
-            pool, self.settings.op_timeout, self.describe(), run_id, self._report_lost_after_restart
-        )
-        self._watcher = watcher
-        self._host.start_soon(watcher.run, name=f"asynclock: restart watcher of {self.describe()}")
+        self._host.start_soon(wakes.run, conn, name=f"asynclock: wake channel of {self.describe()}")
 
     async def aclose(self) -> None:
         self._closed = True
         self._held.clear()
+        if self._wakes is not None:
+            self._wakes.close()
         # Clean-ups still pending get a moment (they need the lane), then everything stops.
         await self._host.aclose()
         lane, self._lane = self._lane, None
@@ -256,37 +277,42 @@ class RedisBackend(Backend[Grant]):
             waiters=int(waiters),
         )
 
-    def _undo_for(self, request: LockRequest) -> Undo:
-        """LEAVE for ``request``, sent as plain EVAL (it must not depend on the script cache)."""
-        return Undo(
-            "EVAL",
-            lua.LEAVE.text,
-            4,
-            *self._keys(request.name),
+    def _args(self, request: LockRequest) -> list[str | int]:
+        """ARGV of TAKE and LEAVE (see :mod:`._scripts`), without TAKE's mode."""
+        return [
             request.owner,
             self._wake_prefix,
-            self._waiter_ttl_ms,
-        )
+            self._place_ms(request),
+            lua.ttl_ms(request.ttl),
+            self._client_id,
+        ]
+
+    def _undo_for(self, request: LockRequest) -> Undo:
+        """LEAVE for ``request``, sent as plain EVAL (it must not depend on the script cache)."""
+        return Undo("EVAL", lua.LEAVE.text, 4, *self._keys(request.name), *self._args(request))
 
     async def _take_once(
         self, request: LockRequest, mode: str, undo: Undo
-    ) -> tuple[Grant | None, int]:
-        ms = lua.ttl_ms(request.ttl)
+    ) -> tuple[RedisGrant | None, int, float]:
+        """One TAKE: (the grant, 0) if the lock is ours, else (None, the script's hint); and
+        the time it was sent."""
         lane = self._connected()
         sent_at = now()
         with translate(ERRORS, f"taking lock {request.name!r} on {self.describe()}"):
             reply = await lane.script(
-                lua.TAKE,
-                self._keys(request.name),
-                [request.owner, self._wake_prefix, self._place_ms(request), ms, mode],
-                undo,
+                lua.TAKE, self._keys(request.name), [*self._args(request), mode], undo
             )
         taken, value = lua.codes(reply, 2)
         if taken:
-            grant = Grant(request.name, request.owner, value, sent_at, ms / 1000)
-            self._held[grant.owner] = (grant, request.on_lost)
-            return grant, 0
-        return None, value
+            return self._granted(request, value, sent_at, request.ttl), 0, sent_at
+        return None, value, sent_at
+
+    def _granted(
+        self, request: LockRequest, token: int, valid_from: float, ttl: float
+    ) -> RedisGrant:
+        grant = RedisGrant(request.name, request.owner, token, valid_from, ttl, request.ttl)
+        self._held[grant.owner] = (grant, request.on_lost)
+        return grant
 
     def _place_ms(self, request: LockRequest) -> int:
         """How long a waiter's place lasts without a refresh: ``waiter_ttl``, but never longer
@@ -295,41 +321,46 @@ class RedisBackend(Backend[Grant]):
         for at most that long (a web handler waiting 0.3 s with ttl 1 s: 1 s, not 5)."""
         return max(1, min(self._waiter_ttl_ms, lua.ttl_ms(request.ttl)))
 
-    async def try_acquire(self, request: LockRequest) -> Grant | None:
+    async def try_acquire(self, request: LockRequest) -> RedisGrant | None:
+        if self._wakes is not None and self._wakes.waits_for(request.name):
+            # A task of ours has a place in the line: a try never jumps it (the take would
+            # refuse, or hand the free lock to the first in line), so no round trip for that.
+            return None
         undo = self._undo_for(request)
         try:
-            grant, _ = await self._take_once(request, "try", undo)
+            grant, _, _ = await self._take_once(request, "try", undo)
         except BaseException as exc:
             # Cancelled or failed with the take in flight: it may have run. Undo it.
             await self._clean_up(request, undo, exc)
             raise
         return grant
 
-    async def acquire(self, request: LockRequest) -> Grant:
-        lane = self._connected()
-        wake_key = f"{self._wake_prefix}{request.owner}"
-        refresh = self._place_ms(request) / 3000.0
+    async def acquire(self, request: LockRequest) -> RedisGrant:
+        self._connected()
+        wakes = self._wakes
+        assert wakes is not None
         undo = self._undo_for(request)
+        refresh = self._place_ms(request) / 3000.0
+        # Registered before the first take, so that no hand-over can come before we listen.
+        waiter = wakes.register(request.owner, request.name)
         try:
             while True:
+                waiter.poked = False
+                waiter.ahead = math.inf
                 # Joins the queue (or refreshes our place) when the lock is not ours yet.
-                grant, hint_ms = await self._take_once(request, "wait", undo)
+                grant, hint_ms, sent_at = await self._take_once(request, "wait", undo)
                 if grant is not None:
                     return grant
-                if hint_ms >= 0:
-                    # We are first and the holder's key expires in hint_ms (or the first waiter
-                    # is silent and its place runs out then): look again just after that.
-                    wait = min(refresh, hint_ms / 1000 + random.uniform(0.001, 0.003))
-                else:
-                    wait = refresh * random.uniform(0.8, 1.0)
-                wait = max(wait, 0.001)
-                with translate(ERRORS, f"waiting for lock {request.name!r} on {self.describe()}"):
-                    await lane.call(
-                        "BLPOP", wake_key, f"{wait:.3f}", timeout=wait + self.settings.op_timeout
-                    )
+                wakes.in_line(waiter)
+                handed = await waiter.until_due(sent_at, refresh, hint_ms)
+                if handed is not None:
+                    token, px, valid_from = handed
+                    return self._granted(request, token, valid_from, px / 1000)
         except BaseException as exc:
             await self._clean_up(request, undo, exc)
             raise
+        finally:
+            wakes.unregister(waiter)
 
     async def _clean_up(self, request: LockRequest, undo: Undo, error: BaseException) -> None:
         """Leave nothing behind after an interrupted or failed acquire.
@@ -363,7 +394,7 @@ class RedisBackend(Backend[Grant]):
         await self._script(
             lua.LEAVE,
             self._keys(request.name),
-            [request.owner, self._wake_prefix, self._waiter_ttl_ms],
+            self._args(request),
             f"cleaning up after an acquire of {request.name!r}",
         )
 
@@ -377,39 +408,39 @@ class RedisBackend(Backend[Grant]):
                 f"{self.describe()}",
             )
 
-    async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
+    async def renew(self, grants: Sequence[RedisGrant]) -> Sequence[RenewOutcome]:
         if not grants:
             return []
         keys = [self.lock_key(grant.name) for grant in grants]
         args: list[str | int] = [grant.owner for grant in grants]
-        args += [lua.ttl_ms(grant.ttl) for grant in grants]
+        args += [lua.ttl_ms(grant.lease_ttl) for grant in grants]
         sent_at = anyio.current_time()
         reply = await self._script(lua.RENEW, keys, args, f"renewing {len(grants)} lock(s)")
-        outcomes: list[RenewOutcome] = []
-        for grant, code in zip(grants, lua.codes(reply, len(grants)), strict=True):
-            if code == 1:
-                outcomes.append(Renewed(sent_at, grant.ttl))
-            elif code == 0:
-                outcomes.append(
-                    Lost(
-                        f"the key of lock {grant.name!r} is gone from {self.describe()} "
-                        "(expired, deleted or evicted)"
-                    )
-                )
-            else:
-                outcomes.append(
-                    Lost(f"lock {grant.name!r} is held by another owner on {self.describe()}")
-                )
-        return outcomes
+        codes = lua.codes(reply, len(grants))
+        return [
+            _outcome(grant, code, sent_at, self.describe())
+            for grant, code in zip(grants, codes, strict=True)
+        ]
 
-    async def release(self, grant: Grant) -> None:
+    async def release(self, grant: RedisGrant) -> None:
         self._held.pop(grant.owner, None)
         await self._script(
             lua.RELEASE,
             self._keys(grant.name),
-            [grant.owner, self._wake_prefix, self._waiter_ttl_ms],
+            [grant.owner, self._wake_prefix],
             f"releasing lock {grant.name!r}",
         )
+
+
+def _outcome(grant: RedisGrant, code: int, sent_at: float, describe: str) -> RenewOutcome:
+    """What RENEW's code for ``grant`` means."""
+    if code == 1:
+        return Renewed(sent_at, grant.lease_ttl)
+    if code == 0:
+        return Lost(
+            f"the key of lock {grant.name!r} is gone from {describe} (expired, deleted or evicted)"
+        )
+    return Lost(f"lock {grant.name!r} is held by another owner on {describe}")
 
 
 class _RedisWaiters(WaiterRegistry):
