@@ -185,16 +185,18 @@ class Lane:
     async def _read(self, conn: AbstractConnection, limit: float) -> Any:
         # disconnect_on_error=False: an interrupted read leaves the connection and hiredis's
         # buffer as they were (its only await is the socket read), so it can be read again.
+        # timeout=None: the connections have no socket timeout (Settings.pool), and any other
+        # value, math.inf too, costs a timeout context per read; the lane bounds reads itself.
         if limit == math.inf:
-            return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+            return await conn.read_response(timeout=None, disconnect_on_error=False)
         with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
-            return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+            return await conn.read_response(timeout=None, disconnect_on_error=False)
         if anyio.current_time() - scope.deadline > LATE_TIMER or _received(conn):
             # The timer ran well after its deadline, after a stall in which the reply may well
             # have come, or the reply is here already (the stall ended just after the deadline):
             # it is in the socket, just not read yet. Read what has arrived.
             with anyio.move_on_after(LATE_GRACE):
-                return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+                return await conn.read_response(timeout=None, disconnect_on_error=False)
         raise redis.exceptions.TimeoutError(f"no reply within {limit:g} s")
 
     async def call(
@@ -311,7 +313,7 @@ class Lane:
                 for _ in range(replies):
                     # An error reply (NOSCRIPT, say) is a whole reply too.
                     with contextlib.suppress(redis.exceptions.ResponseError):
-                        await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+                        await conn.read_response(timeout=None, disconnect_on_error=False)
                 self._checkin(conn)
                 return
         except Exception as exc:

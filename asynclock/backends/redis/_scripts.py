@@ -60,10 +60,11 @@ def wake_prefix(prefix: str) -> str:
     return f"{prefix}{WAKE_TAG}"
 
 
-def queue_member(client: str, ttl_ms: int, owner: str) -> str:
+def queue_member(client: str, ttl_ms: int, place_ms: int, owner: str) -> str:
     """A waiter's entry in the queue: its client (whose channel is told when the lock is handed
-    to it), the ttl its lease gets, and its owner id. Built the same way by the scripts."""
-    return f"{client} {ttl_ms} {owner}"
+    to it), the ttl its lease gets, how long its place lasts unrefreshed, and its owner id.
+    Built the same way by the scripts."""
+    return f"{client} {ttl_ms} {place_ms} {owner}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +134,8 @@ return 0
 # fencing counter, the queue (arrival order) and the queue's expiry set (all in one hash slot).
 # ARGV[1] is the owner id of the lease, ARGV[2] the wake channel prefix; TAKE and LEAVE add
 # ARGV[3] how long, in ms, a waiter's place lasts without a refresh, ARGV[4] the lease's ttl in
-# ms and ARGV[5] the client's id, which make the waiter's queue member ("<client> <ttl> <owner>").
+# ms and ARGV[5] the client's id, which make the waiter's queue member
+# ("<client> <ttl> <place> <owner>").
 #
 # Hand-over: whoever frees the lock (RELEASE, LEAVE, a TAKE that finds it free with another
 # waiter first) gives it to the first live waiter in the same script: SET lock to its owner id,
@@ -141,7 +143,9 @@ return 0
 # channel, so it wakes holding the lock. px is its ttl, cut to what is left of its place: a
 # waiter that died in line holds the lock no longer than its place would have held up the line.
 # The waiter behind it is told "f <owner> <px>": it is first now, and the lease it waits behind
-# expires in px ms unless renewed (it takes over then if the new holder died).
+# expires in px ms unless renewed (it takes over then if the new holder died). Not when that
+# waiter refreshes its place (every third of its life) well before then anyway: the refresh
+# tells it the same, and most hand-overs cost one message, not two.
 _QUEUE_FUNCTIONS = """
 local lock, counter, queue, expiry = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, wake = ARGV[1], ARGV[2]
@@ -175,17 +179,22 @@ local function prune(now)
   end
 end
 
--- A queue member: "<client> <ttl ms> <owner>".
+-- A queue member: "<client> <ttl ms> <place ms> <owner>".
 local function parse(member)
-  return string.match(member, '^(%S+) (%d+) (.*)$')
+  return string.match(member, '^(%S+) (%d+) (%d+) (.*)$')
 end
 
--- Tell the first waiter that it is first, and in how many ms the lease ahead of it expires.
-local function tell_first(px)
+-- Tell the first waiter that it is first, and in how many ms the lease ahead of it expires,
+-- unless its next refresh (at most a third of its place's life after the last) comes well
+-- before that.
+local function tell_first(now, px)
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   if head then
-    local client, _, heir = parse(head)
-    redis.call('PUBLISH', wake .. client, 'f ' .. heir .. ' ' .. px)
+    local client, _, place, heir = parse(head)
+    local refreshed_by = tonumber(redis.call('ZSCORE', expiry, head)) - tonumber(place) / 3
+    if now + tonumber(px) < refreshed_by then
+      redis.call('PUBLISH', wake .. client, 'f ' .. heir .. ' ' .. px)
+    end
   end
 end
 
@@ -200,7 +209,7 @@ local function hand_over()
   if not head then
     return nil
   end
-  local client, ttl, heir = parse(head)
+  local client, ttl, _, heir = parse(head)
   local left = math.floor(tonumber(redis.call('ZSCORE', expiry, head))) - now
   local px = math.max(1, math.min(tonumber(ttl), left))
   redis.call('SET', lock, heir, 'PX', px)
@@ -208,7 +217,7 @@ local function hand_over()
   redis.call('ZREM', queue, head)
   redis.call('ZREM', expiry, head)
   redis.call('PUBLISH', wake .. client, 'g ' .. heir .. ' ' .. token .. ' ' .. px)
-  tell_first(px)
+  tell_first(now, px)
   return heir
 end
 """
@@ -233,7 +242,7 @@ if not holder and redis.call('EXISTS', queue) == 0 then
 end
 local now = server_ms()
 prune(now)
-local member = ARGV[5] .. ' ' .. ttl .. ' ' .. owner
+local member = ARGV[5] .. ' ' .. ttl .. ' ' .. ARGV[3] .. ' ' .. owner
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
 if not holder then
   if not head or head == member then
@@ -242,7 +251,7 @@ if not holder then
     if head then
       redis.call('ZREM', queue, member)
       redis.call('ZREM', expiry, member)
-      tell_first(ttl)
+      tell_first(now, ttl)
     end
     return {1, token}
   end
@@ -310,7 +319,7 @@ LEAVE: Final = Script(
 if redis.call('GET', lock) == owner then
   redis.call('DEL', lock)
 end
-local member = ARGV[5] .. ' ' .. ARGV[4] .. ' ' .. owner
+local member = ARGV[5] .. ' ' .. ARGV[4] .. ' ' .. ARGV[3] .. ' ' .. owner
 redis.call('ZREM', queue, member)
 redis.call('ZREM', expiry, member)
 if redis.call('EXISTS', lock) == 0 then

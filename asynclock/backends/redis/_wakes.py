@@ -22,12 +22,13 @@ messages on one connection arrive in the order the server wrote them). The reade
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import random
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Final
 
 import anyio
 import redis.asyncio
@@ -53,8 +54,8 @@ class Waiter:
     """The mailbox of one waiting acquire: what its client's channel told it."""
 
     __slots__ = (
-        "_event",
-        "_scope",
+        "_future",
+        "_timer",
         "ahead",
         "deadline",
         "handed",
@@ -81,8 +82,8 @@ class Waiter:
         self.sent_at = -math.inf
         #: Our place in the queue was taken (so a try of this name by this client must fail).
         self.in_line = False
-        self._event: anyio.Event | None = None
-        self._scope: anyio.CancelScope | None = None
+        self._future: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def due(self) -> bool:
@@ -90,15 +91,23 @@ class Waiter:
         return self.handed is not None or self.poked or now() >= min(self.deadline, self.ahead)
 
     def notify(self) -> None:
-        if self._event is not None:
-            self._event.set()
+        future = self._future
+        if future is not None and not future.done():
+            future.set_result(None)
 
     def first(self, ms: int) -> None:
         """We are first; the lease ahead expires in ``ms`` unless renewed. The wait's deadline
         moves, without waking the task."""
         self.ahead = min(self.ahead, now() + ms / 1000 + random.uniform(0.001, 0.003))
-        if self._scope is not None:
-            self._scope.deadline = min(self._scope.deadline, self.ahead)
+        if self._timer is not None and self.ahead < self._timer.when():
+            self._arm()
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        future = self._future
+        assert future is not None
+        self._timer = future.get_loop().call_at(min(self.deadline, self.ahead), _wake, future)
 
     async def until_due(
         self, sent_at: float, refresh: float, hint_ms: int
@@ -122,12 +131,22 @@ class Waiter:
         return token, px, max(sent_at, fresh)
 
     async def _wait(self) -> None:
-        event = self._event = anyio.Event()
+        # A bare future and timer, not an anyio.Event in a CancelScope: this is the hot path
+        # of every hand-over (the backend runs on asyncio only). A cancellation of the task
+        # comes through the await as always.
+        self._future = asyncio.get_running_loop().create_future()
+        self._arm()
         try:
-            with anyio.CancelScope(deadline=min(self.deadline, self.ahead)) as self._scope:
-                await event.wait()
+            await self._future
         finally:
-            self._event = self._scope = None
+            if self._timer is not None:
+                self._timer.cancel()
+            self._future = self._timer = None
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class WakeChannel:
@@ -155,13 +174,15 @@ class WakeChannel:
         #: before the messages read since.
         self._fresh = -math.inf
         self._pings: deque[float] = deque()
-        self._last_ping = -math.inf
+        self._conn: AbstractConnection | None = None
+        self._ping_timer: asyncio.TimerHandle | None = None
         self._connected_before = False
 
     # -- waiters -----------------------------------------------------------------------------
 
     def register(self, owner: str, name: str) -> Waiter:
         waiter = self.waiters[owner] = Waiter(owner, name)
+        self._arm_ping()
         return waiter
 
     def in_line(self, waiter: Waiter) -> None:
@@ -215,16 +236,16 @@ class WakeChannel:
                 await conn.connect()  # type: ignore[no-untyped-call]
                 write_now(conn, pack(("INFO", "server")))
                 try:
-                    info = as_text(await conn.read_response(timeout=math.inf))
+                    info = as_text(await conn.read_response(timeout=None))
                 except redis.exceptions.ResponseError:
                     info = ""  # INFO refused (ACL): every reconnect is then checked
                 subscribed_at = now()
                 write_now(conn, pack(("SUBSCRIBE", self._channel)))
-                await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+                await conn.read_response(timeout=None, disconnect_on_error=False)
         except BaseException:
             _close(conn)
             raise
-        self._fresh, self._last_ping = subscribed_at, subscribed_at
+        self._fresh = subscribed_at
         self._pings.clear()
         run_id = run_id_of(info)
         restarted = self.run_id is not None and run_id != self.run_id
@@ -255,26 +276,43 @@ class WakeChannel:
             await anyio.sleep(backoff.next_delay())
 
     async def _read(self, conn: AbstractConnection) -> None:
-        while True:
-            if self.waiters:
-                if now() - self._last_ping >= PING_EVERY:
-                    self._last_ping = sent = now()
-                    write_now(conn, _PING)
-                    self._pings.append(sent)
-                limit = self._last_ping + PING_EVERY - now()
-            else:
-                limit = math.inf
-            reply: Any = None
-            with anyio.move_on_after(limit):
-                # disconnect_on_error=False: an interrupted read can be read again.
-                reply = await conn.read_response(timeout=math.inf, disconnect_on_error=False)
-            if not isinstance(reply, list) or not reply:
-                continue
-            kind = reply[0]
-            if kind == b"message":
-                self._dispatch(reply[2])
-            elif kind == b"pong" and self._pings:
-                self._fresh = self._pings.popleft()
+        self._conn = conn
+        self._arm_ping()
+        try:
+            while True:
+                reply = await conn.read_response(timeout=None, disconnect_on_error=False)
+                if not isinstance(reply, list) or not reply:
+                    continue
+                kind = reply[0]
+                if kind == b"message":
+                    self._dispatch(reply[2])
+                elif kind == b"pong" and self._pings:
+                    self._fresh = self._pings.popleft()
+        finally:
+            self._conn = None
+            if self._ping_timer is not None:
+                self._ping_timer.cancel()
+                self._ping_timer = None
+
+    def _arm_ping(self) -> None:
+        """Ping every :data:`PING_EVERY` seconds while someone waits (a timer, not a timeout on
+        the reads: reading a message then costs no cancel scope)."""
+        if self._ping_timer is None and self._conn is not None and self.waiters:
+            loop = asyncio.get_running_loop()
+            self._ping_timer = loop.call_later(PING_EVERY, self._ping)
+
+    def _ping(self) -> None:
+        self._ping_timer = None
+        conn = self._conn
+        if conn is None or not self.waiters:
+            return
+        sent = now()
+        try:
+            write_now(conn, _PING)
+        except redis.exceptions.ConnectionError:
+            return  # the reader finds out, and connects again
+        self._pings.append(sent)
+        self._arm_ping()
 
 
 def _close(conn: AbstractConnection) -> None:
