@@ -4,21 +4,50 @@ Take: one Lua script does ``SET lock owner NX PX ttl`` and ``INCR``s the name's 
 so the token and the lock come from one atomic step. Renew and release compare the owner id (one
 per lease) before they act; one script renews every lock a client holds, in one round trip.
 
-Waiting is a fair queue kept by the same scripts: a sorted set of waiters by arrival, each with
-a place that expires unless its waiter refreshes it (so a dead waiter cannot stall the line for
-longer than ``waiter_ttl``). Only the first live waiter may take a free lock. A release pushes
-onto the first waiter's own wake list, on which that waiter blocks (``BLPOP``); the list keeps
-the wake even if it comes while the waiter is between two calls. A holder that dies without
-releasing is noticed by the first waiter when the key's expiry passes (it sleeps until then,
-with jitter), and everyone else refreshes their place every ``waiter_ttl / 3``.
+Keys. Per lock name, four keys, each ``<prefix><kind>:{<name>}``: the braces are a Redis Cluster
+hash tag, so the four are in one slot (:mod:`._scripts`):
+
+- ``lock:{name}``: the holder's owner id, with the lease's PX expiry;
+- ``token:{name}``: the fencing counter (no expiry);
+- ``queue:{name}``: sorted set of waiters by arrival; a member is
+  ``"<client id> <ttl ms> <place ms> <owner id>"``;
+- ``queue-ttl:{name}``: the same members, scored by when their place expires (server ms).
+
+TAKE, RELEASE and LEAVE get exactly these four as KEYS, in this order, and touch no other key
+(INSPECT reads them too). RENEW gets only lock keys, of many names, so on a cluster it must be
+split per slot (or per name). Deadlock detection's two keys (``deadlock:waiters``,
+``deadlock:expiry``) are whole keys of their own, touched together only with each other.
+
+Waiting and the wake-up. A waiter's first TAKE (mode ``wait``) puts it in the queue; its place
+expires unless it refreshes it (every third of ``waiter_ttl``, or of its ttl if shorter), so a
+dead waiter cannot stall the line for longer than that. Whatever frees the lock (RELEASE, LEAVE,
+or a TAKE that finds it free while another waiter is first) *hands it over* in the same script:
+it sets the lock key to the first live waiter's owner id (PX: its ttl, cut to what is left of
+its place), draws its token, takes it out of the queue and ``PUBLISH``es
+``"g <owner> <token> <px>"`` on ``<prefix>wake:<client id>``, the channel of the waiter's client
+(a Pub/Sub channel, not a key: it has no slot; on a cluster, plain PUBLISH reaches a subscriber
+on any node). The waiter wakes holding the lock, without a round trip. The waiter behind it may
+be told ``"f <owner> <px>"`` (it is first now; the lease ahead expires in px ms unless renewed),
+so that it takes over a holder that dies. Each client holds one connection subscribed to its
+channel, however many of its tasks wait (:mod:`._wakes`); its tasks hold no connection while
+they wait. Pub/Sub keeps nothing for a connection that is down, so when that connection breaks
+or comes back, every waiter of the client takes again: a TAKE that finds the lock key holding
+its own owner id returns the lock (handed over meanwhile). A hand-over's lease counts from the
+send time of the waiter's last take or of the channel's last answered ``PING`` (sent every 50 ms
+while someone waits), whichever is later: both precede the script that set the new expiry.
+
+A holder that dies without releasing is noticed by the first waiter when the key's expiry passes
+(it sleeps until then, with jitter). Cancellation of a waiter at any moment, also while the lock
+is being handed to it, ends with LEAVE (through ``finish``): it deletes the lock if it is ours and
+hands it to the next in line.
 
 Tokens never repeat for a name, also when Redis forgets the counter or brings it back old (a
 restart without persistence, an eviction, a snapshot): a token is never below the server's clock
 in microseconds, so it is above every token handed out before, as long as that clock does not go
-back. Held locks are another
-matter: :func:`RedisBackend.open` reads the server's persistence and eviction settings and warns
-(:class:`RedisDurabilityWarning`) when a restart or eviction could lose them. One idle connection
-per client notices a restart at once, and leases whose keys it took are reported lost then.
+back. Held locks are another matter: :func:`RedisBackend.open` reads the server's persistence and
+eviction settings and warns (:class:`RedisDurabilityWarning`) when a restart or eviction could
+lose them. The wake channel's connection notices a restart at once (a new run id), and leases
+whose keys it took are reported lost then.
 
 Failures: every call is bounded by ``op_timeout``, with the backend's own timer, which lets a
 reply that arrived while the process was stalled be read rather than counted as a timeout. A
