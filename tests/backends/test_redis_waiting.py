@@ -194,3 +194,25 @@ async def test_a_wake_lost_while_the_wake_channel_reconnects_is_found_by_a_take(
             await holder.release()  # published to nobody
             released = anyio.current_time()
         assert got[0] - released < 1.0  # the reconnect's poke, not the place's refresh (1.7 s)
+
+
+async def test_a_user_without_the_wake_channel_is_refused_at_connect_naming_the_acl(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    user = f"nochan-{uuid.uuid4().hex[:6]}"
+    async with redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw:
+        await raw.acl_setuser(
+            user,
+            enabled=True,
+            passwords=["+pw"],
+            keys=["*"],
+            commands=["+@all"],
+            reset_channels=True,
+        )
+        try:
+            url = f"redis://{user}:pw@{redis_server.address}/0"
+            with pytest.raises(asynclock.BackendUnavailable, match=rf"'&{prefix}wake:\*'"):
+                async with connect(url, prefix):
+                    pytest.fail("connected without the permission to wait")
+        finally:
+            await raw.acl_deluser(user)

@@ -241,7 +241,14 @@ class WakeChannel:
                     info = ""  # INFO refused (ACL): every reconnect is then checked
                 subscribed_at = now()
                 write_now(conn, pack(("SUBSCRIBE", self._channel)))
-                await conn.read_response(timeout=None, disconnect_on_error=False)
+                try:
+                    await conn.read_response(timeout=None, disconnect_on_error=False)
+                except redis.exceptions.ResponseError as exc:
+                    raise redis.exceptions.ResponseError(
+                        f"{exc} (waiting needs SUBSCRIBE, and releasing PUBLISH, on the "
+                        f"client's wake channel {self._channel!r}: with ACLs, grant the user "
+                        f"the channels '&{self._channel.rsplit(':', 1)[0]}:*')"
+                    ) from exc
         except BaseException:
             _close(conn)
             raise
