@@ -58,14 +58,19 @@ def test_every_key_of_a_name_is_in_one_cluster_slot(name: str) -> None:
         assert len({key_slot(key.encode()) for key in keys}) == 1, keys
 
 
+@pytest.mark.parametrize("waiter_in", ["another client", "the same client"])
 async def test_a_release_hands_the_lock_over_with_its_token_in_one_script_call(
-    own_server: RedisServer, prefix: str, name: str
+    own_server: RedisServer, prefix: str, name: str, waiter_in: str
 ) -> None:
+    """To a waiter of another client the hand-over is told on that client's wake channel; to
+    one of the releasing client, by the release's reply (and the waiter runs before the
+    releasing task goes on)."""
     async with (
         redis.asyncio.Redis(host=own_server.host, port=own_server.port) as raw,
         connect(own_server, prefix) as first,
-        connect(own_server, prefix) as second,
+        connect(own_server, prefix) as other,
     ):
+        second = other if waiter_in == "another client" else first
         holder = await first.acquire(name, ttl=30)
         got: list[asynclock.Lease] = []
 
@@ -78,6 +83,9 @@ async def test_a_release_hands_the_lock_over_with_its_token_in_one_script_call(
             await raw.config_resetstat()
             released = anyio.current_time()
             await holder.release()
+            returned = anyio.current_time()
+            if waiter_in == "the same client":
+                assert got, "the releasing task went on before the new holder ran"
             with anyio.fail_after(2):
                 while not got:  # noqa: ASYNC110 (the waiter's task appends; nothing to wait on)
                     await anyio.sleep(0.001)
@@ -91,8 +99,9 @@ async def test_a_release_hands_the_lock_over_with_its_token_in_one_script_call(
         # what was left of the place, and its first renewal gives it the full ttl.
         assert 3.0 <= lease.ttl <= 5.0
         assert 3000 < await raw.pttl(lua.lock_key(prefix, name)) <= 5000
-        # Its lease counts from a moment before the hand-over, and not long before it.
-        assert released - 0.2 < lease.grant.valid_from <= released
+        # Its lease counts from a moment before the hand-over (so before the release's reply
+        # came), and not long before it.
+        assert released - 0.2 < lease.grant.valid_from <= returned
         assert await raw.zcard(lua.queue_key(prefix, name)) == 0
         (outcome,) = await second._backend.renew([lease.grant])
         assert isinstance(outcome, Renewed) and outcome.ttl == 20

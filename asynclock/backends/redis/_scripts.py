@@ -198,8 +198,9 @@ local function tell_first(now, px)
   end
 end
 
--- The lock is free: hand it to the first live waiter (see above). Returns its owner id.
-local function hand_over()
+-- The lock is free: hand it to the first live waiter (see above). A waiter of the client
+-- ``local_client`` is not told on its channel: the caller's reply tells it ({owner, token, px}).
+local function hand_over(local_client)
   if redis.call('EXISTS', queue) == 0 then
     return nil
   end
@@ -216,9 +217,12 @@ local function hand_over()
   local _, token = next_token()
   redis.call('ZREM', queue, head)
   redis.call('ZREM', expiry, head)
-  redis.call('PUBLISH', wake .. client, 'g ' .. heir .. ' ' .. token .. ' ' .. px)
   tell_first(now, px)
-  return heir
+  if client == local_client then
+    return {heir, token, px}
+  end
+  redis.call('PUBLISH', wake .. client, 'g ' .. heir .. ' ' .. token .. ' ' .. px)
+  return nil
 end
 """
 
@@ -297,7 +301,9 @@ return {
 """
 )
 
-#: Release: delete the lock if it is ours and hand it to the first waiter. Returns 1 if ours.
+#: Release: delete the lock if it is ours and hand it to the first waiter. ARGV[3]: the
+#: releasing client's id. Returns 0 if the lock was not ours, {owner, token, px} if it went to
+#: a waiter of the same client (which the reply, not its channel, tells), else 1.
 RELEASE: Final = Script(
     _QUEUE_FUNCTIONS
     + """
@@ -305,8 +311,7 @@ if redis.call('GET', lock) ~= owner then
   return 0
 end
 redis.call('DEL', lock)
-hand_over()
-return 1
+return hand_over(ARGV[3]) or 1
 """
 )
 

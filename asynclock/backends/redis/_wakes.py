@@ -213,6 +213,23 @@ class WakeChannel:
         """Wake every waiter (their next take finds the backend closed)."""
         self._poke_all()
 
+    def hand(self, owner: str, token: int, px: int, fresh: float) -> bool:
+        """The lock was handed to our waiter ``owner`` (a RELEASE of this client said so, sent
+        at ``fresh``); False if no such waiter waits any more (its clean-up frees the lock)."""
+        waiter = self.waiters.get(owner)
+        if waiter is None:
+            return False
+        waiter.handed = (token, px, fresh)
+        waiter.notify()
+        return True
+
+    def poke(self, name: str) -> None:
+        """Every waiter of ``name`` takes again (a hand-over to one of them may be unknown)."""
+        for waiter in self.waiters.values():
+            if waiter.name == name:
+                waiter.poked = True
+                waiter.notify()
+
     def _dispatch(self, data: bytes) -> None:
         kind, _, rest = data.partition(b" ")
         owner, _, numbers = rest.partition(b" ")

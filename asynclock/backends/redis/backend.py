@@ -58,6 +58,7 @@ that wakes up cannot leave the lock to a caller that has given up.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import secrets
@@ -91,6 +92,7 @@ from .._kit import (
 )
 from . import _scripts as lua
 from ._lane import Lane, Undo
+from ._records import RedisWaiters
 from ._server import check_server
 from ._settings import COMMON_OPTIONS, DEFAULT_PORT, ERRORS, Settings, common_settings, split_url
 from ._wakes import WakeChannel
@@ -229,7 +231,7 @@ class RedisBackend(Backend[RedisGrant]):
                     self.settings.op_timeout,
                     self.describe(),
                     f"{self._wake_prefix}{self._client_id}",
-                    self._report_lost_after_restart,
+                    functools.partial(_report_lost_after_restart, self),
                 )
                 wakes.run_id = run_id
                 conn = await wakes.connect()
@@ -250,33 +252,13 @@ class RedisBackend(Backend[RedisGrant]):
         if lane is not None:
             await lane.aclose()
 
-    async def _report_lost_after_restart(self) -> None:
-        held = list(self._held.values())
-        if not held:
-            return
-        # RENEW with ttls of 0 only tells which keys are still ours.
-        reply = await self._script(
-            lua.RENEW,
-            [self.lock_key(grant.name) for grant, _ in held],
-            [*(grant.owner for grant, _ in held), *(0 for _ in held)],
-            f"checking {len(held)} lock(s) after a restart",
-        )
-        for (grant, on_lost), code in zip(held, lua.codes(reply, len(held)), strict=True):
-            if code == 1 or grant.owner not in self._held:
-                continue  # kept (the server has persistence), or released meanwhile
-            what = "is gone" if code == 0 else "is held by another owner"
-            on_lost(
-                f"{self.describe()} restarted and the key of lock {grant.name!r} {what} "
-                "(a restart without persistence forgets every lock)"
-            )
-
     # -- the contract ------------------------------------------------------------------------
 
     def check_ttl(self, ttl: float) -> None:
         lua.check_ttl_ms(ttl, "redis://")
 
     def waiter_registry(self) -> WaiterRegistry:
-        return _RedisWaiters(self)
+        return RedisWaiters(self._script, self.settings.prefix)
 
     def _connected(self) -> Lane:
         if self._lane is None:
@@ -453,12 +435,32 @@ class RedisBackend(Backend[RedisGrant]):
 
     async def release(self, grant: RedisGrant) -> None:
         self._held.pop(grant.owner, None)
-        await self._script(
-            lua.RELEASE,
-            self._keys(grant.name),
-            [grant.owner, self._wake_prefix],
-            f"releasing lock {grant.name!r}",
-        )
+        sent_at = now()
+        try:
+            reply = await self._script(
+                lua.RELEASE,
+                self._keys(grant.name),
+                [grant.owner, self._wake_prefix, self._client_id],
+                f"releasing lock {grant.name!r}",
+            )
+        except BaseException:
+            # The reply may have been the only word of a hand-over to a waiter of ours.
+            self._poke(grant.name)
+            raise
+        if isinstance(reply, list):
+            # Handed to a task of this client: it learns from this reply (no message), and
+            # runs before the releasing task goes on, as the next holder should.
+            heir, token, px = reply
+            if self._wakes is not None and self._wakes.hand(
+                lua.as_text(heir), int(token), int(px), sent_at
+            ):
+                await asyncio.sleep(0)
+        elif reply == 0:
+            self._poke(grant.name)  # or a retry after a lost reply, which may have handed it
+
+    def _poke(self, name: str) -> None:
+        if self._wakes is not None:
+            self._wakes.poke(name)
 
 
 def _outcome(grant: RedisGrant, code: int, sent_at: float, describe: str) -> RenewOutcome:
@@ -472,27 +474,23 @@ def _outcome(grant: RedisGrant, code: int, sent_at: float, describe: str) -> Ren
     return Lost(f"lock {grant.name!r} is held by another owner on {describe}")
 
 
-class _RedisWaiters(WaiterRegistry):
-    """Deadlock detection's records on the same server as the locks (see ``asynclock._deadlock``)."""
-
-    def __init__(self, backend: RedisBackend) -> None:
-        self._backend = backend
-        prefix = backend.settings.prefix
-        self._keys = [f"{prefix}{lua.WAITERS_KEY}", f"{prefix}{lua.WAITERS_TTL_KEY}"]
-
-    async def publish(self, key: str, value: str, ttl: float) -> None:
-        ms = max(1, lua.ttl_ms(ttl))
-        await self._backend._script(
-            lua.PUBLISH_WAITER, self._keys, [key, value, ms], "publishing a wait record"
+async def _report_lost_after_restart(backend: RedisBackend) -> None:
+    """After a restart: every held lease whose key is gone (or another's) is lost, now."""
+    held = list(backend._held.values())
+    if not held:
+        return
+    # RENEW with ttls of 0 only tells which keys are still ours.
+    reply = await backend._script(
+        lua.RENEW,
+        [backend.lock_key(grant.name) for grant, _ in held],
+        [*(grant.owner for grant, _ in held), *(0 for _ in held)],
+        f"checking {len(held)} lock(s) after a restart",
+    )
+    for (grant, on_lost), code in zip(held, lua.codes(reply, len(held)), strict=True):
+        if code == 1 or grant.owner not in backend._held:
+            continue  # kept (the server has persistence), or released meanwhile
+        what = "is gone" if code == 0 else "is held by another owner"
+        on_lost(
+            f"{backend.describe()} restarted and the key of lock {grant.name!r} {what} "
+            "(a restart without persistence forgets every lock)"
         )
-
-    async def withdraw(self, key: str) -> None:
-        await self._backend._script(
-            lua.WITHDRAW_WAITER, self._keys, [key], "withdrawing a wait record"
-        )
-
-    async def scan(self) -> list[str]:
-        values = await self._backend._script(
-            lua.SCAN_WAITERS, self._keys, [], "reading the wait records"
-        )
-        return [lua.as_text(value) for value in values]
