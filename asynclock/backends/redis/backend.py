@@ -110,7 +110,7 @@ class RedisGrant(Grant):
     handed over while its waiter was in line starts with what was left of the waiter's place
     when that is shorter (``ttl``), so that a waiter that died in line stalls nobody for long."""
 
-    lease_ttl: float = 0.0
+    lease_ttl: float
 
 
 class RedisBackend(Backend[RedisGrant]):
