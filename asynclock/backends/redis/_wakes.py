@@ -182,7 +182,6 @@ class WakeChannel:
 
     def register(self, owner: str, name: str) -> Waiter:
         waiter = self.waiters[owner] = Waiter(owner, name)
-        self._arm_ping()
         return waiter
 
     def in_line(self, waiter: Waiter) -> None:
@@ -190,6 +189,7 @@ class WakeChannel:
         if not waiter.in_line:
             waiter.in_line = True
             self._lines[waiter.name] += 1
+            self._arm_ping()  # only now: an acquire that takes at once costs no timer
 
     def unregister(self, waiter: Waiter) -> None:
         if self.waiters.get(waiter.owner) is waiter:
