@@ -22,8 +22,7 @@ import redis.asyncio
 import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends import _redis_scripts as lua
-from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning
-from asynclock.backends.redis.backend import RedisGrant
+from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning, RedisGrant
 from asynclock.testing import FaultProxy, RedisServer, free_port
 from tests.contract.backend_redis import redis_leftovers
 

@@ -17,13 +17,14 @@ Layout (imports go down this list, never up):
 """
 
 from ._server import RedisDurabilityWarning, durability_problems
-from .backend import RedisBackend
+from .backend import RedisBackend, RedisGrant
 from .redlock import MIN_MASTERS, RedlockBackend, RedlockGrant
 
 __all__ = (
     "MIN_MASTERS",
     "RedisBackend",
     "RedisDurabilityWarning",
+    "RedisGrant",
     "RedlockBackend",
     "RedlockGrant",
     "durability_problems",
