@@ -17,7 +17,8 @@ at a moment the waiter does not see. What it knows precedes that moment is the s
 any request the server answered before it published the wake: the waiter's own last take,
 and the last ``PING`` sent on this connection whose reply came before the message (replies and
 messages on one connection arrive in the order the server wrote them). The reader pings every
-:data:`PING_EVERY` seconds while anyone waits, so that bound is never much older than that.
+:data:`PING_EVERY` seconds while anyone waits (more often when a waiter's place is short: a
+tenth of the shortest), so that bound is never much older than that.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ logger = logging.getLogger("asynclock")
 
 #: How often the watch connection pings while some task waits (see the module's docstring).
 PING_EVERY: Final = 0.05
+#: ... but never more often than this.
+_PING_AT_MOST: Final = 0.005
 #: Pauses between two attempts to connect again.
 _RECONNECT: Final = RetryPolicy(first=0.05, cap=0.5, factor=2.0, jitter=0.2)
 _PING: Final = pack(("PING",))
@@ -176,6 +179,7 @@ class WakeChannel:
         self._pings: deque[float] = deque()
         self._conn: AbstractConnection | None = None
         self._ping_timer: asyncio.TimerHandle | None = None
+        self._ping_every = PING_EVERY
         self._connected_before = False
 
     # -- waiters -----------------------------------------------------------------------------
@@ -184,11 +188,15 @@ class WakeChannel:
         waiter = self.waiters[owner] = Waiter(owner, name)
         return waiter
 
-    def in_line(self, waiter: Waiter) -> None:
-        """``waiter`` has a place in its queue now (see :meth:`waits_for`)."""
+    def in_line(self, waiter: Waiter, place: float) -> None:
+        """``waiter`` has a place (lasting ``place`` s unrefreshed) in its queue now (see
+        :meth:`waits_for`)."""
         if not waiter.in_line:
             waiter.in_line = True
             self._lines[waiter.name] += 1
+            # A hand-over may cut a lease to what is left of the place: its start must then be
+            # known to a small share of that.
+            self._ping_every = max(_PING_AT_MOST, min(self._ping_every, place / 10))
             self._arm_ping()  # only now: an acquire that takes at once costs no timer
 
     def unregister(self, waiter: Waiter) -> None:
@@ -323,12 +331,13 @@ class WakeChannel:
         the reads: reading a message then costs no cancel scope)."""
         if self._ping_timer is None and self._conn is not None and self.waiters:
             loop = asyncio.get_running_loop()
-            self._ping_timer = loop.call_later(PING_EVERY, self._ping)
+            self._ping_timer = loop.call_later(self._ping_every, self._ping)
 
     def _ping(self) -> None:
         self._ping_timer = None
         conn = self._conn
         if conn is None or not self.waiters:
+            self._ping_every = PING_EVERY  # nobody waits: the next ones set it again
             return
         sent = now()
         try:

@@ -362,7 +362,7 @@ class RedisBackend(Backend[RedisGrant]):
                 grant, hint_ms, sent_at = await self._take_once(request, "wait", undo)
                 if grant is not None:
                     return grant
-                wakes.in_line(waiter)
+                wakes.in_line(waiter, refresh * 3)
                 handed = await waiter.until_due(sent_at, refresh, hint_ms)
                 if handed is not None:
                     token, px, valid_from = handed
