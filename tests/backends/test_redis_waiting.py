@@ -225,3 +225,29 @@ async def test_a_user_without_the_wake_channel_is_refused_at_connect_naming_the_
                     pytest.fail("connected without the permission to wait")
         finally:
             await raw.acl_deluser(user)
+
+
+async def test_a_hand_over_across_clients_starts_a_short_lease_from_a_recent_moment(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    """The waiter's last take was long ago (it waited 0.5 s); its lease must count from a moment
+    close to the hand-over (its channel's last answered ping), or a short ttl would be half
+    spent when it gets the lock."""
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
+        holder = await first.acquire(name, ttl=5)
+        got: list[asynclock.Lease] = []
+
+        async def wait() -> None:
+            got.append(await second.acquire(name, ttl=0.3, timeout=10))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await anyio.sleep(0.5)
+            released = anyio.current_time()
+            await holder.release()
+        lease = got[0]
+        # Pings every 0.03 s (a tenth of the waiter's place, 0.3 s), with room for a busy
+        # machine; not the 0.1-0.5 s since its last take.
+        assert released - 0.1 < lease.grant.valid_from <= anyio.current_time()
+        assert not lease.lost
+        await lease.release()
