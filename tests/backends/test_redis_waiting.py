@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import suppress
 
 import anyio
+import anyio.lowlevel
 import pytest
 import redis.asyncio
 from redis.crc import key_slot
@@ -19,7 +20,7 @@ from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend
 from asynclock.backends.redis._lane import MAX_BUSY
 from asynclock.testing import RedisServer
-from tests.backends.test_redis import connect, kill_connections, wait_for_queue
+from tests.backends.test_redis import connect, kill_connections, lane_of, wait_for_queue
 
 pytestmark = pytest.mark.anyio
 
@@ -251,3 +252,34 @@ async def test_a_hand_over_across_clients_starts_a_short_lease_from_a_recent_mom
         assert released - 0.1 < lease.grant.valid_from <= anyio.current_time()
         assert not lease.lost
         await lease.release()
+
+
+async def test_the_lane_keeps_at_most_max_busy_calls_in_flight_and_cancelled_turns_pass_on(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    async with connect(redis_server, prefix) as locks:
+        lane = lane_of(locks)
+        most = 0
+
+        async def call(index: int) -> None:
+            nonlocal most
+            assert await lane.call("ECHO", str(index)) == str(index).encode()
+            most = max(most, lane.connections)
+
+        async with anyio.create_task_group() as tg:
+            scopes = []
+            for index in range(200):
+                scope = anyio.CancelScope()
+                scopes.append(scope)
+
+                async def run(index: int = index, scope: anyio.CancelScope = scope) -> None:
+                    with scope:
+                        await call(index)
+
+                tg.start_soon(run)
+            await anyio.lowlevel.checkpoint()
+            for scope in scopes[100:150]:  # some still wait for their turn, some are sent
+                scope.cancel()
+        assert most <= MAX_BUSY
+        assert lane._busy == 0 and not lane._turns
+        assert await lane.call("PING") in (b"PONG", "PONG", True)

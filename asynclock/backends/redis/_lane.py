@@ -245,6 +245,8 @@ class Lane:
     async def _call(
         self, args: tuple[str | int | float | bytes, ...], timeout: float | None, undo: Undo | None
     ) -> Any:
+        if self._closed:  # closed while this call waited for its turn
+            raise redis.exceptions.ConnectionError("the lock backend is closed")
         limit = self._op_timeout if timeout is None else timeout
         packed = pack(args)
         for attempt in (1, 2):
