@@ -22,7 +22,7 @@ import redis.asyncio
 import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends import _redis_scripts as lua
-from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning
+from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning, RedisGrant
 from asynclock.testing import FaultProxy, RedisServer, free_port
 from tests.contract.backend_redis import redis_leftovers
 
@@ -548,6 +548,7 @@ async def test_a_restart_with_persistence_keeps_the_leases_whose_keys_survived(
                     await anyio.sleep(0.01)
             await anyio.sleep(0.2)  # its check of the held keys is done
             assert not lease.lost
+            assert isinstance(lease.grant, RedisGrant)
             (outcome,) = await backend.renew([lease.grant])
             assert isinstance(outcome, Renewed)
             again = await locks.acquire(f"{name}/next", ttl=5)

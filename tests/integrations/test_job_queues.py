@@ -421,7 +421,7 @@ async def test_arq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
         @locked("life/{n}", ttl=1)
         async def lose(ctx: dict[str, Any], n: int) -> str:
             # As if the lock had expired on the server: the next renewal finds it gone.
-            await lock_db.delete(f"{prefix}lock:life/{n}")
+            await lock_db.delete(f"{prefix}lock:{{life/{n}}}")
             await asyncio.sleep(5)
             return "not reached"
 
@@ -487,7 +487,7 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
         @locked("life/{n}", ttl=1)
         async def lose(ctx: Any, *, n: int) -> str:
-            await lock_db.delete(f"{prefix}lock:life/{n}")  # as if it had expired
+            await lock_db.delete(f"{prefix}lock:{{life/{n}}}")  # as if it had expired
             await asyncio.sleep(5)
             return "not reached"
 
@@ -541,7 +541,7 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
         @broker.task
         @locked("life/{n}", ttl=1)
         async def lose(n: int) -> str:
-            await lock_db.delete(f"{prefix}lock:life/{n}")  # as if it had expired
+            await lock_db.delete(f"{prefix}lock:{{life/{n}}}")  # as if it had expired
             await asyncio.sleep(5)
             return "not reached"
 

@@ -8,7 +8,8 @@ Layout (imports go down this list, never up):
 - :mod:`._quorum`: Redlock's majority arithmetic and its local queue of waiters;
 - :mod:`._server`: what the single-server backend checks on its server (version, durability,
   restarts);
-- :mod:`._lane`: the single-server wire (pooled redis-py connections, one per blocked waiter);
+- :mod:`._lane`: the single-server wire (a few pooled redis-py connections per client);
+- :mod:`._wakes`: the single-server client's wake channel (hand-overs to its waiters, restarts);
 - :mod:`._wire`: Redlock's wire (one pipelined connection per master, in-order cleanup);
 - :mod:`._resp`: the Redis protocol, written and read (both wires);
 - :mod:`._settings`: URL forms, shared options, TLS, error translation;
@@ -16,13 +17,14 @@ Layout (imports go down this list, never up):
 """
 
 from ._server import RedisDurabilityWarning, durability_problems
-from .backend import RedisBackend
+from .backend import RedisBackend, RedisGrant
 from .redlock import MIN_MASTERS, RedlockBackend, RedlockGrant
 
 __all__ = (
     "MIN_MASTERS",
     "RedisBackend",
     "RedisDurabilityWarning",
+    "RedisGrant",
     "RedlockBackend",
     "RedlockGrant",
     "durability_problems",

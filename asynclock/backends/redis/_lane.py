@@ -1,9 +1,10 @@
 """Calls to one Redis server over redis-py connections: the ``redis://`` backend's wire.
 
 (Redlock has a wire of its own, :mod:`._wire`: one pipelined connection per master, because
-its cleanup relies on the order of requests on one connection, and its calls never block. The
-single-server backend needs a connection per blocked waiter (``BLPOP``), which a pipelined
-connection cannot give.)
+its cleanup relies on the order of requests on one connection. Here a call has a connection to
+itself, which is what lets an interrupted call be undone behind it, on the same connection; no
+call blocks on the server, since waiters wait on the client's wake channel, :mod:`._wakes`, so a
+few connections serve any number of tasks.)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import logging
 import math
 import select
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -27,8 +29,11 @@ from ._scripts import Script
 logger = logging.getLogger("asynclock")
 
 
+#: Calls in flight at once (so connections, draining ones aside); more calls wait their turn,
+#: in order. No call blocks on the server, so a few connections serve any number of tasks.
+MAX_BUSY: Final = 8
 #: Idle connections a lane keeps; more are closed when their call ends.
-_MAX_IDLE = 16
+_MAX_IDLE = MAX_BUSY
 #: A timeout that fires this long after its deadline fired late: the event loop was stalled (the
 #: process was paused, or something blocked the loop), and a reply may be waiting unread.
 LATE_TIMER: Final = 0.02
@@ -59,7 +64,7 @@ class Undo:
         self.queued = False
 
 
-def _write(conn: AbstractConnection, packed: bytes) -> None:
+def write_now(conn: AbstractConnection, packed: bytes) -> None:
     """Hand ``packed`` to the transport, without an await (nothing can cut it in half)."""
     writer = conn._writer
     if writer is None or writer.transport.is_closing():
@@ -109,7 +114,8 @@ class Lane:
     redis-py's client takes a lock, checks the socket, runs a retry wrapper and records metrics
     on every command; on loopback that is a quarter of a round trip, and a lock cycle is two
     round trips. A lane keeps idle connections in a list (last used first) and opens another
-    when all are busy, so concurrent calls never wait for each other.
+    when all are busy, up to :data:`MAX_BUSY` calls in flight; a call beyond that waits for
+    one to end (first come, first served), never for the server.
 
     A connection that fails or is cancelled in mid-call is closed and never reused, so a late
     reply cannot reach the wrong caller (or, with an :class:`Undo`, it is reused only after both
@@ -134,6 +140,9 @@ class Lane:
         #: The drains running in the backend's task host (each stops when its scope is cancelled).
         self._drains: set[anyio.CancelScope] = set()
         self._closed = False
+        #: Calls in flight, and the calls waiting for one of them to end.
+        self._busy = 0
+        self._turns: deque[anyio.Event] = deque()
 
     @property
     def connections(self) -> int:
@@ -176,16 +185,18 @@ class Lane:
     async def _read(self, conn: AbstractConnection, limit: float) -> Any:
         # disconnect_on_error=False: an interrupted read leaves the connection and hiredis's
         # buffer as they were (its only await is the socket read), so it can be read again.
+        # timeout=None: the connections have no socket timeout (Settings.pool), and any other
+        # value, math.inf too, costs a timeout context per read; the lane bounds reads itself.
         if limit == math.inf:
-            return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+            return await conn.read_response(timeout=None, disconnect_on_error=False)
         with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
-            return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+            return await conn.read_response(timeout=None, disconnect_on_error=False)
         if anyio.current_time() - scope.deadline > LATE_TIMER or _received(conn):
             # The timer ran well after its deadline, after a stall in which the reply may well
             # have come, or the reply is here already (the stall ended just after the deadline):
             # it is in the socket, just not read yet. Read what has arrived.
             with anyio.move_on_after(LATE_GRACE):
-                return await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+                return await conn.read_response(timeout=None, disconnect_on_error=False)
         raise redis.exceptions.TimeoutError(f"no reply within {limit:g} s")
 
     async def call(
@@ -202,6 +213,39 @@ class Lane:
         it on the same connection before the error propagates (see :class:`Undo`).
         """
         if self._closed:
+            raise redis.exceptions.ConnectionError("the lock backend is closed")
+        if self._busy < MAX_BUSY:
+            self._busy += 1  # no await on the common path
+        else:
+            await self._wait_for_turn()
+        try:
+            return await self._call(args, timeout, undo)
+        finally:
+            self._end_turn()
+
+    async def _wait_for_turn(self) -> None:
+        turn = anyio.Event()
+        self._turns.append(turn)
+        try:
+            await turn.wait()
+        except BaseException:
+            if turn.is_set():
+                self._end_turn()  # given to us as we were cancelled: pass it on
+            else:
+                self._turns.remove(turn)
+            raise
+
+    def _end_turn(self) -> None:
+        # The next waiting call takes this one's place directly (the count stays).
+        if self._turns:
+            self._turns.popleft().set()
+        else:
+            self._busy -= 1
+
+    async def _call(
+        self, args: tuple[str | int | float | bytes, ...], timeout: float | None, undo: Undo | None
+    ) -> Any:
+        if self._closed:  # closed while this call waited for its turn
             raise redis.exceptions.ConnectionError("the lock backend is closed")
         limit = self._op_timeout if timeout is None else timeout
         packed = pack(args)
@@ -223,7 +267,7 @@ class Lane:
                     raise
             sent = False
             try:
-                _write(conn, packed)
+                write_now(conn, packed)
                 sent = True
                 if undo is not None:
                     undo.sent = True
@@ -271,7 +315,7 @@ class Lane:
                 for _ in range(replies):
                     # An error reply (NOSCRIPT, say) is a whole reply too.
                     with contextlib.suppress(redis.exceptions.ResponseError):
-                        await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+                        await conn.read_response(timeout=None, disconnect_on_error=False)
                 self._checkin(conn)
                 return
         except Exception as exc:
@@ -285,7 +329,7 @@ class Lane:
         if len(self._idle) < _MAX_IDLE and not self._closed:
             self._idle.append(conn)
         else:
-            # A burst of waiters (one connection each) is over: do not keep them all.
+            # A burst is over: do not keep every connection it needed.
             self._discard(conn)
 
     async def script(

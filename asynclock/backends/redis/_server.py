@@ -1,28 +1,24 @@
-"""What the ``redis://`` backend learns about its server: version, durability, restarts."""
+"""What the ``redis://`` backend learns about its server: version, durability, run id (restarts
+are noticed by the watch connection, :mod:`._wakes`)."""
 
 from __future__ import annotations
 
 import logging
-import math
 import warnings
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Final
 
-import anyio
 import redis.asyncio
 import redis.exceptions
 
-from .._kit import RetryPolicy, UnsupportedFeature
+from .._kit import UnsupportedFeature
 from ._lane import Lane
-from ._resp import pack
 from ._scripts import as_text
 
 logger = logging.getLogger("asynclock")
 
 #: Oldest server with what the scripts need (TIME in scripts, fractional BLPOP timeouts).
 MIN_VERSION: Final = (6, 0)
-#: Pauses of the restart watcher between two connections.
-_RECONNECT: Final = RetryPolicy(first=0.05, cap=0.5, factor=2.0, jitter=0.2)
 
 
 class RedisDurabilityWarning(UserWarning):
@@ -36,7 +32,7 @@ class RedisDurabilityWarning(UserWarning):
     """
 
 
-def _run_id(info: str) -> str | None:
+def run_id_of(info: str) -> str | None:
     for line in info.splitlines():
         if line.startswith("run_id:"):
             return line.partition(":")[2].strip()
@@ -86,7 +82,7 @@ async def check_server(
             describe,
             exc,
         )
-        return _run_id(info), server_info
+        return run_id_of(info), server_info
     server_info.update(settings)
     problems = durability_problems(settings) if durability_warning else []
     if problems:
@@ -99,7 +95,7 @@ async def check_server(
             ),
             stacklevel=3,
         )
-    return _run_id(info), server_info
+    return run_id_of(info), server_info
 
 
 def durability_problems(settings: Mapping[str, str]) -> list[str]:
@@ -124,57 +120,3 @@ def durability_problems(settings: Mapping[str, str]) -> list[str]:
             "set 'maxmemory-policy noeviction'"
         )
     return problems
-
-
-class RestartWatcher:
-    """Holds one idle connection and learns at once when it ends: the server went away
-    (restart, kill) or dropped it. After a restart (a new run id, or no run id to compare)
-    ``on_restart()`` runs, so that leases whose keys are gone are reported lost now, not at
-    their next renewal. Runs in the backend's task host until it closes."""
-
-    def __init__(
-        self,
-        pool: redis.asyncio.ConnectionPool,
-        op_timeout: float,
-        describe: str,
-        run_id: str | None,
-        on_restart: Callable[[], Awaitable[None]],
-    ) -> None:
-        self._pool = pool
-        self._op_timeout = op_timeout
-        self._describe = describe
-        self.run_id = run_id
-        self._on_restart = on_restart
-
-    async def run(self) -> None:
-        first = True
-        backoff = _RECONNECT.backoff()
-        while True:
-            conn = self._pool.make_connection()  # type: ignore[no-untyped-call]
-            try:
-                with anyio.fail_after(self._op_timeout):
-                    await conn.connect()
-                    await conn.send_packed_command(pack(("INFO", "server")), False)
-                    try:
-                        info = as_text(await conn.read_response(timeout=math.inf))
-                    except redis.exceptions.ResponseError:
-                        info = ""  # INFO refused (ACL): every reconnect is then checked
-                run_id = _run_id(info)
-                restarted = not first and (run_id is None or run_id != self.run_id)
-                if run_id is not None and run_id != self.run_id:
-                    restarted = restarted or self.run_id is not None
-                    self.run_id = run_id
-                first = False
-                backoff.reset()
-                if restarted:
-                    await self._on_restart()
-                # Nothing is ever sent on this connection again: this read ends only when the
-                # connection does.
-                await conn.read_response(timeout=math.inf, disconnect_on_error=False)
-            except Exception as exc:
-                logger.debug("asynclock: restart watcher of %s: %r", self._describe, exc)
-            finally:
-                if conn._writer is not None:
-                    conn._writer.close()
-                conn._reader = conn._writer = None
-            await anyio.sleep(backoff.next_delay())

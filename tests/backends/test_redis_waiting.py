@@ -1,0 +1,285 @@
+"""redis:// waiting: the release hands the lock over, waiters share their client's connections."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import Iterator
+from contextlib import suppress
+
+import anyio
+import anyio.lowlevel
+import pytest
+import redis.asyncio
+from redis.crc import key_slot
+
+import asynclock
+from asynclock.abc import Renewed
+from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis import RedisBackend
+from asynclock.backends.redis._lane import MAX_BUSY
+from asynclock.testing import RedisServer
+from tests.backends.test_redis import connect, kill_connections, lane_of, wait_for_queue
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def name() -> str:
+    return f"redis-wait/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A server of the test's own: its command counts are the test's alone."""
+    with RedisServer() as server:
+        yield server
+
+
+async def connections_named(raw: redis.asyncio.Redis, client_name: str) -> int:
+    return sum(1 for entry in await raw.client_list() if entry.get("name") == client_name)
+
+
+async def evalsha_calls(raw: redis.asyncio.Redis) -> int:
+    stats = await raw.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("name", ["plain", "with}brace", "{tagged}", "a{b}c"])
+def test_every_key_of_a_name_is_in_one_cluster_slot(name: str) -> None:
+    for prefix in ("asynclock:", "app{x}:"):
+        keys = [
+            lua.lock_key(prefix, name),
+            lua.token_key(prefix, name),
+            lua.queue_key(prefix, name),
+            lua.queue_ttl_key(prefix, name),
+        ]
+        assert len(set(keys)) == 4
+        assert len({key_slot(key.encode()) for key in keys}) == 1, keys
+
+
+@pytest.mark.parametrize("waiter_in", ["another client", "the same client"])
+async def test_a_release_hands_the_lock_over_with_its_token_in_one_script_call(
+    own_server: RedisServer, prefix: str, name: str, waiter_in: str
+) -> None:
+    """To a waiter of another client the hand-over is told on that client's wake channel; to
+    one of the releasing client, by the release's reply (and the waiter runs before the
+    releasing task goes on)."""
+    async with (
+        redis.asyncio.Redis(host=own_server.host, port=own_server.port) as raw,
+        connect(own_server, prefix) as first,
+        connect(own_server, prefix) as other,
+    ):
+        second = other if waiter_in == "another client" else first
+        holder = await first.acquire(name, ttl=30)
+        got: list[asynclock.Lease] = []
+
+        async def wait() -> None:
+            got.append(await second.acquire(name, ttl=20, timeout=10))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await wait_for_queue(raw, prefix, name, 1)
+            await raw.config_resetstat()
+            released = anyio.current_time()
+            await holder.release()
+            returned = anyio.current_time()
+            if waiter_in == "the same client":
+                assert got, "the releasing task went on before the new holder ran"
+            with anyio.fail_after(2):
+                while not got:  # noqa: ASYNC110 (the waiter's task appends; nothing to wait on)
+                    await anyio.sleep(0.001)
+        lease = got[0]
+        # One script call between the release and the waiter holding the lock: the RELEASE.
+        assert await evalsha_calls(raw) == 1
+        assert lease.token > holder.token
+        assert await raw.get(lua.lock_key(prefix, name)) == lease.grant.owner.encode()
+        assert await raw.get(lua.token_key(prefix, name)) == str(lease.token).encode()
+        # The waiter's place (waiter_ttl 5 s) was shorter than its ttl: the lock starts with
+        # what was left of the place, and its first renewal gives it the full ttl.
+        assert 3.0 <= lease.ttl <= 5.0
+        assert 3000 < await raw.pttl(lua.lock_key(prefix, name)) <= 5000
+        # Its lease counts from a moment before the hand-over (so before the release's reply
+        # came), and not long before it.
+        assert released - 0.2 < lease.grant.valid_from <= returned
+        assert await raw.zcard(lua.queue_key(prefix, name)) == 0
+        (outcome,) = await second._backend.renew([lease.grant])
+        assert isinstance(outcome, Renewed) and outcome.ttl == 20
+        assert 19000 < await raw.pttl(lua.lock_key(prefix, name)) <= 20000
+        await lease.release()
+
+
+async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections_in_fifo_order(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    client_name = f"many-{uuid.uuid4().hex[:6]}"
+    count = 1000
+    order: list[str] = []
+    async with (
+        redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
+        connect(redis_server, prefix) as holder_client,
+        connect(redis_server, prefix, client_name=client_name) as locks,
+    ):
+        holder = await holder_client.acquire(name, ttl=30)
+
+        async def waiter() -> None:
+            async with locks.lock(name, ttl=30, timeout=60) as lease:
+                order.append(lease.grant.owner)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for _ in range(count):
+                    tg.start_soon(waiter)
+                await wait_for_queue(raw, prefix, name, count)
+                # Every task waits, and the client holds its lane (at most MAX_BUSY calls in
+                # flight) and its one wake channel.
+                connections = await connections_named(raw, client_name)
+                assert connections <= MAX_BUSY + 1
+                members = await raw.zrange(lua.queue_key(prefix, name), 0, -1)
+                queued = [member.decode().rsplit(" ", 1)[1] for member in members]
+                await holder.release()
+        assert await connections_named(raw, client_name) <= MAX_BUSY + 1
+    assert len(order) == count
+    assert order == queued  # in the order they joined the queue
+
+
+async def test_a_waiter_cancelled_as_the_lock_is_handed_to_it_passes_it_on(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    """The release hands the lock to the first waiter while its task is being cancelled: its
+    clean-up gives the lock to the next in line, whichever of the two came first."""
+    rng = random.Random(7)
+    async with (
+        redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
+        connect(redis_server, prefix) as first,
+        connect(redis_server, prefix) as second,
+        connect(redis_server, prefix) as third,
+    ):
+        for _ in range(20):
+            holder = await first.acquire(name, ttl=30)
+            cancelled = asyncio.ensure_future(second.acquire(name, ttl=30, timeout=10))
+            await wait_for_queue(raw, prefix, name, 1)
+            behind = asyncio.ensure_future(third.acquire(name, ttl=30, timeout=10))
+            await wait_for_queue(raw, prefix, name, 2)
+            release = asyncio.ensure_future(holder.release())
+            await asyncio.sleep(rng.uniform(0, 0.0008))
+            cancelled.cancel()
+            with anyio.fail_after(2):
+                with suppress(asyncio.CancelledError):
+                    # Its acquire may have returned before the cancellation reached it.
+                    await (await cancelled).release()
+                lease = await behind
+                await release
+            assert await raw.get(lua.lock_key(prefix, name)) == lease.grant.owner.encode()
+            await lease.release()
+        assert await raw.zcard(lua.queue_key(prefix, name)) == 0
+
+
+async def test_a_wake_lost_while_the_wake_channel_reconnects_is_found_by_a_take(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    """Pub/Sub keeps nothing for a connection that is down: the waiter looks again when its
+    client's wake channel is back, and finds the lock handed to it meanwhile."""
+    client_name = f"wake-{uuid.uuid4().hex[:6]}"
+    async with (
+        redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
+        connect(redis_server, prefix) as first,
+        connect(redis_server, prefix, client_name=client_name) as second,
+    ):
+        backend = second._backend
+        assert isinstance(backend, RedisBackend)
+        holder = await first.acquire(name, ttl=30)
+        got: list[float] = []
+
+        async def wait() -> None:
+            async with second.lock(name, ttl=30, timeout=10):
+                got.append(anyio.current_time())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await wait_for_queue(raw, prefix, name, 1)
+            # Only the wake channel is open now (the take's connection is idle: kill it too).
+            assert await kill_connections(raw, client_name) >= 1
+            await holder.release()  # published to nobody
+            released = anyio.current_time()
+        assert got[0] - released < 1.0  # the reconnect's poke, not the place's refresh (1.7 s)
+
+
+async def test_a_user_without_the_wake_channel_is_refused_at_connect_naming_the_acl(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    user = f"nochan-{uuid.uuid4().hex[:6]}"
+    async with redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw:
+        await raw.acl_setuser(
+            user,
+            enabled=True,
+            passwords=["+pw"],
+            keys=["*"],
+            commands=["+@all"],
+            reset_channels=True,
+        )
+        try:
+            url = f"redis://{user}:pw@{redis_server.address}/0"
+            with pytest.raises(asynclock.BackendUnavailable, match=rf"'&{prefix}wake:\*'"):
+                async with connect(url, prefix):
+                    pytest.fail("connected without the permission to wait")
+        finally:
+            await raw.acl_deluser(user)
+
+
+async def test_a_hand_over_across_clients_starts_a_short_lease_from_a_recent_moment(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    """The waiter's last take was long ago (it waited 0.5 s); its lease must count from a moment
+    close to the hand-over (its channel's last answered ping), or a short ttl would be half
+    spent when it gets the lock."""
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
+        holder = await first.acquire(name, ttl=5)
+        got: list[asynclock.Lease] = []
+
+        async def wait() -> None:
+            got.append(await second.acquire(name, ttl=0.3, timeout=10))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await anyio.sleep(0.5)
+            released = anyio.current_time()
+            await holder.release()
+        lease = got[0]
+        # Pings every 0.03 s (a tenth of the waiter's place, 0.3 s), with room for a busy
+        # machine; not the 0.1-0.5 s since its last take.
+        assert released - 0.1 < lease.grant.valid_from <= anyio.current_time()
+        assert not lease.lost
+        await lease.release()
+
+
+async def test_the_lane_keeps_at_most_max_busy_calls_in_flight_and_cancelled_turns_pass_on(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    async with connect(redis_server, prefix) as locks:
+        lane = lane_of(locks)
+        most = 0
+
+        async def call(index: int) -> None:
+            nonlocal most
+            assert await lane.call("ECHO", str(index)) == str(index).encode()
+            most = max(most, lane.connections)
+
+        async with anyio.create_task_group() as tg:
+            scopes = []
+            for index in range(200):
+                scope = anyio.CancelScope()
+                scopes.append(scope)
+
+                async def run(index: int = index, scope: anyio.CancelScope = scope) -> None:
+                    with scope:
+                        await call(index)
+
+                tg.start_soon(run)
+            await anyio.lowlevel.checkpoint()
+            for scope in scopes[100:150]:  # some still wait for their turn, some are sent
+                scope.cancel()
+        assert most <= MAX_BUSY
+        assert lane._busy == 0 and not lane._turns
+        assert await lane.call("PING") in (b"PONG", "PONG", True)
