@@ -1,6 +1,10 @@
-"""Lock keys whose delete failed ("orphans"), deleted again by whoever comes next."""
+"""Lock keys whose delete failed ("orphans"), deleted again by whoever comes next; and the
+keys of this client in the queues, so that a waiter behind one of them is woken by our own
+delete at once instead of by its watch."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from aetcd import rpc
 
@@ -18,6 +22,18 @@ class Keys:
     def __init__(self, wire: Wire) -> None:
         self._wire = wire
         self.orphans: dict[bytes, int] = {}
+        #: Our keys that may exist on the server, each with the wake-ups of the local waiters
+        #: right behind it.
+        self.local: dict[bytes, list[Callable[[], None]]] = {}
+
+    def placed(self, key: bytes) -> None:
+        """``key`` is about to be created by us."""
+        self.local.setdefault(key, [])
+
+    def gone(self, key: bytes) -> None:
+        """``key`` is deleted (or was never created): wake the local waiters behind it."""
+        for wake in self.local.pop(key, ()):
+            wake()
 
     async def delete(self, key: bytes, rev: int, what: str) -> None:
         if rev:
@@ -31,6 +47,8 @@ class Keys:
                     rpc.DeleteRangeRequest(key=key), timeout=timeout, metadata=md
                 ),
             )
+        # Gone (or, guarded on a create revision, no longer the key that was ours).
+        self.gone(key)
 
     async def sweep(self) -> None:
         for key, rev in list(self.orphans.items()):

@@ -25,6 +25,7 @@ from .._kit import (
     finish,
 )
 from ._errors import transient
+from ._hub import WatchHub
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
 from ._proto import create_is, prefix_end, put_op, range_op
@@ -90,6 +91,7 @@ class Queue:
     _leases: Leases
     _keys: Keys
     _host: TaskHost
+    _hub: WatchHub
     #: The key prefix of every lock (the ``prefix`` option, encoded).
     _prefix: bytes
 
@@ -107,7 +109,14 @@ class Queue:
         attempt.lease = lease
         attempt.key = attempt.prefix + f"{lease.id:016x}-{attempt.request.owner}".encode("ascii")
         attempt.rev = 0
+        self._keys.placed(attempt.key)
         return attempt.key
+
+    def _requeue(self, attempt: Attempt) -> None:
+        """Our key is gone (its lease expired or was revoked, or someone deleted it)."""
+        if attempt.key is not None:
+            self._keys.gone(attempt.key)
+        attempt.requeue()
 
     def hand_over(self, attempt: Attempt) -> EtcdGrant:
         lease, key = attempt.lease, attempt.key
@@ -143,6 +152,7 @@ class Queue:
                     keep=attempt,
                 )
             except ProvenGone:
+                self._keys.gone(key)
                 attempt.key = None
                 self._leases.died(lease, lease_gone(lease.id))
                 continue
@@ -158,6 +168,8 @@ class Queue:
                 # An earlier try might still land (it cannot, once etcd answered a later
                 # request of ours, but be sure): the next sweep deletes whatever it made.
                 self._keys.orphans[key] = 0
+            else:
+                self._keys.gone(key)
             attempt.key = None
             return False
         raise BackendUnavailable(
@@ -179,7 +191,7 @@ class Queue:
                 lease = attempt.lease
                 assert lease is not None
                 if state is None:
-                    attempt.requeue()  # at the back
+                    self._requeue(attempt)  # at the back
                     continue
                 failures.reset()
                 if state.predecessor is None:
@@ -187,13 +199,13 @@ class Queue:
                         return
                     # Our lease was not refreshed lately: prove it alive, then look again.
                     if not await self._leases.refresh(lease):
-                        attempt.requeue()
+                        self._requeue(attempt)
                     continue
                 await self._wait_turn(attempt, lease, state)
             except ProvenGone:
                 if attempt.lease is not None:
                     self._leases.died(attempt.lease, lease_gone(attempt.lease.id))
-                attempt.requeue()
+                self._requeue(attempt)
             except BackendUnavailable as exc:
                 if self._wire.channel is None or not transient(exc):
                     raise
@@ -201,7 +213,7 @@ class Queue:
 
     async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Place) -> None:
         name = attempt.request.name
-        wait = TurnWait(self._wire, self._leases, self._keys, attempt.own(), place, name)
+        wait = TurnWait(self._wire, self._hub, self._leases, self._keys, attempt.own(), place, name)
         await wait.run(lease)
 
     async def _enqueue(self, attempt: Attempt) -> Place | None:

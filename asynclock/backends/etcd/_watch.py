@@ -4,7 +4,7 @@ lease its key rides on kept alive meanwhile."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import anyio
 import grpc
@@ -12,6 +12,7 @@ from aetcd import rpc
 
 from .._kit import RENEWAL, BackendTimeout, BackendUnavailable, LockError, translate
 from ._errors import token_rejected
+from ._hub import WatchHub, delete_watch
 from ._keys import Keys
 from ._lease import ClientLease, Leases
 from ._proto import range_op
@@ -41,13 +42,43 @@ class Place:
 
 class TurnWait:
     """One wait: :meth:`run` returns when the key before ours, or ours, is deleted (or to look
-    again), and raises what went wrong."""
+    again), and raises what went wrong.
+
+    Its watches go on the client's shared stream (:mod:`._hub`). When the key before ours is
+    this client's own, our release or withdrawal of it wakes us at once (``Keys.local``), and
+    the watches, from the revision after the place was read, only cover a delete by anyone
+    else (a lease expiry, an operator): no read and no polls are needed for them.
+    """
+
+    __slots__ = (
+        "_armed",
+        "_changed",
+        "_failed",
+        "_hub",
+        "_keys",
+        "_leases",
+        "_local",
+        "_own",
+        "_place",
+        "_predecessor",
+        "_what",
+        "_wire",
+        "_woke",
+    )
 
     def __init__(
-        self, wire: Wire, leases: Leases, keys: Keys, own: bytes, place: Place, name: str
+        self,
+        wire: Wire,
+        hub: WatchHub,
+        leases: Leases,
+        keys: Keys,
+        own: bytes,
+        place: Place,
+        name: str,
     ) -> None:
         assert place.predecessor is not None
         self._wire = wire
+        self._hub = hub
         self._leases = leases
         self._keys = keys
         self._own = own
@@ -59,20 +90,29 @@ class TurnWait:
         self._armed: list[int] = []
         self._woke = False
         self._failed: list[BaseException] = []
+        #: Woken by our own delete of the key before ours (None: someone else's key).
+        self._local = keys.local.get(self._predecessor)
 
     async def run(self, lease: ClientLease) -> None:
         wire = self._wire
-        # hasleader: a member cut off from the cluster ends the watch instead of going quiet.
-        call = wire.watch.Watch(metadata=(*wire.metadata, ("hasleader", "true")))
+        local = self._local
+        # A local predecessor: the watches start right after the read (they may be
+        # "unsynced", see _after_watch, which only delays a fault's wake-up).
+        start = self._place.seen + 1 if local is not None else 0
+        stream = self._hub.watch(
+            self, [delete_watch(self._predecessor, start), delete_watch(self._own, start)]
+        )
+        if local is not None:
+            local.append(self._wake)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._read, call)
-                polls = await self._first_look()
-                if polls is not None:
-                    await self._idle(lease, polls)
-                tg.cancel_scope.cancel()
+            polls = await self._first_look()
+            if polls is not None:
+                await self._idle(lease, polls)
         finally:
-            call.cancel()
+            # No await: nothing can interrupt it.
+            stream.drop(self)
+            if local is not None and self._wake in local:
+                local.remove(self._wake)
         for error in self._failed:
             if isinstance(error, grpc.aio.AioRpcError):
                 if wire.settings.user is not None and token_rejected(error):
@@ -88,43 +128,26 @@ class TurnWait:
         self._woke = True
         self._changed.set()
 
-    async def _read(self, call: Any) -> None:
-        # Never cancelled while waiting: cancelling a gRPC read cancels the whole stream.
-        try:
-            for key in (self._predecessor, self._own):
-                await call.write(
-                    rpc.WatchRequest(
-                        create_request=rpc.WatchCreateRequest(
-                            key=key, filters=[rpc.WatchCreateRequest.NOPUT]
-                        )
-                    )
-                )
-            created = 0
-            start = 0
-            while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:
-                    self._failed.append(BackendUnavailable(f"{self._what}: the watch ended"))
-                    return
-                if response.created:
-                    created += 1
-                    start = max(start, int(response.header.revision))
-                    if created == 2:
-                        self._armed.append(start)
-                        self._changed.set()
-                if response.events or response.canceled or response.compact_revision:
-                    return
-        except Exception as exc:  # raised by run(), out of the task group
-            self._failed.append(exc)
-        finally:
-            self._wake()
+    # -- told by the watch stream (Subscriber) -------------------------------------------------
+
+    def on_created(self, revision: int) -> None:
+        self._armed.append(revision)
+        if len(self._armed) == 2:
+            self._changed.set()
+
+    def on_fired(self) -> None:
+        self._wake()
+
+    def on_failed(self, error: BaseException) -> None:
+        self._failed.append(error)
+        self._wake()
 
     async def _first_look(self) -> list[float] | None:
         """Wait for the watches; the times to look again at (None: no wait is needed)."""
         op_timeout = self._wire.settings.op_timeout
         with anyio.move_on_after(op_timeout):
             await self._changed.wait()
-        if not self._armed and not self._woke:
+        if len(self._armed) < 2 and not self._woke:
             self._failed.append(
                 BackendTimeout(
                     f"{self._what} on {self._wire.describe}: etcd did not create the watch "
@@ -132,10 +155,13 @@ class TurnWait:
                 )
             )
             return []
+        start = max(self._armed, default=0)
         place = self._place
-        if self._armed and not self._woke and (self._armed[0] > place.seen or place.next_in_line):
+        if self._local is not None:
+            return []
+        if len(self._armed) == 2 and not self._woke and (start > place.seen or place.next_in_line):
             try:
-                return await self._after_watch(self._armed[0])
+                return await self._after_watch(start)
             except LockError as exc:  # raised by run(), out of the task group
                 self._failed.append(exc)
         return []

@@ -21,6 +21,7 @@ from .._kit import (
     TaskHost,
     Unknown,
 )
+from ._hub import WatchHub
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
 from ._proto import create_is, prefix_end, range_op, to_compare, to_request_op
@@ -52,8 +53,9 @@ class EtcdBackend(Backend[EtcdGrant]):
         self._wire = Wire(settings, self._host)
         self._leases = Leases(self._wire)
         self._keys = Keys(self._wire)
+        self._hub = WatchHub(self._wire, self._host)
         self._queue = Queue(
-            self._wire, self._leases, self._keys, self._host, settings.prefix.encode()
+            self._wire, self._leases, self._keys, self._host, self._hub, settings.prefix.encode()
         )
         self._opened = False
         self._closed = False
@@ -104,6 +106,8 @@ class EtcdBackend(Backend[EtcdGrant]):
                 if self._wire.channel is not None:
                     # Revoking the leases deletes every key still on them, orphans included.
                     await self._leases.revoke_all()
+                # Ends the watch stream's tasks, and wakes every waiter still on it.
+                await self._hub.aclose()
             # Deferred deletes still pending find their keys gone with the leases.
             await self._host.aclose()
         finally:
