@@ -15,16 +15,22 @@ them).
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Final, Protocol
 
 import anyio
 import grpc
 from aetcd import rpc
 
 from .._kit import BackendUnavailable, TaskHost
+from ._proto import prefix_end
 from ._wire import Wire
 
-__all__ = ("Stream", "Subscriber", "WatchHub", "delete_watch")
+__all__ = ("NameWatch", "Stream", "Subscriber", "WatchHub", "delete_watch")
+
+#: A lock name's watch (:class:`NameWatch`) outlives its last waiter by this long, so that a
+#: task taking a lock over and over does not create and cancel it every time.
+NAME_WATCH_LINGER: Final = 1.0
 
 
 class Subscriber(Protocol):
@@ -32,16 +38,78 @@ class Subscriber(Protocol):
 
     def on_created(self, revision: int) -> None: ...
 
-    def on_fired(self) -> None: ...
+    def on_fired(self, events: Sequence[Any]) -> None:
+        """Deletes (``events``), or (none) the watch ended: look again."""
 
     def on_failed(self, error: BaseException) -> None: ...
 
 
-def delete_watch(key: bytes, start_revision: int = 0) -> Any:
+def delete_watch(key: bytes, start_revision: int = 0, range_end: bytes = b"") -> Any:
     """A create request for a watch on the deletes of ``key`` (0: from now)."""
     return rpc.WatchCreateRequest(
-        key=key, start_revision=start_revision, filters=[rpc.WatchCreateRequest.NOPUT]
+        key=key,
+        range_end=range_end,
+        start_revision=start_revision,
+        filters=[rpc.WatchCreateRequest.NOPUT],
     )
+
+
+class NameWatch:
+    """One watch on the deletes of every key of a lock name, shared by the client's waiters
+    for it whose key before theirs is the client's own (each event goes to the waiters
+    watching that key). A waiter of ours leaving the queue of a name that others of ours
+    still wait for then costs no watch created or cancelled, only one event."""
+
+    __slots__ = ("_by_key", "_count", "created", "idle_since", "start")
+
+    def __init__(self, start: int) -> None:
+        #: The revision it watches from; ``created`` is etcd's revision when it was created.
+        self.start = start
+        self.created: int | None = None
+        self._by_key: dict[bytes, list[Subscriber]] = {}
+        self._count = 0
+        self.idle_since: float | None = anyio.current_time()
+
+    def add(self, subscriber: Subscriber, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._by_key.setdefault(key, []).append(subscriber)
+            self._count += 1
+            if self.created is not None:
+                subscriber.on_created(self.created)
+        self.idle_since = None
+
+    def remove(self, subscriber: Subscriber, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            subscribers = self._by_key.get(key)
+            if subscribers is not None and subscriber in subscribers:
+                subscribers.remove(subscriber)
+                self._count -= 1
+                if not subscribers:
+                    del self._by_key[key]
+        if not self._count:
+            self.idle_since = anyio.current_time()
+
+    def _everyone(self) -> list[Subscriber]:
+        return list(dict.fromkeys(sub for subs in self._by_key.values() for sub in subs))
+
+    def on_created(self, revision: int) -> None:
+        self.created = revision
+        for subscribers in list(self._by_key.values()):
+            for subscriber in list(subscribers):
+                subscriber.on_created(revision)
+
+    def on_fired(self, events: Sequence[Any]) -> None:
+        if not events:  # the watch ended: everyone looks again
+            for subscriber in self._everyone():
+                subscriber.on_fired(())
+            return
+        for event in events:
+            for subscriber in list(self._by_key.get(bytes(event.kv.key), ())):
+                subscriber.on_fired((event,))
+
+    def on_failed(self, error: BaseException) -> None:
+        for subscriber in self._everyone():
+            subscriber.on_failed(error)
 
 
 class WatchHub:
@@ -52,14 +120,13 @@ class WatchHub:
         self._host = host
         self._stream: Stream | None = None
 
-    def watch(self, subscriber: Subscriber, requests: list[Any]) -> Stream:
-        """Send ``requests`` (create requests) for ``subscriber``; no await, so nothing can
-        interrupt it half done. Drop the subscriber from the stream returned when done."""
+    def stream(self) -> Stream:
+        """The live stream (opened now if there is none). Its methods never await, so
+        nothing can interrupt them half done."""
         stream = self._stream
         if stream is None or stream.dead:
             stream = self._stream = Stream(self._wire)
             self._host.start_soon(stream.run, name="asynclock: etcd watch stream")
-        stream.add(subscriber, requests)
         return stream
 
     async def aclose(self) -> None:
@@ -93,6 +160,7 @@ class Stream:
         self._by_id: dict[int, Subscriber] = {}
         self._ids: dict[Subscriber, list[int]] = {}
         self._slots: dict[Subscriber, list[list[Subscriber | None]]] = {}
+        self._names: dict[bytes, NameWatch] = {}
         #: Set once the reader and the writer are done with the call.
         self.stopped = anyio.Event()
 
@@ -111,6 +179,23 @@ class Stream:
             self._pending.append(slot)
             self._out.append(rpc.WatchRequest(create_request=request))
         self._more.set()
+
+    def name_watch(self, prefix: bytes, start: int) -> NameWatch:
+        """The watch on the deletes of the keys under ``prefix`` (one lock name), made from
+        revision ``start`` if there is none."""
+        watch = self._names.get(prefix)
+        if watch is None:
+            watch = self._names[prefix] = NameWatch(start)
+            self.add(watch, [delete_watch(prefix, start, prefix_end(prefix))])
+        return watch
+
+    def _reap(self) -> None:
+        """Cancel the name watches that have had no waiter for a while."""
+        now = anyio.current_time()
+        for prefix, watch in list(self._names.items()):
+            if watch.idle_since is not None and now - watch.idle_since >= NAME_WATCH_LINGER:
+                del self._names[prefix]
+                self.drop(watch)
 
     def drop(self, subscriber: Subscriber) -> None:
         """Cancel the subscriber's watches (those not created yet, once they are)."""
@@ -138,6 +223,7 @@ class Stream:
         self._by_id.clear()
         self._ids.clear()
         self._slots.clear()
+        self._names.clear()
         for subscriber in subscribers:
             subscriber.on_failed(error)
 
@@ -156,7 +242,9 @@ class Stream:
                     await self._call.write(self._out.popleft())
                 self._more = anyio.Event()
                 if not self._out and not self.dead:
-                    await self._more.wait()
+                    with anyio.move_on_after(NAME_WATCH_LINGER if self._names else None):
+                        await self._more.wait()
+                self._reap()
         except BaseException as exc:
             self._failed(exc)
 
@@ -197,7 +285,8 @@ class Stream:
             if response.canceled or watch_id < 0:
                 # Refused (a compacted start revision, say): let the waiter look again.
                 if subscriber is not None:
-                    subscriber.on_fired()
+                    self._forget(subscriber)
+                    subscriber.on_fired(())
                 return
             if subscriber is None:
                 self._cancel(watch_id)
@@ -210,5 +299,16 @@ class Stream:
         subscriber_or_none = self._by_id.get(watch_id)
         if subscriber_or_none is None:
             return  # a cancelled watch's last word
-        if response.events or response.canceled or response.compact_revision:
-            subscriber_or_none.on_fired()
+        if response.canceled or response.compact_revision:
+            # etcd ended the watch (compacted past its revision, say).
+            del self._by_id[watch_id]
+            self._forget(subscriber_or_none)
+            subscriber_or_none.on_fired(())
+        elif response.events:
+            subscriber_or_none.on_fired(response.events)
+
+    def _forget(self, subscriber: Subscriber) -> None:
+        """A name watch that etcd ended: the next waiter makes a new one."""
+        for prefix, watch in list(self._names.items()):
+            if watch is subscriber:
+                del self._names[prefix]

@@ -4,14 +4,25 @@ delete at once instead of by its watch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from aetcd import rpc
 
 from ._proto import create_is, delete_op
 from ._wire import Wire
 
-__all__ = ("Keys",)
+__all__ = ("Behind", "Keys")
+
+
+class Behind(Protocol):
+    """A local waiter right behind one of our keys: its own key and create revision."""
+
+    own: bytes
+    rev: int
+
+    def wake(self, proven: bool) -> None:
+        """The key before ours is gone; ``proven``: the same etcd transaction that deleted
+        it found our key the lowest (we hold the lock)."""
 
 
 class Keys:
@@ -22,18 +33,28 @@ class Keys:
     def __init__(self, wire: Wire) -> None:
         self._wire = wire
         self.orphans: dict[bytes, int] = {}
-        #: Our keys that may exist on the server, each with the wake-ups of the local waiters
-        #: right behind it.
-        self.local: dict[bytes, list[Callable[[], None]]] = {}
+        #: Our keys that may exist on the server, each with the local waiters right behind it.
+        self.local: dict[bytes, list[Behind]] = {}
+        #: Keys whose release is in flight: its answer, not the watch, wakes the waiter behind.
+        self.releasing: set[bytes] = set()
+        #: The same keys by lock name (the prefix of its keys).
+        self.by_name: dict[bytes, set[bytes]] = {}
 
     def placed(self, key: bytes) -> None:
         """``key`` is about to be created by us."""
         self.local.setdefault(key, [])
+        self.by_name.setdefault(_name_of(key), set()).add(key)
 
-    def gone(self, key: bytes) -> None:
+    def gone(self, key: bytes, proven: Behind | None = None) -> None:
         """``key`` is deleted (or was never created): wake the local waiters behind it."""
-        for wake in self.local.pop(key, ()):
-            wake()
+        name = _name_of(key)
+        keys = self.by_name.get(name)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.by_name[name]
+        for waiter in self.local.pop(key, ()):
+            waiter.wake(waiter is proven)
 
     async def delete(self, key: bytes, rev: int, what: str) -> None:
         if rev:
@@ -66,3 +87,9 @@ class Keys:
         await self.delete(key, rev, "deleting the lock key of a cancelled acquire")
         if self.orphans.get(key) == rev:
             del self.orphans[key]
+
+
+def _name_of(key: bytes) -> bytes:
+    """The prefix of every key of ``key``'s lock name: up to its last "/" (the percent-encoded
+    name and the "<lease>-<owner>" part have none)."""
+    return key[: key.rindex(b"/") + 1]

@@ -3,8 +3,9 @@ lease its key rides on kept alive meanwhile."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import anyio
 import grpc
@@ -12,7 +13,7 @@ from aetcd import rpc
 
 from .._kit import RENEWAL, BackendTimeout, BackendUnavailable, LockError, translate
 from ._errors import token_rejected
-from ._hub import WatchHub, delete_watch
+from ._hub import NameWatch, WatchHub, delete_watch
 from ._keys import Keys
 from ._lease import ClientLease, Leases
 from ._proto import range_op
@@ -64,6 +65,9 @@ class TurnWait:
         "_what",
         "_wire",
         "_woke",
+        "own",
+        "proven",
+        "rev",
     )
 
     def __init__(
@@ -73,6 +77,7 @@ class TurnWait:
         leases: Leases,
         keys: Keys,
         own: bytes,
+        rev: int,
         place: Place,
         name: str,
     ) -> None:
@@ -81,7 +86,10 @@ class TurnWait:
         self._hub = hub
         self._leases = leases
         self._keys = keys
-        self._own = own
+        self._own = self.own = own
+        self.rev = rev
+        #: Set by the release of the key before ours when it proved our key the lowest.
+        self.proven = False
         self._predecessor = place.predecessor
         self._place = place
         self._what = f"waiting for lock {name!r}"
@@ -93,40 +101,61 @@ class TurnWait:
         #: Woken by our own delete of the key before ours (None: someone else's key).
         self._local = keys.local.get(self._predecessor)
 
-    async def run(self, lease: ClientLease) -> None:
+    async def run(self, lease: ClientLease) -> bool:
+        """Whether the release of the key before ours proved that we hold the lock."""
         wire = self._wire
         local = self._local
-        # A local predecessor: the watches start right after the read (they may be
-        # "unsynced", see _after_watch, which only delays a fault's wake-up).
-        start = self._place.seen + 1 if local is not None else 0
-        stream = self._hub.watch(
-            self, [delete_watch(self._predecessor, start), delete_watch(self._own, start)]
-        )
-        if local is not None:
-            local.append(self._wake)
+        stream = self._hub.stream()
+        keys = (self._predecessor, self._own)
+        shared: NameWatch | None = None
+        if local is None:
+            stream.add(self, [delete_watch(key) for key in keys])
+        else:
+            # A local predecessor: the watches start right after the read (they may be
+            # "unsynced", see _after_watch, which only delays a fault's wake-up). The
+            # name's shared watch, unless it started after that.
+            start = self._place.seen + 1
+            shared = stream.name_watch(self.own[: self.own.rindex(b"/") + 1], start)
+            if shared.start <= start:
+                shared.add(self, keys)
+            else:
+                shared = None
+                stream.add(self, [delete_watch(key, start) for key in keys])
+            local.append(self)
         try:
             polls = await self._first_look()
             if polls is not None:
                 await self._idle(lease, polls)
         finally:
             # No await: nothing can interrupt it.
-            stream.drop(self)
-            if local is not None and self._wake in local:
-                local.remove(self._wake)
+            if shared is not None:
+                shared.remove(self, keys)
+            else:
+                stream.drop(self)
+            if local is not None and self in local:
+                local.remove(self)
+        if self.proven:
+            return True  # whatever failed since: the proof stands (the caller checks the lease)
         for error in self._failed:
             if isinstance(error, grpc.aio.AioRpcError):
                 if wire.settings.user is not None and token_rejected(error):
                     await wire.authenticate()
-                    return
+                    return False
                 with translate(wire.errors, f"{self._what} on {wire.describe}"):
                     raise error
             if isinstance(error, LockError):
                 raise error
             raise BackendUnavailable(f"{self._what} on {wire.describe}: {error!r}") from error
+        return False
 
     def _wake(self) -> None:
         self._woke = True
         self._changed.set()
+
+    def wake(self, proven: bool) -> None:
+        """Our own client deleted the key before ours (see ``Keys.gone``)."""
+        self.proven = self.proven or proven
+        self._wake()
 
     # -- told by the watch stream (Subscriber) -------------------------------------------------
 
@@ -135,7 +164,14 @@ class TurnWait:
         if len(self._armed) == 2:
             self._changed.set()
 
-    def on_fired(self) -> None:
+    def on_fired(self, events: Sequence[Any]) -> None:
+        predecessor = self._predecessor
+        if (
+            events
+            and predecessor in self._keys.releasing
+            and all(bytes(event.kv.key) == predecessor for event in events)
+        ):
+            return  # our own release of it is in flight: its answer wakes us, with the proof
         self._wake()
 
     def on_failed(self, error: BaseException) -> None:

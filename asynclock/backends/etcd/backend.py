@@ -121,6 +121,8 @@ class EtcdBackend(Backend[EtcdGrant]):
         if self._keys.orphans:
             # A key of ours left behind (a delete that failed) may be the one in the way.
             await self._keys.sweep()
+        if self._queue.known_busy(attempt):
+            return None
         try:
             taken = await self._queue.take_if_free(attempt)
         except BaseException:
@@ -221,7 +223,9 @@ class EtcdBackend(Backend[EtcdGrant]):
         # Idempotent (a guarded delete of a key unique to this grant): the core may run it
         # again from the start after a native cancellation, or retry it in the background.
         try:
-            await self._keys.delete(grant.key, token, f"releasing lock {grant.name!r}")
+            await self._queue.release(
+                grant.name, grant.key, token, f"releasing lock {grant.name!r}"
+            )
         except BaseException as exc:
             # Interrupted or failed: whoever comes next (a renewal, a wait, the next acquire,
             # or this release run again) deletes it.
