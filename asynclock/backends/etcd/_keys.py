@@ -37,6 +37,9 @@ class Keys:
         self.local: dict[bytes, list[Behind]] = {}
         #: Keys whose release is in flight: its answer, not the watch, wakes the waiter behind.
         self.releasing: set[bytes] = set()
+        #: Keys of ours that a release's transaction found the lowest under their name (so
+        #: they hold the lock), with the create revision it saw.
+        self.lowest: dict[bytes, int] = {}
         #: The same keys by lock name (the prefix of its keys).
         self.by_name: dict[bytes, set[bytes]] = {}
 
@@ -45,8 +48,17 @@ class Keys:
         self.local.setdefault(key, [])
         self.by_name.setdefault(_name_of(key), set()).add(key)
 
-    def gone(self, key: bytes, proven: Behind | None = None) -> None:
-        """``key`` is deleted (or was never created): wake the local waiters behind it."""
+    def holds(self, key: bytes, rev: int) -> bool:
+        """Whether a release found our ``key``, created at ``rev``, the lowest of its name."""
+        return self.lowest.get(key) == rev
+
+    def gone(self, key: bytes, lowest: tuple[bytes, int] | None = None) -> None:
+        """``key`` is deleted (or was never created): wake the local waiters behind it.
+        ``lowest``: the lowest key of the name just after the delete, and its create revision,
+        read in the delete's transaction."""
+        if lowest is not None and lowest[0] in self.local:
+            self.lowest[lowest[0]] = lowest[1]
+        self.lowest.pop(key, None)
         name = _name_of(key)
         keys = self.by_name.get(name)
         if keys is not None:
@@ -54,7 +66,7 @@ class Keys:
             if not keys:
                 del self.by_name[name]
         for waiter in self.local.pop(key, ()):
-            waiter.wake(waiter is proven)
+            waiter.wake(self.holds(waiter.own, waiter.rev))
 
     async def delete(self, key: bytes, rev: int, what: str) -> None:
         if rev:

@@ -132,6 +132,7 @@ class Queue:
             on_lost=attempt.request.on_lost,
         )
         lease.held.add(grant)
+        self._keys.lowest.pop(key, None)
         return grant
 
     def known_busy(self, attempt: Attempt) -> bool:
@@ -207,7 +208,7 @@ class Queue:
                     self._requeue(attempt)  # at the back
                     continue
                 failures.reset()
-                if state.predecessor is None:
+                if state.predecessor is None or self._keys.holds(attempt.own(), attempt.rev):
                     if lease.fresh(anyio.current_time()):
                         return
                     # Our lease was not refreshed lately: prove it alive, then look again.
@@ -242,39 +243,63 @@ class Queue:
         return await wait.run(lease)
 
     async def release(self, name: str, key: bytes, token: int, what: str) -> None:
-        """Delete our key ``key`` (guarded on its create revision ``token``). When a waiter of
-        ours is right behind it, the same transaction reads whether that waiter's key is now
-        the lowest, and hands it the lock without a round trip of its own."""
-        behind = self._keys.local.get(key, ())
-        if not token or len(behind) != 1:
-            await self._keys.delete(key, token, what)
-            return
-        (waiter,) = behind
+        """Delete our key ``key`` (guarded on its create revision ``token``). When keys of
+        ours wait under the name, the same transaction reads which key is the lowest after
+        the delete: if it is ours, its waiter holds the lock without a round trip of its own
+        (``Keys.lowest``)."""
+        keys = self._keys
         prefix = self.name_prefix(name)
-        # Not count_only: etcd counts before it applies the create revision filter.
-        lower = range_op(prefix, prefix_end(prefix), max_create_revision=waiter.rev - 1, limit=1)
-        self._keys.releasing.add(key)
+        behind = list(keys.local.get(key, ()))
+        if not token or not (behind or len(keys.by_name.get(prefix, ())) > 1):
+            await keys.delete(key, token, what)
+            return
+        end = prefix_end(prefix)
+        if len(behind) == 1:
+            # The waiter right behind: is its key still there, with nothing before it?
+            # (Not count_only: etcd counts before it applies the create revision filter.)
+            waiter = behind[0]
+            reads = [
+                range_op(waiter.own),
+                range_op(prefix, end, max_create_revision=waiter.rev - 1, limit=1),
+            ]
+        else:
+            # A key of ours whose place is not known yet (its answer is on its way): the
+            # lowest key left, whoever's it is.
+            lowest_op = range_op(
+                prefix,
+                end,
+                sort_target=rpc.RangeRequest.CREATE,
+                sort_order=rpc.RangeRequest.ASCEND,
+                limit=1,
+            )
+            reads = [lowest_op]
+        keys.releasing.add(key)
         try:
             reply = await self._wire.txn(
                 what,
                 rpc.TxnRequest(
                     compare=[create_is(key, token)],
                     # Read after the delete, in one transaction: they see it.
-                    success=[delete_op(key), range_op(waiter.own), lower],
+                    success=[delete_op(key), *reads],
                 ),
             )
         except BaseException:
-            # The waiter may have ignored the watch's event while this was in flight.
-            waiter.wake(False)
+            # A waiter behind may have ignored the watch's event while this was in flight.
+            for each in behind:
+                each.wake(False)
             raise
         finally:
-            self._keys.releasing.discard(key)
-        proven = False
+            keys.releasing.discard(key)
+        lowest: tuple[bytes, int] | None = None
         if reply.succeeded:
-            own = reply.responses[1].response_range.kvs
-            lowest = not reply.responses[2].response_range.kvs
-            proven = lowest and bool(own) and int(own[0].create_revision) == waiter.rev
-        self._keys.gone(key, waiter if proven else None)
+            found = reply.responses[1].response_range.kvs
+            if len(behind) == 1:
+                first = not reply.responses[2].response_range.kvs
+                if first and found and int(found[0].create_revision) == behind[0].rev:
+                    lowest = (behind[0].own, behind[0].rev)
+            elif found:
+                lowest = (bytes(found[0].key), int(found[0].create_revision))
+        keys.gone(key, lowest)
 
     async def _enqueue(self, attempt: Attempt) -> Place | None:
         """Create our key (or find it, after an ambiguous failure) and name the key before it."""
