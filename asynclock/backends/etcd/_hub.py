@@ -140,7 +140,7 @@ class WatchHub:
 
     @property
     def watches(self) -> int:
-        """Watches open or being created (for tests and ``extra_info``)."""
+        """Watches open or being created on the stream (``extra_info``)."""
         stream = self._stream
         return 0 if stream is None or stream.dead else stream.watches
 

@@ -1,9 +1,11 @@
 """The queue of one lock name: taking it, queueing for it, and leaving the queue.
 
-The holder is the key with the lowest create revision under the name. A waiter watches only
-the key just before its own (see :mod:`._watch`), and before reporting success re-reads, in
-one linearizable read, that its own key still exists with its create revision (so it is on a
-live lease: etcd#11456 granted locks on dead leases) and that no lower key is left.
+The holder is the key with the lowest create revision under the name. A waiter waits only for
+the key just before its own (see :mod:`._watch`). Before it reports success, a linearizable read
+must have shown that its own key still exists with its create revision (so it is on a live
+lease: etcd#11456 granted locks on dead leases) and that no lower key is left: its own read, or
+the transaction of the release that deleted the key before it, when that key was this client's
+(:meth:`Queue.release`, ``Keys.lowest``).
 """
 
 from __future__ import annotations

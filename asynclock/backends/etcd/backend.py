@@ -74,6 +74,7 @@ class EtcdBackend(Backend[EtcdGrant]):
             "op_timeout": self.op_timeout,
             "tls": self.tls,
             "server_version": self._wire.server_version,
+            "watches": self._hub.watches,
             "leases": {
                 bucket: f"{lease.id:016x}" for bucket, lease in self._leases.current.items()
             },
