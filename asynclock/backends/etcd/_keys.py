@@ -13,6 +13,9 @@ from ._wire import Wire
 
 __all__ = ("Behind", "Keys")
 
+#: How many of our deleted keys are remembered (see ``Keys.deleted``).
+_RECENT = 64
+
 
 class Behind(Protocol):
     """A local waiter right behind one of our keys: its own key and create revision."""
@@ -40,13 +43,39 @@ class Keys:
         #: Keys of ours that a release's transaction found the lowest under their name (so
         #: they hold the lock), with the create revision it saw.
         self.lowest: dict[bytes, int] = {}
+        #: Our keys whose place in the queue is not known yet (their queueing request was not
+        #: sent or not answered), and how many of them each lock name has.
+        self._unsettled: set[bytes] = set()
+        self.unsettled: dict[bytes, int] = {}
+        #: The last keys of ours that we know are gone (oldest first).
+        self._recent: dict[bytes, None] = {}
         #: The same keys by lock name (the prefix of its keys).
         self.by_name: dict[bytes, set[bytes]] = {}
 
     def placed(self, key: bytes) -> None:
         """``key`` is about to be created by us."""
-        self.local.setdefault(key, [])
-        self.by_name.setdefault(_name_of(key), set()).add(key)
+        self._recent.pop(key, None)
+        if key not in self.local:
+            self.local[key] = []
+            name = _name_of(key)
+            self.by_name.setdefault(name, set()).add(key)
+            self._unsettled.add(key)
+            self.unsettled[name] = self.unsettled.get(name, 0) + 1
+
+    def settled(self, key: bytes) -> None:
+        """We know where ``key`` stands in its queue."""
+        if key in self._unsettled:
+            self._unsettled.discard(key)
+            name = _name_of(key)
+            if self.unsettled[name] == 1:
+                del self.unsettled[name]
+            else:
+                self.unsettled[name] -= 1
+
+    def deleted(self, key: bytes) -> bool:
+        """Whether ``key`` is one of ours that we know is gone (so a waiter behind it need not
+        watch it: its release's answer came before the waiter's own)."""
+        return key in self._recent and key not in self.orphans
 
     def holds(self, key: bytes, rev: int) -> bool:
         """Whether a release found our ``key``, created at ``rev``, the lowest of its name."""
@@ -59,6 +88,11 @@ class Keys:
         if lowest is not None and lowest[0] in self.local:
             self.lowest[lowest[0]] = lowest[1]
         self.lowest.pop(key, None)
+        self.settled(key)
+        if key in self.local:
+            self._recent[key] = None
+            if len(self._recent) > _RECENT:
+                del self._recent[next(iter(self._recent))]
         name = _name_of(key)
         keys = self.by_name.get(name)
         if keys is not None:

@@ -174,11 +174,13 @@ class Queue:
                 continue
             if reply.succeeded:
                 attempt.rev = int(reply.header.revision)
+                self._keys.settled(key)
                 return True
             own = reply.responses[0].response_range.kvs
             if own:
                 # Created by the earlier try, when nothing else was under the name: ours.
                 attempt.rev = int(own[0].create_revision)
+                self._keys.settled(key)
                 return True
             if attempt.ambiguous:
                 # An earlier try might still land (it cannot, once etcd answered a later
@@ -196,6 +198,7 @@ class Queue:
     async def wait_for(self, attempt: Attempt) -> None:
         """Queue (or find our place again) and wait until our key is the lowest."""
         failures = _FAILURES.backoff(window=2.0 * self._wire.settings.op_timeout)
+        shortcuts = 0
         while True:
             try:
                 if attempt.rev == 0:
@@ -209,7 +212,17 @@ class Queue:
                 if state is None:
                     self._requeue(attempt)  # at the back
                     continue
+                self._keys.settled(attempt.own())
                 failures.reset()
+                if (
+                    state.predecessor is not None
+                    and self._keys.deleted(state.predecessor)
+                    and shortcuts < 3
+                ):
+                    # We deleted the key before ours after this read (our release's answer
+                    # came first): read our place again rather than watch a deleted key.
+                    shortcuts += 1
+                    continue
                 if state.predecessor is None or self._keys.holds(attempt.own(), attempt.rev):
                     if lease.fresh(anyio.current_time()):
                         return
@@ -252,7 +265,7 @@ class Queue:
         keys = self._keys
         prefix = self.name_prefix(name)
         behind = list(keys.local.get(key, ()))
-        if not token or not (behind or len(keys.by_name.get(prefix, ())) > 1):
+        if not token or not (behind or prefix in keys.unsettled):
             await keys.delete(key, token, what)
             return
         end = prefix_end(prefix)
@@ -265,8 +278,9 @@ class Queue:
                 range_op(prefix, end, max_create_revision=waiter.rev - 1, limit=1),
             ]
         else:
-            # A key of ours whose place is not known yet (its answer is on its way): the
-            # lowest key left, whoever's it is.
+            # A key of ours whose place is not known yet (its request is on its way): the
+            # lowest key left, whoever's it is. (Only then: etcd reads every key of the name
+            # to sort them.)
             lowest_op = range_op(
                 prefix,
                 end,
