@@ -50,7 +50,8 @@ class Keys:
         #: The last keys of ours that we know are gone (oldest first).
         self._recent: dict[bytes, None] = {}
         #: The same keys by lock name (the prefix of its keys).
-        self.by_name: dict[bytes, set[bytes]] = {}
+        #: (Lists: most names have one key, and a list of one is a third of a set's size.)
+        self.by_name: dict[bytes, list[bytes]] = {}
 
     def placed(self, key: bytes) -> None:
         """``key`` is about to be created by us."""
@@ -58,7 +59,7 @@ class Keys:
         if key not in self.local:
             self.local[key] = []
             name = _name_of(key)
-            self.by_name.setdefault(name, set()).add(key)
+            self.by_name.setdefault(name, []).append(key)
             self._unsettled.add(key)
             self.unsettled[name] = self.unsettled.get(name, 0) + 1
 
@@ -95,8 +96,8 @@ class Keys:
                 del self._recent[next(iter(self._recent))]
         name = _name_of(key)
         keys = self.by_name.get(name)
-        if keys is not None:
-            keys.discard(key)
+        if keys is not None and key in keys:
+            keys.remove(key)
             if not keys:
                 del self.by_name[name]
         for waiter in self.local.pop(key, ()):
