@@ -13,7 +13,7 @@ import pytest
 from aetcd import rpc
 
 import asynclock
-from asynclock.testing import EtcdServer
+from asynclock.testing import EtcdServer, FaultProxy
 from tests.backends.test_etcd import key_prefix, prefix, raw, wait_until
 
 __all__ = ("prefix",)  # a fixture
@@ -201,3 +201,32 @@ async def test_fifo_and_tokens_across_two_clients_whatever_key_is_before_each_wa
         assert order == list(range(len(pattern)))
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
         assert await direct.count(base) == 0
+
+
+async def test_a_waiter_whose_answer_is_on_its_way_finds_the_lock_handed_over(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with FaultProxy(etcd_server.host, etcd_server.port) as proxy:
+        async with asynclock.connect(f"etcd://{proxy.address}", prefix=prefix) as locks:
+            holder = await locks.acquire("a", ttl=10)
+            # 120 ms round trips: the release goes out while the waiter's request is on its
+            # way (and reaches etcd after it, on the same connection).
+            proxy.delay(60)
+            txns, ranges = calls(etcd_server, "Txn"), calls(etcd_server, "Range")
+            acquired: list[asynclock.Lease] = []
+
+            async def waiter() -> None:
+                acquired.append(await locks.acquire("a", ttl=10))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.sleep(0.02)
+                await holder.release()
+            # The queueing request and the release, nothing else: the release's transaction
+            # read that the waiter's key was the lowest left, and the waiter's answer found
+            # the lock handed over.
+            assert calls(etcd_server, "Txn") - txns == 2
+            assert calls(etcd_server, "Range") == ranges
+            assert acquired[0].token > holder.token
+            proxy.pass_through()
+            await acquired[0].release()

@@ -214,21 +214,17 @@ class Queue:
                     continue
                 self._keys.settled(attempt.own())
                 failures.reset()
-                if (
-                    state.predecessor is not None
-                    and self._keys.deleted(state.predecessor)
-                    and shortcuts < 3
-                ):
-                    # We deleted the key before ours after this read (our release's answer
-                    # came first): read our place again rather than watch a deleted key.
-                    shortcuts += 1
-                    continue
                 if state.predecessor is None or self._keys.holds(attempt.own(), attempt.rev):
                     if lease.fresh(anyio.current_time()):
                         return
                     # Our lease was not refreshed lately: prove it alive, then look again.
                     if not await self._leases.refresh(lease):
                         self._requeue(attempt)
+                    continue
+                if self._keys.deleted(state.predecessor) and shortcuts < 3:
+                    # We deleted the key before ours after this read (our release's answer
+                    # came first): read our place again rather than watch a deleted key.
+                    shortcuts += 1
                     continue
                 if await self._wait_turn(attempt, lease, state) and lease.fresh(
                     anyio.current_time()
