@@ -13,11 +13,14 @@ How a lock works here:
   token: etcd's revision is one counter for the whole cluster, so tokens strictly increase. The
   owner id (random per acquisition) makes the key unique, so two acquisitions of one name from one
   client (same lease) are two queue entries that exclude each other like any others.
-* The holder is the key with the lowest create revision under the name. A waiter watches only
-  the key just before its own for its DELETE (FIFO, no thundering herd), and before reporting
-  success re-reads, in one linearizable read, that its own key still exists with its create
+* The holder is the key with the lowest create revision under the name. A waiter waits only for
+  the key just before its own to be deleted (FIFO, no thundering herd), and before reporting
+  success a linearizable read must have shown that its own key still exists with its create
   revision (so it is on a live lease: etcd#11456 granted locks on dead leases) and that no lower
-  key is left.
+  key is left. Every watch of a client rides on one gRPC watch stream. A waiter behind a key of
+  its own client is woken by that client's delete, and the deleting transaction itself reads
+  whether the waiter's key is now the lowest (a hand-over is the release alone); an outside
+  delete reaches it through one watch per lock name shared by the client's waiters.
 * Release deletes our key in a transaction guarded on its create revision. An acquire that is
   cancelled deletes the key it may have created, once its create request is done; both
   clean-ups go through the kit's ``finish``, so they finish whatever cancels the caller, a
@@ -37,7 +40,9 @@ The package, imported in one direction (each file only from those below it):
 * ``backend.py``: :class:`EtcdBackend`, the contract's calls;
 * ``_queue.py``: taking a lock, queueing for it, leaving the queue after a cancel;
 * ``_watch.py``: a waiter's wait for its turn (watches, the lease kept alive meanwhile);
-* ``_keys.py``: deletes of lock keys, and the keys whose delete failed;
+* ``_hub.py``: the client's one watch stream, and the watch per lock name;
+* ``_keys.py``: deletes of lock keys, the keys whose delete failed, the client's keys in the
+  queues (and the waiters right behind them);
 * ``_lease.py``: :class:`EtcdGrant`, the client's leases and their keepalive stream;
 * ``_wire.py``: the gRPC channel, deadlines, re-authentication, the resend logic;
 * ``_errors.py``: gRPC statuses into asynclock's errors (one translator);

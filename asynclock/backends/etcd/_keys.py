@@ -1,13 +1,31 @@
-"""Lock keys whose delete failed ("orphans"), deleted again by whoever comes next."""
+"""Lock keys whose delete failed ("orphans"), deleted again by whoever comes next; and the
+keys of this client in the queues, so that a waiter behind one of them is woken by our own
+delete at once instead of by its watch."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 from aetcd import rpc
 
 from ._proto import create_is, delete_op
 from ._wire import Wire
 
-__all__ = ("Keys",)
+__all__ = ("Behind", "Keys")
+
+#: How many of our deleted keys are remembered (see ``Keys.deleted``).
+_RECENT = 64
+
+
+class Behind(Protocol):
+    """A local waiter right behind one of our keys: its own key and create revision."""
+
+    own: bytes
+    rev: int
+
+    def wake(self, proven: bool) -> None:
+        """The key before ours is gone; ``proven``: the same etcd transaction that deleted
+        it found our key the lowest (we hold the lock)."""
 
 
 class Keys:
@@ -18,6 +36,72 @@ class Keys:
     def __init__(self, wire: Wire) -> None:
         self._wire = wire
         self.orphans: dict[bytes, int] = {}
+        #: Our keys that may exist on the server, each with the local waiters right behind it.
+        self.local: dict[bytes, list[Behind]] = {}
+        #: Keys whose release is in flight: its answer, not the watch, wakes the waiter behind.
+        self.releasing: set[bytes] = set()
+        #: Keys of ours that a release's transaction found the lowest under their name (so
+        #: they hold the lock), with the create revision it saw.
+        self.lowest: dict[bytes, int] = {}
+        #: Our keys whose place in the queue is not known yet (their queueing request was not
+        #: sent or not answered), and how many of them each lock name has.
+        self._unsettled: set[bytes] = set()
+        self.unsettled: dict[bytes, int] = {}
+        #: The last keys of ours that we know are gone (oldest first).
+        self._recent: dict[bytes, None] = {}
+        #: The same keys by lock name (the prefix of its keys).
+        #: (Lists: most names have one key, and a list of one is a third of a set's size.)
+        self.by_name: dict[bytes, list[bytes]] = {}
+
+    def placed(self, key: bytes) -> None:
+        """``key`` is about to be created by us."""
+        self._recent.pop(key, None)
+        if key not in self.local:
+            self.local[key] = []
+            name = _name_of(key)
+            self.by_name.setdefault(name, []).append(key)
+            self._unsettled.add(key)
+            self.unsettled[name] = self.unsettled.get(name, 0) + 1
+
+    def settled(self, key: bytes) -> None:
+        """We know where ``key`` stands in its queue."""
+        if key in self._unsettled:
+            self._unsettled.discard(key)
+            name = _name_of(key)
+            if self.unsettled[name] == 1:
+                del self.unsettled[name]
+            else:
+                self.unsettled[name] -= 1
+
+    def deleted(self, key: bytes) -> bool:
+        """Whether ``key`` is one of ours that we know is gone (so a waiter behind it need not
+        watch it: its release's answer came before the waiter's own)."""
+        return key in self._recent and key not in self.orphans
+
+    def holds(self, key: bytes, rev: int) -> bool:
+        """Whether a release found our ``key``, created at ``rev``, the lowest of its name."""
+        return self.lowest.get(key) == rev
+
+    def gone(self, key: bytes, lowest: tuple[bytes, int] | None = None) -> None:
+        """``key`` is deleted (or was never created): wake the local waiters behind it.
+        ``lowest``: the lowest key of the name just after the delete, and its create revision,
+        read in the delete's transaction."""
+        if lowest is not None and lowest[0] in self.local:
+            self.lowest[lowest[0]] = lowest[1]
+        self.lowest.pop(key, None)
+        self.settled(key)
+        if key in self.local:
+            self._recent[key] = None
+            if len(self._recent) > _RECENT:
+                del self._recent[next(iter(self._recent))]
+        name = _name_of(key)
+        keys = self.by_name.get(name)
+        if keys is not None and key in keys:
+            keys.remove(key)
+            if not keys:
+                del self.by_name[name]
+        for waiter in self.local.pop(key, ()):
+            waiter.wake(self.holds(waiter.own, waiter.rev))
 
     async def delete(self, key: bytes, rev: int, what: str) -> None:
         if rev:
@@ -31,6 +115,8 @@ class Keys:
                     rpc.DeleteRangeRequest(key=key), timeout=timeout, metadata=md
                 ),
             )
+        # Gone (or, guarded on a create revision, no longer the key that was ours).
+        self.gone(key)
 
     async def sweep(self) -> None:
         for key, rev in list(self.orphans.items()):
@@ -48,3 +134,9 @@ class Keys:
         await self.delete(key, rev, "deleting the lock key of a cancelled acquire")
         if self.orphans.get(key) == rev:
             del self.orphans[key]
+
+
+def _name_of(key: bytes) -> bytes:
+    """The prefix of every key of ``key``'s lock name: up to its last "/" (the percent-encoded
+    name and the "<lease>-<owner>" part have none)."""
+    return key[: key.rindex(b"/") + 1]

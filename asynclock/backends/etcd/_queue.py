@@ -1,9 +1,11 @@
 """The queue of one lock name: taking it, queueing for it, and leaving the queue.
 
-The holder is the key with the lowest create revision under the name. A waiter watches only
-the key just before its own (see :mod:`._watch`), and before reporting success re-reads, in
-one linearizable read, that its own key still exists with its create revision (so it is on a
-live lease: etcd#11456 granted locks on dead leases) and that no lower key is left.
+The holder is the key with the lowest create revision under the name. A waiter waits only for
+the key just before its own (see :mod:`._watch`). Before it reports success, a linearizable read
+must have shown that its own key still exists with its create revision (so it is on a live
+lease: etcd#11456 granted locks on dead leases) and that no lower key is left: its own read, or
+the transaction of the release that deleted the key before it, when that key was this client's
+(:meth:`Queue.release`, ``Keys.lowest``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from .._kit import (
     finish,
 )
 from ._errors import transient
+from ._hub import WatchHub
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
-from ._proto import create_is, prefix_end, put_op, range_op
+from ._proto import create_is, delete_op, prefix_end, put_op, range_op
 from ._urls import bucket
 from ._watch import Place, TurnWait
 from ._wire import Wire, ended
@@ -90,6 +93,7 @@ class Queue:
     _leases: Leases
     _keys: Keys
     _host: TaskHost
+    _hub: WatchHub
     #: The key prefix of every lock (the ``prefix`` option, encoded).
     _prefix: bytes
 
@@ -107,7 +111,14 @@ class Queue:
         attempt.lease = lease
         attempt.key = attempt.prefix + f"{lease.id:016x}-{attempt.request.owner}".encode("ascii")
         attempt.rev = 0
+        self._keys.placed(attempt.key)
         return attempt.key
+
+    def _requeue(self, attempt: Attempt) -> None:
+        """Our key is gone (its lease expired or was revoked, or someone deleted it)."""
+        if attempt.key is not None:
+            self._keys.gone(attempt.key)
+        attempt.requeue()
 
     def hand_over(self, attempt: Attempt) -> EtcdGrant:
         lease, key = attempt.lease, attempt.key
@@ -123,7 +134,21 @@ class Queue:
             on_lost=attempt.request.on_lost,
         )
         lease.held.add(grant)
+        self._keys.lowest.pop(key, None)
         return grant
+
+    def known_busy(self, attempt: Attempt) -> bool:
+        """Whether a key of ours under the name is on a lease refreshed within half its ttl
+        (so it exists, unless an operator deleted it just now): then the lock is not free,
+        and a try needs no round trip. The client's own tasks queued for one lock try it
+        before each wait: this saves one write through raft per acquisition."""
+        now = anyio.current_time()
+        start = len(attempt.prefix)
+        for key in self._keys.by_name.get(attempt.prefix, ()):
+            lease = self._leases.by_id.get(int(key[start : start + 16], 16))
+            if lease is not None and lease.fresh(now):
+                return True
+        return False
 
     async def take_if_free(self, attempt: Attempt) -> bool:
         """Create our key only if there is no key under the name (nobody holds or waits)."""
@@ -143,21 +168,26 @@ class Queue:
                     keep=attempt,
                 )
             except ProvenGone:
+                self._keys.gone(key)
                 attempt.key = None
                 self._leases.died(lease, lease_gone(lease.id))
                 continue
             if reply.succeeded:
                 attempt.rev = int(reply.header.revision)
+                self._keys.settled(key)
                 return True
             own = reply.responses[0].response_range.kvs
             if own:
                 # Created by the earlier try, when nothing else was under the name: ours.
                 attempt.rev = int(own[0].create_revision)
+                self._keys.settled(key)
                 return True
             if attempt.ambiguous:
                 # An earlier try might still land (it cannot, once etcd answered a later
                 # request of ours, but be sure): the next sweep deletes whatever it made.
                 self._keys.orphans[key] = 0
+            else:
+                self._keys.gone(key)
             attempt.key = None
             return False
         raise BackendUnavailable(
@@ -168,6 +198,7 @@ class Queue:
     async def wait_for(self, attempt: Attempt) -> None:
         """Queue (or find our place again) and wait until our key is the lowest."""
         failures = _FAILURES.backoff(window=2.0 * self._wire.settings.op_timeout)
+        shortcuts = 0
         while True:
             try:
                 if attempt.rev == 0:
@@ -179,30 +210,108 @@ class Queue:
                 lease = attempt.lease
                 assert lease is not None
                 if state is None:
-                    attempt.requeue()  # at the back
+                    self._requeue(attempt)  # at the back
                     continue
+                self._keys.settled(attempt.own())
                 failures.reset()
-                if state.predecessor is None:
+                if state.predecessor is None or self._keys.holds(attempt.own(), attempt.rev):
                     if lease.fresh(anyio.current_time()):
                         return
                     # Our lease was not refreshed lately: prove it alive, then look again.
                     if not await self._leases.refresh(lease):
-                        attempt.requeue()
+                        self._requeue(attempt)
                     continue
-                await self._wait_turn(attempt, lease, state)
+                if self._keys.deleted(state.predecessor) and shortcuts < 3:
+                    # We deleted the key before ours after this read (our release's answer
+                    # came first): read our place again rather than watch a deleted key.
+                    shortcuts += 1
+                    continue
+                if await self._wait_turn(attempt, lease, state) and lease.fresh(
+                    anyio.current_time()
+                ):
+                    return  # the release before us proved our key the lowest
             except ProvenGone:
                 if attempt.lease is not None:
                     self._leases.died(attempt.lease, lease_gone(attempt.lease.id))
-                attempt.requeue()
+                self._requeue(attempt)
             except BackendUnavailable as exc:
                 if self._wire.channel is None or not transient(exc):
                     raise
                 await failures.pause(exc)
 
-    async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Place) -> None:
-        name = attempt.request.name
-        wait = TurnWait(self._wire, self._leases, self._keys, attempt.own(), place, name)
-        await wait.run(lease)
+    async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Place) -> bool:
+        """Whether the release of the key before ours proved that we hold the lock."""
+        wait = TurnWait(
+            self._wire,
+            self._hub,
+            self._leases,
+            self._keys,
+            attempt.own(),
+            attempt.rev,
+            place,
+            attempt.request.name,
+        )
+        return await wait.run(lease)
+
+    async def release(self, name: str, key: bytes, token: int, what: str) -> None:
+        """Delete our key ``key`` (guarded on its create revision ``token``). When keys of
+        ours wait under the name, the same transaction reads which key is the lowest after
+        the delete: if it is ours, its waiter holds the lock without a round trip of its own
+        (``Keys.lowest``)."""
+        keys = self._keys
+        prefix = self.name_prefix(name)
+        behind = list(keys.local.get(key, ()))
+        if not token or not (behind or prefix in keys.unsettled):
+            await keys.delete(key, token, what)
+            return
+        end = prefix_end(prefix)
+        if len(behind) == 1:
+            # The waiter right behind: is its key still there, with nothing before it?
+            # (Not count_only: etcd counts before it applies the create revision filter.)
+            waiter = behind[0]
+            reads = [
+                range_op(waiter.own),
+                range_op(prefix, end, max_create_revision=waiter.rev - 1, limit=1),
+            ]
+        else:
+            # A key of ours whose place is not known yet (its request is on its way): the
+            # lowest key left, whoever's it is. (Only then: etcd reads every key of the name
+            # to sort them.)
+            lowest_op = range_op(
+                prefix,
+                end,
+                sort_target=rpc.RangeRequest.CREATE,
+                sort_order=rpc.RangeRequest.ASCEND,
+                limit=1,
+            )
+            reads = [lowest_op]
+        keys.releasing.add(key)
+        try:
+            reply = await self._wire.txn(
+                what,
+                rpc.TxnRequest(
+                    compare=[create_is(key, token)],
+                    # Read after the delete, in one transaction: they see it.
+                    success=[delete_op(key), *reads],
+                ),
+            )
+        except BaseException:
+            # A waiter behind may have ignored the watch's event while this was in flight.
+            for each in behind:
+                each.wake(False)
+            raise
+        finally:
+            keys.releasing.discard(key)
+        lowest: tuple[bytes, int] | None = None
+        if reply.succeeded:
+            found = reply.responses[1].response_range.kvs
+            if len(behind) == 1:
+                first = not reply.responses[2].response_range.kvs
+                if first and found and int(found[0].create_revision) == behind[0].rev:
+                    lowest = (behind[0].own, behind[0].rev)
+            elif found:
+                lowest = (bytes(found[0].key), int(found[0].create_revision))
+        keys.gone(key, lowest)
 
     async def _enqueue(self, attempt: Attempt) -> Place | None:
         """Create our key (or find it, after an ambiguous failure) and name the key before it."""

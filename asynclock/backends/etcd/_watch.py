@@ -3,6 +3,7 @@ lease its key rides on kept alive meanwhile."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -12,6 +13,7 @@ from aetcd import rpc
 
 from .._kit import RENEWAL, BackendTimeout, BackendUnavailable, LockError, translate
 from ._errors import token_rejected
+from ._hub import NameWatch, WatchHub, delete_watch
 from ._keys import Keys
 from ._lease import ClientLease, Leases
 from ._proto import range_op
@@ -41,16 +43,53 @@ class Place:
 
 class TurnWait:
     """One wait: :meth:`run` returns when the key before ours, or ours, is deleted (or to look
-    again), and raises what went wrong."""
+    again), and raises what went wrong.
+
+    Its watches go on the client's shared stream (:mod:`._hub`). When the key before ours is
+    this client's own, our release or withdrawal of it wakes us at once (``Keys.local``), and
+    the watches, from the revision after the place was read, only cover a delete by anyone
+    else (a lease expiry, an operator): no read and no polls are needed for them.
+    """
+
+    __slots__ = (
+        "_armed",
+        "_changed",
+        "_failed",
+        "_hub",
+        "_keys",
+        "_leases",
+        "_local",
+        "_own",
+        "_place",
+        "_predecessor",
+        "_what",
+        "_wire",
+        "_woke",
+        "own",
+        "proven",
+        "rev",
+    )
 
     def __init__(
-        self, wire: Wire, leases: Leases, keys: Keys, own: bytes, place: Place, name: str
+        self,
+        wire: Wire,
+        hub: WatchHub,
+        leases: Leases,
+        keys: Keys,
+        own: bytes,
+        rev: int,
+        place: Place,
+        name: str,
     ) -> None:
         assert place.predecessor is not None
         self._wire = wire
+        self._hub = hub
         self._leases = leases
         self._keys = keys
-        self._own = own
+        self._own = self.own = own
+        self.rev = rev
+        #: Set by the release of the key before ours when it proved our key the lowest.
+        self.proven = False
         self._predecessor = place.predecessor
         self._place = place
         self._what = f"waiting for lock {name!r}"
@@ -59,72 +98,92 @@ class TurnWait:
         self._armed: list[int] = []
         self._woke = False
         self._failed: list[BaseException] = []
+        #: Woken by our own delete of the key before ours (None: someone else's key).
+        self._local = keys.local.get(self._predecessor)
 
-    async def run(self, lease: ClientLease) -> None:
+    async def run(self, lease: ClientLease) -> bool:
+        """Whether the release of the key before ours proved that we hold the lock."""
         wire = self._wire
-        # hasleader: a member cut off from the cluster ends the watch instead of going quiet.
-        call = wire.watch.Watch(metadata=(*wire.metadata, ("hasleader", "true")))
+        local = self._local
+        stream = self._hub.stream()
+        keys = (self._predecessor, self._own)
+        shared: NameWatch | None = None
+        if local is None:
+            stream.add(self, [delete_watch(key) for key in keys])
+        else:
+            # A local predecessor: the watches start right after the read (they may be
+            # "unsynced", see _after_watch, which only delays a fault's wake-up). The
+            # name's shared watch, unless it started after that.
+            start = self._place.seen + 1
+            shared = stream.name_watch(self.own[: self.own.rindex(b"/") + 1], start)
+            if shared.start <= start:
+                shared.add(self, keys)
+            else:
+                shared = None
+                stream.add(self, [delete_watch(key, start) for key in keys])
+            local.append(self)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._read, call)
-                polls = await self._first_look()
-                if polls is not None:
-                    await self._idle(lease, polls)
-                tg.cancel_scope.cancel()
+            polls = await self._first_look()
+            if polls is not None:
+                await self._idle(lease, polls)
         finally:
-            call.cancel()
+            # No await: nothing can interrupt it.
+            if shared is not None:
+                shared.remove(self, keys)
+            else:
+                stream.drop(self)
+            if local is not None and self in local:
+                local.remove(self)
+        if self.proven:
+            return True  # whatever failed since: the proof stands (the caller checks the lease)
         for error in self._failed:
             if isinstance(error, grpc.aio.AioRpcError):
                 if wire.settings.user is not None and token_rejected(error):
                     await wire.authenticate()
-                    return
+                    return False
                 with translate(wire.errors, f"{self._what} on {wire.describe}"):
                     raise error
             if isinstance(error, LockError):
                 raise error
             raise BackendUnavailable(f"{self._what} on {wire.describe}: {error!r}") from error
+        return False
 
     def _wake(self) -> None:
         self._woke = True
         self._changed.set()
 
-    async def _read(self, call: Any) -> None:
-        # Never cancelled while waiting: cancelling a gRPC read cancels the whole stream.
-        try:
-            for key in (self._predecessor, self._own):
-                await call.write(
-                    rpc.WatchRequest(
-                        create_request=rpc.WatchCreateRequest(
-                            key=key, filters=[rpc.WatchCreateRequest.NOPUT]
-                        )
-                    )
-                )
-            created = 0
-            start = 0
-            while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:
-                    self._failed.append(BackendUnavailable(f"{self._what}: the watch ended"))
-                    return
-                if response.created:
-                    created += 1
-                    start = max(start, int(response.header.revision))
-                    if created == 2:
-                        self._armed.append(start)
-                        self._changed.set()
-                if response.events or response.canceled or response.compact_revision:
-                    return
-        except Exception as exc:  # raised by run(), out of the task group
-            self._failed.append(exc)
-        finally:
-            self._wake()
+    def wake(self, proven: bool) -> None:
+        """Our own client deleted the key before ours (see ``Keys.gone``)."""
+        self.proven = self.proven or proven
+        self._wake()
+
+    # -- told by the watch stream (Subscriber) -------------------------------------------------
+
+    def on_created(self, revision: int) -> None:
+        self._armed.append(revision)
+        if len(self._armed) == 2:
+            self._changed.set()
+
+    def on_fired(self, events: Sequence[Any]) -> None:
+        predecessor = self._predecessor
+        if (
+            events
+            and predecessor in self._keys.releasing
+            and all(bytes(event.kv.key) == predecessor for event in events)
+        ):
+            return  # our own release of it is in flight: its answer wakes us, with the proof
+        self._wake()
+
+    def on_failed(self, error: BaseException) -> None:
+        self._failed.append(error)
+        self._wake()
 
     async def _first_look(self) -> list[float] | None:
         """Wait for the watches; the times to look again at (None: no wait is needed)."""
         op_timeout = self._wire.settings.op_timeout
         with anyio.move_on_after(op_timeout):
             await self._changed.wait()
-        if not self._armed and not self._woke:
+        if len(self._armed) < 2 and not self._woke:
             self._failed.append(
                 BackendTimeout(
                     f"{self._what} on {self._wire.describe}: etcd did not create the watch "
@@ -132,10 +191,13 @@ class TurnWait:
                 )
             )
             return []
+        start = max(self._armed, default=0)
         place = self._place
-        if self._armed and not self._woke and (self._armed[0] > place.seen or place.next_in_line):
+        if self._local is not None:
+            return []
+        if len(self._armed) == 2 and not self._woke and (start > place.seen or place.next_in_line):
             try:
-                return await self._after_watch(self._armed[0])
+                return await self._after_watch(start)
             except LockError as exc:  # raised by run(), out of the task group
                 self._failed.append(exc)
         return []

@@ -21,6 +21,7 @@ from .._kit import (
     TaskHost,
     Unknown,
 )
+from ._hub import WatchHub
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
 from ._proto import create_is, prefix_end, range_op, to_compare, to_request_op
@@ -52,8 +53,9 @@ class EtcdBackend(Backend[EtcdGrant]):
         self._wire = Wire(settings, self._host)
         self._leases = Leases(self._wire)
         self._keys = Keys(self._wire)
+        self._hub = WatchHub(self._wire, self._host)
         self._queue = Queue(
-            self._wire, self._leases, self._keys, self._host, settings.prefix.encode()
+            self._wire, self._leases, self._keys, self._host, self._hub, settings.prefix.encode()
         )
         self._opened = False
         self._closed = False
@@ -72,6 +74,7 @@ class EtcdBackend(Backend[EtcdGrant]):
             "op_timeout": self.op_timeout,
             "tls": self.tls,
             "server_version": self._wire.server_version,
+            "watches": self._hub.watches,
             "leases": {
                 bucket: f"{lease.id:016x}" for bucket, lease in self._leases.current.items()
             },
@@ -104,6 +107,8 @@ class EtcdBackend(Backend[EtcdGrant]):
                 if self._wire.channel is not None:
                     # Revoking the leases deletes every key still on them, orphans included.
                     await self._leases.revoke_all()
+                # Ends the watch stream's tasks, and wakes every waiter still on it.
+                await self._hub.aclose()
             # Deferred deletes still pending find their keys gone with the leases.
             await self._host.aclose()
         finally:
@@ -117,6 +122,8 @@ class EtcdBackend(Backend[EtcdGrant]):
         if self._keys.orphans:
             # A key of ours left behind (a delete that failed) may be the one in the way.
             await self._keys.sweep()
+        if self._queue.known_busy(attempt):
+            return None
         try:
             taken = await self._queue.take_if_free(attempt)
         except BaseException:
@@ -217,7 +224,9 @@ class EtcdBackend(Backend[EtcdGrant]):
         # Idempotent (a guarded delete of a key unique to this grant): the core may run it
         # again from the start after a native cancellation, or retry it in the background.
         try:
-            await self._keys.delete(grant.key, token, f"releasing lock {grant.name!r}")
+            await self._queue.release(
+                grant.name, grant.key, token, f"releasing lock {grant.name!r}"
+            )
         except BaseException as exc:
             # Interrupted or failed: whoever comes next (a renewal, a wait, the next acquire,
             # or this release run again) deletes it.

@@ -1,0 +1,232 @@
+"""The etcd queue's hand-over: one watch stream per client, one watch per lock name for the
+waiters behind the client's own keys, and a release that hands the lock to the waiter behind
+in its own transaction. Real servers; counts read from etcd's /metrics."""
+
+from __future__ import annotations
+
+import functools
+import http.client
+import random
+
+import anyio
+import pytest
+from aetcd import rpc
+
+import asynclock
+from asynclock.testing import EtcdServer, FaultProxy
+from tests.backends.test_etcd import key_prefix, prefix, raw, wait_until
+
+__all__ = ("prefix",)  # a fixture
+
+pytestmark = pytest.mark.anyio
+
+
+def metrics(server: EtcdServer, name: str, labels: str = "") -> float:
+    """The sum of a metric's series (those whose labels contain ``labels``)."""
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=5)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    total = 0.0
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if (series == name or series.startswith(name + "{")) and labels in series:
+            total += float(value)
+    return total
+
+
+def watchers(server: EtcdServer) -> tuple[float, float]:
+    """(watch streams, watchers) open on the server."""
+    return (
+        metrics(server, "etcd_debugging_mvcc_watch_stream_total"),
+        metrics(server, "etcd_debugging_mvcc_watcher_total"),
+    )
+
+
+def calls(server: EtcdServer, method: str) -> float:
+    return metrics(server, "grpc_server_handled_total", f'grpc_method="{method}"')
+
+
+async def _count_is(direct: object, base: bytes, count: int) -> bool:
+    return bool(await direct.count(base) == count)  # type: ignore[attr-defined]
+
+
+async def test_waiters_of_one_client_share_one_stream_and_one_watch_and_leave_none(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    streams_before, watchers_before = watchers(etcd_server)
+    order: list[int] = []
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        raw(etcd_server.address) as direct,
+    ):
+        holder = await locks.acquire("a", ttl=10)
+        base = key_prefix(prefix, "a")
+
+        async def waiter(index: int) -> None:
+            async with locks.lock("a", ttl=10):
+                order.append(index)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for index in range(50):
+                    tg.start_soon(waiter, index)
+                    await wait_until(functools.partial(_count_is, direct, base, index + 2))
+                await anyio.sleep(0.2)  # every waiter has armed its wait
+                streams, watching = watchers(etcd_server)
+                # Each waiter is behind a key of this client: one stream, one watch on the name.
+                assert streams - streams_before == 1
+                assert watching - watchers_before == 1
+                await holder.release()
+        assert order == list(range(50))
+        # The name's watch outlives its last waiter by a second, then it is cancelled.
+
+        async def cancelled() -> bool:
+            return watchers(etcd_server)[1] == watchers_before
+
+        await wait_until(cancelled, timeout=5)
+
+    async def closed() -> bool:
+        # The server notices the closed stream a moment after the client's channel closes.
+        return watchers(etcd_server) == (streams_before, watchers_before)
+
+    await wait_until(closed, timeout=3)
+
+
+async def test_a_hand_over_within_one_client_is_the_release_transaction_alone(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        raw(etcd_server.address) as direct,
+    ):
+        holder = await locks.acquire("a", ttl=10)
+        base = key_prefix(prefix, "a")
+        got = anyio.Event()
+        done = anyio.Event()
+        tokens: list[int] = []
+
+        async def waiter() -> None:
+            async with locks.lock("a", ttl=10) as lease:
+                tokens.append(lease.token)
+                got.set()
+                await done.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await wait_until(functools.partial(_count_is, direct, base, 2))
+            await anyio.sleep(0.2)
+            # Trying a lock this client holds and queues for needs no request at all.
+            txns, ranges = calls(etcd_server, "Txn"), calls(etcd_server, "Range")
+            assert await locks.try_acquire("a", ttl=10) is None
+            assert (calls(etcd_server, "Txn"), calls(etcd_server, "Range")) == (txns, ranges)
+            await holder.release()
+            with anyio.fail_after(5):
+                await got.wait()
+            # The release's transaction proved the waiter's key the lowest: no read of its own.
+            assert calls(etcd_server, "Txn") - txns == 1
+            assert calls(etcd_server, "Range") == ranges
+            assert tokens[0] > holder.token
+            (left,) = await direct.keys(base)
+            assert int(left.create_revision) == tokens[0]
+            done.set()
+
+
+async def test_an_operator_deleting_the_key_before_a_waiter_of_the_same_client_wakes_it(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        raw(etcd_server.address) as direct,
+    ):
+        holder = await locks.acquire("a", ttl=10)
+        base = key_prefix(prefix, "a")
+        async with anyio.create_task_group() as tg:
+            acquired: list[asynclock.Lease] = []
+            woken = anyio.Event()
+
+            async def waiter() -> None:
+                acquired.append(await locks.acquire("a", ttl=10))
+                woken.set()
+
+            tg.start_soon(waiter)
+            await wait_until(functools.partial(_count_is, direct, base, 2))
+            await anyio.sleep(0.2)
+            first, second = await direct.keys(base)
+            # The waiter's own key deleted: it queues again, at the back (a new key).
+            await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=second.key))
+            await wait_until(functools.partial(_count_is, direct, base, 2), timeout=3)
+            (_, again) = await direct.keys(base)
+            assert again.create_revision > second.create_revision
+            assert not acquired
+            # The holder's key deleted behind its back: the waiter is woken by the watch.
+            await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=first.key))
+            with anyio.fail_after(1.0):
+                await woken.wait()
+        assert acquired[0].token == again.create_revision
+        await acquired[0].release()
+        await holder.release()  # lost already; releasing is still allowed
+
+
+async def test_fifo_and_tokens_across_two_clients_whatever_key_is_before_each_waiter(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    rng = random.Random(18)
+    pattern = [rng.randrange(2) for _ in range(60)]
+    order: list[int] = []
+    tokens: list[int] = []
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as first,
+        asynclock.connect(etcd_server.url, prefix=prefix) as second,
+        raw(etcd_server.address) as direct,
+    ):
+        clients = (first, second)
+
+        async def waiter(index: int) -> None:
+            # Hold briefly: the next waiter's wake-up races with the release.
+            async with clients[pattern[index]].lock("fifo", ttl=10) as lease:
+                order.append(index)
+                tokens.append(lease.token)
+
+        holder = await first.acquire("fifo", ttl=10)
+        base = key_prefix(prefix, "fifo")
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for index in range(len(pattern)):
+                    tg.start_soon(waiter, index)
+                    await wait_until(functools.partial(_count_is, direct, base, index + 2))
+                await holder.release()
+        assert order == list(range(len(pattern)))
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+        assert await direct.count(base) == 0
+
+
+async def test_a_waiter_whose_answer_is_on_its_way_finds_the_lock_handed_over(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with FaultProxy(etcd_server.host, etcd_server.port) as proxy:
+        async with asynclock.connect(f"etcd://{proxy.address}", prefix=prefix) as locks:
+            holder = await locks.acquire("a", ttl=10)
+            # 120 ms round trips: the release goes out while the waiter's request is on its
+            # way (and reaches etcd after it, on the same connection).
+            proxy.delay(60)
+            txns, ranges = calls(etcd_server, "Txn"), calls(etcd_server, "Range")
+            acquired: list[asynclock.Lease] = []
+
+            async def waiter() -> None:
+                acquired.append(await locks.acquire("a", ttl=10))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.sleep(0.02)
+                await holder.release()
+            # The queueing request and the release, nothing else: the release's transaction
+            # read that the waiter's key was the lowest left, and the waiter's answer found
+            # the lock handed over.
+            assert calls(etcd_server, "Txn") - txns == 2
+            assert calls(etcd_server, "Range") == ranges
+            assert acquired[0].token > holder.token
+            proxy.pass_through()
+            await acquired[0].release()
