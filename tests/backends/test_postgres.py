@@ -343,23 +343,34 @@ async def test_two_leases_of_one_name_in_one_client_exclude_each_other(
         await second.release()
 
 
-async def test_holders_show_in_pg_stat_activity_and_idle_connections_hold_nothing(
+async def test_1000_locks_of_one_client_share_one_connection_per_ttl(
     postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
 ) -> None:
+    """Locks of one ttl live on one holding connection (its idle timer is the lease), renewed
+    by one statement; a release unlocks its own key only; idle connections hold nothing."""
     async with asynclock.connect(postgres_server.url, application_name=app, max_idle=2) as locks:
-        leases = [await locks.acquire(f"{name}/{index}", ttl=10) for index in range(5)]
-        held = await sessions(admin, app)
-        assert len(held) == 5
-        assert all(count == 1 for _, count in held)
-        for index, lease in enumerate(leases):
-            assert await holders(admin, f"{name}/{index}") == [lease.grant.pid]  # type: ignore[attr-defined]
-        for lease in leases:
-            await lease.release()
-        # max_idle connections stay, holding no lock and with no idle timeout armed.
-        assert await settle_sessions(admin, app, 2) == 2
-        assert all(count == 0 for _, count in await sessions(admin, app))
         backend = locks._backend
         assert isinstance(backend, PostgresBackend)
+        leases = [await locks.acquire(f"{name}/{index}", ttl=10) for index in range(1000)]
+        short = [await locks.acquire(f"{name}/short/{index}", ttl=5) for index in range(3)]
+        held = await sessions(admin, app)
+        # One holding connection per ttl, plus the idle one that open() checked the server on.
+        assert sorted(count for _, count in held) == [0, 3, 1000]
+        assert len(held) <= 3
+        for lease in leases[:3] + short:
+            assert await holders(admin, lease.name) == [lease.grant.pid]  # type: ignore[attr-defined]
+        # One statement renews the 1,000 locks of a ttl.
+        calls_before = backend._lanes.by_ttl[10000].renewals
+        outcomes = await backend.renew([lease.grant for lease in leases])  # type: ignore[misc]
+        assert all(isinstance(outcome, Renewed) for outcome in outcomes)
+        assert backend._lanes.by_ttl[10000].renewals == calls_before + 1
+        # Releasing one leaves the others held on the same session.
+        await leases[0].release()
+        assert await holders(admin, leases[0].name) == []
+        assert await holders(admin, leases[1].name) == [leases[1].grant.pid]  # type: ignore[attr-defined]
+        for lease in leases[1:] + short:
+            await lease.release()
+        assert all(count == 0 for _, count in await sessions(admin, app))
         for connection in backend._sessions.pool._idle:
             assert await connection.fetchval("SHOW idle_session_timeout") == "0"
     assert await settle_sessions(admin, app, 0) == 0
@@ -394,23 +405,28 @@ async def test_tokens_come_from_the_sequence_in_the_configured_schema(
 async def test_renew_reports_every_grant_and_proves_loss_of_a_terminated_one(
     postgres_server: PostgresServer, name: str
 ) -> None:
+    """Two ttls, so two holding connections: terminating one loses the locks on it (they share
+    its session), and only those; one renewal statement per connection renews the rest."""
     lost: list[str] = []
     async with PostgresBackend.from_url(postgres_server.url, {}) as backend:
         grants = [
-            await backend.acquire(LockRequest(f"{name}/{index}", 5.0, "owner", lost.append))
+            await backend.acquire(
+                LockRequest(f"{name}/{index}", 5.0 if index % 2 else 6.0, "owner", lost.append)
+            )
             for index in range(6)
         ]
+        assert len({grant.pid for grant in grants}) == 2
         await terminate_holder(postgres_server.dsn, f"{name}/3")
         before = anyio.current_time()
         outcomes = await backend.renew(grants)
         for index, outcome in enumerate(outcomes):
-            if index == 3:
+            if index % 2:
                 assert isinstance(outcome, Lost)
             else:
                 assert isinstance(outcome, Renewed)
-                assert outcome.valid_from >= before and outcome.ttl == 5.0
-        # The termination was also pushed, without waiting for a renewal.
-        assert len(lost) == 1 and "pg_terminate_backend" in lost[0]
+                assert outcome.valid_from >= before and outcome.ttl == 6.0
+        # The termination was also pushed, without waiting for a renewal, once per lock.
+        assert len(lost) == 3 and all("pg_terminate_backend" in reason for reason in lost)
         for grant in grants:
             await backend.release(grant)
 
@@ -661,7 +677,8 @@ async def test_no_connection_leaks_after_1000_acquire_cancel_cycles(
                 await holder.release()
         assert await waiters(admin, name) == 0
         assert await holders(admin, name) == []
-        assert await settle_sessions(admin, app, 4) <= 4
+        # max_idle, and the holding connection of ttl 10.
+        assert await settle_sessions(admin, app, 5) <= 5
         assert all(count == 0 for _, count in await sessions(admin, app))
         lease = await other.try_acquire(name, ttl=10)
         assert lease is not None
@@ -856,35 +873,32 @@ async def test_an_idle_pooled_connection_ended_by_the_server_is_replaced_without
     async with asynclock.connect(postgres_server.url, application_name=app, max_idle=1) as locks:
         backend = locks._backend
         assert isinstance(backend, PostgresBackend)
-        takes = ("lock", "try_acquire", "acquire with a timeout", "transaction_lock", "inspect")
-        for take in takes:
+        # Takes run on the holding connection of their ttl (kept a while after its last lock
+        # went), the others on an idle pooled one: either may have died unnoticed.
+        for take in ("lock", "try_acquire", "transaction_lock", "inspect"):
             async with locks.lock(name, ttl=5):
                 pass
-            (pooled,) = backend._sessions.pool._idle
-            terminate_while_the_loop_is_blocked(postgres_server.dsn, pooled.get_server_pid())
-            assert not pooled.is_closed()  # not noticed yet: the checkout will hand it out
+            if take in ("lock", "try_acquire"):
+                victim = backend._lanes.by_ttl[5000].connection
+            else:
+                (victim,) = backend._sessions.pool._idle
+            terminate_while_the_loop_is_blocked(postgres_server.dsn, victim.get_server_pid())
+            assert not victim.is_closed()  # not noticed yet: the next take will use it
             if take == "lock":
                 async with locks.lock(name, ttl=5) as lease:
                     pass
+                assert lease.grant.connection is not victim  # type: ignore[attr-defined]
             elif take == "try_acquire":
                 taken = await locks.try_acquire(name, ttl=5)
                 assert taken is not None
-                lease = taken
-                await lease.release()
-            elif take == "acquire with a timeout":
-                lease = await locks.acquire(name, ttl=5, timeout=1)
-                await lease.release()
+                assert taken.grant.connection is not victim  # type: ignore[attr-defined]
+                await taken.release()
             elif take == "transaction_lock":
                 async with transaction_lock(locks, name, timeout=1) as (connection, _):
-                    assert connection is not pooled
-                assert pooled.is_closed()
-                continue
+                    assert connection is not victim
             else:
                 assert not (await locks.inspect(name)).held
-                assert pooled.is_closed()
-                continue
-            assert lease.grant.connection is not pooled  # type: ignore[attr-defined]
-            assert pooled.is_closed()
+            assert victim.is_closed()
         # Pushed over pg_terminate_backend the way a client sees it: once noticed, a dead
         # pooled connection is skipped at checkout.
         (pooled,) = backend._sessions.pool._idle
@@ -892,8 +906,7 @@ async def test_an_idle_pooled_connection_ended_by_the_server_is_replaced_without
         with anyio.fail_after(2):
             while not pooled.is_closed():  # noqa: ASYNC110 (asyncpg notices on its own)
                 await anyio.sleep(0.005)
-        async with locks.lock(name, ttl=5):
-            pass
+        assert not (await locks.inspect(name)).held
     assert [record for record in caplog.records if record.levelno >= logging.WARNING] == []
     assert await settle_sessions(admin, app, 0) == 0
 
@@ -958,7 +971,8 @@ async def test_a_wait_cancelled_mid_statement_is_not_reused_and_the_next_acquire
             async with locks.lock(name, ttl=10, timeout=5):
                 pass
         assert interrupted >= 30
-        assert await settle_sessions(admin, app, 1) <= 1
+        # The idle one, and the holding connection of ttl 10.
+        assert await settle_sessions(admin, app, 2) <= 2
         assert all(count == 0 for _, count in await sessions(admin, app))
 
 
@@ -1046,20 +1060,22 @@ async def test_takes_on_a_server_that_stopped_answering_fail_within_their_bounds
     assert await settle_sessions(admin, app, 0) == 0
 
 
-async def test_a_release_the_server_does_not_answer_closes_the_connection_and_says_so(
+async def test_a_release_the_server_does_not_answer_stays_queued_and_says_so(
     postgres_server: PostgresServer,
     admin: asyncpg.Connection,
     name: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Unlocking times out (a hung server, no renewal in flight): the connection is closed
-    instead, which ends the session and frees the lock once the server reads the close; the
-    warning says exactly that, and the release does not fail or linger."""
+    """Unlocking times out (a hung server, no renewal in flight): closing the connection would
+    lose the other locks it holds, so the unlock stays queued on it and frees the lock when the
+    server answers; the warning says exactly that, the release does not fail or linger, and the
+    other lock on the connection is still held."""
     op_timeout = 0.3
     async with FaultProxy(postgres_server.host, postgres_server.port) as proxy:
         url = f"postgresql://postgres@{proxy.address}/postgres?op_timeout={op_timeout}"
         async with asynclock.connect(url) as locks, asynclock.connect(postgres_server.url) as other:
             lease = await locks.acquire(name, ttl=10)  # first renewal only after 3.3 s
+            neighbour = await locks.acquire(f"{name}/neighbour", ttl=10)
             proxy.blackhole()
             started = anyio.current_time()
             await lease.release()
@@ -1068,9 +1084,12 @@ async def test_a_release_the_server_does_not_answer_closes_the_connection_and_sa
             proxy.pass_through()
             freed = await other.acquire(name, ttl=10, timeout=2)
             await freed.release()
+            assert await holders(admin, neighbour.name) == [neighbour.grant.pid]  # type: ignore[attr-defined]
+            assert not neighbour.lost
+            await neighbour.release()
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert "closed its connection instead" in warning
-    assert "frees the lock when it reads the close" in warning
+    assert "the unlock stays queued on its holding connection" in warning
+    assert "frees the lock when it answers" in warning
 
 
 # -- native cancellation (issue 15, item 4) ----------------------------------------------------
@@ -1130,10 +1149,11 @@ async def test_native_cancels_of_acquire_release_and_exit_strand_nothing(
             if cycle % 50 == 49:
                 assert await waiters(admin, name) == 0
                 assert all(count == 0 for _, count in await sessions(admin, app))
-                assert await settle_sessions(admin, app, max_idle) <= max_idle
+                # max_idle, and the holding connection of ttl 10.
+                assert await settle_sessions(admin, app, max_idle + 1) <= max_idle + 1
         backend = locks._backend
         assert isinstance(backend, PostgresBackend)
-        assert len(backend._sessions.all) <= max_idle
+        assert len(backend._sessions.all) <= max_idle + 1
     assert await settle_sessions(admin, app, 0) == 0
     assert sorted(free_after)[int(cycles * 0.99)] < 0.1
 

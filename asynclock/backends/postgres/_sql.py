@@ -12,16 +12,14 @@ SEQUENCE = "asynclock_token_seq"
 #: ``idle_session_timeout`` is an int of milliseconds.
 MAX_TIMEOUT_MS = 2**31 - 1
 
-# Take the lock if it is free, arm the server's idle timer and draw the token: one round trip.
-# No row comes back when the lock is busy. A row proves that the WHERE clause ran to its end,
-# so the timer is armed whenever the lock was taken; set_config runs only after the lock was
-# taken (AND evaluates left to right and stops at false), so a busy attempt leaves the timer
-# at 0, which is what every connection in the idle pool has.
-TAKE = """
+# A take on a lane (a holding connection shared by the locks of one ttl, whose idle timer is
+# set once, when it connects): try-lock and token in one round trip, no row when busy.
+LANE_TAKE = """
 WITH attempt AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS taken)
-SELECT nextval($2::regclass), pg_backend_pid() FROM attempt
-WHERE attempt.taken AND set_config('idle_session_timeout', $3, false) IS NOT NULL
+SELECT nextval($2::regclass) FROM attempt WHERE attempt.taken
 """
+# A lane's release: only its key (the others on the connection stay held).
+UNLOCK = "SELECT pg_advisory_unlock($1)"
 # Wait in the server's lock queue. The idle timer is armed once granted, so a client that
 # vanishes right after the grant still loses the lock after ttl.
 WAIT = "SELECT pg_advisory_lock($1), set_config('idle_session_timeout', $2, false)"

@@ -18,12 +18,13 @@ from .._kit import (
     LockRequest,
     RenewOutcome,
     TaskHost,
-    Unknown,
     now,
     redact,
     translate,
 )
-from ._renewals import PostgresGrant, Renewals
+from ._lane import PostgresGrant
+from ._lanes import Lanes
+from ._renewals import Renewals
 from ._server import check_version, ensure_sequence, probe_check_interval
 from ._sessions import Replacements, Sessions
 from ._sql import (
@@ -31,7 +32,6 @@ from ._sql import (
     INSPECT,
     MAX_TIMEOUT_MS,
     RELEASE,
-    TAKE,
     TOKEN,
     WAIT,
     lock_key,
@@ -116,6 +116,14 @@ class PostgresBackend(Backend[PostgresGrant]):
             on_closed=self._connection_closed,
             busy=self._renewing,
         )
+        self._lanes = Lanes(
+            self._host,
+            self._translator,
+            self.sequence,
+            op_timeout,
+            connect=self._sessions.connect_lane,
+            close=self._sessions.close,
+        )
         self._state = "new"
 
     # -- construction ------------------------------------------------------------------------
@@ -145,6 +153,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             "op_timeout": self.op_timeout,
             "max_idle": self.max_idle,
             "connections": len(self._sessions.all),
+            "holding_connections": len(self._lanes.by_ttl),
             "idle_connections": self._sessions.pool.idle,
         }
 
@@ -191,6 +200,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             return
         self._state = "closed"
         await self._sessions.aclose()
+        self._lanes.close_all()  # the connected ones closed with the sessions
         # Their connections are closed, so every renewal query has ended or ends now.
         await self._renewals.wait_all(self.op_timeout)
         await self._host.aclose()
@@ -206,8 +216,17 @@ class PostgresBackend(Backend[PostgresGrant]):
         return grant
 
     async def _take(self, request: LockRequest, *, wait: bool) -> PostgresGrant | None:
-        """Take the lock (``wait``: in the server's queue until it is ours) on a connection that
-        holds nothing, with its token.
+        """Try on the lane of the request's ttl; if the lock is busy and ``wait``, wait for it
+        in the server's queue on a dedicated connection."""
+        key = lock_key(request.name, self.schema)
+        ttl_ms = timeout_ms(request.ttl)
+        grant = await self._lanes.take(request, key, ttl_ms)
+        if grant is not None or not wait:
+            return grant
+        return await self._wait(request, key, ttl_ms)
+
+    async def _wait(self, request: LockRequest, key: int, ttl_ms: int) -> PostgresGrant:
+        """Wait in the server's queue on a dedicated connection, which then holds the lock.
 
         A statement that fails or is cancelled half-way leaves its connection in a state nobody
         knows (asyncpg's protocol may still expect the reply), so that connection is closed, never
@@ -215,38 +234,25 @@ class PostgresBackend(Backend[PostgresGrant]):
         cancelled wait leaves the server's queue, a lock granted at the last moment is free
         again. A connection that turns out to be dead (a pooled one the server or a proxy closed
         while it was idle, or a waiter's session the server ended while this process was paused)
-        is replaced and the take starts again: that is no outage. Only a new connection that
+        is replaced and the wait starts again: that is no outage. Only a new connection that
         fails as well is reported.
         """
-        key = lock_key(request.name, self.schema)
-        ttl_ms = str(timeout_ms(request.ttl))
         replacements = Replacements()
         while True:
             connection, reused = await self._sessions.take()
             try:
-                with self._errors(f"taking {request.name!r}"):
+                with self._errors(f"waiting for {request.name!r}"):
+                    # Queue in the server; the caller's cancel scope bounds the wait.
+                    await connection.execute(WAIT, key, str(ttl_ms))
                     sent_at = now()
-                    row = await connection.fetchrow(
-                        TAKE, key, self.sequence, ttl_ms, timeout=self.op_timeout
-                    )
-                    if row is None and not wait:
-                        self._sessions.give_back(connection)
-                        return None
-                    if row is None:
-                        replacements.worked()
-                        # Queue in the server; the caller's cancel scope bounds the wait.
-                        await connection.execute(WAIT, key, ttl_ms)
-                        sent_at = now()
-                        row = await connection.fetchrow(
-                            TOKEN, self.sequence, timeout=self.op_timeout
-                        )
+                    row = await connection.fetchrow(TOKEN, self.sequence, timeout=self.op_timeout)
             except BaseException as exc:
                 broken = connection_broken(connection, exc)
                 await self._sessions.end_session(connection, request.name, unmapped(exc))
                 if not replacements.again(exc, broken=broken, reused=reused):
                     raise
                 logger.info(
-                    "asynclock: a connection to %s died while taking %r (%r); taking it on "
+                    "asynclock: a connection to %s died while waiting for %r (%r); waiting on "
                     "another one",
                     self.describe(),
                     request.name,
@@ -276,21 +282,13 @@ class PostgresBackend(Backend[PostgresGrant]):
         return grant
 
     async def renew(self, grants: Sequence[PostgresGrant]) -> Sequence[RenewOutcome]:
-        if len(grants) == 1:
-            return [await self._renewals.renew(grants[0])]
-        outcomes: list[RenewOutcome] = [Unknown(RuntimeError("not renewed"))] * len(grants)
-
-        async def renew_one(index: int, grant: PostgresGrant) -> None:
-            outcomes[index] = await self._renewals.renew(grant)
-
-        # One round trip per connection is unavoidable (each has its own idle timer); they all
-        # run at the same time.
-        async with anyio.create_task_group() as task_group:
-            for index, grant in enumerate(grants):
-                task_group.start_soon(renew_one, index, grant)
-        return outcomes
+        # One statement per lane, one per dedicated connection, all at the same time.
+        return await self._lanes.renew_all(grants, self._renewals.renew)
 
     def _renewing(self, connection: Any) -> bool:
+        lane = self._lanes.by_connection.get(connection)
+        if lane is not None:
+            return lane.busy
         grant = self._held.get(connection)
         return grant is not None and grant.renewal is not None
 
@@ -307,6 +305,9 @@ class PostgresBackend(Backend[PostgresGrant]):
         if grant.released:
             return
         grant.released = True
+        if grant.lane is not None:
+            await self._lanes.release(grant, grant.lane)
+            return
         connection = grant.connection
         self._held.pop(connection, None)
         if connection.is_closed():
@@ -377,6 +378,8 @@ class PostgresBackend(Backend[PostgresGrant]):
     def _connection_closed(self, connection: Any) -> None:
         """The connection closed, for whatever reason (asyncpg's termination listener)."""
         self._sessions.all.discard(connection)
+        if self._lanes.closed(connection):
+            return
         grant = self._held.pop(connection, None)
         if grant is not None and not grant.released:
             grant.on_lost(
