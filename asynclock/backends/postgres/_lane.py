@@ -74,6 +74,7 @@ class Owner(Protocol):
 
     server: str
     sequence: str
+    op_timeout: float
     by_connection: dict[Any, Lane]
 
     def forget(self, lane: Lane) -> None: ...
@@ -94,14 +95,9 @@ class Op:
     kind: int
     key: int
     future: asyncio.Future[Any]
+    queued_at: float
     #: When the statement was sent (set by the lane's task).
     sent_at: float = 0.0
-
-
-def _abandon(future: asyncio.Future[Any]) -> None:
-    """A caller's time bound ran out: it stops waiting, the statement still runs."""
-    if not future.done():
-        future.set_exception(TimeoutError())
 
 
 class Lane:
@@ -131,16 +127,23 @@ class Lane:
         self._empty_since: float | None = now()
         self._closing = False
         self._tick_handle: asyncio.TimerHandle | None = None
+        #: The watchdog's timer (armed while statements are pending), and the statement in
+        #: flight.
+        self._watch: asyncio.TimerHandle | None = None
+        self._current: Op | None = None
 
     # -- callers ----------------------------------------------------------------------------
 
     def submit(self, kind: int, key: int = 0) -> Op:
         """Queue a statement; its result (or error) comes on ``op.future``."""
-        op = Op(kind, key, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        op = Op(kind, key, loop.create_future(), now())
         if self.dead is not None:
             op.future.set_exception(self.dead)
             return op
         self._ops.append(op)
+        if self._watch is None:
+            self._watch = loop.call_at(op.queued_at + self._lanes.op_timeout, self._watchdog)
         self._empty_since = None
         self._closing = False
         wakeup = self._wakeup
@@ -148,16 +151,25 @@ class Lane:
             wakeup.set_result(None)
         return op
 
-    async def result(self, op: Op, timeout: float) -> Any:
-        """Wait up to ``timeout`` for ``op``; never cancels its statement (TimeoutError)."""
-        future = op.future
-        if future.done():
-            return future.result()
-        handle = asyncio.get_running_loop().call_later(timeout, _abandon, future)
-        try:
-            return await future
-        finally:
-            handle.cancel()
+    def _watchdog(self) -> None:
+        """Callers wait ``op_timeout`` at most: their futures get a TimeoutError then, and the
+        statements still run (a take is undone behind its caller). One timer per lane, not per
+        statement: it fires once per ``op_timeout`` while statements come and go."""
+        self._watch = None
+        pending = [op for op in (self._current, *self._ops) if op is not None]
+        bound = now() - self._lanes.op_timeout
+        oldest: float | None = None
+        for op in pending:
+            if op.future.done():
+                continue
+            if op.queued_at <= bound:
+                op.future.set_exception(TimeoutError())
+            elif oldest is None or op.queued_at < oldest:
+                oldest = op.queued_at
+        if oldest is not None and self.dead is None:
+            self._watch = asyncio.get_running_loop().call_at(
+                oldest + self._lanes.op_timeout, self._watchdog
+            )
 
     def unlock_behind(self, key: int, *, first: bool = False) -> Op | None:
         """Queue the unlock of ``key`` (no await: nothing can interrupt it); ``first``: before
@@ -229,6 +241,7 @@ class Lane:
             self.keys.discard(op.key)  # abandoned before it was sent: nothing to undo
             return
         self.busy = True
+        self._current = op
         op.sent_at = now()
         try:
             if op.kind == TAKE:
@@ -252,6 +265,7 @@ class Lane:
             return
         finally:
             self.busy = False
+            self._current = None
             if op is self.renewal:
                 self.renewal = None
         self.worked = True
@@ -269,6 +283,9 @@ class Lane:
             return
         self.dead = error
         self._lanes.forget(self)
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         ops, self._ops = self._ops, deque()
         for op in ops:
             if not op.future.done():

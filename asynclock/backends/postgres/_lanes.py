@@ -45,7 +45,7 @@ class Lanes:
         self._errors = errors
         self.server = errors.server
         self.sequence = sequence
-        self._op_timeout = op_timeout
+        self.op_timeout = op_timeout
         self.connect = connect
         self.close = close
         self.by_ttl: dict[int, Lane] = {}
@@ -90,7 +90,7 @@ class Lanes:
             op = lane.submit(TAKE, key)
             try:
                 with translate(self._errors, f"taking {request.name!r}"):
-                    token = await lane.result(op, self._op_timeout)
+                    token = await op.future
             except BaseException as exc:
                 future = op.future
                 if future.done() and not future.cancelled() and future.exception() is None:
@@ -174,17 +174,17 @@ class Lanes:
         error: BaseException | None = lane.dead
         pid = None
         if op is not None:
-            with anyio.move_on_after(self._op_timeout):
-                try:
-                    # Shared: a caller that stops waiting must not cancel it for the others.
-                    pid = await asyncio.shield(op.future)
-                except Exception as exc:
-                    error = exc
-            if not op.future.done():
-                waited = now() - op.sent_at if op.sent_at else self._op_timeout
+            try:
+                # Shared: a caller that stops waiting must not cancel it for the others. The
+                # lane's watchdog ends the wait after op_timeout.
+                pid = await asyncio.shield(op.future)
+            except TimeoutError:
                 error = BackendTimeout(
-                    f"renewing {len(grants)} lock(s) on {self.server}: no answer for {waited:.3g} s"
+                    f"renewing {len(grants)} lock(s) on {self.server}: no answer for "
+                    f"{now() - op.queued_at:.3g} s"
                 )
+            except Exception as exc:
+                error = exc
         sent_at = None if op is None else op.sent_at
         return [self._outcome(lane, grant, error, pid, sent_at) for grant in grants]
 
@@ -222,7 +222,7 @@ class Lanes:
         if op is None:
             return
         try:
-            await lane.result(op, self._op_timeout)
+            await op.future
         except Exception as exc:
             if lane.dead is not None or connection_broken(lane.connection, exc):
                 return  # ended with the session

@@ -20,12 +20,14 @@ SELECT nextval($2::regclass) FROM attempt WHERE attempt.taken
 """
 # A lane's release: only its key (the others on the connection stay held).
 UNLOCK = "SELECT pg_advisory_unlock($1)"
-# Wait in the server's lock queue. The idle timer is armed once granted, so a client that
-# vanishes right after the grant still loses the lock after ttl.
-WAIT = "SELECT pg_advisory_lock($1), set_config('idle_session_timeout', $2, false)"
-# After the wait: draw the token (under the lock) and restart the idle timer, which starts
-# after this statement was sent: that send time is the lease's valid_from.
-TOKEN = "SELECT nextval($1::regclass), pg_backend_pid()"
+# Wait in the server's lock queue, then (the CTE is evaluated first) arm the idle timer and
+# draw the token under the lock: one round trip. The timer starts when this statement ends, so
+# its send time is a safe valid_from; after a long wait the lease is restarted by RENEW.
+WAIT = """
+WITH granted AS MATERIALIZED (SELECT pg_advisory_lock($1))
+SELECT nextval($2::regclass), pg_backend_pid(), set_config('idle_session_timeout', $3, false)
+FROM granted
+"""
 RENEW = "SELECT pg_backend_pid()"
 # The connection is dedicated, so "all" is exactly our lock (with any re-entrant count).
 RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"

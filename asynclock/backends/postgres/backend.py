@@ -32,7 +32,7 @@ from ._sql import (
     INSPECT,
     MAX_TIMEOUT_MS,
     RELEASE,
-    TOKEN,
+    RENEW,
     WAIT,
     lock_key,
     sequence_name,
@@ -54,6 +54,9 @@ _SERVER_SETTINGS = {
     "idle_in_transaction_session_timeout": "0",
     "synchronous_commit": "on",
 }
+#: A wait that lasted longer than this share of the ttl restarts the idle timer before it is
+#: handed over (its own send time is the lease's start otherwise).
+_FRESH_WAIT = 0.05
 #: How long after a renewal was sent a release waits for its reply before closing the connection
 #: instead (a statement in flight: the connection cannot be unlocked and kept before it ends).
 _RENEWAL_WAIT = 0.05
@@ -100,6 +103,8 @@ class PostgresBackend(Backend[PostgresGrant]):
         )
         #: The grant each holding connection holds.
         self._held: dict[Any, PostgresGrant] = {}
+        #: How many of our acquires wait in the server's queue, by key.
+        self._waiting: dict[int, int] = {}
         self._server_version: str | None = None
         #: Settings of every connection opened after open() (see _server.CHECK_INTERVAL_MS).
         self._server_settings = {**_SERVER_SETTINGS, "application_name": application_name}
@@ -220,10 +225,20 @@ class PostgresBackend(Backend[PostgresGrant]):
         in the server's queue on a dedicated connection."""
         key = lock_key(request.name, self.schema)
         ttl_ms = timeout_ms(request.ttl)
-        grant = await self._lanes.take(request, key, ttl_ms)
-        if grant is not None or not wait:
-            return grant
-        return await self._wait(request, key, ttl_ms)
+        waiting = self._waiting.get(key, 0)
+        if not (wait and waiting):  # others of ours wait for it: it is busy, queue behind
+            grant = await self._lanes.take(request, key, ttl_ms)
+            if grant is not None or not wait:
+                return grant
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            return await self._wait(request, key, ttl_ms)
+        finally:
+            left = self._waiting[key] - 1
+            if left:
+                self._waiting[key] = left
+            else:
+                del self._waiting[key]
 
     async def _wait(self, request: LockRequest, key: int, ttl_ms: int) -> PostgresGrant:
         """Wait in the server's queue on a dedicated connection, which then holds the lock.
@@ -243,9 +258,12 @@ class PostgresBackend(Backend[PostgresGrant]):
             try:
                 with self._errors(f"waiting for {request.name!r}"):
                     # Queue in the server; the caller's cancel scope bounds the wait.
-                    await connection.execute(WAIT, key, str(ttl_ms))
                     sent_at = now()
-                    row = await connection.fetchrow(TOKEN, self.sequence, timeout=self.op_timeout)
+                    row = await connection.fetchrow(WAIT, key, self.sequence, str(ttl_ms))
+                    if now() - sent_at > ttl_ms * _FRESH_WAIT / 1000.0:
+                        # Its send time would leave little of the lease: restart the timer.
+                        sent_at = now()
+                        await connection.fetchval(RENEW, timeout=self.op_timeout)
             except BaseException as exc:
                 broken = connection_broken(connection, exc)
                 await self._sessions.end_session(connection, request.name, unmapped(exc))
