@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import suppress
+from contextlib import AsyncExitStack, suppress
 from pathlib import Path
 
 import anyio
@@ -611,27 +611,109 @@ async def test_a_paused_holder_process_loses_the_lock_after_ttl_and_its_body_is_
 # -- waiting ----------------------------------------------------------------------------------
 
 
+async def queue_rows(admin: asyncpg.Connection, name: str) -> int:
+    count: int = await admin.fetchval(
+        "SELECT count(*) FROM asynclock_waiters WHERE key = $1", lock_key(name)
+    )
+    return count
+
+
 async def test_200_waiters_are_served_in_the_order_they_queued(
-    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
 ) -> None:
-    order: list[int] = []
-
-    async def waiter(locks: asynclock.LockClient, index: int) -> None:
-        async with locks.lock(name, ttl=30):
-            order.append(index)
-
+    """8 in the server's queue (max_waiting), the others in the queue table: FIFO across both,
+    and the waiters beyond max_waiting hold no connection."""
     async with (
-        asynclock.connect(postgres_server.url) as locks,
+        asynclock.connect(postgres_server.url, application_name=app, max_idle=1) as locks,
         asynclock.connect(postgres_server.url) as holder_client,
     ):
         holder = await holder_client.acquire(name, ttl=30)
+        order: list[int] = []
+
+        async def waiter(index: int) -> None:
+            async with locks.lock(name, ttl=30):
+                order.append(index)
+
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 for index in range(200):
-                    tg.start_soon(waiter, locks, index)
-                    await wait_for_waiters(admin, name, index + 1)
+                    tg.start_soon(waiter, index)
+                    if index < 8:
+                        await wait_for_waiters(admin, name, index + 1)
+                    else:
+                        while await queue_rows(admin, name) < index - 7:  # noqa: ASYNC110
+                            await anyio.sleep(0.002)
+                # 8 waiting, the head of the table waiting behind them, a holding connection
+                # (made by the first try), the listener, the idle one: no connection per waiter.
+                assert len(await sessions(admin, app)) <= 12
                 await holder.release()
     assert order == list(range(200))
+    assert await queue_rows(admin, name) == 0
+
+
+async def test_1000_waiters_across_10_clients_on_100_connections_are_served_in_fifo_order(
+    name: str,
+) -> None:
+    with PostgresServer(max_connections=100) as server:
+        admin = await asyncpg.connect(server.dsn)
+        try:
+            async with AsyncExitStack() as stack:
+                url = f"{server.url}?max_waiting=4&max_idle=1"
+                clients = [
+                    await stack.enter_async_context(asynclock.connect(url)) for _ in range(10)
+                ]
+                holder = await clients[0].acquire(name, ttl=30)
+                order: list[int] = []
+
+                async def waiter(locks: asynclock.LockClient, index: int) -> None:
+                    async with locks.lock(name, ttl=30):
+                        order.append(index)
+
+                with anyio.fail_after(120):
+                    async with anyio.create_task_group() as tg:
+                        for index in range(1000):
+                            tg.start_soon(waiter, clients[index % 10], index)
+                            if index < 40:
+                                await wait_for_waiters(admin, name, index + 1)
+                            else:
+                                while await queue_rows(admin, name) < index - 39:  # noqa: ASYNC110
+                                    await anyio.sleep(0.001)
+                        connections = await admin.fetchval(
+                            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'"
+                        )
+                        assert connections <= 90
+                        await holder.release()
+                assert order == list(range(1000))
+        finally:
+            await admin.close()
+
+
+async def test_when_connections_run_out_waiters_get_a_named_error_not_a_hang(
+    name: str,
+) -> None:
+    with PostgresServer(max_connections=12) as server:
+        async with (
+            asynclock.connect(f"{server.url}?max_waiting=50") as locks,
+            asynclock.connect(server.url) as other,
+        ):
+            holder = await other.acquire(name, ttl=30)
+            errors: list[BaseException] = []
+
+            async def waiter() -> None:
+                try:
+                    async with locks.lock(name, ttl=30, timeout=20):
+                        pass
+                except asynclock.BackendUnavailable as exc:
+                    errors.append(exc)
+
+            with anyio.fail_after(15):
+                async with anyio.create_task_group() as tg:
+                    for _ in range(20):
+                        tg.start_soon(waiter)
+                    while not errors:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+                    await holder.release()
+            assert "raise max_connections on the server, or lower max_waiting" in str(errors[0])
 
 
 async def test_a_cancelled_waiter_leaves_the_servers_queue_before_acquire_returns(

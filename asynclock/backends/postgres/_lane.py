@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import anyio
 
 from .._kit import BackendUnavailable, Grant, now
-from ._sql import LANE_TAKE, RENEW, UNLOCK
+from ._sql import RENEW, UNLOCK
 from ._translate import connection_broken
 
 logger = logging.getLogger("asynclock")
@@ -74,6 +74,7 @@ class Owner(Protocol):
 
     server: str
     sequence: str
+    take_sql: str
     op_timeout: float
     by_connection: dict[Any, Lane]
 
@@ -82,7 +83,7 @@ class Owner(Protocol):
     def close(self, connection: Any) -> Awaitable[None]: ...
 
 
-TAKE, UNLOCK_KEY, RENEWAL = 0, 1, 2
+TAKE, UNLOCK_KEY, RENEWAL, QUERY = 0, 1, 2, 3
 #: An empty lane is closed after this share of its ttl without locks (before the server's idle
 #: timer, at one ttl, would end the session), checked every half of it.
 LINGER = 0.5
@@ -98,6 +99,14 @@ class Op:
     queued_at: float
     #: When the statement was sent (set by the lane's task).
     sent_at: float = 0.0
+    #: A QUERY's statement and arguments (its row is the result).
+    sql: str = ""
+    args: tuple[object, ...] = ()
+
+
+def _drop(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class Lane:
@@ -134,10 +143,10 @@ class Lane:
 
     # -- callers ----------------------------------------------------------------------------
 
-    def submit(self, kind: int, key: int = 0) -> Op:
+    def submit(self, kind: int, key: int = 0, sql: str = "", *args: object) -> Op:
         """Queue a statement; its result (or error) comes on ``op.future``."""
         loop = asyncio.get_running_loop()
-        op = Op(kind, key, loop.create_future(), now())
+        op = Op(kind, key, loop.create_future(), now(), sql=sql, args=args)
         if self.dead is not None:
             op.future.set_exception(self.dead)
             return op
@@ -171,6 +180,12 @@ class Lane:
                 oldest + self._lanes.op_timeout, self._watchdog
             )
 
+    @staticmethod
+    def detach(op: Op) -> Op:
+        """Nobody waits for ``op``: its error, if any, is dropped (the statement is cleanup)."""
+        op.future.add_done_callback(_drop)
+        return op
+
     def unlock_behind(self, key: int, *, first: bool = False) -> Op | None:
         """Queue the unlock of ``key`` (no await: nothing can interrupt it); ``first``: before
         everything queued (the undo of a take whose caller is gone)."""
@@ -178,7 +193,7 @@ class Lane:
         self.grants.pop(key, None)
         if self.dead is not None:
             return None
-        op = self.submit(UNLOCK_KEY, key)
+        op = self.detach(self.submit(UNLOCK_KEY, key))
         if first:
             self._ops.pop()
             self._ops.appendleft(op)
@@ -245,7 +260,11 @@ class Lane:
         op.sent_at = now()
         try:
             if op.kind == TAKE:
-                result = await connection.fetchval(LANE_TAKE, op.key, self._lanes.sequence)
+                result = await connection.fetchval(
+                    self._lanes.take_sql, op.key, self._lanes.sequence
+                )
+            elif op.kind == QUERY:
+                result = await connection.fetchrow(op.sql, *op.args)
             elif op.kind == UNLOCK_KEY:
                 result = await connection.fetchval(UNLOCK, op.key)
             else:

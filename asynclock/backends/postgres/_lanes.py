@@ -23,6 +23,7 @@ from .._kit import (
     translate,
 )
 from ._lane import RENEWAL, TAKE, Lane, PostgresGrant
+from ._sql import LANE_TAKE
 from ._translate import Errors, connection_broken, unmapped
 
 logger = logging.getLogger("asynclock")
@@ -36,6 +37,7 @@ class Lanes:
         host: TaskHost,
         errors: Errors,
         sequence: str,
+        queue: str,
         op_timeout: float,
         *,
         connect: Callable[[int], Awaitable[Any]],
@@ -45,6 +47,7 @@ class Lanes:
         self._errors = errors
         self.server = errors.server
         self.sequence = sequence
+        self.take_sql = LANE_TAKE.format(queue=queue)
         self.op_timeout = op_timeout
         self.connect = connect
         self.close = close

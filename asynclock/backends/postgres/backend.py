@@ -24,22 +24,26 @@ from .._kit import (
 )
 from ._lane import PostgresGrant
 from ._lanes import Lanes
+from ._queue import Queue
 from ._renewals import Renewals
-from ._server import check_version, ensure_sequence, probe_check_interval
-from ._sessions import Replacements, Sessions
+from ._server import check_version, ensure_queue, ensure_sequence, probe_check_interval
+from ._sessions import Sessions
 from ._sql import (
     CREATE,
+    CREATE_QUEUE,
     INSPECT,
     MAX_TIMEOUT_MS,
     RELEASE,
-    RENEW,
     WAIT,
+    creates,
     lock_key,
+    queue_name,
     sequence_name,
     timeout_ms,
 )
-from ._translate import CHECKING, Errors, connection_broken, unmapped
+from ._translate import CHECKING, Errors, connection_broken
 from ._urls import Settings, read_url
+from ._waits import Waits
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 
@@ -54,9 +58,6 @@ _SERVER_SETTINGS = {
     "idle_in_transaction_session_timeout": "0",
     "synchronous_commit": "on",
 }
-#: A wait that lasted longer than this share of the ttl restarts the idle timer before it is
-#: handed over (its own send time is the lease's start otherwise).
-_FRESH_WAIT = 0.05
 #: How long after a renewal was sent a release waits for its reply before closing the connection
 #: instead (a statement in flight: the connection cannot be unlocked and kept before it ends).
 _RENEWAL_WAIT = 0.05
@@ -83,6 +84,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         connect_timeout: float = 5.0,
         max_idle: int = 4,
         ssl_context: ssl.SSLContext | None = None,
+        max_waiting: int = 8,
     ) -> None:
         self._dsn = dsn
         self.schema = schema
@@ -90,16 +92,18 @@ class PostgresBackend(Backend[PostgresGrant]):
         self.op_timeout = op_timeout
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
+        self.max_waiting = max_waiting
         self._ssl = ssl_context
         #: The token sequence, as a quoted, schema-qualified name.
         self.sequence = sequence_name(schema)
         self._described = redact(dsn.split("?", 1)[0])
+        self.queue = queue_name(schema)
         self._translator = Errors(
             self._described,
             connect_timeout,
             schema,
             self.sequence,
-            CREATE.format(sequence=self.sequence),
+            creates(self.sequence, self.queue),
         )
         #: The grant each holding connection holds.
         self._held: dict[Any, PostgresGrant] = {}
@@ -125,9 +129,28 @@ class PostgresBackend(Backend[PostgresGrant]):
             self._host,
             self._translator,
             self.sequence,
+            self.queue,
             op_timeout,
             connect=self._sessions.connect_lane,
             close=self._sessions.close,
+        )
+        self._waits = Waits(
+            self._sessions,
+            self._translator,
+            self.sequence,
+            WAIT.format(queue=self.queue),
+            op_timeout,
+            self._held,
+            on_closed=self._connection_closed,
+        )
+        self._queue = Queue(
+            host=self._host,
+            sessions=self._sessions,
+            lanes=self._lanes,
+            errors=self._translator,
+            sequence=self.sequence,
+            queue=self.queue,
+            channel=f"asynclock {schema}",
         )
         self._state = "new"
 
@@ -144,6 +167,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             connect_timeout=settings.connect_timeout,
             max_idle=settings.max_idle,
             ssl_context=settings.ssl_context,
+            max_waiting=settings.max_waiting,
         )
 
     def describe(self) -> str:
@@ -157,6 +181,8 @@ class PostgresBackend(Backend[PostgresGrant]):
             "application_name": self.application_name,
             "op_timeout": self.op_timeout,
             "max_idle": self.max_idle,
+            "max_waiting": self.max_waiting,
+            "waiting_in_queue_table": self._queue.waiting,
             "connections": len(self._sessions.all),
             "holding_connections": len(self._lanes.by_ttl),
             "idle_connections": self._sessions.pool.idle,
@@ -186,8 +212,14 @@ class PostgresBackend(Backend[PostgresGrant]):
                         connection,
                         sequence=self.sequence,
                         schema=self.schema,
-                        create=self._translator.create,
+                        create=CREATE.format(sequence=self.sequence),
                         server=self._described,
+                    )
+                    await ensure_queue(
+                        connection,
+                        queue=self.queue,
+                        schema=self.schema,
+                        create=CREATE_QUEUE.format(queue=self.queue),
                     )
                     await probe_check_interval(connection, self._server_settings)
             except BaseException:
@@ -232,72 +264,19 @@ class PostgresBackend(Backend[PostgresGrant]):
                 return grant
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
-            return await self._wait(request, key, ttl_ms)
+            if self._waits.waiting < self.max_waiting:
+                grant = await self._waits.wait(request, key, ttl_ms, head=False)
+                if grant is not None:
+                    return grant
+            return await self._queue.wait(
+                request, key, ttl_ms, lambda: self._waits.wait(request, key, ttl_ms, head=True)
+            )
         finally:
             left = self._waiting[key] - 1
             if left:
                 self._waiting[key] = left
             else:
                 del self._waiting[key]
-
-    async def _wait(self, request: LockRequest, key: int, ttl_ms: int) -> PostgresGrant:
-        """Wait in the server's queue on a dedicated connection, which then holds the lock.
-
-        A statement that fails or is cancelled half-way leaves its connection in a state nobody
-        knows (asyncpg's protocol may still expect the reply), so that connection is closed, never
-        reused, and its server session is ended before this returns (``Sessions.end_session``): a
-        cancelled wait leaves the server's queue, a lock granted at the last moment is free
-        again. A connection that turns out to be dead (a pooled one the server or a proxy closed
-        while it was idle, or a waiter's session the server ended while this process was paused)
-        is replaced and the wait starts again: that is no outage. Only a new connection that
-        fails as well is reported.
-        """
-        replacements = Replacements()
-        while True:
-            connection, reused = await self._sessions.take()
-            try:
-                with self._errors(f"waiting for {request.name!r}"):
-                    # Queue in the server; the caller's cancel scope bounds the wait.
-                    sent_at = now()
-                    row = await connection.fetchrow(WAIT, key, self.sequence, str(ttl_ms))
-                    if now() - sent_at > ttl_ms * _FRESH_WAIT / 1000.0:
-                        # Its send time would leave little of the lease: restart the timer.
-                        sent_at = now()
-                        await connection.fetchval(RENEW, timeout=self.op_timeout)
-            except BaseException as exc:
-                broken = connection_broken(connection, exc)
-                await self._sessions.end_session(connection, request.name, unmapped(exc))
-                if not replacements.again(exc, broken=broken, reused=reused):
-                    raise
-                logger.info(
-                    "asynclock: a connection to %s died while waiting for %r (%r); waiting on "
-                    "another one",
-                    self.describe(),
-                    request.name,
-                    unmapped(exc),
-                )
-                continue
-            return self._grant(request, key, connection, row, sent_at)
-
-    def _grant(
-        self, request: LockRequest, key: int, connection: Any, row: Any, sent_at: float
-    ) -> PostgresGrant:
-        grant = PostgresGrant(
-            name=request.name,
-            owner=request.owner,
-            token=int(row[0]),
-            valid_from=sent_at,
-            ttl=timeout_ms(request.ttl) / 1000.0,
-            key=key,
-            pid=int(row[1]),
-            connection=connection,
-            on_lost=request.on_lost,
-        )
-        self._held[connection] = grant
-        if connection.is_closed():
-            # Closed between the reply and now: the listener may have run already.
-            self._connection_closed(connection)
-        return grant
 
     async def renew(self, grants: Sequence[PostgresGrant]) -> Sequence[RenewOutcome]:
         # One statement per lane, one per dedicated connection, all at the same time.
@@ -396,7 +375,7 @@ class PostgresBackend(Backend[PostgresGrant]):
     def _connection_closed(self, connection: Any) -> None:
         """The connection closed, for whatever reason (asyncpg's termination listener)."""
         self._sessions.all.discard(connection)
-        if self._lanes.closed(connection):
+        if self._lanes.closed(connection) or self._queue.closed(connection):
             return
         grant = self._held.pop(connection, None)
         if grant is not None and not grant.released:
