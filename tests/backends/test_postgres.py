@@ -179,6 +179,7 @@ def test_url_options_reach_the_driver_and_our_own_are_applied() -> None:
             "op_timeout": "1.5",
             "connect_timeout": 2,
             "max_idle": "0",
+            "max_waiting": "3",
         },
     )
     assert backend._dsn == (
@@ -189,6 +190,8 @@ def test_url_options_reach_the_driver_and_our_own_are_applied() -> None:
     assert backend.schema == "locks"
     assert backend.sequence == '"locks"."asynclock_token_seq"'
     assert (backend.op_timeout, backend.connect_timeout, backend.max_idle) == (1.5, 2.0, 0)
+    assert backend.max_waiting == 3
+    assert backend.queue == '"locks"."asynclock_waiters"'
     # The password never shows in messages.
     assert backend.describe() == "postgresql://alice:***@db.example:6543/orders"
     context = ssl.create_default_context()
@@ -205,6 +208,8 @@ def test_malformed_options_are_refused_by_name() -> None:
         asynclock.connect("postgresql://127.0.0.1/db", op_timeout=0)
     with pytest.raises(asynclock.InvalidArgument, match="max_idle"):
         asynclock.connect("postgresql://127.0.0.1/db?max_idle=-1")
+    with pytest.raises(asynclock.InvalidArgument, match="max_waiting"):
+        asynclock.connect("postgresql://127.0.0.1/db?max_waiting=many")
     with pytest.raises(asynclock.InvalidArgument, match="application_name"):
         asynclock.connect("postgresql://127.0.0.1/db", application_name="naïve")
     with pytest.raises(asynclock.InvalidArgument, match="schema"):
@@ -714,6 +719,76 @@ async def test_when_connections_run_out_waiters_get_a_named_error_not_a_hang(
                         await anyio.sleep(0.01)
                     await holder.release()
             assert "raise max_connections on the server, or lower max_waiting" in str(errors[0])
+
+
+async def test_waiters_cancelled_in_the_queue_table_give_their_places_up(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    """Native cancels (once to three times) of waiters in the queue table, while they wait and
+    while their statements run: their places go, the others keep their order."""
+    rng = random.Random(3)
+    async with (
+        asynclock.connect(postgres_server.url, max_waiting=1) as locks,
+        asynclock.connect(postgres_server.url) as other,
+    ):
+        holder = await other.acquire(name, ttl=10)
+        order: list[int] = []
+
+        async def run(index: int) -> None:
+            async with locks.lock(name, ttl=10):
+                order.append(index)
+
+        tasks: list[asyncio.Task[None]] = []
+        cancelled = set(rng.sample(range(1, 40), 15))
+        with anyio.fail_after(20):
+            for index in range(40):
+                tasks.append(asyncio.create_task(run(index)))
+                if index in cancelled and rng.random() < 0.5:
+                    await asyncio.sleep(rng.uniform(0, 0.001))  # mid-statement
+                    tasks[index].cancel()
+                    continue
+                if index == 0:
+                    await wait_for_waiters(admin, name, 1)
+                else:
+                    while await queue_rows(admin, name) < len(  # noqa: ASYNC110
+                        [i for i in range(1, index + 1) if not tasks[i].done()]
+                    ):
+                        await anyio.sleep(0.002)
+            for index in sorted(cancelled):
+                for _ in range(rng.choice((1, 2, 3))):
+                    tasks[index].cancel()
+                    await asyncio.sleep(rng.uniform(0, 0.001))
+            for index in cancelled:
+                with suppress(asyncio.CancelledError):
+                    await tasks[index]
+            while await queue_rows(admin, name) != 39 - len(cancelled):  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+            await holder.release()
+            await asyncio.gather(*(tasks[i] for i in range(40) if i not in cancelled))
+    assert order == [index for index in range(40) if index not in cancelled]
+    assert await queue_rows(admin, name) == 0
+
+
+async def test_the_place_of_a_vanished_waiter_expires_and_holds_nobody_up_after(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    """A place nobody refreshes (its client died or is paused) is skipped once it expires: the
+    next waiter finds out by its poll (no NOTIFY comes), within POLL of the expiry."""
+    async with asynclock.connect(postgres_server.url) as locks:
+        await admin.execute(
+            "INSERT INTO asynclock_waiters VALUES ($1, nextval('asynclock_token_seq'), 'gone', "
+            "'gone', 1000, clock_timestamp() + interval '600 ms')",
+            lock_key(name),
+        )
+        started = anyio.current_time()
+        assert await locks.try_acquire(name, ttl=5) is None  # a place in the queue: not free
+        async with locks.lock(name, ttl=5, timeout=3):
+            waited = anyio.current_time() - started
+        assert 0.5 < waited < 0.6 + 0.25 + 0.3
+        # Expired places are ignored at once.
+        async with locks.lock(name, ttl=5, timeout=0.5):
+            pass
+        await admin.execute("DELETE FROM asynclock_waiters WHERE waiter = 'gone'")
 
 
 async def test_a_cancelled_waiter_leaves_the_servers_queue_before_acquire_returns(
