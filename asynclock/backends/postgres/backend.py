@@ -1,4 +1,5 @@
-"""The PostgresBackend: takes, waits, renewals and releases on dedicated connections."""
+"""The PostgresBackend: takes on the holding connections, waits in the server's queue or the queue
+table, renewals and releases."""
 
 from __future__ import annotations
 
