@@ -186,14 +186,17 @@ class Lane:
         op.future.add_done_callback(_drop)
         return op
 
-    def unlock_behind(self, key: int, *, first: bool = False) -> Op | None:
+    def unlock_behind(self, key: int, *, first: bool = False, awaited: bool = False) -> Op | None:
         """Queue the unlock of ``key`` (no await: nothing can interrupt it); ``first``: before
-        everything queued (the undo of a take whose caller is gone)."""
+        everything queued (the undo of a take whose caller is gone); ``awaited``: the caller
+        waits for it (a release), else nobody does."""
         self.keys.discard(key)
         self.grants.pop(key, None)
         if self.dead is not None:
             return None
-        op = self.detach(self.submit(UNLOCK_KEY, key))
+        op = self.submit(UNLOCK_KEY, key)
+        if not awaited:
+            self.detach(op)
         if first:
             self._ops.pop()
             self._ops.appendleft(op)

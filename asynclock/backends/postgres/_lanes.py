@@ -221,7 +221,7 @@ class Lanes:
         the server answers; a session that ends meanwhile frees the lock anyway."""
         if lane.grants.get(grant.key) is not grant:
             return
-        op = lane.unlock_behind(grant.key)
+        op = lane.unlock_behind(grant.key, awaited=True)
         if op is None:
             return
         try:

@@ -107,7 +107,7 @@ class Queue:
         request: LockRequest,
         key: int,
         ttl_ms: int,
-        enter_server_queue: Callable[[], Awaitable[PostgresGrant]],
+        enter_server_queue: Callable[[], Awaitable[PostgresGrant | None]],
     ) -> PostgresGrant:
         """Take a place, wait until it is the head, then wait in the server's queue."""
         lease_ms = int(min(max(ttl_ms / 1000.0, LEASE_MIN), LEASE_MAX) * 1000)
@@ -137,7 +137,10 @@ class Queue:
                         self._place(entry, row[0])
                         continue
                     if row[0]:
-                        return await enter_server_queue()
+                        grant = await enter_server_queue()
+                        if grant is not None:
+                            return grant
+                        continue  # its connection died (a pause?): is it still the head?
                 with anyio.move_on_after(POLL if first else None):
                     await wake.wait()
         finally:

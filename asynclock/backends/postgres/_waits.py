@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any
 
 from .._kit import LockRequest, now, translate
 from ._lane import PostgresGrant
@@ -43,22 +43,13 @@ class Waits:
         self._connection_closed = on_closed
         self.waiting = 0
 
-    @overload
-    async def wait(
-        self, request: LockRequest, key: int, ttl_ms: int, *, head: Literal[True]
-    ) -> PostgresGrant: ...
-
-    @overload
-    async def wait(
-        self, request: LockRequest, key: int, ttl_ms: int, *, head: bool
-    ) -> PostgresGrant | None: ...
-
     async def wait(
         self, request: LockRequest, key: int, ttl_ms: int, *, head: bool
     ) -> PostgresGrant | None:
         """Wait in the server's queue on a dedicated connection, which then holds the lock;
         unless the queue table has places for the key (None: wait there, ``_queue.py``), or
-        ``head``: this waiter is the table's head.
+        ``head``: this waiter is the table's head (None: its connection died; it checks its
+        place again before it comes back, which may have expired meanwhile).
 
         A statement that fails or is cancelled half-way leaves its connection in a state nobody
         knows (asyncpg's protocol may still expect the reply), so that connection is closed, never
@@ -92,6 +83,8 @@ class Waits:
                 await self._sessions.end_session(connection, request.name, unmapped(exc))
                 if not replacements.again(exc, broken=broken, reused=reused):
                     raise
+                if head:
+                    return None
                 logger.info(
                     "asynclock: a connection to %s died while waiting for %r (%r); waiting on "
                     "another one",
