@@ -623,6 +623,34 @@ async def queue_rows(admin: asyncpg.Connection, name: str) -> int:
     return count
 
 
+async def queue_in_order(
+    tg: anyio.abc.TaskGroup,
+    admin: asyncpg.Connection,
+    name: str,
+    clients: list[asynclock.LockClient],
+    count: int,
+    in_server: int,
+) -> list[int]:
+    """Start ``count`` waiters round robin over ``clients``, each once the one before it has its
+    place: the first ``in_server`` in the server's queue (counted in pg_locks), the others in the
+    queue table (counted there; its head, also in the server's queue, counts once). Returns the
+    list they append their index to when they hold the lock."""
+    order: list[int] = []
+
+    async def waiter(locks: asynclock.LockClient, index: int) -> None:
+        async with locks.lock(name, ttl=30):
+            order.append(index)
+
+    for index in range(count):
+        tg.start_soon(waiter, clients[index % len(clients)], index)
+        if index < in_server:
+            await wait_for_waiters(admin, name, index + 1)
+        else:
+            while await queue_rows(admin, name) < index + 1 - in_server:  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+    return order
+
+
 async def test_200_waiters_are_served_in_the_order_they_queued(
     postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
 ) -> None:
@@ -633,21 +661,9 @@ async def test_200_waiters_are_served_in_the_order_they_queued(
         asynclock.connect(postgres_server.url) as holder_client,
     ):
         holder = await holder_client.acquire(name, ttl=30)
-        order: list[int] = []
-
-        async def waiter(index: int) -> None:
-            async with locks.lock(name, ttl=30):
-                order.append(index)
-
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
-                for index in range(200):
-                    tg.start_soon(waiter, index)
-                    if index < 8:
-                        await wait_for_waiters(admin, name, index + 1)
-                    else:
-                        while await queue_rows(admin, name) < index - 7:  # noqa: ASYNC110
-                            await anyio.sleep(0.002)
+                order = await queue_in_order(tg, admin, name, [locks], 200, in_server=8)
                 # 8 waiting, the head of the table waiting behind them, a holding connection
                 # (made by the first try), the listener, the idle one: no connection per waiter.
                 assert len(await sessions(admin, app)) <= 12
@@ -668,23 +684,12 @@ async def test_1000_waiters_across_10_clients_on_100_connections_are_served_in_f
                     await stack.enter_async_context(asynclock.connect(url)) for _ in range(10)
                 ]
                 holder = await clients[0].acquire(name, ttl=30)
-                order: list[int] = []
-
-                async def waiter(locks: asynclock.LockClient, index: int) -> None:
-                    async with locks.lock(name, ttl=30):
-                        order.append(index)
-
                 with anyio.fail_after(120):
                     async with anyio.create_task_group() as tg:
-                        for index in range(1000):
-                            tg.start_soon(waiter, clients[index % 10], index)
-                            if index < 40:
-                                await wait_for_waiters(admin, name, index + 1)
-                            else:
-                                while await queue_rows(admin, name) < index - 39:  # noqa: ASYNC110
-                                    await anyio.sleep(0.001)
+                        order = await queue_in_order(tg, admin, name, clients, 1000, in_server=40)
                         connections = await admin.fetchval(
-                            "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'"
+                            "SELECT count(*) FROM pg_stat_activity "
+                            "WHERE backend_type = 'client backend'"
                         )
                         assert connections <= 90
                         await holder.release()
@@ -789,6 +794,69 @@ async def test_the_place_of_a_vanished_waiter_expires_and_holds_nobody_up_after(
         async with locks.lock(name, ttl=5, timeout=0.5):
             pass
         await admin.execute("DELETE FROM asynclock_waiters WHERE waiter = 'gone'")
+
+
+#: A waiter in the queue table (max_waiting=0), in a process of its own: "held" once it is.
+TABLE_WAITER = """
+import sys, anyio, asynclock
+
+async def main(url, name):
+    async with asynclock.connect(url, max_waiting=0) as locks:
+        async with locks.lock(name, ttl=1, timeout=30):
+            print("held", flush=True)
+
+anyio.run(main, *sys.argv[1:])
+"""
+
+
+async def test_a_paused_waiters_place_expires_and_it_queues_again_when_it_resumes(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    async with (
+        asynclock.connect(postgres_server.url) as holder_client,
+        asynclock.connect(postgres_server.url, max_waiting=0) as first_client,
+        asynclock.connect(postgres_server.url, max_waiting=0) as last_client,
+    ):
+        holder = await holder_client.acquire(name, ttl=10)
+        first = asyncio.create_task(first_client.acquire(name, ttl=10))
+        with anyio.fail_after(10):
+            while await queue_rows(admin, name) < 1:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        process = await anyio.open_process(
+            [sys.executable, "-c", TABLE_WAITER, postgres_server.url, name], cwd=ROOT, stderr=None
+        )
+        async with process:
+            assert process.stdout is not None
+            output = BufferedByteReceiveStream(process.stdout)
+            with anyio.fail_after(20):
+                while await queue_rows(admin, name) < 2:  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+            last = asyncio.create_task(last_client.acquire(name, ttl=10))
+            with anyio.fail_after(10):
+                while await queue_rows(admin, name) < 3:  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+            os.kill(process.pid, signal.SIGSTOP)
+            stopped_at = anyio.current_time()
+            try:
+                await holder.release()
+                await (await first).release()
+                # The paused waiter's place (ttl 1 s, last refreshed at most 1/3 s before the
+                # pause) holds the last one up until it expires, then the poll finds out.
+                with anyio.fail_after(5):
+                    lease = await last
+                waited = anyio.current_time() - stopped_at
+                assert 0.6 < waited < 1.0 + 0.25 + 0.5
+                os.kill(process.pid, signal.SIGCONT)
+                await anyio.sleep(0.5)
+                assert await queue_rows(admin, name) == 1  # queued again, behind the holder
+                await lease.release()
+                with anyio.fail_after(10):
+                    assert await output.receive_until(b"\n", 100) == b"held"
+                    assert await process.wait() == 0
+            finally:
+                if process.returncode is None:
+                    os.kill(process.pid, signal.SIGCONT)
+    assert await queue_rows(admin, name) == 0
 
 
 async def test_a_cancelled_waiter_leaves_the_servers_queue_before_acquire_returns(

@@ -141,6 +141,11 @@ class Lane:
         self._watch: asyncio.TimerHandle | None = None
         self._current: Op | None = None
 
+    @property
+    def pending(self) -> bool:
+        """Statements are queued or in flight."""
+        return self.dead is None and (self.busy or bool(self._ops))
+
     # -- callers ----------------------------------------------------------------------------
 
     def submit(self, kind: int, key: int = 0, sql: str = "", *args: object) -> Op:

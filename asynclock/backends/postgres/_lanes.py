@@ -74,6 +74,13 @@ class Lanes:
         lane.die(BackendUnavailable(f"the connection to {self.server} closed"))
         return True
 
+    async def drain(self, timeout: float) -> None:
+        """Let the statements queued on the lanes run (shielded, up to ``timeout``): a waiter's
+        place given up just before the client closes would hold the others up until it expired."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            while any(lane.pending for lane in self.by_ttl.values()):  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+
     def close_all(self) -> None:
         for lane in list(self.by_ttl.values()):
             lane.die(BackendUnavailable(f"the lock client for {self.server} is closed"))

@@ -74,6 +74,7 @@ REQUEUE = """
 UPDATE {queue} SET ticket = nextval($3::regclass),
     expires_at = clock_timestamp() + lease_ms * interval '1 ms'
 WHERE key = $1 AND waiter = $2
+RETURNING ticket
 """
 # Leave (granted, or given up), and tell every client that the head may have changed.
 LEAVE = """

@@ -237,11 +237,18 @@ class PostgresBackend(Backend[PostgresGrant]):
         if self._state == "closed":
             return
         self._state = "closed"
+        interrupted: BaseException | None = None
+        try:
+            await self._lanes.drain(min(self.op_timeout, 0.25))
+        except BaseException as exc:  # a native cancel through the shield: close all the same
+            interrupted = exc
         await self._sessions.aclose()
         self._lanes.close_all()  # the connected ones closed with the sessions
         # Their connections are closed, so every renewal query has ended or ends now.
         await self._renewals.wait_all(self.op_timeout)
         await self._host.aclose()
+        if interrupted is not None:
+            raise interrupted
 
     # -- the contract ------------------------------------------------------------------------
 
