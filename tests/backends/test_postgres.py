@@ -381,6 +381,28 @@ async def test_1000_locks_of_one_client_share_one_connection_per_ttl(
     assert await settle_sessions(admin, app, 0) == 0
 
 
+async def test_a_holding_connection_without_locks_is_closed_before_its_idle_timer_fires(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
+) -> None:
+    """Closed by the client after half its ttl without locks (so the server's idle timer, at one
+    ttl, never ends a session the client still counts on); the next take opens another."""
+    async with asynclock.connect(postgres_server.url, application_name=app, max_idle=1) as locks:
+        backend = locks._backend
+        assert isinstance(backend, PostgresBackend)
+        async with locks.lock(name, ttl=0.4) as lease:
+            holding = lease.grant.pid  # type: ignore[attr-defined]
+        lane = backend._lanes.by_ttl[400]
+        with anyio.fail_after(2):
+            while holding in {pid for pid, _ in await sessions(admin, app)}:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        assert anyio.current_time() - lease.grant.valid_from >= 0.2
+        assert str(lane.dead) == "the lane was closed"  # by the client, not by the server
+        assert 400 not in backend._lanes.by_ttl
+        async with locks.lock(name, ttl=0.4) as again:
+            assert again.grant.pid != holding  # type: ignore[attr-defined]
+        assert not lease.lost and not again.lost
+
+
 async def test_tokens_come_from_the_sequence_in_the_configured_schema(
     postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
 ) -> None:
