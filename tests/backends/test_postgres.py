@@ -686,6 +686,8 @@ async def test_200_waiters_are_served_in_the_order_they_queued(
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 order = await queue_in_order(tg, admin, name, [locks], 200, in_server=8)
+                # Counted once each, the table's head (in both queues) too.
+                assert (await locks.inspect(name)).waiters == 200
                 # 8 waiting, the head of the table waiting behind them, a holding connection
                 # (made by the first try), the listener, the idle one: no connection per waiter.
                 assert len(await sessions(admin, app)) <= 12

@@ -31,11 +31,16 @@ UNLOCK = "SELECT pg_advisory_unlock($1)"
 # its send time is a safe valid_from; after a long wait the lease is restarted by RENEW.
 # Unless $4 (the head of the queue table goes to the server's queue): only when the table is
 # empty, which the statement checks before it queues (no row comes back otherwise).
+# The head first takes the key's marker ($5, shared, released with the lock): inspect counts it
+# once, not in both queues.
 WAIT = """
 WITH empty AS MATERIALIZED (
     SELECT 1 WHERE $4 OR NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
 ),
-granted AS MATERIALIZED (SELECT pg_advisory_lock($1) FROM empty)
+marked AS MATERIALIZED (SELECT pg_advisory_lock_shared($5) FROM empty WHERE $4),
+granted AS MATERIALIZED (
+    SELECT pg_advisory_lock($1) FROM empty CROSS JOIN (SELECT count(*) FROM marked) AS heads
+)
 SELECT nextval($2::regclass), pg_backend_pid(), set_config('idle_session_timeout', $3, false)
 FROM granted
 """
@@ -86,6 +91,17 @@ UPDATE {queue} SET expires_at = clock_timestamp() + lease_ms * interval '1 ms' W
 """
 # Places of clients that stopped refreshing them long ago.
 SWEEP = "DELETE FROM {queue} WHERE expires_at < now() - interval '1 minute'"
+# The live places of a key ($1), less the heads that wait in the server's queue (those hold the
+# key's marker $4, $5 and wait for the key $2, $3): they show among the server's waiters.
+INSPECT_QUEUE = """
+SELECT (SELECT count(*) FROM {queue} WHERE key = $1 AND expires_at > now()) - (
+    SELECT count(*) FROM pg_locks AS m JOIN pg_locks AS w ON w.pid = m.pid
+    WHERE m.locktype = 'advisory' AND m.objsubid = 1 AND m.granted
+      AND m.classid = $4 AND m.objid = $5
+      AND w.locktype = 'advisory' AND w.objsubid = 1 AND NOT w.granted
+      AND w.classid = $2 AND w.objid = $3
+)
+"""
 INSPECT = (
     "SELECT l.granted, l.pid, a.application_name "
     "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
@@ -132,6 +148,14 @@ def lock_key(name: str, schema: str = "public") -> int:
     data = len(encoded_schema).to_bytes(2, "big") + encoded_schema + name.encode("utf-8")
     digest = hashlib.blake2b(data, digest_size=8, person=b"asynclock.pg").digest()
     return int.from_bytes(digest, "big", signed=True)
+
+
+def marker_key(key: int) -> int:
+    """The key of the lock that marks a queue table head waiting in the server's queue for
+    ``key`` (another 64 bits of the same hash space: a collision is as unlikely as any)."""
+    mixed = ((key & 0xFFFFFFFFFFFFFFFF) ^ 0x9E3779B97F4A7C15) * 0xBF58476D1CE4E5B9
+    mixed &= 0xFFFFFFFFFFFFFFFF
+    return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
 
 
 def quote_ident(identifier: str) -> str:

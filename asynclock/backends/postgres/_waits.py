@@ -9,7 +9,7 @@ from typing import Any
 from .._kit import LockRequest, now, translate
 from ._lane import PostgresGrant
 from ._sessions import Replacements, Sessions
-from ._sql import RENEW, timeout_ms
+from ._sql import RENEW, marker_key, timeout_ms
 from ._translate import Errors, connection_broken, unmapped
 
 logger = logging.getLogger("asynclock")
@@ -69,7 +69,7 @@ class Waits:
                     # Queue in the server; the caller's cancel scope bounds the wait.
                     sent_at = now()
                     row = await connection.fetchrow(
-                        self._sql, key, self.sequence, str(ttl_ms), head
+                        self._sql, key, self.sequence, str(ttl_ms), head, marker_key(key)
                     )
                     if row is None:
                         self._sessions.give_back(connection)

@@ -33,11 +33,13 @@ from ._sql import (
     CREATE,
     CREATE_QUEUE,
     INSPECT,
+    INSPECT_QUEUE,
     MAX_TIMEOUT_MS,
     RELEASE,
     WAIT,
     creates,
     lock_key,
+    marker_key,
     queue_name,
     sequence_name,
     timeout_ms,
@@ -99,6 +101,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         self.sequence = sequence_name(schema)
         self._described = redact(dsn.split("?", 1)[0])
         self.queue = queue_name(schema)
+        self._inspect_queue = INSPECT_QUEUE.format(queue=self.queue)
         self._translator = Errors(
             self._described,
             connect_timeout,
@@ -350,12 +353,22 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._sessions.give_back(connection)
 
     async def inspect(self, name: str) -> LockInfo:
-        key = lock_key(name, self.schema) & 0xFFFFFFFFFFFFFFFF
+        signed = lock_key(name, self.schema)
+        key = signed & 0xFFFFFFFFFFFFFFFF
         while True:
             connection, reused = await self._sessions.take()
             try:
                 with self._errors(f"inspecting lock {name!r}"), anyio.fail_after(self.op_timeout):
                     rows = await connection.fetch(INSPECT, key >> 32, key & 0xFFFFFFFF)
+                    marker = marker_key(signed) & 0xFFFFFFFFFFFFFFFF
+                    queued = await connection.fetchval(
+                        self._inspect_queue,
+                        signed,
+                        key >> 32,
+                        key & 0xFFFFFFFF,
+                        marker >> 32,
+                        marker & 0xFFFFFFFF,
+                    )
             except BaseException as exc:
                 broken = connection_broken(connection, exc)
                 self._sessions.discard(connection)  # holds no lock: closing it is all
@@ -365,7 +378,8 @@ class PostgresBackend(Backend[PostgresGrant]):
             break
         self._sessions.give_back(connection)
         holders = [row for row in rows if row["granted"]]
-        waiters = len(rows) - len(holders)
+        # In the server's queue, and in the queue table (its head, in both, once).
+        waiters = len(rows) - len(holders) + int(queued)
         if not holders:
             return LockInfo(name, held=False, waiters=waiters)
         holder = holders[0]
