@@ -696,6 +696,35 @@ async def test_200_waiters_are_served_in_the_order_they_queued(
     assert await queue_rows(admin, name) == 0
 
 
+async def test_300_waiters_that_start_at_once_keep_to_max_waiting_connections(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, app: str
+) -> None:
+    """Started in one go, the waiters count each other before their first await: 8 take a
+    connection for the server's queue, the rest a place in the table (before the fix, each
+    saw 0 waiting and opened a connection of its own)."""
+    async with (
+        asynclock.connect(postgres_server.url, application_name=app, max_idle=1) as locks,
+        asynclock.connect(postgres_server.url) as holder_client,
+    ):
+        holder = await holder_client.acquire(name, ttl=30)
+        passed = 0
+
+        async def waiter() -> None:
+            nonlocal passed
+            async with locks.lock(name, ttl=30):
+                passed += 1
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for _ in range(300):
+                    tg.start_soon(waiter)
+                while ((await locks.inspect(name)).waiters or 0) < 300:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+                assert len(await sessions(admin, app)) <= 12
+                await holder.release()
+        assert passed == 300
+
+
 async def test_1000_waiters_across_10_clients_on_100_connections_are_served_in_fifo_order(
     name: str,
 ) -> None:

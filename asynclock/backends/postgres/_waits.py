@@ -60,10 +60,19 @@ class Waits:
         is replaced and the wait starts again: that is no outage. Only a new connection that
         fails as well is reported.
         """
+        # Counted before the first await: waiters that start together see each other.
+        self.waiting += 1
+        try:
+            return await self._wait(request, key, ttl_ms, head=head)
+        finally:
+            self.waiting -= 1
+
+    async def _wait(
+        self, request: LockRequest, key: int, ttl_ms: int, *, head: bool
+    ) -> PostgresGrant | None:
         replacements = Replacements()
         while True:
             connection, reused = await self._sessions.take()
-            self.waiting += 1
             try:
                 with translate(self._errors, f"waiting for {request.name!r}"):
                     # Queue in the server; the caller's cancel scope bounds the wait.
@@ -93,8 +102,6 @@ class Waits:
                     unmapped(exc),
                 )
                 continue
-            finally:
-                self.waiting -= 1
             return self._grant(request, key, connection, row, sent_at)
 
     def _grant(
