@@ -479,8 +479,8 @@ class PostgresTarget(Target):
         super().__init__(url, options, endpoint)
         assert endpoint is not None
         self.dsn: str = endpoint.extra["dsn"]
-        # One dedicated connection per held lock (and per waiter); leave room for the rest.
-        self.max_held = max(10, int(endpoint.extra.get("max_connections", 100)) - 50)
+        # Held locks share one connection per ttl, and waiters beyond max_waiting per client
+        # wait in the queue table without one: no cap below the base class's.
 
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[Any]:

@@ -22,7 +22,8 @@ class PostgresServer(SingleServer):
     When run as root it runs as the ``postgres`` OS user (PostgreSQL refuses root). ``fsync``
     is off, which loses nothing when only the server process dies (the OS still has the
     writes), so :meth:`restart` after :meth:`kill` keeps committed rows. ``max_connections`` is
-    300 because a session advisory lock needs a dedicated connection per holder.
+    300 by default: many tests share one server, each client with a few connections (held
+    locks share one per ttl, up to ``max_waiting`` waiters wait on one each).
     """
 
     kind = "postgres"

@@ -1,17 +1,23 @@
-"""``postgresql://user:password@host:5432/dbname``: session advisory locks on dedicated connections.
+"""``postgresql://user:password@host:5432/dbname``: session advisory locks, one holding
+connection per ttl.
 
 How a lock is held
-    A held lock is a session-level advisory lock (``pg_advisory_lock(bigint)``) on a connection
-    of its own. Its 64-bit key is derived from the schema and the full name (:func:`lock_key`),
-    so only a hash collision can make two names share one lock, and sharing is safe: they
-    exclude each other, nothing more. Session advisory locks are re-entrant and counted, which is
-    why two leases never share a connection, and why a pooled connection is never used (pools
-    run ``pg_advisory_unlock_all()`` on release). Idle dedicated connections are kept for reuse
-    (``max_idle``); an idle one holds no advisory lock.
+    A held lock is a session-level advisory lock (``pg_advisory_lock(bigint)``). Its 64-bit key
+    is derived from the schema and the full name (:func:`lock_key`), so only a hash collision
+    can make two names share one lock, and sharing is safe: they exclude each other, nothing
+    more. A session has one idle timer, so every lock a client takes with one ttl lives on one
+    holding connection (a lane, ``_lane.py``) whose ``idle_session_timeout`` is that ttl; its
+    statements run one at a time in a task of the backend's own, never interrupted by a
+    caller's cancellation (closing the connection would lose every lock on it). Session advisory
+    locks are re-entrant, so the lane refuses a second take of a key it holds, and a pooled
+    connection (pools run ``pg_advisory_unlock_all()``) is never used. Idle connections are
+    kept for reuse (``max_idle``); an idle one holds no advisory lock.
 
 Waiting
-    In the server: ``pg_advisory_lock`` blocks in PostgreSQL's lock queue, which grants the lock
-    in the order the waiters asked.
+    The first ``max_waiting`` waiters of a client wait in the server's lock queue
+    (``pg_advisory_lock`` on a connection of their own, which then holds the lock), granted in
+    the order they asked; the others in a queue table, FIFO with the server's queue and without
+    a connection each (``_queue.py``).
 
 Interrupted statements and dead connections
     A connection whose statement was cancelled or failed half-way (a cancelled wait, a take
@@ -29,16 +35,17 @@ Interrupted statements and dead connections
 
 The lease
     An advisory lock lives exactly as long as its session, so the lease is the session: a
-    holder's connection runs with ``idle_session_timeout = ttl`` (PostgreSQL 14+), and the server
-    closes a connection that sends nothing for ``ttl`` seconds, which frees the lock. A renewal
-    is one tiny query per held connection (all run at once), which restarts the server's timer.
+    holding connection runs with ``idle_session_timeout = ttl`` (PostgreSQL 14+), and the server
+    closes a connection that sends nothing for ``ttl`` seconds, which frees its locks. A renewal
+    is one tiny query per holding connection (all run at once), which restarts the server's
+    timer.
     A paused or cut-off client therefore loses the lock ``ttl`` after its last renewal, and its
     local deadline ends the body before that.
 
 Tokens
     ``nextval()`` of one sequence, ``asynclock_token_seq`` in the configured schema (created on
-    first use, ``CACHE 1``), called right after the lock is granted: in the same statement as the
-    take when the lock is free, as the next statement after a wait. Sequence values increase
+    first use, ``CACHE 1``), called right after the lock is granted, in the statement that takes
+    it or waits for it. Sequence values increase
     across every session, so each acquisition of a name gets a larger token than the one before
     it; they are not consecutive per name. ``nextval`` is durable (with ``synchronous_commit=on``,
     which our connections set) and never rolled back, so tokens keep increasing across crashes
@@ -50,10 +57,13 @@ Loss
     connection closed, or talking to another server session, reports it too.
 
 Files (imports go down this list, never up)
-    ``backend.py`` the Backend class (take, wait, renew, release, inspect); ``_sessions.py``
-    connections: connecting, the idle pool, ending an interrupted session; ``_translate.py``
-    asyncpg's errors into asynclock's; ``_urls.py`` the URL and options; ``_sql.py`` the
-    statements and :func:`lock_key`. ``transaction_lock`` lives in
+    ``backend.py`` the Backend class; ``_lanes.py`` takes, renewals and releases on the holding
+    connections, ``_lane.py`` one of them and its task; ``_waits.py`` waits in the server's
+    queue, ``_renewals.py`` the renewals of the connections that hold a lock after one;
+    ``_queue.py`` the queue table; ``_sessions.py`` connections: connecting, the idle pool,
+    ending an interrupted session; ``_server.py`` what open() checks and creates;
+    ``_translate.py`` asyncpg's errors into asynclock's; ``_urls.py`` the URL and options;
+    ``_sql.py`` the statements and :func:`lock_key`. ``transaction_lock`` lives in
     :mod:`asynclock.extras.postgres`.
 """
 

@@ -1,48 +1,14 @@
-"""The grant, and its renewals: one tiny query per held connection that restarts the server's
-idle timer (``idle_session_timeout = ttl``), never cancelled."""
+"""The renewals of dedicated connections (a lock taken after a wait in the server's queue): one
+tiny query per connection that restarts the server's idle timer (``idle_session_timeout =
+ttl``), never cancelled. Locks on a lane are renewed by the lane (``_lanes.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
 import anyio
 
-from .._kit import BackendTimeout, Grant, Lost, Renewed, RenewOutcome, TaskHost, Unknown
+from .._kit import BackendTimeout, Lost, Renewed, RenewOutcome, TaskHost, Unknown
+from ._lane import PostgresGrant, Renewal
 from ._sql import RENEW
-
-
-@dataclass(eq=False, slots=True)
-class Renewal:
-    """The renewal query of one grant in flight."""
-
-    sent_at: float
-    done: anyio.Event = field(default_factory=anyio.Event)
-    pid: int | None = None
-    error: Exception | None = None
-    cancelled: bool = False
-
-    async def finished(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the reply, without cancelling the query."""
-        if not self.done.is_set():
-            with anyio.move_on_after(timeout):
-                await self.done.wait()
-        return self.done.is_set()
-
-
-@dataclass(eq=False, slots=True)
-class PostgresGrant(Grant):
-    """A held advisory lock: its key, and the dedicated connection that holds it."""
-
-    key: int
-    #: The server process of the session that holds the lock (checked on every renewal).
-    pid: int
-    connection: Any = field(repr=False)
-    on_lost: Callable[[str], None] = field(repr=False)
-    #: The renewal query in flight, if any.
-    renewal: Renewal | None = field(default=None, repr=False)
-    released: bool = False
 
 
 class Renewals:

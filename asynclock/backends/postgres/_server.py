@@ -56,6 +56,16 @@ async def ensure_sequence(
         )
 
 
+async def ensure_queue(connection: Any, *, queue: str, schema: str, create: str) -> None:
+    """Create the waiters' queue table if it is missing (see ``_queue.py``)."""
+    if await connection.fetchval("SELECT to_regclass($1)", queue) is None:
+        async with connection.transaction():
+            await connection.execute(
+                "SELECT pg_advisory_xact_lock($1)", lock_key("create sequence", schema)
+            )
+            await connection.execute(create)
+
+
 async def probe_check_interval(connection: Any, server_settings: dict[str, str]) -> None:
     """Add ``client_connection_check_interval`` to the settings if the server has it."""
     try:

@@ -42,6 +42,8 @@ class _Connect:
     error: Exception | None = None
     #: The caller stopped waiting: the connection, if one comes, goes to the idle pool.
     abandoned: bool = False
+    #: Made with settings of its own (a lane's idle timer): never pooled.
+    special: bool = False
 
 
 class Replacements:
@@ -135,7 +137,12 @@ class Sessions:
 
     # -- connecting --------------------------------------------------------------------------
 
-    async def _connect(self) -> Any:
+    async def connect_lane(self, ttl_ms: int) -> Any:
+        """A new holding connection whose server session ends ``ttl_ms`` after its last
+        message (``idle_session_timeout``): a lane (``_lanes.py``)."""
+        return await self._connect({**self.server_settings, "idle_session_timeout": str(ttl_ms)})
+
+    async def _connect(self, settings: dict[str, str] | None = None) -> Any:
         """A new dedicated connection, bounded by ``connect_timeout``.
 
         The connect runs in a task of the backend's own that our caller waits for but never
@@ -148,9 +155,14 @@ class Sessions:
         self._connects += 1
         if not self.open:
             raise self._closed()
-        pending = _Connect()
+        pending = _Connect(special=settings is not None)
         self._connecting.add(pending)
-        self._host.start_soon(self._run_connect, pending, name="asynclock: postgres connect")
+        self._host.start_soon(
+            self._run_connect,
+            pending,
+            settings or self.server_settings,
+            name="asynclock: postgres connect",
+        )
         try:
             await pending.done.wait()
         except BaseException:
@@ -169,7 +181,7 @@ class Sessions:
         self._adopt(connection)
         return connection
 
-    async def _run_connect(self, pending: _Connect) -> None:
+    async def _run_connect(self, pending: _Connect, settings: dict[str, str]) -> None:
         try:
             with translate(self._errors, CONNECTING):
                 # asyncpg's own timeout bounds each attempt; ours bounds the whole call.
@@ -179,7 +191,7 @@ class Sessions:
                         ssl=self._settings.ssl_context,
                         timeout=self._settings.connect_timeout,
                         statement_cache_size=16,
-                        server_settings=self.server_settings,
+                        server_settings=settings,
                     )
         except Exception as exc:
             pending.error = exc
@@ -199,7 +211,7 @@ class Sessions:
         connection, pending.connection = pending.connection, None
         if connection is None:
             return
-        if self.open:
+        if self.open and not pending.special:
             self._adopt(connection)
             self.give_back(connection)
         else:

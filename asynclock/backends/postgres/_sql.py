@@ -9,29 +9,99 @@ import math
 __all__ = ("lock_key",)
 
 SEQUENCE = "asynclock_token_seq"
+#: The waiters' queue (beyond the ones a client keeps in the server's queue), see _queue.py.
+QUEUE_TABLE = "asynclock_waiters"
 #: ``idle_session_timeout`` is an int of milliseconds.
 MAX_TIMEOUT_MS = 2**31 - 1
 
-# Take the lock if it is free, arm the server's idle timer and draw the token: one round trip.
-# No row comes back when the lock is busy. A row proves that the WHERE clause ran to its end,
-# so the timer is armed whenever the lock was taken; set_config runs only after the lock was
-# taken (AND evaluates left to right and stops at false), so a busy attempt leaves the timer
-# at 0, which is what every connection in the idle pool has.
-TAKE = """
-WITH attempt AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS taken)
-SELECT nextval($2::regclass), pg_backend_pid() FROM attempt
-WHERE attempt.taken AND set_config('idle_session_timeout', $3, false) IS NOT NULL
+# A take on a lane (a holding connection shared by the locks of one ttl, whose idle timer is
+# set once, when it connects): try-lock and token in one round trip, no row when busy.
+# Only when nobody waits in the queue table: its head may be between two steps (see _queue.py).
+LANE_TAKE = """
+WITH attempt AS MATERIALIZED (
+    SELECT pg_try_advisory_lock($1) AS taken
+    WHERE NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
+)
+SELECT nextval($2::regclass) FROM attempt WHERE attempt.taken
 """
-# Wait in the server's lock queue. The idle timer is armed once granted, so a client that
-# vanishes right after the grant still loses the lock after ttl.
-WAIT = "SELECT pg_advisory_lock($1), set_config('idle_session_timeout', $2, false)"
-# After the wait: draw the token (under the lock) and restart the idle timer, which starts
-# after this statement was sent: that send time is the lease's valid_from.
-TOKEN = "SELECT nextval($1::regclass), pg_backend_pid()"
+# A lane's release: only its key (the others on the connection stay held).
+UNLOCK = "SELECT pg_advisory_unlock($1)"
+# Wait in the server's lock queue, then (the CTE is evaluated first) arm the idle timer and
+# draw the token under the lock: one round trip. The timer starts when this statement ends, so
+# its send time is a safe valid_from; after a long wait the lease is restarted by RENEW.
+# Unless $4 (the head of the queue table goes to the server's queue): only when the table is
+# empty, which the statement checks before it queues (no row comes back otherwise).
+# The head first takes the key's marker ($5, shared, released with the lock): inspect counts it
+# once, not in both queues.
+WAIT = """
+WITH empty AS MATERIALIZED (
+    SELECT 1 WHERE $4 OR NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
+),
+marked AS MATERIALIZED (SELECT pg_advisory_lock_shared($5) FROM empty WHERE $4),
+granted AS MATERIALIZED (
+    SELECT pg_advisory_lock($1) FROM empty CROSS JOIN (SELECT count(*) FROM marked) AS heads
+)
+SELECT nextval($2::regclass), pg_backend_pid(), set_config('idle_session_timeout', $3, false)
+FROM granted
+"""
 RENEW = "SELECT pg_backend_pid()"
 # The connection is dedicated, so "all" is exactly our lock (with any re-entrant count).
 RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
 CREATE = "CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint NO CYCLE CACHE 1"
+# Unlogged: a crash ends every session, and with them every waiter.
+CREATE_QUEUE = """
+CREATE UNLOGGED TABLE IF NOT EXISTS {queue} (
+    key bigint NOT NULL,
+    ticket bigint NOT NULL,
+    waiter text NOT NULL,
+    client text NOT NULL,
+    lease_ms integer NOT NULL,
+    expires_at timestamptz NOT NULL,
+    PRIMARY KEY (key, ticket)
+)
+"""
+# -- the queue table (_queue.py) ---------------------------------------------------------------
+# A waiter's place: a ticket from the token sequence (it only increases), kept for lease_ms
+# after the client last refreshed it.
+ENQUEUE = """
+INSERT INTO {queue} (key, ticket, waiter, client, lease_ms, expires_at)
+VALUES ($1, nextval($2::regclass), $3, $4, $5::int, clock_timestamp() + $5::int * interval '1 ms')
+RETURNING ticket
+"""
+# (head, alive) of one waiter; no row: its place is gone.
+HEAD = """
+SELECT ticket = (SELECT min(ticket) FROM {queue} WHERE key = $1 AND expires_at > now()),
+       expires_at > now()
+FROM {queue} WHERE key = $1 AND waiter = $2
+"""
+# A waiter whose place expired (its client paused) queues again at the end.
+REQUEUE = """
+UPDATE {queue} SET ticket = nextval($3::regclass),
+    expires_at = clock_timestamp() + lease_ms * interval '1 ms'
+WHERE key = $1 AND waiter = $2
+RETURNING ticket
+"""
+# Leave (granted, or given up), and tell every client that the head may have changed.
+LEAVE = """
+WITH gone AS (DELETE FROM {queue} WHERE key = $1 AND waiter = $2 RETURNING 1)
+SELECT pg_notify($3, $1::text)
+"""
+REFRESH = """
+UPDATE {queue} SET expires_at = clock_timestamp() + lease_ms * interval '1 ms' WHERE client = $1
+"""
+# Places of clients that stopped refreshing them long ago.
+SWEEP = "DELETE FROM {queue} WHERE expires_at < now() - interval '1 minute'"
+# The live places of a key ($1), less the heads that wait in the server's queue (those hold the
+# key's marker $4, $5 and wait for the key $2, $3): they show among the server's waiters.
+INSPECT_QUEUE = """
+SELECT (SELECT count(*) FROM {queue} WHERE key = $1 AND expires_at > now()) - (
+    SELECT count(*) FROM pg_locks AS m JOIN pg_locks AS w ON w.pid = m.pid
+    WHERE m.locktype = 'advisory' AND m.objsubid = 1 AND m.granted
+      AND m.classid = $4 AND m.objid = $5
+      AND w.locktype = 'advisory' AND w.objsubid = 1 AND NOT w.granted
+      AND w.classid = $2 AND w.objid = $3
+)
+"""
 INSPECT = (
     "SELECT l.granted, l.pid, a.application_name "
     "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
@@ -80,8 +150,28 @@ def lock_key(name: str, schema: str = "public") -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+def marker_key(key: int) -> int:
+    """The key of the lock that marks a queue table head waiting in the server's queue for
+    ``key`` (another 64 bits of the same hash space: a collision is as unlikely as any)."""
+    mixed = ((key & 0xFFFFFFFFFFFFFFFF) ^ 0x9E3779B97F4A7C15) * 0xBF58476D1CE4E5B9
+    mixed &= 0xFFFFFFFFFFFFFFFF
+    return mixed - (1 << 64) if mixed >= 1 << 63 else mixed
+
+
 def quote_ident(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
+
+
+def creates(sequence: str, queue: str) -> str:
+    """What open() creates, on one line (for a message to the owner of the schema)."""
+    return " ".join(
+        f"{CREATE.format(sequence=sequence)}; {CREATE_QUEUE.format(queue=queue)}".split()
+    )
+
+
+def queue_name(schema: str) -> str:
+    """The queue table of ``schema``, as a quoted, schema-qualified name."""
+    return f"{quote_ident(schema)}.{quote_ident(QUEUE_TABLE)}"
 
 
 def sequence_name(schema: str) -> str:

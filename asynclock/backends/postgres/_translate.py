@@ -44,8 +44,10 @@ _TABLE: tuple[tuple[str, tuple[type[BaseException], ...], type[LockError], str],
         CONNECTING,
         (asyncpg.TooManyConnectionsError,),
         BackendUnavailable,
-        "{server} refused a new connection: {error}. Each held or waiting lock uses a "
-        "connection of its own: raise max_connections on the server",
+        "{server} refused a new connection: {error}. A client uses one connection per ttl for "
+        "the locks it holds, one per waiter in the server's queue (at most ?max_waiting=, 8 by "
+        "default; the others wait in the queue table without one) and up to ?max_idle= idle "
+        "ones: raise max_connections on the server, or lower max_waiting",
     ),
     (
         CONNECTING,
@@ -92,8 +94,9 @@ _TABLE: tuple[tuple[str, tuple[type[BaseException], ...], type[LockError], str],
         CHECKING,
         (asyncpg.InsufficientPrivilegeError,),
         BackendUnavailable,
-        "the user of {server} may not create the token sequence: create it once as its owner "
-        "with {create}, and GRANT USAGE ON SEQUENCE {sequence} TO the lock users",
+        "the user of {server} may not create the token sequence or the waiters' queue table: "
+        "create them once as their owner with {create}, and GRANT USAGE ON SEQUENCE {sequence} "
+        "and GRANT SELECT, INSERT, UPDATE, DELETE ON the table TO the lock users",
     ),
 )
 

@@ -38,7 +38,15 @@ LIBPQ_OPTIONS = (
     "krbsrvname",
     "gsslib",
 )
-OWN_OPTIONS = ("schema", "application_name", "op_timeout", "connect_timeout", "max_idle", "ssl")
+OWN_OPTIONS = (
+    "schema",
+    "application_name",
+    "op_timeout",
+    "connect_timeout",
+    "max_idle",
+    "max_waiting",
+    "ssl",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +60,9 @@ class Settings:
     connect_timeout: float
     max_idle: int
     ssl_context: ssl.SSLContext | None
+    #: Waiters a client keeps in the server's queue, each on a connection; the others wait in
+    #: the queue table without one.
+    max_waiting: int = 8
 
 
 def read_url(url: str, options: Mapping[str, object]) -> Settings:
@@ -124,4 +135,5 @@ def _own_options(opts: Options) -> Settings:
         connect_timeout=opts.number("connect_timeout", 5.0, minimum=0.001),
         max_idle=opts.whole("max_idle", 4, minimum=0),
         ssl_context=ssl_context,
+        max_waiting=opts.whole("max_waiting", 8, minimum=0),
     )

@@ -1,4 +1,5 @@
-"""The PostgresBackend: takes, waits, renewals and releases on dedicated connections."""
+"""The PostgresBackend: takes on the holding connections, waits in the server's queue or the queue
+table, renewals and releases."""
 
 from __future__ import annotations
 
@@ -18,28 +19,34 @@ from .._kit import (
     LockRequest,
     RenewOutcome,
     TaskHost,
-    Unknown,
     now,
     redact,
     translate,
 )
-from ._renewals import PostgresGrant, Renewals
-from ._server import check_version, ensure_sequence, probe_check_interval
-from ._sessions import Replacements, Sessions
+from ._lane import PostgresGrant
+from ._lanes import Lanes
+from ._queue import Queue
+from ._renewals import Renewals
+from ._server import check_version, ensure_queue, ensure_sequence, probe_check_interval
+from ._sessions import Sessions
 from ._sql import (
     CREATE,
+    CREATE_QUEUE,
     INSPECT,
+    INSPECT_QUEUE,
     MAX_TIMEOUT_MS,
     RELEASE,
-    TAKE,
-    TOKEN,
     WAIT,
+    creates,
     lock_key,
+    marker_key,
+    queue_name,
     sequence_name,
     timeout_ms,
 )
-from ._translate import CHECKING, Errors, connection_broken, unmapped
+from ._translate import CHECKING, Errors, connection_broken
 from ._urls import Settings, read_url
+from ._waits import Waits
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 
@@ -80,6 +87,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         connect_timeout: float = 5.0,
         max_idle: int = 4,
         ssl_context: ssl.SSLContext | None = None,
+        max_waiting: int = 8,
     ) -> None:
         self._dsn = dsn
         self.schema = schema
@@ -87,19 +95,24 @@ class PostgresBackend(Backend[PostgresGrant]):
         self.op_timeout = op_timeout
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
+        self.max_waiting = max_waiting
         self._ssl = ssl_context
         #: The token sequence, as a quoted, schema-qualified name.
         self.sequence = sequence_name(schema)
         self._described = redact(dsn.split("?", 1)[0])
+        self.queue = queue_name(schema)
+        self._inspect_queue = INSPECT_QUEUE.format(queue=self.queue)
         self._translator = Errors(
             self._described,
             connect_timeout,
             schema,
             self.sequence,
-            CREATE.format(sequence=self.sequence),
+            creates(self.sequence, self.queue),
         )
         #: The grant each holding connection holds.
         self._held: dict[Any, PostgresGrant] = {}
+        #: How many of our acquires wait in the server's queue, by key.
+        self._waiting: dict[int, int] = {}
         self._server_version: str | None = None
         #: Settings of every connection opened after open() (see _server.CHECK_INTERVAL_MS).
         self._server_settings = {**_SERVER_SETTINGS, "application_name": application_name}
@@ -116,6 +129,33 @@ class PostgresBackend(Backend[PostgresGrant]):
             on_closed=self._connection_closed,
             busy=self._renewing,
         )
+        self._lanes = Lanes(
+            self._host,
+            self._translator,
+            self.sequence,
+            self.queue,
+            op_timeout,
+            connect=self._sessions.connect_lane,
+            close=self._sessions.close,
+        )
+        self._waits = Waits(
+            self._sessions,
+            self._translator,
+            self.sequence,
+            WAIT.format(queue=self.queue),
+            op_timeout,
+            self._held,
+            on_closed=self._connection_closed,
+        )
+        self._queue = Queue(
+            host=self._host,
+            sessions=self._sessions,
+            lanes=self._lanes,
+            errors=self._translator,
+            sequence=self.sequence,
+            queue=self.queue,
+            channel=f"asynclock {schema}",
+        )
         self._state = "new"
 
     # -- construction ------------------------------------------------------------------------
@@ -131,6 +171,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             connect_timeout=settings.connect_timeout,
             max_idle=settings.max_idle,
             ssl_context=settings.ssl_context,
+            max_waiting=settings.max_waiting,
         )
 
     def describe(self) -> str:
@@ -144,7 +185,10 @@ class PostgresBackend(Backend[PostgresGrant]):
             "application_name": self.application_name,
             "op_timeout": self.op_timeout,
             "max_idle": self.max_idle,
+            "max_waiting": self.max_waiting,
+            "waiting_in_queue_table": self._queue.waiting,
             "connections": len(self._sessions.all),
+            "holding_connections": len(self._lanes.by_ttl),
             "idle_connections": self._sessions.pool.idle,
         }
 
@@ -172,8 +216,14 @@ class PostgresBackend(Backend[PostgresGrant]):
                         connection,
                         sequence=self.sequence,
                         schema=self.schema,
-                        create=self._translator.create,
+                        create=CREATE.format(sequence=self.sequence),
                         server=self._described,
+                    )
+                    await ensure_queue(
+                        connection,
+                        queue=self.queue,
+                        schema=self.schema,
+                        create=CREATE_QUEUE.format(queue=self.queue),
                     )
                     await probe_check_interval(connection, self._server_settings)
             except BaseException:
@@ -190,10 +240,18 @@ class PostgresBackend(Backend[PostgresGrant]):
         if self._state == "closed":
             return
         self._state = "closed"
+        interrupted: BaseException | None = None
+        try:
+            await self._lanes.drain(min(self.op_timeout, 0.25))
+        except BaseException as exc:  # a native cancel through the shield: close all the same
+            interrupted = exc
         await self._sessions.aclose()
+        self._lanes.close_all()  # the connected ones closed with the sessions
         # Their connections are closed, so every renewal query has ended or ends now.
         await self._renewals.wait_all(self.op_timeout)
         await self._host.aclose()
+        if interrupted is not None:
+            raise interrupted
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -206,91 +264,39 @@ class PostgresBackend(Backend[PostgresGrant]):
         return grant
 
     async def _take(self, request: LockRequest, *, wait: bool) -> PostgresGrant | None:
-        """Take the lock (``wait``: in the server's queue until it is ours) on a connection that
-        holds nothing, with its token.
-
-        A statement that fails or is cancelled half-way leaves its connection in a state nobody
-        knows (asyncpg's protocol may still expect the reply), so that connection is closed, never
-        reused, and its server session is ended before this returns (``Sessions.end_session``): a
-        cancelled wait leaves the server's queue, a lock granted at the last moment is free
-        again. A connection that turns out to be dead (a pooled one the server or a proxy closed
-        while it was idle, or a waiter's session the server ended while this process was paused)
-        is replaced and the take starts again: that is no outage. Only a new connection that
-        fails as well is reported.
-        """
+        """Try on the lane of the request's ttl; if the lock is busy and ``wait``, wait for it
+        in the server's queue on a dedicated connection."""
         key = lock_key(request.name, self.schema)
-        ttl_ms = str(timeout_ms(request.ttl))
-        replacements = Replacements()
-        while True:
-            connection, reused = await self._sessions.take()
-            try:
-                with self._errors(f"taking {request.name!r}"):
-                    sent_at = now()
-                    row = await connection.fetchrow(
-                        TAKE, key, self.sequence, ttl_ms, timeout=self.op_timeout
-                    )
-                    if row is None and not wait:
-                        self._sessions.give_back(connection)
-                        return None
-                    if row is None:
-                        replacements.worked()
-                        # Queue in the server; the caller's cancel scope bounds the wait.
-                        await connection.execute(WAIT, key, ttl_ms)
-                        sent_at = now()
-                        row = await connection.fetchrow(
-                            TOKEN, self.sequence, timeout=self.op_timeout
-                        )
-            except BaseException as exc:
-                broken = connection_broken(connection, exc)
-                await self._sessions.end_session(connection, request.name, unmapped(exc))
-                if not replacements.again(exc, broken=broken, reused=reused):
-                    raise
-                logger.info(
-                    "asynclock: a connection to %s died while taking %r (%r); taking it on "
-                    "another one",
-                    self.describe(),
-                    request.name,
-                    unmapped(exc),
-                )
-                continue
-            return self._grant(request, key, connection, row, sent_at)
-
-    def _grant(
-        self, request: LockRequest, key: int, connection: Any, row: Any, sent_at: float
-    ) -> PostgresGrant:
-        grant = PostgresGrant(
-            name=request.name,
-            owner=request.owner,
-            token=int(row[0]),
-            valid_from=sent_at,
-            ttl=timeout_ms(request.ttl) / 1000.0,
-            key=key,
-            pid=int(row[1]),
-            connection=connection,
-            on_lost=request.on_lost,
-        )
-        self._held[connection] = grant
-        if connection.is_closed():
-            # Closed between the reply and now: the listener may have run already.
-            self._connection_closed(connection)
-        return grant
+        ttl_ms = timeout_ms(request.ttl)
+        waiting = self._waiting.get(key, 0)
+        if not (wait and waiting):  # others of ours wait for it: it is busy, queue behind
+            grant = await self._lanes.take(request, key, ttl_ms)
+            if grant is not None or not wait:
+                return grant
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            if self._waits.waiting < self.max_waiting:
+                grant = await self._waits.wait(request, key, ttl_ms, head=False)
+                if grant is not None:
+                    return grant
+            return await self._queue.wait(
+                request, key, ttl_ms, lambda: self._waits.wait(request, key, ttl_ms, head=True)
+            )
+        finally:
+            left = self._waiting[key] - 1
+            if left:
+                self._waiting[key] = left
+            else:
+                del self._waiting[key]
 
     async def renew(self, grants: Sequence[PostgresGrant]) -> Sequence[RenewOutcome]:
-        if len(grants) == 1:
-            return [await self._renewals.renew(grants[0])]
-        outcomes: list[RenewOutcome] = [Unknown(RuntimeError("not renewed"))] * len(grants)
-
-        async def renew_one(index: int, grant: PostgresGrant) -> None:
-            outcomes[index] = await self._renewals.renew(grant)
-
-        # One round trip per connection is unavoidable (each has its own idle timer); they all
-        # run at the same time.
-        async with anyio.create_task_group() as task_group:
-            for index, grant in enumerate(grants):
-                task_group.start_soon(renew_one, index, grant)
-        return outcomes
+        # One statement per lane, one per dedicated connection, all at the same time.
+        return await self._lanes.renew_all(grants, self._renewals.renew)
 
     def _renewing(self, connection: Any) -> bool:
+        lane = self._lanes.by_connection.get(connection)
+        if lane is not None:
+            return lane.busy
         grant = self._held.get(connection)
         return grant is not None and grant.renewal is not None
 
@@ -307,6 +313,9 @@ class PostgresBackend(Backend[PostgresGrant]):
         if grant.released:
             return
         grant.released = True
+        if grant.lane is not None:
+            await self._lanes.release(grant, grant.lane)
+            return
         connection = grant.connection
         self._held.pop(connection, None)
         if connection.is_closed():
@@ -344,12 +353,22 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._sessions.give_back(connection)
 
     async def inspect(self, name: str) -> LockInfo:
-        key = lock_key(name, self.schema) & 0xFFFFFFFFFFFFFFFF
+        signed = lock_key(name, self.schema)
+        key = signed & 0xFFFFFFFFFFFFFFFF
         while True:
             connection, reused = await self._sessions.take()
             try:
                 with self._errors(f"inspecting lock {name!r}"), anyio.fail_after(self.op_timeout):
                     rows = await connection.fetch(INSPECT, key >> 32, key & 0xFFFFFFFF)
+                    marker = marker_key(signed) & 0xFFFFFFFFFFFFFFFF
+                    queued = await connection.fetchval(
+                        self._inspect_queue,
+                        signed,
+                        key >> 32,
+                        key & 0xFFFFFFFF,
+                        marker >> 32,
+                        marker & 0xFFFFFFFF,
+                    )
             except BaseException as exc:
                 broken = connection_broken(connection, exc)
                 self._sessions.discard(connection)  # holds no lock: closing it is all
@@ -359,7 +378,8 @@ class PostgresBackend(Backend[PostgresGrant]):
             break
         self._sessions.give_back(connection)
         holders = [row for row in rows if row["granted"]]
-        waiters = len(rows) - len(holders)
+        # In the server's queue, and in the queue table (its head, in both, once).
+        waiters = len(rows) - len(holders) + int(queued)
         if not holders:
             return LockInfo(name, held=False, waiters=waiters)
         holder = holders[0]
@@ -377,6 +397,8 @@ class PostgresBackend(Backend[PostgresGrant]):
     def _connection_closed(self, connection: Any) -> None:
         """The connection closed, for whatever reason (asyncpg's termination listener)."""
         self._sessions.all.discard(connection)
+        if self._lanes.closed(connection) or self._queue.closed(connection):
+            return
         grant = self._held.pop(connection, None)
         if grant is not None and not grant.released:
             grant.on_lost(

@@ -1,0 +1,333 @@
+"""A holding connection shared by many locks (a lane), and the task that runs its statements.
+
+An advisory lock lives as long as the session that took it, and a session has one idle timer
+(``idle_session_timeout``), so every lock taken with one ttl can live on one connection whose
+timer is that ttl: a lane. One tiny statement renews all of them; a release unlocks its key only.
+
+Nothing a caller does may interrupt a statement on a lane: a statement cancelled half-way leaves
+an asyncpg connection unusable, and closing the lane would lose every lock on it. So a lane's
+statements run one at a time (asyncpg runs one per connection anyway) in a task of the backend's
+own, and callers wait for their results on futures. A caller that stops waiting (cancelled, timed
+out) leaves its statement to run; a take that succeeded behind an abandoned caller is undone by
+an unlock queued right behind it, so no cancellation strands a lock.
+
+Session advisory locks are re-entrant: a second take of a key the lane holds would succeed on
+the server. ``Lane.keys`` keeps the keys a lane holds or is taking, and a take of one of them is
+refused here, as the server refuses another session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+
+from .._kit import BackendUnavailable, Grant, now
+from ._sql import RENEW, UNLOCK
+from ._translate import connection_broken
+
+logger = logging.getLogger("asynclock")
+
+
+@dataclass(eq=False, slots=True)
+class Renewal:
+    """The renewal query of one grant in flight."""
+
+    sent_at: float
+    done: anyio.Event = field(default_factory=anyio.Event)
+    pid: int | None = None
+    error: Exception | None = None
+    cancelled: bool = False
+
+    async def finished(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the reply, without cancelling the query."""
+        if not self.done.is_set():
+            with anyio.move_on_after(timeout):
+                await self.done.wait()
+        return self.done.is_set()
+
+
+@dataclass(eq=False, slots=True)
+class PostgresGrant(Grant):
+    """A held advisory lock: its key, and the connection that holds it (a lane's, shared with
+    the other locks of its ttl, or a dedicated one after a wait in the server's queue)."""
+
+    key: int
+    #: The server process of the session that holds the lock (checked on every renewal).
+    pid: int
+    connection: Any = field(repr=False)
+    on_lost: Callable[[str], None] = field(repr=False)
+    #: The renewal query in flight, if any (dedicated connections only).
+    renewal: Renewal | None = field(default=None, repr=False)
+    released: bool = False
+    #: The lane that holds it; None: a dedicated connection of its own.
+    lane: Lane | None = field(default=None, repr=False)
+
+
+class Owner(Protocol):
+    """What a lane needs of the backend's lanes (``_lanes.Lanes``)."""
+
+    server: str
+    sequence: str
+    take_sql: str
+    op_timeout: float
+    by_connection: dict[Any, Lane]
+
+    def forget(self, lane: Lane) -> None: ...
+
+    def close(self, connection: Any) -> Awaitable[None]: ...
+
+
+TAKE, UNLOCK_KEY, RENEWAL, QUERY = 0, 1, 2, 3
+#: An empty lane is closed after this share of its ttl without locks (before the server's idle
+#: timer, at one ttl, would end the session), checked every half of it.
+LINGER = 0.5
+
+
+@dataclass(eq=False, slots=True)
+class Op:
+    """One statement for a lane, and the future its caller waits on (done early: abandoned)."""
+
+    kind: int
+    key: int
+    future: asyncio.Future[Any]
+    queued_at: float
+    #: When the statement was sent (set by the lane's task).
+    sent_at: float = 0.0
+    #: A QUERY's statement and arguments (its row is the result).
+    sql: str = ""
+    args: tuple[object, ...] = ()
+
+
+def _drop(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class Lane:
+    """One holding connection, the locks on it, and the task that runs its statements."""
+
+    def __init__(self, lanes: Owner, ttl_ms: int) -> None:
+        self._lanes = lanes
+        self.ttl_ms = ttl_ms
+        self.ttl = ttl_ms / 1000.0
+        self.connection: Any = None
+        self.pid = 0
+        #: Keys this lane holds or is taking (a queued unlock removes its key).
+        self.keys: set[int] = set()
+        #: The grant of each key held here.
+        self.grants: dict[int, PostgresGrant] = {}
+        self._ops: deque[Op] = deque()
+        self._wakeup: asyncio.Future[None] | None = None
+        #: A statement is in flight (closing must not wait for it).
+        self.busy = False
+        #: Why the lane ended; nothing runs on it any more.
+        self.dead: BaseException | None = None
+        #: A statement completed on it (a later death is not the server refusing us).
+        self.worked = False
+        self.renewal: Op | None = None
+        #: Renewal statements sent (one renews every lock on the lane).
+        self.renewals = 0
+        self._empty_since: float | None = now()
+        self._closing = False
+        self._tick_handle: asyncio.TimerHandle | None = None
+        #: The watchdog's timer (armed while statements are pending), and the statement in
+        #: flight.
+        self._watch: asyncio.TimerHandle | None = None
+        self._current: Op | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Statements are queued or in flight."""
+        return self.dead is None and (self.busy or bool(self._ops))
+
+    # -- callers ----------------------------------------------------------------------------
+
+    def submit(self, kind: int, key: int = 0, sql: str = "", *args: object) -> Op:
+        """Queue a statement; its result (or error) comes on ``op.future``."""
+        loop = asyncio.get_running_loop()
+        op = Op(kind, key, loop.create_future(), now(), sql=sql, args=args)
+        if self.dead is not None:
+            op.future.set_exception(self.dead)
+            return op
+        self._ops.append(op)
+        if self._watch is None:
+            self._watch = loop.call_at(op.queued_at + self._lanes.op_timeout, self._watchdog)
+        self._empty_since = None
+        self._closing = False
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+        return op
+
+    def _watchdog(self) -> None:
+        """Callers wait ``op_timeout`` at most: their futures get a TimeoutError then, and the
+        statements still run (a take is undone behind its caller). One timer per lane, not per
+        statement: it fires once per ``op_timeout`` while statements come and go."""
+        self._watch = None
+        pending = [op for op in (self._current, *self._ops) if op is not None]
+        bound = now() - self._lanes.op_timeout
+        oldest: float | None = None
+        for op in pending:
+            if op.future.done():
+                continue
+            if op.queued_at <= bound:
+                op.future.set_exception(TimeoutError())
+            elif oldest is None or op.queued_at < oldest:
+                oldest = op.queued_at
+        if oldest is not None and self.dead is None:
+            self._watch = asyncio.get_running_loop().call_at(
+                oldest + self._lanes.op_timeout, self._watchdog
+            )
+
+    @staticmethod
+    def detach(op: Op) -> Op:
+        """Nobody waits for ``op``: its error, if any, is dropped (the statement is cleanup)."""
+        op.future.add_done_callback(_drop)
+        return op
+
+    def unlock_behind(self, key: int, *, first: bool = False, awaited: bool = False) -> Op | None:
+        """Queue the unlock of ``key`` (no await: nothing can interrupt it); ``first``: before
+        everything queued (the undo of a take whose caller is gone); ``awaited``: the caller
+        waits for it (a release), else nobody does."""
+        self.keys.discard(key)
+        self.grants.pop(key, None)
+        if self.dead is not None:
+            return None
+        op = self.submit(UNLOCK_KEY, key)
+        if not awaited:
+            self.detach(op)
+        if first:
+            self._ops.pop()
+            self._ops.appendleft(op)
+        return op
+
+    # -- the lane's task --------------------------------------------------------------------
+
+    async def run(self, connect: Callable[[int], Any]) -> None:
+        try:
+            self.connection = await connect(self.ttl_ms)
+        except Exception as exc:
+            self.die(exc)
+            return
+        except BaseException:
+            self.die(BackendUnavailable(f"the lock client for {self._lanes.server} is closed"))
+            raise
+        self.pid = self.connection.get_server_pid()
+        self._lanes.by_connection[self.connection] = self
+        if self.dead is not None:  # closed by aclose() meanwhile
+            self.connection.terminate()
+            return
+        loop = asyncio.get_running_loop()
+        self._tick_handle = loop.call_later(self.ttl * LINGER / 2, self._tick)
+        try:
+            while self.dead is None:
+                if self._ops:
+                    await self._execute(self._ops.popleft())
+                    continue
+                if self._closing and not self.keys:
+                    self._lanes.forget(self)
+                    self.dead = BackendUnavailable("the lane was closed")
+                    await self._lanes.close(self.connection)
+                    return
+                self._wakeup = loop.create_future()
+                await self._wakeup
+                self._wakeup = None
+        finally:
+            if self._tick_handle is not None:
+                self._tick_handle.cancel()
+
+    def _tick(self) -> None:
+        """Close the lane once it has been empty for ``LINGER`` of its ttl."""
+        if self.dead is not None:
+            return
+        if not self.keys and not self._ops:
+            since = self._empty_since
+            if since is None:
+                self._empty_since = now()
+            elif now() - since >= self.ttl * LINGER:
+                self._closing = True
+                if self._wakeup is not None and not self._wakeup.done():
+                    self._wakeup.set_result(None)
+        else:
+            self._empty_since = None
+        self._tick_handle = asyncio.get_running_loop().call_later(self.ttl * LINGER / 2, self._tick)
+
+    async def _execute(self, op: Op) -> None:
+        connection = self.connection
+        if op.kind == TAKE and op.future.done():
+            self.keys.discard(op.key)  # abandoned before it was sent: nothing to undo
+            return
+        self.busy = True
+        self._current = op
+        op.sent_at = now()
+        try:
+            if op.kind == TAKE:
+                result = await connection.fetchval(
+                    self._lanes.take_sql, op.key, self._lanes.sequence
+                )
+            elif op.kind == QUERY:
+                result = await connection.fetchrow(op.sql, *op.args)
+            elif op.kind == UNLOCK_KEY:
+                result = await connection.fetchval(UNLOCK, op.key)
+            else:
+                self.renewals += 1
+                result = await connection.fetchval(RENEW)
+        except Exception as exc:
+            if connection_broken(connection, exc):
+                if not op.future.done():
+                    op.future.set_exception(exc)
+                self.die(exc)
+                return
+            if op.kind == TAKE:
+                # A session lock outlives the statement that failed after taking it.
+                self.unlock_behind(op.key)
+            if not op.future.done():
+                op.future.set_exception(exc)
+            return
+        finally:
+            self.busy = False
+            self._current = None
+            if op is self.renewal:
+                self.renewal = None
+        self.worked = True
+        if op.kind == TAKE:
+            if result is None:
+                self.keys.discard(op.key)
+            elif op.future.done():
+                self.unlock_behind(op.key, first=True)  # its caller is gone: undone now
+        if not op.future.done():
+            op.future.set_result(result)
+
+    def die(self, error: BaseException) -> None:
+        """The connection closed or failed: every lock on it ended with the session."""
+        if self.dead is not None:
+            return
+        self.dead = error
+        self._lanes.forget(self)
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        ops, self._ops = self._ops, deque()
+        for op in ops:
+            if not op.future.done():
+                op.future.set_exception(error)
+        grants = list(self.grants.values())
+        self.grants.clear()
+        self.keys.clear()
+        if self.connection is not None and not self.connection.is_closed():
+            self.connection.terminate()
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+        for grant in grants:
+            if not grant.released:
+                grant.on_lost(
+                    f"the connection holding the advisory lock on {self._lanes.server} closed "
+                    f"({type(error).__name__}: server restart, pg_terminate_backend, "
+                    "idle_session_timeout or a network failure); the lock ends with the session"
+                )

@@ -1,0 +1,125 @@
+"""Waits in the server's lock queue, each on a dedicated connection that then holds the lock."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .._kit import LockRequest, now, translate
+from ._lane import PostgresGrant
+from ._sessions import Replacements, Sessions
+from ._sql import RENEW, marker_key, timeout_ms
+from ._translate import Errors, connection_broken, unmapped
+
+logger = logging.getLogger("asynclock")
+
+#: A wait that lasted longer than this share of the ttl restarts the idle timer before it is
+#: handed over (its own send time is the lease's start otherwise).
+FRESH_WAIT = 0.05
+
+
+class Waits:
+    """Our waiters in the server's queue (at most ``max_waiting``, plus the queue table's heads)."""
+
+    def __init__(
+        self,
+        sessions: Sessions,
+        errors: Errors,
+        sequence: str,
+        sql: str,
+        op_timeout: float,
+        held: dict[Any, PostgresGrant],
+        *,
+        on_closed: Callable[[Any], None],
+    ) -> None:
+        self._sessions = sessions
+        self._errors = errors
+        self.sequence = sequence
+        self._sql = sql
+        self.op_timeout = op_timeout
+        #: The grant each dedicated holding connection holds (the backend's).
+        self._held = held
+        self._connection_closed = on_closed
+        self.waiting = 0
+
+    async def wait(
+        self, request: LockRequest, key: int, ttl_ms: int, *, head: bool
+    ) -> PostgresGrant | None:
+        """Wait in the server's queue on a dedicated connection, which then holds the lock;
+        unless the queue table has places for the key (None: wait there, ``_queue.py``), or
+        ``head``: this waiter is the table's head (None: its connection died; it checks its
+        place again before it comes back, which may have expired meanwhile).
+
+        A statement that fails or is cancelled half-way leaves its connection in a state nobody
+        knows (asyncpg's protocol may still expect the reply), so that connection is closed, never
+        reused, and its server session is ended before this returns (``Sessions.end_session``): a
+        cancelled wait leaves the server's queue, a lock granted at the last moment is free
+        again. A connection that turns out to be dead (a pooled one the server or a proxy closed
+        while it was idle, or a waiter's session the server ended while this process was paused)
+        is replaced and the wait starts again: that is no outage. Only a new connection that
+        fails as well is reported.
+        """
+        # Counted before the first await: waiters that start together see each other.
+        self.waiting += 1
+        try:
+            return await self._wait(request, key, ttl_ms, head=head)
+        finally:
+            self.waiting -= 1
+
+    async def _wait(
+        self, request: LockRequest, key: int, ttl_ms: int, *, head: bool
+    ) -> PostgresGrant | None:
+        replacements = Replacements()
+        while True:
+            connection, reused = await self._sessions.take()
+            try:
+                with translate(self._errors, f"waiting for {request.name!r}"):
+                    # Queue in the server; the caller's cancel scope bounds the wait.
+                    sent_at = now()
+                    row = await connection.fetchrow(
+                        self._sql, key, self.sequence, str(ttl_ms), head, marker_key(key)
+                    )
+                    if row is None:
+                        self._sessions.give_back(connection)
+                        return None
+                    if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:
+                        # Its send time would leave little of the lease: restart the timer.
+                        sent_at = now()
+                        await connection.fetchval(RENEW, timeout=self.op_timeout)
+            except BaseException as exc:
+                broken = connection_broken(connection, exc)
+                await self._sessions.end_session(connection, request.name, unmapped(exc))
+                if not replacements.again(exc, broken=broken, reused=reused):
+                    raise
+                if head:
+                    return None
+                logger.info(
+                    "asynclock: a connection to %s died while waiting for %r (%r); waiting on "
+                    "another one",
+                    self._errors.server,
+                    request.name,
+                    unmapped(exc),
+                )
+                continue
+            return self._grant(request, key, connection, row, sent_at)
+
+    def _grant(
+        self, request: LockRequest, key: int, connection: Any, row: Any, sent_at: float
+    ) -> PostgresGrant:
+        grant = PostgresGrant(
+            name=request.name,
+            owner=request.owner,
+            token=int(row[0]),
+            valid_from=sent_at,
+            ttl=timeout_ms(request.ttl) / 1000.0,
+            key=key,
+            pid=int(row[1]),
+            connection=connection,
+            on_lost=request.on_lost,
+        )
+        self._held[connection] = grant
+        if connection.is_closed():
+            # Closed between the reply and now: the listener may have run already.
+            self._connection_closed(connection)
+        return grant
