@@ -30,10 +30,6 @@ from tests.contract.harness import BackendUnderTest
 WAITERS = 1000
 #: The waiters of the small run beside it.
 FEW = 100
-#: Fewer waiters than ``WAITERS`` where one client of the backend cannot serve that many today
-#: (issue #18). PostgreSQL holds a server connection per waiter and the test server allows 300
-#: connections: raise this to 1,000 (delete the entry) once waiters share connections.
-MAX_WAITERS_IN_ONE_CLIENT: dict[str, int] = {"postgres": 250}
 #: The large run may take this many times longer per waiter than the small one (noise on a
 #: shared machine, a server's garbage collection): linear growth is ratio ~ waiters / FEW.
 LINEAR_MARGIN = 2.0
@@ -107,7 +103,7 @@ async def pass_all(
 async def test_1000_waiters_get_the_lock_in_fifo_order_in_linear_time(
     backend: BackendUnderTest, name: str
 ) -> None:
-    many = MAX_WAITERS_IN_ONE_CLIENT.get(backend.name, WAITERS)
+    many = WAITERS  # every FIFO backend, PostgreSQL included (its waiters share connections)
     ttl = backend.ttl * 5
     before = _tasks()
     async with backend.connect() as holder, backend.connect() as locks:
