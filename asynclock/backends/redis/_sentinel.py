@@ -1,0 +1,175 @@
+"""Finding the master through Redis Sentinel, for ``redis+sentinel://``.
+
+The sentinels are asked ``SENTINEL get-master-addr-by-name <service>`` in turn (the first that
+answers is asked first next time, as redis-py's ``Sentinel`` does), and every new connection to
+the address they name checks ``ROLE`` before it is used: a sentinel's view can lag a failover,
+and a demoted master that is still reachable must not take writes. The address is remembered
+until a connection to it fails, times out, finds a replica there, or gets ``READONLY``: then the
+next connection asks the sentinels again. So a failover costs the calls in flight on the old
+master (they fail or time out, and the core retries renewals), not a reconnect of the client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import redis.asyncio
+import redis.exceptions
+
+from .._kit import HostPort
+from ._scripts import as_text
+from ._settings import Settings
+
+logger = logging.getLogger("asynclock")
+
+
+class MasterLocator:
+    """Where the master of ``service`` is, as the sentinels say; shared by one client's
+    connections. Never raises anything but redis-py's errors (the lane translates them)."""
+
+    def __init__(
+        self,
+        sentinels: Sequence[HostPort],
+        service: str,
+        *,
+        op_timeout: float,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        self.sentinels = list(sentinels)
+        self.service = service
+        self._op_timeout = op_timeout
+        self._username = username
+        self._password = password
+        self._master: HostPort | None = None
+        #: How many times the sentinels were asked (tests and ``extra_info`` read it).
+        self.lookups = 0
+
+    @property
+    def current(self) -> HostPort | None:
+        """The master's address as last learnt, or None until the first lookup."""
+        return self._master
+
+    def forget(self, address: HostPort | None) -> None:
+        """``address`` failed us: ask the sentinels again on the next connection (unless a
+        newer lookup already moved on from it)."""
+        if address is None or self._master == address:
+            self._master = None
+
+    async def master(self) -> HostPort:
+        if self._master is not None:
+            return self._master
+        errors: list[str] = []
+        for index, sentinel in enumerate(list(self.sentinels)):
+            try:
+                address = await self._ask(sentinel)
+            except (OSError, TimeoutError, redis.exceptions.RedisError) as exc:
+                errors.append(f"{sentinel}: {exc or type(exc).__name__}")
+                continue
+            if address is None:
+                errors.append(f"{sentinel}: monitors no master named {self.service!r}")
+                continue
+            if index:
+                # The sentinel that answered is asked first from now on.
+                self.sentinels.insert(0, self.sentinels.pop(index))
+            self._master = address
+            return address
+        raise redis.exceptions.ConnectionError(
+            f"no sentinel named the master of {self.service!r} ({'; '.join(errors)}); check "
+            "the sentinel addresses and the service name (sentinel monitor <name> ...)"
+        )
+
+    async def _ask(self, sentinel: HostPort) -> HostPort | None:
+        self.lookups += 1
+        conn = redis.asyncio.Connection(
+            host=sentinel.host,
+            port=sentinel.port,
+            username=self._username,
+            password=self._password,
+            socket_timeout=None,
+            socket_connect_timeout=self._op_timeout,
+        )
+        try:
+            # One bound for connect and reply: a paused sentinel must not hold the lookup.
+            with anyio.fail_after(self._op_timeout):
+                await conn.connect()  # type: ignore[no-untyped-call]
+                await conn.send_command("SENTINEL", "get-master-addr-by-name", self.service)
+                reply = await conn.read_response()
+        finally:
+            # No await: a cancelled lookup must not leave the socket open.
+            if conn._writer is not None:
+                conn._writer.close()
+            conn._reader = conn._writer = None
+        if not reply:
+            return None
+        host, port = (as_text(part) for part in reply)
+        return HostPort(host, int(port))
+
+
+class MasterConnection(redis.asyncio.Connection):
+    """A connection to whichever server the sentinels name as master, checked with ``ROLE``.
+
+    A failure while connecting, a server that is not (or no longer) a master, and ``READONLY``
+    (the master was demoted while we were connected) all make the locator ask again, and the
+    last two raise ``ConnectionError``, which the lane answers by retrying on a new connection.
+    """
+
+    def __init__(self, *, locator: MasterLocator, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._locator = locator
+        self._address: HostPort | None = None
+
+    async def _connect(self) -> None:
+        self._address = await self._locator.master()
+        self.host, self.port = self._address.host, self._address.port
+        try:
+            await super()._connect()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._locator.forget(self._address)
+            raise
+
+    async def on_connect(self) -> None:
+        try:
+            await super().on_connect()
+            await self.send_command("ROLE")
+            role = await self.read_response()
+        except BaseException:
+            self._locator.forget(self._address)
+            raise
+        if not isinstance(role, list) or not role or as_text(role[0]) != "master":
+            self._locator.forget(self._address)
+            shown = as_text(role[0]) if isinstance(role, list) and role else role
+            raise redis.exceptions.ConnectionError(
+                f"{self._address} is a {shown}, not the master of "
+                f"{self._locator.service!r} (a failover is under way)"
+            )
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except redis.exceptions.ReadOnlyError as exc:
+            self._locator.forget(self._address)
+            raise redis.exceptions.ConnectionError(
+                f"{self._address} was the master of {self._locator.service!r} and is a "
+                "replica now (READONLY)"
+            ) from exc
+        except redis.exceptions.BusyLoadingError:
+            raise  # the right server, still loading its data: retried as a connection error
+        except (OSError, redis.exceptions.ConnectionError):
+            self._locator.forget(self._address)
+            raise
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelSettings(Settings):
+    """:class:`Settings` whose connections find the master through the sentinels."""
+
+    locator: MasterLocator | None = None
+
+    def pool(self, address: HostPort, *_: Any, **__: Any) -> redis.asyncio.ConnectionPool:
+        # ``address`` is where the sentinels last saw the master; each connection asks anew.
+        return Settings.pool(self, address, MasterConnection, locator=self.locator)
