@@ -156,7 +156,17 @@ class SentinelServer(SingleServer):
         return [self.data_dir / "sentinel.log", *super()._log_files()]
 
     def _probe(self, timeout: float) -> bool:
-        return bool(command(self.host, self.port, "PING", timeout=timeout) == "PONG")
+        if command(self.host, self.port, "PING", timeout=timeout) != "PONG":
+            return False
+        # Sentinel's own periods (INFO every 10 s, hello every 2 s) would make a test wait
+        # for minutes in all; Redis 7 lets them be shortened at run time.
+        command(
+            self.host,
+            self.port,
+            "SENTINEL", "DEBUG", "info-period", "200", "publish-period", "200",
+            timeout=timeout,
+        )  # fmt: skip
+        return True
 
     def call(self, *args: str, timeout: float = 2.0) -> Any:
         return command(self.host, self.port, *args, timeout=timeout)
@@ -236,8 +246,8 @@ class RedisSentinelGroup(StartStop):
         return [node for node in self.nodes if node is not master]
 
     def wait_for_failover(self, old: RedisNode, timeout: float = 15.0) -> RedisNode:
-        """Block until every running sentinel names a master other than ``old`` and that
-        server says it is a master; return it."""
+        """Block until every running sentinel names a master other than ``old``, that server
+        says it is a master, and ``old``, if it runs, says it is not; return the new master."""
 
         def done() -> bool:
             named = {
@@ -251,10 +261,71 @@ class RedisSentinelGroup(StartStop):
             new = f"{address[0]}:{address[1]}"
             if new == old.address:
                 return False
+            # Over, not merely under way: every sentinel is connected to the new master and
+            # sees it up (a former master that returns earlier can confuse the last steps).
+            for sentinel in self.sentinels:
+                if sentinel.is_running and not sentinel.is_paused:
+                    state = sentinel.call("SENTINEL", "master", SERVICE)
+                    if dict(zip(state[::2], state[1::2], strict=True))["flags"] != "master":
+                        return False
+            if old.is_running and not old.is_paused and old.role() == "master":
+                return False  # promoted, but the old master is not demoted yet
             return self.master().role() == "master"
 
         _wait(f"a failover away from {old!r}", done, timeout)
         return self.master()
+
+    def restore(self, node: RedisNode, timeout: float = 15.0) -> None:
+        """Bring back a killed or paused former master and block until the sentinels have
+        made it a replica in sync, so that the next failover has somewhere to go."""
+        if node.is_paused:
+            node.resume()
+        elif not node.is_running:
+            node.restart()
+
+        def back() -> bool:
+            if node.role() != "slave" or not _link_up(node):
+                return False
+            replicas = self.sentinels[0].call("SENTINEL", "replicas", SERVICE)
+            fields = [dict(zip(r[::2], r[1::2], strict=True)) for r in replicas]
+            return any(
+                f"{f['ip']}:{f['port']}" == node.address
+                and f["flags"] == "slave"
+                and f["master-link-status"] == "ok"
+                for f in fields
+            )
+
+        _wait(f"{node!r} is a replica again", back, timeout)
+
+    def forget_on_replicas(self, *patterns: str) -> int:
+        """Delete the keys matching ``patterns`` on every replica (not on the master), as if
+        the master's last writes had not reached them; returns how many were deleted.
+
+        With :meth:`kill_master` right after, it plays "the master acknowledged a lock and
+        failed before replicating it" on demand (real lag is a matter of microseconds on
+        loopback)."""
+        deleted = 0
+        for node in self.replicas():
+            node.call("CONFIG", "SET", "replica-read-only", "no")
+            try:
+                for pattern in patterns:
+                    cursor = "0"
+                    while True:
+                        cursor, keys = node.call("SCAN", cursor, "MATCH", pattern, "COUNT", "1000")
+                        if keys:
+                            deleted += int(node.call("DEL", *keys))
+                        if cursor == "0":
+                            break
+            finally:
+                node.call("CONFIG", "SET", "replica-read-only", "yes")
+        return deleted
+
+    def fail_over_losing(self, *patterns: str) -> RedisNode:
+        """The failover nemesis: the replicas lose the keys matching ``patterns`` (what the
+        master had not replicated yet), then the master is killed; the sentinels promote a
+        replica about a second later. Returns the killed node (see :meth:`restore`)."""
+        self.forget_on_replicas(*patterns)
+        return self.kill_master()
 
     def kill_master(self) -> RedisNode:
         """SIGKILL the master (restart it with ``node.restart()``: the sentinels then make it a
@@ -274,7 +345,25 @@ class RedisSentinelGroup(StartStop):
 
 
 def _link_up(node: RedisNode) -> bool:
-    return "master_link_status:up" in node.call("INFO", "replication")
+    """The replica ``node`` is connected and receives the master's writes.
+
+    "Link up" is not enough: after a diskless sync the master streams writes only once the
+    replica's first acknowledgement came, up to a second later. So a probe key is written on
+    the master and looked for on the replica."""
+    info = node.call("INFO", "replication")
+    if "master_link_status:up" not in info:
+        return False
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    master_host, master_port = fields["master_host"], int(fields["master_port"])
+    probe = f"asynclock-testing:probe:{node.port}"
+    command(master_host, master_port, "SET", probe, str(time.monotonic_ns()), "PX", "60000")
+    expected = command(master_host, master_port, "GET", probe)
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        if node.call("GET", probe) == expected:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 class RedisClusterNodes(StartStop):

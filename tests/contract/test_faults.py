@@ -127,7 +127,13 @@ async def test_server_paused_past_the_ttl_cancels_the_body_and_exits_promptly(
 # -- (b) ------------------------------------------------------------------------------------
 
 
-@pytest.mark.not_on("memory", "sqlite", reason="no connection to a server")
+@pytest.mark.not_on(
+    "memory",
+    "sqlite",
+    "sentinel",
+    reason="no connection to a server, or (sentinel) none that a proxy can stand in front of: "
+    "the sentinels name the master's own address",
+)
 async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
     backend: BackendUnderTest, name: str
 ) -> None:
@@ -147,7 +153,13 @@ async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
 # -- (g) ------------------------------------------------------------------------------------
 
 
-@pytest.mark.not_on("memory", "sqlite", reason="no connection to a server")
+@pytest.mark.not_on(
+    "memory",
+    "sqlite",
+    "sentinel",
+    reason="no connection to a server, or (sentinel) none that a proxy can stand in front of: "
+    "the sentinels name the master's own address",
+)
 async def test_connection_state_follows_a_partition_and_its_end(
     backend: BackendUnderTest, name: str
 ) -> None:

@@ -12,6 +12,7 @@ master (they fail or time out, and the core retries renewals), not a reconnect o
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,10 @@ class MasterLocator:
         self._username = username
         self._password = password
         self._master: HostPort | None = None
+        #: The master before the last ``forget``: a lookup that names another one retires
+        #: the connections to it.
+        self._last: HostPort | None = None
+        self._connections: weakref.WeakSet[MasterConnection] = weakref.WeakSet()
         #: How many times the sentinels were asked (tests and ``extra_info`` read it).
         self.lookups = 0
 
@@ -76,12 +81,26 @@ class MasterLocator:
             if index:
                 # The sentinel that answered is asked first from now on.
                 self.sentinels.insert(0, self.sentinels.pop(index))
-            self._master = address
+            if self._last is not None and address != self._last:
+                self._retire(address)
+            self._master = self._last = address
             return address
         raise redis.exceptions.ConnectionError(
             f"no sentinel named the master of {self.service!r} ({'; '.join(errors)}); check "
             "the sentinel addresses and the service name (sentinel monitor <name> ...)"
         )
+
+    def register(self, conn: MasterConnection) -> None:
+        self._connections.add(conn)
+
+    def _retire(self, master: HostPort) -> None:
+        """The master moved: close every connection to another server, idle or busy, so that
+        none is used again. A demoted master still answers reads (a renewal's check, an
+        inspect) from the data it is resyncing, and a paused one answers nothing. A busy call
+        gets a connection error, which the lane retries on a new connection."""
+        for conn in list(self._connections):
+            if conn.address != master and conn._writer is not None:
+                conn._writer.close()
 
     async def _ask(self, sentinel: HostPort) -> HostPort | None:
         self.lookups += 1
@@ -123,6 +142,11 @@ class MasterConnection(redis.asyncio.Connection):
         self._locator = locator
         self._address: HostPort | None = None
 
+    @property
+    def address(self) -> HostPort | None:
+        """The server this connection was made to."""
+        return self._address
+
     async def _connect(self) -> None:
         self._address = await self._locator.master()
         self.host, self.port = self._address.host, self._address.port
@@ -131,6 +155,7 @@ class MasterConnection(redis.asyncio.Connection):
         except BaseException:
             self._locator.forget(self._address)
             raise
+        self._locator.register(self)
 
     async def on_connect(self) -> None:
         try:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Final, Self
 
 from .._kit import HostPort, InvalidURL, Options, parse_hosts
+from ._replicas import WAIT_OPTIONS, ReplicaWait
 from ._sentinel import MasterLocator, SentinelSettings
 from ._settings import COMMON_OPTIONS, common_settings, split_url
 from .backend import _DEFAULT_WAITER_TTL as DEFAULT_WAITER_TTL
@@ -40,12 +41,15 @@ class RedisSentinelBackend(RedisBackend):
         sentinels: tuple[HostPort, ...],
         settings: SentinelSettings,
         locator: MasterLocator,
+        *,
+        replica_wait: ReplicaWait | None = None,
         **kwargs: Any,
     ) -> None:
         # The address is only a placeholder: every connection asks the locator.
         super().__init__(sentinels[0], settings, **kwargs)
         self.sentinels = sentinels
         self.locator = locator
+        self.replica_wait = replica_wait or ReplicaWait()
 
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
@@ -74,13 +78,17 @@ class RedisSentinelBackend(RedisBackend):
             client_name=base.client_name,
             locator=locator,
         )
+        replica_wait = ReplicaWait.from_options(opts, source, base.op_timeout)
         waiter_ttl = opts.number("waiter_ttl", DEFAULT_WAITER_TTL, minimum=0.05)
         durability_warning = opts.flag("durability_warning", True)
-        opts.finish((*COMMON_OPTIONS, *_OWN_OPTIONS, "waiter_ttl", "durability_warning"))
+        opts.finish(
+            (*COMMON_OPTIONS, *_OWN_OPTIONS, *WAIT_OPTIONS, "waiter_ttl", "durability_warning")
+        )
         return cls(
             sentinels,
             settings,
             locator,
+            replica_wait=replica_wait,
             waiter_ttl=waiter_ttl,
             durability_warning=durability_warning,
         )
@@ -90,10 +98,15 @@ class RedisSentinelBackend(RedisBackend):
         hosts = ",".join(str(sentinel) for sentinel in self.sentinels)
         return f"redis+sentinel://{user}{hosts}/{self.locator.service}/{self.settings.db}"
 
+    async def open(self) -> None:
+        await super().open()
+        self.replica_wait.install(self._connected())
+
     def extra_info(self) -> Mapping[str, Any]:
         master = self.locator.current
         return {
             **super().extra_info(),
+            **self.replica_wait.info(),
             "service": self.locator.service,
             "master": str(master) if master is not None else None,
         }
