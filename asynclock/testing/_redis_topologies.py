@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Self
 
-from ._host import ServerError, find_binary, run_checked
+from ._host import ServerError, find_binary, free_port, run_checked
 from ._lifecycle import StartStop
 from ._process import SingleServer
 from ._redis import RedisServer
@@ -387,8 +387,10 @@ class RedisClusterNodes(StartStop):
         self._started = True
         try:
             for _ in range(self._masters * (1 + self._replicas)):
+                # The bus port is given: port + 10000, the default, may be above 65535.
                 node = RedisNode(
                     "--cluster-enabled", "yes",
+                    "--cluster-port", str(free_port()),
                     "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
                     "--cluster-require-full-coverage", "no",
