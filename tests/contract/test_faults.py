@@ -131,8 +131,9 @@ async def test_server_paused_past_the_ttl_cancels_the_body_and_exits_promptly(
     "memory",
     "sqlite",
     "sentinel",
-    reason="no connection to a server, or (sentinel) none that a proxy can stand in front of: "
-    "the sentinels name the master's own address",
+    "cluster",
+    reason="no connection to a server, or (sentinel, cluster) none that a proxy can stand in "
+    "front of: the sentinels and the slot map name the servers' own addresses",
 )
 async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
     backend: BackendUnderTest, name: str
@@ -157,8 +158,9 @@ async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
     "memory",
     "sqlite",
     "sentinel",
-    reason="no connection to a server, or (sentinel) none that a proxy can stand in front of: "
-    "the sentinels name the master's own address",
+    "cluster",
+    reason="no connection to a server, or (sentinel, cluster) none that a proxy can stand in "
+    "front of: the sentinels and the slot map name the servers' own addresses",
 )
 async def test_connection_state_follows_a_partition_and_its_end(
     backend: BackendUnderTest, name: str

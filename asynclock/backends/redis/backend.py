@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Self
 
 import anyio
+import redis.asyncio
 
 from .._kit import (
     Backend,
@@ -212,7 +213,7 @@ class RedisBackend(Backend[RedisGrant]):
             raise RuntimeError("a RedisBackend can be opened once")
         await self._host.open()
         pool = self.settings.pool(self.address)
-        lane = self._lane = Lane(pool, self.settings.op_timeout, self._host)
+        lane = self._lane = self._new_lane(pool)
         try:
             with translate(
                 ERRORS,
@@ -240,6 +241,10 @@ class RedisBackend(Backend[RedisGrant]):
             await self.aclose()
             raise
         self._host.start_soon(wakes.run, conn, name=f"asynclock: wake channel of {self.describe()}")
+
+    def _new_lane(self, pool: redis.asyncio.ConnectionPool) -> Lane:
+        """The wire to the server (``redis+cluster://`` routes each call by hash slot)."""
+        return Lane(pool, self.settings.op_timeout, self._host)
 
     async def aclose(self) -> None:
         self._closed = True
