@@ -425,11 +425,44 @@ class RedisClusterNodes(StartStop):
         return [node for node in self.nodes if node.is_running and node.role() == "master"]
 
     def node_for_slot(self, slot: int) -> RedisNode:
-        for start, end, master, *_ in self.nodes[0].call("CLUSTER", "SLOTS"):
-            if start <= slot <= end:
-                address = f"{master[0]}:{master[1]}"
-                return next(node for node in self.nodes if node.address == address)
+        """The master of ``slot``, as the first running node says."""
+        for asked in self.nodes:
+            if not asked.is_running or asked.is_paused:
+                continue
+            for start, end, master, *_ in asked.call("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    address = f"{master[0]}:{master[1]}"
+                    return next(node for node in self.nodes if node.address == address)
+            break
         raise ServerError(f"no node serves slot {slot}")
+
+    def replicas_of(self, master: RedisNode) -> list[RedisNode]:
+        found = []
+        for node in self.nodes:
+            if node is master or not node.is_running or node.is_paused:
+                continue
+            info = node.call("INFO", "replication")
+            if "role:slave" in info and f"master_port:{master.port}" in info:
+                found.append(node)
+        return found
+
+    def wait_for_failover(self, slot: int, old: RedisNode, timeout: float = 15.0) -> RedisNode:
+        """Block until every running node names a master other than ``old`` for ``slot``, the
+        cluster is ok again, and that master says it is one; return it."""
+
+        def done() -> bool:
+            for asked in self.nodes:
+                if asked is old or not asked.is_running or asked.is_paused:
+                    continue
+                if "cluster_state:ok" not in asked.call("CLUSTER", "INFO"):
+                    return False
+                for start, end, master, *_ in asked.call("CLUSTER", "SLOTS"):
+                    if start <= slot <= end and f"{master[0]}:{master[1]}" == old.address:
+                        return False
+            return self.node_for_slot(slot).role() == "master"
+
+        _wait(f"a failover of slot {slot} away from {old!r}", done, timeout)
+        return self.node_for_slot(slot)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"

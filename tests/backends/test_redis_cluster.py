@@ -175,3 +175,34 @@ async def test_wait_replicas_refuses_takes_on_a_cluster_without_replicas(
         # Undone on the master: nothing left behind.
         key = lua.lock_key(prefix, name)
         assert redis_cluster_nodes.node_for_slot(key_slot(key.encode())).call("EXISTS", key) == 0
+
+
+async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
+    """A master dies; its replica takes its slots over (after ``cluster-node-timeout``). The
+    client finds the new master through the slot map (MOVED, or connection errors and a new
+    look-up), and a lock that reached the replica is still held, renewed there."""
+    with RedisClusterNodes(3, replicas=1) as cluster:
+        async with connect(cluster, prefix) as locks, connect(cluster, prefix) as other:
+            lease = await locks.acquire(name, ttl=5.0)
+            key = lua.lock_key(prefix, name)
+            slot = key_slot(key.encode())
+            old = cluster.node_for_slot(slot)
+            # The replica has the key before the crash (KEYS: a replica redirects GET).
+            (replica,) = cluster.replicas_of(old)
+            for _ in range(500):
+                if replica.call("KEYS", key):
+                    break
+                await anyio.sleep(0.01)
+            else:
+                raise AssertionError(f"{key} did not reach {replica!r}")
+            old.kill()
+            new = await anyio.to_thread.run_sync(cluster.wait_for_failover, slot, old)
+            assert new is not old
+            assert new.call("GET", key) is not None
+            assert await other.try_acquire(name, ttl=1.0) is None
+            await anyio.sleep(2.0)  # renewals reach the new master meanwhile
+            assert lease.held, lease.lost_reason
+            first = lease.token
+            await lease.release()
+            async with other.lock(name, ttl=1.0) as second:
+                assert second.token > first
