@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import anyio
@@ -195,12 +195,18 @@ class ClusterLane(Lane):
             return await self._lane((self._masters or self._seeds)[0]).script(script, keys, args)
         if script.sha == lua.RENEW.sha and len({key_slot(k.encode()) for k in keys}) > 1:
             return await self._renew_per_node(keys, args)
-        slot = key_slot(keys[0].encode())
+        return await self._routed(
+            key_slot(keys[0].encode()),
+            lambda address: self._lane(address).script(script, keys, args, undo),
+        )
+
+    async def _routed(self, slot: int, send: Callable[[HostPort], Awaitable[Any]]) -> Any:
+        """``send(master of slot)``, following the cluster while it changes under the call."""
         backoff = _RETRY.backoff()
         for attempt in range(1, _ATTEMPTS + 1):
             address = await self._node_for(slot)
             try:
-                return await self._lane(address).script(script, keys, args, undo)
+                return await send(address)
             except redis.exceptions.ResponseError as exc:
                 where = _redirect(exc)
                 if where is None or attempt == _ATTEMPTS:
@@ -259,30 +265,21 @@ class ClusterLane(Lane):
     async def _renew_batch(
         self, keys: list[str], owners: list[str | int], ttls: list[str | int]
     ) -> list[int]:
-        backoff = _RETRY.backoff()
-        for attempt in range(1, _ATTEMPTS + 1):
-            address = self.node_of(keys[0]) or await self._node_for(key_slot(keys[0].encode()))
-            lane = self._lane(address)
+        async def send(address: HostPort) -> list[int] | None:
             if any(self.node_of(key) != address for key in keys):
-                # The map changed since the batch was made: one call per key is always right.
-                return [
-                    int((await self.script(lua.RENEW, [k], [o, t]))[0])
-                    for k, o, t in zip(keys, owners, ttls, strict=True)
-                ]
-            try:
-                reply = await lane.script(RENEW_ON_NODE, [], [len(keys), *keys, *owners, *ttls])
-                return [int(code) for code in reply]
-            except redis.exceptions.ResponseError as exc:
-                where = _redirect(exc)
-                if where is None or attempt == _ATTEMPTS:
-                    raise
-                await self._follow(key_slot(keys[0].encode()), where, backoff.next_delay())
-            except redis.exceptions.ConnectionError:
-                if attempt == _ATTEMPTS:
-                    raise
-                await anyio.sleep(backoff.next_delay())
-                await self.refresh()
-        raise AssertionError("unreachable")
+                return None  # the map changed since the batch was made
+            args = [len(keys), *keys, *owners, *ttls]
+            reply = await self._lane(address).script(RENEW_ON_NODE, [], args)
+            return [int(code) for code in reply]
+
+        codes: list[int] | None = await self._routed(key_slot(keys[0].encode()), send)
+        if codes is not None:
+            return codes
+        # Keys of this batch on several masters now: one call per key is always right.
+        return [
+            int((await self.script(lua.RENEW, [key], [owner, ttl]))[0])
+            for key, owner, ttl in zip(keys, owners, ttls, strict=True)
+        ]
 
     async def aclose(self) -> None:
         self._closed = True

@@ -19,6 +19,8 @@ from typing import Any, Final
 from .._kit import InvalidArgument, Options
 from . import _scripts as lua
 from ._lane import Lane, Wait
+from ._settings import COMMON_OPTIONS
+from .backend import _DEFAULT_WAITER_TTL as DEFAULT_WAITER_TTL
 
 #: Options of the backends that offer WAIT.
 WAIT_OPTIONS: Final = ("wait_replicas", "wait_timeout")
@@ -57,6 +59,22 @@ class ReplicaWait:
 
     def info(self) -> dict[str, Any]:
         return {"wait_replicas": self.replicas, "wait_timeout": self.timeout_ms / 1000}
+
+
+def topology_options(
+    opts: Options, source: str, op_timeout: float, own: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """What ``redis+sentinel://`` and ``redis+cluster://`` read beyond the common options, as
+    keyword arguments of the backend; ``opts.finish()`` too (``own``: options read already)."""
+    replica_wait = ReplicaWait.from_options(opts, source, op_timeout)
+    waiter_ttl = opts.number("waiter_ttl", DEFAULT_WAITER_TTL, minimum=0.05)
+    durability_warning = opts.flag("durability_warning", True)
+    opts.finish((*COMMON_OPTIONS, *WAIT_OPTIONS, *own, "waiter_ttl", "durability_warning"))
+    return {
+        "replica_wait": replica_wait,
+        "waiter_ttl": waiter_ttl,
+        "durability_warning": durability_warning,
+    }
 
 
 def _took(reply: Any) -> bool:

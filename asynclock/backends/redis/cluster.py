@@ -23,9 +23,8 @@ from .._kit import HostPort, InvalidURL, Options, WaiterRegistry, parse_hosts, r
 from . import _scripts as lua
 from ._cluster import ClusterLane
 from ._lane import Lane
-from ._replicas import WAIT_OPTIONS, ReplicaWait
-from ._settings import COMMON_OPTIONS, DEFAULT_PORT, common_settings, split_url
-from .backend import _DEFAULT_WAITER_TTL as DEFAULT_WAITER_TTL
+from ._replicas import ReplicaWait, topology_options
+from ._settings import DEFAULT_PORT, common_settings, split_url
 from .backend import RedisBackend, _RedisWaiters
 
 __all__ = ("RedisClusterBackend",)
@@ -64,17 +63,7 @@ class RedisClusterBackend(RedisBackend):
         opts = Options(options, source)
         tls = parts.scheme == "rediss+cluster"
         settings = common_settings(opts, source=source, url=parts, tls=tls)
-        replica_wait = ReplicaWait.from_options(opts, source, settings.op_timeout)
-        waiter_ttl = opts.number("waiter_ttl", DEFAULT_WAITER_TTL, minimum=0.05)
-        durability_warning = opts.flag("durability_warning", True)
-        opts.finish((*COMMON_OPTIONS, *WAIT_OPTIONS, "waiter_ttl", "durability_warning"))
-        return cls(
-            seeds,
-            settings,
-            replica_wait=replica_wait,
-            waiter_ttl=waiter_ttl,
-            durability_warning=durability_warning,
-        )
+        return cls(seeds, settings, **topology_options(opts, source, settings.op_timeout))
 
     def describe(self) -> str:
         scheme = "rediss+cluster" if self.settings.tls else "redis+cluster"

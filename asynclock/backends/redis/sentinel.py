@@ -18,10 +18,9 @@ from collections.abc import Mapping
 from typing import Any, Final, Self
 
 from .._kit import HostPort, InvalidURL, Options, parse_hosts
-from ._replicas import WAIT_OPTIONS, ReplicaWait
+from ._replicas import ReplicaWait, topology_options
 from ._sentinel import MasterLocator, SentinelSettings
-from ._settings import COMMON_OPTIONS, common_settings, split_url
-from .backend import _DEFAULT_WAITER_TTL as DEFAULT_WAITER_TTL
+from ._settings import common_settings, split_url
 from .backend import RedisBackend
 
 __all__ = ("RedisSentinelBackend",)
@@ -78,20 +77,8 @@ class RedisSentinelBackend(RedisBackend):
             client_name=base.client_name,
             locator=locator,
         )
-        replica_wait = ReplicaWait.from_options(opts, source, base.op_timeout)
-        waiter_ttl = opts.number("waiter_ttl", DEFAULT_WAITER_TTL, minimum=0.05)
-        durability_warning = opts.flag("durability_warning", True)
-        opts.finish(
-            (*COMMON_OPTIONS, *_OWN_OPTIONS, *WAIT_OPTIONS, "waiter_ttl", "durability_warning")
-        )
-        return cls(
-            sentinels,
-            settings,
-            locator,
-            replica_wait=replica_wait,
-            waiter_ttl=waiter_ttl,
-            durability_warning=durability_warning,
-        )
+        kwargs = topology_options(opts, source, base.op_timeout, _OWN_OPTIONS)
+        return cls(sentinels, settings, locator, **kwargs)
 
     def describe(self) -> str:
         user = f"{self.settings.username}@" if self.settings.username else ""
