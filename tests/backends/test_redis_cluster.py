@@ -206,3 +206,17 @@ async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
             await lease.release()
             async with other.lock(name, ttl=1.0) as second:
                 assert second.token > first
+
+
+async def test_deadlock_records_share_one_slot(
+    redis_cluster_nodes: RedisClusterNodes, prefix: str
+) -> None:
+    async with connect(redis_cluster_nodes, prefix) as locks:
+        registry = locks._backend.waiter_registry()
+        assert registry is not None
+        await registry.publish("a", "record-a", 2.0)
+        await registry.publish("b", "record-b", 2.0)
+        assert sorted(await registry.scan()) == ["record-a", "record-b"]
+        await registry.withdraw("a")
+        await registry.withdraw("b")
+        assert await registry.scan() == []

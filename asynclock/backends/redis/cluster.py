@@ -23,9 +23,10 @@ from .._kit import HostPort, InvalidURL, Options, WaiterRegistry, parse_hosts, r
 from . import _scripts as lua
 from ._cluster import ClusterLane
 from ._lane import Lane
+from ._records import RedisWaiters
 from ._replicas import ReplicaWait, topology_options
 from ._settings import DEFAULT_PORT, common_settings, split_url
-from .backend import RedisBackend, _RedisWaiters
+from .backend import RedisBackend
 
 __all__ = ("RedisClusterBackend",)
 
@@ -88,7 +89,8 @@ class RedisClusterBackend(RedisBackend):
         lua.check_ttl_ms(ttl, "redis+cluster://")
 
     def waiter_registry(self) -> WaiterRegistry:
-        return _ClusterWaiters(self)
+        # Deadlock detection's two keys in one slot: a hash tag of their own.
+        return RedisWaiters(self._script, f"{self.settings.prefix}{{deadlock}}:")
 
     def extra_info(self) -> Mapping[str, Any]:
         lane = self._lane
@@ -98,15 +100,3 @@ class RedisClusterBackend(RedisBackend):
             **self.replica_wait.info(),
             "masters": [str(master) for master in masters],
         }
-
-
-class _ClusterWaiters(_RedisWaiters):
-    """Deadlock detection's two keys, in one slot (a hash tag of their own)."""
-
-    def __init__(self, backend: RedisBackend) -> None:
-        super().__init__(backend)
-        prefix = backend.settings.prefix
-        self._keys = [
-            f"{prefix}{{deadlock}}:{lua.WAITERS_KEY}",
-            f"{prefix}{{deadlock}}:{lua.WAITERS_TTL_KEY}",
-        ]
