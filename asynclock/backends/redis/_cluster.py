@@ -71,10 +71,12 @@ class ClusterLane(Lane):
         self,
         seeds: Sequence[HostPort],
         settings: Settings,
-        host: TaskHost,
         seed_pool: redis.asyncio.ConnectionPool,
+        op_timeout: float,
+        host: TaskHost,
     ) -> None:
-        super().__init__(seed_pool, settings.op_timeout, host)
+        # (seeds, settings) first: the backend binds them, and makes the lane as any other.
+        super().__init__(seed_pool, op_timeout, host)
         self._seeds = list(seeds)
         self._settings = settings
         self._lanes: dict[HostPort, Lane] = {}

@@ -67,7 +67,6 @@ from dataclasses import dataclass
 from typing import Any, Final, Self
 
 import anyio
-import redis.asyncio
 
 from .._kit import (
     Backend,
@@ -118,6 +117,8 @@ class RedisBackend(Backend[RedisGrant]):
     """Locks on one Redis server, with fencing tokens and a fair (FIFO) waiter queue."""
 
     driver = "redis-py"
+    #: Makes the wire: (pool, op_timeout, task host) -> Lane (``redis+cluster://``: by slot).
+    _lane_type: Callable[..., Lane] = Lane
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
     )
@@ -213,7 +214,7 @@ class RedisBackend(Backend[RedisGrant]):
             raise RuntimeError("a RedisBackend can be opened once")
         await self._host.open()
         pool = self.settings.pool(self.address)
-        lane = self._lane = self._new_lane(pool)
+        lane = self._lane = self._lane_type(pool, self.settings.op_timeout, self._host)
         try:
             with translate(
                 ERRORS,
@@ -241,10 +242,6 @@ class RedisBackend(Backend[RedisGrant]):
             await self.aclose()
             raise
         self._host.start_soon(wakes.run, conn, name=f"asynclock: wake channel of {self.describe()}")
-
-    def _new_lane(self, pool: redis.asyncio.ConnectionPool) -> Lane:
-        """The wire to the server (``redis+cluster://`` routes each call by hash slot)."""
-        return Lane(pool, self.settings.op_timeout, self._host)
 
     async def aclose(self) -> None:
         self._closed = True

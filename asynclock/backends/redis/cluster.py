@@ -14,15 +14,13 @@ Fencing tokens keep that safe; ``wait_replicas`` narrows the window.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Final, Self
-
-import redis.asyncio
 
 from .._kit import HostPort, InvalidURL, Options, WaiterRegistry, parse_hosts, redact
 from . import _scripts as lua
 from ._cluster import ClusterLane
-from ._lane import Lane
 from ._records import RedisWaiters
 from ._replicas import ReplicaWait, topology_options
 from ._settings import DEFAULT_PORT, common_settings, split_url
@@ -47,6 +45,7 @@ class RedisClusterBackend(RedisBackend):
     ) -> None:
         super().__init__(seeds[0], settings, **kwargs)
         self.seeds = seeds
+        self._lane_type = functools.partial(ClusterLane, seeds, settings)
         self.replica_wait = replica_wait or ReplicaWait()
 
     @classmethod
@@ -70,9 +69,6 @@ class RedisClusterBackend(RedisBackend):
         scheme = "rediss+cluster" if self.settings.tls else "redis+cluster"
         user = f"{self.settings.username}@" if self.settings.username else ""
         return f"{scheme}://{user}{','.join(str(seed) for seed in self.seeds)}"
-
-    def _new_lane(self, pool: redis.asyncio.ConnectionPool) -> Lane:
-        return ClusterLane(self.seeds, self.settings, self._host, pool)
 
     async def open(self) -> None:
         await super().open()
