@@ -182,6 +182,16 @@ async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
     client finds the new master through the slot map (MOVED, or connection errors and a new
     look-up), and a lock that reached the replica is still held, renewed there."""
     with RedisClusterNodes(3, replicas=1) as cluster:
+        # A name on the first node of the URL, which also carries both clients' wake channels:
+        # they move to another node with the failover.
+        first = cluster.nodes[0]
+        assert first.role() == "master"
+        name = next(
+            f"{name}/{i}"
+            for i in range(10_000)
+            if cluster.node_for_slot(key_slot(lua.lock_key(prefix, f"{name}/{i}").encode()))
+            is first
+        )
         async with connect(cluster, prefix) as locks, connect(cluster, prefix) as other:
             lease = await locks.acquire(name, ttl=5.0)
             key = lua.lock_key(prefix, name)
@@ -202,10 +212,19 @@ async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
             assert await other.try_acquire(name, ttl=1.0) is None
             await anyio.sleep(2.0)  # renewals reach the new master meanwhile
             assert lease.held, lease.lost_reason
-            first = lease.token
-            await lease.release()
-            async with other.lock(name, ttl=1.0) as second:
-                assert second.token > first
+            token = lease.token
+
+            async def wait() -> None:
+                # Handed over by the release: the wake reaches the other client's channel,
+                # now on a surviving node.
+                with anyio.fail_after(2):
+                    async with other.lock(name, ttl=1.0) as second:
+                        assert second.token > token
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait)
+                await anyio.sleep(0.2)
+                await lease.release()
 
 
 async def test_deadlock_records_share_one_slot(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
@@ -62,6 +63,42 @@ def _redirect(exc: redis.exceptions.ResponseError) -> tuple[str, HostPort | None
     if "non local key" in str(exc):
         return "MOVED", None  # a batch of keys on a node that no longer serves them all
     return None
+
+
+class AnyNode(redis.asyncio.Connection):
+    """A connection to the first node of ``nodes`` that accepts one, starting with the one
+    that did last time: the client's wake channel, which any node serves (a cluster delivers
+    Pub/Sub messages to subscribers on every node), follows the cluster when a node dies."""
+
+    def __init__(self, *, nodes: list[HostPort], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._nodes = nodes
+
+    async def _connect(self) -> None:
+        error: BaseException | None = None
+        for index, node in enumerate(list(self._nodes)):
+            self.host, self.port = node.host, node.port
+            try:
+                await super()._connect()  # type: ignore[no-untyped-call]
+            except OSError as exc:
+                error = exc
+                continue
+            if index:
+                self._nodes.insert(0, self._nodes.pop(index))
+            return
+        assert error is not None
+        raise error
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings(Settings):
+    """:class:`Settings` whose :meth:`pool` reaches any node (the wake channel's); the routing
+    lane makes its per-master pools with :meth:`Settings.pool`."""
+
+    nodes: tuple[HostPort, ...] = ()
+
+    def pool(self, address: HostPort, *_: Any, **__: Any) -> redis.asyncio.ConnectionPool:
+        return Settings.pool(self, address, AnyNode, nodes=list(self.nodes))
 
 
 class ClusterLane(Lane):
@@ -115,7 +152,8 @@ class ClusterLane(Lane):
     def _lane(self, address: HostPort) -> Lane:
         lane = self._lanes.get(address)
         if lane is None:
-            lane = Lane(self._settings.pool(address), self._settings.op_timeout, self._host)
+            pool = Settings.pool(self._settings, address)
+            lane = Lane(pool, self._settings.op_timeout, self._host)
             lane.wait_for = self._wait
             self._lanes[address] = lane
         return lane
