@@ -51,6 +51,7 @@ class MasterLocator:
         #: the connections to it.
         self._last: HostPort | None = None
         self._connections: weakref.WeakSet[MasterConnection] = weakref.WeakSet()
+        self._lookup: anyio.Lock | None = None
         #: How many times the sentinels were asked (tests and ``extra_info`` read it).
         self.lookups = 0
 
@@ -68,6 +69,16 @@ class MasterLocator:
     async def master(self) -> HostPort:
         if self._master is not None:
             return self._master
+        if self._lookup is None:
+            self._lookup = anyio.Lock()
+        # One lookup at a time: the connections that fail together after a failover would
+        # otherwise each ask every sentinel.
+        async with self._lookup:
+            if self._master is not None:
+                return self._master
+            return await self._look_up()
+
+    async def _look_up(self) -> HostPort:
         errors: list[str] = []
         for index, sentinel in enumerate(list(self.sentinels)):
             try:
