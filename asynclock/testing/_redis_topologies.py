@@ -142,7 +142,8 @@ class SentinelServer(SingleServer):
                     f"logfile {self.data_dir / 'sentinel.log'}",
                     f"sentinel monitor {SERVICE} {self.host} {self._master_port} {self._quorum}",
                     f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}",
-                    f"sentinel failover-timeout {SERVICE} 2000",
+                    # Long enough that a loaded machine does not abort a failover half-way.
+                    f"sentinel failover-timeout {SERVICE} 4000",
                     f"sentinel parallel-syncs {SERVICE} 1",
                     "",
                 ]
@@ -326,6 +327,21 @@ class RedisSentinelGroup(StartStop):
         replica about a second later. Returns the killed node (see :meth:`restore`)."""
         self.forget_on_replicas(*patterns)
         return self.kill_master()
+
+    def fail_over(self, attempts: int = 3) -> tuple[RedisNode, RedisNode]:
+        """A graceful failover (``SENTINEL FAILOVER``): the replica is promoted, then the
+        master demoted; returns (old, new). Asked again if it does not finish (a sentinel
+        aborts a failover whose steps outlast ``failover-timeout``)."""
+        old = self.master()
+        for attempt in range(attempts):
+            with contextlib.suppress(ServerError):  # INPROG: one is under way already
+                self.sentinels[attempt % len(self.sentinels)].call("SENTINEL", "FAILOVER", SERVICE)
+            try:
+                return old, self.wait_for_failover(old, timeout=8.0)
+            except ServerError:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def kill_master(self) -> RedisNode:
         """SIGKILL the master (restart it with ``node.restart()``: the sentinels then make it a
