@@ -211,6 +211,29 @@ async def test_a_demoted_master_is_left_for_the_new_one(
         await restore(group, old)
 
 
+async def test_a_frozen_master_is_left_for_the_new_one(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    """The master freezes (SIGSTOP: a stall, a partition): calls to it time out, a new
+    connection's handshake to it times out too, which sends the client to the sentinels, and
+    the replicated lease renews on the promoted replica. The old master, thawed, is demoted."""
+    async with connect(group, prefix) as locks, connect(group, prefix) as other:
+        lease = await locks.acquire(name, ttl=5.0)
+        await on_replica(group, lua.lock_key(prefix, name))
+        old = group.pause_master()
+        try:
+            new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
+            await anyio.sleep(2.0)
+            assert lease.held, lease.lost_reason
+            assert await other.try_acquire(name, ttl=1.0) is None
+            backend = locks._backend
+            assert isinstance(backend, RedisSentinelBackend)
+            assert backend.extra_info()["master"] == new.address
+        finally:
+            await restore(group, old)
+        await lease.release()
+
+
 # -- WAIT ---------------------------------------------------------------------------------------
 
 

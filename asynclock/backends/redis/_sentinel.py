@@ -21,11 +21,13 @@ import anyio
 import redis.asyncio
 import redis.exceptions
 
-from .._kit import HostPort
+from .._kit import Backoff, HostPort, RetryPolicy
 from ._scripts import as_text
 from ._settings import Settings
 
 logger = logging.getLogger("asynclock")
+#: Pauses between two sentinels told to report failovers.
+_WATCH = RetryPolicy(first=0.05, cap=1.0, factor=2.0, jitter=0.2)
 
 
 class MasterLocator:
@@ -52,6 +54,9 @@ class MasterLocator:
         self._last: HostPort | None = None
         self._connections: weakref.WeakSet[MasterConnection] = weakref.WeakSet()
         self._lookup: anyio.Lock | None = None
+        #: A call got no reply in time: the next read on any connection asks the sentinels
+        #: first (a frozen master gives no error that would make a connection ask).
+        self.suspect = False
         #: How many times the sentinels were asked (tests and ``extra_info`` read it).
         self.lookups = 0
 
@@ -59,6 +64,17 @@ class MasterLocator:
     def current(self) -> HostPort | None:
         """The master's address as last learnt, or None until the first lookup."""
         return self._master
+
+    async def verify(self) -> HostPort | None:
+        """Ask the sentinels now (after a call got no reply in time): the master they name,
+        or None if none answers (then what was known stays, and so do its connections)."""
+        self.suspect = False
+        known, self._master = self._master, None
+        try:
+            return await self.master()
+        except redis.exceptions.ConnectionError:
+            self._master = self._master or known
+            return None
 
     def forget(self, address: HostPort | None) -> None:
         """``address`` failed us: ask the sentinels again on the next connection (unless a
@@ -92,9 +108,7 @@ class MasterLocator:
             if index:
                 # The sentinel that answered is asked first from now on.
                 self.sentinels.insert(0, self.sentinels.pop(index))
-            if self._last is not None and address != self._last:
-                self._retire(address)
-            self._master = self._last = address
+            self._switch(address)
             return address
         raise redis.exceptions.ConnectionError(
             f"no sentinel named the master of {self.service!r} ({'; '.join(errors)}); check "
@@ -113,9 +127,45 @@ class MasterLocator:
             if conn.address != master and conn._writer is not None:
                 conn._writer.close()
 
-    async def _ask(self, sentinel: HostPort) -> HostPort | None:
-        self.lookups += 1
-        conn = redis.asyncio.Connection(
+    async def watch(self) -> None:
+        """Listen for ``+switch-master`` on one sentinel after another, for ever (the
+        backend's task host runs it): a failover is then followed as soon as the sentinels
+        end it, also by a client that has nothing in flight to time out on."""
+        backoff = _WATCH.backoff()
+        while True:
+            for sentinel in list(self.sentinels):
+                try:
+                    await self._listen(sentinel, backoff)
+                except (OSError, TimeoutError, redis.exceptions.RedisError) as exc:
+                    logger.debug("asynclock: sentinel %s stopped telling: %r", sentinel, exc)
+                await anyio.sleep(backoff.next_delay())
+
+    async def _listen(self, sentinel: HostPort, backoff: Backoff) -> None:
+        conn = self._connection(sentinel)
+        try:
+            with anyio.fail_after(self._op_timeout):
+                await conn.connect()  # type: ignore[no-untyped-call]
+                await conn.send_command("SUBSCRIBE", "+switch-master")
+                await conn.read_response()
+            backoff.reset()
+            while True:
+                message = await conn.read_response(timeout=None)
+                if not isinstance(message, list) or len(message) < 3:
+                    continue
+                # "<service> <old ip> <old port> <new ip> <new port>"
+                words = as_text(message[2]).split()
+                if len(words) == 5 and words[0] == self.service:
+                    self._switch(HostPort(words[3], int(words[4])))
+        finally:
+            _close(conn)
+
+    def _switch(self, master: HostPort) -> None:
+        if master != self._last:
+            self._retire(master)
+        self._master = self._last = master
+
+    def _connection(self, sentinel: HostPort) -> redis.asyncio.Connection:
+        return redis.asyncio.Connection(
             host=sentinel.host,
             port=sentinel.port,
             username=self._username,
@@ -123,6 +173,10 @@ class MasterLocator:
             socket_timeout=None,
             socket_connect_timeout=self._op_timeout,
         )
+
+    async def _ask(self, sentinel: HostPort) -> HostPort | None:
+        self.lookups += 1
+        conn = self._connection(sentinel)
         try:
             # One bound for connect and reply: a paused sentinel must not hold the lookup.
             with anyio.fail_after(self._op_timeout):
@@ -130,14 +184,17 @@ class MasterLocator:
                 await conn.send_command("SENTINEL", "get-master-addr-by-name", self.service)
                 reply = await conn.read_response()
         finally:
-            # No await: a cancelled lookup must not leave the socket open.
-            if conn._writer is not None:
-                conn._writer.close()
-            conn._reader = conn._writer = None
+            _close(conn)  # no await: a cancelled lookup must not leave the socket open
         if not reply:
             return None
         host, port = (as_text(part) for part in reply)
         return HostPort(host, int(port))
+
+
+def _close(conn: redis.asyncio.Connection) -> None:
+    if conn._writer is not None:
+        conn._writer.close()
+    conn._reader = conn._writer = None
 
 
 class MasterConnection(redis.asyncio.Connection):
@@ -185,6 +242,13 @@ class MasterConnection(redis.asyncio.Connection):
             )
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        if self._locator.suspect:
+            master = await self._locator.verify()
+            if master is not None and master != self._address:
+                raise redis.exceptions.ConnectionError(
+                    f"{self._address} is no longer the master of {self._locator.service!r}: "
+                    f"the sentinels name {master}"
+                )
         try:
             return await super().read_response(*args, **kwargs)
         except redis.exceptions.ReadOnlyError as exc:
@@ -197,6 +261,10 @@ class MasterConnection(redis.asyncio.Connection):
             raise  # the right server, still loading its data: retried as a connection error
         except (OSError, redis.exceptions.ConnectionError):
             self._locator.forget(self._address)
+            raise
+        except anyio.get_cancelled_exc_class():
+            # The lane's bound ran out (or the caller gave up): perhaps a frozen master.
+            self._locator.suspect = True
             raise
 
 

@@ -88,6 +88,9 @@ class RedisSentinelBackend(RedisBackend):
     async def open(self) -> None:
         await super().open()
         self.replica_wait.install(self._connected())
+        self._host.start_soon(
+            self.locator.watch, name=f"asynclock: failovers told by {self.describe()}"
+        )
 
     def extra_info(self) -> Mapping[str, Any]:
         master = self.locator.current
