@@ -46,7 +46,7 @@ def connect(
 
     >>> asynclock.connect("mysql://db.internal/locks")
     Traceback (most recent call last):
-    asynclock.InvalidURL: unknown lock backend 'mysql' in 'mysql://db.internal/locks'; known schemes: etcd, memory, postgres, postgresql, redis, rediss, redlock, sqlite, zookeeper
+    asynclock.InvalidURL: unknown lock backend 'mysql' in 'mysql://db.internal/locks'; known schemes: etcd, memory, postgres, postgresql, redis, redis+cluster, redis+sentinel, rediss, rediss+cluster, redlock, sqlite, zookeeper
     >>> asynclock.connect("sqlite:///tmp/locks.db", ttl=5)
     Traceback (most recent call last):
     asynclock.InvalidArgument: unknown option(s) for sqlite://: ttl (known: busy_timeout, synchronous)

@@ -26,6 +26,15 @@ _BACKENDS: dict[str, _Entry] = {
     "sqlite": _Entry("asynclock.backends.sqlite", "SQLiteBackend"),
     "redis": _Entry("asynclock.backends.redis", "RedisBackend", "redis", ("redis",)),
     "rediss": _Entry("asynclock.backends.redis", "RedisBackend", "redis", ("redis",)),
+    "redis+sentinel": _Entry(
+        "asynclock.backends.redis.sentinel", "RedisSentinelBackend", "redis", ("redis",)
+    ),
+    "redis+cluster": _Entry(
+        "asynclock.backends.redis.cluster", "RedisClusterBackend", "redis", ("redis",)
+    ),
+    "rediss+cluster": _Entry(
+        "asynclock.backends.redis.cluster", "RedisClusterBackend", "redis", ("redis",)
+    ),
     "redlock": _Entry("asynclock.backends.redis", "RedlockBackend", "redis", ("redis",)),
     "etcd": _Entry("asynclock.backends.etcd", "EtcdBackend", "etcd", ("aetcd", "grpc")),
     "zookeeper": _Entry(

@@ -20,6 +20,13 @@ CONTRACT_BACKENDS = sorted(
     key=lambda name: (name not in _FIRST, _FIRST.index(name) if name in _FIRST else 0, name),
 )
 pytest_plugins = [f"tests.contract.backend_{name}" for name in CONTRACT_BACKENDS]
+#: The URL scheme of the contract backends whose name is not one (a module name cannot hold "+").
+_SCHEMES = {"sentinel": "redis+sentinel", "cluster": "redis+cluster"}
+
+
+def contract_scheme(name: str) -> str:
+    """The URL scheme of the contract backend ``name``, for the registry."""
+    return _SCHEMES.get(name, name)
 
 
 @pytest.fixture(scope="session")

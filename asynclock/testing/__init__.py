@@ -12,7 +12,8 @@
         proxy.blackhole()  # the client's requests now time out
 
 The pytest plugin (loaded automatically) provides the servers as session fixtures:
-``redis_server``, ``redis_servers``, ``etcd_server``, ``etcd_cluster``, ``zookeeper_server``,
+``redis_server``, ``redis_servers``, ``redis_sentinel_group``, ``redis_cluster_nodes``,
+``etcd_server``, ``etcd_cluster``, ``zookeeper_server``,
 ``zookeeper_ensemble``, ``postgres_server``, plus ``selected_backends`` and ``--backends``.
 """
 
@@ -30,6 +31,8 @@ from ._process import Server as Server
 from ._proxy import FaultProxy as FaultProxy
 from ._proxy import ProxyMode as ProxyMode
 from ._redis import RedisServer as RedisServer
+from ._redis_topologies import RedisClusterNodes as RedisClusterNodes
+from ._redis_topologies import RedisSentinelGroup as RedisSentinelGroup
 from ._safety import SafetyConfig as SafetyConfig
 from ._safety import SafetyReport as SafetyReport
 from ._safety import run_safety as run_safety
@@ -45,6 +48,8 @@ __all__ = (
     "FaultProxy",
     "PostgresServer",
     "ProxyMode",
+    "RedisClusterNodes",
+    "RedisSentinelGroup",
     "RedisServer",
     "SafetyConfig",
     "SafetyReport",

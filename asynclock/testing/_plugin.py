@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 #: Which ``--backends`` names need which server; any one of them selects the server.
 _SERVER_BACKENDS: dict[str, frozenset[str]] = {
     "redis": frozenset({"redis", "rediss", "redlock"}),
+    "redis-sentinel": frozenset({"sentinel", "redis+sentinel"}),
+    "redis-cluster": frozenset({"cluster", "redis+cluster"}),
     "etcd": frozenset({"etcd"}),
     "zookeeper": frozenset({"zookeeper"}),
     "postgres": frozenset({"postgres", "postgresql"}),
@@ -129,6 +131,18 @@ zookeeper_ensemble = _session_server(
     "_zookeeper",
     "ZooKeeperEnsemble",
     "A three-member :class:`~asynclock.testing.ZooKeeperEnsemble`.",
+)
+redis_sentinel_group = _session_server(
+    "redis-sentinel",
+    "_redis_topologies",
+    "RedisSentinelGroup",
+    "A Redis master, a replica and three sentinels (``redis+sentinel://``).",
+)
+redis_cluster_nodes = _session_server(
+    "redis-cluster",
+    "_redis_topologies",
+    "RedisClusterNodes",
+    "A Redis Cluster of three masters (``redis+cluster://``).",
 )
 postgres_server = _session_server(
     "postgres", "_postgres", "PostgresServer", "A :class:`~asynclock.testing.PostgresServer`."

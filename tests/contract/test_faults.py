@@ -76,6 +76,17 @@ async def wait_until_free(
             await anyio.sleep(0.01)
 
 
+#: Tests that reach the servers through a fault proxy (see :func:`proxied`).
+_THROUGH_A_PROXY = pytest.mark.not_on(
+    "memory",
+    "sqlite",
+    "sentinel",
+    "cluster",
+    reason="no connection to a server, or (sentinel, cluster) none that a proxy can stand in "
+    "front of: the sentinels and the slot map name the servers' own addresses",
+)
+
+
 @asynccontextmanager
 async def proxied(
     backend: BackendUnderTest,
@@ -127,7 +138,7 @@ async def test_server_paused_past_the_ttl_cancels_the_body_and_exits_promptly(
 # -- (b) ------------------------------------------------------------------------------------
 
 
-@pytest.mark.not_on("memory", "sqlite", reason="no connection to a server")
+@_THROUGH_A_PROXY
 async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
     backend: BackendUnderTest, name: str
 ) -> None:
@@ -147,7 +158,7 @@ async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
 # -- (g) ------------------------------------------------------------------------------------
 
 
-@pytest.mark.not_on("memory", "sqlite", reason="no connection to a server")
+@_THROUGH_A_PROXY
 async def test_connection_state_follows_a_partition_and_its_end(
     backend: BackendUnderTest, name: str
 ) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 import asynclock
 from asynclock._registry import backend_class
-from tests.conftest import CONTRACT_BACKENDS
+from tests.conftest import CONTRACT_BACKENDS, contract_scheme
 from tests.contract.harness import BackendUnderTest
 
 #: The waiters of the large run.
@@ -40,7 +40,9 @@ RETRY_ABOVE = 1.25
 RUN_LIMIT = 60.0
 
 #: Only backends that promise FIFO order take part (sqlite and redlock do not).
-NOT_FIFO = tuple(name for name in CONTRACT_BACKENDS if not backend_class(name).capabilities.fifo)
+NOT_FIFO = tuple(
+    name for name in CONTRACT_BACKENDS if not backend_class(contract_scheme(name)).capabilities.fifo
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.not_on(*NOT_FIFO, reason="not FIFO")]
 

@@ -7,11 +7,13 @@ lock servers here are private to each test, since the faults would disturb the s
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from asynclock.backends import _redis_scripts as lua
 from asynclock.testing import (
     EtcdCluster,
     PostgresServer,
@@ -21,6 +23,7 @@ from asynclock.testing import (
     ZooKeeperEnsemble,
     run_safety,
 )
+from asynclock.testing._redis_topologies import RedisSentinelGroup
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -110,3 +113,50 @@ async def test_zookeeper_leader_killed(postgres_server: PostgresServer) -> None:
             )
         )
     assert_safe(report)
+
+
+async def test_redis_sentinel_master_fails_before_replicating(
+    postgres_server: PostgresServer,
+) -> None:
+    """The documented caveat of Redis replication, on purpose: the master dies with a lock it
+    just granted not yet on its replica, the sentinels promote the replica, and the lock is
+    granted again while its first holder is still in its body. The fenced resource refuses the
+    first holder's write. No worker is paused: every refusal here is the failover's doing."""
+    prefix = f"nemesis-{uuid.uuid4().hex[:6]}:"
+    with RedisSentinelGroup() as group:
+        url = f"{group.url}?prefix={prefix}&durability_warning=false&op_timeout=0.5"
+        counter = lua.token_key(prefix, "safety")
+
+        def fail_over_after_a_fresh_take() -> None:
+            # Right after a take: its holder has just read and has all of ``hold`` to go, which
+            # outlasts the failover (~2 s) and the next take on the new master.
+            master = group.master()
+            # Every worker connected first (a client that cannot reach a master while it
+            # opens fails at once, by contract): each has a restart watcher and a connection.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                clients = master.call("CLIENT", "LIST").count(" name=asynclock ")
+                if clients >= 8:
+                    break
+                time.sleep(0.01)
+            first = master.call("GET", counter)
+            deadline = time.monotonic() + 5
+            while master.call("GET", counter) == first and time.monotonic() < deadline:
+                time.sleep(0.002)
+            group.fail_over_losing(f"{prefix}*")
+
+        report = await run_safety(
+            fenced(
+                url,
+                postgres_server.url,
+                2.0,
+                duration=9.0,
+                hold=4.0,
+                pause_probability=0.0,
+                nemesis=[(1.0, fail_over_after_a_fresh_take)],
+            )
+        )
+    assert_safe(report)
+    # The lock was granted twice at once, and the first holder's late write was refused.
+    assert report.overlapping_holds > 0, summary(report)
+    assert report.writes_refused > 0, summary(report)

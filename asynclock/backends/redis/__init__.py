@@ -1,8 +1,14 @@
-"""Locks on Redis: ``redis://`` / ``rediss://`` (one server) and ``redlock://`` (Redlock over
-several independent masters), side by side on one set of Lua scripts and settings.
+"""Locks on Redis: ``redis://`` / ``rediss://`` (one server), ``redis+sentinel://`` (the master
+Sentinel names), ``redis+cluster://`` (a Redis Cluster) and ``redlock://`` (Redlock over several
+independent masters), side by side on one set of Lua scripts and settings.
 
 Layout (imports go down this list, never up):
 
+- :mod:`.sentinel`, :mod:`.cluster`: :class:`RedisBackend` on a master found through the
+  sentinels, or routed by hash slot (loaded by their schemes, not from here);
+- :mod:`._sentinel`: finding the master (sentinels asked, ``ROLE`` checked);
+- :mod:`._cluster`: the slot map and the routing lane (``MOVED``, renewals per master);
+- :mod:`._replicas`: ``wait_replicas`` (``WAIT`` behind takes and renewals);
 - :mod:`.backend`: :class:`RedisBackend` (one server, fencing tokens, a fair queue);
 - :mod:`.redlock`: :class:`RedlockBackend` (a majority of masters, no fencing);
 - :mod:`._quorum`: Redlock's majority arithmetic and its local queue of waiters;

@@ -14,7 +14,8 @@ import logging
 import math
 import select
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
@@ -108,6 +109,22 @@ def _usable(conn: AbstractConnection) -> bool:
     return not reader.at_eof() and reader.exception() is None
 
 
+class NotReplicated(redis.exceptions.RedisError):
+    """``WAIT`` counted fewer replicas than asked for within its timeout: the write happened
+    on the master but may be lost in a failover (the caller undoes a take)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """``WAIT replicas timeout_ms`` sent behind a call on its connection, so that it counts
+    the replicas that have that very write; ``needed(reply)`` tells whether this reply's
+    write must be on them (a take that got the lock), else a shortfall is ignored."""
+
+    replicas: int
+    timeout_ms: int
+    needed: Callable[[Any], bool]
+
+
 class Lane:
     """Calls to one Redis server over redis-py connections, without its pool's per-call work.
 
@@ -143,6 +160,9 @@ class Lane:
         #: Calls in flight, and the calls waiting for one of them to end.
         self._busy = 0
         self._turns: deque[anyio.Event] = deque()
+        #: :class:`Wait` behind every call of these scripts (by sha). Set by backends that
+        #: offer ``wait_replicas``; empty: no WAIT.
+        self.wait_for: dict[str, Wait] = {}
 
     @property
     def connections(self) -> int:
@@ -204,13 +224,16 @@ class Lane:
         *args: str | int | float | bytes,
         timeout: float | None = None,
         undo: Undo | None = None,
+        wait: Wait | None = None,
     ) -> Any:
         """Send one command and return its reply.
 
         The reply must come within ``timeout`` seconds (``op_timeout`` by default; ``math.inf``
         waits for ever, for blocking commands that the caller bounds). With ``undo``, a call
         interrupted after its command went out (timeout, cancellation) writes the undo behind
-        it on the same connection before the error propagates (see :class:`Undo`).
+        it on the same connection before the error propagates (see :class:`Undo`). With
+        ``wait``, ``WAIT`` follows the command on its connection, and fewer replicas than
+        asked raise :class:`NotReplicated` after the command ran (if ``wait.needed(reply)``).
         """
         if self._closed:
             raise redis.exceptions.ConnectionError("the lock backend is closed")
@@ -219,7 +242,7 @@ class Lane:
         else:
             await self._wait_for_turn()
         try:
-            return await self._call(args, timeout, undo)
+            return await self._call(args, timeout, undo, wait)
         finally:
             self._end_turn()
 
@@ -243,12 +266,18 @@ class Lane:
             self._busy -= 1
 
     async def _call(
-        self, args: tuple[str | int | float | bytes, ...], timeout: float | None, undo: Undo | None
+        self,
+        args: tuple[str | int | float | bytes, ...],
+        timeout: float | None,
+        undo: Undo | None,
+        wait: Wait | None = None,
     ) -> Any:
         if self._closed:  # closed while this call waited for its turn
             raise redis.exceptions.ConnectionError("the lock backend is closed")
         limit = self._op_timeout if timeout is None else timeout
         packed = pack(args)
+        if wait is not None:
+            packed += pack(("WAIT", wait.replicas, wait.timeout_ms))
         for attempt in (1, 2):
             # The retry always opens a new connection: the idle ones may all be dead alike.
             conn = self._idle_connection() if attempt == 1 else None
@@ -266,14 +295,20 @@ class Lane:
                     self._discard(conn)
                     raise
             sent = False
+            acked: Any = None
             try:
                 write_now(conn, packed)
                 sent = True
                 if undo is not None:
                     undo.sent = True
                 reply = await self._read(conn, limit)
+                if wait is not None:
+                    acked = await self._read(conn, limit + wait.timeout_ms / 1000)
             except redis.exceptions.ResponseError:
-                self._checkin(conn)  # an error reply: the connection itself is fine
+                if wait is None:
+                    self._checkin(conn)  # an error reply: the connection itself is fine
+                else:
+                    self._discard(conn)  # WAIT's reply may still be on its way
                 raise
             except redis.exceptions.ConnectionError:
                 if not self._retry_after_dropping(conn, attempt):
@@ -281,10 +316,16 @@ class Lane:
                 continue
             except BaseException:
                 # No reply in time, or cancelled: the command may still run on the server.
-                if not (sent and undo is not None and self._queue_undo(conn, undo)):
+                replies = 2 if wait is None else 3
+                if not (sent and undo is not None and self._queue_undo(conn, undo, replies)):
                     self._discard(conn)
                 raise
             self._checkin(conn)
+            if wait is not None and int(acked) < wait.replicas and wait.needed(reply):
+                raise NotReplicated(
+                    f"{int(acked)} of the {wait.replicas} replica(s) asked for (wait_replicas) "
+                    f"had the write within {wait.timeout_ms} ms (wait_timeout)"
+                )
             return reply
         raise AssertionError("unreachable")
 
@@ -293,7 +334,7 @@ class Lane:
         self._discard(conn)
         return attempt == 1 and not self._closed
 
-    def _queue_undo(self, conn: AbstractConnection, undo: Undo) -> bool:
+    def _queue_undo(self, conn: AbstractConnection, undo: Undo, replies: int = 2) -> bool:
         writer = conn._writer
         closing = writer is None or writer.transport.is_closing()
         if closing or self._closed or not self._host.running:
@@ -303,7 +344,9 @@ class Lane:
         undo.queued = True
         scope = anyio.CancelScope()
         self._drains.add(scope)
-        self._host.start_soon(self._drain, conn, 2, scope, name="asynclock: redis undo replies")
+        self._host.start_soon(
+            self._drain, conn, replies, scope, name="asynclock: redis undo replies"
+        )
         return True
 
     async def _drain(
@@ -340,12 +383,14 @@ class Lane:
         undo: Undo | None = None,
     ) -> Any:
         """``EVALSHA``, loading the script first if the server does not know it (a restart
-        flushes scripts)."""
+        flushes scripts), followed by ``WAIT`` if :attr:`wait_for` names the script."""
+        wait = self.wait_for.get(script.sha)
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
-            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args, undo=undo)
+            return await self.call(*command, undo=undo, wait=wait)
         except redis.exceptions.NoScriptError:
             await self.call("SCRIPT", "LOAD", script.text)
-            return await self.call("EVALSHA", script.sha, len(keys), *keys, *args, undo=undo)
+            return await self.call(*command, undo=undo, wait=wait)
 
     async def aclose(self) -> None:
         """Close every connection, busy ones included (their callers get a connection error)."""

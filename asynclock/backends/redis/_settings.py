@@ -74,17 +74,25 @@ class Settings:
     ssl_cert_reqs: str = "required"
     ssl_check_hostname: bool = True
 
-    def pool(self, address: HostPort) -> redis.asyncio.ConnectionPool:
+    def pool(
+        self,
+        address: HostPort,
+        connection_class: type[AbstractConnection] | None = None,
+        **connection_kwargs: Any,
+    ) -> redis.asyncio.ConnectionPool:
         """A redis-py connection factory for ``address`` (no I/O yet); :class:`Lane` uses it.
 
         Reads have no socket timeout of their own: :class:`Lane` bounds each call (BLPOP waits
         longer than ``op_timeout`` by design). A failed connect is retried once, at once.
+        ``connection_class`` and ``connection_kwargs``: a connection that finds its server by
+        itself (Sentinel's), with what it needs for that.
         """
-        extra: dict[str, Any] = {}
-        connection_class: type[AbstractConnection] = redis.asyncio.Connection
+        extra: dict[str, Any] = dict(connection_kwargs)
+        if connection_class is None:
+            connection_class = redis.asyncio.Connection
         if self.tls:
             connection_class = redis.asyncio.SSLConnection
-            extra = {
+            extra |= {
                 "ssl_ca_certs": self.ssl_ca_certs,
                 "ssl_certfile": self.ssl_certfile,
                 "ssl_keyfile": self.ssl_keyfile,
@@ -123,17 +131,26 @@ class Settings:
 
 @dataclass(frozen=True, slots=True)
 class RedisURL:
-    """A Redis URL taken apart: ``scheme://[user[:password]@]hosts[/db]``."""
+    """A Redis URL taken apart: ``scheme://[user[:password]@]hosts[/db]``, or, for Sentinel,
+    ``scheme://[user[:password]@]sentinels/service[/db]``."""
 
     scheme: str
     username: str | None
     password: str | None
     hosts: str
     db: int
+    #: The master's name as the sentinels know it (Sentinel URLs only).
+    service: str | None = None
 
 
-def split_url(url: str, *, schemes: tuple[str, ...], example: str) -> RedisURL:
-    """Take ``url`` apart (the hosts are left to the caller, for the kit's parser)."""
+def split_url(
+    url: str, *, schemes: tuple[str, ...], example: str, service: bool = False
+) -> RedisURL:
+    """Take ``url`` apart (the hosts are left to the caller, for the kit's parser).
+
+    With ``service``, the path's first segment is the name of the master the sentinels
+    monitor (required) and the second, if any, the database number.
+    """
     shown = redact(url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in schemes:
@@ -147,7 +164,17 @@ def split_url(url: str, *, schemes: tuple[str, ...], example: str) -> RedisURL:
     if userinfo is not None:
         user, colon, secret = userinfo.partition(":")
         username, password = (unquote(user) or None), (unquote(secret) if colon else None)
-    return RedisURL(scheme.lower(), username, password, hosts, _db(slash + path, shown, example))
+    if not service:
+        db = _db(slash + path, shown, example)
+        return RedisURL(scheme.lower(), username, password, hosts, db)
+    name, _, db_path = path.strip("/").partition("/")
+    if not name:
+        raise InvalidURL(
+            f"{shown!r} names no master: the path is /<service name>[/<db>], the name the "
+            f"sentinels monitor (sentinel monitor <name> ...); e.g. {example}"
+        )
+    db = _db(db_path, shown, example)
+    return RedisURL(scheme.lower(), username, password, hosts, db, unquote(name))
 
 
 def _db(path: str, url: str, example: str) -> int:

@@ -285,7 +285,11 @@ class WakeChannel:
         # Anything published while we were not subscribed is lost: every waiter looks again.
         self._poke_all()
         if restarted or (run_id is None and self._connected_before):
-            await self._on_restart()
+            try:
+                await self._on_restart()
+            except BaseException:
+                _close(conn)  # cancelled (the backend closes) or failed: not handed to run()
+                raise
         self._connected_before = True
         return conn
 

@@ -117,6 +117,8 @@ class RedisBackend(Backend[RedisGrant]):
     """Locks on one Redis server, with fencing tokens and a fair (FIFO) waiter queue."""
 
     driver = "redis-py"
+    #: Makes the wire: (pool, op_timeout, task host) -> Lane (``redis+cluster://``: by slot).
+    _lane_type: Callable[..., Lane] = Lane
     capabilities = Capabilities(
         fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
     )
@@ -212,7 +214,7 @@ class RedisBackend(Backend[RedisGrant]):
             raise RuntimeError("a RedisBackend can be opened once")
         await self._host.open()
         pool = self.settings.pool(self.address)
-        lane = self._lane = Lane(pool, self.settings.op_timeout, self._host)
+        lane = self._lane = self._lane_type(pool, self.settings.op_timeout, self._host)
         try:
             with translate(
                 ERRORS,

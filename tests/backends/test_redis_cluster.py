@@ -1,0 +1,241 @@
+"""redis+cluster:// against a real 3-master Redis Cluster: URL forms, routing, MOVED, renewals
+batched per master, WAIT.
+
+(The contract, fault and boundary suites run against it too: tests/contract/backend_cluster.py.)
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from typing import Any, cast
+
+import anyio
+import pytest
+from redis.crc import key_slot
+
+import asynclock
+from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis._cluster import ClusterLane
+from asynclock.backends.redis.backend import RedisGrant
+from asynclock.backends.redis.cluster import RedisClusterBackend
+from asynclock.testing._redis_topologies import RedisClusterNodes
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def name() -> str:
+    return f"cluster-test/{uuid.uuid4().hex[:8]}"
+
+
+def connect(cluster: RedisClusterNodes, prefix: str, **options: Any) -> asynclock.LockClient:
+    options.setdefault("durability_warning", False)
+    options.setdefault("op_timeout", 1.0)
+    return asynclock.connect(cluster.url, prefix=prefix, **options)
+
+
+def routing(locks: asynclock.LockClient) -> ClusterLane:
+    backend = locks._backend
+    assert isinstance(backend, RedisClusterBackend)
+    return backend.cluster
+
+
+def names_on_every_master(cluster: RedisClusterNodes, prefix: str, per_master: int) -> list[str]:
+    """Lock names whose slots are served by each master in turn, ``per_master`` each."""
+    wanted: Counter[str] = Counter()
+    names: list[str] = []
+    index = 0
+    while len(names) < per_master * 3:
+        name = f"spread/{index}"
+        index += 1
+        owner = cluster.node_for_slot(key_slot(lua.lock_key(prefix, name).encode())).address
+        if wanted[owner] < per_master:
+            wanted[owner] += 1
+            names.append(name)
+    return names
+
+
+def test_url_names_the_nodes_and_refuses_a_database() -> None:
+    backend = RedisClusterBackend.from_url(
+        "redis+cluster://u:pw@10.0.0.1:7000,10.0.0.2,[::1]:7002", {"wait_replicas": 1}
+    )
+    assert [str(seed) for seed in backend.seeds] == ["10.0.0.1:7000", "10.0.0.2:6379", "[::1]:7002"]
+    assert backend.describe() == "redis+cluster://u@10.0.0.1:7000,10.0.0.2:6379,[::1]:7002"
+    assert backend.replica_wait.replicas == 1
+    assert RedisClusterBackend.from_url("rediss+cluster://h:1/0", {}).settings.tls
+    with pytest.raises(asynclock.InvalidURL, match="only database 0"):
+        asynclock.connect("redis+cluster://h:7000/2")
+    with pytest.raises(asynclock.InvalidURL, match="lists no node"):
+        asynclock.connect("redis+cluster:///")
+
+
+async def test_a_lock_and_its_counter_and_queue_live_on_the_master_of_their_slot(
+    redis_cluster_nodes: RedisClusterNodes, prefix: str
+) -> None:
+    cluster = redis_cluster_nodes
+    names = names_on_every_master(cluster, prefix, 2)
+    async with connect(cluster, prefix) as locks:
+        leases = [await locks.acquire(name, ttl=2.0) for name in names]
+        for lease in leases:
+            keys = [lua.lock_key(prefix, lease.name), lua.token_key(prefix, lease.name)]
+            assert len({key_slot(key.encode()) for key in keys}) == 1
+            node = cluster.node_for_slot(key_slot(keys[0].encode()))
+            assert node.call("GET", keys[0]) is not None
+            assert int(node.call("GET", keys[1])) == lease.token
+        for lease in leases:
+            await lease.release()
+        assert len(routing(locks).masters) == 3
+
+
+async def test_renewals_are_one_call_per_master(
+    redis_cluster_nodes: RedisClusterNodes, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = redis_cluster_nodes
+    names = names_on_every_master(cluster, prefix, 5)
+    async with connect(cluster, prefix) as locks:
+        leases = [await locks.acquire(name, ttl=5.0) for name in names]
+        grants = [cast(RedisGrant, lease.grant) for lease in leases]
+        backend = locks._backend
+        assert isinstance(backend, RedisClusterBackend)
+        lane = backend.cluster
+        calls: Counter[str] = Counter()
+        for address in lane.masters:
+            node_lane = lane._lane(address)
+            original = node_lane.script
+
+            async def counted(
+                *args: Any, _original: Any = original, _at: str = str(address)
+            ) -> Any:
+                calls[_at] += 1
+                return await _original(*args)
+
+            monkeypatch.setattr(node_lane, "script", counted)
+        outcomes = await backend.renew(grants)
+        assert all(type(outcome).__name__ == "Renewed" for outcome in outcomes), outcomes
+        assert sorted(calls.values()) == [1, 1, 1]
+        # One revoked behind our back: the others still renew, that one is lost.
+        victim = leases[4]
+        key = lua.lock_key(prefix, victim.name)
+        cluster.node_for_slot(key_slot(key.encode())).call("DEL", key)
+        outcomes = await backend.renew(grants)
+        kinds = [type(outcome).__name__ for outcome in outcomes]
+        assert kinds == ["Lost" if lease is victim else "Renewed" for lease in leases]
+        for lease in leases:
+            if lease is not victim:
+                await lease.release()
+
+
+async def test_a_stale_slot_map_is_corrected_by_moved(
+    redis_cluster_nodes: RedisClusterNodes, prefix: str, name: str
+) -> None:
+    cluster = redis_cluster_nodes
+    async with connect(cluster, prefix) as locks:
+        lane = routing(locks)
+        key = lua.lock_key(prefix, name)
+        right = cluster.node_for_slot(key_slot(key.encode())).address
+        wrong = next(m for m in lane.masters if str(m) != right)
+        # As after a resharding this client has not heard of: every slot "on" the wrong node.
+        lane._slots = [wrong] * len(lane._slots)
+        lookups = lane.lookups
+        async with locks.lock(name, ttl=2.0) as lease:
+            assert lease.token > 0
+        assert str(lane.node_of(key)) == right
+        # The MOVED reply named the node: no new look-up was needed for that.
+        assert lane.lookups == lookups
+
+
+async def test_contention_across_clients_is_fair_and_tokens_rise(
+    redis_cluster_nodes: RedisClusterNodes, prefix: str, name: str
+) -> None:
+    cluster = redis_cluster_nodes
+    order: list[int] = []
+    async with connect(cluster, prefix) as one, connect(cluster, prefix) as two:
+        first = await one.acquire(name, ttl=2.0)
+
+        async def wait(locks: asynclock.LockClient, index: int) -> None:
+            async with locks.lock(name, ttl=2.0) as lease:
+                order.append(index)
+                assert lease.token > first.token
+
+        async with anyio.create_task_group() as tg:
+            for index, locks in enumerate([two, one, two]):
+                tg.start_soon(wait, locks, index)
+                await anyio.sleep(0.05)  # in this order in the queue
+            await first.release()
+    assert order == [0, 1, 2]
+
+
+async def test_wait_replicas_refuses_takes_on_a_cluster_without_replicas(
+    redis_cluster_nodes: RedisClusterNodes, prefix: str, name: str
+) -> None:
+    async with connect(redis_cluster_nodes, prefix, wait_replicas=1, wait_timeout=0.05) as locks:
+        with pytest.raises(asynclock.BackendUnavailable, match="wait_replicas"):
+            await locks.try_acquire(name, ttl=2.0)
+        # Undone on the master: nothing left behind.
+        key = lua.lock_key(prefix, name)
+        assert redis_cluster_nodes.node_for_slot(key_slot(key.encode())).call("EXISTS", key) == 0
+
+
+async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
+    """A master dies; its replica takes its slots over (after ``cluster-node-timeout``). The
+    client finds the new master through the slot map (MOVED, or connection errors and a new
+    look-up), and a lock that reached the replica is still held, renewed there."""
+    with RedisClusterNodes(3, replicas=1) as cluster:
+        # A name on the first node of the URL, which also carries both clients' wake channels:
+        # they move to another node with the failover.
+        first = cluster.nodes[0]
+        assert first.role() == "master"
+        name = next(
+            f"{name}/{i}"
+            for i in range(10_000)
+            if cluster.node_for_slot(key_slot(lua.lock_key(prefix, f"{name}/{i}").encode()))
+            is first
+        )
+        async with connect(cluster, prefix) as locks, connect(cluster, prefix) as other:
+            lease = await locks.acquire(name, ttl=5.0)
+            key = lua.lock_key(prefix, name)
+            slot = key_slot(key.encode())
+            old = cluster.node_for_slot(slot)
+            # The replica has the key before the crash (KEYS: a replica redirects GET).
+            (replica,) = cluster.replicas_of(old)
+            for _ in range(500):
+                if replica.call("KEYS", key):
+                    break
+                await anyio.sleep(0.01)
+            else:
+                raise AssertionError(f"{key} did not reach {replica!r}")
+            old.kill()
+            new = await anyio.to_thread.run_sync(cluster.wait_for_failover, slot, old)
+            assert new is not old
+            assert new.call("GET", key) is not None
+            assert await other.try_acquire(name, ttl=1.0) is None
+            await anyio.sleep(2.0)  # renewals reach the new master meanwhile
+            assert lease.held, lease.lost_reason
+            token = lease.token
+
+            async def wait() -> None:
+                # Handed over by the release: the wake reaches the other client's channel,
+                # now on a surviving node.
+                with anyio.fail_after(2):
+                    async with other.lock(name, ttl=1.0) as second:
+                        assert second.token > token
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait)
+                await anyio.sleep(0.2)
+                await lease.release()
+
+
+async def test_deadlock_records_share_one_slot(
+    redis_cluster_nodes: RedisClusterNodes, prefix: str
+) -> None:
+    async with connect(redis_cluster_nodes, prefix) as locks:
+        registry = locks._backend.waiter_registry()
+        assert registry is not None
+        await registry.publish("a", "record-a", 2.0)
+        await registry.publish("b", "record-b", 2.0)
+        assert sorted(await registry.scan()) == ["record-a", "record-b"]
+        await registry.withdraw("a")
+        await registry.withdraw("b")
+        assert await registry.scan() == []

@@ -1,0 +1,265 @@
+"""redis+sentinel:// against a real Sentinel group: URL forms, discovery, failovers, WAIT.
+
+(The contract, fault and boundary suites run against it too: tests/contract/backend_sentinel.py.)
+The failover tests share one group of their own (the session's serves the contract suite), and
+each leaves it as it found it: a master, a replica in sync, three sentinels that see both.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+import redis.asyncio
+
+import asynclock
+from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis.sentinel import RedisSentinelBackend
+from asynclock.testing import free_port
+from asynclock.testing._redis_topologies import SERVICE, RedisNode, RedisSentinelGroup
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def name() -> str:
+    return f"sentinel-test/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[RedisSentinelGroup]:
+    with RedisSentinelGroup() as own:
+        yield own
+
+
+def connect(group: RedisSentinelGroup, prefix: str, **options: Any) -> asynclock.LockClient:
+    options.setdefault("durability_warning", False)
+    options.setdefault("op_timeout", 0.5)
+    return asynclock.connect(group.url, prefix=prefix, **options)
+
+
+async def restore(group: RedisSentinelGroup, node: RedisNode) -> None:
+    await anyio.to_thread.run_sync(group.restore, node)
+
+
+async def on_replica(group: RedisSentinelGroup, key: str) -> None:
+    """Wait until the replica has ``key`` (replication is asynchronous)."""
+    replica = group.replicas()[0]
+    async with redis.asyncio.Redis(host=replica.host, port=replica.port) as raw:
+        for _ in range(500):
+            if await raw.exists(key):
+                return
+            await anyio.sleep(0.01)
+    raise AssertionError(f"{key} did not reach the replica within 5 s")
+
+
+# -- URL forms ---------------------------------------------------------------------------------
+
+
+def test_url_names_the_sentinels_the_service_and_the_db() -> None:
+    backend = RedisSentinelBackend.from_url(
+        "redis+sentinel://user:secret@10.0.0.1,10.0.0.2:26380,[::1]:26381/my%20master/3",
+        {"sentinel_password": "s3", "wait_replicas": "1", "wait_timeout": "0.2"},
+    )
+    assert [str(s) for s in backend.sentinels] == [
+        "10.0.0.1:26379",
+        "10.0.0.2:26380",
+        "[::1]:26381",
+    ]
+    assert backend.locator.service == "my master"
+    assert backend.settings.db == 3
+    assert backend.settings.password == "secret"
+    assert (backend.replica_wait.replicas, backend.replica_wait.timeout_ms) == (1, 200)
+    assert "secret" not in backend.describe() and "s3" not in backend.describe()
+    assert backend.describe().startswith("redis+sentinel://user@10.0.0.1:26379,")
+    # No db: 0.
+    assert RedisSentinelBackend.from_url("redis+sentinel://h/svc", {}).settings.db == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "words"),
+    [
+        ("redis+sentinel://h:26379", {}, "names no master"),
+        ("redis+sentinel://h:26379/", {}, "names no master"),
+        ("redis+sentinel://h:26379/svc/x", {}, "database number"),
+        ("redis+sentinel:///svc", {}, "lists no sentinel"),
+        (
+            "redis+sentinel://h/svc",
+            {"wait_timeout": "2", "op_timeout": "1", "wait_replicas": 1},
+            "shorter than",
+        ),
+        ("redis+sentinel://h/svc", {"wait_replicas": "-1"}, "wait_replicas"),
+        ("redis+sentinel://h/svc", {"sentinels": "x"}, "sentinels"),
+    ],
+)
+def test_bad_urls_and_options_are_refused_by_name(
+    url: str, options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises((asynclock.InvalidURL, asynclock.InvalidArgument), match=words):
+        asynclock.connect(url, **options)
+
+
+async def test_a_service_no_sentinel_monitors_is_refused_by_name(
+    group: RedisSentinelGroup, prefix: str
+) -> None:
+    url = group.url.replace(f"/{SERVICE}/", "/no-such-master/")
+    with pytest.raises(asynclock.BackendUnavailable, match="monitors no master named"):
+        async with asynclock.connect(url, durability_warning=False, op_timeout=0.5):
+            pass
+
+
+async def test_a_dead_sentinel_is_passed_over(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    url = group.url.replace("redis+sentinel://", f"redis+sentinel://{dead},")
+    async with asynclock.connect(
+        url, prefix=prefix, durability_warning=False, op_timeout=0.5
+    ) as locks:
+        async with locks.lock(name, ttl=2) as lease:
+            assert lease.token > 0
+        backend = locks._backend
+        assert isinstance(backend, RedisSentinelBackend)
+        # The sentinel that answered is asked first from now on.
+        assert str(backend.locator.sentinels[0]) != dead
+        assert backend.extra_info()["master"] == group.master().address
+
+
+# -- failover ---------------------------------------------------------------------------------
+
+
+async def test_a_replicated_lock_survives_the_masters_death(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    async with connect(group, prefix) as locks, connect(group, prefix) as other:
+        # A ttl well above the failover's ~2 s: renewals fail until it is over.
+        lease = await locks.acquire(name, ttl=5.0)
+        await on_replica(group, lua.lock_key(prefix, name))
+        old = group.kill_master()
+        try:
+            new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
+            assert new is not old
+            # The new master has the key: the lease renews there and nobody else gets it.
+            assert await other.try_acquire(name, ttl=1.0) is None
+            await anyio.sleep(2.0)  # renewed on the new master meanwhile
+            assert lease.held, lease.lost_reason
+            first = lease.token
+            await lease.release()
+            async with other.lock(name, ttl=1.0) as second:
+                assert second.token > first
+        finally:
+            await restore(group, old)
+
+
+async def test_an_unreplicated_lock_is_granted_again_with_a_higher_token_and_reported_lost(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    """The documented caveat: a lock the master acknowledged and did not replicate before it
+    failed is free on the new master. The old holder is told (its lease is lost), and the new
+    holder's token is higher, so a fenced resource refuses the old one."""
+    async with connect(group, prefix) as locks, connect(group, prefix) as other:
+        lease = await locks.acquire(name, ttl=3.0)
+        key = lua.lock_key(prefix, name)
+        await on_replica(group, key)
+        # Stand-in for "not replicated yet": the replica forgets the key just before the crash.
+        group.forget_on_replicas(key)
+        old = group.kill_master()
+        try:
+            await anyio.to_thread.run_sync(group.wait_for_failover, old)
+            with anyio.fail_after(5):
+                second = await other.acquire(name, ttl=2.0)
+                reason = await lease.wait_lost()
+            assert second.token > lease.token
+            # Told by the restart watcher (the new master has another run id), by a renewal,
+            # or, when the failover outlasts the ttl, by the local deadline: whichever first.
+            assert lease.lost and reason == lease.lost_reason
+            await second.release()
+        finally:
+            await restore(group, old)
+
+
+async def test_a_demoted_master_is_left_for_the_new_one(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    """SENTINEL FAILOVER promotes the replica and demotes the master a moment later, while
+    our connections to it stay open. In between there are two masters (Redis's split brain:
+    renewals may go to the old one and the lease be lost on the new one, which is the
+    documented caveat); afterwards every call goes to the new master (a write on the old one
+    gets READONLY, and the sentinels name the new one)."""
+    async with connect(group, prefix) as locks, connect(group, prefix) as other:
+        lease = await locks.acquire(name, ttl=2.0)
+        await on_replica(group, lua.lock_key(prefix, name))
+        old, new = await anyio.to_thread.run_sync(group.fail_over)
+        # Held (renewed on the new master) or told lost; never held by two without a word.
+        await anyio.sleep(1.0)
+        taken = await other.try_acquire(name, ttl=2.0)
+        if lease.held:
+            assert taken is None
+            assert new.call("GET", lua.lock_key(prefix, name)) is not None
+            await lease.release()
+        else:
+            assert taken is not None and taken.token > lease.token
+            await taken.release()
+        async with locks.lock(name, ttl=1.0) as again:
+            assert again.token > lease.token
+        backend = locks._backend
+        assert isinstance(backend, RedisSentinelBackend)
+        assert backend.extra_info()["master"] == new.address
+        await restore(group, old)
+
+
+async def test_a_frozen_master_is_left_for_the_new_one(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    """The master freezes (SIGSTOP: a stall, a partition): calls to it time out, a new
+    connection's handshake to it times out too, which sends the client to the sentinels, and
+    the replicated lease renews on the promoted replica. The old master, thawed, is demoted."""
+    async with connect(group, prefix) as locks, connect(group, prefix) as other:
+        lease = await locks.acquire(name, ttl=5.0)
+        await on_replica(group, lua.lock_key(prefix, name))
+        old = group.pause_master()
+        try:
+            new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
+            await anyio.sleep(2.0)
+            assert lease.held, lease.lost_reason
+            assert await other.try_acquire(name, ttl=1.0) is None
+            backend = locks._backend
+            assert isinstance(backend, RedisSentinelBackend)
+            assert backend.extra_info()["master"] == new.address
+        finally:
+            await restore(group, old)
+        await lease.release()
+
+
+# -- WAIT ---------------------------------------------------------------------------------------
+
+
+async def test_wait_replicas_takes_once_the_replica_has_the_lock(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    async with connect(group, prefix, wait_replicas=1, wait_timeout=0.2) as locks:
+        async with locks.lock(name, ttl=2.0):
+            replica = group.replicas()[0]
+            # No polling: WAIT returned only once the replica had it.
+            assert replica.call("EXISTS", lua.lock_key(prefix, name)) == 1
+
+
+async def test_wait_replicas_refuses_a_take_no_replica_acknowledged(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    replica = group.replicas()[0]
+    async with connect(group, prefix, wait_replicas=1, wait_timeout=0.1) as locks:
+        replica.pause()
+        try:
+            with pytest.raises(asynclock.BackendUnavailable, match="wait_replicas"):
+                await locks.try_acquire(name, ttl=2.0)
+        finally:
+            replica.resume()
+        # The take was undone on the master: the lock is free for the next one.
+        master = group.master()
+        assert master.call("EXISTS", lua.lock_key(prefix, name)) == 0
+        async with locks.lock(name, ttl=2.0):
+            pass
