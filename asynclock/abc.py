@@ -14,16 +14,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Literal, Self, TypeVar
 
+import anyio
 from anyio.abc import AsyncResource
 
-from ._errors import UnsupportedFeature
+from ._errors import InvalidArgument, UnsupportedFeature
 
 __all__ = (
     "Backend",
     "Capabilities",
     "Grant",
+    "HolderInfo",
+    "Kind",
     "LockInfo",
     "LockRequest",
     "Lost",
@@ -31,6 +34,7 @@ __all__ = (
     "Renewed",
     "Unknown",
     "WaiterRegistry",
+    "permits_mismatch",
 )
 
 
@@ -50,11 +54,38 @@ class Capabilities:
     quorum: bool
     #: Locks exclude each other across processes (and hosts, when the store is shared).
     cross_process: bool = True
+    #: Shared (read) holds: ``LockRequest.shared``, with writer preference (a waiting exclusive
+    #: request blocks shared requests that come after it).
+    shared_locks: bool = False
+    #: Semaphores: ``LockRequest.kind == "semaphore"``, up to ``permits`` holds of one name,
+    #: each its own lease.
+    semaphores: bool = False
+    #: Elections: ``kind == "election"`` holds keep ``LockRequest.value``, and ``inspect()``
+    #: returns it (``LockInfo.value``): who leads, with which token.
+    elections: bool = False
+    #: ``extend(grant, ttl)`` can give one lease a different ttl (etcd, Redis, SQLite, memory).
+    #: Without it, a lease's ttl is fixed by what holds it (a ZooKeeper session, a PostgreSQL
+    #: session's idle timer) and ``extend`` only renews it now with that ttl.
+    ttl_change: bool = False
+
+
+#: What a request holds. Each kind is its own namespace: the lock ``"a"``, the semaphore ``"a"``
+#: and the election ``"a"`` are three things that never exclude each other.
+#:
+#: - ``"lock"``: exclusive, or shared with other shared holds when ``LockRequest.shared``;
+#: - ``"semaphore"``: one of ``LockRequest.permits`` holds of the name;
+#: - ``"election"``: exclusive, keeping ``LockRequest.value`` for ``inspect()`` (the leader).
+Kind = Literal["lock", "semaphore", "election"]
 
 
 @dataclass(frozen=True, slots=True)
 class LockRequest:
-    """One acquisition, as the core hands it to a backend."""
+    """One acquisition, as the core hands it to a backend.
+
+    The core only sends ``shared``, ``kind="semaphore"`` and ``kind="election"`` to backends whose
+    :class:`Capabilities` say they can; a backend may still refuse what it cannot do with
+    :class:`asynclock.UnsupportedFeature`.
+    """
 
     name: str
     #: Requested lease length in seconds; the backend may grant a different one (``Grant.ttl``).
@@ -65,6 +96,21 @@ class LockRequest:
     #: Call this (from any task on the event loop) when the server proves the lease is gone
     #: outside of ``renew`` (a watch fired, a session expired). Idempotent.
     on_lost: Callable[[str], None] = field(compare=False, repr=False)
+    #: The namespace and the rules of the hold (see :data:`Kind`).
+    kind: Kind = "lock"
+    #: ``kind="lock"`` only: a shared (read) hold, held together with other shared holds of the
+    #: name and never with an exclusive one. A waiting exclusive request blocks the shared
+    #: requests that come after it, so writers are not starved. Tokens of shared and exclusive
+    #: holds of one name come from one counter: every hold's token is larger than the tokens of
+    #: every hold granted before it.
+    shared: bool = False
+    #: ``kind="semaphore"`` only: how many holds of the name may exist at once. It is part of the
+    #: name's state while anyone holds or waits for it: a request with a different number
+    #: raises :class:`asynclock.InvalidArgument` naming both (see :func:`permits_mismatch`).
+    permits: int = 1
+    #: ``kind="election"`` only: the candidate's value, stored with the hold and returned by
+    #: ``inspect()`` as ``LockInfo.value`` while it leads.
+    value: bytes = b""
 
 
 @dataclass(eq=False, slots=True)
@@ -111,8 +157,27 @@ RenewOutcome = Renewed | Lost | Unknown
 
 
 @dataclass(frozen=True, slots=True)
+class HolderInfo:
+    """One hold of a name, as ``inspect()`` sees it (a reader, a permit, the leader)."""
+
+    #: The holder's secret (backends) or its public id (what the client returns).
+    owner: str | None = None
+    token: int | None = None
+    #: Seconds until the server would expire this hold if it stopped renewing.
+    expires_in: float | None = None
+    #: A shared (read) hold.
+    shared: bool = False
+    #: The value kept with an election's hold.
+    value: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LockInfo:
-    """What the store says about one lock now (``asynclock status``). ``None``: not known."""
+    """What the store says about one lock now (``asynclock status``). ``None``: not known.
+
+    For a name held by several (readers, a semaphore's permits), ``owner``, ``token`` and
+    ``expires_in`` describe the hold with the lowest token, and ``holders`` lists them all.
+    """
 
     name: str
     held: bool
@@ -127,6 +192,15 @@ class LockInfo:
     waiters: int | None = None
     #: Who holds it, where the store can tell (a PostgreSQL session's application_name and pid).
     holder: str | None = None
+    #: What was inspected (see :data:`Kind`).
+    kind: Kind = "lock"
+    #: Every current hold, lowest token first; empty when none, or when the store cannot list
+    #: them (then ``held`` and ``owner`` still say what is known).
+    holders: tuple[HolderInfo, ...] = ()
+    #: A semaphore's number of permits (``None`` while nobody holds or waits for it).
+    permits: int | None = None
+    #: An election's leader value (the holder's ``LockRequest.value``).
+    value: bytes | None = None
 
 
 class WaiterRegistry(ABC):
@@ -153,6 +227,15 @@ class WaiterRegistry(ABC):
 G = TypeVar("G", bound=Grant)
 
 
+def permits_mismatch(name: str, held: int, asked: int) -> InvalidArgument:
+    """The error for a semaphore request whose ``permits`` differs from the name's."""
+    return InvalidArgument(
+        f"semaphore {name!r} has {held} permits (set by the clients that hold or wait for it), "
+        f"but this request asked for {asked}: use the same permits in every client. The number "
+        "can change once nobody holds or waits for the semaphore"
+    )
+
+
 class Backend(AsyncResource, Generic[G]):
     """A lock store. One instance per client; entered with ``async with`` before any other call
     (leaving it awaits ``aclose()``, as every anyio ``AsyncResource``).
@@ -171,6 +254,8 @@ class Backend(AsyncResource, Generic[G]):
     event_loops: frozenset[str] = frozenset({"asyncio"})
     #: The driver's name, for messages ("redis-py", "asyncpg").
     driver: str = "its driver"
+    #: How often an election's ``observe()`` looks when ``wait_for_change`` cannot push (s).
+    poll_interval: float = 0.1
 
     @classmethod
     @abstractmethod
@@ -225,8 +310,38 @@ class Backend(AsyncResource, Generic[G]):
     async def release(self, grant: G) -> None:
         """Free the lock if, and only if, it is still ours. Must not raise when it is not."""
 
-    async def inspect(self, name: str) -> LockInfo:
-        """What the store knows about lock ``name`` now, for ``asynclock status``."""
+    async def extend(self, grant: G, ttl: float) -> RenewOutcome:
+        """Renew ``grant`` now so that the server keeps it at least ``ttl`` seconds from the
+        moment the request was sent, and return the outcome (``Renewed.ttl`` is what the server
+        applies from now on, and later renewals keep it).
+
+        Never called while a renewal of ``grant`` is in flight. The default renews with the
+        grant's current ttl, and refuses another ttl: backends whose ``capabilities.ttl_change``
+        is true override it.
+        """
+        if ttl != grant.ttl:
+            raise UnsupportedFeature(
+                f"{self.describe()} cannot change the ttl of a held lock (from {grant.ttl:g} s "
+                f"to {ttl:g} s): it is fixed by what holds the lock. Take the lock with the ttl "
+                "you need, or call extend() with the lease's own ttl to renew it now"
+            )
+        return (await self.renew([grant]))[0]
+
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        """Return when the holders of ``name`` may no longer be those of ``seen`` (an earlier
+        ``inspect()``), or after ``timeout`` seconds, whichever comes first. Spurious returns
+        are fine: the caller inspects again.
+
+        Elections' ``observe()`` uses it. The default polls (sleeps for the poll interval);
+        backends that can push (a watch, a notification) override it, and must register their
+        interest *before* checking ``seen`` against the store, so no change is missed between
+        the two.
+        """
+        await anyio.sleep(min(timeout, self.poll_interval))
+
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
+        """What the store knows about ``name`` of ``kind`` now, for ``asynclock status`` and for
+        elections (the leader's value and token)."""
         raise UnsupportedFeature(
             f"{self.describe()} cannot show a lock's holder and waiters (not implemented for "
             f"{type(self).__name__})"

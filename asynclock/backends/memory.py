@@ -25,6 +25,7 @@ from ._kit import (
     Capabilities,
     Grant,
     InvalidURL,
+    Kind,
     LockInfo,
     LockRequest,
     Lost,
@@ -189,7 +190,7 @@ class MemoryBackend(Backend[Grant]):
     def waiting(self, name: str) -> int:
         return len(self._store.get(name).waiters)
 
-    async def inspect(self, name: str) -> LockInfo:
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         await anyio.lowlevel.checkpoint()
         lock = self._store.get(name)
         now = anyio.current_time()

@@ -34,6 +34,7 @@ from ._kit import (
     Capabilities,
     Grant,
     InvalidURL,
+    Kind,
     LockInfo,
     LockRequest,
     Lost,
@@ -313,7 +314,7 @@ class SQLiteBackend(Backend[Grant]):
             if backend.path == self.path:
                 backend._wake_waiters()
 
-    async def inspect(self, name: str) -> LockInfo:
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         def read() -> tuple[str, int, str, float] | None:
             row = (
                 self._db()

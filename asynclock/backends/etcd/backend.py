@@ -12,6 +12,7 @@ from .._kit import (
     Backend,
     BackendUnavailable,
     Capabilities,
+    Kind,
     LockError,
     LockInfo,
     LockRequest,
@@ -239,7 +240,7 @@ class EtcdBackend(Backend[EtcdGrant]):
             raise
         self._keys.orphans.pop(grant.key, None)
 
-    async def inspect(self, name: str) -> LockInfo:
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         prefix = self._queue.name_prefix(name)
         wire = self._wire
         reply = await wire.call(

@@ -15,6 +15,7 @@ from .._kit import (
     Backend,
     Capabilities,
     InvalidArgument,
+    Kind,
     LockInfo,
     LockRequest,
     RenewOutcome,
@@ -352,7 +353,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             return
         self._sessions.give_back(connection)
 
-    async def inspect(self, name: str) -> LockInfo:
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         signed = lock_key(name, self.schema)
         key = signed & 0xFFFFFFFFFFFFFFFF
         while True:

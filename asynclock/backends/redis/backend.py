@@ -76,6 +76,7 @@ from .._kit import (
     Grant,
     HostPort,
     InvalidURL,
+    Kind,
     LockInfo,
     LockRequest,
     Lost,
@@ -274,7 +275,7 @@ class RedisBackend(Backend[RedisGrant]):
         with translate(ERRORS, f"{what} on {self.describe()}"):
             return await lane.script(script, keys, args)
 
-    async def inspect(self, name: str) -> LockInfo:
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         holder, ms_left, counter, waiters = await self._script(
             lua.INSPECT, self._keys(name), [], f"inspecting lock {name!r}"
         )

@@ -29,6 +29,7 @@ from .._kit import (
     finish,
     translate,
 )
+from .._kit import Kind as RequestKind
 from ._errors import SessionGone, zk_errors
 from ._lease import LockSession, ZooKeeperGrant
 from ._names import KIND, SHARED, Kind
@@ -188,7 +189,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
 
     # -- the contract ----------------------------------------------------------------------
 
-    async def inspect(self, name: str) -> LockInfo:
+    async def inspect(self, name: str, kind: RequestKind = "lock") -> LockInfo:
         session = await self._session_for(self._settings.session_timeout)
         parent = self._tree.parent(name)
         with translate(zk_errors, f"inspecting lock {name!r} on {self.describe()}"):
