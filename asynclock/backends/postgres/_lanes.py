@@ -22,6 +22,7 @@ from .._kit import (
     now,
     translate,
 )
+from ._kinds import Mode
 from ._lane import RENEWAL, TAKE, Lane, PostgresGrant
 from ._sql import LANE_TAKE
 from ._translate import Errors, connection_broken, unmapped
@@ -87,7 +88,15 @@ class Lanes:
 
     # -- take, renew, release ----------------------------------------------------------------
 
-    async def take(self, request: LockRequest, key: int, ttl_ms: int) -> PostgresGrant | None:
+    def holds_shared(self, ttl_ms: int, key: int) -> bool:
+        """Whether the lane of ``ttl_ms`` holds ``key`` in shared mode."""
+        lane = self.by_ttl.get(ttl_ms)
+        grant = None if lane is None else lane.grants.get(key)
+        return grant is not None and grant.shared
+
+    async def take(
+        self, request: LockRequest, key: int, ttl_ms: int, mode: Mode, channel: str
+    ) -> PostgresGrant | None:
         """One try-lock on the lane of ``ttl_ms``, run by the lane's task: a caller that is
         cancelled or times out stops waiting, and a take that succeeded behind it is undone
         (``Lane._execute``, or here when the cancellation came with the reply). A lane found
@@ -97,7 +106,10 @@ class Lanes:
             if key in lane.keys:
                 return None  # ours already: re-entrant on the server, busy to everyone
             lane.keys.add(key)
-            op = lane.submit(TAKE, key)
+            lane.unlocks[key] = (mode.unlock, mode.unlock_args(channel))
+            op = lane.submit(
+                TAKE, key, mode.lane_take, *mode.take_args(request.owner, request.value, channel)
+            )
             try:
                 with translate(self._errors, f"taking {request.name!r}"):
                     token = await op.future
@@ -134,6 +146,7 @@ class Lanes:
                 connection=lane.connection,
                 on_lost=request.on_lost,
                 lane=lane,
+                shared=mode.shared,
             )
             lane.grants[key] = grant
             return grant

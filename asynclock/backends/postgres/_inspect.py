@@ -1,0 +1,164 @@
+"""What ``inspect()`` reads, per kind: holders from ``pg_locks``, an election's value from the
+leaders' table (only the row of the session that holds the lock now), waiters from both queues.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from .._kit import HolderInfo, Kind, LockInfo, translate
+from ._kinds import INSPECT_HOLDS, kind_key, permits_class, split
+from ._queue import Queue
+from ._semaphore_sql import INSPECT_SEMAPHORE
+from ._sessions import Sessions
+from ._sql import INSPECT_QUEUE, marker_key
+from ._translate import Errors, connection_broken
+
+#: The longest wait_for_change() waits for a NOTIFY before it looks again (s).
+CHANGE_POLL = 0.5
+
+
+async def inspect_key(
+    connection: Any, name: str, kind: Kind, key: int, *, holds_sql: str, queue_sql: str
+) -> LockInfo:
+    """A lock (exclusive or shared holds) or an election."""
+    classid, objid = split(key)
+    rows = await connection.fetch(holds_sql, classid, objid, key)
+    queued = await connection.fetchval(queue_sql, key, classid, objid, *split(marker_key(key)))
+    holders = [row for row in rows if row["granted"]]
+    # In the server's queue, and in the queue table (its head, in both, once).
+    waiters = len(rows) - len(holders) + int(queued)
+    if not holders:
+        return LockInfo(name, held=False, waiters=waiters, kind=kind)
+    first = holders[0]
+    # The token of a lock lives in the holder's session only, and the server's idle timer is
+    # not exposed to other sessions: neither is shown. An election's row has the token, the
+    # owner and the value, once the take that wrote it has committed.
+    infos = tuple(
+        HolderInfo(
+            owner=row["owner"],
+            token=row["token"],
+            shared=row["mode"] == "ShareLock",
+            value=None if row["value"] is None else bytes(row["value"]),
+        )
+        for row in holders
+    )
+    return LockInfo(
+        name,
+        held=True,
+        owner=first["owner"],
+        token=first["token"],
+        waiters=waiters,
+        holder=f"{first['application_name'] or '?'} (backend pid {first['pid']})",
+        kind=kind,
+        holders=infos,
+        value=infos[0].value if kind == "election" else None,
+    )
+
+
+async def inspect_semaphore(
+    connection: Any, name: str, key: int, klass: int, *, sql: str
+) -> LockInfo:
+    held, permits, waiters = await connection.fetchrow(sql, klass, key)
+    return LockInfo(
+        name,
+        held=bool(held),
+        waiters=int(waiters),
+        kind="semaphore",
+        holders=tuple(HolderInfo() for _ in range(int(held))),
+        permits=None if permits is None else int(permits),
+    )
+
+
+def changed(now: LockInfo, seen: LockInfo) -> bool:
+    """Whether the holders may have changed between two inspections."""
+    return (now.held, now.owner, now.token, now.value, len(now.holders)) != (
+        seen.held,
+        seen.owner,
+        seen.token,
+        seen.value,
+        len(seen.holders),
+    )
+
+
+class Inspector:
+    """``inspect()`` and ``wait_for_change()`` of one backend."""
+
+    def __init__(
+        self,
+        *,
+        sessions: Sessions,
+        errors: Errors,
+        queue: Queue,
+        schema: str,
+        tables: tuple[str, str],
+        op_timeout: float,
+        poll_interval: float,
+    ) -> None:
+        self._sessions = sessions
+        self._errors = errors
+        self._queue = queue
+        self._schema = schema
+        queue_table, leaders = tables
+        self._queue_sql = INSPECT_QUEUE.format(queue=queue_table)
+        self._holds_sql = INSPECT_HOLDS.format(leaders=leaders)
+        self._semaphore_sql = INSPECT_SEMAPHORE.format(queue=queue_table)
+        self._op_timeout = op_timeout
+        self._poll_interval = poll_interval
+
+    async def inspect(self, name: str, kind: Kind) -> LockInfo:
+        key = kind_key(name, kind, self._schema)
+        while True:
+            connection, reused = await self._sessions.take()
+            try:
+                with (
+                    translate(self._errors, f"inspecting {kind} {name!r}"),
+                    anyio.fail_after(self._op_timeout),
+                ):
+                    if kind == "semaphore":
+                        klass = permits_class(name, self._schema)
+                        info = await inspect_semaphore(
+                            connection, name, key, klass, sql=self._semaphore_sql
+                        )
+                    else:
+                        info = await inspect_key(
+                            connection,
+                            name,
+                            kind,
+                            key,
+                            holds_sql=self._holds_sql,
+                            queue_sql=self._queue_sql,
+                        )
+            except BaseException as exc:
+                broken = connection_broken(connection, exc)
+                self._sessions.discard(connection)  # holds no lock: closing it is all
+                if reused and broken and isinstance(exc, Exception):
+                    continue  # died in the pool: ask on another connection
+                raise
+            self._sessions.give_back(connection)
+            return info
+
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        """Until a NOTIFY of the name's key (a leader's take and release send one; a waiter
+        leaving the queue table, a permit freed while others wait), a change that inspect()
+        shows, or ``timeout``; at most ``CHANGE_POLL`` (a holder whose session died tells
+        nobody). On the client's one listening connection, interest registered first."""
+        key = kind_key(name, kind, self._schema)
+        event = anyio.Event()
+        observers = self._queue.observers.setdefault(key, set())
+        observers.add(event)
+        try:
+            with anyio.move_on_after(timeout):
+                if not await self._queue.listen():
+                    await anyio.sleep(self._poll_interval)  # no listener: poll
+                    return
+                if changed(await self.inspect(name, kind), seen):
+                    return
+                with anyio.move_on_after(CHANGE_POLL):
+                    await event.wait()
+        finally:
+            observers.discard(event)
+            if not observers:
+                self._queue.observers.pop(key, None)
