@@ -4,20 +4,25 @@ leaders' table (only the row of the session that holds the lock now), waiters fr
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import anyio
 
 from .._kit import HolderInfo, Kind, LockInfo, translate
-from ._kinds import INSPECT_HOLDS, kind_key, permits_class, split
+from ._kinds import INSPECT_HOLDS, SWEEP_LEADER, kind_key, permits_class, split
 from ._queue import Queue
 from ._semaphore_sql import INSPECT_SEMAPHORE
 from ._sessions import Sessions
 from ._sql import INSPECT_QUEUE, marker_key
 from ._translate import Errors, connection_broken
 
+logger = logging.getLogger("asynclock")
+
 #: The longest wait_for_change() waits for a NOTIFY before it looks again (s).
 CHANGE_POLL = 0.5
+#: How long a release waits for the session of a lost leader to end, to delete its row (s).
+SWEEP_WAIT = 1.0
 
 
 async def inspect_key(
@@ -105,6 +110,7 @@ class Inspector:
         self._queue_sql = INSPECT_QUEUE.format(queue=queue_table)
         self._holds_sql = INSPECT_HOLDS.format(leaders=leaders)
         self._semaphore_sql = INSPECT_SEMAPHORE.format(queue=queue_table)
+        self._sweep_sql = SWEEP_LEADER.format(leaders=leaders)
         self._op_timeout = op_timeout
         self._poll_interval = poll_interval
 
@@ -131,6 +137,9 @@ class Inspector:
                             holds_sql=self._holds_sql,
                             queue_sql=self._queue_sql,
                         )
+                        if kind == "election" and info.value is None:
+                            # No leader's row shows: a stale one of an ended leader may be left.
+                            await connection.fetchval(self._sweep_sql, key, *split(key), 0)
             except BaseException as exc:
                 broken = connection_broken(connection, exc)
                 self._sessions.discard(connection)  # holds no lock: closing it is all
@@ -139,6 +148,31 @@ class Inspector:
                 raise
             self._sessions.give_back(connection)
             return info
+
+    async def sweep(self, key: int, pid: int) -> None:
+        """Delete the leaders' rows of ``key`` whose sessions ended, waiting up to
+        ``SWEEP_WAIT`` for the session ``pid`` to end (a connection just closed by us). Best
+        effort: inspect never shows such a row, and the next leader's take overwrites it."""
+        classid, objid = split(key)
+        deadline = anyio.current_time() + SWEEP_WAIT
+        try:
+            connection, _ = await self._sessions.take()
+        except Exception as exc:
+            logger.info("asynclock: cannot delete the row of a lost leader: %r", exc)
+            return
+        try:
+            with anyio.fail_after(self._op_timeout + SWEEP_WAIT):
+                while await connection.fetchval(self._sweep_sql, key, classid, objid, pid):
+                    if anyio.current_time() > deadline:
+                        break
+                    await anyio.sleep(0.01)
+        except BaseException as exc:
+            self._sessions.discard(connection)
+            if not isinstance(exc, Exception):
+                raise
+            logger.info("asynclock: cannot delete the row of a lost leader: %r", exc)
+            return
+        self._sessions.give_back(connection)
 
     async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
         """Until a NOTIFY of the name's key (a leader's take and release send one; a waiter

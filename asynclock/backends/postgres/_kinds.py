@@ -23,7 +23,8 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {leaders} (
     pid integer NOT NULL,
     token bigint NOT NULL,
     owner text NOT NULL,
-    value bytea NOT NULL
+    value bytea NOT NULL,
+    application_name text NOT NULL
 )
 """
 
@@ -70,10 +71,12 @@ _RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', 
 _KEEP = """
 token AS MATERIALIZED (SELECT nextval($2::regclass) AS token FROM {granted}),
 kept AS (
-    INSERT INTO {leaders} (key, pid, token, owner, value)
-    SELECT $1, pg_backend_pid(), token, ${owner}, ${value} FROM token
+    INSERT INTO {leaders} (key, pid, token, owner, value, application_name)
+    SELECT $1, pg_backend_pid(), token, ${owner}, ${value}, current_setting('application_name')
+    FROM token
     ON CONFLICT (key) DO UPDATE SET pid = excluded.pid, token = excluded.token,
-        owner = excluded.owner, value = excluded.value
+        owner = excluded.owner, value = excluded.value,
+        application_name = excluded.application_name
 )
 """
 _ELECTION_LANE_TAKE = (
@@ -112,6 +115,31 @@ WITH gone AS (DELETE FROM {leaders} WHERE key = $1 AND pid = pg_backend_pid())
 SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false),
     pg_notify($2, $1::text)
 """
+# The rows of leaders whose session ended without deleting them (killed, terminated, cut off):
+# their pid no longer holds the key. A leader's row is written after its lock is granted, so no
+# live leader's row matches (a take that overwrites a stale row meanwhile makes the DELETE
+# re-check the new row, whose pid holds the key). Whether the row of pid $4 is still there
+# (its session has not ended yet). $1 key, $2 classid, $3 objid.
+SWEEP_LEADER = """
+WITH gone AS (
+    DELETE FROM {leaders} AS e WHERE e.key = $1 AND NOT EXISTS (
+        SELECT 1 FROM pg_locks AS l
+        WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid = e.pid
+          AND l.classid = $2 AND l.objid = $3
+    )
+    RETURNING pid
+)
+SELECT EXISTS (SELECT 1 FROM {leaders} WHERE key = $1 AND pid = $4)
+    AND NOT EXISTS (SELECT 1 FROM gone WHERE pid = $4)
+"""
+# The same for every election (open()).
+SWEEP_LEADERS = """
+DELETE FROM {leaders} AS e WHERE NOT EXISTS (
+    SELECT 1 FROM pg_locks AS l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid = e.pid
+      AND ((l.classid::bigint << 32) | l.objid::bigint) = e.key
+)
+"""
 # Holders and waiters of one key ($1, $2: classid, objid), and the leader's row ($3: the key)
 # when its pid holds the key now.
 INSPECT_HOLDS = """
@@ -138,6 +166,8 @@ class Mode:
     release: str
     shared: bool = False
     election: bool = False
+    #: A shared try on a dedicated connection (``TRY_SHARED_DEDICATED``).
+    try_dedicated: str = ""
 
     def take_args(self, owner: str, value: bytes, channel: str) -> tuple[object, ...]:
         return (owner, value, channel) if self.election else ()
@@ -159,6 +189,7 @@ def modes(queue: str, leaders: str) -> dict[tuple[Kind, bool], Mode]:
             unlock=_UNLOCK.format(unlock=unlock),
             release=_RELEASE,
             shared=shared,
+            try_dedicated=TRY_SHARED_DEDICATED.format(queue=queue) if shared else "",
         )
 
     tables = {"queue": queue, "leaders": leaders}

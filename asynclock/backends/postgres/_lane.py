@@ -70,6 +70,8 @@ class PostgresGrant(Grant):
     lane: Lane | None = field(default=None, repr=False)
     #: A shared (read) hold.
     shared: bool = False
+    #: An election's term (its release also deletes the leader's row).
+    election: bool = False
     #: What releases it on a dedicated connection (the connection holds only this lock).
     release_sql: str = field(default="", repr=False)
     release_args: tuple[object, ...] = field(default=(), repr=False)

@@ -147,6 +147,7 @@ class Lanes:
                 on_lost=request.on_lost,
                 lane=lane,
                 shared=mode.shared,
+                election=mode.election,
             )
             lane.grants[key] = grant
             return grant

@@ -162,11 +162,10 @@ def quote_ident(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 
-def creates(sequence: str, queue: str) -> str:
+def creates(sequence: str, queue: str, *more: str) -> str:
     """What open() creates, on one line (for a message to the owner of the schema)."""
-    return " ".join(
-        f"{CREATE.format(sequence=sequence)}; {CREATE_QUEUE.format(queue=queue)}".split()
-    )
+    statements = (CREATE.format(sequence=sequence), CREATE_QUEUE.format(queue=queue), *more)
+    return " ".join("; ".join(statements).split())
 
 
 def queue_name(schema: str) -> str:

@@ -56,6 +56,7 @@ class Waits:
         args: tuple[object, ...] = (),
         release: tuple[str, tuple[object, ...]] = (RELEASE, ()),
         shared: bool = False,
+        election: bool = False,
     ) -> PostgresGrant | None:
         """Wait in the server's queue on a dedicated connection, which then holds the lock;
         unless the queue table has places for the key (None: wait there, ``_queue.py``), or
@@ -79,6 +80,7 @@ class Waits:
             self.waiting -= 1
         if grant is not None:
             grant.shared = shared
+            grant.election = election
             grant.release_sql, grant.release_args = release
         return grant
 

@@ -26,7 +26,7 @@ from .._kit import (
 from ._inspect import Inspector
 from ._kinds import (
     CREATE_LEADERS,
-    TRY_SHARED_DEDICATED,
+    SWEEP_LEADERS,
     kind_key,
     leaders_name,
     modes,
@@ -104,21 +104,21 @@ class PostgresBackend(Backend[PostgresGrant]):
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
         self.max_waiting = max_waiting
+        self._ssl = ssl_context
         self.sequence = sequence_name(schema)
         self._described = redact(dsn.split("?", 1)[0])
         self.queue = queue_name(schema)
         self.leaders = leaders_name(schema)
-        self._try_shared = TRY_SHARED_DEDICATED.format(queue=self.queue)
         self._modes = modes(self.queue, self.leaders)
         self._channel = f"asynclock {schema}"
-        creating = (
-            f"{creates(self.sequence, self.queue)}; {CREATE_LEADERS.format(leaders=self.leaders)}"
-        )
         self._translator = Errors(
-            self._described, connect_timeout, schema, self.sequence, " ".join(creating.split())
+            self._described,
+            connect_timeout,
+            schema,
+            self.sequence,
+            creates(self.sequence, self.queue, CREATE_LEADERS.format(leaders=self.leaders)),
         )
-        #: The grant each dedicated holding connection holds; our waiters in the server's
-        #: queue, by key.
+        #: The grant of each dedicated holding connection; our waiters in the server's queue.
         self._held: dict[Any, PostgresGrant] = {}
         self._waiting: dict[int, int] = {}
         self._server_version: str | None = None
@@ -258,6 +258,8 @@ class PostgresBackend(Backend[PostgresGrant]):
                         await ensure_queue(
                             connection, queue=table, schema=self.schema, create=create
                         )
+                    # Rows of leaders that ended while no client of this schema ran.
+                    await connection.execute(SWEEP_LEADERS.format(leaders=self.leaders))
                     await probe_check_interval(connection, self._server_settings)
             except BaseException:
                 self._sessions.discard(connection)
@@ -311,7 +313,7 @@ class PostgresBackend(Backend[PostgresGrant]):
                 # The lane holds it shared already: a second hold there would be re-entrant
                 # (past a waiting writer too), so this one tries on a connection of its own.
                 grant = await self._waits.wait(
-                    request, key, ttl_ms, head=False, sql=self._try_shared, shared=True
+                    request, key, ttl_ms, head=False, sql=mode.try_dedicated, shared=True
                 )
             else:
                 grant = await self._lanes.take(request, key, ttl_ms, mode, self._channel)
@@ -331,6 +333,7 @@ class PostgresBackend(Backend[PostgresGrant]):
                     args=(head, marker_key(key), *extra),
                     release=(mode.release, mode.release_args(key, self._channel)),
                     shared=mode.shared,
+                    election=mode.election,
                 )
 
             if self._waits.waiting < self.max_waiting:
@@ -371,8 +374,14 @@ class PostgresBackend(Backend[PostgresGrant]):
         grant.released = True
         if grant.lane is not None:
             await self._lanes.release(grant, grant.lane)
-            return
-        await self._waits.release(grant)
+            gone = grant.lane.dead is not None
+        else:
+            await self._waits.release(grant)
+            gone = grant.connection.is_closed()
+        if grant.election and gone:
+            # The session ended without deleting the leader's row: once it has (inspect never
+            # shows the row meanwhile), so does this.
+            await self._inspector.sweep(grant.key, grant.pid)
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         return await self._inspector.inspect(name, kind)
