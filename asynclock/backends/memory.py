@@ -42,7 +42,7 @@ from ._kit import (
     split_userinfo,
 )
 
-__all__ = ("Faults", "MemoryBackend", "MemoryGrant")
+__all__ = ("Faults", "MemoryBackend")
 
 
 @dataclass(slots=True)
@@ -190,12 +190,7 @@ class _MemoryWaiters(WaiterRegistry):
         return [value for value, expires in self._store.waiters.values() if expires > now]
 
 
-@dataclass(eq=False, slots=True)
-class MemoryGrant(Grant):
-    kind: Kind = "lock"
-
-
-class MemoryBackend(Backend[MemoryGrant]):
+class MemoryBackend(Backend[Grant]):
     # Pure anyio (and the standard library): runs on trio as well.
     event_loops = frozenset({"asyncio", "trio"})
     # No round trip to outlast: only the margin.
@@ -322,7 +317,7 @@ class MemoryBackend(Backend[MemoryGrant]):
 
     # -- the contract ------------------------------------------------------------------------
 
-    def _take(self, lock: _Lock, request: LockRequest, sent_at: float) -> MemoryGrant:
+    def _take(self, lock: _Lock, request: LockRequest, sent_at: float) -> Grant:
         lock.counter += 1
         token = lock.counter
         owner = request.owner
@@ -340,7 +335,7 @@ class MemoryBackend(Backend[MemoryGrant]):
         if lock.changed is not None:
             lock.changed.set()
             lock.changed = None
-        return MemoryGrant(request.name, owner, token, sent_at, request.ttl, kind)
+        return Grant(request.name, owner, token, sent_at, request.ttl, space=kind)
 
     def _server(self) -> Awaitable[None]:
         """Where a call meets the "server": a checkpoint, or a wait while it is paused (a
@@ -366,7 +361,7 @@ class MemoryBackend(Backend[MemoryGrant]):
             lock.permits = request.permits
         return lock
 
-    async def try_acquire(self, request: LockRequest) -> MemoryGrant | None:
+    async def try_acquire(self, request: LockRequest) -> Grant | None:
         await self._server()
         at = now()
         lock = self._lock_for(request, at)
@@ -374,7 +369,7 @@ class MemoryBackend(Backend[MemoryGrant]):
             return self._take(lock, request, at)
         return None
 
-    async def acquire(self, request: LockRequest) -> MemoryGrant:
+    async def acquire(self, request: LockRequest) -> Grant:
         await self._server()
         at = now()
         lock = self._lock_for(request, at)
@@ -408,7 +403,7 @@ class MemoryBackend(Backend[MemoryGrant]):
                 if first:
                     lock.notify()
 
-    async def renew(self, grants: Sequence[MemoryGrant]) -> Sequence[RenewOutcome]:
+    async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
         await self._server()
         match self.faults.renew:
@@ -420,8 +415,8 @@ class MemoryBackend(Backend[MemoryGrant]):
                 return [Lost("injected: the server says the lock is gone")] * len(grants)
         return [self._renew_one(grant, sent_at, grant.ttl) for grant in grants]
 
-    def _renew_one(self, grant: MemoryGrant, sent_at: float, ttl: float) -> RenewOutcome:
-        holder = self._store.get(grant.name, grant.kind).find(grant.owner)
+    def _renew_one(self, grant: Grant, sent_at: float, ttl: float) -> RenewOutcome:
+        holder = self._store.get(grant.name, grant.space).find(grant.owner)
         if holder is None:
             return Lost("the lock is no longer held by this lease on the server")
         if holder.expires_at <= sent_at:
@@ -429,18 +424,18 @@ class MemoryBackend(Backend[MemoryGrant]):
         holder.expires_at = sent_at + ttl
         return Renewed(sent_at, ttl)
 
-    async def extend(self, grant: MemoryGrant, ttl: float) -> RenewOutcome:
+    async def extend(self, grant: Grant, ttl: float) -> RenewOutcome:
         # Not subject to Faults.renew: that fault stands for the background renewal failing,
         # which is what an extend() is for.
         sent_at = anyio.current_time()
         await self._server()
         return self._renew_one(grant, sent_at, ttl)
 
-    async def release(self, grant: MemoryGrant) -> None:
+    async def release(self, grant: Grant) -> None:
         # No checkpoint unless paused: releasing never waits for anyone (as anyio.Lock's
         # release), and a cancellation has nothing to interrupt.
         if self.faults.paused:
             await self._server()
-        lock = self._store.get(grant.name, grant.kind)
+        lock = self._store.get(grant.name, grant.space)
         if lock.drop(grant.owner):
             lock.notify()
