@@ -167,6 +167,7 @@ class Attempt:
             kind=self.kind,
             session=self.session,
             marks_release=self.kind == EXCLUSIVE and self.ahead_seen >= MARK_AFTER,
+            space=self.request.kind,
         )
         self.session.hold(path, self.request.on_lost)
         self.node = None  # handed over: nothing to clean up
