@@ -9,13 +9,14 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
+import anyio.to_thread
 import pytest
 from aiozk import ZKClient
 
 import asynclock
 from asynclock.abc import LockInfo, LockRequest
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant
-from asynclock.testing import FaultProxy, ZooKeeperServer
+from asynclock.testing import FaultProxy, ZooKeeperEnsemble, ZooKeeperServer
 from tests.backends.test_zookeeper import (
     backend_of,
     children,
@@ -57,6 +58,11 @@ def ask(name: str, lost: Callable[[str], None] | None = None, **fields: object) 
     )
 
 
+def token(grant: ZooKeeperGrant | LockInfo) -> int:
+    assert grant.token is not None
+    return grant.token
+
+
 async def test_the_three_kinds_of_one_name_are_three_parents(
     zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
 ) -> None:
@@ -65,7 +71,7 @@ async def test_the_three_kinds_of_one_name_are_three_parents(
         permit = await zk.try_acquire(ask("a", kind="semaphore", permits=2))
         term = await zk.try_acquire(ask("a", kind="election", value=b"me:8080"))
         assert lock is not None and permit is not None and term is not None
-        assert lock.token < permit.token < term.token
+        assert token(lock) < token(permit) < token(term)
         tree = {path.rpartition("/")[0] for path in await znodes_under(admin, chroot)}
         assert tree == {chroot, f"{chroot}/a", f"{chroot}/%semaphore-a", f"{chroot}/%election-a"}
         assert "-sem2-" in permit.path and "-lock-" in term.path
@@ -104,12 +110,12 @@ async def test_readers_share_and_a_waiting_writer_holds_back_later_readers(
             await zk.release(first)
             await zk.release(second)
         (writer,) = written
-        assert writer.token > second.token
+        assert token(writer) > token(second)
         later = await zk.try_acquire(ask("rw", shared=True))
         assert later is None
         await other.release(writer)
         later = await zk.try_acquire(ask("rw", shared=True))
-        assert later is not None and later.token > writer.token
+        assert later is not None and token(later) > token(writer)
         await zk.release(later)
 
 
@@ -155,7 +161,7 @@ async def test_semaphore_waiters_watch_the_n_nodes_ahead_and_enter_in_order(
             for index in (0, 1, 2):
                 await (zk, other)[index % 2].release(grants[index])
         assert entered == list(range(6))
-        assert sorted(grants[i].token for i in range(6)) == [grants[i].token for i in range(6)]
+        assert sorted(token(grants[i]) for i in range(6)) == [token(grants[i]) for i in range(6)]
         for index in (3, 4, 5):
             await (zk, other)[index % 2].release(grants[index])
         assert await zk.inspect("pool", "semaphore") == LockInfo(
@@ -276,7 +282,7 @@ async def test_election_value_token_and_a_change_feed_on_the_leaders_node(
             assert woke.pop() < 1.0
         now = await zk.inspect("boss", "election")
         assert (now.value, now.token) == (b"b", next_up[0].token)
-        assert now.token is not None and now.token > leader.token
+        assert token(now) > token(leader)
         # A stale view returns at once.
         started = anyio.current_time()
         await zk.wait_for_change("boss", "election", info, 5.0)
@@ -285,3 +291,76 @@ async def test_election_value_token_and_a_change_feed_on_the_leaders_node(
         # The feed leaves no watch callbacks behind.
         for client in (zk, other):
             assert all(s["watches"] == 0 for s in client.extra_info()["sessions"].values())
+
+
+class Fenced:
+    """A resource in the test's process that accepts a write only with a token at least as
+    high as every token it accepted before (what a fencing guard does)."""
+
+    def __init__(self) -> None:
+        self.highest = 0
+        self.accepted: list[tuple[int, str]] = []
+        self.refused: list[tuple[int, str]] = []
+
+    def write(self, token: int, who: str) -> None:
+        if token < self.highest:
+            self.refused.append((token, who))
+            return
+        self.highest = token
+        self.accepted.append((token, who))
+
+
+async def test_an_election_survives_a_server_leader_kill_with_one_leader_at_a_time(
+    zookeeper_ensemble: ZooKeeperEnsemble,
+) -> None:
+    """5 candidates on 3 clients campaign in turn while the ensemble's leader is killed twice:
+    the sessions move to another member, no term is lost, and the terms' tokens keep rising
+    at the resource, one leader at a time."""
+    chroot = f"/prim-{uuid.uuid4().hex[:10]}"
+    url = f"{zookeeper_ensemble.url}{chroot}"
+    resource = Fenced()
+    leading: set[str] = set()
+    most = 0
+    terms: list[int] = []
+    stop = anyio.Event()
+
+    async def candidate(locks: asynclock.LockClient, me: str) -> None:
+        nonlocal most
+        election = locks.election("leader")
+        while not stop.is_set():
+            async with election.campaign(me.encode(), ttl=4, timeout=30) as term:
+                leading.add(me)
+                most = max(most, len(leading))
+                terms.append(term.token)
+                resource.write(term.token, me)
+                await anyio.sleep(0.05)
+                resource.write(term.token, me)
+                leading.discard(me)
+
+    async def terms_after(count: int) -> None:
+        target = len(terms) + count
+        await until(lambda: len(terms) >= target, timeout=10)
+
+    clients = [asynclock.connect(url, op_timeout=3) for _ in range(3)]
+    try:
+        async with clients[0], clients[1], clients[2], anyio.create_task_group() as tg:
+            for index in range(5):
+                tg.start_soon(candidate, clients[index % 3], f"candidate-{index}")
+            for _ in range(2):
+                await terms_after(3)
+                killed = await anyio.to_thread.run_sync(zookeeper_ensemble.kill_leader)
+                try:
+                    await terms_after(3)  # elected again, with the new ZooKeeper leader
+                finally:
+                    await anyio.to_thread.run_sync(killed.restart)
+            stop.set()
+        for locks in clients:
+            for info in backend_of(locks).extra_info()["sessions"].values():
+                assert info["reconnects"] >= 1
+    finally:
+        async with zk_admin(zookeeper_ensemble.address) as client:
+            await delete_tree(client, chroot)
+    assert most == 1
+    assert terms == sorted(terms) and len(set(terms)) == len(terms) >= 9
+    assert resource.refused == []
+    assert len(resource.accepted) == 2 * len(terms)
