@@ -4,6 +4,9 @@ kill on an ensemble."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import random
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,6 +21,7 @@ from asynclock.abc import LockInfo, LockRequest
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble, ZooKeeperServer
 from tests.backends.test_zookeeper import (
+    assert_session_state_clean,
     backend_of,
     children,
     until,
@@ -364,3 +368,53 @@ async def test_an_election_survives_a_server_leader_kill_with_one_leader_at_a_ti
     assert terms == sorted(terms) and len(set(terms)) == len(terms) >= 9
     assert resource.refused == []
     assert len(resource.accepted) == 2 * len(terms)
+
+
+async def test_native_cancels_of_semaphore_waiters_and_observers_leave_nothing(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    """Cancelled natively 1-3 times at random moments (over a 30 ms one-way delay, so that a
+    cancel often lands on a request in flight): no node, watch callback or listener is left,
+    and the permits work at once."""
+    rng = random.Random(19)
+    parent = f"{chroot}/%semaphore-pool"
+    async with FaultProxy(zookeeper_server.host, zookeeper_server.port) as proxy:
+        async with (
+            asynclock.connect(f"{zookeeper_server.url}{chroot}") as holder,
+            asynclock.connect(f"zookeeper://{proxy.address}{chroot}", op_timeout=3) as victim,
+        ):
+            pool = holder.semaphore("pool", permits=2)
+            held = [await pool.acquire(ttl=10) for _ in range(2)]
+            election = victim.election("boss")
+            proxy.delay(30)
+            for _ in range(12):
+                tasks: list[asyncio.Task[object]] = [
+                    asyncio.create_task(victim.semaphore("pool", permits=2).acquire(ttl=10)),
+                    asyncio.create_task(_observe(election, changes=0)),
+                    asyncio.create_task(_observe(election, changes=1)),
+                ]
+                await asyncio.sleep(rng.uniform(0, 0.15))
+                for task in tasks:
+                    for _ in range(rng.randint(1, 3)):
+                        task.cancel()
+                        await asyncio.sleep(rng.uniform(0, 0.02))
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                assert len(await children(admin, parent)) == 2
+            proxy.pass_through()
+            assert_session_state_clean(victim)
+            await held[0].release()
+            again = await victim.semaphore("pool", permits=2).try_acquire(ttl=10)
+            assert again is not None
+            await again.release()
+            await held[1].release()
+
+
+async def _observe(election: asynclock.Election, *, changes: int) -> None:
+    """Reads the current leader, then waits for ``changes`` changes (which never come)."""
+    seen = 0
+    async for _ in election.observe():
+        if seen == changes:
+            return
+        seen += 1
