@@ -418,3 +418,30 @@ async def _observe(election: asynclock.Election, *, changes: int) -> None:
         if seen == changes:
             return
         seen += 1
+
+
+async def test_a_change_feed_on_a_semaphore_or_lock_watches_the_parents_children(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    url = f"{zookeeper_server.url}{chroot}"
+    async with backend(url) as zk, backend(url) as other:
+        permit = await zk.acquire(ask("pool", kind="semaphore", permits=2))
+        seen = await other.inspect("pool", "semaphore")
+        started = anyio.current_time()
+        await other.wait_for_change("pool", "semaphore", seen, 0.3)  # nothing changes
+        assert anyio.current_time() - started >= 0.25
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other.wait_for_change, "pool", "semaphore", seen, 5.0)
+            await anyio.sleep(0.1)
+            second = await zk.acquire(ask("pool", kind="semaphore", permits=2))
+        assert anyio.current_time() - started < 2.0
+        # A stale view returns at once; so does one of a lock that is gone.
+        with anyio.fail_after(1):
+            await other.wait_for_change("pool", "semaphore", seen, 5.0)
+            lock = await zk.acquire(ask("rw", shared=True))
+            held = await other.inspect("rw")
+            await zk.release(lock)
+            await other.wait_for_change("rw", "lock", held, 5.0)
+        for grant in (permit, second):
+            await zk.release(grant)
+        assert all(s["watches"] == 0 for s in other.extra_info()["sessions"].values())
