@@ -1,6 +1,6 @@
 """The PostgreSQL backend's shared holds, semaphores and elections, through its Backend methods
 against a real server: what the contract suite cannot see (the lane, the two queues, pg_locks,
-the leaders' table, terminated sessions)."""
+the holders' table, terminated sessions)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ LEFTOVERS = """
 SELECT
   (SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
    WHERE l.locktype = 'advisory' AND a.application_name = $1),
-  (SELECT count(*) FROM asynclock_leaders WHERE application_name = $1),
+  (SELECT count(*) FROM asynclock_holders WHERE application_name = $1),
   (SELECT count(*) FROM asynclock_waiters WHERE key = ANY($2::bigint[]))
 """
 
@@ -108,13 +108,21 @@ async def test_readers_share_and_a_writer_excludes_them(
         info = await two.inspect(name)
         assert info.held and len(info.holders) == 3
         assert all(holder.shared for holder in info.holders)
+        assert [holder.token for holder in info.holders] == [
+            g.token for g in (first, second, third)
+        ]
+        assert [holder.owner for holder in info.holders] == [
+            g.owner for g in (first, second, third)
+        ]
+        assert (info.owner, info.token) == (first.owner, first.token)
         for grant in (first, second, third):
             await (one if grant is not third else two).release(grant)
         writer = await two.try_acquire(request(name))
         assert writer is not None and writer.token is not None and writer.token > third.token
         assert await one.try_acquire(request(name, shared=True)) is None
         info = await one.inspect(name)
-        assert info.held and [h.shared for h in info.holders] == [False]
+        # An exclusive hold keeps no row: held, without an owner or token.
+        assert info.held and info.holders == () and info.owner is None
         await two.release(writer)
     await nothing_left(admin, app, name)
 
@@ -197,7 +205,9 @@ async def test_a_semaphore_admits_n_holders_each_its_own_lease(
         assert lock is not None
         await two.release(lock)
         info = await two.inspect(name, "semaphore")
-        assert info.held and info.permits == 3 and len(info.holders) == 3 and info.waiters == 0
+        assert info.held and info.permits == 3 and info.waiters == 0
+        assert [holder.owner for holder in info.holders] == [grant.owner for grant in held]
+        assert [holder.token for holder in info.holders] == tokens
         assert (await two.inspect(name)).held is False
         outcomes = await one.renew([held[0], held[2]])
         assert all(isinstance(outcome, Renewed) for outcome in outcomes)
@@ -404,7 +414,7 @@ async def test_a_crashed_leaders_row_is_never_shown(
         assert info.value is None and info.owner is None
         # The stale row was deleted by the inspect that found no leader.
         assert not await admin.fetchval(
-            "SELECT count(*) FROM asynclock_leaders WHERE key = $1",
+            "SELECT count(*) FROM asynclock_holders WHERE held = $1",
             kind_key(name, "election"),
         )
         nxt = await two.try_acquire(request(name, kind="election", value=b"next"))

@@ -25,9 +25,10 @@ WHERE locktype = 'advisory' AND granted AND (
     OR (objsubid = 2 AND classid = $5::int::oid)
 )
 """
-#: Leaders' rows a client of this application_name left.
-LEADER_ROWS = """
-SELECT key, pid FROM asynclock_leaders WHERE application_name = $1
+#: Rows of the holders' table (shared holds, permits, leaders) a client of this
+#: application_name left.
+HOLDER_ROWS = """
+SELECT held, pid FROM asynclock_holders WHERE application_name = $1
 """
 
 
@@ -57,11 +58,11 @@ async def terminate_holder(dsn: str, name: str, schema: str = "public") -> list[
 
 async def sessions_of(dsn: str, application_name: str) -> list[str]:
     """The server sessions with this application_name and the advisory locks they hold, and
-    the leaders' rows its clients left."""
+    the holders' rows its clients left."""
     admin = await asyncpg.connect(dsn)
     try:
-        if await admin.fetchval("SELECT to_regclass('asynclock_leaders')") is not None:
-            leaders = await admin.fetch(LEADER_ROWS, application_name)
+        if await admin.fetchval("SELECT to_regclass('asynclock_holders')") is not None:
+            leaders = await admin.fetch(HOLDER_ROWS, application_name)
         else:
             leaders = []
         rows = await admin.fetch(
@@ -78,7 +79,7 @@ async def sessions_of(dsn: str, application_name: str) -> list[str]:
         await admin.close()
     return sorted(
         [f"session {row[0]} ({row[1]}, {row[2]} advisory locks)" for row in rows]
-        + [f"the leader's row of election key {row[0]} (session {row[1]})" for row in leaders]
+        + [f"the holders' row of key {row[0]} (session {row[1]})" for row in leaders]
     )
 
 

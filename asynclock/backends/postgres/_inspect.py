@@ -1,5 +1,5 @@
 """What ``inspect()`` reads, per kind: holders from ``pg_locks``, an election's value from the
-leaders' table (only the row of the session that holds the lock now), waiters from both queues.
+holders' table (only the rows of sessions that hold the lock now), waiters from both queues.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 import anyio
 
 from .._kit import HolderInfo, Kind, LockInfo, translate
-from ._kinds import INSPECT_HOLDS, SWEEP_LEADER, kind_key, permits_class, split
+from ._kinds import INSPECT_HOLDS, SWEEP, kind_key, permits_class, split
 from ._queue import Queue
-from ._semaphore_sql import INSPECT_SEMAPHORE
+from ._semaphore_sql import INSPECT_PERMITS, INSPECT_SEMAPHORE
 from ._sessions import Sessions
 from ._sql import INSPECT_QUEUE, marker_key
 from ._translate import Errors, connection_broken
@@ -32,47 +32,53 @@ async def inspect_key(
     classid, objid = split(key)
     rows = await connection.fetch(holds_sql, classid, objid, key)
     queued = await connection.fetchval(queue_sql, key, classid, objid, *split(marker_key(key)))
-    holders = [row for row in rows if row["granted"]]
+    granted = [row for row in rows if row["granted"]]
     # In the server's queue, and in the queue table (its head, in both, once).
-    waiters = len(rows) - len(holders) + int(queued)
-    if not holders:
+    waiters = len(rows) - len(granted) + int(queued)
+    if not granted:
         return LockInfo(name, held=False, waiters=waiters, kind=kind)
-    first = holders[0]
-    # The token of a lock lives in the holder's session only, and the server's idle timer is
-    # not exposed to other sessions: neither is shown. An election's row has the token, the
-    # owner and the value, once the take that wrote it has committed.
-    infos = tuple(
+    # Only the holds with a row (shared holds, leaders) are listed, lowest token first: an
+    # exclusive lock's token and owner live in its holder's session only, and the server's
+    # idle timer is not exposed to other sessions, so neither is shown for it.
+    holders = tuple(
         HolderInfo(
             owner=row["owner"],
             token=row["token"],
             shared=row["mode"] == "ShareLock",
-            value=None if row["value"] is None else bytes(row["value"]),
+            value=bytes(row["value"]) if kind == "election" else None,
         )
-        for row in holders
+        for row in granted
+        if row["owner"] is not None
     )
+    first = holders[0] if holders else HolderInfo()
     return LockInfo(
         name,
         held=True,
-        owner=first["owner"],
-        token=first["token"],
+        owner=first.owner,
+        token=first.token,
         waiters=waiters,
-        holder=f"{first['application_name'] or '?'} (backend pid {first['pid']})",
+        holder=f"{granted[0]['application_name'] or '?'} (backend pid {granted[0]['pid']})",
         kind=kind,
-        holders=infos,
-        value=infos[0].value if kind == "election" else None,
+        holders=holders,
+        value=first.value,
     )
 
 
 async def inspect_semaphore(
-    connection: Any, name: str, key: int, klass: int, *, sql: str
+    connection: Any, name: str, key: int, klass: int, *, sql: str, permits_sql: str
 ) -> LockInfo:
     held, permits, waiters = await connection.fetchrow(sql, klass, key)
+    rows = await connection.fetch(permits_sql, key) if held else []
+    holders = tuple(HolderInfo(owner=row["owner"], token=row["token"]) for row in rows)
+    first = holders[0] if holders else HolderInfo()
     return LockInfo(
         name,
         held=bool(held),
+        owner=first.owner,
+        token=first.token,
         waiters=int(waiters),
         kind="semaphore",
-        holders=tuple(HolderInfo() for _ in range(int(held))),
+        holders=holders,
         permits=None if permits is None else int(permits),
     )
 
@@ -106,11 +112,12 @@ class Inspector:
         self._errors = errors
         self._queue = queue
         self._schema = schema
-        queue_table, leaders = tables
+        queue_table, holders = tables
         self._queue_sql = INSPECT_QUEUE.format(queue=queue_table)
-        self._holds_sql = INSPECT_HOLDS.format(leaders=leaders)
+        self._holds_sql = INSPECT_HOLDS.format(holders=holders)
         self._semaphore_sql = INSPECT_SEMAPHORE.format(queue=queue_table)
-        self._sweep_sql = SWEEP_LEADER.format(leaders=leaders)
+        self._permits_sql = INSPECT_PERMITS.format(holders=holders)
+        self._sweep_sql = SWEEP.format(holders=holders)
         self._op_timeout = op_timeout
         self._poll_interval = poll_interval
 
@@ -123,10 +130,17 @@ class Inspector:
                     translate(self._errors, f"inspecting {kind} {name!r}"),
                     anyio.fail_after(self._op_timeout),
                 ):
+                    # Rows left by holders whose sessions ended go first (none are shown).
+                    await connection.fetchval(self._sweep_sql, key, 0)
                     if kind == "semaphore":
                         klass = permits_class(name, self._schema)
                         info = await inspect_semaphore(
-                            connection, name, key, klass, sql=self._semaphore_sql
+                            connection,
+                            name,
+                            key,
+                            klass,
+                            sql=self._semaphore_sql,
+                            permits_sql=self._permits_sql,
                         )
                     else:
                         info = await inspect_key(
@@ -137,9 +151,6 @@ class Inspector:
                             holds_sql=self._holds_sql,
                             queue_sql=self._queue_sql,
                         )
-                        if kind == "election" and info.value is None:
-                            # No leader's row shows: a stale one of an ended leader may be left.
-                            await connection.fetchval(self._sweep_sql, key, *split(key), 0)
             except BaseException as exc:
                 broken = connection_broken(connection, exc)
                 self._sessions.discard(connection)  # holds no lock: closing it is all
@@ -150,19 +161,18 @@ class Inspector:
             return info
 
     async def sweep(self, key: int, pid: int) -> None:
-        """Delete the leaders' rows of ``key`` whose sessions ended, waiting up to
+        """Delete the holders' rows of ``key`` whose sessions ended, waiting up to
         ``SWEEP_WAIT`` for the session ``pid`` to end (a connection just closed by us). Best
         effort: inspect never shows such a row, and the next leader's take overwrites it."""
-        classid, objid = split(key)
         deadline = anyio.current_time() + SWEEP_WAIT
         try:
             connection, _ = await self._sessions.take()
         except Exception as exc:
-            logger.info("asynclock: cannot delete the row of a lost leader: %r", exc)
+            logger.info("asynclock: cannot delete the row of a lost hold: %r", exc)
             return
         try:
             with anyio.fail_after(self._op_timeout + SWEEP_WAIT):
-                while await connection.fetchval(self._sweep_sql, key, classid, objid, pid):
+                while await connection.fetchval(self._sweep_sql, key, pid):
                     if anyio.current_time() > deadline:
                         break
                     await anyio.sleep(0.01)
@@ -170,7 +180,7 @@ class Inspector:
             self._sessions.discard(connection)
             if not isinstance(exc, Exception):
                 raise
-            logger.info("asynclock: cannot delete the row of a lost leader: %r", exc)
+            logger.info("asynclock: cannot delete the row of a lost hold: %r", exc)
             return
         self._sessions.give_back(connection)
 

@@ -14,29 +14,50 @@ from dataclasses import dataclass
 from .._kit import Kind
 from ._sql import lock_key, quote_ident
 
-#: Who leads each election (a row per election key, written in the statement that takes the
-#: lock). Unlogged: a crash ends every session, and with them every leader.
-LEADERS_TABLE = "asynclock_leaders"
-CREATE_LEADERS = """
-CREATE UNLOGGED TABLE IF NOT EXISTS {leaders} (
-    key bigint PRIMARY KEY,
+#: Who holds what, for inspect(): a row per shared hold, permit and leader (exclusive locks
+#: have none: a row would cost their takes a write), written in the statement that takes the
+#: advisory lock ``held`` and deleted by the one that unlocks it. ``key`` is the name's key in
+#: its kind's space (``held`` itself, or a semaphore's key for a permit's slot). A row whose pid
+#: no longer holds ``held`` is a crashed holder's: inspect never reads it (it joins pg_locks by
+#: pid) and deletes it. Unlogged: a crash ends every session, and with them every hold.
+HOLDERS_TABLE = "asynclock_holders"
+CREATE_HOLDERS = """
+CREATE UNLOGGED TABLE IF NOT EXISTS {holders} (
+    held bigint NOT NULL,
     pid integer NOT NULL,
+    key bigint NOT NULL,
     token bigint NOT NULL,
     owner text NOT NULL,
+    shared boolean NOT NULL,
     value bytea NOT NULL,
-    application_name text NOT NULL
+    application_name text NOT NULL,
+    PRIMARY KEY (held, pid)
 )
 """
-
-# A take on a lane, try-lock and token in one round trip ($1 key, $2 sequence). See LANE_TAKE.
+# The row of a hold, once the CTE ``token`` (the hold's token) has a row: $1 the key held.
+_KEEP = """
+kept AS (
+    INSERT INTO {holders} (held, pid, key, token, owner, shared, value, application_name)
+    SELECT $1, pg_backend_pid(), $1, token, ${owner}, {shared}, ${value},
+        current_setting('application_name')
+    FROM token
+    ON CONFLICT (held, pid) DO UPDATE SET key = excluded.key, token = excluded.token,
+        owner = excluded.owner, shared = excluded.shared, value = excluded.value,
+        application_name = excluded.application_name
+)"""
+# A take on a lane, try-lock and token in one round trip ($1 key, $2 sequence; kept: $3 owner,
+# $4 value; an election's NOTIFY: $5 channel). See _sql.LANE_TAKE.
 _LANE_TAKE = """
 WITH attempt AS MATERIALIZED (
     SELECT {try_lock}($1) AS taken
     WHERE NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
-)
-SELECT nextval($2::regclass) FROM attempt WHERE attempt.taken
+),
+token AS MATERIALIZED (SELECT nextval($2::regclass) AS token FROM attempt WHERE attempt.taken)
+{keep}
+SELECT token{notify} FROM token
 """
-# A wait in the server's queue ($1 key, $2 sequence, $3 ttl ms, $4 head, $5 marker): see WAIT.
+# A wait in the server's queue ($1 key, $2 sequence, $3 ttl ms, $4 head, $5 marker; kept: $6
+# owner, $7 value; NOTIFY: $8 channel). See _sql.WAIT.
 _WAIT = """
 WITH empty AS MATERIALIZED (
     SELECT 1 WHERE $4 OR NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
@@ -44,110 +65,61 @@ WITH empty AS MATERIALIZED (
 marked AS MATERIALIZED (SELECT pg_advisory_lock_shared($5) FROM empty WHERE $4),
 granted AS MATERIALIZED (
     SELECT {lock}($1) FROM empty CROSS JOIN (SELECT count(*) FROM marked) AS heads
-)
-SELECT nextval($2::regclass), pg_backend_pid(), set_config('idle_session_timeout', $3, false)
-FROM granted
+),
+token AS MATERIALIZED (SELECT nextval($2::regclass) AS token FROM granted)
+{keep}
+SELECT token, pg_backend_pid(), set_config('idle_session_timeout', $3, false){notify}
+FROM token
 """
 # One try on a dedicated connection (a shared hold while the lane holds the key shared already:
 # the lane refuses a re-entrant take, as the server would let it jump a waiting writer).
-# $1 key, $2 sequence, $3 ttl ms.
+# $1 key, $2 sequence, $3 ttl ms, $4 owner, $5 value.
 TRY_SHARED_DEDICATED = """
 WITH attempt AS MATERIALIZED (
     SELECT pg_try_advisory_lock_shared($1) AS taken
     WHERE NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
-)
-SELECT nextval($2::regclass), pg_backend_pid(), set_config('idle_session_timeout', $3, false)
-FROM attempt WHERE attempt.taken
+),
+token AS MATERIALIZED (SELECT nextval($2::regclass) AS token FROM attempt WHERE attempt.taken),
+{keep}
+SELECT token, pg_backend_pid(), set_config('idle_session_timeout', $3, false) FROM token
 """
-_UNLOCK = "SELECT {unlock}($1)"
-# The dedicated connection holds exactly this lock.
-_RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
+# A lane's unlock of one key ($1; NOTIFY: $2 channel), and its row with it (ours only).
+_UNLOCK = """
+WITH gone AS (DELETE FROM {holders} WHERE held = $1 AND pid = pg_backend_pid())
+SELECT {unlock}($1){notify}
+"""
+# The dedicated connection holds exactly this lock ($1 key; NOTIFY: $2 channel).
+_RELEASE = """
+WITH gone AS (DELETE FROM {holders} WHERE pid = pg_backend_pid())
+SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false){notify}
+"""
+_NOTIFY = ", pg_notify(${channel}, $1::text)"
 
-# -- elections: the same, and the leader's row written (and a NOTIFY sent) by the take ------------
-# The row is upserted in the statement that takes the lock, so a leader's row is there as soon as
-# the statement commits; a row whose pid no longer holds the key is a crashed leader's and is
-# never read as the leader (inspect joins pg_locks by pid). Extra: $3/$6 owner, $4/$7 value,
-# $5/$8 channel.
-_KEEP = """
-token AS MATERIALIZED (SELECT nextval($2::regclass) AS token FROM {granted}),
-kept AS (
-    INSERT INTO {leaders} (key, pid, token, owner, value, application_name)
-    SELECT $1, pg_backend_pid(), token, ${owner}, ${value}, current_setting('application_name')
-    FROM token
-    ON CONFLICT (key) DO UPDATE SET pid = excluded.pid, token = excluded.token,
-        owner = excluded.owner, value = excluded.value,
-        application_name = excluded.application_name
-)
-"""
-_ELECTION_LANE_TAKE = (
-    """
-WITH attempt AS MATERIALIZED (
-    SELECT pg_try_advisory_lock($1) AS taken
-    WHERE NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
-),
-taken AS MATERIALIZED (SELECT 1 FROM attempt WHERE attempt.taken),
-"""
-    + _KEEP.format(granted="taken", leaders="{leaders}", owner=3, value=4)
-    + "SELECT token, pg_notify($5, $1::text) FROM token"
-)
-_ELECTION_WAIT = (
-    """
-WITH empty AS MATERIALIZED (
-    SELECT 1 WHERE $4 OR NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
-),
-marked AS MATERIALIZED (SELECT pg_advisory_lock_shared($5) FROM empty WHERE $4),
-granted AS MATERIALIZED (
-    SELECT pg_advisory_lock($1) FROM empty CROSS JOIN (SELECT count(*) FROM marked) AS heads
-),
-"""
-    + _KEEP.format(granted="granted", leaders="{leaders}", owner=6, value=7)
-    + """SELECT token, pg_backend_pid(), set_config('idle_session_timeout', $3, false),
-    pg_notify($8, $1::text)
-FROM token"""
-)
-# The row goes with the lock (only our own: pid = ours); the NOTIFY tells the observers.
-_ELECTION_UNLOCK = """
-WITH gone AS (DELETE FROM {leaders} WHERE key = $1 AND pid = pg_backend_pid())
-SELECT pg_advisory_unlock($1), pg_notify($2, $1::text)
-"""
-_ELECTION_RELEASE = """
-WITH gone AS (DELETE FROM {leaders} WHERE key = $1 AND pid = pg_backend_pid())
-SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false),
-    pg_notify($2, $1::text)
-"""
-# The rows of leaders whose session ended without deleting them (killed, terminated, cut off):
-# their pid no longer holds the key. A leader's row is written after its lock is granted, so no
-# live leader's row matches (a take that overwrites a stale row meanwhile makes the DELETE
-# re-check the new row, whose pid holds the key). Whether the row of pid $4 is still there
-# (its session has not ended yet). $1 key, $2 classid, $3 objid.
-SWEEP_LEADER = """
+# Rows of holds whose session ended without deleting them (terminated, killed, timed out):
+# their pid no longer holds ``held``. A row is written after its lock is granted, so no live
+# hold's row matches (a take that overwrites a stale row meanwhile makes the DELETE re-check
+# the new row, whose pid holds the key). Returns whether the row of session $2 is left (it
+# has not ended yet). $1 the name's key; NULL: every key (open()).
+SWEEP = """
 WITH gone AS (
-    DELETE FROM {leaders} AS e WHERE e.key = $1 AND NOT EXISTS (
+    DELETE FROM {holders} AS h WHERE ($1::bigint IS NULL OR h.key = $1) AND NOT EXISTS (
         SELECT 1 FROM pg_locks AS l
-        WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid = e.pid
-          AND l.classid = $2 AND l.objid = $3
+        WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid = h.pid
+          AND ((l.classid::bigint << 32) | l.objid::bigint) = h.held
     )
     RETURNING pid
 )
-SELECT EXISTS (SELECT 1 FROM {leaders} WHERE key = $1 AND pid = $4)
-    AND NOT EXISTS (SELECT 1 FROM gone WHERE pid = $4)
+SELECT EXISTS (SELECT 1 FROM {holders} WHERE key = $1 AND pid = $2)
+    AND NOT EXISTS (SELECT 1 FROM gone WHERE pid = $2)
 """
-# The same for every election (open()).
-SWEEP_LEADERS = """
-DELETE FROM {leaders} AS e WHERE NOT EXISTS (
-    SELECT 1 FROM pg_locks AS l
-    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid = e.pid
-      AND ((l.classid::bigint << 32) | l.objid::bigint) = e.key
-)
-"""
-# Holders and waiters of one key ($1, $2: classid, objid), and the leader's row ($3: the key)
-# when its pid holds the key now.
+# Holders and waiters of one key ($1, $2: classid, objid), and the rows of the sessions that
+# hold it now ($3: the key).
 INSPECT_HOLDS = """
-SELECT l.granted, l.pid, l.mode, a.application_name, e.token, e.owner, e.value
+SELECT l.granted, l.pid, l.mode, a.application_name, h.token, h.owner, h.value
 FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-LEFT JOIN {leaders} AS e ON e.key = $3 AND e.pid = l.pid AND l.granted
+LEFT JOIN {holders} AS h ON h.held = $3 AND h.pid = l.pid AND l.granted
 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.classid = $1 AND l.objid = $2
-ORDER BY e.token NULLS LAST, l.pid
+ORDER BY h.token NULLS LAST, l.pid
 """
 
 
@@ -162,59 +134,92 @@ class Mode:
     wait: str
     #: On a lane: ``$1`` key, then :meth:`unlock_args`.
     unlock: str
-    #: On a dedicated connection: ``$1`` key, then :meth:`unlock_args` (none: no arguments).
+    #: On a dedicated connection: :meth:`release_args`.
     release: str
     shared: bool = False
     election: bool = False
+    #: Its holds keep a row in the holders' table (owner, token, value for inspect()).
+    kept: bool = True
     #: A shared try on a dedicated connection (``TRY_SHARED_DEDICATED``).
     try_dedicated: str = ""
 
     def take_args(self, owner: str, value: bytes, channel: str) -> tuple[object, ...]:
-        return (owner, value, channel) if self.election else ()
+        if not self.kept:
+            return ()
+        return (owner, value, channel) if self.election else (owner, value)
 
     def unlock_args(self, channel: str) -> tuple[object, ...]:
         return (channel,) if self.election else ()
 
     def release_args(self, key: int, channel: str) -> tuple[object, ...]:
+        if not self.kept:
+            return ()
         return (key, channel) if self.election else ()
 
 
-def modes(queue: str, leaders: str) -> dict[tuple[Kind, bool], Mode]:
-    """The modes by (kind, shared), for the queue table and the leaders' table of a schema."""
+def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
+    """The modes by (kind, shared), for the queue table and the holders' table of a schema."""
 
-    def plain(lock: str, try_lock: str, unlock: str, *, shared: bool) -> Mode:
-        return Mode(
-            lane_take=_LANE_TAKE.format(try_lock=try_lock, queue=queue),
-            wait=_WAIT.format(lock=lock, queue=queue),
-            unlock=_UNLOCK.format(unlock=unlock),
-            release=_RELEASE,
-            shared=shared,
-            try_dedicated=TRY_SHARED_DEDICATED.format(queue=queue) if shared else "",
+    def keep(owner: int, value: int, *, shared: bool) -> str:
+        return "," + _KEEP.format(
+            holders=holders, owner=owner, value=value, shared="true" if shared else "false"
         )
 
-    tables = {"queue": queue, "leaders": leaders}
+    def lane_take(try_lock: str, *, kept: bool, shared: bool = False, notify: bool = False) -> str:
+        return _LANE_TAKE.format(
+            try_lock=try_lock,
+            queue=queue,
+            keep=keep(3, 4, shared=shared) if kept else "",
+            notify=_NOTIFY.format(channel=5) if notify else "",
+        )
+
+    def wait(lock: str, *, kept: bool, shared: bool = False, notify: bool = False) -> str:
+        return _WAIT.format(
+            lock=lock,
+            queue=queue,
+            keep=keep(6, 7, shared=shared) if kept else "",
+            notify=_NOTIFY.format(channel=8) if notify else "",
+        )
+
+    def unlock(function: str, *, notify: bool = False) -> str:
+        notifying = _NOTIFY.format(channel=2) if notify else ""
+        return _UNLOCK.format(holders=holders, unlock=function, notify=notifying)
+
+    def release(*, notify: bool = False) -> str:
+        notifying = _NOTIFY.format(channel=2) if notify else ""
+        return _RELEASE.format(holders=holders, notify=notifying)
+
     return {
-        ("lock", False): plain(
-            "pg_advisory_lock", "pg_try_advisory_lock", "pg_advisory_unlock", shared=False
+        # Exclusive locks keep no row: their takes stay one write-free round trip.
+        ("lock", False): Mode(
+            lane_take=lane_take("pg_try_advisory_lock", kept=False),
+            wait=wait("pg_advisory_lock", kept=False),
+            unlock="SELECT pg_advisory_unlock($1)",
+            release="SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)",
+            kept=False,
         ),
-        ("lock", True): plain(
-            "pg_advisory_lock_shared",
-            "pg_try_advisory_lock_shared",
-            "pg_advisory_unlock_shared",
+        ("lock", True): Mode(
+            lane_take=lane_take("pg_try_advisory_lock_shared", kept=True, shared=True),
+            wait=wait("pg_advisory_lock_shared", kept=True, shared=True),
+            unlock=unlock("pg_advisory_unlock_shared"),
+            release=release(),
             shared=True,
+            try_dedicated=TRY_SHARED_DEDICATED.format(
+                queue=queue, keep=keep(4, 5, shared=True)[1:]
+            ),
         ),
         ("election", False): Mode(
-            lane_take=_ELECTION_LANE_TAKE.format(**tables),
-            wait=_ELECTION_WAIT.format(**tables),
-            unlock=_ELECTION_UNLOCK.format(**tables),
-            release=_ELECTION_RELEASE.format(**tables),
+            lane_take=lane_take("pg_try_advisory_lock", kept=True, notify=True),
+            wait=wait("pg_advisory_lock", kept=True, notify=True),
+            unlock=unlock("pg_advisory_unlock", notify=True),
+            release=release(notify=True),
             election=True,
         ),
     }
 
 
-def leaders_name(schema: str) -> str:
-    return f"{quote_ident(schema)}.{quote_ident(LEADERS_TABLE)}"
+def holders_name(schema: str) -> str:
+    return f"{quote_ident(schema)}.{quote_ident(HOLDERS_TABLE)}"
 
 
 def _hash(person: bytes, schema: str, name: str, size: int = 8) -> int:

@@ -70,8 +70,9 @@ class PostgresGrant(Grant):
     lane: Lane | None = field(default=None, repr=False)
     #: A shared (read) hold.
     shared: bool = False
-    #: An election's term (its release also deletes the leader's row).
-    election: bool = False
+    #: The name's key in the holders' table, for a hold that keeps a row there (all but
+    #: exclusive locks): a release that finds the session gone deletes the row it left.
+    kept_key: int | None = None
     #: What releases it on a dedicated connection (the connection holds only this lock).
     release_sql: str = field(default="", repr=False)
     release_args: tuple[object, ...] = field(default=(), repr=False)

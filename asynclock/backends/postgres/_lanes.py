@@ -145,9 +145,10 @@ class Lanes:
                 pid=lane.pid,
                 connection=lane.connection,
                 on_lost=request.on_lost,
+                space=request.kind,
                 lane=lane,
                 shared=mode.shared,
-                election=mode.election,
+                kept_key=key if mode.kept else None,
             )
             lane.grants[key] = grant
             return grant

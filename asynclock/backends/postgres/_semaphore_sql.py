@@ -29,12 +29,13 @@ other AS MATERIALIZED (
 # committed before): a lock in a statement would not do, as the statement's snapshot is taken
 # before it waits for the lock, and a place made meanwhile would be missed.
 BEGIN_SEMAPHORE = "BEGIN; SELECT pg_advisory_xact_lock({key})"
-# One try on a dedicated connection, in that transaction: $1 key, $2 sequence, $3 ttl (ms), $4 head of the queue
-# table (others may only take while nobody waits there), $5 the slot keys, $6 the permits
-# class, $7 N. Returns (slot key or NULL, another N or NULL, token, pid, timer). The slots are
-# tried in order and the first free one is taken: LIMIT stops the scan there, and the CASE keeps
-# the try from running unless the semaphore may be taken. The idle timer (the ttl) is only set,
-# and the permits lock only taken, with a slot.
+# One try on a dedicated connection, in that transaction: $1 key, $2 sequence, $3 ttl (ms),
+# $4 head of the queue table (others may only take while nobody waits there), $5 the slot keys,
+# $6 the permits class, $7 N, $8 owner (the permit's row in the holders' table, _kinds.py).
+# Returns (slot key or NULL, another N or NULL, token, pid, timer). The slots are tried in
+# order and the first free one is taken: LIMIT stops the scan there, and the CASE keeps the try
+# from running unless the semaphore may be taken. The idle timer (the ttl) is only set, and the
+# permits lock and the row only taken and written, with a slot.
 TAKE_SEMAPHORE = (
     """
 WITH serial AS MATERIALIZED (SELECT 1),"""
@@ -50,10 +51,19 @@ slot AS MATERIALIZED (
     WHERE CASE WHEN free.free THEN pg_try_advisory_lock(s.k) ELSE false END
     LIMIT 1
 ),
-marked AS MATERIALIZED (SELECT pg_advisory_lock_shared($6::int, $7::int) FROM slot)
-SELECT (SELECT k FROM slot), (SELECT min(n) FROM other),
-    (SELECT nextval($2::regclass) FROM marked), pg_backend_pid(),
-    (SELECT set_config('idle_session_timeout', $3, false) FROM slot)
+marked AS MATERIALIZED (SELECT pg_advisory_lock_shared($6::int, $7::int) FROM slot),
+token AS MATERIALIZED (SELECT slot.k, nextval($2::regclass) AS token FROM slot, marked),
+kept AS (
+    INSERT INTO {holders} (held, pid, key, token, owner, shared, value, application_name)
+    SELECT k, pg_backend_pid(), $1, token, $8, false, ''::bytea,
+        current_setting('application_name')
+    FROM token
+    ON CONFLICT (held, pid) DO UPDATE SET key = excluded.key, token = excluded.token,
+        owner = excluded.owner, shared = false, value = excluded.value,
+        application_name = excluded.application_name
+)
+SELECT (SELECT k FROM slot), (SELECT min(n) FROM other), (SELECT token FROM token),
+    pg_backend_pid(), (SELECT set_config('idle_session_timeout', $3, false) FROM slot)
 """
 )
 
@@ -78,6 +88,7 @@ SELECT (SELECT ticket FROM placed), (SELECT min(n) FROM other)
 # The connection holds the permit and its permits lock only; the first waiter of the key, if
 # any, hears of the free permit ($1 channel, $2 key).
 RELEASE_SEMAPHORE = """
+WITH gone AS (DELETE FROM {holders} WHERE pid = pg_backend_pid())
 SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false),
     (SELECT pg_notify($1, ($2::bigint)::text)
      WHERE EXISTS (SELECT 1 FROM {queue} WHERE key = $2::bigint AND expires_at > now()))
@@ -97,4 +108,12 @@ SELECT
         (SELECT min(substring(q.waiter FROM ' permits=([0-9]+)$')::bigint) FROM {queue} AS q
          WHERE q.key = $2 AND q.expires_at > now())),
     (SELECT count(*) FROM {queue} WHERE key = $2 AND expires_at > now())
+"""
+# The permits' rows whose sessions hold their slots now ($1: the semaphore's key).
+INSPECT_PERMITS = """
+SELECT h.owner, h.token FROM {holders} AS h JOIN pg_locks AS l
+    ON l.pid = h.pid AND l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+   AND ((l.classid::bigint << 32) | l.objid::bigint) = h.held
+WHERE h.key = $1
+ORDER BY h.token
 """

@@ -33,6 +33,7 @@ class Semaphores:
         errors: Errors,
         sequence: str,
         queue_table: str,
+        holders: str,
         schema: str,
         channel: str,
         held: dict[Any, PostgresGrant],
@@ -47,8 +48,8 @@ class Semaphores:
         self._held = held
         self._queue = queue
         self._connection_closed = on_closed
-        self._take_sql = TAKE_SEMAPHORE.format(queue=queue_table)
-        self._release_sql = RELEASE_SEMAPHORE.format(queue=queue_table)
+        self._take_sql = TAKE_SEMAPHORE.format(queue=queue_table, holders=holders)
+        self._release_sql = RELEASE_SEMAPHORE.format(queue=queue_table, holders=holders)
 
     async def take(self, request: LockRequest, *, wait: bool) -> PostgresGrant | None:
         """One try; if no permit is free and ``wait``, a place in the queue table, whose head
@@ -86,7 +87,14 @@ class Semaphores:
                     sent_at = now()
                     await connection.execute(BEGIN_SEMAPHORE.format(key=int(key)))
                     row = await connection.fetchrow(
-                        self._take_sql, key, self._sequence, str(ttl_ms), head, slots, *permits
+                        self._take_sql,
+                        key,
+                        self._sequence,
+                        str(ttl_ms),
+                        head,
+                        slots,
+                        *permits,
+                        request.owner,
                     )
                     await connection.execute("COMMIT")
             except BaseException as exc:
@@ -110,8 +118,10 @@ class Semaphores:
                 pid=int(row[3]),
                 connection=connection,
                 on_lost=request.on_lost,
+                space=request.kind,
                 release_sql=self._release_sql,
                 release_args=(self._channel, key),
+                kept_key=key,
             )
             self._held[connection] = grant
             if connection.is_closed():

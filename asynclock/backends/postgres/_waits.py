@@ -56,7 +56,7 @@ class Waits:
         args: tuple[object, ...] = (),
         release: tuple[str, tuple[object, ...]] = (RELEASE, ()),
         shared: bool = False,
-        election: bool = False,
+        kept: bool = False,
     ) -> PostgresGrant | None:
         """Wait in the server's queue on a dedicated connection, which then holds the lock;
         unless the queue table has places for the key (None: wait there, ``_queue.py``), or
@@ -80,7 +80,7 @@ class Waits:
             self.waiting -= 1
         if grant is not None:
             grant.shared = shared
-            grant.election = election
+            grant.kept_key = key if kept else None
             grant.release_sql, grant.release_args = release
         return grant
 
@@ -139,6 +139,7 @@ class Waits:
             pid=int(row[1]),
             connection=connection,
             on_lost=request.on_lost,
+            space=request.kind,
         )
         self._held[connection] = grant
         if connection.is_closed():

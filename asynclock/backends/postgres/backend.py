@@ -25,10 +25,10 @@ from .._kit import (
 )
 from ._inspect import Inspector
 from ._kinds import (
-    CREATE_LEADERS,
-    SWEEP_LEADERS,
+    CREATE_HOLDERS,
+    SWEEP,
+    holders_name,
     kind_key,
-    leaders_name,
     modes,
 )
 from ._lane import PostgresGrant
@@ -108,15 +108,15 @@ class PostgresBackend(Backend[PostgresGrant]):
         self.sequence = sequence_name(schema)
         self._described = redact(dsn.split("?", 1)[0])
         self.queue = queue_name(schema)
-        self.leaders = leaders_name(schema)
-        self._modes = modes(self.queue, self.leaders)
+        self.holders = holders_name(schema)
+        self._modes = modes(self.queue, self.holders)
         self._channel = f"asynclock {schema}"
         self._translator = Errors(
             self._described,
             connect_timeout,
             schema,
             self.sequence,
-            creates(self.sequence, self.queue, CREATE_LEADERS.format(leaders=self.leaders)),
+            creates(self.sequence, self.queue, CREATE_HOLDERS.format(holders=self.holders)),
         )
         #: The grant of each dedicated holding connection; our waiters in the server's queue.
         self._held: dict[Any, PostgresGrant] = {}
@@ -173,6 +173,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             errors=self._translator,
             sequence=self.sequence,
             queue_table=self.queue,
+            holders=self.holders,
             schema=schema,
             channel=self._channel,
             held=self._held,
@@ -184,7 +185,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             errors=self._translator,
             queue=self._queue,
             schema=schema,
-            tables=(self.queue, self.leaders),
+            tables=(self.queue, self.holders),
             op_timeout=self.op_timeout,
             poll_interval=self.poll_interval,
         )
@@ -253,13 +254,13 @@ class PostgresBackend(Backend[PostgresGrant]):
                     )
                     for table, create in (
                         (self.queue, CREATE_QUEUE.format(queue=self.queue)),
-                        (self.leaders, CREATE_LEADERS.format(leaders=self.leaders)),
+                        (self.holders, CREATE_HOLDERS.format(holders=self.holders)),
                     ):
                         await ensure_queue(
                             connection, queue=table, schema=self.schema, create=create
                         )
-                    # Rows of leaders that ended while no client of this schema ran.
-                    await connection.execute(SWEEP_LEADERS.format(leaders=self.leaders))
+                    # Rows of holds that ended while no client of this schema ran.
+                    await connection.fetchval(SWEEP.format(holders=self.holders), None, 0)
                     await probe_check_interval(connection, self._server_settings)
             except BaseException:
                 self._sessions.discard(connection)
@@ -313,7 +314,15 @@ class PostgresBackend(Backend[PostgresGrant]):
                 # The lane holds it shared already: a second hold there would be re-entrant
                 # (past a waiting writer too), so this one tries on a connection of its own.
                 grant = await self._waits.wait(
-                    request, key, ttl_ms, head=False, sql=mode.try_dedicated, shared=True
+                    request,
+                    key,
+                    ttl_ms,
+                    head=False,
+                    sql=mode.try_dedicated,
+                    args=(request.owner, request.value),
+                    release=(mode.release, ()),
+                    shared=True,
+                    kept=True,
                 )
             else:
                 grant = await self._lanes.take(request, key, ttl_ms, mode, self._channel)
@@ -333,7 +342,7 @@ class PostgresBackend(Backend[PostgresGrant]):
                     args=(head, marker_key(key), *extra),
                     release=(mode.release, mode.release_args(key, self._channel)),
                     shared=mode.shared,
-                    election=mode.election,
+                    kept=mode.kept,
                 )
 
             if self._waits.waiting < self.max_waiting:
@@ -378,10 +387,10 @@ class PostgresBackend(Backend[PostgresGrant]):
         else:
             await self._waits.release(grant)
             gone = grant.connection.is_closed()
-        if grant.election and gone:
-            # The session ended without deleting the leader's row: once it has (inspect never
+        if grant.kept_key is not None and gone:
+            # The session ended without deleting the hold's row: once it has (inspect never
             # shows the row meanwhile), so does this.
-            await self._inspector.sweep(grant.key, grant.pid)
+            await self._inspector.sweep(grant.kept_key, grant.pid)
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         return await self._inspector.inspect(name, kind)
