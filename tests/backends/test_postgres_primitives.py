@@ -4,13 +4,19 @@ the holders' table, terminated sessions)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
 import asyncpg
 import pytest
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 import asynclock
 from asynclock.abc import Kind, LockRequest, Lost, Renewed
@@ -19,6 +25,29 @@ from asynclock.backends.postgres._kinds import kind_key, permits_class, split
 from asynclock.testing import PostgresServer
 
 pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: A permit or a term in a process of its own: prints "held", then "lost" if its body is
+#: cancelled.
+HOLDER = """
+import sys, anyio, asynclock
+
+async def main(url, kind, name, ttl):
+    async with asynclock.connect(url) as locks:
+        if kind == "semaphore":
+            hold = locks.semaphore(name, permits=2).lock(ttl=float(ttl))
+        else:
+            hold = locks.election(name).campaign(b"child", ttl=float(ttl))
+        try:
+            async with hold:
+                print("held", flush=True)
+                await anyio.sleep(60)
+        except asynclock.LeaseLost:
+            print("lost", flush=True)
+
+anyio.run(main, *sys.argv[1:])
+"""
 
 LEFTOVERS = """
 SELECT
@@ -468,3 +497,68 @@ async def test_permits_class_and_keys_are_in_their_own_spaces(name: str) -> None
     assert len(keys) == 3
     assert -(2**31) <= permits_class(name) < 2**31
     assert all(0 <= part < 2**32 for part in split(kind_key(name, "election")))
+
+
+# -- holders in processes of their own ------------------------------------------------------------
+
+
+async def start_holder(url: str, kind: str, name: str, ttl: float) -> tuple[Process, Any]:
+    process = await anyio.open_process(
+        [sys.executable, "-c", HOLDER, url, kind, name, str(ttl)], cwd=ROOT, stderr=None
+    )
+    assert process.stdout is not None
+    output = BufferedByteReceiveStream(process.stdout)
+    with anyio.fail_after(20):
+        assert await output.receive_until(b"\n", 100) == b"held"
+    return process, output
+
+
+async def test_a_killed_permit_holder_frees_exactly_its_permit_at_once(
+    postgres_server: PostgresServer, name: str
+) -> None:
+    async with asynclock.connect(postgres_server.url) as locks:
+        semaphore = locks.semaphore(name, permits=2)
+        keeper = await semaphore.acquire(ttl=30)
+        process, _ = await start_holder(postgres_server.url, "semaphore", name, 30.0)
+        async with process:
+            assert await semaphore.try_acquire(ttl=30) is None
+            process.kill()
+            killed_at = anyio.current_time()
+            await process.wait()
+            with anyio.fail_after(2):
+                while (again := await semaphore.try_acquire(ttl=30)) is None:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+        assert anyio.current_time() - killed_at < 1.0
+        assert keeper.held and not keeper.lost
+        info = await semaphore.inspect()
+        assert len(info.holders) == 2 and info.permits == 2
+        await again.release()
+        await keeper.release()
+
+
+async def test_a_paused_leader_is_replaced_after_its_ttl_and_stops_when_it_resumes(
+    postgres_server: PostgresServer, name: str
+) -> None:
+    ttl = 1.5
+    process, output = await start_holder(postgres_server.url, "election", name, ttl)
+    async with process, asynclock.connect(postgres_server.url) as other:
+        election = other.election(name)
+        first = await election.leader()
+        assert first is not None and first.value == b"child"
+        try:
+            os.kill(process.pid, signal.SIGSTOP)
+            stopped_at = anyio.current_time()
+            async with election.campaign(b"parent", ttl=10, timeout=ttl + 2) as term:
+                assert anyio.current_time() - stopped_at >= ttl * 2 / 3
+                assert first.token is not None and term.token is not None
+                assert term.token > first.token
+                leader = await election.leader()
+                assert leader is not None and leader.value == b"parent"
+                os.kill(process.pid, signal.SIGCONT)
+                with anyio.fail_after(5):
+                    assert await output.receive_until(b"\n", 100) == b"lost"
+                assert not term.lost
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        with anyio.fail_after(10):
+            assert await process.wait() == 0

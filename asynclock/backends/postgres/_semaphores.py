@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
 from .._kit import LockRequest, now, permits_mismatch, translate
 from ._kinds import kind_key, permits_class, slot_keys
 from ._lane import PostgresGrant
@@ -39,7 +41,9 @@ class Semaphores:
         held: dict[Any, PostgresGrant],
         queue: Queue,
         on_closed: Callable[[Any], None],
+        op_timeout: float,
     ) -> None:
+        self._op_timeout = op_timeout
         self._sessions = sessions
         self._errors = errors
         self._sequence = sequence
@@ -83,7 +87,11 @@ class Semaphores:
         while True:
             connection, reused = await self._sessions.take()
             try:
-                with translate(self._errors, f"taking a permit of {request.name!r}"):
+                with (
+                    translate(self._errors, f"taking a permit of {request.name!r}"),
+                    # A try: it waits for nothing but other takes' transactions.
+                    anyio.fail_after(self._op_timeout),
+                ):
                     sent_at = now()
                     await connection.execute(BEGIN_SEMAPHORE.format(key=int(key)))
                     row = await connection.fetchrow(

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
 from .._kit import LockRequest, now, translate
 from ._lane import PostgresGrant
 from ._sessions import Replacements, Sessions
@@ -57,6 +59,7 @@ class Waits:
         release: tuple[str, tuple[object, ...]] = (RELEASE, ()),
         shared: bool = False,
         kept: bool = False,
+        bound: float | None = None,
     ) -> PostgresGrant | None:
         """Wait in the server's queue on a dedicated connection, which then holds the lock;
         unless the queue table has places for the key (None: wait there, ``_queue.py``), or
@@ -75,7 +78,9 @@ class Waits:
         # Counted before the first await: waiters that start together see each other.
         self.waiting += 1
         try:
-            grant = await self._wait(request, key, ttl_ms, head=head, sql=sql, args=args)
+            grant = await self._wait(
+                request, key, ttl_ms, head=head, sql=sql, args=args, bound=bound
+            )
         finally:
             self.waiting -= 1
         if grant is not None:
@@ -93,12 +98,16 @@ class Waits:
         head: bool,
         sql: str,
         args: tuple[object, ...],
+        bound: float | None,
     ) -> PostgresGrant | None:
         replacements = Replacements()
         while True:
             connection, reused = await self._sessions.take()
             try:
-                with translate(self._errors, f"waiting for {request.name!r}"):
+                with (
+                    translate(self._errors, f"waiting for {request.name!r}"),
+                    anyio.fail_after(bound),  # a try (that does not wait): op_timeout
+                ):
                     # Queue in the server; the caller's cancel scope bounds the wait.
                     sent_at = now()
                     row = await connection.fetchrow(sql, key, self.sequence, str(ttl_ms), *args)

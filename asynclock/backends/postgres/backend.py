@@ -179,6 +179,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             held=self._held,
             queue=self._queue,
             on_closed=self._connection_closed,
+            op_timeout=self.op_timeout,
         )
         inspector = Inspector(
             sessions=self._sessions,
@@ -323,6 +324,7 @@ class PostgresBackend(Backend[PostgresGrant]):
                     release=(mode.release, ()),
                     shared=True,
                     kept=True,
+                    bound=self.op_timeout,
                 )
             else:
                 grant = await self._lanes.take(request, key, ttl_ms, mode, self._channel)
