@@ -562,3 +562,33 @@ async def test_a_paused_leader_is_replaced_after_its_ttl_and_stops_when_it_resum
             os.kill(process.pid, signal.SIGCONT)
         with anyio.fail_after(10):
             assert await process.wait() == 0
+
+
+async def test_a_user_who_may_not_create_the_holders_table_still_locks_exclusively(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str, caplog: Any
+) -> None:
+    """An upgrade must not break a locked-down deployment that made the sequence and the queue
+    table as their owner: only the new kinds need the new table, and they say so."""
+    role, schema = f"locker_{uuid.uuid4().hex[:8]}", f"s_{uuid.uuid4().hex[:8]}"
+    await admin.execute(f"CREATE SCHEMA {schema}")
+    async with PostgresBackend.from_url(postgres_server.url, {"schema": schema}) as owner:
+        assert owner._holders_ready  # made them all (as a superuser)
+    await admin.execute(f"DROP TABLE {schema}.asynclock_holders")
+    await admin.execute(f"CREATE ROLE {role} LOGIN")
+    await admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+    await admin.execute(f"GRANT USAGE ON SEQUENCE {schema}.asynclock_token_seq TO {role}")
+    await admin.execute(
+        f"GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.asynclock_waiters TO {role}"
+    )
+    url = f"postgresql://{role}@{postgres_server.address}/postgres"
+    async with asynclock.connect(url, schema=schema) as locks:
+        assert "asynclock_holders" in caplog.text
+        async with locks.lock(name, ttl=5) as lease:
+            assert lease.token is not None
+        with pytest.raises(asynclock.UnsupportedFeature, match="CREATE UNLOGGED TABLE"):
+            await locks.try_acquire(name, ttl=5, shared=True)
+        with pytest.raises(asynclock.UnsupportedFeature, match="asynclock_holders"):
+            await locks.semaphore(name, permits=2).try_acquire(ttl=5)
+        with pytest.raises(asynclock.UnsupportedFeature, match="asynclock_holders"):
+            async with locks.election(name).campaign(b"x", ttl=5, timeout=1):
+                pass

@@ -20,6 +20,7 @@ from .._kit import (
     LockRequest,
     RenewOutcome,
     TaskHost,
+    UnsupportedFeature,
     redact,
     translate,
 )
@@ -36,7 +37,13 @@ from ._lanes import Lanes
 from ._queue import Queue
 from ._renewals import Renewals
 from ._semaphores import Semaphores
-from ._server import check_version, ensure_queue, ensure_sequence, probe_check_interval
+from ._server import (
+    check_version,
+    ensure_holders,
+    ensure_queue,
+    ensure_sequence,
+    probe_check_interval,
+)
 from ._sessions import Sessions
 from ._sql import (
     CREATE,
@@ -74,6 +81,8 @@ class PostgresBackend(Backend[PostgresGrant]):
     #: 0.89 ttl): 0.1 s leaves some 55 ms for it. On a shared 2-core machine with a local
     #: server, 2 s holds (20 ttls) at ttl 0.1 s kept their leases (tests/backends/test_postgres.py).
     min_ttl = 0.1
+    #: Whether the holders' table is there for shared locks, semaphores, elections (open()).
+    _holders_ready = False
     capabilities = Capabilities(
         fencing=True,
         fifo=True,
@@ -163,34 +172,8 @@ class PostgresBackend(Backend[PostgresGrant]):
             queue=self.queue,
             channel=self._channel,
         )
-        self._semaphores, self._inspector = self._kinds(schema)
+        self._semaphores, self._inspector = _kind_parts(self, schema)
         self._state = "new"
-
-    def _kinds(self, schema: str) -> tuple[Semaphores, Inspector]:
-        """The parts for semaphores, and for inspecting every kind."""
-        semaphores = Semaphores(
-            sessions=self._sessions,
-            errors=self._translator,
-            sequence=self.sequence,
-            queue_table=self.queue,
-            holders=self.holders,
-            schema=schema,
-            channel=self._channel,
-            held=self._held,
-            queue=self._queue,
-            on_closed=self._connection_closed,
-            op_timeout=self.op_timeout,
-        )
-        inspector = Inspector(
-            sessions=self._sessions,
-            errors=self._translator,
-            queue=self._queue,
-            schema=schema,
-            tables=(self.queue, self.holders),
-            op_timeout=self.op_timeout,
-            poll_interval=self.poll_interval,
-        )
-        return semaphores, inspector
 
     # -- construction ------------------------------------------------------------------------
 
@@ -253,15 +236,20 @@ class PostgresBackend(Backend[PostgresGrant]):
                         create=CREATE.format(sequence=self.sequence),
                         server=self._described,
                     )
-                    for table, create in (
-                        (self.queue, CREATE_QUEUE.format(queue=self.queue)),
-                        (self.holders, CREATE_HOLDERS.format(holders=self.holders)),
-                    ):
-                        await ensure_queue(
-                            connection, queue=table, schema=self.schema, create=create
-                        )
-                    # Rows of holds that ended while no client of this schema ran.
-                    await connection.fetchval(SWEEP.format(holders=self.holders), None, 0)
+                    await ensure_queue(
+                        connection,
+                        queue=self.queue,
+                        schema=self.schema,
+                        create=CREATE_QUEUE.format(queue=self.queue),
+                    )
+                    self._holders_ready = await ensure_holders(
+                        connection,
+                        holders=self.holders,
+                        schema=self.schema,
+                        create=CREATE_HOLDERS.format(holders=self.holders),
+                        sweep=SWEEP.format(holders=self.holders),
+                        server=self._described,
+                    )
                     await probe_check_interval(connection, self._server_settings)
             except BaseException:
                 self._sessions.discard(connection)
@@ -304,6 +292,8 @@ class PostgresBackend(Backend[PostgresGrant]):
         """Try on the lane of the request's ttl; if the lock is busy and ``wait``, wait for it
         in the server's queue on a dedicated connection (or in the queue table behind it).
         Semaphores take and wait their own way (``_semaphores.py``)."""
+        if (request.shared or request.kind != "lock") and not self._holders_ready:
+            raise _no_holders_table(request, self._described, self.holders)
         if request.kind == "semaphore":
             return await self._semaphores.take(request, wait=wait)
         key = kind_key(request.name, request.kind, self.schema)
@@ -417,3 +407,39 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     def _errors(self, what: str) -> AbstractContextManager[None]:
         return translate(self._translator, what)
+
+
+def _kind_parts(backend: PostgresBackend, schema: str) -> tuple[Semaphores, Inspector]:
+    """The parts for semaphores, and for inspecting every kind."""
+    semaphores = Semaphores(
+        sessions=backend._sessions,
+        errors=backend._translator,
+        sequence=backend.sequence,
+        queue_table=backend.queue,
+        holders=backend.holders,
+        schema=schema,
+        channel=backend._channel,
+        held=backend._held,
+        queue=backend._queue,
+        on_closed=backend._connection_closed,
+        op_timeout=backend.op_timeout,
+    )
+    inspector = Inspector(
+        sessions=backend._sessions,
+        errors=backend._translator,
+        queue=backend._queue,
+        schema=schema,
+        tables=(backend.queue, backend.holders),
+        op_timeout=backend.op_timeout,
+        poll_interval=backend.poll_interval,
+    )
+    return semaphores, inspector
+
+
+def _no_holders_table(request: LockRequest, server: str, holders: str) -> UnsupportedFeature:
+    create = " ".join(CREATE_HOLDERS.format(holders=holders).split())
+    return UnsupportedFeature(
+        f"{request.kind} {request.name!r}: shared locks, semaphores and elections on {server} "
+        f"need the table {holders}, which this user may not create: create it once as its "
+        f"owner with {create}, and GRANT SELECT, INSERT, UPDATE, DELETE ON it TO the lock users"
+    )
