@@ -109,12 +109,14 @@ def request(
 
 async def nothing_left(admin: asyncpg.Connection, app: str, *names: str) -> None:
     keys = [kind_key(n, "semaphore") for n in names] + [kind_key(n, "election") for n in names]
-    with anyio.fail_after(5):
+    left: tuple[int, ...] = ()
+    with anyio.move_on_after(5):
         while True:
-            row = await admin.fetchrow(LEFTOVERS, app, keys)
-            if tuple(row) == (0, 0, 0):
+            left = tuple(await admin.fetchrow(LEFTOVERS, app, keys))
+            if left == (0, 0, 0):
                 return
             await anyio.sleep(0.02)
+    pytest.fail(f"left on the server (advisory locks, holders' rows, places): {left}")
 
 
 # -- shared holds ---------------------------------------------------------------------------------

@@ -112,6 +112,14 @@ WITH gone AS (
 SELECT EXISTS (SELECT 1 FROM {holders} WHERE key = $1 AND pid = $2)
     AND NOT EXISTS (SELECT 1 FROM gone WHERE pid = $2)
 """
+# The same for the rows of one ended session ($1: its pid), after an interrupted take.
+SWEEP_SESSION = """
+DELETE FROM {holders} AS h WHERE h.pid = $1 AND NOT EXISTS (
+    SELECT 1 FROM pg_locks AS l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.pid = h.pid
+      AND ((l.classid::bigint << 32) | l.objid::bigint) = h.held
+)
+"""
 # Holders and waiters of one key ($1, $2: classid, objid), and the rows of the sessions that
 # hold it now ($3: the key).
 INSPECT_HOLDS = """

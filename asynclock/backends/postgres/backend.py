@@ -28,6 +28,7 @@ from ._inspect import Inspector
 from ._kinds import (
     CREATE_HOLDERS,
     SWEEP,
+    SWEEP_SESSION,
     holders_name,
     kind_key,
     modes,
@@ -250,6 +251,8 @@ class PostgresBackend(Backend[PostgresGrant]):
                         sweep=SWEEP.format(holders=self.holders),
                         server=self._described,
                     )
+                    if self._holders_ready:
+                        self._sessions.sweep_sql = SWEEP_SESSION.format(holders=self.holders)
                     await probe_check_interval(connection, self._server_settings)
             except BaseException:
                 self._sessions.discard(connection)
