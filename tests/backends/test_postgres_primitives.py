@@ -594,3 +594,39 @@ async def test_a_user_who_may_not_create_the_holders_table_still_locks_exclusive
         with pytest.raises(asynclock.UnsupportedFeature, match="asynclock_holders"):
             async with locks.election(name).campaign(b"x", ttl=5, timeout=1):
                 pass
+
+
+async def test_observers_never_see_a_leader_whose_take_has_not_committed(
+    postgres_server: PostgresServer, name: str
+) -> None:
+    """A hand-over grants the waiting candidate the lock when the leader unlocks, a moment
+    before its take commits the leader's row: an observer woken by the release must not see
+    a leader without a value then."""
+    seen: list[asynclock.Leader | None] = []
+    async with (
+        asynclock.connect(postgres_server.url) as one,
+        asynclock.connect(postgres_server.url) as two,
+        asynclock.connect(postgres_server.url) as watcher,
+    ):
+
+        async def observe() -> None:
+            async for leader in watcher.election(name).observe():
+                seen.append(leader)  # noqa: PERF401 (read while it runs)
+
+        async def candidate(locks: asynclock.LockClient, value: bytes, terms: int) -> None:
+            for _ in range(terms):
+                async with locks.election(name).campaign(value, ttl=5, timeout=10):
+                    await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(observe)
+            async with anyio.create_task_group() as candidates:
+                candidates.start_soon(candidate, one, b"one", 15)
+                candidates.start_soon(candidate, two, b"two", 15)
+            await anyio.sleep(0.1)
+            tg.cancel_scope.cancel()
+    leaders = [leader for leader in seen if leader is not None]
+    assert leaders, seen
+    assert all(leader.value in (b"one", b"two") and leader.token for leader in leaders), seen
+    tokens = [leader.token for leader in leaders]
+    assert tokens == sorted(tokens)

@@ -50,6 +50,11 @@ async def inspect_key(
         for row in granted
         if row["owner"] is not None
     )
+    if kind == "election" and not holders:
+        # Granted, but its take has not committed the leader's row yet (a hand-over in
+        # progress): no leader is known until it has, and its NOTIFY comes then. Shown as
+        # nobody, never as a leader without a value or token.
+        return LockInfo(name, held=False, waiters=waiters, kind=kind)
     first = holders[0] if holders else HolderInfo()
     return LockInfo(
         name,
