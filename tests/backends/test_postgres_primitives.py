@@ -628,5 +628,5 @@ async def test_observers_never_see_a_leader_whose_take_has_not_committed(
     leaders = [leader for leader in seen if leader is not None]
     assert leaders, seen
     assert all(leader.value in (b"one", b"two") and leader.token for leader in leaders), seen
-    tokens = [leader.token for leader in leaders]
+    tokens = [leader.token or 0 for leader in leaders]
     assert tokens == sorted(tokens)
