@@ -2,7 +2,8 @@
 
 Every kind is its own key space: the lock "a", the semaphore "a" and the election "a" hash to
 unrelated keys (BLAKE2b with a personalisation of their own), so they never exclude each other.
-Semaphores are in ``_semaphores.py``; their statements are at the end of this file.
+Semaphores are in ``_semaphores.py``, their statements in ``_semaphore_sql.py``; their permits
+keep rows in the holders' table below too.
 """
 
 from __future__ import annotations
