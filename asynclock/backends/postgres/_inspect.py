@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 
-from .._kit import HolderInfo, Kind, LockInfo, translate
+from .._kit import HolderInfo, Kind, LockError, LockInfo, translate
 from ._kinds import INSPECT_HOLDS, SWEEP, kind_key, permits_class, split
 from ._queue import Queue
 from ._semaphore_sql import INSPECT_PERMITS, INSPECT_SEMAPHORE
@@ -193,7 +193,9 @@ class Inspector:
         """Until a NOTIFY of the name's key (a leader's take and release send one; a waiter
         leaving the queue table, a permit freed while others wait), a change that inspect()
         shows, or ``timeout``; at most ``CHANGE_POLL`` (a holder whose session died tells
-        nobody). On the client's one listening connection, interest registered first."""
+        nobody). On the client's one listening connection, interest registered first. The
+        client closing ends it (the caller sees it closed), not with the error of an inspect
+        whose connection the close took."""
         key = kind_key(name, kind, self._schema)
         event = anyio.Event()
         observers = self._queue.observers.setdefault(key, set())
@@ -203,7 +205,13 @@ class Inspector:
                 if not await self._queue.listen():
                     await anyio.sleep(self._poll_interval)  # no listener: poll
                     return
-                if changed(await self.inspect(name, kind), seen):
+                try:
+                    now = await self.inspect(name, kind)
+                except LockError:
+                    if not self._sessions.open:
+                        return
+                    raise
+                if changed(now, seen):
                     return
                 with anyio.move_on_after(CHANGE_POLL):
                     await event.wait()

@@ -217,6 +217,12 @@ class Queue:
         for event in self.observers.get(key, ()):
             event.set()
 
+    def wake_observers(self) -> None:
+        """The client closes: every ``wait_for_change`` returns now."""
+        for events in self.observers.values():
+            for event in events:
+                event.set()
+
     async def listen(self) -> bool:
         """Make sure the listener listens (for ``wait_for_change``), and say whether it does."""
         if self.listener is None:

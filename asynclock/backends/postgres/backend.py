@@ -268,6 +268,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         if self._state == "closed":
             return
         self._state = "closed"
+        self._queue.wake_observers()
         interrupted: BaseException | None = None
         try:
             await self._lanes.drain(min(self.op_timeout, 0.25))
