@@ -630,3 +630,27 @@ async def test_observers_never_see_a_leader_whose_take_has_not_committed(
     assert all(leader.value in (b"one", b"two") and leader.token for leader in leaders), seen
     tokens = [leader.token or 0 for leader in leaders]
     assert tokens == sorted(tokens)
+
+
+async def test_a_paused_permit_holder_loses_only_its_permit_and_stops_when_it_resumes(
+    postgres_server: PostgresServer, name: str
+) -> None:
+    ttl = 1.5
+    process, output = await start_holder(postgres_server.url, "semaphore", name, ttl)
+    async with process, asynclock.connect(postgres_server.url) as other:
+        semaphore = other.semaphore(name, permits=2)
+        try:
+            async with semaphore.lock(ttl=ttl) as keeper:
+                os.kill(process.pid, signal.SIGSTOP)
+                stopped_at = anyio.current_time()
+                async with semaphore.lock(ttl=ttl, timeout=ttl + 2) as freed:
+                    assert anyio.current_time() - stopped_at >= ttl * 2 / 3
+                    os.kill(process.pid, signal.SIGCONT)
+                    with anyio.fail_after(5):
+                        assert await output.receive_until(b"\n", 100) == b"lost"
+                    assert not freed.lost
+                assert keeper.held and not keeper.lost  # renewed all along
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        with anyio.fail_after(10):
+            assert await process.wait() == 0
