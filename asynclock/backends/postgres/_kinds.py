@@ -46,8 +46,10 @@ kept AS (
         owner = excluded.owner, shared = excluded.shared, value = excluded.value,
         application_name = excluded.application_name
 )"""
-# A take on a lane, try-lock and token in one round trip ($1 key, $2 sequence; kept: $3 owner,
-# $4 value; an election's NOTIFY: $5 channel). See _sql.LANE_TAKE.
+# A take on a lane (a holding connection shared by the locks of one ttl, whose idle timer is
+# set once, when it connects): try-lock and token in one round trip, no row when busy.
+# Only when nobody waits in the queue table: its head may be between two steps (see _queue.py).
+# $1 key, $2 sequence; kept: $3 owner, $4 value; an election's NOTIFY: $5 channel.
 _LANE_TAKE = """
 WITH attempt AS MATERIALIZED (
     SELECT {try_lock}($1) AS taken
@@ -57,8 +59,15 @@ token AS MATERIALIZED (SELECT nextval($2::regclass) AS token FROM attempt WHERE 
 {keep}
 SELECT token{notify} FROM token
 """
-# A wait in the server's queue ($1 key, $2 sequence, $3 ttl ms, $4 head, $5 marker; kept: $6
-# owner, $7 value; NOTIFY: $8 channel). See _sql.WAIT.
+# Wait in the server's lock queue, then (the CTE is evaluated first) arm the idle timer and
+# draw the token under the lock: one round trip. The timer starts when this statement ends, so
+# its send time is a safe valid_from; after a long wait the lease is restarted by RENEW.
+# Unless $4 (the head of the queue table goes to the server's queue): only when the table is
+# empty, which the statement checks before it queues (no row comes back otherwise).
+# The head first takes the key's marker ($5, shared, released with the lock): inspect counts it
+# once, not in both queues.
+# $1 key, $2 sequence, $3 ttl ms, $4 head, $5 marker; kept: $6 owner, $7 value; NOTIFY: $8
+# channel.
 _WAIT = """
 WITH empty AS MATERIALIZED (
     SELECT 1 WHERE $4 OR NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())

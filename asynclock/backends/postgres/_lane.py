@@ -83,7 +83,6 @@ class Owner(Protocol):
 
     server: str
     sequence: str
-    take_sql: str
     op_timeout: float
     by_connection: dict[Any, Lane]
 
@@ -282,9 +281,7 @@ class Lane:
         op.sent_at = now()
         try:
             if op.kind == TAKE:
-                result = await connection.fetchval(
-                    op.sql or self._lanes.take_sql, op.key, self._lanes.sequence, *op.args
-                )
+                result = await connection.fetchval(op.sql, op.key, self._lanes.sequence, *op.args)
             elif op.kind == QUERY:
                 result = await connection.fetchrow(op.sql, *op.args)
             elif op.kind == UNLOCK_KEY:

@@ -24,7 +24,6 @@ from .._kit import (
 )
 from ._kinds import Mode
 from ._lane import RENEWAL, TAKE, Lane, PostgresGrant
-from ._sql import LANE_TAKE
 from ._translate import Errors, connection_broken, unmapped
 
 logger = logging.getLogger("asynclock")
@@ -38,7 +37,6 @@ class Lanes:
         host: TaskHost,
         errors: Errors,
         sequence: str,
-        queue: str,
         op_timeout: float,
         *,
         connect: Callable[[int], Awaitable[Any]],
@@ -48,7 +46,6 @@ class Lanes:
         self._errors = errors
         self.server = errors.server
         self.sequence = sequence
-        self.take_sql = LANE_TAKE.format(queue=queue)
         self.op_timeout = op_timeout
         self.connect = connect
         self.close = close

@@ -7,7 +7,7 @@ table already has a place for the key (so that nobody overtakes it), a waiter ta
 the table (``asynclock_waiters``): a ticket from the token sequence, which only increases. Only
 the head of the table (the smallest live ticket of the key) goes on, into the server's queue,
 behind whoever entered it before the table had places; a take on a lane is refused while the
-table has places (``LANE_TAKE``). So the order is the order of arrival across both queues.
+table has places (``_kinds._LANE_TAKE``). So the order is the order of arrival across both queues.
 
 The head leaves the table once the server granted it the lock, and tells every client with a
 NOTIFY on the schema's channel; each client's listener (one connection per client) wakes its

@@ -151,7 +151,6 @@ class PostgresBackend(Backend[PostgresGrant]):
             self._host,
             self._translator,
             self.sequence,
-            self.queue,
             op_timeout,
             connect=self._sessions.connect_lane,
             close=self._sessions.close,
