@@ -4,11 +4,14 @@ the holders' table, terminated sessions)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -654,3 +657,60 @@ async def test_a_paused_permit_holder_loses_only_its_permit_and_stops_when_it_re
             os.kill(process.pid, signal.SIGCONT)
         with anyio.fail_after(10):
             assert await process.wait() == 0
+
+
+@pytest.mark.parametrize("kind", ["shared", "semaphore", "election"])
+async def test_native_cancels_at_random_moments_strand_nothing(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, app: str, name: str, kind: str
+) -> None:
+    """Task.cancel() once to three times, at random moments of a take (its transaction, its
+    statement, its commit, a wait behind a holder): every hold ends, nothing is left."""
+    rng = random.Random(19)
+    url = f"{postgres_server.url}?application_name={app}"
+
+    def hold_of(locks: asynclock.LockClient) -> asynclock.LockContext:
+        if kind == "shared":
+            return locks.lock(name, ttl=5, shared=True)
+        if kind == "semaphore":
+            return locks.semaphore(name, permits=1).lock(ttl=5)
+        return locks.election(name).campaign(b"v", ttl=5)
+
+    async def free(other: asynclock.LockClient) -> bool:
+        if kind == "shared":  # free of readers: a writer gets in
+            lease = await other.try_acquire(name, ttl=5)
+        elif kind == "semaphore":
+            lease = await other.semaphore(name, permits=1).try_acquire(ttl=5)
+        else:
+            return not (await other.inspect(name, "election")).held
+        if lease is None:
+            return False
+        await lease.release()
+        return True
+
+    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+
+        async def body() -> None:
+            async with hold_of(locks):
+                await asyncio.sleep(rng.uniform(0, 0.002))
+
+        def blocker_of() -> asynclock.LockContext:
+            if kind == "shared":
+                return other.lock(name, ttl=5)  # a writer
+            if kind == "semaphore":
+                return other.semaphore(name, permits=1).lock(ttl=5)
+            return other.election(name).campaign(b"b", ttl=5)
+
+        for cycle in range(120):
+            async with AsyncExitStack() as stack:
+                if cycle % 4 == 3:  # cancel a waiter behind a holder
+                    await stack.enter_async_context(blocker_of())
+                task = asyncio.create_task(body())
+                for _ in range(rng.choice((1, 1, 2, 3))):
+                    await asyncio.sleep(rng.uniform(0, 0.004))
+                    task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+            with anyio.fail_after(5):
+                while not await free(other):  # noqa: ASYNC110 (the server's state)
+                    await anyio.sleep(0.005)
+    await nothing_left(admin, app, name)
