@@ -137,7 +137,7 @@ async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections_i
                 connections = await connections_named(raw, client_name)
                 assert connections <= MAX_BUSY + 1
                 members = await raw.zrange(lua.queue_key(prefix, name), 0, -1)
-                queued = [member.decode().rsplit(" ", 1)[1] for member in members]
+                queued = [member.decode().split(" ")[4] for member in members]
                 await holder.release()
         assert await connections_named(raw, client_name) <= MAX_BUSY + 1
     assert len(order) == count
