@@ -1,0 +1,265 @@
+"""Shared holds, semaphores, elections and extend() on redis:// as the server stores them:
+per-hold expiry, hand-over to a group of readers, permits kept while anyone holds or waits,
+elections' change channel, a new ttl kept by later renewals. (What every backend must do is in
+tests/contract/test_primitives.py.)"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+import redis.asyncio
+
+import asynclock
+from asynclock.abc import Kind, LockRequest, Renewed
+from asynclock.backends.redis import RedisBackend, RedisGrant
+from asynclock.backends.redis import _scripts as lua
+from asynclock.testing import RedisServer
+from tests.backends.test_redis import connect
+from tests.contract.backend_redis import redis_leftovers
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def name() -> str:
+    return f"redis-kinds/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"kinds-{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture
+async def raw(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Redis]:
+    async with redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as client:
+        yield client
+
+
+def backend_of(locks: asynclock.LockClient) -> RedisBackend:
+    backend = locks._backend
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+def request(
+    name: str,
+    ttl: float,
+    *,
+    kind: Kind = "lock",
+    shared: bool = False,
+    permits: int = 1,
+    value: bytes = b"",
+) -> LockRequest:
+    """A request made by hand: its grant is never renewed (a holder that died, once its ttl
+    runs out)."""
+    return LockRequest(
+        name,
+        ttl,
+        secrets.token_hex(16),
+        lambda _: None,
+        kind=kind,
+        shared=shared,
+        permits=permits,
+        value=value,
+    )
+
+
+async def test_a_dead_reader_frees_only_its_own_hold(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as locks:
+        backend = backend_of(locks)
+        dead = await backend.try_acquire(request(name, 0.3, shared=True))
+        assert dead is not None
+        alive = await locks.acquire(name, ttl=5, shared=True)
+        holds_key = lua.holds_key(prefix, name)
+        assert await raw.zcard(holds_key) == 2
+        assert await locks.try_acquire(name, ttl=5) is None  # readers hold it
+        await anyio.sleep(0.4)  # the dead reader's hold expired; the live one was kept
+        info = await locks.inspect(name)
+        assert [holder.token for holder in info.holders] == [alive.token]
+        assert info.holders[0].shared
+        assert await locks.try_acquire(name, ttl=5) is None  # the live reader still holds
+        assert await raw.zcard(holds_key) == 1  # the dead one was pruned by that take
+        await alive.release()
+        writer = await locks.try_acquire(name, ttl=5)
+        assert writer is not None and writer.token > alive.token > dead.token
+        await writer.release()
+        assert await redis_leftovers(redis_server, prefix, "no such client") == []
+
+
+async def test_a_release_hands_over_to_every_reader_up_to_the_next_writer(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    """Queue: reader, reader (of two clients), writer, reader. The writer's release lets both
+    first readers in by one script; the writer behind them waits for both; the last reader for
+    that writer."""
+    order: list[str] = []
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
+        writer = await first.acquire(name, ttl=10)
+        queue = lua.queue_key(prefix, name)
+
+        async def take(label: str, locks: asynclock.LockClient, shared: bool) -> None:
+            async with locks.lock(name, ttl=10, timeout=10, shared=shared):
+                order.append(f"{label} in")
+                await anyio.sleep(0.1)
+                order.append(f"{label} out")
+
+        async with anyio.create_task_group() as tg:
+            for length, (label, locks, shared) in enumerate(
+                [
+                    ("r1", first, True),
+                    ("r2", second, True),
+                    ("w", second, False),
+                    ("r3", first, True),
+                ],
+                start=1,
+            ):
+                tg.start_soon(take, label, locks, shared)
+                with anyio.fail_after(5):
+                    while await raw.zcard(queue) != length:  # noqa: ASYNC110
+                        await anyio.sleep(0.005)
+            await writer.release()
+    assert set(order[:2]) == {"r1 in", "r2 in"}
+    assert order.index("w in") > max(order.index("r1 out"), order.index("r2 out"))
+    assert order.index("r3 in") > order.index("w out")
+
+
+async def test_semaphore_permits_live_with_the_holds_and_go_with_the_last(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as locks:
+        backend = backend_of(locks)
+        semaphore = locks.semaphore(name, permits=2)
+        dead = await backend.try_acquire(request(name, 0.3, kind="semaphore", permits=2))
+        assert dead is not None
+        kept = await semaphore.acquire(ttl=5)
+        holds_key = lua.holds_key(prefix, name, "semaphore")
+        members = await raw.zrange(holds_key, 0, -1)
+        assert b"#2" in members and len(members) == 3
+        assert await semaphore.try_acquire(ttl=5) is None
+        await anyio.sleep(0.4)
+        # The dead holder's permit is free again, and only it.
+        third = await semaphore.try_acquire(ttl=5)
+        assert third is not None
+        info = await semaphore.inspect()
+        assert info.permits == 2
+        assert [holder.owner for holder in info.holders] == [kept.owner, third.owner]
+        await kept.release()
+        await third.release()
+        assert await raw.exists(holds_key) == 0
+        assert await redis_leftovers(redis_server, prefix, "no such client") == []
+        # Idle: another number of permits starts afresh.
+        again = await locks.semaphore(name, permits=5).acquire(ttl=5)
+        assert await raw.zrangebyscore(holds_key, "+inf", "+inf") == [b"#5"]
+        await again.release()
+
+
+async def test_a_semaphore_mismatch_is_refused_while_only_a_waiter_remains(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
+        held = await first.semaphore(name, permits=1).acquire(ttl=5)
+        async with anyio.create_task_group() as tg:
+
+            async def wait() -> None:
+                async with second.semaphore(name, permits=1).lock(ttl=5, timeout=5):
+                    await anyio.sleep(0.2)
+
+            tg.start_soon(wait)
+            with anyio.fail_after(5):
+                while not await raw.exists(lua.queue_key(prefix, name, "semaphore")):  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+            with pytest.raises(asynclock.InvalidArgument, match="1 permits"):
+                await first.semaphore(name, permits=2).try_acquire(ttl=5)
+            await held.release()
+    assert await redis_leftovers(redis_server, prefix, "no such client") == []
+
+
+async def test_extend_sets_the_ttl_that_later_renewals_keep(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as locks:
+        backend = backend_of(locks)
+        exclusive = await locks.acquire(name, ttl=2)
+        reader = await locks.acquire(f"{name}/r", ttl=2, shared=True)
+        permit = await locks.semaphore(name, permits=3).acquire(ttl=2)
+        for lease in (exclusive, reader, permit):
+            await lease.extend(7)
+            assert lease.ttl == 7
+        grants = [lease.grant for lease in (exclusive, reader, permit)]
+        assert all(isinstance(grant, RedisGrant) for grant in grants)
+        outcomes = await backend.renew(grants)  # type: ignore[arg-type]
+        assert all(isinstance(o, Renewed) and o.ttl == 7 for o in outcomes)
+        assert 6000 < await raw.pttl(lua.lock_key(prefix, name)) <= 7000
+        now_ms = int((await raw.time())[0]) * 1000
+        for key, lease in (
+            (lua.holds_key(prefix, f"{name}/r"), reader),
+            (lua.holds_key(prefix, name, "semaphore"), permit),
+        ):
+            member = lua.hold_member(lease.token, lease.grant.owner)
+            score = await raw.zscore(key, member)
+            assert score is not None and 5000 < score - now_ms <= 8000
+        await permit.extend(1)  # shorter: the server applies it too
+        score = await raw.zscore(
+            lua.holds_key(prefix, name, "semaphore"),
+            lua.hold_member(permit.token, permit.grant.owner),
+        )
+        assert score is not None and score - now_ms <= 2500
+        for lease in (exclusive, reader, permit):
+            await lease.release()
+
+
+async def test_a_change_of_leader_is_pushed_and_the_channel_left_after(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as locks, connect(redis_server, prefix) as watcher:
+        backend = backend_of(watcher)
+        channel = lua.change_channel(prefix, name, "election")
+        seen = await backend.inspect(name, "election")
+        assert not seen.held
+
+        # Nothing changes: back by the timeout.
+        started = anyio.current_time()
+        await backend.wait_for_change(name, "election", seen, 0.3)
+        assert 0.25 < anyio.current_time() - started < 1.0
+
+        async def campaign() -> None:
+            await anyio.sleep(0.2)
+            async with locks.election(name).campaign(b"node-1", ttl=5, timeout=5):
+                await anyio.sleep(0.3)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(campaign)
+            started = anyio.current_time()
+            await backend.wait_for_change(name, "election", seen, 5)
+            # Pushed: well before the timeout, and long before a poll would have come.
+            assert anyio.current_time() - started < 1.0
+            info = await backend.inspect(name, "election")
+            assert info.held and info.value == b"node-1"
+            assert (await raw.pubsub_numsub(channel))[0][1] == 0  # left after the wait
+            started = anyio.current_time()
+            await backend.wait_for_change(name, "election", info, 5)
+            assert anyio.current_time() - started < 1.0  # the resignation is pushed too
+        assert not (await backend.inspect(name, "election")).held
+
+
+async def test_a_dead_leaders_term_ends_for_observers_when_its_hold_expires(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as locks, connect(redis_server, prefix) as watcher:
+        backend = backend_of(locks)
+        dead = await backend.try_acquire(request(name, 0.5, kind="election", value=b"gone"))
+        assert dead is not None
+        seen: list[asynclock.Leader | None] = []
+        with anyio.fail_after(3):
+            async for leader in watcher.election(name).observe():
+                seen.append(leader)
+                if leader is None:
+                    break
+        assert [leader.value if leader else None for leader in seen] == [b"gone", None]
