@@ -88,6 +88,7 @@ async def test_a_dead_reader_frees_only_its_own_hold(
         assert await raw.zcard(holds_key) == 1  # the dead one was pruned by that take
         await alive.release()
         writer = await locks.try_acquire(name, ttl=5)
+        assert dead.token is not None
         assert writer is not None and writer.token > alive.token > dead.token
         await writer.release()
         assert await redis_leftovers(redis_server, prefix, "no such client") == []

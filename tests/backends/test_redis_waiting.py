@@ -49,13 +49,9 @@ async def evalsha_calls(raw: redis.asyncio.Redis) -> int:
 @pytest.mark.parametrize("name", ["plain", "with}brace", "{tagged}", "a{b}c"])
 def test_every_key_of_a_name_is_in_one_cluster_slot(name: str) -> None:
     for prefix in ("asynclock:", "app{x}:"):
-        keys = [
-            lua.lock_key(prefix, name),
-            lua.token_key(prefix, name),
-            lua.queue_key(prefix, name),
-            lua.queue_ttl_key(prefix, name),
-        ]
-        assert len(set(keys)) == 4
+        keys = [key for kind in lua.KIND_SPACE for key in lua.fair_keys(prefix, name, kind)]
+        # Five keys per kind, none shared between kinds (each kind is a namespace).
+        assert len(set(keys)) == 5 * len(lua.KIND_SPACE)
         assert len({key_slot(key.encode()) for key in keys}) == 1, keys
 
 
