@@ -37,7 +37,7 @@ from typing import Final
 
 from ._scripts import Script
 
-_FUNCTIONS: Final = """
+_HEAD: Final = """
 local lock, counter, queue, expiry, holds = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local owner, wake, mode = ARGV[1], ARGV[2], ARGV[6]
 local permits, value, change = tonumber(ARGV[7]), ARGV[8], ARGV[9]
@@ -71,6 +71,11 @@ local function changed()
   end
 end
 
+"""
+
+# The rest is defined only past the fast paths: a closure per function per call is most of
+# what a script costs the server beyond its commands.
+_FUNCTIONS: Final = """
 local function keep(key, ms)
   if redis.call('PTTL', key) < ms then
     redis.call('PEXPIRE', key, ms)
@@ -242,7 +247,7 @@ end
 #: when the hold is ours, {0, hint} when not: ms until it is worth looking again (-1: no
 #: idea, wait for a wake or the refresh), {-1, permits} when a semaphore's permits differ.
 TAKE: Final = Script(
-    _FUNCTIONS
+    _HEAD
     + """
 local waiter_ttl, ttl, op = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[10]
 if mode == 'x' then
@@ -259,6 +264,9 @@ if mode == 'x' then
     return {1, (next_token())}
   end
 end
+"""
+    + _FUNCTIONS
+    + """
 local now = server_ms()
 prune(now)
 if mode ~= 'x' then
@@ -325,14 +333,23 @@ return {0, -1}
 #: Returns 0 if it was not ours, {owner, token, px, ...} if it went to waiters of the same
 #: client (which the reply, not their channel, tells), else 1.
 RELEASE: Final = Script(
-    _FUNCTIONS
+    _HEAD
     + """
 if mode == 'x' then
   if redis.call('GET', lock) ~= owner then
     return 0
   end
   redis.call('DEL', lock)
-elseif redis.call('ZREM', holds, ARGV[10] .. ' ' .. owner .. ' ' .. value) == 0 then
+  changed()
+  if redis.call('EXISTS', queue) == 0 then
+    return 1  -- nobody waits: the common case
+  end
+end
+"""
+    + _FUNCTIONS
+    + """
+-- (An exclusive lock was deleted above.)
+if mode ~= 'x' and redis.call('ZREM', holds, ARGV[10] .. ' ' .. owner .. ' ' .. value) == 0 then
   return 0
 end
 changed()
@@ -349,7 +366,8 @@ return 1
 #: reply never came, or a hand-over to a waiter that was cancelled meanwhile) and our place in
 #: the queue; then hand over to the next waiters.
 LEAVE: Final = Script(
-    _FUNCTIONS
+    _HEAD
+    + _FUNCTIONS
     + """
 if mode == 'x' then
   if redis.call('GET', lock) == owner then
