@@ -4,6 +4,7 @@ mode, what ``inspect()`` makes of INSPECT's reply, and what a renewal's code mea
 from __future__ import annotations
 
 import asyncio
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,8 +135,9 @@ class RedisGrant(Grant):
 
 
 class HoldingBackend(Backend[RedisGrant]):
-    """What :class:`~.backend.RedisBackend` does with holds it has: renew, extend, inspect,
-    wait for a change, and check them after a restart."""
+    """What :class:`~.backend.RedisBackend` does with the holds it has, of every kind: renew,
+    extend, release, inspect, wait for a change, and check them after a restart. (Taking and
+    waiting, with their clean-up, are the backend's own.)"""
 
     settings: Settings
     _wakes: WakeChannel | None
@@ -145,10 +147,11 @@ class HoldingBackend(Backend[RedisGrant]):
     _wake_prefix: str
     _client_id: str
 
+    @abstractmethod
     async def _script(
         self, script: lua.Script, keys: Sequence[str], args: Sequence[lua.Arg], what: str
     ) -> Any:
-        raise NotImplementedError
+        """Run ``script`` on the server, its errors translated (``what`` names the call)."""
 
     def _keys(self, name: str, kind: Kind = "lock") -> list[str]:
         return lua.fair_keys(self.settings.prefix, name, kind)
