@@ -344,3 +344,61 @@ async def test_native_cancellation_of_contended_kinds_at_random_moments_strands_
         while left := await redis_leftovers(redis_server, prefix, "no such client"):  # noqa: ASYNC110
             await anyio.sleep(0.05)  # clean-ups still in flight may need a moment
     assert left == []
+
+
+async def test_a_try_with_other_permits_raises_while_a_task_of_the_same_client_waits(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    async with connect(redis_server, prefix) as locks:
+        held = await locks.semaphore(name, permits=1).acquire(ttl=5)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_hold_until_cancelled, locks.semaphore(name, permits=1))
+            with anyio.fail_after(5):
+                while not backend_of(locks)._wakes.waits_for(f"semaphore {name}"):  # type: ignore[union-attr]  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+            assert await locks.semaphore(name, permits=1).try_acquire(ttl=5) is None
+            with pytest.raises(asynclock.InvalidArgument, match="1 permits"):
+                await locks.semaphore(name, permits=2).try_acquire(ttl=5)
+            tg.cancel_scope.cancel()
+        await held.release()
+
+
+async def _hold_until_cancelled(semaphore: asynclock.Semaphore) -> None:
+    async with semaphore.lock(ttl=5, timeout=10):
+        await anyio.sleep_forever()
+
+
+async def test_a_watch_returns_when_the_wake_connection_is_killed(
+    redis_server: RedisServer, raw: redis.asyncio.Redis, prefix: str, name: str
+) -> None:
+    client_name = f"watch-{uuid.uuid4().hex[:6]}"
+    async with connect(redis_server, prefix, client_name=client_name) as watcher:
+        backend = backend_of(watcher)
+        seen = await backend.inspect(name, "election")
+
+        async def kill() -> None:
+            await anyio.sleep(0.2)
+            for entry in await raw.client_list():
+                if entry.get("name") == client_name:
+                    await raw.client_kill_filter(_id=entry["id"])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill)
+            started = anyio.current_time()
+            await backend.wait_for_change(name, "election", seen, 5)
+            assert anyio.current_time() - started < 1.0
+        # And watching works again on the new connection.
+        with anyio.fail_after(5):
+            while backend._wakes is None or backend._wakes._conn is None:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        async with anyio.create_task_group() as tg:
+
+            async def campaign() -> None:
+                await anyio.sleep(0.2)
+                async with watcher.election(name).campaign(b"x", ttl=5, timeout=5):
+                    pass
+
+            tg.start_soon(campaign)
+            started = anyio.current_time()
+            await backend.wait_for_change(name, "election", seen, 5)
+            assert anyio.current_time() - started < 1.0

@@ -328,11 +328,11 @@ class RedisBackend(holds.HoldingBackend):
         return max(1, min(self._waiter_ttl_ms, lua.ttl_ms(request.ttl)))
 
     async def try_acquire(self, request: LockRequest) -> RedisGrant | None:
-        if self._wakes is not None and self._wakes.waits_for(
-            holds.line_of(request.kind, request.name)
-        ):
+        line = holds.line_of(request.kind, request.name)
+        if request.kind != "semaphore" and self._wakes is not None and self._wakes.waits_for(line):
             # A task of ours has a place in the line: a try never jumps it (the take would
             # refuse, or hand the free lock to the first in line), so no round trip for that.
+            # (A semaphore's try goes anyway: it may ask for other permits, which must raise.)
             return None
         undo = self._undo_for(request)
         try:
