@@ -402,3 +402,41 @@ async def test_a_watch_returns_when_the_wake_connection_is_killed(
             started = anyio.current_time()
             await backend.wait_for_change(name, "election", seen, 5)
             assert anyio.current_time() - started < 1.0
+
+
+async def test_mixed_readers_and_writers_of_two_clients_never_overlap_wrongly(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    """30 tasks on two clients, each taking the lock 15 times, shared or not at random: a
+    writer is always alone, readers often share, every hold has a token of its own, and
+    every task gets in."""
+    rng = random.Random(7)
+    inside = {"readers": 0, "writers": 0}
+    most_readers = 0
+    tokens: list[int] = []
+    done = 0
+
+    async def worker(locks: asynclock.LockClient) -> None:
+        nonlocal most_readers, done
+        for _ in range(15):
+            shared = rng.random() < 0.7
+            async with locks.lock(name, ttl=5, timeout=20, shared=shared) as lease:
+                tokens.append(lease.token)
+                role = "readers" if shared else "writers"
+                inside[role] += 1
+                assert inside["writers"] <= 1
+                assert not (inside["writers"] and inside["readers"])
+                most_readers = max(most_readers, inside["readers"])
+                await anyio.sleep(rng.uniform(0, 0.003))
+                inside[role] -= 1
+        done += 1
+
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for index in range(30):
+                    tg.start_soon(worker, (first, second)[index % 2])
+    assert done == 30
+    assert most_readers > 1
+    assert len(set(tokens)) == len(tokens) == 450
+    assert await redis_leftovers(redis_server, prefix, "no such client") == []
