@@ -13,17 +13,46 @@ from .._kit import InvalidArgument
 __all__ = (
     "create_is",
     "delete_op",
+    "mod_below",
+    "move_op",
     "prefix_end",
     "put_op",
     "range_op",
     "to_compare",
     "to_request_op",
+    "value_is",
 )
 
 
-def put_op(key: bytes, owner: str, lease_id: int) -> Any:
-    return rpc.RequestOp(
-        request_put=rpc.PutRequest(key=key, value=owner.encode("ascii"), lease=lease_id)
+def put_op(key: bytes, value: bytes, lease_id: int) -> Any:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease_id))
+
+
+def move_op(key: bytes, lease_id: int) -> Any:
+    """Attach the existing ``key`` to another lease, keeping its value and create revision."""
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, lease=lease_id, ignore_value=True))
+
+
+def mod_below(key: bytes, revision: int, range_end: bytes = b"") -> Any:
+    """A comparison: no key up to ``range_end`` was created or changed at ``revision`` or
+    later (true for an empty range)."""
+    return rpc.Compare(
+        key=key,
+        range_end=range_end,
+        target=rpc.Compare.MOD,
+        result=rpc.Compare.LESS,
+        mod_revision=revision,
+    )
+
+
+def value_is(key: bytes, value: bytes, range_end: bytes = b"") -> Any:
+    """A comparison: every key up to ``range_end`` has ``value`` (false for an empty range)."""
+    return rpc.Compare(
+        key=key,
+        range_end=range_end,
+        target=rpc.Compare.VALUE,
+        result=rpc.Compare.EQUAL,
+        value=value,
     )
 
 

@@ -1,0 +1,322 @@
+"""The etcd backend's shared holds, semaphores, elections, extend() and change feed, through its
+Backend methods, against real etcd (the contract suite runs them through the client)."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from aetcd import rpc
+
+from asynclock import InvalidArgument
+from asynclock.abc import Kind, LockInfo, LockRequest, Lost, Renewed
+from asynclock.backends.etcd import EtcdBackend, EtcdGrant
+from asynclock.testing import EtcdServer
+from tests.backends.test_etcd import end, raw, wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"/asynclock-test/{uuid.uuid4().hex[:12]}/"
+
+
+@asynccontextmanager
+async def backend(url: str, prefix: str) -> AsyncIterator[EtcdBackend]:
+    async with EtcdBackend.from_url(url, {"prefix": prefix}) as opened:
+        yield opened
+
+
+def request(
+    name: str,
+    *,
+    ttl: float = 5.0,
+    kind: Kind = "lock",
+    shared: bool = False,
+    permits: int = 1,
+    value: bytes = b"",
+    lost: list[str] | None = None,
+) -> LockRequest:
+    return LockRequest(
+        name,
+        ttl,
+        secrets.token_hex(16),
+        on_lost=(lost if lost is not None else []).append,
+        kind=kind,
+        shared=shared,
+        permits=permits,
+        value=value,
+    )
+
+
+async def keys_under(server: EtcdServer, prefix: str) -> list[Any]:
+    async with raw(server.address) as direct:
+        return await direct.keys(prefix.encode())
+
+
+async def started(tg: Any, etcd: EtcdBackend, req: LockRequest, into: list[EtcdGrant]) -> None:
+    """Start an acquire in ``tg`` and return once its key is on the server."""
+
+    async def run() -> None:
+        into.append(await etcd.acquire(req))
+
+    before = len(etcd._keys.local)
+    tg.start_soon(run)
+    with anyio.fail_after(5):
+        while len(etcd._keys.local) == before or etcd._keys.unsettled:
+            await anyio.sleep(0.005)
+
+
+# -- shared holds ------------------------------------------------------------------------------
+
+
+async def test_readers_share_a_writer_waits_and_readers_after_it_wait_for_it(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with backend(etcd_server.url, prefix) as etcd:
+        r1 = await etcd.try_acquire(request("rw", shared=True))
+        r2 = await etcd.acquire(request("rw", shared=True))
+        assert r1 is not None and r2.token is not None and r1.token is not None
+        assert r2.token > r1.token
+        assert await etcd.try_acquire(request("rw")) is None
+        granted: list[EtcdGrant] = []
+        async with anyio.create_task_group() as tg:
+            await started(tg, etcd, request("rw"), granted)  # a writer waits
+            # A reader that comes after the waiting writer neither tries in nor waits in.
+            assert await etcd.try_acquire(request("rw", shared=True)) is None
+            await started(tg, etcd, request("rw", shared=True), granted)
+            info = await etcd.inspect("rw")
+            assert [h.token for h in info.holders] == [r1.token, r2.token]
+            assert all(h.shared for h in info.holders) and info.waiters == 2
+            await anyio.sleep(0.2)
+            assert not granted
+            await etcd.release(r1)
+            await anyio.sleep(0.1)
+            assert not granted
+            await etcd.release(r2)
+            with anyio.fail_after(5):
+                while not granted:
+                    await anyio.sleep(0.005)
+            await anyio.sleep(0.2)
+            (writer,) = granted  # the reader still waits for the writer
+            assert writer.token is not None and writer.token > r2.token
+            info = await etcd.inspect("rw")
+            assert info.token == writer.token and not info.holders[0].shared
+            await etcd.release(writer)
+        reader = granted[1]
+        assert reader.token is not None and reader.token > writer.token
+        await etcd.release(reader)
+        assert not await keys_under(etcd_server, prefix)
+
+
+async def test_a_reader_of_one_client_does_not_keep_its_other_readers_out(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with backend(etcd_server.url, prefix) as etcd:
+        first = await etcd.acquire(request("r", shared=True))
+        # known_busy() must not count our own reader against another reader.
+        second = await etcd.try_acquire(request("r", shared=True))
+        assert second is not None
+        assert await etcd.try_acquire(request("r")) is None
+        for grant in (first, second):
+            await etcd.release(grant)
+        writer = await etcd.try_acquire(request("r"))
+        assert writer is not None
+        await etcd.release(writer)
+
+
+# -- semaphores --------------------------------------------------------------------------------
+
+
+async def test_a_semaphore_admits_n_at_once_in_fifo_order_over_two_clients(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    inside = most = 0
+    order: list[int] = []
+    async with backend(etcd_server.url, prefix) as one, backend(etcd_server.url, prefix) as two:
+
+        async def worker(index: int) -> None:
+            nonlocal inside, most
+            etcd = (one, two)[index % 2]
+            grant = await etcd.acquire(request("s", kind="semaphore", permits=3))
+            inside += 1
+            most = max(most, inside)
+            order.append(index)
+            await anyio.sleep(0.02)
+            inside -= 1
+            await etcd.release(grant)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for index in range(20):
+                    tg.start_soon(worker, index)
+    assert most == 3 and sorted(order) == list(range(20))
+    assert not await keys_under(etcd_server, prefix)
+
+
+async def test_semaphore_try_inspect_and_a_permits_mismatch_that_leaves_nothing(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with backend(etcd_server.url, prefix) as etcd:
+        assert (await etcd.inspect("s", "semaphore")).permits is None
+        grants = [await etcd.try_acquire(request("s", kind="semaphore", permits=2))]
+        grants.append(await etcd.try_acquire(request("s", kind="semaphore", permits=2)))
+        assert all(grants)
+        assert await etcd.try_acquire(request("s", kind="semaphore", permits=2)) is None
+        before = await keys_under(etcd_server, prefix)
+        for call in (etcd.try_acquire, etcd.acquire):
+            with pytest.raises(InvalidArgument, match="has 2 permits.*asked for 3"):
+                await call(request("s", kind="semaphore", permits=3))
+        assert len(await keys_under(etcd_server, prefix)) == len(before) == 2
+        info = await etcd.inspect("s", "semaphore")
+        held = [g for g in grants if g is not None]
+        assert info.permits == 2 and info.kind == "semaphore" and info.waiters == 0
+        assert [h.token for h in info.holders] == [g.token for g in held]
+        # A lock of the same name is another thing.
+        lock = await etcd.try_acquire(request("s"))
+        assert lock is not None
+        for grant in [*held, lock]:
+            await etcd.release(grant)
+        # Idle: any number starts afresh.
+        again = await etcd.try_acquire(request("s", kind="semaphore", permits=5))
+        assert again is not None
+        await etcd.release(again)
+        assert not await keys_under(etcd_server, prefix)
+
+
+async def test_a_dead_holders_lease_frees_exactly_its_permit(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    lost: list[str] = []
+    async with backend(etcd_server.url, prefix) as crashed, backend(
+        etcd_server.url, prefix
+    ) as alive:
+        doomed = await crashed.acquire(request("s", kind="semaphore", permits=2, lost=lost))
+        kept = await alive.acquire(request("s", kind="semaphore", permits=2))
+        granted: list[EtcdGrant] = []
+        async with anyio.create_task_group() as tg:
+            await started(tg, alive, request("s", kind="semaphore", permits=2), granted)
+            await anyio.sleep(0.1)
+            assert not granted
+            async with raw(etcd_server.address) as direct:
+                await direct.leases.LeaseRevoke(rpc.LeaseRevokeRequest(ID=doomed.lease_id))
+            with anyio.fail_after(5):
+                while not granted:
+                    await anyio.sleep(0.005)
+        (outcome,) = await crashed.renew([doomed])
+        assert isinstance(outcome, Lost)
+        (outcome,) = await alive.renew([kept])
+        assert isinstance(outcome, Renewed)
+        for grant in (kept, granted[0]):
+            await alive.release(grant)
+
+
+# -- elections ---------------------------------------------------------------------------------
+
+
+async def test_an_election_shows_its_leader_and_pushes_each_change(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    async with backend(etcd_server.url, prefix) as etcd:
+        idle = await etcd.inspect("e", "election")
+        assert not idle.held and idle.kind == "election"
+        first = await etcd.acquire(request("e", kind="election", value=b"one"))
+        info = await etcd.inspect("e", "election")
+        assert info.value == b"one" and info.token == first.token
+        assert info.holders[0].value == b"one"
+        # A lock "e" is unrelated.
+        lock = await etcd.try_acquire(request("e"))
+        assert lock is not None
+        await etcd.release(lock)
+        # Nothing changes: waits out the timeout.
+        started_at = anyio.current_time()
+        await etcd.wait_for_change("e", "election", info, 0.3)
+        assert anyio.current_time() - started_at >= 0.29
+        granted: list[EtcdGrant] = []
+        async with anyio.create_task_group() as tg:
+            await started(tg, etcd, request("e", kind="election", value=b"two"), granted)
+            # A candidate queueing is no change of leader.
+            await etcd.wait_for_change("e", "election", info, 0.3)
+            assert (await etcd.inspect("e", "election")).value == b"one"
+
+            async def resign() -> None:
+                await anyio.sleep(0.1)
+                await etcd.release(first)
+
+            tg.start_soon(resign)
+            with anyio.fail_after(3):
+                await etcd.wait_for_change("e", "election", info, 10)
+        now = await etcd.inspect("e", "election")
+        assert now.value == b"two" and now.token == granted[0].token
+        assert now.token is not None and info.token is not None and now.token > info.token
+        # A change already made before the call: returns at once.
+        await etcd.release(granted[0])
+        with anyio.fail_after(1):
+            await etcd.wait_for_change("e", "election", now, 10)
+        assert not await keys_under(etcd_server, prefix)
+
+
+# -- extend ------------------------------------------------------------------------------------
+
+
+async def lease_ttl(server: EtcdServer, lease_id: int) -> int:
+    async with raw(server.address) as direct:
+        reply = await direct.leases.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id))
+        return int(reply.grantedTTL)
+
+
+@pytest.mark.parametrize("kind", ["lock", "semaphore", "election"])
+async def test_extend_moves_the_key_to_a_lease_of_the_new_ttl_keeping_its_token(
+    etcd_server: EtcdServer, prefix: str, kind: Kind
+) -> None:
+    async with backend(etcd_server.url, prefix) as etcd:
+        grant = await etcd.acquire(request("x", ttl=3, kind=kind, value=b"v"))
+        token, before = grant.token, grant.lease_id
+        outcome = await etcd.extend(grant, 20)
+        assert isinstance(outcome, Renewed) and outcome.ttl == 20
+        assert grant.lease_id != before and grant.ttl == 20 and grant.token == token
+        (key,) = await keys_under(etcd_server, prefix)
+        assert key.lease == grant.lease_id and key.create_revision == token
+        assert await lease_ttl(etcd_server, grant.lease_id) == 20
+        if kind == "election":
+            assert (await etcd.inspect("x", "election")).value == b"v"
+        (renewed,) = await etcd.renew([grant])
+        assert isinstance(renewed, Renewed) and renewed.ttl == 20
+        # Shorter again, and the same ttl only renews.
+        assert isinstance(await etcd.extend(grant, 2), Renewed) and grant.ttl == 2
+        assert isinstance(await etcd.extend(grant, 2), Renewed)
+        async with raw(etcd_server.address) as direct:
+            await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=grant.key))
+        assert isinstance(await etcd.extend(grant, 10), Lost)
+        await etcd.release(grant)
+
+
+async def test_an_extended_lock_outlives_its_first_ttl(etcd_server: EtcdServer, prefix: str) -> None:
+    async with backend(etcd_server.url, prefix) as etcd:
+        grant = await etcd.acquire(request("x", ttl=2))
+        assert isinstance(await etcd.extend(grant, 6), Renewed)
+        await anyio.sleep(3.5)  # no renewal meanwhile
+        (key,) = await keys_under(etcd_server, prefix)
+        assert key.create_revision == grant.token
+        await etcd.release(grant)
+
+
+async def test_wait_for_change_leaves_no_watch(etcd_server: EtcdServer, prefix: str) -> None:
+    async with backend(etcd_server.url, prefix) as etcd:
+        seen = LockInfo("w", held=False)
+        for _ in range(3):
+            with anyio.move_on_after(0.05):
+                await etcd.wait_for_change("w", "election", seen, 10)
+        await anyio.sleep(0.05)
+        assert etcd._hub.watches == 0
+        task_count = len(etcd._host._tasks) if hasattr(etcd._host, "_tasks") else 0
+        assert task_count <= 1
+
+
+__all__ = ("end", "prefix", "wait_until")
