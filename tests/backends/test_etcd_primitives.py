@@ -13,6 +13,7 @@ import anyio
 import pytest
 from aetcd import rpc
 
+import asynclock
 from asynclock import InvalidArgument
 from asynclock.abc import Kind, LockInfo, LockRequest, Lost, Renewed
 from asynclock.backends.etcd import EtcdBackend, EtcdGrant
@@ -194,9 +195,10 @@ async def test_a_dead_holders_lease_frees_exactly_its_permit(
     etcd_server: EtcdServer, prefix: str
 ) -> None:
     lost: list[str] = []
-    async with backend(etcd_server.url, prefix) as crashed, backend(
-        etcd_server.url, prefix
-    ) as alive:
+    async with (
+        backend(etcd_server.url, prefix) as crashed,
+        backend(etcd_server.url, prefix) as alive,
+    ):
         doomed = await crashed.acquire(request("s", kind="semaphore", permits=2, lost=lost))
         kept = await alive.acquire(request("s", kind="semaphore", permits=2))
         granted: list[EtcdGrant] = []
@@ -284,6 +286,8 @@ async def test_extend_moves_the_key_to_a_lease_of_the_new_ttl_keeping_its_token(
         (key,) = await keys_under(etcd_server, prefix)
         assert key.lease == grant.lease_id and key.create_revision == token
         assert await lease_ttl(etcd_server, grant.lease_id) == 20
+        expires_in = (await etcd.inspect("x", kind)).expires_in
+        assert expires_in is not None and 10 < expires_in <= 20
         if kind == "election":
             assert (await etcd.inspect("x", "election")).value == b"v"
         (renewed,) = await etcd.renew([grant])
@@ -297,7 +301,9 @@ async def test_extend_moves_the_key_to_a_lease_of_the_new_ttl_keeping_its_token(
         await etcd.release(grant)
 
 
-async def test_an_extended_lock_outlives_its_first_ttl(etcd_server: EtcdServer, prefix: str) -> None:
+async def test_an_extended_lock_outlives_its_first_ttl(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
     async with backend(etcd_server.url, prefix) as etcd:
         grant = await etcd.acquire(request("x", ttl=2))
         assert isinstance(await etcd.extend(grant, 6), Renewed)
@@ -315,8 +321,100 @@ async def test_wait_for_change_leaves_no_watch(etcd_server: EtcdServer, prefix: 
                 await etcd.wait_for_change("w", "election", seen, 10)
         await anyio.sleep(0.05)
         assert etcd._hub.watches == 0
-        task_count = len(etcd._host._tasks) if hasattr(etcd._host, "_tasks") else 0
-        assert task_count <= 1
+
+
+# -- an election through an etcd leader kill --------------------------------------------------
+
+
+class FencedResource:
+    """What leaders write to: refuses a token lower than one it has accepted, and counts who
+    is inside a term at once."""
+
+    def __init__(self) -> None:
+        self.highest = 0
+        self.refused: list[tuple[int, str]] = []
+        self.terms: list[tuple[int, str]] = []
+        self.inside: set[str] = set()
+        self.most = 0
+
+    def enter(self, token: int, who: str) -> None:
+        self.inside.add(who)
+        self.most = max(self.most, len(self.inside))
+        self.terms.append((token, who))
+
+    def write(self, token: int, who: str) -> None:
+        if token < self.highest:
+            self.refused.append((token, who))
+        self.highest = max(self.highest, token)
+
+
+async def test_an_election_survives_an_etcd_leader_kill_without_two_leaders(
+    etcd_cluster: Any, prefix: str
+) -> None:
+    resource = FencedResource()
+    seen: list[int | None] = []
+    killed_at: list[float] = []
+    ttl = 2.0
+    clients = [asynclock.connect(etcd_cluster.url, prefix=prefix) for _ in range(3)]
+
+    async def candidate(locks: asynclock.LockClient, who: str, stop: anyio.Event) -> None:
+        election = locks.election("leader")
+        while not stop.is_set():
+            try:
+                async with election.campaign(who.encode(), ttl=ttl) as term:
+                    assert term.token is not None
+                    resource.enter(term.token, who)
+                    try:
+                        for _ in range(6):
+                            resource.write(term.token, who)
+                            await anyio.sleep(0.05)
+                    finally:
+                        resource.inside.discard(who)
+            except asynclock.LeaseLost:
+                pass  # a term may end by itself when renewals cannot reach etcd in time
+            except asynclock.BackendUnavailable:
+                await anyio.sleep(0.05)
+
+    async def observer(locks: asynclock.LockClient, stop: anyio.Event) -> None:
+        async for leader in locks.election("leader").observe():
+            seen.append(None if leader is None else leader.token)
+            if stop.is_set():
+                return
+
+    async with clients[0], clients[1], clients[2]:
+        stop = anyio.Event()
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as outer:
+                outer.start_soon(observer, clients[0], stop)
+                async with anyio.create_task_group() as tg:
+                    for index, locks in enumerate(clients):
+                        tg.start_soon(candidate, locks, f"c{index}", stop)
+                    await anyio.sleep(1.5)
+                    before = len(resource.terms)
+                    killed = await anyio.to_thread.run_sync(etcd_cluster.kill_leader)
+                    killed_at.append(len(resource.terms))
+                    try:
+                        # Terms go on after the election of a new etcd leader.
+                        await wait_until(_more_terms(resource, killed_at[0] + 3), timeout=20)
+                    finally:
+                        await anyio.to_thread.run_sync(killed.restart)
+                    stop.set()
+                await anyio.sleep(0.2)  # the last change reaches the observer
+                outer.cancel_scope.cancel()
+    assert before >= 2
+    assert resource.most == 1, resource.terms
+    assert not resource.refused
+    tokens = [token for token, _ in resource.terms]
+    assert tokens == sorted(set(tokens)), resource.terms
+    observed = [token for token in seen if token is not None]
+    assert observed == sorted(set(observed)) and len(observed) >= 3
+
+
+def _more_terms(resource: FencedResource, count: int) -> Any:
+    async def check() -> bool:
+        return len(resource.terms) >= count
+
+    return check
 
 
 __all__ = ("end", "prefix", "wait_until")

@@ -79,12 +79,13 @@ class Inspector:
         if not kvs:
             return LockInfo(name, held=False, waiters=0, kind=kind)
         holding, permits = _holding(kvs, kind)
-        expires = await self._expiries({lease_of(bytes(kv.key)) for kv in holding})
+        # The lease the key rides on now (extend() moves a key off the lease its name says).
+        expires = await self._expiries({int(kv.lease) or lease_of(bytes(kv.key)) for kv in holding})
         holders = tuple(
             HolderInfo(
                 owner=owner_of(bytes(kv.key)),
                 token=int(kv.create_revision),
-                expires_in=expires.get(lease_of(bytes(kv.key))),
+                expires_in=expires.get(int(kv.lease) or lease_of(bytes(kv.key))),
                 shared=is_shared(bytes(kv.key)),
                 value=bytes(kv.value) if kind == "election" else None,
             )
