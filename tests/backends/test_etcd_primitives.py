@@ -3,6 +3,9 @@ Backend methods, against real etcd (the contract suite runs them through the cli
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import random
 import secrets
 import uuid
 from collections.abc import AsyncIterator
@@ -321,6 +324,60 @@ async def test_wait_for_change_leaves_no_watch(etcd_server: EtcdServer, prefix: 
                 await etcd.wait_for_change("w", "election", seen, 10)
         await anyio.sleep(0.05)
         assert etcd._hub.watches == 0
+
+
+# -- cancellation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["shared", "semaphore", "election"])
+async def test_acquires_cancelled_at_random_moments_never_leave_a_key(
+    etcd_server: EtcdServer, prefix: str, what: str
+) -> None:
+    """As the lock's test in test_etcd.py: a cancelled request may reach etcd after the
+    clean-up's delete unless the clean-up waits for it; native cancels too."""
+    rng = random.Random(7)
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
+        asynclock.connect(etcd_server.url, prefix=prefix) as other,
+    ):
+
+        def hold(client: asynclock.LockClient) -> Any:
+            if what == "shared":
+                # A writer waits behind another's writer, a reader likewise.
+                return client.lock("c", ttl=4, shared=client is locks)
+            if what == "semaphore":
+                return client.semaphore("c", permits=1).lock(ttl=4)
+            return client.election("c").campaign(b"v", ttl=4)
+
+        started_at = anyio.current_time()
+        async with hold(locks):
+            pass
+        round_trip = anyio.current_time() - started_at
+        for attempt in range(120):
+            blocker = hold(other) if attempt % 2 else None
+            if blocker is not None:
+                await blocker.__aenter__()
+            delay = rng.uniform(0, 3 * round_trip)
+            if attempt % 3 == 0:
+                task = asyncio.create_task(_hold_forever(hold(locks)))
+                await asyncio.sleep(delay)
+                for _ in range(attempt % 4 + 1):
+                    task.cancel()
+                    await asyncio.sleep(0)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            else:
+                with anyio.move_on_after(delay):
+                    await _hold_forever(hold(locks))
+            if blocker is not None:
+                await blocker.__aexit__(None, None, None)
+            left = await keys_under(etcd_server, prefix)
+            assert not left, f"attempt {attempt} left {[bytes(kv.key) for kv in left]}"
+
+
+async def _hold_forever(context: Any) -> None:
+    async with context:
+        await anyio.sleep(10)
 
 
 # -- an election through an etcd leader kill --------------------------------------------------
