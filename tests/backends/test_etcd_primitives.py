@@ -277,6 +277,32 @@ async def test_a_dead_holders_lease_frees_exactly_its_permit(
             await alive.release(grant)
 
 
+async def test_permits_are_granted_in_queue_order_even_to_a_waiter_that_stalls(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """A key marked waiting (its waiter stalled between seeing its turn and marking its key
+    granted) holds up the keys behind it, and a try, until it goes with its lease."""
+    base = f"{prefix}!semaphore/s/".encode()
+    async with backend(etcd_server.url, prefix) as etcd, raw(etcd_server.address) as direct:
+        stalled = await direct.leases.LeaseGrant(rpc.LeaseGrantRequest(TTL=30))
+        await direct.kv.Put(
+            rpc.PutRequest(key=base + b"%016x-stalled" % stalled.ID, value=b"2;w", lease=stalled.ID)
+        )
+        info = await etcd.inspect("s", "semaphore")
+        assert not info.held and info.waiters == 1 and info.permits == 2
+        assert await etcd.try_acquire(request("s", kind="semaphore", permits=2)) is None
+        granted: list[EtcdGrant] = []
+        async with anyio.create_task_group() as tg:
+            await started(tg, etcd, request("s", kind="semaphore", permits=2), granted)
+            await anyio.sleep(0.3)
+            assert not granted  # a permit is free, but the older key is not granted yet
+            await direct.leases.LeaseRevoke(rpc.LeaseRevokeRequest(ID=stalled.ID))
+            await granted_one(granted)
+        (key,) = await direct.keys(base)
+        assert key.value == b"2;" and key.create_revision == granted[0].token
+        await etcd.release(granted[0])
+
+
 # -- elections ---------------------------------------------------------------------------------
 
 

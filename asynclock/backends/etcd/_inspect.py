@@ -11,7 +11,7 @@ from aetcd import rpc
 
 from .._kit import HolderInfo, Kind, LockError, LockInfo
 from ._hub import WatchHub
-from ._names import is_shared, lease_of, name_prefix, owner_of
+from ._names import is_shared, lease_of, name_prefix, owner_of, permits_of, waiting_permit
 from ._proto import prefix_end
 from ._wire import Wire
 
@@ -22,18 +22,14 @@ __all__ = ("Inspector",)
 _FAILED_PAUSE: Final = 0.1
 
 
-def _permits(value: bytes) -> int:
-    try:
-        return max(1, int(value))
-    except ValueError:
-        return 1
-
-
 def _holding(kvs: Sequence[Any], kind: Kind) -> tuple[Sequence[Any], int | None]:
     """The keys that hold (oldest first), and a semaphore's number of permits."""
     if kind == "semaphore":
-        permits = _permits(bytes(kvs[0].value))
-        return kvs[:permits], permits
+        permits = max(1, permits_of(bytes(kvs[0].value)))
+        # Among the first N, a key still marked waiting is about to be granted (or its
+        # holder died and its lease is running out): not a holder yet.
+        first = kvs[:permits]
+        return [kv for kv in first if not waiting_permit(bytes(kv.value))], permits
     if kind == "lock" and is_shared(bytes(kvs[0].key)):
         # Readers hold up to the oldest writer (which waits for them, as do all after it).
         count = 0
@@ -76,9 +72,9 @@ class Inspector:
             ),
         )
         kvs = list(reply.kvs)
-        if not kvs:
-            return LockInfo(name, held=False, waiters=0, kind=kind)
-        holding, permits = _holding(kvs, kind)
+        holding, permits = _holding(kvs, kind) if kvs else ((), None)
+        if not holding:
+            return LockInfo(name, held=False, waiters=len(kvs), kind=kind, permits=permits)
         # The lease the key rides on now (extend() moves a key off the lease its name says).
         expires = await self._expiries({int(kv.lease) or lease_of(bytes(kv.key)) for kv in holding})
         holders = tuple(

@@ -3,7 +3,8 @@
 * a lock ``name``: ``<prefix><quoted name>/<lease hex>-<owner>`` (exclusive) and
   ``<prefix><quoted name>/r<lease hex>-<owner>`` (shared), value the owner id;
 * a semaphore: ``<prefix>!semaphore/<quoted name>/<lease hex>-<owner>``, value the number of
-  permits (ASCII digits);
+  permits and whether the key still waits (``b"3;"``: granted, ``b"3;w"``: waiting; see
+  :mod:`._permits`);
 * an election: ``<prefix>!election/<quoted name>/<lease hex>-<owner>``, value the candidate's.
 
 The name is percent-encoded with no safe characters, which never yields "/" or "!", so the
@@ -32,6 +33,10 @@ __all__ = (
     "name_of",
     "name_prefix",
     "owner_of",
+    "permit_value",
+    "permit_values",
+    "permits_of",
+    "waiting_permit",
     "writers",
 )
 
@@ -91,3 +96,25 @@ def blockers(key: bytes) -> tuple[bytes, bytes]:
     key of the name, or only the writers for a shared hold."""
     name = name_of(key)
     return writers(name) if is_shared(key) else (name, prefix_end(name))
+
+
+def permit_value(permits: int, *, waiting: bool) -> bytes:
+    """A semaphore key's value."""
+    return f"{permits};{'w' if waiting else ''}".encode("ascii")
+
+
+def permit_values(permits: int) -> tuple[bytes, bytes]:
+    """Bounds strictly around both values of ``permits`` and no value of another number
+    (``"3;"`` and ``"3;w"`` lie between ``"3:"`` and ``"3<"``; ``"30;"`` and ``"4;"`` do not)."""
+    digits = str(permits).encode("ascii")
+    return digits + b":", digits + b"<"
+
+
+def permits_of(value: bytes) -> int:
+    """The number of permits a semaphore key was created with (0: not a number)."""
+    digits = value.partition(b";")[0]
+    return int(digits) if digits.isdigit() else 0
+
+
+def waiting_permit(value: bytes) -> bool:
+    return value.endswith(b";w")

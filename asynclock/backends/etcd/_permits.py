@@ -1,21 +1,31 @@
 """A semaphore's permits: one key per hold under the semaphore's name, each on its holder's
 lease (so a crashed holder frees exactly its own permits, when its lease expires).
 
-A key holds a permit while fewer than ``permits`` keys of the name are older (FIFO: the first
-``permits`` keys by create revision hold). Every key's value is the number of permits, and a
-key is only created while every key of the name has the same value (or there is none), in the
-transaction that creates it: a request with another number is refused before it leaves
-anything behind (:func:`permits_mismatch`).
+A key may hold a permit while fewer than ``permits`` keys of the name are older (FIFO: the first
+``permits`` keys by create revision). Permits are also *granted* in that order, across clients:
+a key is created "waiting" (value ``b"N;w"``) and its holder marks it granted (``b"N;"``, a put
+guarded on its create revision) before it reports the permit, and only once every older key is
+marked granted. Without that, two waiters let in by the same releases would each report its
+permit in whatever order their reads came back: later waiters (and higher tokens) first. A try
+creates its key granted, and only when no key waits. A key created holding costs that one more
+put; a key whose waiter died while marked waiting holds the ones behind it until its lease ends.
+
+Every key's value starts with the number of permits, and a key is only created while every key
+of the name has the same number (or there is none), in the transaction that creates it: a request
+with another number is refused before it leaves anything behind (:func:`permits_mismatch`).
 
 A waiter cannot wait for one key, as a lock's does: any of the keys before its own may be the
-one whose delete lets it in. It watches the deletes of the whole name, from the revision of the
-read that placed it (so it misses none), and looks again only after the delete of a key older
-than its own (etcd sends the deleted key's create revision with ``prev_kv``).
+one whose delete lets it in. It watches the whole name, from the revision of the read that
+placed it (so it misses nothing), and looks again only after a change of a key at least as old as
+its own: a delete, or (once it may hold) an older key marked granted. etcd sends the changed
+key's create revision with ``prev_kv``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
@@ -25,6 +35,7 @@ from .._kit import (
     RENEWAL,
     BackendTimeout,
     BackendUnavailable,
+    LockError,
     LockRequest,
     ProvenGone,
     RetryPolicy,
@@ -34,9 +45,10 @@ from ._errors import transient
 from ._hub import WatchHub
 from ._keys import Keys
 from ._lease import ClientLease, Leases, lease_gone
-from ._proto import create_is, mod_below, range_op, value_is
+from ._names import permit_value, permit_values, permits_of, waiting_permit
+from ._proto import create_is, mod_below, put_op, range_op, values_within
 from ._queue import Attempt, Queue
-from ._watch import raise_failure
+from ._watch import UNSYNCED_POLLS, raise_failure
 from ._wire import Wire
 
 __all__ = ("Permits",)
@@ -49,18 +61,32 @@ _TRIES: Final = 8
 #: A waiter reads its place again this often even without a watch event.
 _RECHECK_EVERY: Final = 30.0
 
-#: Whether our key holds a permit, and the revision of the read that said so (None: our key
-#: is gone).
-Spot = tuple[bool, int] | None
+
+@dataclass(frozen=True, slots=True)
+class Spot:
+    """Where our key stands, as one read saw it."""
+
+    #: How many keys are older than ours (counted up to ``permits + 1``).
+    older: int
+    #: Whether every older key is marked granted.
+    ready: bool
+    #: The revision of the read.
+    seen: int
 
 
 def _check_permits(request: LockRequest, value: bytes) -> None:
-    try:
-        held = int(value)
-    except ValueError:
-        held = 0
+    held = permits_of(value)
     if held != request.permits:
         raise permits_mismatch(request.name, held, request.permits)
+
+
+def _values(kvs: Sequence[Any]) -> list[bytes]:
+    return [bytes(kv.value) for kv in kvs]
+
+
+def _read(key: bytes, end: bytes, **fields: Any) -> Any:
+    """A read of keys with their values (``range_op`` reads keys only)."""
+    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key, range_end=end, **fields))
 
 
 class Permits:
@@ -75,21 +101,20 @@ class Permits:
         self._queue = queue
 
     async def take_if_free(self, attempt: Attempt) -> bool:
-        """Create our key only if fewer than ``permits`` keys of the name exist."""
+        """Create our key, granted, only if fewer than ``permits`` keys of the name exist and
+        none of them waits."""
         request = attempt.request
         wire = self._wire
         for _ in range(_TRIES):
-            seen = await wire.call(
+            seen = await wire.txn(
                 f"reading semaphore {request.name!r}",
-                lambda md, timeout: wire.kv.Range(
-                    rpc.RangeRequest(key=attempt.prefix, range_end=attempt.end, limit=1),
-                    timeout=timeout,
-                    metadata=md,
-                ),
+                rpc.TxnRequest(success=[_read(attempt.prefix, attempt.end, limit=request.permits)]),
             )
-            if seen.kvs:
-                _check_permits(request, bytes(seen.kvs[0].value))
-            if int(seen.count) >= request.permits:
+            found = seen.responses[0].response_range
+            values = _values(found.kvs)
+            if values:
+                _check_permits(request, values[0])
+            if int(found.count) >= request.permits or any(map(waiting_permit, values)):
                 return False
             lease = await self._leases.lease_for(attempt.bucket)
             key = self._queue.place(attempt, lease)
@@ -98,7 +123,7 @@ class Permits:
                     f"taking a permit of semaphore {request.name!r}",
                     rpc.TxnRequest(
                         # Nothing created or changed since the read: still fewer keys than
-                        # permits, all with our number.
+                        # permits, all granted, all with our number.
                         compare=[
                             mod_below(attempt.prefix, int(seen.header.revision) + 1, attempt.end)
                         ],
@@ -129,6 +154,7 @@ class Permits:
     async def wait_for(self, attempt: Attempt) -> None:
         """Queue (or find our place again) and wait until our key holds a permit."""
         failures = _FAILURES.backoff(window=2.0 * self._wire.settings.op_timeout)
+        permits = attempt.request.permits
         while True:
             try:
                 if attempt.rev == 0:
@@ -144,15 +170,18 @@ class Permits:
                     continue
                 self._keys.settled(attempt.own())
                 failures.reset()
-                holds, seen = spot
-                if holds:
-                    if lease.fresh(anyio.current_time()):
+                if spot.older < permits and spot.ready:
+                    if not await self._grant(attempt):
+                        self._queue.requeue(attempt)
+                    elif lease.fresh(anyio.current_time()):
                         return
-                    if not await self._leases.refresh(lease):
+                    elif not await self._leases.refresh(lease):
                         self._queue.requeue(attempt)
                     continue
-                wait = PermitWait(self._wire, self._hub, self._leases, self._keys, attempt, seen)
-                await wait.run(lease)
+                wait = PermitWait(self._wire, self._hub, self._leases, self._keys, attempt, spot)
+                # Close to a permit: the watch may be slow to tell (see PermitWait.run).
+                near = spot.older <= permits
+                await wait.run(lease, functools.partial(self._moved, attempt) if near else None)
             except ProvenGone:
                 if attempt.lease is not None:
                     self._leases.died(attempt.lease, lease_gone(attempt.lease.id))
@@ -162,27 +191,31 @@ class Permits:
                     raise
                 await failures.pause(exc)
 
-    async def _enqueue(self, attempt: Attempt) -> Spot:
-        """Create our key if every key of the name has our number of permits (or there is
-        none), and read whether it holds one; raise ``permits_mismatch`` if not."""
-        request, key = attempt.request, attempt.own()
+    async def _enqueue(self, attempt: Attempt) -> Spot | None:
+        """Create our key, waiting, if every key of the name has our number of permits (or
+        there is none), and read the keys before it; raise ``permits_mismatch`` if not."""
+        request, key, lease = attempt.request, attempt.own(), attempt.lease
+        assert lease is not None
         permits = request.permits
-        # Ours and the ``permits`` keys before it, if there are that many.
-        then = [attempt.put(), attempt.newest(permits + 1)]
+        # Ours and the ``permits + 1`` keys before it, if there are that many.
+        then = [
+            put_op(key, permit_value(permits, waiting=True), lease.id),
+            _read(
+                attempt.prefix,
+                attempt.end,
+                sort_target=rpc.RangeRequest.CREATE,
+                sort_order=rpc.RangeRequest.DESCEND,
+                limit=permits + 2,
+            ),
+        ]
         if_empty = rpc.TxnRequest(
             compare=[create_is(attempt.prefix, 0, range_end=attempt.end)],
             success=then,
             # One key, with its value: the number it was created with.
-            failure=[
-                rpc.RequestOp(
-                    request_range=rpc.RangeRequest(
-                        key=attempt.prefix, range_end=attempt.end, limit=1
-                    )
-                )
-            ],
+            failure=[_read(attempt.prefix, attempt.end, limit=1)],
         )
         same = rpc.TxnRequest(
-            compare=[value_is(attempt.prefix, str(permits).encode("ascii"), attempt.end)],
+            compare=values_within(attempt.prefix, *permit_values(permits), attempt.end),
             success=then,
             failure=[rpc.RequestOp(request_txn=if_empty)],
         )
@@ -215,21 +248,22 @@ class Permits:
                     f"queueing for semaphore {request.name!r}: etcd refused the permit count"
                 )
         attempt.rev = int(reply.header.revision)
-        return len(inner.responses[1].response_range.kvs) <= permits, attempt.rev
+        older = _values(inner.responses[1].response_range.kvs)[1:]
+        return Spot(len(older), not any(map(waiting_permit, older)), attempt.rev)
 
-    async def _check(self, attempt: Attempt) -> Spot:
-        """One linearizable read: ``None`` if our key is gone, else whether it holds."""
+    async def _check(self, attempt: Attempt) -> Spot | None:
+        """One linearizable read: ``None`` if our key is gone, else our place."""
         permits = attempt.request.permits
         reply = await self._wire.txn(
             f"checking our place for semaphore {attempt.request.name!r}",
             rpc.TxnRequest(
                 success=[
                     range_op(attempt.own()),
-                    range_op(
+                    _read(
                         attempt.prefix,
                         attempt.end,
                         max_create_revision=attempt.rev - 1,
-                        limit=permits,
+                        limit=permits + 1,
                     ),
                 ]
             ),
@@ -237,8 +271,28 @@ class Permits:
         own = reply.responses[0].response_range.kvs
         if not own or int(own[0].create_revision) != attempt.rev:
             return None
-        older = len(reply.responses[1].response_range.kvs)
-        return older < permits, int(reply.header.revision)
+        older = _values(reply.responses[1].response_range.kvs)
+        return Spot(len(older), not any(map(waiting_permit, older)), int(reply.header.revision))
+
+    async def _grant(self, attempt: Attempt) -> bool:
+        """Mark our key granted (so the keys behind may be granted too); False if it is gone.
+        Idempotent: a put guarded on the key's create revision."""
+        lease = attempt.lease
+        assert lease is not None
+        value = permit_value(attempt.request.permits, waiting=False)
+        reply = await self._wire.txn(
+            f"taking a permit of semaphore {attempt.request.name!r}",
+            rpc.TxnRequest(
+                compare=[create_is(attempt.own(), attempt.rev)],
+                success=[put_op(attempt.own(), value, lease.id)],
+            ),
+        )
+        return bool(reply.succeeded)
+
+    async def _moved(self, attempt: Attempt) -> bool:
+        """Whether our key may be granted now, or is gone."""
+        spot = await self._check(attempt)
+        return spot is None or (spot.older < attempt.request.permits and spot.ready)
 
 
 class PermitWait:
@@ -248,12 +302,14 @@ class PermitWait:
     __slots__ = (
         "_changed",
         "_created",
+        "_created_at",
         "_end",
         "_failed",
         "_hub",
         "_keys",
         "_leases",
         "_prefix",
+        "_puts_matter",
         "_rev",
         "_seen",
         "_what",
@@ -262,35 +318,46 @@ class PermitWait:
     )  # fmt: skip
 
     def __init__(
-        self, wire: Wire, hub: WatchHub, leases: Leases, keys: Keys, attempt: Attempt, seen: int
+        self, wire: Wire, hub: WatchHub, leases: Leases, keys: Keys, attempt: Attempt, spot: Spot
     ) -> None:
         self._wire, self._hub, self._leases, self._keys = wire, hub, leases, keys
         self._prefix, self._end = attempt.prefix, attempt.end
-        self._rev, self._seen = attempt.rev, seen
+        self._rev, self._seen = attempt.rev, spot.seen
+        #: An older key marked granted matters only when ours may hold already.
+        self._puts_matter = spot.older < attempt.request.permits
         self._what = f"waiting for semaphore {attempt.request.name!r}"
         self._changed = anyio.Event()
         self._created = False
+        self._created_at = 0
         self._woke = False
         self._failed: list[BaseException] = []
 
-    async def run(self, lease: ClientLease) -> None:
+    async def run(self, lease: ClientLease, look: Callable[[], Awaitable[bool]] | None) -> None:
+        """Wait; ``look`` (when we are one delete away from a permit) reads whether our place
+        changed, for the polls below.
+
+        The watch starts in the past (just after our read), and when anything was written
+        since, etcd makes it "unsynced" and delivers its events from a loop that runs every
+        100 ms: then ``look`` is called a few times in that window (as a lock's next waiter
+        does, see ``TurnWait._after_watch``), so that a permit freed just after our read is
+        taken at once, in queue order, rather than up to 100 ms later, after newer waiters."""
         stream = self._hub.stream()
         request = rpc.WatchCreateRequest(
             key=self._prefix,
             range_end=self._end,
             # From just after the read that placed us: no delete since is missed.
             start_revision=self._seen + 1,
-            filters=[rpc.WatchCreateRequest.NOPUT],
+            filters=[] if self._puts_matter else [rpc.WatchCreateRequest.NOPUT],
             prev_kv=True,
         )
         stream.add(self, [request])
         try:
-            await self._idle(lease)
+            await self._idle(lease, look)
         finally:
             stream.drop(self)  # no await: nothing can interrupt it
         await raise_failure(self._wire, self._what, self._failed)
 
-    async def _idle(self, lease: ClientLease) -> None:
+    async def _idle(self, lease: ClientLease, look: Callable[[], Awaitable[bool]] | None) -> None:
         op_timeout = self._wire.settings.op_timeout
         with anyio.move_on_after(op_timeout):
             await self._changed.wait()
@@ -302,18 +369,29 @@ class PermitWait:
                 )
             )
             return
-        recheck_at = anyio.current_time() + _RECHECK_EVERY
+        now = anyio.current_time()
+        recheck_at = now + _RECHECK_EVERY
+        unsynced = look is not None and self._created_at > self._seen
+        polls = [now + delay for delay in UNSYNCED_POLLS] if unsynced else []
         while not self._woke and not self._failed and not lease.dead:
             now = anyio.current_time()
             # Another waiter's keepalive is in flight: look again when a retry would be due.
             due = RENEWAL.retry_at(now, lease.ttl) if lease.refreshing else lease.refresh_due()
             self._changed = anyio.Event()
-            with anyio.move_on_at(min(due, recheck_at)):
+            with anyio.move_on_at(min(due, recheck_at, *polls[:1])):
                 await self._changed.wait()
             if self._woke or self._failed or anyio.current_time() >= recheck_at:
                 return
+            if polls and anyio.current_time() >= polls[0]:
+                polls.pop(0)
+                assert look is not None
+                try:
+                    if await look():
+                        return
+                except LockError as exc:
+                    self._failed.append(exc)
             # Our key rides on the lease: keep it alive while we wait.
-            if await self._leases.refresh_if_due(lease) and self._keys.orphans:
+            elif await self._leases.refresh_if_due(lease) and self._keys.orphans:
                 await self._keys.sweep()
 
     def _wake(self) -> None:
@@ -324,15 +402,20 @@ class PermitWait:
 
     def on_created(self, revision: int) -> None:
         self._created = True
+        self._created_at = revision
         self._changed.set()
 
     def on_fired(self, events: Sequence[Any]) -> None:
-        # Only a key as old as ours (or ours) changes our place; a newer one's delete, not.
-        if not events or any(
-            not event.HasField("prev_kv") or int(event.prev_kv.create_revision) <= self._rev
-            for event in events
-        ):
+        if not events or any(map(self._matters, events)):
             self._wake()
+
+    def _matters(self, event: Any) -> bool:
+        """Only a change of a key as old as ours (or of ours) changes our place."""
+        known = event.HasField("prev_kv")
+        if event.type == rpc.Event.DELETE:
+            return not known or int(event.prev_kv.create_revision) <= self._rev
+        # A put: a key created (no prev_kv; newer than ours) or one marked granted.
+        return known and int(event.prev_kv.create_revision) < self._rev
 
     def on_failed(self, error: BaseException) -> None:
         self._failed.append(error)

@@ -20,7 +20,7 @@ __all__ = (
     "range_op",
     "to_compare",
     "to_request_op",
-    "value_is",
+    "values_within",
 )
 
 
@@ -45,15 +45,15 @@ def mod_below(key: bytes, revision: int, range_end: bytes = b"") -> Any:
     )
 
 
-def value_is(key: bytes, value: bytes, range_end: bytes = b"") -> Any:
-    """A comparison: every key up to ``range_end`` has ``value`` (false for an empty range)."""
-    return rpc.Compare(
-        key=key,
-        range_end=range_end,
-        target=rpc.Compare.VALUE,
-        result=rpc.Compare.EQUAL,
-        value=value,
-    )
+def values_within(key: bytes, low: bytes, high: bytes, range_end: bytes = b"") -> list[Any]:
+    """Comparisons: every key up to ``range_end`` has a value strictly between ``low`` and
+    ``high`` (false for an empty range)."""
+    return [
+        rpc.Compare(
+            key=key, range_end=range_end, target=rpc.Compare.VALUE, result=result, value=value
+        )
+        for result, value in ((rpc.Compare.GREATER, low), (rpc.Compare.LESS, high))
+    ]
 
 
 def range_op(key: bytes, range_end: bytes = b"", **fields: Any) -> Any:

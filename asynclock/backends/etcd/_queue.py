@@ -29,7 +29,16 @@ from ._errors import transient
 from ._hub import WatchHub
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
-from ._names import SHARED_MARK, blockers, is_shared, lease_of, name_of, name_prefix, writers
+from ._names import (
+    SHARED_MARK,
+    blockers,
+    is_shared,
+    lease_of,
+    name_of,
+    name_prefix,
+    permit_value,
+    writers,
+)
 from ._proto import create_is, delete_op, prefix_end, put_op, range_op
 from ._urls import bucket
 from ._watch import Place, TurnWait
@@ -69,7 +78,7 @@ class Attempt:
         if request.kind == "election":
             value = request.value
         elif request.kind == "semaphore":
-            value = str(request.permits).encode("ascii")
+            value = permit_value(request.permits, waiting=False)
         else:
             value = request.owner.encode("ascii")
         return put_op(self.key, value, self.lease.id)

@@ -19,14 +19,14 @@ from ._lease import ClientLease, Leases
 from ._proto import range_op
 from ._wire import Wire
 
-__all__ = ("Place", "TurnWait", "raise_failure")
+__all__ = ("UNSYNCED_POLLS", "Place", "TurnWait", "raise_failure")
 
 #: A waiter re-reads the queue this often even without a watch event (a belt to the braces of
 #: watch revisions and gRPC keepalive pings).
 _RECHECK_EVERY: Final = 30.0
 #: When the next waiter's watch may be unsynced (see ``TurnWait._after_watch``), it looks again
 #: after these delays (seconds from the watch's start), covering etcd's 100 ms catch-up period.
-_UNSYNCED_POLLS: Final = (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0.11)
+UNSYNCED_POLLS: Final = (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0.11)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +255,7 @@ class TurnWait:
         if not self._place.next_in_line or revision <= start:
             return []
         now = anyio.current_time()
-        return [now + delay for delay in _UNSYNCED_POLLS]
+        return [now + delay for delay in UNSYNCED_POLLS]
 
     async def _both_exist(self) -> tuple[bool, int]:
         reply = await self._wire.txn(
