@@ -528,6 +528,7 @@ async def test_an_election_survives_an_etcd_leader_kill_without_two_leaders(
                     for index, locks in enumerate(clients):
                         tg.start_soon(candidate, locks, f"c{index}", stop)
                     await anyio.sleep(1.5)
+                    await wait_until(_someone_leads(resource))  # kill it during a term
                     before = len(resource.terms)
                     killed = await anyio.to_thread.run_sync(etcd_cluster.kill_leader)
                     killed_at.append(len(resource.terms))
@@ -546,6 +547,13 @@ async def test_an_election_survives_an_etcd_leader_kill_without_two_leaders(
     assert tokens == sorted(set(tokens)), resource.terms
     observed = [token for token in seen if token is not None]
     assert observed == sorted(set(observed)) and len(observed) >= 3
+
+
+def _someone_leads(resource: FencedResource) -> Any:
+    async def check() -> bool:
+        return bool(resource.inside)
+
+    return check
 
 
 def _more_terms(resource: FencedResource, count: int) -> Any:
