@@ -15,10 +15,10 @@ of the name has the same number (or there is none), in the transaction that crea
 with another number is refused before it leaves anything behind (:func:`permits_mismatch`).
 
 A waiter cannot wait for one key, as a lock's does: any of the keys before its own may be the
-one whose delete lets it in. It watches the whole name, from the revision of the read that
-placed it (so it misses nothing), and looks again only after a change of a key at least as old as
-its own: a delete, or (once it may hold) an older key marked granted. etcd sends the changed
-key's create revision with ``prev_kv``.
+one whose delete lets it in. It watches the ``permits`` keys just before its own (one of them
+must go before it may hold) and its own, from the revision of the read that placed it (so it
+misses nothing), and looks again when one is deleted or, once it may hold, when an older one is
+marked granted (see :class:`PermitWait`). A release wakes at most ``permits`` waiters.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from .._kit import (
     permits_mismatch,
 )
 from ._errors import transient
-from ._hub import WatchHub
+from ._hub import WatchHub, delete_watch
 from ._keys import Keys
 from ._lease import ClientLease, Leases, lease_gone
 from ._names import permit_value, permit_values, permits_of, waiting_permit
@@ -72,6 +72,9 @@ class Spot:
     ready: bool
     #: The revision of the read.
     seen: int
+    #: The (up to ``permits``) newest keys older than ours: one of them goes before ours may
+    #: hold, so the wait watches them.
+    before: tuple[bytes, ...] = ()
 
 
 def _check_permits(request: LockRequest, value: bytes) -> None:
@@ -87,6 +90,17 @@ def _values(kvs: Sequence[Any]) -> list[bytes]:
 def _read(key: bytes, end: bytes, **fields: Any) -> Any:
     """A read of keys with their values (``range_op`` reads keys only)."""
     return rpc.RequestOp(request_range=rpc.RangeRequest(key=key, range_end=end, **fields))
+
+
+def _spot(older: Sequence[Any], attempt: Attempt, seen: int = 0) -> Spot:
+    """Our place, from the newest keys older than ours (newest first, up to ``permits + 1``)."""
+    values = _values(older)
+    return Spot(
+        len(older),
+        not any(map(waiting_permit, values)),
+        seen or attempt.rev,
+        tuple(bytes(kv.key) for kv in older[: attempt.request.permits]),
+    )
 
 
 class Permits:
@@ -248,8 +262,7 @@ class Permits:
                     f"queueing for semaphore {request.name!r}: etcd refused the permit count"
                 )
         attempt.rev = int(reply.header.revision)
-        older = _values(inner.responses[1].response_range.kvs)[1:]
-        return Spot(len(older), not any(map(waiting_permit, older)), attempt.rev)
+        return _spot(inner.responses[1].response_range.kvs[1:], attempt)
 
     async def _check(self, attempt: Attempt) -> Spot | None:
         """One linearizable read: ``None`` if our key is gone, else our place."""
@@ -263,6 +276,8 @@ class Permits:
                         attempt.prefix,
                         attempt.end,
                         max_create_revision=attempt.rev - 1,
+                        sort_target=rpc.RangeRequest.CREATE,
+                        sort_order=rpc.RangeRequest.DESCEND,
                         limit=permits + 1,
                     ),
                 ]
@@ -271,8 +286,7 @@ class Permits:
         own = reply.responses[0].response_range.kvs
         if not own or int(own[0].create_revision) != attempt.rev:
             return None
-        older = _values(reply.responses[1].response_range.kvs)
-        return Spot(len(older), not any(map(waiting_permit, older)), int(reply.header.revision))
+        return _spot(reply.responses[1].response_range.kvs, attempt, int(reply.header.revision))
 
     async def _grant(self, attempt: Attempt) -> bool:
         """Mark our key granted (so the keys behind may be granted too); False if it is gone.
@@ -296,21 +310,24 @@ class Permits:
 
 
 class PermitWait:
-    """One wait for a permit: returns when a key older than ours (or ours) was deleted, or to
-    look again; raises what went wrong. Its watch rides on the client's stream."""
+    """One wait for a permit: returns when one of the (up to N) keys just before ours, or ours,
+    is deleted (or, once ours may hold, an older one is marked granted), or to look again;
+    raises what went wrong. Its watches ride on the client's stream.
+
+    Watching the N keys just before ours is enough: ours may hold once fewer than N keys are
+    older, so at least one of those N must go first (the keys before them are too few to make
+    up the difference). So a release wakes at most N waiters, not the whole queue."""
 
     __slots__ = (
+        "_armed",
+        "_before",
         "_changed",
-        "_created",
-        "_created_at",
-        "_end",
         "_failed",
         "_hub",
         "_keys",
         "_leases",
-        "_prefix",
+        "_own",
         "_puts_matter",
-        "_rev",
         "_seen",
         "_what",
         "_wire",
@@ -321,57 +338,60 @@ class PermitWait:
         self, wire: Wire, hub: WatchHub, leases: Leases, keys: Keys, attempt: Attempt, spot: Spot
     ) -> None:
         self._wire, self._hub, self._leases, self._keys = wire, hub, leases, keys
-        self._prefix, self._end = attempt.prefix, attempt.end
-        self._rev, self._seen = attempt.rev, spot.seen
+        self._own, self._before, self._seen = attempt.own(), spot.before, spot.seen
         #: An older key marked granted matters only when ours may hold already.
         self._puts_matter = spot.older < attempt.request.permits
         self._what = f"waiting for semaphore {attempt.request.name!r}"
         self._changed = anyio.Event()
-        self._created = False
-        self._created_at = 0
+        #: The revisions at which etcd created our watches.
+        self._armed: list[int] = []
         self._woke = False
         self._failed: list[BaseException] = []
 
     async def run(self, lease: ClientLease, look: Callable[[], Awaitable[bool]] | None) -> None:
-        """Wait; ``look`` (when we are one delete away from a permit) reads whether our place
-        changed, for the polls below.
+        """Wait; ``look`` (when we are close to a permit) reads whether our place changed, for
+        the polls below.
 
-        The watch starts in the past (just after our read), and when anything was written
-        since, etcd makes it "unsynced" and delivers its events from a loop that runs every
-        100 ms: then ``look`` is called a few times in that window (as a lock's next waiter
-        does, see ``TurnWait._after_watch``), so that a permit freed just after our read is
-        taken at once, in queue order, rather than up to 100 ms later, after newer waiters."""
+        The watches start in the past (just after our read), and when anything was written
+        since, etcd makes them "unsynced" and delivers their events from a loop that runs
+        every 100 ms: then ``look`` is called a few times in that window (as a lock's next
+        waiter does, see ``TurnWait._after_watch``), so that a permit freed just after our
+        read is taken at once, in queue order, rather than up to 100 ms later."""
         stream = self._hub.stream()
-        request = rpc.WatchCreateRequest(
-            key=self._prefix,
-            range_end=self._end,
-            # From just after the read that placed us: no delete since is missed.
-            start_revision=self._seen + 1,
-            filters=[] if self._puts_matter else [rpc.WatchCreateRequest.NOPUT],
-            prev_kv=True,
-        )
-        stream.add(self, [request])
+        # From just after the read that placed us: no change since is missed.
+        start = self._seen + 1
+        requests = [delete_watch(self._own, start)]
+        for key in self._before:
+            if self._puts_matter:
+                requests.append(rpc.WatchCreateRequest(key=key, start_revision=start))
+            else:
+                requests.append(delete_watch(key, start))
+        stream.add(self, requests)
         try:
-            await self._idle(lease, look)
+            await self._idle(lease, look, len(requests))
         finally:
             stream.drop(self)  # no await: nothing can interrupt it
         await raise_failure(self._wire, self._what, self._failed)
 
-    async def _idle(self, lease: ClientLease, look: Callable[[], Awaitable[bool]] | None) -> None:
+    async def _idle(
+        self, lease: ClientLease, look: Callable[[], Awaitable[bool]] | None, watches: int
+    ) -> None:
         op_timeout = self._wire.settings.op_timeout
         with anyio.move_on_after(op_timeout):
-            await self._changed.wait()
-        if not (self._created or self._woke or self._failed):
+            while len(self._armed) < watches and not (self._woke or self._failed):
+                self._changed = anyio.Event()
+                await self._changed.wait()
+        if len(self._armed) < watches and not (self._woke or self._failed):
             self._failed.append(
                 BackendTimeout(
-                    f"{self._what} on {self._wire.describe}: etcd did not create the watch "
+                    f"{self._what} on {self._wire.describe}: etcd did not create the watches "
                     f"within {op_timeout:g} s (op_timeout)"
                 )
             )
             return
         now = anyio.current_time()
         recheck_at = now + _RECHECK_EVERY
-        unsynced = look is not None and self._created_at > self._seen
+        unsynced = look is not None and max(self._armed, default=0) > self._seen
         polls = [now + delay for delay in UNSYNCED_POLLS] if unsynced else []
         while not self._woke and not self._failed and not lease.dead:
             now = anyio.current_time()
@@ -401,21 +421,12 @@ class PermitWait:
     # -- told by the watch stream (Subscriber) -------------------------------------------------
 
     def on_created(self, revision: int) -> None:
-        self._created = True
-        self._created_at = revision
+        self._armed.append(revision)
         self._changed.set()
 
     def on_fired(self, events: Sequence[Any]) -> None:
-        if not events or any(map(self._matters, events)):
-            self._wake()
-
-    def _matters(self, event: Any) -> bool:
-        """Only a change of a key as old as ours (or of ours) changes our place."""
-        known = event.HasField("prev_kv")
-        if event.type == rpc.Event.DELETE:
-            return not known or int(event.prev_kv.create_revision) <= self._rev
-        # A put: a key created (no prev_kv; newer than ours) or one marked granted.
-        return known and int(event.prev_kv.create_revision) < self._rev
+        # Every event of our watches matters (their filters leave out the rest).
+        self._wake()
 
     def on_failed(self, error: BaseException) -> None:
         self._failed.append(error)
