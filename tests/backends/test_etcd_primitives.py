@@ -221,6 +221,39 @@ async def test_a_semaphore_admits_n_at_once_in_fifo_order_over_two_clients(
     assert not await keys_under(etcd_server, prefix)
 
 
+async def test_200_semaphore_waiters_of_two_clients_are_granted_in_queue_order(
+    etcd_server: EtcdServer, prefix: str
+) -> None:
+    """Grants follow the keys' create revisions (tokens rise in the order the bodies start),
+    and a release wakes at most N waiters, so the queue drains in linear time."""
+    entered: list[int] = []
+    async with (
+        asynclock.connect(etcd_server.url, prefix=prefix) as one,
+        asynclock.connect(etcd_server.url, prefix=prefix) as two,
+    ):
+        held = [await one.semaphore("q", permits=3).acquire(ttl=10) for _ in range(3)]
+
+        async def waiter(index: int) -> None:
+            async with (one, two)[index % 2].semaphore("q", permits=3).lock(ttl=10) as lease:
+                assert lease.token is not None
+                entered.append(lease.token)
+
+        async def queued() -> bool:
+            return (await one.semaphore("q", permits=3).inspect()).waiters == 200
+
+        async with anyio.create_task_group() as tg:
+            for index in range(200):
+                tg.start_soon(waiter, index)
+            await wait_until(queued, timeout=20)
+            started_at = anyio.current_time()
+            with anyio.fail_after(15):
+                for lease in held:
+                    await lease.release()
+        drained = anyio.current_time() - started_at
+    assert entered == sorted(entered) and len(entered) == 200
+    assert drained < 10, drained
+
+
 async def test_semaphore_try_inspect_and_a_permits_mismatch_that_leaves_nothing(
     etcd_server: EtcdServer, prefix: str
 ) -> None:
