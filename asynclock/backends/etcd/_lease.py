@@ -18,7 +18,7 @@ import anyio
 import grpc
 from aetcd import rpc
 
-from .._kit import RENEWAL, BackendUnavailable, Grant, Kind, LockError, ProvenGone
+from .._kit import RENEWAL, BackendUnavailable, Grant, LockError, ProvenGone
 from ._errors import Superseded
 from ._wire import Metadata, Wire
 
@@ -35,7 +35,6 @@ class EtcdGrant(Grant):
     key: bytes
     lease_id: int
     on_lost: Callable[[str], None] = field(repr=False)
-    kind: Kind = "lock"
 
 
 class ClientLease:

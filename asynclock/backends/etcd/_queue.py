@@ -151,7 +151,7 @@ class Queue:
             key=key,
             lease_id=lease.id,
             on_lost=attempt.request.on_lost,
-            kind=attempt.request.kind,
+            space=attempt.request.kind,
         )
         lease.held.add(grant)
         self._keys.lowest.pop(key, None)

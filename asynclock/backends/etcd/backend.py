@@ -245,8 +245,8 @@ class EtcdBackend(Backend[EtcdGrant]):
             await self._queue.release(
                 grant.key,
                 token,
-                f"releasing {grant.kind} {grant.name!r}",
-                handover=grant.kind != "semaphore",
+                f"releasing {grant.space} {grant.name!r}",
+                handover=grant.space != "semaphore",
             )
         except BaseException as exc:
             # Interrupted or failed: whoever comes next (a renewal, a wait, the next acquire,
@@ -282,7 +282,7 @@ class EtcdBackend(Backend[EtcdGrant]):
             if not await self._leases.refresh(lease):
                 return Unknown(BackendUnavailable(lease_gone(lease.id)))
             reply = await self._wire.txn(
-                f"extending {grant.kind} {grant.name!r} to {ttl:g} s",
+                f"extending {grant.space} {grant.name!r} to {ttl:g} s",
                 rpc.TxnRequest(
                     compare=[create_is(grant.key, grant.token or 0)],
                     success=[move_op(grant.key, lease.id)],
