@@ -56,22 +56,38 @@ class Inspector:
     async def inspect(self, name: str, kind: Kind) -> LockInfo:
         prefix = name_prefix(self._prefix, name, kind)
         wire = self._wire
-        reply = await wire.call(
-            f"inspecting {kind} {name!r}",
-            lambda md, timeout: wire.kv.Range(
-                rpc.RangeRequest(
+        end = prefix_end(prefix)
+        # Every key, oldest first; values only where they say something: a semaphore's
+        # permits and waiting marks (a few bytes each), and only the leader's of an election
+        # (a candidate's may be 64 KiB). A lock's values are its owners, which its keys name.
+        reads = [
+            rpc.RequestOp(
+                request_range=rpc.RangeRequest(
                     key=prefix,
-                    range_end=prefix_end(prefix),
+                    range_end=end,
                     sort_target=rpc.RangeRequest.CREATE,
                     sort_order=rpc.RangeRequest.ASCEND,
-                    # A lock's values are only its owners, which its keys name too.
-                    keys_only=kind == "lock",
-                ),
-                timeout=timeout,
-                metadata=md,
-            ),
-        )
-        kvs = list(reply.kvs)
+                    keys_only=kind != "semaphore",
+                )
+            )
+        ]
+        if kind == "election":
+            reads.append(
+                rpc.RequestOp(
+                    request_range=rpc.RangeRequest(
+                        key=prefix,
+                        range_end=end,
+                        sort_target=rpc.RangeRequest.CREATE,
+                        sort_order=rpc.RangeRequest.ASCEND,
+                        limit=1,
+                    )
+                )
+            )
+        reply = await wire.txn(f"inspecting {kind} {name!r}", rpc.TxnRequest(success=reads))
+        ranges = [response.response_range for response in reply.responses]
+        kvs = list(ranges[0].kvs)
+        if kind == "election" and kvs:
+            kvs[0] = ranges[1].kvs[0]  # the leader, with its value (read in the same txn)
         holding, permits = _holding(kvs, kind) if kvs else ((), None)
         if not holding:
             return LockInfo(name, held=False, waiters=len(kvs), kind=kind, permits=permits)
