@@ -1,0 +1,121 @@
+"""The semaphore guard: at most N holders' tokens admitted at a time, the oldest evicted."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+import asynclock
+from asynclock.fencing import MemorySemaphoreGuard, PermitSlots, StaleToken
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_admits_up_to_n_tokens_and_evicts_the_oldest_for_a_newer_one() -> None:
+    guard = MemorySemaphoreGuard(3)
+    for token in (1, 2, 3):
+        await guard.write("r", token, token=token)
+    assert guard.admitted("r") == (1, 2, 3)
+    await guard.write("r", "again", token=2)  # a holder may access as often as it likes
+    await guard.check("r", 4)  # a fourth permit: the oldest one's lease must have ended
+    assert guard.admitted("r") == (2, 3, 4)
+    with pytest.raises(StaleToken) as info:
+        await guard.write("r", "late", token=1)  # evicted: refused from now on
+    assert (info.value.token, info.value.resource) == (1, "r")
+    assert await guard.read("r", token=3) == "again"
+    assert guard.rejected == 1
+
+
+async def test_a_token_older_than_every_admitted_one_is_refused_when_full() -> None:
+    guard = MemorySemaphoreGuard(2)
+    await guard.check("r", 5)
+    await guard.check("r", 6)
+    with pytest.raises(StaleToken) as info:
+        await guard.check("r", 4)
+    assert info.value.highest == 5
+    assert guard.admitted("r") == (5, 6)
+
+
+async def test_leaving_frees_the_slot_and_the_token_never_comes_back() -> None:
+    guard = MemorySemaphoreGuard(2)
+    await guard.check("r", 1)  # a long-running holder
+    for token in range(2, 50):  # short holders come and go beside it
+        async with guard.entered("r", token):
+            await guard.check("r", 1)
+    assert guard.admitted("r") == (1,)
+    with pytest.raises(StaleToken):
+        await guard.check("r", 7)  # left: not admitted again
+    await guard.leave("r", 1)
+    await guard.leave("r", 1)  # idempotent
+    assert guard.admitted("r") == ()
+
+
+async def test_a_slot_is_freed_even_when_the_block_is_cancelled() -> None:
+    guard = MemorySemaphoreGuard(1)
+    with anyio.move_on_after(0.01):
+        async with guard.entered("r", 1):
+            await anyio.sleep(1)
+    await guard.check("r", 2)
+    assert guard.admitted("r") == (2,)
+
+
+async def test_resources_are_independent() -> None:
+    guard = MemorySemaphoreGuard(1)
+    await guard.check("a", 9)
+    await guard.check("b", 1)
+    assert (guard.admitted("a"), guard.admitted("b")) == ((9,), (1,))
+
+
+def test_an_evicted_or_departed_token_is_never_admitted_again_randomised() -> None:
+    """The invariant the safety runs rely on: the tokens whose accesses were accepted around
+    any moment are at most N (a token admitted twice was admitted in between)."""
+    rng = random.Random(7)
+    for _ in range(200):
+        permits = rng.randint(1, 4)
+        slots = PermitSlots(permits)
+        gone: set[int] = set()
+        last_ok: dict[int, int] = {}
+        first_ok: dict[int, int] = {}
+        for step in range(200):
+            token = rng.randint(1, 40)
+            if rng.random() < 0.2:
+                slots.leave(token)
+                gone.add(token)
+                continue
+            before = set(slots.admitted)
+            if slots.admit(token) is None:
+                assert token not in gone or token in before
+                first_ok.setdefault(token, step)
+                last_ok[token] = step
+            assert len(slots.admitted) <= permits
+            gone |= before - set(slots.admitted)
+        for step in range(200):
+            live = [t for t in first_ok if first_ok[t] <= step <= last_ok[t]]
+            assert len(live) <= permits
+
+
+def test_departed_tokens_stay_bounded_and_spare_a_long_holder() -> None:
+    slots = PermitSlots(2)
+    assert slots.admit(1) is None
+    for token in range(2, 20_000):
+        assert slots.admit(token) is None
+        slots.leave(token)
+    assert len(slots.departed) <= 4096
+    assert slots.admitted == [1]  # the long-running holder kept its slot
+    assert slots.admit(1) is None
+
+
+async def test_takes_the_token_of_the_lease_in_this_context() -> None:
+    guard = MemorySemaphoreGuard(2)
+    async with asynclock.connect("memory://permits-guard") as locks:
+        async with locks.lock("job") as lease:
+            assert await guard.check("out") == lease.token
+            await guard.leave("out")
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
+def test_permits_must_be_a_positive_int(bad: object) -> None:
+    with pytest.raises(asynclock.InvalidArgument):
+        MemorySemaphoreGuard(bad)  # type: ignore[arg-type]
