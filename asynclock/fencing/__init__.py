@@ -5,8 +5,8 @@ check and write after its lease expired and another client took the lock. Each g
 the highest token it has seen for a resource and refuses an older one, atomically with the access.
 The token comes from the lock held in the current context unless one is passed.
 
-A resource that a semaphore of N permits protects uses :class:`MemorySemaphoreGuard` (or
-:class:`PermitSlots` inside a guard of its own store): it accepts the tokens of at most N holders
+A resource that a semaphore of N permits protects uses :class:`MemorySemaphoreGuard` or
+:class:`PostgresSemaphoreGuard` (or :class:`PermitSlots` inside a guard of another store): it accepts the tokens of at most N holders
 at once, and refuses the oldest one when a newer token needs its slot.
 
 Across services the token travels in the ``Fencing-Token`` header (and the lock's name in
@@ -32,6 +32,7 @@ from ._http import parse_token as parse_token
 from ._memory import MemoryGuard as MemoryGuard
 from ._permits import MemorySemaphoreGuard as MemorySemaphoreGuard
 from ._permits import PermitSlots as PermitSlots
+from ._permits_postgres import PostgresSemaphoreGuard as PostgresSemaphoreGuard
 from ._postgres import PostgresGuard as PostgresGuard
 from ._redis import RedisGuard as RedisGuard
 from ._token import MAX_TOKEN as MAX_TOKEN
@@ -46,6 +47,7 @@ __all__ = (
     "MemorySemaphoreGuard",
     "PermitSlots",
     "PostgresGuard",
+    "PostgresSemaphoreGuard",
     "RedisGuard",
     "StaleToken",
     "aiohttp_client_middleware",

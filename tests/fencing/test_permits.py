@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import random
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
 
 import asynclock
-from asynclock.fencing import MemorySemaphoreGuard, PermitSlots, StaleToken
+from asynclock.fencing import MemorySemaphoreGuard, PermitSlots, PostgresSemaphoreGuard, StaleToken
+from asynclock.testing import PostgresServer
 
 pytestmark = pytest.mark.anyio
 
@@ -119,3 +123,77 @@ async def test_takes_the_token_of_the_lease_in_this_context() -> None:
 def test_permits_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(asynclock.InvalidArgument):
         MemorySemaphoreGuard(bad)  # type: ignore[arg-type]
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def pg(postgres_server: PostgresServer) -> AsyncIterator[tuple[Any, str]]:
+    import asyncpg
+
+    connection = await asyncpg.connect(postgres_server.dsn)
+    table = f"permits_{uuid.uuid4().hex[:8]}"
+    yield connection, table
+    await connection.execute(f"DROP TABLE IF EXISTS {table}")
+    await connection.close()
+
+
+async def test_postgres_semaphore_guard_admits_n_and_evicts_the_oldest(pg: Any) -> None:
+    connection, table = pg
+    guard = PostgresSemaphoreGuard(2, table=table)
+    await guard.create_table(connection)
+    await guard.create_table(connection)  # idempotent
+    for token in (3, 4, 3):
+        assert await guard.check(connection, "r", token) == token
+    await guard.check(connection, "r", 5)
+    assert await guard.admitted(connection, "r") == (4, 5)
+    with pytest.raises(StaleToken) as info:
+        async with connection.transaction():
+            await guard.check(connection, "r", 3)
+    assert info.value.token == 3
+    await guard.leave(connection, "r", 4)
+    await guard.check(connection, "r", 6)  # the slot 4 left
+    assert await guard.admitted(connection, "r") == (5, 6)
+    with pytest.raises(StaleToken):
+        await guard.check(connection, "r", 4)
+    assert await guard.admitted(connection, "other") == ()
+
+
+async def test_postgres_semaphore_guard_holds_the_row_until_the_access_commits(
+    pg: Any, postgres_server: PostgresServer
+) -> None:
+    import asyncpg
+
+    connection, table = pg
+    guard = PostgresSemaphoreGuard(1, table=table)
+    await guard.create_table(connection)
+    other = await asyncpg.connect(postgres_server.dsn)
+    try:
+        events: list[str] = []
+        older = connection.transaction()
+        await older.start()
+        await guard.check(connection, "r", 6)
+
+        async def newer() -> None:
+            async with other.transaction():
+                await guard.check(other, "r", 7)
+                events.append("newer checked")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(newer)
+            await anyio.sleep(0.3)
+            events.append("older commits")
+            await older.commit()
+        assert events == ["older commits", "newer checked"]
+        with pytest.raises(StaleToken):
+            await guard.check(connection, "r", 6)
+    finally:
+        await other.close()
+
+
+def test_postgres_semaphore_guard_refuses_bad_names() -> None:
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(2, table="x; drop")
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(0)
