@@ -51,6 +51,8 @@ class ResourceServer:
         #: Every event, in the order the resource saw it (the history the test checks).
         self.events: list[dict[str, Any]] = []
         self.port = 0
+        #: Set by the test when it has seen enough: every reply then tells the workers to stop.
+        self.stopping = False
         self._changed = anyio.Event()
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -92,10 +94,12 @@ class ResourceServer:
                 event["ok"] = False
         elif op == "leave" and isinstance(self.guard, MemorySemaphoreGuard):
             self.guard._slots[RESOURCE].leave(message["token"])
+        if op == "poll":
+            return {"ok": True, "stop": self.stopping}
         self.events.append(event)
         self._changed.set()
         self._changed = anyio.Event()
-        return {"ok": event.get("ok", True)}
+        return {"ok": event.get("ok", True), "stop": self.stopping}
 
     def of(self, op: str, **match: Any) -> list[dict[str, Any]]:
         """The events ``op`` (whose fields equal ``match``), in order."""
@@ -110,6 +114,10 @@ class ResourceServer:
         with anyio.fail_after(timeout):
             while not condition():
                 await self._changed.wait()
+
+
+#: Set in a worker when the resource says the test is done (see ``ResourceServer.stopping``).
+_STOP: anyio.Event | None = None
 
 
 class _Client:
@@ -134,6 +142,8 @@ class _Client:
             # Cancelled mid-request: the reply may still come; never read it as another's.
             await self.aclose()
             raise
+        if reply.get("stop") and _STOP is not None:
+            _STOP.set()
         return bool(reply["ok"])
 
     async def aclose(self) -> None:
@@ -151,7 +161,7 @@ async def _fenced_body(
         end = time.monotonic() + hold
         while True:
             await client.send("write", token=token)
-            if time.monotonic() >= end:
+            if time.monotonic() >= end or (_STOP is not None and _STOP.is_set()):
                 break
             await anyio.sleep(min(every, max(0.0, end - time.monotonic())))
     finally:
@@ -190,7 +200,7 @@ async def _campaign_task(
     client = _Client(config["port"], who)
     election = locks.election(config["name"])
     try:
-        while time.monotonic() < end:
+        while time.monotonic() < end and not (_STOP is not None and _STOP.is_set()):
             token: int | None = None
             with anyio.move_on_after(max(0.0, end - time.monotonic())):
                 try:
@@ -208,20 +218,41 @@ async def _campaign_task(
         await client.aclose()
 
 
+async def _poll_for_stop(port: int, cancel: anyio.CancelScope) -> None:
+    assert _STOP is not None
+    client = _Client(port, "poll")
+    try:
+        while not _STOP.is_set():
+            await client.send("poll")
+            with anyio.move_on_after(0.1):
+                await _STOP.wait()
+    finally:
+        await client.aclose()
+    # Candidates still waiting to lead have nothing left to do.
+    cancel.cancel()
+
+
 async def main(config: dict[str, Any]) -> None:
+    global _STOP
+    _STOP = anyio.Event()
     worker = config["worker"]
     end = time.monotonic() + config.get("seconds", 30.0)
     async with asynclock.connect(config["url"], **config["options"]) as locks:
         ready = _Client(config["port"], f"{worker}")
         await ready.send("ready")
         await ready.aclose()
-        async with anyio.create_task_group() as tg:
-            for index in range(config.get("tasks", 1)):
-                who = f"{worker}/{index}"
-                if config["mode"] == "campaign":
-                    tg.start_soon(_campaign_task, locks, config, who, end)
-                else:
-                    tg.start_soon(_semaphore_task, locks, config, who)
+        async with anyio.create_task_group() as outer:
+            work = anyio.CancelScope()
+            outer.start_soon(_poll_for_stop, config["port"], work)
+            with work:
+                async with anyio.create_task_group() as tg:
+                    for index in range(config.get("tasks", 1)):
+                        who = f"{worker}/{index}"
+                        if config["mode"] == "campaign":
+                            tg.start_soon(_campaign_task, locks, config, who, end)
+                        else:
+                            tg.start_soon(_semaphore_task, locks, config, who)
+            outer.cancel_scope.cancel()
     done = _Client(config["port"], f"{worker}")
     await done.send("done")
     await done.aclose()
