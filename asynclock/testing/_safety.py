@@ -41,6 +41,8 @@ import anyio.abc
 
 from .._errors import UnsupportedFeature
 from ..fencing import PostgresGuard, RedisGuard
+from ._safety_checks import check_lock, check_permits
+from ._safety_permits import permit_log, prepare_permits
 
 _PG_TABLES = """
 CREATE TABLE IF NOT EXISTS asynclock_safety_counter (run text PRIMARY KEY, value bigint NOT NULL);
@@ -237,6 +239,10 @@ class SafetyConfig:
     nemesis: Sequence[tuple[float, Callable[[], object]]] = ()
     lock: str = "safety"
     seed: int = 1
+    #: What the workers hold: a lock; a permit of a semaphore of ``permits`` (its resource is
+    #: a PostgreSQL log behind a permit guard, see ``_safety_permits``); an election's term.
+    primitive: Literal["lock", "semaphore", "election"] = "lock"
+    permits: int = 3
 
 
 @dataclass
@@ -260,11 +266,22 @@ class SafetyReport:
     #: expiry (positive: cancelled in time; negative: the process was paused past it).
     cancel_margins: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: Lock, election: holds whose token was not larger than the previous hold's (terms'
+    #: tokens must rise). Semaphore: tokens given to two holds.
+    token_errors: int = 0
+    #: Semaphore: the most holds at once as the workers saw them (more than ``permits``: a
+    #: paused holder still thought it held a permit that had gone to another) ...
+    most_holds_at_once: int | None = None
+    #: ... and the most tokens with accesses accepted around one moment, at the resource
+    #: (from each token's first accepted access to its last); ``stale_writes_accepted`` counts
+    #: the accesses that found more than ``permits`` of them.
+    most_writers_at_once: int | None = None
 
     @property
     def safe(self) -> bool:
-        """No lost update and no stale write accepted."""
-        return self.lost_updates == 0 and self.stale_writes_accepted == 0
+        """No lost update, no stale write accepted (semaphore: no access beyond ``permits``
+        writers at once), and the tokens rose."""
+        return self.lost_updates == 0 and self.stale_writes_accepted == 0 and not self.token_errors
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -288,14 +305,19 @@ class SafetyReport:
             "overtaken_holds": self.overtaken_holds,
             "cancelled_before_expiry": sum(margin > 0 for margin in self.cancel_margins),
             "cancelled_after_expiry": sum(margin <= 0 for margin in self.cancel_margins),
+            "primitive": self.config.primitive,
+            "permits": self.config.permits if self.config.primitive == "semaphore" else None,
+            "token_errors": self.token_errors,
+            "most_holds_at_once": self.most_holds_at_once,
+            "most_writers_at_once": self.most_writers_at_once,
             "safe": self.safe,
         }
 
 
-def _fencing_capable(url: str) -> bool:
+def _capable(url: str, capability: str) -> bool:
     from .._registry import make_backend
 
-    return make_backend(url, {}).capabilities.fencing
+    return bool(getattr(make_backend(url, {}).capabilities, capability))
 
 
 def _process_stopped(pid: int) -> bool:
@@ -333,68 +355,20 @@ async def _run_nemesis(
         await anyio.to_thread.run_sync(fault)
 
 
-def _check(
-    report: SafetyReport, histories: list[list[dict[str, Any]]], log: list[tuple[int | None, int]]
-) -> None:
-    holds: list[tuple[int, float, float]] = []
-    for worker, events in enumerate(histories):
-        start: dict[str, Any] | None = None
-        end: float | None = None
-        for event in events:
-            op = event["op"]
-            if op == "acquire":
-                start, end = event, None
-                report.holds += 1
-            elif op == "write":
-                if event["ok"]:
-                    report.writes_accepted += 1
-                else:
-                    report.writes_refused += 1
-            elif op == "end":
-                end = event["t"]
-            elif op in ("release", "lost") and start is not None:
-                holds.append((worker, start["t"], end if end is not None else event["t"]))
-                if op == "lost":
-                    report.lost_leases += 1
-                    report.cancel_margins.append(start["expires"] - (end or event["t"]))
-                start = None
-            elif op == "error":
-                report.errors.append(event["reason"])
-    holds.sort(key=lambda hold: hold[1])
-    overlapping: set[int] = set()
-    overtaken: set[int] = set()
-    for index, (worker, _, end_t) in enumerate(holds):
-        for later in range(index + 1, len(holds)):
-            other_worker, other_start, _ = holds[later]
-            if other_start >= end_t:
-                break
-            if other_worker != worker:
-                overlapping.update((index, later))
-                overtaken.add(index)
-    report.overlapping_holds = len(overlapping)
-    report.overtaken_holds = len(overtaken)
-    report.final_value = log[-1][1] if log else 0
-    report.lost_updates = len(log) - report.final_value
-    highest: int | None = None
-    for token, _ in log:
-        if token is None:
-            continue
-        if highest is not None and token < highest:
-            report.stale_writes_accepted += 1
-        highest = token if highest is None else max(highest, token)
-
-
 async def run_safety(config: SafetyConfig) -> SafetyReport:
     """Run ``config`` and check its history; bounded by ``config.duration`` plus a grace period."""
-    if config.fencing and not _fencing_capable(config.url):
-        raise UnsupportedFeature(
-            f"{config.url.split('://')[0]}:// issues no fencing tokens; run it with fencing=False"
-        )
+    scheme = config.url.split("://")[0]
+    if config.fencing and not _capable(config.url, "fencing"):
+        raise UnsupportedFeature(f"{scheme}:// issues no fencing tokens; run it with fencing=False")
+    needed = {"semaphore": "semaphores", "election": "elections"}.get(config.primitive)
+    if needed is not None and not _capable(config.url, needed):
+        raise UnsupportedFeature(f"{scheme}:// has no {needed}")
     report = SafetyReport(config)
     run = uuid.uuid4().hex[:12]
     resource = f"{config.resource}#{run}"
     pause = config.pause if config.pause is not None else config.ttl * 1.5
-    await _prepare(resource)
+    semaphore = config.primitive == "semaphore"
+    await (prepare_permits(resource, config.permits) if semaphore else _prepare(resource))
     with tempfile.TemporaryDirectory(prefix="asynclock-safety-") as directory:
         histories = [Path(directory, f"worker-{index}.jsonl") for index in range(config.workers)]
         processes: list[anyio.abc.Process] = []
@@ -409,6 +383,7 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
                     "--pause-probability", str(config.pause_probability),
                     "--pause-kind", config.pause_kind, "--pause", str(pause),
                     "--seed", str(config.seed * 1000 + index),
+                    "--primitive", config.primitive, "--permits", str(config.permits),
                 ]  # fmt: skip
                 if config.fencing:
                     command.append("--fencing")
@@ -445,5 +420,8 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
             else []
             for path in histories
         ]
-    _check(report, events, await _resource_log(resource))
+    if semaphore:
+        check_permits(report, events, await permit_log(resource))
+    else:
+        check_lock(report, events, await _resource_log(resource))
     return report

@@ -1,0 +1,101 @@
+"""Safety runs of semaphores and elections (short profile), the faults of the lock runs.
+
+Semaphore: worker processes hold permits and enter and exit a resource (a PostgreSQL log behind
+:class:`asynclock.fencing.PostgresSemaphoreGuard`); a hold paused past its ttl between the two
+exits after its permit went to another. Fenced: never more than ``permits`` writers at once at
+the resource. Unfenced: more, under the same pauses.
+
+Election: terms do the read-modify-write of the lock runs; a leader paused past its ttl loses
+its term, the next term's token is larger, and the old term's writes are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asynclock.testing import PostgresServer, RedisServer
+from asynclock.testing._safety import SafetyConfig, SafetyReport, run_safety
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+
+def summary(report: SafetyReport) -> str:
+    return f"{report.as_dict()} errors={report.errors[:3]}"
+
+
+def config(url: str, ttl: float, resource: str, **changes: object) -> SafetyConfig:
+    values: dict[str, object] = {
+        "url": url,
+        "resource": resource,
+        "workers": 5,
+        "duration": max(3.0, ttl * 5),
+        "ttl": ttl,
+        "fencing": True,
+        "cancel_on_loss": False,
+        "pause_probability": 0.25,
+        "permits": 2,
+    }
+    values.update(changes)
+    return SafetyConfig(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite://{tmp_path}/locks.db"
+
+
+async def test_semaphore_with_fencing_never_more_than_n_writers(
+    sqlite_url: str, postgres_server: PostgresServer
+) -> None:
+    report = await run_safety(config(sqlite_url, 0.6, postgres_server.url, primitive="semaphore"))
+    assert not report.errors, summary(report)
+    assert report.lost_leases > 0, summary(report)
+    # The pauses made more holds than permits at once, as the workers saw them ...
+    assert report.most_holds_at_once is not None and report.most_holds_at_once > 2, summary(report)
+    assert report.writes_refused > 0, summary(report)  # ... and the guard refused the stale
+    assert report.most_writers_at_once is not None and report.most_writers_at_once <= 2
+    assert report.safe, summary(report)
+
+
+async def test_semaphore_without_fencing_lets_more_than_n_writers_in(
+    sqlite_url: str, postgres_server: PostgresServer
+) -> None:
+    report = await run_safety(
+        config(sqlite_url, 0.6, postgres_server.url, primitive="semaphore", fencing=False)
+    )
+    assert not report.errors, summary(report)
+    assert report.lost_leases > 0, summary(report)
+    assert report.most_writers_at_once is not None and report.most_writers_at_once > 2
+    assert not report.safe, summary(report)
+
+
+async def test_election_with_fencing_refuses_old_terms(
+    sqlite_url: str, postgres_server: PostgresServer
+) -> None:
+    report = await run_safety(config(sqlite_url, 0.6, postgres_server.url, primitive="election"))
+    assert not report.errors, summary(report)
+    assert report.lost_leases > 0, summary(report)
+    assert report.overtaken_holds > 0, summary(report)
+    assert report.writes_refused > 0, summary(report)
+    assert report.token_errors == 0, summary(report)
+    assert report.safe, summary(report)
+    assert report.final_value == report.writes_accepted
+
+
+async def test_election_without_fencing_loses_updates(
+    sqlite_url: str, redis_server: RedisServer
+) -> None:
+    report = await run_safety(
+        config(sqlite_url, 0.6, redis_server.url, primitive="election", fencing=False)
+    )
+    assert not report.errors, summary(report)
+    assert report.lost_leases > 0, summary(report)
+    assert report.lost_updates > 0, summary(report)
+    assert not report.safe, summary(report)
+
+
+async def test_a_semaphore_run_needs_a_postgresql_resource(sqlite_url: str) -> None:
+    with pytest.raises(ValueError, match="postgresql"):
+        await run_safety(config(sqlite_url, 0.6, "redis://127.0.0.1:1/0", primitive="semaphore"))
