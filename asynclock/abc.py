@@ -126,6 +126,8 @@ class Grant:
     token: int | None
     valid_from: float
     ttl: float
+    #: The request's kind (``LockRequest.kind``): the namespace the hold lives in.
+    space: Kind = field(default="lock", kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
