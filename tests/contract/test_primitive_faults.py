@@ -266,6 +266,7 @@ async def test_election_5_candidates_on_3_processes_one_leader_at_a_time(
     leaders = {event["who"] for event in terms(server)}
     assert len(leaders) >= 3, leaders
     tokens = [token for token, _ in observed]
+    assert None not in tokens, f"observe() yielded a leader without its term's token: {observed}"
     assert tokens == sorted(set(tokens)), f"observe() in order, no repeats: {observed}"
     by_token = {event["token"]: event["who"].encode() for event in terms(server)}
     assert all(by_token.get(token) == value for token, value in observed), observed
@@ -330,6 +331,7 @@ async def test_election_leader_paused_past_its_ttl_is_replaced_and_fenced(
     held = [event["token"] for event in terms(server)]
     assert held == sorted(set(held)), held
     tokens = [token for token, _ in observed]
+    assert None not in tokens, f"observe() yielded a leader without its term's token: {observed}"
     assert tokens == sorted(set(tokens)), observed
     assert tokens[:2] == [first["token"], second["token"]], observed
     # The resource accepted the terms' writes in term order: none from an old term after a
