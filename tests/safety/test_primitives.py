@@ -11,11 +11,13 @@ its term, the next term's token is larger, and the old term's writes are refused
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
 
-from asynclock.testing import PostgresServer, RedisServer
+from asynclock._registry import make_backend
+from asynclock.testing import EtcdServer, PostgresServer, RedisServer, ZooKeeperServer
 from asynclock.testing._safety import SafetyConfig, SafetyReport, run_safety
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -46,10 +48,36 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite://{tmp_path}/locks.db"
 
 
+@pytest.fixture(params=["sqlite", "redis", "etcd", "zookeeper", "postgres"])
+def lock_backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, float]:
+    """A lock backend's URL and a short ttl it honours (as in test_safety.py)."""
+    tag = uuid.uuid4().hex[:8]
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path}/locks.db", 0.6
+    if request.param == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        return f"{redis.url}?prefix=safety-{tag}:&durability_warning=false", 0.6
+    if request.param == "etcd":
+        etcd: EtcdServer = request.getfixturevalue("etcd_server")
+        return f"{etcd.url}?prefix=/safety-{tag}/", 2.0  # etcd grants leases of 2 s at least
+    if request.param == "zookeeper":
+        zookeeper: ZooKeeperServer = request.getfixturevalue("zookeeper_server")
+        return f"{zookeeper.url}/safety-{tag}", 1.0
+    postgres: PostgresServer = request.getfixturevalue("postgres_server")
+    return postgres.url, 1.0
+
+
+def capable(url: str, capability: str) -> None:
+    if not getattr(make_backend(url, {}).capabilities, capability):
+        pytest.skip(f"{url.split('://')[0]}:// has no {capability}")
+
+
 async def test_semaphore_with_fencing_never_more_than_n_writers(
-    sqlite_url: str, postgres_server: PostgresServer
+    lock_backend: tuple[str, float], postgres_server: PostgresServer
 ) -> None:
-    report = await run_safety(config(sqlite_url, 0.6, postgres_server.url, primitive="semaphore"))
+    url, ttl = lock_backend
+    capable(url, "semaphores")
+    report = await run_safety(config(url, ttl, postgres_server.url, primitive="semaphore"))
     assert not report.errors, summary(report)
     assert report.lost_leases > 0, summary(report)
     # The pauses made more holds than permits at once, as the workers saw them ...
@@ -72,9 +100,11 @@ async def test_semaphore_without_fencing_lets_more_than_n_writers_in(
 
 
 async def test_election_with_fencing_refuses_old_terms(
-    sqlite_url: str, postgres_server: PostgresServer
+    lock_backend: tuple[str, float], postgres_server: PostgresServer
 ) -> None:
-    report = await run_safety(config(sqlite_url, 0.6, postgres_server.url, primitive="election"))
+    url, ttl = lock_backend
+    capable(url, "elections")
+    report = await run_safety(config(url, ttl, postgres_server.url, primitive="election"))
     assert not report.errors, summary(report)
     assert report.lost_leases > 0, summary(report)
     assert report.overtaken_holds > 0, summary(report)
