@@ -115,6 +115,11 @@ class _Lock:
         if first is not None:
             self.waiters[first].set()
         if self.changed is not None:
+            self.notify_watchers()
+
+    def notify_watchers(self) -> None:
+        """Wake the observers waiting for a change of holders."""
+        if self.changed is not None:
             self.changed.set()
             self.changed = None
 
@@ -323,8 +328,12 @@ class MemoryBackend(Backend[Grant]):
         owner = request.owner
         kind = request.kind
         if kind == "lock" and not request.shared:
+            # The common case first, as it was before the other kinds existed.
             lock.holder = _Holder(owner, sent_at + request.ttl, request.on_lost, token)
-        elif kind == "election":
+            if lock.changed is not None:
+                lock.notify_watchers()
+            return Grant(request.name, owner, token, sent_at, request.ttl)
+        if kind == "election":
             lock.holder = _Holder(
                 owner, sent_at + request.ttl, request.on_lost, token, value=request.value
             )
@@ -332,9 +341,7 @@ class MemoryBackend(Backend[Grant]):
             lock.holders[owner] = _Holder(
                 owner, sent_at + request.ttl, request.on_lost, token, request.shared
             )
-        if lock.changed is not None:
-            lock.changed.set()
-            lock.changed = None
+        lock.notify_watchers()
         return Grant(request.name, owner, token, sent_at, request.ttl, space=kind)
 
     def _server(self) -> Awaitable[None]:
@@ -372,8 +379,13 @@ class MemoryBackend(Backend[Grant]):
     async def acquire(self, request: LockRequest) -> Grant:
         await self._server()
         at = now()
-        lock = self._lock_for(request, at)
-        if not lock.waiters and lock.can_take(request, at):
+        if request.kind == "lock" and not request.shared:
+            lock = self._store.get(request.name)
+            free = lock.free(at)  # the common case, without can_take's questions
+        else:
+            lock = self._lock_for(request, at)
+            free = lock.can_take(request, at)
+        if free and not lock.waiters:
             # Nobody to queue behind: taken at once, without a place or an event.
             return self._take(lock, request, at)
         owner = request.owner
@@ -436,6 +448,8 @@ class MemoryBackend(Backend[Grant]):
         # release), and a cancellation has nothing to interrupt.
         if self.faults.paused:
             await self._server()
-        lock = self._store.get(grant.name, grant.space)
-        if lock.drop(grant.owner):
+        space = grant.space
+        store = self._store
+        lock = (store.locks if space == "lock" else store.spaces[space]).get(grant.name)
+        if lock is not None and lock.drop(grant.owner):
             lock.notify()
