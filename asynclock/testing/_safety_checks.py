@@ -18,10 +18,9 @@ of the hold before it (the terms' tokens rise); for a semaphore, no token is giv
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._safety import SafetyReport
+from ._safety_config import SafetyReport
 
 
 def _holds(

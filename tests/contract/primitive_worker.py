@@ -34,7 +34,7 @@ from anyio.abc import SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 import asynclock
-from asynclock.fencing import MemoryGuard, MemorySemaphoreGuard, StaleToken
+from asynclock.fencing import MemoryGuard, MemorySemaphoreGuard, PermitSlots, StaleToken
 
 RESOURCE = "resource"
 
@@ -93,7 +93,9 @@ class ResourceServer:
             except StaleToken:
                 event["ok"] = False
         elif op == "leave" and isinstance(self.guard, MemorySemaphoreGuard):
-            self.guard._slots[RESOURCE].leave(message["token"])
+            # Also for a holder that never got as far as a write (no slots made yet).
+            slots = self.guard._slots.setdefault(RESOURCE, PermitSlots(self.guard.permits))
+            slots.leave(message["token"])
         if op == "poll":
             return {"ok": True, "stop": self.stopping}
         self.events.append(event)
