@@ -269,7 +269,12 @@ async def test_election_5_candidates_on_3_processes_one_leader_at_a_time(
     assert None not in tokens, f"observe() yielded a leader without its term's token: {observed}"
     assert tokens == sorted(set(tokens)), f"observe() in order, no repeats: {observed}"
     by_token = {event["token"]: event["who"].encode() for event in terms(server)}
-    assert all(by_token.get(token) == value for token, value in observed), observed
+    # Each leader observed is a term the resource saw, with its value; but for the last ones,
+    # elected as the workers stopped and cancelled before their first access.
+    during = [
+        (token, value) for token, value in observed if token is not None and token <= held[-1]
+    ]
+    assert all(by_token.get(token) == value for token, value in during), (observed, by_token)
     assert len(observed) >= len(held) // 2, (observed, held)
     report(
         "election_rotating", backend, terms=len(held), observed=len(observed), leaders=len(leaders)
