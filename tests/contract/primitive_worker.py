@@ -9,11 +9,12 @@ and keeps every event in arrival order, so the test reads one history for all pr
 A worker (``python -m tests.contract.primitive_worker '<json config>'``) runs candidate tasks:
 
 - ``mode="semaphore"``: ``tasks`` tasks each take one permit once (``async with sem.lock()``),
-  enter, write, hold ``hold`` seconds, exit;
-- ``mode="hold"``: one task takes one permit and keeps writing with its token until its lease
-  is lost or its time is up;
+  enter, write with its token every ``every`` seconds for ``hold`` seconds, exit (a long
+  ``hold``: a holder that keeps writing until its lease is lost);
 - ``mode="campaign"``: ``tasks`` candidates campaign over and over until ``seconds`` pass, each
   term writing with its token for up to ``hold`` seconds, then resigning.
+
+Every worker stops early once the test sets ``ResourceServer.stopping`` (a reply says so).
 
 A body whose lease is lost reports ``lost`` and then tries one more write with its old token,
 which the guard must refuse (the paused-process case: the write it was about to send).
