@@ -197,3 +197,18 @@ def test_postgres_semaphore_guard_refuses_bad_names() -> None:
         PostgresSemaphoreGuard(2, table="x; drop")
     with pytest.raises(asynclock.InvalidArgument):
         PostgresSemaphoreGuard(0)
+
+
+async def test_with_a_real_semaphore_a_holder_that_never_left_is_evicted_by_a_newer_one() -> None:
+    guard = MemorySemaphoreGuard(2)
+    async with asynclock.connect("memory://permits-guard-sem") as locks:
+        sem = locks.semaphore("renderers", permits=2)
+        crashed = await sem.acquire(ttl=5)
+        await guard.check("out", crashed.token)
+        await crashed.release()  # as its ttl would: it never told the guard
+        async with sem.lock(ttl=5) as second, sem.lock(ttl=5) as third:
+            assert crashed.token < second.token < third.token
+            async with guard.entered("out", second.token), guard.entered("out", third.token):
+                assert guard.admitted("out") == (second.token, third.token)
+                with pytest.raises(StaleToken):
+                    await guard.write("out", "late", token=crashed.token)
