@@ -49,6 +49,8 @@ class PermitSlots:
     departed: set[int] = field(default_factory=set)
     #: The highest token seen, for the message of a refusal.
     highest: int | None = None
+    #: How many departed tokens to remember before folding the oldest into ``floor``.
+    remembered: int = _REMEMBERED
 
     def admit(self, token: int) -> int | None:
         """Admit ``token``, or return the token it is refused in favour of (``None``: admitted)."""
@@ -75,14 +77,14 @@ class PermitSlots:
             self.admitted.remove(token)
         if self.floor is None or token > self.floor:
             self.departed.add(token)
-            if len(self.departed) > _REMEMBERED:
+            if len(self.departed) > self.remembered:
                 self._fold()
 
     def _fold(self) -> None:
         # Raise the floor through the oldest departed tokens. An admitted token below the new
         # floor keeps its slot (admission is checked first): a long-running holder is not
         # evicted however many short ones came and went after it.
-        oldest = sorted(self.departed)[_REMEMBERED // 2 - 1]
+        oldest = sorted(self.departed)[max(1, self.remembered // 2) - 1]
         self.floor = oldest if self.floor is None else max(self.floor, oldest)
         self._forget_below_floor()
 

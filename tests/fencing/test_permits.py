@@ -11,8 +11,14 @@ import anyio
 import pytest
 
 import asynclock
-from asynclock.fencing import MemorySemaphoreGuard, PermitSlots, PostgresSemaphoreGuard, StaleToken
-from asynclock.testing import PostgresServer
+from asynclock.fencing import (
+    MemorySemaphoreGuard,
+    PermitSlots,
+    PostgresSemaphoreGuard,
+    RedisSemaphoreGuard,
+    StaleToken,
+)
+from asynclock.testing import PostgresServer, RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -212,3 +218,65 @@ async def test_with_a_real_semaphore_a_holder_that_never_left_is_evicted_by_a_ne
                 assert guard.admitted("out") == (second.token, third.token)
                 with pytest.raises(StaleToken):
                     await guard.write("out", "late", token=crashed.token)
+
+
+# -- Redis ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def raw_redis(redis_server: RedisServer) -> AsyncIterator[Any]:
+    import redis.asyncio
+
+    client = redis.asyncio.Redis(host=redis_server.host, port=redis_server.port)
+    yield client
+    await client.aclose()
+
+
+async def test_redis_semaphore_guard_admits_n_runs_the_command_and_evicts_the_oldest(
+    raw_redis: Any,
+) -> None:
+    prefix = f"permits-{uuid.uuid4().hex[:8]}:"
+    guard = RedisSemaphoreGuard(raw_redis, 2, prefix=prefix)
+    assert await guard.call("r", "RPUSH", f"{prefix}log", "from 3", token=3) == 1
+    assert await guard.check("r", 4) == 4
+    await guard.check("r", 5)  # full: 3 is evicted
+    with pytest.raises(StaleToken) as info:
+        await guard.call("r", "RPUSH", f"{prefix}log", "late", token=3)
+    assert (info.value.token, info.value.highest) == (3, 5)
+    assert await raw_redis.lrange(f"{prefix}log", 0, -1) == [b"from 3"]  # it did not run
+    await guard.leave("r", 4)
+    await guard.check("r", 6)
+    with pytest.raises(StaleToken):
+        await guard.check("r", 4)
+    big = 2**63 - 1  # exact beyond Lua's doubles
+    await guard.check("r", big - 1)
+    await guard.check("r", big)
+    with pytest.raises(StaleToken):
+        await guard.check("r", big - 2)
+
+
+async def test_redis_semaphore_guard_follows_the_rule_of_permit_slots(raw_redis: Any) -> None:
+    """Random checks and leaves, small memory: the script decides as PermitSlots does."""
+    rng = random.Random(11)
+    for round_ in range(6):
+        prefix = f"permits-{uuid.uuid4().hex[:8]}:"
+        permits = rng.randint(1, 3)
+        guard = RedisSemaphoreGuard(raw_redis, permits, prefix=prefix, remembered=6)
+        slots = PermitSlots(permits, remembered=6)
+        for _ in range(150):
+            token = rng.randint(1, 60)
+            if rng.random() < 0.3:
+                slots.leave(token)
+                await guard.leave("r", token)
+                continue
+            expected = slots.admit(token)
+            try:
+                await guard.check("r", token)
+                got = None
+            except StaleToken as exc:
+                got = exc.highest
+            assert got == expected, (round_, token, slots)
+            stored = await raw_redis.hmget(f"{prefix}r", "admitted", "floor")
+            admitted = [int(each) for each in (stored[0] or b"").split()]
+            assert admitted == slots.admitted, (round_, token, slots)
+            assert (None if stored[1] is None else int(stored[1])) == slots.floor
