@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import asynclock
 from asynclock._registry import make_backend
 from asynclock.testing import EtcdServer, PostgresServer, RedisServer, ZooKeeperServer
 from asynclock.testing._safety import SafetyConfig, SafetyReport, run_safety
@@ -90,6 +91,7 @@ async def test_semaphore_with_fencing_never_more_than_n_writers(
 async def test_semaphore_without_fencing_lets_more_than_n_writers_in(
     sqlite_url: str, postgres_server: PostgresServer
 ) -> None:
+    capable(sqlite_url, "semaphores")
     report = await run_safety(
         config(sqlite_url, 0.6, postgres_server.url, primitive="semaphore", fencing=False)
     )
@@ -117,6 +119,7 @@ async def test_election_with_fencing_refuses_old_terms(
 async def test_election_without_fencing_loses_updates(
     sqlite_url: str, redis_server: RedisServer
 ) -> None:
+    capable(sqlite_url, "elections")
     report = await run_safety(
         config(sqlite_url, 0.6, redis_server.url, primitive="election", fencing=False)
     )
@@ -126,6 +129,17 @@ async def test_election_without_fencing_loses_updates(
     assert not report.safe, summary(report)
 
 
-async def test_a_semaphore_run_needs_a_postgresql_resource(sqlite_url: str) -> None:
+async def test_a_semaphore_run_needs_a_postgresql_resource() -> None:
     with pytest.raises(ValueError, match="postgresql"):
-        await run_safety(config(sqlite_url, 0.6, "redis://127.0.0.1:1/0", primitive="semaphore"))
+        url = "memory://safety-resource"
+        await run_safety(config(url, 0.6, "redis://127.0.0.1:1/0", primitive="semaphore"))
+
+
+async def test_a_run_of_a_primitive_the_backend_lacks_is_refused(
+    redis_servers: list[RedisServer], postgres_server: PostgresServer
+) -> None:
+    url = "redlock://" + ",".join(server.address for server in redis_servers) + "/0"
+    with pytest.raises(asynclock.UnsupportedFeature, match="no semaphores"):
+        await run_safety(
+            config(url, 0.6, postgres_server.url, primitive="semaphore", fencing=False)
+        )
