@@ -40,6 +40,8 @@ async def main(url, kind, name, ttl):
     async with asynclock.connect(url) as locks:
         if kind == "semaphore":
             hold = locks.semaphore(name, permits=2).lock(ttl=float(ttl))
+        elif kind == "shared":
+            hold = locks.lock(name, ttl=float(ttl), shared=True)
         else:
             hold = locks.election(name).campaign(b"child", ttl=float(ttl))
         try:
@@ -714,3 +716,23 @@ async def test_native_cancels_at_random_moments_strand_nothing(
                 while not await free(other):  # noqa: ASYNC110 (the server's state)
                     await anyio.sleep(0.005)
     await nothing_left(admin, app, name)
+
+
+async def test_the_row_of_a_killed_reader_goes_with_the_next_readers(
+    postgres_server: PostgresServer, admin: asyncpg.Connection, name: str
+) -> None:
+    """Nobody releases a killed process's hold: a later reader's take deletes its row (once
+    its session is gone), so nothing stays on the server."""
+    process, _ = await start_holder(postgres_server.url, "shared", name, 30.0)
+    async with process, asynclock.connect(postgres_server.url) as locks:
+        rows = "SELECT count(*) FROM asynclock_holders WHERE held = $1"
+        assert await admin.fetchval(rows, kind_key(name, "lock")) == 1
+        process.kill()
+        await process.wait()
+        with anyio.fail_after(5):
+            while True:
+                lease = await locks.acquire(name, ttl=5, shared=True, timeout=5)
+                await lease.release()
+                if not await admin.fetchval(rows, kind_key(name, "lock")):
+                    break
+                await anyio.sleep(0.02)

@@ -46,6 +46,21 @@ kept AS (
         owner = excluded.owner, shared = excluded.shared, value = excluded.value,
         application_name = excluded.application_name
 )"""
+# Rows a take deletes, once it holds the key (the CTE ``token`` has a row): a leader holds its
+# key alone, so another session's row of it is a crashed leader's; a reader deletes the rows of
+# the name whose sessions are gone (no activity entry: a session shows there a moment longer
+# than its locks, so a row can outlive this; inspect() and open() check pg_locks instead).
+_SWEPT_ALONE = """,
+swept AS (
+    DELETE FROM {holders} WHERE held = $1 AND pid <> pg_backend_pid()
+        AND EXISTS (SELECT 1 FROM token)
+)"""
+_SWEPT_SHARED = """,
+swept AS (
+    DELETE FROM {holders} AS h WHERE h.key = $1 AND h.pid <> pg_backend_pid()
+        AND NOT EXISTS (SELECT 1 FROM pg_stat_get_activity(h.pid))
+        AND EXISTS (SELECT 1 FROM token)
+)"""
 # A take on a lane (a holding connection shared by the locks of one ttl, whose idle timer is
 # set once, when it connects): try-lock and token in one round trip, no row when busy.
 # Only when nobody waits in the queue table: its head may be between two steps (see _queue.py).
@@ -179,9 +194,11 @@ def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
     """The modes by (kind, shared), for the queue table and the holders' table of a schema."""
 
     def keep(owner: int, value: int, *, shared: bool) -> str:
-        return "," + _KEEP.format(
+        kept = _KEEP.format(
             holders=holders, owner=owner, value=value, shared="true" if shared else "false"
         )
+        swept = (_SWEPT_SHARED if shared else _SWEPT_ALONE).format(holders=holders)
+        return "," + kept + swept
 
     def lane_take(try_lock: str, *, kept: bool, shared: bool = False, notify: bool = False) -> str:
         return _LANE_TAKE.format(

@@ -61,6 +61,10 @@ kept AS (
     ON CONFLICT (held, pid) DO UPDATE SET key = excluded.key, token = excluded.token,
         owner = excluded.owner, shared = false, value = excluded.value,
         application_name = excluded.application_name
+),
+-- A permit holds its slot alone: another session's row of it is a crashed holder's.
+swept AS (
+    DELETE FROM {holders} WHERE held IN (SELECT k FROM token) AND pid <> pg_backend_pid()
 )
 SELECT (SELECT k FROM slot), (SELECT min(n) FROM other), (SELECT token FROM token),
     pg_backend_pid(), (SELECT set_config('idle_session_timeout', $3, false) FROM slot)
