@@ -163,6 +163,27 @@ async def test_readers_share_and_a_writer_excludes_them(
     await nothing_left(admin, app, name)
 
 
+async def test_readers_of_one_client_taking_at_once_all_get_in(
+    connect: Callable[..., PostgresBackend], name: str, admin: asyncpg.Connection, app: str
+) -> None:
+    """A second reader's try while the first one's take is still on the lane goes to a
+    connection of its own, as after it: not refused as if a writer held the lock."""
+    async with connect() as one:
+        grants: list[PostgresGrant | None] = []
+
+        async def take() -> None:
+            grants.append(await one.try_acquire(request(name, shared=True)))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(take)
+        assert len(grants) == 3 and all(grant is not None for grant in grants)
+        for grant in grants:
+            assert grant is not None
+            await one.release(grant)
+    await nothing_left(admin, app, name)
+
+
 @pytest.mark.parametrize("max_waiting", [8, 0])
 async def test_a_waiting_writer_is_not_jumped_by_later_readers(
     connect: Callable[..., PostgresBackend],

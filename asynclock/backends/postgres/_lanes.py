@@ -85,11 +85,12 @@ class Lanes:
 
     # -- take, renew, release ----------------------------------------------------------------
 
-    def holds_shared(self, ttl_ms: int, key: int) -> bool:
-        """Whether the lane of ``ttl_ms`` holds ``key`` in shared mode."""
+    def holds_shared(self, ttl_ms: int, key: int, mode: Mode) -> bool:
+        """Whether the lane of ``ttl_ms`` holds ``key``, or is taking it, in ``mode`` (shared):
+        its unlock is that mode's."""
         lane = self.by_ttl.get(ttl_ms)
-        grant = None if lane is None else lane.grants.get(key)
-        return grant is not None and grant.shared
+        unlock = None if lane is None or key not in lane.keys else lane.unlocks.get(key)
+        return unlock is not None and unlock[0] == mode.unlock
 
     async def take(
         self, request: LockRequest, key: int, ttl_ms: int, mode: Mode, channel: str

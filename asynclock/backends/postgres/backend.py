@@ -304,7 +304,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         ttl_ms = timeout_ms(request.ttl)
         waiting = self._waiting.get(key, 0)
         if not (wait and waiting):  # others of ours wait for it: it is busy, queue behind
-            if mode.shared and self._lanes.holds_shared(ttl_ms, key):
+            if mode.shared and self._lanes.holds_shared(ttl_ms, key, mode):
                 # The lane holds it shared already: a second hold there would be re-entrant
                 # (past a waiting writer too), so this one tries on a connection of its own.
                 grant = await self._waits.wait(
