@@ -1,15 +1,5 @@
-"""``sqlite:///path/to/locks.db``: the embedded backend, no server needed.
-
-Locks exclude each other across every process on one host that opens the same file. A lock row
-carries an expiry on ``CLOCK_MONOTONIC`` (``time.monotonic()``, one clock for every process on a
-Linux host) and the kernel's boot id, so a row left by a killed process frees itself when its
-ttl runs out, and a row from before a reboot never looks held. Tokens come from a counter table
-bumped in the same transaction as the take, so they strictly increase across restarts of every
-process (``synchronous=full``, the default, also across power loss).
-
-Waiting polls with capped, jittered backoff; waiters in this process are also woken at once by a
-release in this process. There is no FIFO order across processes.
-"""
+"""The embedded backend's contract calls: a worker thread runs the file's transactions (see
+``_store.py``), one at a time, and waiting is polling plus wake-ups within the process."""
 
 from __future__ import annotations
 
@@ -28,11 +18,12 @@ from typing import Self, TypeVar
 import anyio
 import anyio.to_thread
 
-from ._kit import (
+from .._kit import (
     Backend,
     BackendUnavailable,
     Capabilities,
     Grant,
+    HolderInfo,
     InvalidURL,
     Kind,
     LockInfo,
@@ -47,35 +38,17 @@ from ._kit import (
     finish,
     translate,
 )
+from . import _store
+from ._store import BOOT_ID, SCHEMA, Lease, Want
 
-__all__ = ("SQLiteBackend",)
+__all__ = ("SQLiteBackend", "SQLiteGrant")
 
 T = TypeVar("T")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS asynclock_locks (
-    name TEXT PRIMARY KEY,
-    owner TEXT NOT NULL,
-    token INTEGER NOT NULL,
-    boot_id TEXT NOT NULL,
-    expires_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS asynclock_tokens (
-    name TEXT PRIMARY KEY,
-    last INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS asynclock_waiters (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL,
-    boot_id TEXT NOT NULL,
-    expires_at REAL NOT NULL
-);
-"""
 
 _SYNCHRONOUS = ("off", "normal", "full", "extra")
 
 #: Backoff while polling a held lock: 2 ms first, doubling up to 50 ms, each drawn from
-#: [pause / 2, pause].
+#: [pause / 2, pause]. The cap also bounds how long a waiter's queue row goes unrefreshed.
 _POLL = RetryPolicy(first=0.002, cap=0.05, factor=2.0, jitter=0.5)
 #: Pauses between attempts to open a new file that another process is switching to WAL:
 #: 5-20 ms each.
@@ -83,28 +56,33 @@ _OPEN_RACE = RetryPolicy(first=0.02, cap=0.02, factor=1.0, jitter=0.75)
 #: Every driver error is the file being unusable (locked past busy_timeout, unreadable, full).
 _ERRORS: Translator = {sqlite3.Error: BackendUnavailable}
 
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
-            return file.read().strip()
-    except OSError:
-        # Without a boot id a reboot is not detected; monotonic clocks elsewhere restart too,
-        # so fall back to the wall-clock moment the machine booted, to a second.
-        return str(round(time.time() - time.monotonic()))
-
-
-_BOOT_ID = _boot_id()
-
 # Backends of this process by database path, so a release wakes local waiters at once.
 _local: weakref.WeakValueDictionary[int, SQLiteBackend] = weakref.WeakValueDictionary()
 
 
-@dataclass(frozen=True, slots=True)
-class _Taken:
-    token: int | None
-    #: When the current holder's row expires (monotonic), if the lock was not free.
-    holder_expires_at: float
+@dataclass(eq=False, slots=True)
+class SQLiteGrant(Grant):
+    """A hold, with what finds its row again."""
+
+    kind: Kind = "lock"
+    shared: bool = False
+
+    def lease(self, ttl: float | None = None) -> Lease:
+        return Lease(
+            self.kind, self.name, self.owner, self.shared, self.ttl if ttl is None else ttl
+        )
+
+
+def _want(request: LockRequest) -> Want:
+    return Want(
+        request.kind,
+        request.name,
+        request.owner,
+        request.ttl,
+        shared=request.kind == "lock" and request.shared,
+        permits=request.permits if request.kind == "semaphore" else 1,
+        value=request.value if request.kind == "election" else None,
+    )
 
 
 class _SQLiteWaiters(WaiterRegistry):
@@ -118,7 +96,7 @@ class _SQLiteWaiters(WaiterRegistry):
             self._backend._db().execute(
                 "INSERT OR REPLACE INTO asynclock_waiters (key, value, boot_id, expires_at) "
                 "VALUES (?, ?, ?, ?)",
-                (key, value, _BOOT_ID, time.monotonic() + ttl),
+                (key, value, BOOT_ID, time.monotonic() + ttl),
             )
 
         await self._backend._run(publish)
@@ -137,7 +115,7 @@ class _SQLiteWaiters(WaiterRegistry):
             # Expired records are swept here, by whoever looks: there is no server to do it.
             db.execute(
                 "DELETE FROM asynclock_waiters WHERE boot_id != ? OR expires_at <= ?",
-                (_BOOT_ID, now),
+                (BOOT_ID, now),
             )
             rows = db.execute("SELECT value FROM asynclock_waiters").fetchall()
             return [row[0] for row in rows]
@@ -145,11 +123,19 @@ class _SQLiteWaiters(WaiterRegistry):
         return await self._backend._run(scan)
 
 
-class SQLiteBackend(Backend[Grant]):
+class SQLiteBackend(Backend[SQLiteGrant]):
     # Pure anyio (and the standard library): runs on trio as well.
     event_loops = frozenset({"asyncio", "trio"})
     capabilities = Capabilities(
-        fencing=True, fifo=False, loss_detection=True, quorum=False, cross_process=True
+        fencing=True,
+        fifo=False,
+        loss_detection=True,
+        quorum=False,
+        cross_process=True,
+        shared_locks=True,
+        semaphores=True,
+        elections=True,
+        ttl_change=True,
     )
 
     def __init__(self, path: str, *, synchronous: str = "full", busy_timeout: float = 10.0) -> None:
@@ -162,8 +148,8 @@ class SQLiteBackend(Backend[Grant]):
         self._limiter: anyio.CapacityLimiter | None = None
         self._thread_lock = threading.Lock()
         self._released: anyio.Event | None = None
-        #: This client's waiters per lock name, in arrival order.
-        self._queues: dict[str, deque[str]] = {}
+        #: This client's waiters per (kind, name), in arrival order.
+        self._queues: dict[tuple[Kind, str], deque[str]] = {}
         #: Owner ids of takes whose caller was cancelled natively while the statement ran in
         #: the worker thread (anyio's shield does not hold back Task.cancel()). A take that has
         #: not run yet skips them; one that ran is undone. Kept a minute, then forgotten.
@@ -230,7 +216,7 @@ class SQLiteBackend(Backend[Grant]):
         try:
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute(f"PRAGMA synchronous={self._synchronous}")
-            connection.executescript(_SCHEMA)
+            connection.executescript(SCHEMA)
         except BaseException:
             connection.close()
             raise
@@ -244,26 +230,30 @@ class SQLiteBackend(Backend[Grant]):
 
     # -- the contract ------------------------------------------------------------------------
 
-    async def try_acquire(self, request: LockRequest) -> Grant | None:
-        if self._queues.get(request.name):
+    async def try_acquire(self, request: LockRequest) -> SQLiteGrant | None:
+        if self._queues.get((request.kind, request.name)):
             return None  # tasks of this client wait for it already: no jumping the queue
-        grant, _ = await self._take(request)
+        grant, _ = await self._take(request, wait=False)
         return grant
 
-    async def acquire(self, request: LockRequest) -> Grant:
-        # Tasks of this client queue in arrival order and only the first one polls the file:
-        # otherwise a releasing task, which runs on, would retake the lock before the woken
-        # waiters get a turn. Across processes there is no queue, only polling.
-        queue = self._queues.setdefault(request.name, deque())
+    async def acquire(self, request: LockRequest) -> SQLiteGrant:
+        # Every waiter has a row in the file's queue, in arrival order, so that a writer
+        # waiting in another process holds back later readers there. Of this client's tasks
+        # only the first polls (and refreshes the rows of the others): the others cannot be
+        # granted before it, and a releasing task, which runs on, meets their rows.
+        key = (request.kind, request.name)
+        queue = self._queues.setdefault(key, deque())
         queue.append(request.owner)
         polls = _POLL.backoff()
+        queued = False
         try:
             while True:
-                if queue[0] == request.owner:
-                    grant, holder_expires_at = await self._take(request)
+                if not queued or queue[0] == request.owner:
+                    grant, retry_at = await self._take(request, wait=True, keep=tuple(queue))
                     if grant is not None:
                         return grant
-                    wake_at = min(holder_expires_at, anyio.current_time() + polls.next_delay())
+                    queued = True
+                    wake_at = min(retry_at, anyio.current_time() + polls.next_delay())
                 else:
                     wake_at = math.inf  # woken when the waiter ahead leaves
                 # Sleep until a release in this process, the holder's expiry, or the next poll.
@@ -271,67 +261,118 @@ class SQLiteBackend(Backend[Grant]):
                 assert released is not None
                 with anyio.move_on_at(wake_at):
                     await released.wait()
+        except BaseException:
+            if queued:
+                await finish(
+                    functools.partial(self._run, lambda: _store.dequeue(self._db(), request.owner)),
+                    timeout=self._busy_timeout,
+                    what=f"leaving the queue of {request.name!r}",
+                )
+            raise
         finally:
             queue.remove(request.owner)
             if not queue:
-                del self._queues[request.name]
+                del self._queues[key]
             self._wake_waiters()
 
-    async def _take(self, request: LockRequest) -> tuple[Grant | None, float]:
-        """One attempt: the grant, or None and when the current holder's row expires."""
+    async def _take(
+        self, request: LockRequest, *, wait: bool, keep: Sequence[str] = ()
+    ) -> tuple[SQLiteGrant | None, float]:
+        """One attempt: the grant, or None and when the earliest hold in the way expires."""
         sent_at = anyio.current_time()
+        want = _want(request)
         # anyio's cancellation waits for the statement (see _run), and nothing awaits between a
         # successful take and the return. A native Task.cancel() does not wait: the statement
-        # may still run in the thread, so it is marked abandoned and undone.
+        # may still run in the thread, so it is marked abandoned and undone (hold and queue
+        # row alike). A refusal (permits that differ) left nothing, and is undone the same way.
         try:
-            taken = await self._run(lambda: self._take_sync(request))
+            taken = await self._run(lambda: self._take_sync(want, wait, keep))
         except BaseException:
             self._abandon(request)
-            undo = Grant(request.name, request.owner, None, sent_at, request.ttl)
+            undo = Lease(want.kind, want.name, want.owner, want.shared, want.ttl)
             await finish(
-                functools.partial(self.release, undo),
+                functools.partial(self._run, lambda: _store.release(self._db(), undo)),
                 timeout=self._busy_timeout,
                 what=f"undoing a cancelled take of {request.name!r}",
             )
             raise
         if taken.token is None:
-            return None, taken.holder_expires_at
-        return Grant(request.name, request.owner, taken.token, sent_at, request.ttl), 0.0
+            return None, taken.retry_at
+        grant = SQLiteGrant(
+            request.name,
+            request.owner,
+            taken.token,
+            sent_at,
+            request.ttl,
+            kind=want.kind,
+            shared=want.shared,
+        )
+        return grant, 0.0
 
-    async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
+    async def renew(self, grants: Sequence[SQLiteGrant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
-        alive = await self._run(lambda: self._renew_sync(grants))
+        leases = [grant.lease() for grant in grants]
+        alive = await self._run(lambda: _store.renew(self._db(), leases))
         return [
-            Renewed(sent_at, grant.ttl)
-            if ok
-            else Lost("the lock row is gone or expired (another process may hold it now)")
+            Renewed(sent_at, grant.ttl) if ok else _gone()
             for grant, ok in zip(grants, alive, strict=True)
         ]
 
-    async def release(self, grant: Grant) -> None:
-        await self._run(lambda: self._release_sync(grant))
+    async def extend(self, grant: SQLiteGrant, ttl: float) -> RenewOutcome:
+        # Each hold has its own expiry: the new ttl is this one lease's, and renewals after
+        # this one apply it too (the core copies Renewed.ttl into the grant; so do we, in case).
+        sent_at = anyio.current_time()
+        lease = grant.lease(ttl)
+        (ok,) = await self._run(lambda: _store.renew(self._db(), [lease]))
+        if not ok:
+            return _gone()
+        grant.ttl = ttl
+        return Renewed(sent_at, ttl)
+
+    async def release(self, grant: SQLiteGrant) -> None:
+        lease = grant.lease()
+        await self._run(lambda: _store.release(self._db(), lease))
         for backend in list(_local.values()):
             if backend.path == self.path:
                 backend._wake_waiters()
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
-        def read() -> tuple[str, int, str, float] | None:
-            row = (
-                self._db()
-                .execute(
-                    "SELECT owner, token, boot_id, expires_at FROM asynclock_locks WHERE name = ?",
-                    (name,),
-                )
-                .fetchone()
+        held, queue, now = await self._run(lambda: _store.look(self._db(), kind, name))
+        holders = tuple(
+            HolderInfo(
+                owner=hold.owner,
+                token=hold.token,
+                expires_in=hold.expires_at - now,
+                shared=hold.shared,
+                value=hold.value if kind == "election" else None,
             )
-            return None if row is None else (row[0], int(row[1]), row[2], float(row[3]))
+            for hold in held
+        )
+        permits = None
+        if kind == "semaphore" and (held or queue):
+            permits = held[0].permits if held else queue[0].permits
+        if not held:
+            return LockInfo(name, held=False, waiters=len(queue), kind=kind, permits=permits)
+        first = holders[0]
+        return LockInfo(
+            name,
+            held=True,
+            owner=first.owner,
+            token=first.token,
+            expires_in=first.expires_in,
+            waiters=len(queue),
+            kind=kind,
+            holders=holders,
+            permits=permits,
+            value=first.value,
+        )
 
-        row = await self._run(read)
-        now = time.monotonic()
-        if row is None or row[2] != _BOOT_ID or row[3] <= now:
-            return LockInfo(name, held=False)
-        # Waiters poll; they leave no trace in the file.
-        return LockInfo(name, held=True, owner=row[0], token=row[1], expires_in=row[3] - now)
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        # Polling, as the default; a release by a client of this process wakes it at once.
+        released = self._released
+        assert released is not None
+        with anyio.move_on_after(min(timeout, self.poll_interval)):
+            await released.wait()
 
     def _abandon(self, request: LockRequest) -> None:
         now = time.monotonic()
@@ -362,58 +403,11 @@ class SQLiteBackend(Backend[Grant]):
             raise BackendUnavailable(f"{self.describe()} is closed")
         return self._connection
 
-    def _take_sync(self, request: LockRequest) -> _Taken:
-        db = self._db()
-        if request.owner in self._abandoned:
-            return _Taken(None, 0.0)  # its caller is gone (and an undo follows)
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            now = time.monotonic()
-            row = db.execute(
-                "SELECT boot_id, expires_at FROM asynclock_locks WHERE name = ?", (request.name,)
-            ).fetchone()
-            if row is not None and row[0] == _BOOT_ID and row[1] > now:
-                db.execute("ROLLBACK")
-                return _Taken(None, row[1])
-            (token,) = db.execute(
-                "INSERT INTO asynclock_tokens (name, last) VALUES (?, 1) "
-                "ON CONFLICT (name) DO UPDATE SET last = last + 1 RETURNING last",
-                (request.name,),
-            ).fetchone()
-            db.execute(
-                "INSERT OR REPLACE INTO asynclock_locks (name, owner, token, boot_id, expires_at) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (request.name, request.owner, token, _BOOT_ID, now + request.ttl),
-            )
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
-        return _Taken(int(token), 0.0)
+    def _take_sync(self, want: Want, wait: bool, keep: Sequence[str]) -> _store.Taken:
+        if want.owner in self._abandoned:
+            return _store.Taken(None)  # its caller is gone (and an undo follows)
+        return _store.take(self._db(), want, wait=wait, keep=keep)
 
-    def _renew_sync(self, grants: Sequence[Grant]) -> list[bool]:
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            now = time.monotonic()
-            alive = [
-                db.execute(
-                    "UPDATE asynclock_locks SET expires_at = ? WHERE name = ? AND owner = ? "
-                    "AND boot_id = ? AND expires_at > ?",
-                    (now + grant.ttl, grant.name, grant.owner, _BOOT_ID, now),
-                ).rowcount
-                == 1
-                for grant in grants
-            ]
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
-        return alive
 
-    def _release_sync(self, grant: Grant) -> None:
-        self._db().execute(
-            "DELETE FROM asynclock_locks WHERE name = ? AND owner = ?", (grant.name, grant.owner)
-        )
+def _gone() -> Lost:
+    return Lost("the lock row is gone or expired (another process may hold it now)")
