@@ -153,15 +153,17 @@ class _Transaction:
             self.db.execute("ROLLBACK")
 
 
-def _sweep(db: sqlite3.Connection, kind: Kind, name: str, now: float) -> None:
-    """Delete the rows of ``name`` whose process stopped renewing them (or died before a
+_LIVE = "boot_id = ? AND expires_at > ?"
+_STALE = "(boot_id != ? OR expires_at <= ?)"
+
+
+def _sweep_holds(db: sqlite3.Connection, kind: Kind, name: str, now: float) -> None:
+    """Delete the holds of ``name`` whose process stopped renewing them (or died before a
     reboot): there is no server to do it, so whoever takes does."""
-    stale = "(boot_id != ? OR expires_at <= ?)"
     args = (kind, name, BOOT_ID, now)
-    db.execute(f"DELETE FROM asynclock_holds WHERE kind = ? AND name = ? AND {stale}", args)
-    db.execute(f"DELETE FROM asynclock_queue WHERE kind = ? AND name = ? AND {stale}", args)
+    db.execute(f"DELETE FROM asynclock_holds WHERE kind = ? AND name = ? AND {_STALE}", args)
     if kind == "lock":
-        db.execute(f"DELETE FROM asynclock_locks WHERE name = ? AND {stale}", args[1:])
+        db.execute(f"DELETE FROM asynclock_locks WHERE name = ? AND {_STALE}", args[1:])
 
 
 def holds(db: sqlite3.Connection, kind: Kind, name: str, now: float) -> list[Hold]:
@@ -170,14 +172,13 @@ def holds(db: sqlite3.Connection, kind: Kind, name: str, now: float) -> list[Hol
         Hold(row[0], int(row[1]), bool(row[2]), int(row[3]), row[4], float(row[5]))
         for row in db.execute(
             "SELECT owner, token, shared, permits, value, expires_at FROM asynclock_holds "
-            "WHERE kind = ? AND name = ? AND boot_id = ? AND expires_at > ?",
+            f"WHERE kind = ? AND name = ? AND {_LIVE}",
             (kind, name, BOOT_ID, now),
         )
     ]
     if kind == "lock":
         row = db.execute(
-            "SELECT owner, token, expires_at FROM asynclock_locks "
-            "WHERE name = ? AND boot_id = ? AND expires_at > ?",
+            f"SELECT owner, token, expires_at FROM asynclock_locks WHERE name = ? AND {_LIVE}",
             (name, BOOT_ID, now),
         ).fetchone()
         if row is not None:
@@ -191,27 +192,78 @@ def waiters(db: sqlite3.Connection, kind: Kind, name: str, now: float) -> list[W
         Waiter(int(row[0]), row[1], bool(row[2]), int(row[3]))
         for row in db.execute(
             "SELECT seq, owner, shared, permits FROM asynclock_queue "
-            "WHERE kind = ? AND name = ? AND boot_id = ? AND expires_at > ? ORDER BY seq",
+            f"WHERE kind = ? AND name = ? AND {_LIVE} ORDER BY seq",
             (kind, name, BOOT_ID, now),
         )
     ]
 
 
-def _grantable(want: Want, held: Sequence[Hold], ahead: Sequence[Waiter]) -> bool:
+class _Queue:
+    """The queue of one name as one take reads it: only as far as the decision needs (a poll
+    costs the same with 1,000 waiters behind it as with none)."""
+
+    def __init__(self, db: sqlite3.Connection, want: Want, now: float) -> None:
+        self.db, self.want, self.now = db, want, now
+        row = db.execute(
+            f"SELECT seq FROM asynclock_queue WHERE owner = ? AND {_LIVE}",
+            (want.owner, BOOT_ID, now),
+        ).fetchone()
+        #: Our place; a request without one (new, or its row lapsed) goes behind everyone.
+        self.seq: float = math.inf if row is None else int(row[0])
+        where = "kind = ? AND name = ? AND seq < ?"
+        self._ahead = f"FROM asynclock_queue WHERE {where} AND {_LIVE}"
+        self._args = (want.kind, want.name, self.seq, BOOT_ID, now)
+
+    def sweep(self) -> None:
+        """Delete the lapsed rows ahead of us (a waiter's process stopped), which no longer
+        keep us waiting."""
+        self.db.execute(
+            f"DELETE FROM asynclock_queue WHERE kind = ? AND name = ? AND seq < ? AND {_STALE}",
+            self._args,
+        )
+
+    def any_ahead(self, *, writers_only: bool = False) -> bool:
+        only = " AND shared = 0" if writers_only else ""
+        return (
+            self.db.execute(f"SELECT 1 {self._ahead}{only} LIMIT 1", self._args).fetchone()
+            is not None
+        )
+
+    def count_ahead(self, limit: int) -> int:
+        (count,) = self.db.execute(
+            f"SELECT count(*) FROM (SELECT 1 {self._ahead} LIMIT ?)", (*self._args, limit)
+        ).fetchone()
+        return int(count)
+
+    def other_permits(self) -> int | None:
+        """The permits of another live waiter: every live row has the same (a row is only
+        written after the check), so one row tells."""
+        row = self.db.execute(
+            "SELECT permits FROM asynclock_queue WHERE kind = ? AND name = ? AND owner != ? "
+            f"AND {_LIVE} ORDER BY seq LIMIT 1",
+            (self.want.kind, self.want.name, self.want.owner, BOOT_ID, self.now),
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+
+def _grantable(want: Want, held: Sequence[Hold], queue: _Queue) -> bool:
     if want.kind == "semaphore":
         # Strict FIFO: a waiter ahead is only waiting because the permits are taken.
-        return len(held) + len(ahead) < want.permits
+        free = want.permits - len(held)
+        return free > 0 and queue.count_ahead(free) < free
     if want.shared:
         # Writer preference: a writer waiting ahead blocks this reader as a writer holding.
-        return all(hold.shared for hold in held) and all(waiter.shared for waiter in ahead)
-    return not held and not ahead
+        return all(hold.shared for hold in held) and not queue.any_ahead(writers_only=True)
+    return not held and not queue.any_ahead()
 
 
-def _check_permits(want: Want, held: Sequence[Hold], queue: Sequence[Waiter]) -> None:
+def _check_permits(want: Want, held: Sequence[Hold], queue: _Queue) -> None:
     if want.kind != "semaphore":
         return
     others = [hold.permits for hold in held if hold.owner != want.owner]
-    others += [waiter.permits for waiter in queue if waiter.owner != want.owner]
+    waiting = queue.other_permits()
+    if waiting is not None:
+        others.append(waiting)
     mismatched = [permits for permits in others if permits != want.permits]
     if mismatched:
         raise permits_mismatch(want.name, mismatched[0], want.permits)
@@ -265,38 +317,43 @@ def take(db: sqlite3.Connection, want: Want, *, wait: bool, keep: Sequence[str] 
     name, whose places are refreshed in the same transaction."""
     with transaction(db):
         now = time.monotonic()
-        _sweep(db, want.kind, want.name, now)
+        _sweep_holds(db, want.kind, want.name, now)
         held = holds(db, want.kind, want.name, now)
-        queue = waiters(db, want.kind, want.name, now)
+        queue = _Queue(db, want, now)
+        queue.sweep()
         _check_permits(want, held, queue)
-        mine = next((waiter.seq for waiter in queue if waiter.owner == want.owner), math.inf)
-        ahead = [waiter for waiter in queue if waiter.seq < mine]
-        if _grantable(want, held, ahead):
+        if _grantable(want, held, queue):
             token = _next_token(db, want)
             _insert_hold(db, want, token, now)
             db.execute("DELETE FROM asynclock_queue WHERE owner = ?", (want.owner,))
             return Taken(token)
         if wait:
-            if mine == math.inf:
-                db.execute(
-                    "INSERT INTO asynclock_queue (kind, name, owner, shared, permits, boot_id, "
-                    "expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        want.kind,
-                        want.name,
-                        want.owner,
-                        int(want.shared),
-                        want.permits,
-                        BOOT_ID,
-                        now + WAITER_TTL,
-                    ),
-                )
-            owners = {want.owner, *keep}
-            db.executemany(
-                "UPDATE asynclock_queue SET expires_at = ? WHERE owner = ?",
-                [(now + WAITER_TTL, owner) for owner in owners],
-            )
+            _enqueue(db, want, queue.seq == math.inf, keep, now)
         return Taken(None, min((hold.expires_at for hold in held), default=math.inf))
+
+
+def _enqueue(
+    db: sqlite3.Connection, want: Want, new: bool, keep: Sequence[str], now: float
+) -> None:
+    if new:
+        # A lapsed row of ours is replaced: its place is lost (the others went on without it).
+        db.execute(
+            "INSERT OR REPLACE INTO asynclock_queue (kind, name, owner, shared, permits, "
+            "boot_id, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                want.kind,
+                want.name,
+                want.owner,
+                int(want.shared),
+                want.permits,
+                BOOT_ID,
+                now + WAITER_TTL,
+            ),
+        )
+    db.executemany(
+        "UPDATE asynclock_queue SET expires_at = ? WHERE owner = ? AND boot_id = ?",
+        [(now + WAITER_TTL, owner, BOOT_ID) for owner in {want.owner, *keep}],
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from .._kit import (
     translate,
 )
 from . import _store
-from ._store import BOOT_ID, SCHEMA, Lease, Want
+from ._store import BOOT_ID, SCHEMA, WAITER_TTL, Lease, Want
 
 __all__ = ("SQLiteBackend", "SQLiteGrant")
 
@@ -150,6 +150,8 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         self._released: anyio.Event | None = None
         #: This client's waiters per (kind, name), in arrival order.
         self._queues: dict[tuple[Kind, str], deque[str]] = {}
+        #: When the rows of each queue's waiters were last refreshed (monotonic).
+        self._refreshed: dict[tuple[Kind, str], float] = {}
         #: Owner ids of takes whose caller was cancelled natively while the statement ran in
         #: the worker thread (anyio's shield does not hold back Task.cancel()). A take that has
         #: not run yet skips them; one that ran is undone. Kept a minute, then forgotten.
@@ -249,7 +251,8 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         try:
             while True:
                 if not queued or queue[0] == request.owner:
-                    grant, retry_at = await self._take(request, wait=True, keep=tuple(queue))
+                    keep = self._keep_alive(key, queue)
+                    grant, retry_at = await self._take(request, wait=True, keep=keep)
                     if grant is not None:
                         return grant
                     queued = True
@@ -273,6 +276,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             queue.remove(request.owner)
             if not queue:
                 del self._queues[key]
+                self._refreshed.pop(key, None)
             self._wake_waiters()
 
     async def _take(
@@ -373,6 +377,15 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         assert released is not None
         with anyio.move_on_after(min(timeout, self.poll_interval)):
             await released.wait()
+
+    def _keep_alive(self, key: tuple[Kind, str], queue: deque[str]) -> tuple[str, ...]:
+        """The other waiters of this client whose rows are due for a refresh: all of them a
+        few times per ``WAITER_TTL`` (a refresh at every poll cost 1,000 writes a poll)."""
+        now = time.monotonic()
+        if len(queue) < 2 or self._refreshed.get(key, -math.inf) > now - WAITER_TTL / 4:
+            return ()
+        self._refreshed[key] = now
+        return tuple(queue)
 
     def _abandon(self, request: LockRequest) -> None:
         now = time.monotonic()
