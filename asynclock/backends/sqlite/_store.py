@@ -61,6 +61,7 @@ CREATE TABLE IF NOT EXISTS asynclock_queue (
     expires_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS asynclock_queue_by_name ON asynclock_queue (kind, name, seq);
+CREATE INDEX IF NOT EXISTS asynclock_queue_by_expiry ON asynclock_queue (kind, name, expires_at);
 CREATE TABLE IF NOT EXISTS asynclock_counters (
     kind TEXT NOT NULL,
     name TEXT NOT NULL,
@@ -117,18 +118,12 @@ class Hold:
 
 
 @dataclass(frozen=True, slots=True)
-class Waiter:
-    seq: int
-    owner: str
-    shared: bool
-    permits: int
-
-
-@dataclass(frozen=True, slots=True)
 class Taken:
     token: int | None
     #: When the earliest hold in the way expires (monotonic), if the request was not granted.
     retry_at: float = 0.0
+    #: The request took a new place at the end of the queue (its first, or its old one lapsed).
+    placed: bool = False
 
 
 def transaction(db: sqlite3.Connection) -> _Transaction:
@@ -186,18 +181,6 @@ def holds(db: sqlite3.Connection, kind: Kind, name: str, now: float) -> list[Hol
     return sorted(found, key=lambda hold: hold.token)
 
 
-def waiters(db: sqlite3.Connection, kind: Kind, name: str, now: float) -> list[Waiter]:
-    """The live waiters of ``name``, in the order they came."""
-    return [
-        Waiter(int(row[0]), row[1], bool(row[2]), int(row[3]))
-        for row in db.execute(
-            "SELECT seq, owner, shared, permits FROM asynclock_queue "
-            f"WHERE kind = ? AND name = ? AND {_LIVE} ORDER BY seq",
-            (kind, name, BOOT_ID, now),
-        )
-    ]
-
-
 class _Queue:
     """The queue of one name as one take reads it: only as far as the decision needs (a poll
     costs the same with 1,000 waiters behind it as with none)."""
@@ -215,11 +198,11 @@ class _Queue:
         self._args = (want.kind, want.name, self.seq, BOOT_ID, now)
 
     def sweep(self) -> None:
-        """Delete the lapsed rows ahead of us (a waiter's process stopped), which no longer
-        keep us waiting."""
+        """Delete the lapsed rows of the name (a waiter's process stopped): through the index
+        on expiry, so a take reads only those. Rows of an earlier boot went at ``open()``."""
         self.db.execute(
-            f"DELETE FROM asynclock_queue WHERE kind = ? AND name = ? AND seq < ? AND {_STALE}",
-            self._args,
+            "DELETE FROM asynclock_queue WHERE kind = ? AND name = ? AND expires_at <= ?",
+            (self.want.kind, self.want.name, self.now),
         )
 
     def any_ahead(self, *, writers_only: bool = False) -> bool:
@@ -228,12 +211,6 @@ class _Queue:
             self.db.execute(f"SELECT 1 {self._ahead}{only} LIMIT 1", self._args).fetchone()
             is not None
         )
-
-    def count_ahead(self, limit: int) -> int:
-        (count,) = self.db.execute(
-            f"SELECT count(*) FROM (SELECT 1 {self._ahead} LIMIT ?)", (*self._args, limit)
-        ).fetchone()
-        return int(count)
 
     def other_permits(self) -> int | None:
         """The permits of another live waiter: every live row has the same (a row is only
@@ -248,9 +225,9 @@ class _Queue:
 
 def _grantable(want: Want, held: Sequence[Hold], queue: _Queue) -> bool:
     if want.kind == "semaphore":
-        # Strict FIFO: a waiter ahead is only waiting because the permits are taken.
-        free = want.permits - len(held)
-        return free > 0 and queue.count_ahead(free) < free
+        # Strict FIFO: while anyone waits ahead, a free permit is theirs, even if two are
+        # free (then the one ahead takes its turn first, and this request the next).
+        return len(held) < want.permits and not queue.any_ahead()
     if want.shared:
         # Writer preference: a writer waiting ahead blocks this reader as a writer holding.
         return all(hold.shared for hold in held) and not queue.any_ahead(writers_only=True)
@@ -322,38 +299,45 @@ def take(db: sqlite3.Connection, want: Want, *, wait: bool, keep: Sequence[str] 
         queue = _Queue(db, want, now)
         queue.sweep()
         _check_permits(want, held, queue)
+        # Granted or not, the places of the process's other waiters are kept.
+        db.executemany(
+            "UPDATE asynclock_queue SET expires_at = ? WHERE owner = ? AND boot_id = ?",
+            [(now + WAITER_TTL, owner, BOOT_ID) for owner in keep if owner != want.owner],
+        )
         if _grantable(want, held, queue):
             token = _next_token(db, want)
             _insert_hold(db, want, token, now)
             db.execute("DELETE FROM asynclock_queue WHERE owner = ?", (want.owner,))
             return Taken(token)
+        placed = False
         if wait:
-            _enqueue(db, want, queue.seq == math.inf, keep, now)
-        return Taken(None, min((hold.expires_at for hold in held), default=math.inf))
+            placed = _enqueue(db, want, queue.seq == math.inf, now)
+        return Taken(None, min((hold.expires_at for hold in held), default=math.inf), placed)
 
 
-def _enqueue(
-    db: sqlite3.Connection, want: Want, new: bool, keep: Sequence[str], now: float
-) -> None:
-    if new:
-        # A lapsed row of ours is replaced: its place is lost (the others went on without it).
+def _enqueue(db: sqlite3.Connection, want: Want, new: bool, now: float) -> bool:
+    """Keep our place, or take one behind everyone; True when it is a new place."""
+    if not new:
         db.execute(
-            "INSERT OR REPLACE INTO asynclock_queue (kind, name, owner, shared, permits, "
-            "boot_id, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (
-                want.kind,
-                want.name,
-                want.owner,
-                int(want.shared),
-                want.permits,
-                BOOT_ID,
-                now + WAITER_TTL,
-            ),
+            "UPDATE asynclock_queue SET expires_at = ? WHERE owner = ?",
+            (now + WAITER_TTL, want.owner),
         )
-    db.executemany(
-        "UPDATE asynclock_queue SET expires_at = ? WHERE owner = ? AND boot_id = ?",
-        [(now + WAITER_TTL, owner, BOOT_ID) for owner in {want.owner, *keep}],
+        return False
+    # A lapsed row of ours is replaced: its place is lost (the others went on without it).
+    db.execute(
+        "INSERT OR REPLACE INTO asynclock_queue (kind, name, owner, shared, permits, "
+        "boot_id, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (
+            want.kind,
+            want.name,
+            want.owner,
+            int(want.shared),
+            want.permits,
+            BOOT_ID,
+            now + WAITER_TTL,
+        ),
     )
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,12 +395,34 @@ def dequeue(db: sqlite3.Connection, owner: str) -> None:
     db.execute("DELETE FROM asynclock_queue WHERE owner = ?", (owner,))
 
 
-def look(db: sqlite3.Connection, kind: Kind, name: str) -> tuple[list[Hold], list[Waiter], float]:
-    """The holds and waiters of ``name`` in one read, and the time they were read at."""
-    # A deferred transaction: one snapshot for both reads, without SQLite's write lock.
+@dataclass(frozen=True, slots=True)
+class Look:
+    holds: list[Hold]
+    waiters: int
+    #: The permits of the first waiter (a semaphore's, when nobody holds it).
+    permits: int | None
+    #: When it was read (monotonic).
+    at: float
+
+
+def look(db: sqlite3.Connection, kind: Kind, name: str) -> Look:
+    """The holds and waiters of ``name`` in one read."""
+    # A deferred transaction: one snapshot for every read, without SQLite's write lock.
     db.execute("BEGIN")
     try:
         now = time.monotonic()
-        return holds(db, kind, name, now), waiters(db, kind, name, now), now
+        live = f"FROM asynclock_queue WHERE kind = ? AND name = ? AND {_LIVE}"
+        args = (kind, name, BOOT_ID, now)
+        (count,) = db.execute(f"SELECT count(*) {live}", args).fetchone()
+        first = db.execute(f"SELECT permits {live} ORDER BY seq LIMIT 1", args).fetchone()
+        permits = None if first is None else int(first[0])
+        return Look(holds(db, kind, name, now), int(count), permits, now)
     finally:
         db.execute("COMMIT")
+
+
+def forget_other_boots(db: sqlite3.Connection) -> None:
+    """Delete every hold and waiter written before the last reboot: none can be live."""
+    with transaction(db):
+        for table in ("asynclock_holds", "asynclock_queue", "asynclock_locks"):
+            db.execute(f"DELETE FROM {table} WHERE boot_id != ?", (BOOT_ID,))

@@ -10,7 +10,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Self, TypeVar
@@ -123,12 +123,64 @@ class _SQLiteWaiters(WaiterRegistry):
         return await self._backend._run(scan)
 
 
+class _LocalQueue:
+    """This client's waiters for one name, in the order of their rows in the file, each with
+    the event that tells it that it is the first now (and polls). Only the first is ever woken:
+    a hand-over costs the same however many wait here."""
+
+    def __init__(self) -> None:
+        self._turns: OrderedDict[str, anyio.Event] = OrderedDict()
+        #: Set (and replaced) by a release of the name in this process: the first looks.
+        self.released = anyio.Event()
+        self._refreshed = -math.inf
+
+    def join(self, owner: str) -> None:
+        self._turns[owner] = anyio.Event()
+
+    def first(self) -> str | None:
+        return next(iter(self._turns), None)
+
+    def turn(self, owner: str) -> anyio.Event:
+        return self._turns[owner]
+
+    def to_back(self, owner: str) -> None:
+        del self._turns[owner]
+        self._turns[owner] = anyio.Event()
+        self._notify()
+
+    def leave(self, owner: str) -> bool:
+        """Remove ``owner``; False when nobody is left."""
+        was_first = self.first() == owner
+        del self._turns[owner]
+        if was_first:
+            self._notify()
+        return bool(self._turns)
+
+    def wake(self) -> None:
+        self.released.set()
+        self.released = anyio.Event()
+
+    def due(self, now: float) -> tuple[str, ...]:
+        """The waiters whose rows the next poll refreshes: all of them a few times per
+        ``WAITER_TTL`` (at every poll, 1,000 waiters cost 1,000 writes a poll)."""
+        if len(self._turns) < 2 or self._refreshed > now - WAITER_TTL / 4:
+            return ()
+        self._refreshed = now
+        return tuple(self._turns)
+
+    def _notify(self) -> None:
+        first = self.first()
+        if first is not None:
+            self._turns[first].set()
+            # A first that polls waits on ``released``; this one stays set for it.
+
+
 class SQLiteBackend(Backend[SQLiteGrant]):
     # Pure anyio (and the standard library): runs on trio as well.
     event_loops = frozenset({"asyncio", "trio"})
     capabilities = Capabilities(
         fencing=True,
-        fifo=False,
+        fifo=True,
         loss_detection=True,
         quorum=False,
         cross_process=True,
@@ -148,10 +200,8 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         self._limiter: anyio.CapacityLimiter | None = None
         self._thread_lock = threading.Lock()
         self._released: anyio.Event | None = None
-        #: This client's waiters per (kind, name), in arrival order.
-        self._queues: dict[tuple[Kind, str], deque[str]] = {}
-        #: When the rows of each queue's waiters were last refreshed (monotonic).
-        self._refreshed: dict[tuple[Kind, str], float] = {}
+        #: This client's waiters per (kind, name).
+        self._queues: dict[tuple[Kind, str], _LocalQueue] = {}
         #: Owner ids of takes whose caller was cancelled natively while the statement ran in
         #: the worker thread (anyio's shield does not hold back Task.cancel()). A take that has
         #: not run yet skips them; one that ran is undone. Kept a minute, then forgotten.
@@ -219,6 +269,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute(f"PRAGMA synchronous={self._synchronous}")
             connection.executescript(SCHEMA)
+            _store.forget_other_boots(connection)
         except BaseException:
             connection.close()
             raise
@@ -233,10 +284,10 @@ class SQLiteBackend(Backend[SQLiteGrant]):
     # -- the contract ------------------------------------------------------------------------
 
     async def try_acquire(self, request: LockRequest) -> SQLiteGrant | None:
-        if self._queues.get((request.kind, request.name)):
+        if (request.kind, request.name) in self._queues:
             return None  # tasks of this client wait for it already: no jumping the queue
         grant, _ = await self._take(request, wait=False)
-        return grant
+        return grant if isinstance(grant, SQLiteGrant) else None
 
     async def acquire(self, request: LockRequest) -> SQLiteGrant:
         # Every waiter has a row in the file's queue, in arrival order, so that a writer
@@ -244,26 +295,33 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         # only the first polls (and refreshes the rows of the others): the others cannot be
         # granted before it, and a releasing task, which runs on, meets their rows.
         key = (request.kind, request.name)
-        queue = self._queues.setdefault(key, deque())
-        queue.append(request.owner)
+        local = self._queues.get(key)
+        if local is None:
+            local = self._queues[key] = _LocalQueue()
+        local.join(request.owner)
         polls = _POLL.backoff()
         queued = False
         try:
             while True:
-                if not queued or queue[0] == request.owner:
-                    keep = self._keep_alive(key, queue)
+                if not queued or local.first() == request.owner:
+                    keep = local.due(time.monotonic())
                     grant, retry_at = await self._take(request, wait=True, keep=keep)
-                    if grant is not None:
+                    if isinstance(grant, SQLiteGrant):
                         return grant
+                    if grant and queued:
+                        # Our row lapsed (this process was stopped, the file locked for long)
+                        # and we are behind everyone now, this client's other waiters too: the
+                        # first of them in the file must be the one that polls.
+                        local.to_back(request.owner)
                     queued = True
+                    # Until a release in this process, the holder's expiry, or the next poll.
                     wake_at = min(retry_at, anyio.current_time() + polls.next_delay())
+                    event = local.released
                 else:
-                    wake_at = math.inf  # woken when the waiter ahead leaves
-                # Sleep until a release in this process, the holder's expiry, or the next poll.
-                released = self._released
-                assert released is not None
+                    wake_at = math.inf  # until the waiters ahead in this client are gone
+                    event = local.turn(request.owner)
                 with anyio.move_on_at(wake_at):
-                    await released.wait()
+                    await event.wait()
         except BaseException:
             if queued:
                 await finish(
@@ -273,16 +331,14 @@ class SQLiteBackend(Backend[SQLiteGrant]):
                 )
             raise
         finally:
-            queue.remove(request.owner)
-            if not queue:
+            if not local.leave(request.owner):
                 del self._queues[key]
-                self._refreshed.pop(key, None)
-            self._wake_waiters()
 
     async def _take(
         self, request: LockRequest, *, wait: bool, keep: Sequence[str] = ()
-    ) -> tuple[SQLiteGrant | None, float]:
-        """One attempt: the grant, or None and when the earliest hold in the way expires."""
+    ) -> tuple[SQLiteGrant | bool, float]:
+        """One attempt: the grant, or whether the request took a new place in the queue and
+        when the earliest hold in the way expires."""
         sent_at = anyio.current_time()
         want = _want(request)
         # anyio's cancellation waits for the statement (see _run), and nothing awaits between a
@@ -301,7 +357,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             )
             raise
         if taken.token is None:
-            return None, taken.retry_at
+            return taken.placed, taken.retry_at
         grant = SQLiteGrant(
             request.name,
             request.owner,
@@ -336,12 +392,14 @@ class SQLiteBackend(Backend[SQLiteGrant]):
     async def release(self, grant: SQLiteGrant) -> None:
         lease = grant.lease()
         await self._run(lambda: _store.release(self._db(), lease))
+        key = (lease.kind, lease.name)
         for backend in list(_local.values()):
             if backend.path == self.path:
-                backend._wake_waiters()
+                backend._wake(key)
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
-        held, queue, now = await self._run(lambda: _store.look(self._db(), kind, name))
+        seen = await self._run(lambda: _store.look(self._db(), kind, name))
+        held, now = seen.holds, seen.at
         holders = tuple(
             HolderInfo(
                 owner=hold.owner,
@@ -353,10 +411,10 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             for hold in held
         )
         permits = None
-        if kind == "semaphore" and (held or queue):
-            permits = held[0].permits if held else queue[0].permits
+        if kind == "semaphore":
+            permits = held[0].permits if held else seen.permits
         if not held:
-            return LockInfo(name, held=False, waiters=len(queue), kind=kind, permits=permits)
+            return LockInfo(name, held=False, waiters=seen.waiters, kind=kind, permits=permits)
         first = holders[0]
         return LockInfo(
             name,
@@ -364,7 +422,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             owner=first.owner,
             token=first.token,
             expires_in=first.expires_in,
-            waiters=len(queue),
+            waiters=seen.waiters,
             kind=kind,
             holders=holders,
             permits=permits,
@@ -378,15 +436,6 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         with anyio.move_on_after(min(timeout, self.poll_interval)):
             await released.wait()
 
-    def _keep_alive(self, key: tuple[Kind, str], queue: deque[str]) -> tuple[str, ...]:
-        """The other waiters of this client whose rows are due for a refresh: all of them a
-        few times per ``WAITER_TTL`` (a refresh at every poll cost 1,000 writes a poll)."""
-        now = time.monotonic()
-        if len(queue) < 2 or self._refreshed.get(key, -math.inf) > now - WAITER_TTL / 4:
-            return ()
-        self._refreshed[key] = now
-        return tuple(queue)
-
     def _abandon(self, request: LockRequest) -> None:
         now = time.monotonic()
         for owner, since in list(self._abandoned.items()):
@@ -394,7 +443,12 @@ class SQLiteBackend(Backend[SQLiteGrant]):
                 del self._abandoned[owner]
         self._abandoned[request.owner] = now
 
-    def _wake_waiters(self) -> None:
+    def _wake(self, key: tuple[Kind, str]) -> None:
+        """A hold of ``key`` was released in this process: its first waiter here looks now,
+        and so do the observers."""
+        local = self._queues.get(key)
+        if local is not None:
+            local.wake()
         if self._released is not None:
             self._released.set()
             self._released = anyio.Event()
