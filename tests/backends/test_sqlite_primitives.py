@@ -433,3 +433,55 @@ async def test_the_leader_of_another_process_is_seen_and_replaced_when_it_dies(
     assert term.token is not None and term.token > first
     assert (await store.inspect("el", "election")).value == b"second"
     await store.release(term)
+
+
+# -- files and processes of earlier versions --------------------------------------------------
+
+_OLD_SCHEMA = """
+CREATE TABLE asynclock_locks (name TEXT PRIMARY KEY, owner TEXT NOT NULL,
+    token INTEGER NOT NULL, boot_id TEXT NOT NULL, expires_at REAL NOT NULL);
+CREATE TABLE asynclock_tokens (name TEXT PRIMARY KEY, last INTEGER NOT NULL);
+CREATE TABLE asynclock_waiters (key TEXT PRIMARY KEY, value TEXT NOT NULL,
+    boot_id TEXT NOT NULL, expires_at REAL NOT NULL);
+"""
+
+
+async def test_an_earlier_versions_file_and_exclusive_row_are_honoured(path: Path) -> None:
+    """A file made by an earlier version gains the new tables; an exclusive lock taken by a
+    process of that version (its row, its counter) excludes writers and readers alike, and
+    tokens go on from its counter."""
+    from asynclock.backends.sqlite._store import BOOT_ID
+
+    with closing(sqlite3.connect(path)) as db, db:
+        db.executescript(_OLD_SCHEMA)
+        db.execute("INSERT INTO asynclock_tokens VALUES ('old', 41)")
+        db.execute(
+            "INSERT INTO asynclock_locks VALUES ('old', 'an-old-process', 41, ?, ?)",
+            (BOOT_ID, time.monotonic() + 0.5),
+        )
+    async with SQLiteBackend(str(path)) as backend:
+        assert await backend.try_acquire(request("old")) is None
+        assert await backend.try_acquire(request("old", shared=True)) is None
+        info = await backend.inspect("old")
+        assert info.held and info.owner == "an-old-process" and info.token == 41
+        with anyio.fail_after(5):
+            grant = await backend.acquire(request("old", shared=True))
+        assert grant.token == 42
+        await backend.release(grant)
+    assert rows(path) == []
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_every_kind_runs_on_trio(store: SQLiteBackend, other: SQLiteBackend) -> None:
+    reader = await store.acquire(request("t", shared=True))
+    permit = await store.acquire(request("t", kind="semaphore", permits=2))
+    term = await other.acquire(request("t", kind="election", value=b"v"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other.acquire, request("t"))
+        await wait_until_queued(store, "t", 1, "lock")
+        assert await store.try_acquire(request("t", shared=True)) is None
+        tg.cancel_scope.cancel()
+    assert isinstance(await store.extend(permit, 10.0), Renewed)
+    assert (await store.inspect("t", "election")).value == b"v"
+    for backend, grant in ((store, reader), (store, permit), (other, term)):
+        await backend.release(grant)
