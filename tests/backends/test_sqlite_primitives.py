@@ -485,3 +485,18 @@ async def test_every_kind_runs_on_trio(store: SQLiteBackend, other: SQLiteBacken
     assert (await store.inspect("t", "election")).value == b"v"
     for backend, grant in ((store, reader), (store, permit), (other, term)):
         await backend.release(grant)
+
+
+async def test_try_acquire_with_other_permits_is_refused_while_this_client_waits(
+    store: SQLiteBackend,
+) -> None:
+    full = await store.acquire(request("pw", kind="semaphore", permits=1))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.acquire, request("pw", kind="semaphore", permits=1))
+        await wait_until_queued(store, "pw", 1, "semaphore")
+        # Not a plain "taken" because a task of this client waits: the numbers differ.
+        with pytest.raises(asynclock.InvalidArgument, match="has 1 permits"):
+            await store.try_acquire(request("pw", kind="semaphore", permits=4))
+        assert await store.try_acquire(request("pw", kind="semaphore", permits=1)) is None
+        tg.cancel_scope.cancel()
+    await store.release(full)

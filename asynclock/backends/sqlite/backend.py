@@ -284,8 +284,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
     # -- the contract ------------------------------------------------------------------------
 
     async def try_acquire(self, request: LockRequest) -> SQLiteGrant | None:
-        if (request.kind, request.name) in self._queues:
-            return None  # tasks of this client wait for it already: no jumping the queue
+        # The waiters of this client are in the file's queue like everyone's: no jumping it.
         grant, _ = await self._take(request, wait=False)
         return grant if isinstance(grant, SQLiteGrant) else None
 
