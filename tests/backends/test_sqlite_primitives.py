@@ -500,3 +500,87 @@ async def test_try_acquire_with_other_permits_is_refused_while_this_client_waits
         assert await store.try_acquire(request("pw", kind="semaphore", permits=1)) is None
         tg.cancel_scope.cancel()
     await store.release(full)
+
+
+# -- contention across processes, through the client ---------------------------------------
+
+_CONTENDER = textwrap.dedent(
+    """
+    import sys, time, anyio, asynclock
+
+    async def main(url, mode, tasks, rounds):
+        async with asynclock.connect(url) as locks:
+            async def one(index):
+                for _ in range(rounds):
+                    if mode == "semaphore":
+                        hold = locks.semaphore("s", permits=2).lock(ttl=5, timeout=60)
+                    elif mode == "election":
+                        hold = locks.election("e").campaign(value=b"v", ttl=5, timeout=60)
+                    else:
+                        hold = locks.lock("rw", ttl=5, timeout=60, shared=index % 3 != 0)
+                    async with hold as lease:
+                        start = time.monotonic()
+                        await anyio.sleep(0.005)
+                        end = time.monotonic()
+                    kind = "r" if lease.shared else "w"
+                    print(kind, lease.token, repr(start), repr(end), flush=True)
+
+            async with anyio.create_task_group() as tg:
+                for index in range(tasks):
+                    tg.start_soon(one, index)
+
+    anyio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    """
+)
+
+
+def contend(path: Path, mode: str, processes: int, tasks: int, rounds: int) -> list[list[str]]:
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CONTENDER, f"sqlite://{path}", mode, str(tasks), str(rounds)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(processes)
+    ]
+    lines = []
+    for process in started:
+        out, _ = process.communicate(timeout=90)
+        assert process.returncode == 0
+        lines += [line.split() for line in out.splitlines()]
+    assert len(lines) == processes * tasks * rounds
+    return lines
+
+
+def most_at_once(holds: list[tuple[float, float]]) -> int:
+    # CLOCK_MONOTONIC is one clock for all processes on the host, so holds are comparable.
+    edges = sorted([(start, 1) for start, _ in holds] + [(end, -1) for _, end in holds])
+    at_once = most = 0
+    for _, step in edges:
+        at_once += step
+        most = max(most, at_once)
+    return most
+
+
+@pytest.mark.parametrize("mode", ["semaphore", "election", "rw"])
+def test_processes_contending_keep_the_rules(path: Path, mode: str) -> None:
+    lines = contend(path, mode, processes=3, tasks=4, rounds=5)
+    holds = [(float(start), float(end)) for _, _, start, end in lines]
+    tokens = sorted(int(token) for _, token, _, _ in lines)
+    assert len(set(tokens)) == len(tokens)
+    if mode == "semaphore":
+        assert most_at_once(holds) == 2, "two permits, so two at once (and never three)"
+    elif mode == "election":
+        assert most_at_once(holds) == 1
+        # One leader at a time, each term's token above the one before.
+        by_start = sorted(lines, key=lambda line: float(line[2]))
+        assert [int(line[1]) for line in by_start] == tokens
+    else:
+        writes = [(float(s), float(e)) for kind, _, s, e in lines if kind == "w"]
+        assert writes and most_at_once(holds) > 1, "readers share"
+        for start, end in writes:
+            # A writer overlaps no other hold.
+            others = [(s, e) for s, e in holds if (s, e) != (start, end)]
+            assert all(e <= start or s >= end for s, e in others)
+    assert rows(path) == []
