@@ -363,7 +363,7 @@ class LockClient:
             fencing=self._backend.capabilities.fencing,
             releaser=self._host.release,
             on_loss=self._on_loss,
-            request=request,
+            hold=None if kind == "lock" and not shared else (kind, shared, value),
             extender=self._extend,
         )
         losses.hand_to(lease)

@@ -230,7 +230,8 @@ class Election:
 
         Leaders come in term order: a term is never reported after a later one (tokens
         rise). A term shorter than one look at the server may be skipped. The iteration ends
-        when the client closes.
+        when the client closes; a server that cannot be reached raises as ``inspect()`` does
+        (``BackendUnavailable``), and a new ``observe()`` starts again from the leader now.
         """
         client = self._client
         backend = client._backend

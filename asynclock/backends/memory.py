@@ -42,7 +42,7 @@ from ._kit import (
     split_userinfo,
 )
 
-__all__ = ("Faults", "MemoryBackend", "MemoryGrant")
+__all__ = ("Faults", "MemoryBackend")
 
 
 @dataclass(slots=True)
@@ -114,6 +114,11 @@ class _Lock:
         first = self.first()
         if first is not None:
             self.waiters[first].set()
+        if self.changed is not None:
+            self.notify_watchers()
+
+    def notify_watchers(self) -> None:
+        """Wake the observers waiting for a change of holders."""
         if self.changed is not None:
             self.changed.set()
             self.changed = None
@@ -190,12 +195,7 @@ class _MemoryWaiters(WaiterRegistry):
         return [value for value, expires in self._store.waiters.values() if expires > now]
 
 
-@dataclass(eq=False, slots=True)
-class MemoryGrant(Grant):
-    kind: Kind = "lock"
-
-
-class MemoryBackend(Backend[MemoryGrant]):
+class MemoryBackend(Backend[Grant]):
     # Pure anyio (and the standard library): runs on trio as well.
     event_loops = frozenset({"asyncio", "trio"})
     # No round trip to outlast: only the margin.
@@ -322,14 +322,18 @@ class MemoryBackend(Backend[MemoryGrant]):
 
     # -- the contract ------------------------------------------------------------------------
 
-    def _take(self, lock: _Lock, request: LockRequest, sent_at: float) -> MemoryGrant:
+    def _take(self, lock: _Lock, request: LockRequest, sent_at: float) -> Grant:
         lock.counter += 1
         token = lock.counter
         owner = request.owner
         kind = request.kind
         if kind == "lock" and not request.shared:
+            # The common case first, as it was before the other kinds existed.
             lock.holder = _Holder(owner, sent_at + request.ttl, request.on_lost, token)
-        elif kind == "election":
+            if lock.changed is not None:
+                lock.notify_watchers()
+            return Grant(request.name, owner, token, sent_at, request.ttl)
+        if kind == "election":
             lock.holder = _Holder(
                 owner, sent_at + request.ttl, request.on_lost, token, value=request.value
             )
@@ -337,10 +341,8 @@ class MemoryBackend(Backend[MemoryGrant]):
             lock.holders[owner] = _Holder(
                 owner, sent_at + request.ttl, request.on_lost, token, request.shared
             )
-        if lock.changed is not None:
-            lock.changed.set()
-            lock.changed = None
-        return MemoryGrant(request.name, owner, token, sent_at, request.ttl, kind)
+        lock.notify_watchers()
+        return Grant(request.name, owner, token, sent_at, request.ttl, space=kind)
 
     def _server(self) -> Awaitable[None]:
         """Where a call meets the "server": a checkpoint, or a wait while it is paused (a
@@ -366,7 +368,7 @@ class MemoryBackend(Backend[MemoryGrant]):
             lock.permits = request.permits
         return lock
 
-    async def try_acquire(self, request: LockRequest) -> MemoryGrant | None:
+    async def try_acquire(self, request: LockRequest) -> Grant | None:
         await self._server()
         at = now()
         lock = self._lock_for(request, at)
@@ -374,11 +376,16 @@ class MemoryBackend(Backend[MemoryGrant]):
             return self._take(lock, request, at)
         return None
 
-    async def acquire(self, request: LockRequest) -> MemoryGrant:
+    async def acquire(self, request: LockRequest) -> Grant:
         await self._server()
         at = now()
-        lock = self._lock_for(request, at)
-        if not lock.waiters and lock.can_take(request, at):
+        if request.kind == "lock" and not request.shared:
+            lock = self._store.get(request.name)
+            free = lock.free(at)  # the common case, without can_take's questions
+        else:
+            lock = self._lock_for(request, at)
+            free = lock.can_take(request, at)
+        if free and not lock.waiters:
             # Nobody to queue behind: taken at once, without a place or an event.
             return self._take(lock, request, at)
         owner = request.owner
@@ -408,7 +415,7 @@ class MemoryBackend(Backend[MemoryGrant]):
                 if first:
                     lock.notify()
 
-    async def renew(self, grants: Sequence[MemoryGrant]) -> Sequence[RenewOutcome]:
+    async def renew(self, grants: Sequence[Grant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
         await self._server()
         match self.faults.renew:
@@ -420,8 +427,8 @@ class MemoryBackend(Backend[MemoryGrant]):
                 return [Lost("injected: the server says the lock is gone")] * len(grants)
         return [self._renew_one(grant, sent_at, grant.ttl) for grant in grants]
 
-    def _renew_one(self, grant: MemoryGrant, sent_at: float, ttl: float) -> RenewOutcome:
-        holder = self._store.get(grant.name, grant.kind).find(grant.owner)
+    def _renew_one(self, grant: Grant, sent_at: float, ttl: float) -> RenewOutcome:
+        holder = self._store.get(grant.name, grant.space).find(grant.owner)
         if holder is None:
             return Lost("the lock is no longer held by this lease on the server")
         if holder.expires_at <= sent_at:
@@ -429,18 +436,20 @@ class MemoryBackend(Backend[MemoryGrant]):
         holder.expires_at = sent_at + ttl
         return Renewed(sent_at, ttl)
 
-    async def extend(self, grant: MemoryGrant, ttl: float) -> RenewOutcome:
+    async def extend(self, grant: Grant, ttl: float) -> RenewOutcome:
         # Not subject to Faults.renew: that fault stands for the background renewal failing,
         # which is what an extend() is for.
         sent_at = anyio.current_time()
         await self._server()
         return self._renew_one(grant, sent_at, ttl)
 
-    async def release(self, grant: MemoryGrant) -> None:
+    async def release(self, grant: Grant) -> None:
         # No checkpoint unless paused: releasing never waits for anyone (as anyio.Lock's
         # release), and a cancellation has nothing to interrupt.
         if self.faults.paused:
             await self._server()
-        lock = self._store.get(grant.name, grant.kind)
-        if lock.drop(grant.owner):
+        space = grant.space
+        store = self._store
+        lock = (store.locks if space == "lock" else store.spaces[space]).get(grant.name)
+        if lock is not None and lock.drop(grant.owner):
             lock.notify()
