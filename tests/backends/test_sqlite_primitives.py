@@ -584,3 +584,31 @@ def test_processes_contending_keep_the_rules(path: Path, mode: str) -> None:
             others = [(s, e) for s, e in holds if (s, e) != (start, end)]
             assert all(e <= start or s >= end for s, e in others)
     assert rows(path) == []
+
+
+async def test_a_stopped_waiter_holds_up_the_queue_for_waiter_ttl_at_most(
+    path: Path, store: SQLiteBackend, spawn: Spawn
+) -> None:
+    """Its row lapses; when it runs again it takes a new place at the back (and gets in)."""
+    from asynclock.backends.sqlite._store import WAITER_TTL
+
+    holder = await store.acquire(request("st"))
+    waiter = spawn(str(path), "st", "lock", "5", "exclusive", "renew")
+    await wait_until_queued(store, "st", 1, "lock")
+    waiter.send_signal(signal.SIGSTOP)
+    try:
+        await store.release(holder)
+        stopped_at = time.monotonic()
+        with anyio.fail_after(WAITER_TTL + 3):
+            grant = await store.acquire(request("st"))
+        assert time.monotonic() - stopped_at <= WAITER_TTL + 0.5
+    finally:
+        waiter.send_signal(signal.SIGCONT)
+    await anyio.sleep(0.2)  # the waiter polls again: behind us now
+    assert (await store.inspect("st")).waiters == 1
+    await store.release(grant)
+    assert await anyio.to_thread.run_sync(held_line, waiter) > (grant.token or 0)
+    waiter.send_signal(signal.SIGKILL)
+    await anyio.to_thread.run_sync(waiter.wait)
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute("DELETE FROM asynclock_locks")
