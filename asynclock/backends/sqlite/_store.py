@@ -341,7 +341,7 @@ def _enqueue(db: sqlite3.Connection, want: Want, new: bool, now: float) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Lease:
+class HoldRef:
     """What renew and release need to find one hold."""
 
     kind: Kind
@@ -351,43 +351,43 @@ class Lease:
     ttl: float
 
 
-def renew(db: sqlite3.Connection, leases: Sequence[Lease]) -> list[bool]:
+def renew(db: sqlite3.Connection, refs: Sequence[HoldRef]) -> list[bool]:
     """Move each live hold's expiry to ``now + ttl``; False for those that are gone."""
     with transaction(db):
         now = time.monotonic()
         alive = []
-        for lease in leases:
-            if lease.kind == "lock" and not lease.shared:
+        for ref in refs:
+            if ref.kind == "lock" and not ref.shared:
                 cursor = db.execute(
                     "UPDATE asynclock_locks SET expires_at = ? WHERE name = ? AND owner = ? "
                     "AND boot_id = ? AND expires_at > ?",
-                    (now + lease.ttl, lease.name, lease.owner, BOOT_ID, now),
+                    (now + ref.ttl, ref.name, ref.owner, BOOT_ID, now),
                 )
             else:
                 cursor = db.execute(
                     "UPDATE asynclock_holds SET expires_at = ? WHERE kind = ? AND name = ? "
                     "AND owner = ? AND boot_id = ? AND expires_at > ?",
-                    (now + lease.ttl, lease.kind, lease.name, lease.owner, BOOT_ID, now),
+                    (now + ref.ttl, ref.kind, ref.name, ref.owner, BOOT_ID, now),
                 )
             alive.append(cursor.rowcount == 1)
     return alive
 
 
-def release(db: sqlite3.Connection, lease: Lease) -> None:
-    """Delete the hold and the queue row of ``lease.owner``, if there are any: also the undo of
+def release(db: sqlite3.Connection, ref: HoldRef) -> None:
+    """Delete the hold and the queue row of ``ref.owner``, if there are any: also the undo of
     a take whose caller was cancelled, granted or queued."""
     with transaction(db):
-        if lease.kind == "lock" and not lease.shared:
+        if ref.kind == "lock" and not ref.shared:
             db.execute(
                 "DELETE FROM asynclock_locks WHERE name = ? AND owner = ?",
-                (lease.name, lease.owner),
+                (ref.name, ref.owner),
             )
         else:
             db.execute(
                 "DELETE FROM asynclock_holds WHERE kind = ? AND name = ? AND owner = ?",
-                (lease.kind, lease.name, lease.owner),
+                (ref.kind, ref.name, ref.owner),
             )
-        db.execute("DELETE FROM asynclock_queue WHERE owner = ?", (lease.owner,))
+        db.execute("DELETE FROM asynclock_queue WHERE owner = ?", (ref.owner,))
 
 
 def dequeue(db: sqlite3.Connection, owner: str) -> None:

@@ -39,7 +39,7 @@ from .._kit import (
     translate,
 )
 from . import _store
-from ._store import BOOT_ID, SCHEMA, WAITER_TTL, Lease, Want
+from ._store import BOOT_ID, SCHEMA, WAITER_TTL, HoldRef, Want
 
 __all__ = ("SQLiteBackend", "SQLiteGrant")
 
@@ -67,8 +67,8 @@ class SQLiteGrant(Grant):
     kind: Kind = "lock"
     shared: bool = False
 
-    def lease(self, ttl: float | None = None) -> Lease:
-        return Lease(
+    def ref(self, ttl: float | None = None) -> HoldRef:
+        return HoldRef(
             self.kind, self.name, self.owner, self.shared, self.ttl if ttl is None else ttl
         )
 
@@ -348,7 +348,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             taken = await self._run(lambda: self._take_sync(want, wait, keep))
         except BaseException:
             self._abandon(request)
-            undo = Lease(want.kind, want.name, want.owner, want.shared, want.ttl)
+            undo = HoldRef(want.kind, want.name, want.owner, want.shared, want.ttl)
             await finish(
                 functools.partial(self._run, lambda: _store.release(self._db(), undo)),
                 timeout=self._busy_timeout,
@@ -370,8 +370,8 @@ class SQLiteBackend(Backend[SQLiteGrant]):
 
     async def renew(self, grants: Sequence[SQLiteGrant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
-        leases = [grant.lease() for grant in grants]
-        alive = await self._run(lambda: _store.renew(self._db(), leases))
+        refs = [grant.ref() for grant in grants]
+        alive = await self._run(lambda: _store.renew(self._db(), refs))
         return [
             Renewed(sent_at, grant.ttl) if ok else _gone()
             for grant, ok in zip(grants, alive, strict=True)
@@ -381,17 +381,17 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         # Each hold has its own expiry: the new ttl is this one lease's, and renewals after
         # this one apply it too (the core copies Renewed.ttl into the grant; so do we, in case).
         sent_at = anyio.current_time()
-        lease = grant.lease(ttl)
-        (ok,) = await self._run(lambda: _store.renew(self._db(), [lease]))
+        ref = grant.ref(ttl)
+        (ok,) = await self._run(lambda: _store.renew(self._db(), [ref]))
         if not ok:
             return _gone()
         grant.ttl = ttl
         return Renewed(sent_at, ttl)
 
     async def release(self, grant: SQLiteGrant) -> None:
-        lease = grant.lease()
-        await self._run(lambda: _store.release(self._db(), lease))
-        key = (lease.kind, lease.name)
+        ref = grant.ref()
+        await self._run(lambda: _store.release(self._db(), ref))
+        key = (ref.kind, ref.name)
         for backend in list(_local.values()):
             if backend.path == self.path:
                 backend._wake(key)
