@@ -172,7 +172,7 @@ class _LocalQueue:
         first = self.first()
         if first is not None:
             self._turns[first].set()
-            # A first that polls waits on ``released``; this one stays set for it.
+            # Its turn stays set: it polls from now on, waiting on ``released`` instead.
 
 
 class SQLiteBackend(Backend[SQLiteGrant]):
