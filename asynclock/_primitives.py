@@ -67,6 +67,34 @@ class LockClient(Protocol):
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo: ...
 
 
+def _context(
+    client: LockClient,
+    name: str,
+    ttl: float,
+    timeout: float | None,
+    on_lost: OnLost,
+    *,
+    kind: Kind,
+    permits: int = 1,
+    value: bytes = b"",
+) -> LockContext:
+    """The ``async with`` of one hold of ``kind``, checked as ``locks.lock()`` checks its own."""
+    client._check_on_lost(on_lost)
+    _, ttl, timeout = client._check(name, ttl, timeout)
+    acquire = functools.partial(
+        client._acquire,
+        name,
+        ttl,
+        timeout,
+        on_lost,
+        track_context=False,
+        kind=kind,
+        permits=permits,
+        value=value,
+    )
+    return LockContext(acquire, on_lost, client._events, client._host.deadlines)
+
+
 class Semaphore:
     """Up to ``permits`` holders of ``name`` at once, each holding its own lease.
 
@@ -100,20 +128,9 @@ class Semaphore:
         """Hold a permit for the body of an ``async with``; yields its :class:`Lease`.
 
         ``timeout``, ``on_lost`` and loss as for ``locks.lock()``."""
-        client = self._client
-        client._check_on_lost(on_lost)
-        _, ttl, timeout = client._check(self.name, ttl, timeout)
-        acquire = functools.partial(
-            client._acquire,
-            self.name,
-            ttl,
-            timeout,
-            on_lost,
-            track_context=False,
-            kind="semaphore",
-            permits=self.permits,
+        return _context(
+            self._client, self.name, ttl, timeout, on_lost, kind="semaphore", permits=self.permits
         )
-        return LockContext(acquire, on_lost, client._events, client._host.deadlines)
 
     async def acquire(
         self, *, ttl: float = 30.0, timeout: float | None = None, on_lost: OnLost = "flag"
@@ -203,20 +220,9 @@ class Election:
                 f"value is {len(value)} bytes; the limit is {MAX_VALUE_BYTES}: campaign with "
                 "a reference (an address, a key) rather than the data"
             )
-        client = self._client
-        client._check_on_lost(on_lost)
-        _, ttl, timeout = client._check(self.name, ttl, timeout)
-        acquire = functools.partial(
-            client._acquire,
-            self.name,
-            ttl,
-            timeout,
-            on_lost,
-            track_context=False,
-            kind="election",
-            value=value,
+        return _context(
+            self._client, self.name, ttl, timeout, on_lost, kind="election", value=value
         )
-        return LockContext(acquire, on_lost, client._events, client._host.deadlines)
 
     async def leader(self) -> Leader | None:
         """Who leads now, as the server says; ``None`` while nobody does."""
