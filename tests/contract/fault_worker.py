@@ -1,4 +1,4 @@
-"""One worker process of the fault contract's client-pause test.
+"""One worker process of the fault contract's client-pause test (and that test's pause schedule).
 
 It takes the lock over and over and does a fenced read-modify-write on a counter in an SQLite
 file (the resource), then prints one JSON line: what it saw. The test SIGSTOPs and resumes
@@ -65,6 +65,17 @@ def fenced_write(db: sqlite3.Connection, worker: int, token: int | None, value: 
         return True
     finally:
         db.execute("COMMIT")
+
+
+def pause_schedule(pauses: int, at_once: int) -> list[tuple[int, bool, int]]:
+    """The client pauses as (step, resume?, pause number), in order: pause ``i`` stops its
+    worker at step ``i`` and resumes it at step ``i + at_once`` (a step is a pause length
+    divided by ``at_once``), so ``at_once`` workers are stopped at a time; at a step where one
+    resumes and another stops, the resume comes first."""
+    events = [(i, False, i) for i in range(pauses)] + [
+        (i + at_once, True, i) for i in range(pauses)
+    ]
+    return sorted(events, key=lambda event: (event[0], not event[1]))
 
 
 def read_last_resume(path: Path) -> float | None:

@@ -42,7 +42,7 @@ import pytest
 import asynclock
 from asynclock import ConnectionState
 from asynclock.testing import FaultProxy
-from tests.contract.fault_worker import open_resource
+from tests.contract.fault_worker import open_resource, pause_schedule
 from tests.contract.harness import BackendUnderTest
 
 pytestmark = pytest.mark.anyio
@@ -215,17 +215,6 @@ async def test_connection_state_follows_a_partition_and_its_end(
 
 
 # -- (c) ------------------------------------------------------------------------------------
-
-
-def pause_schedule(pauses: int, at_once: int) -> list[tuple[int, bool, int]]:
-    """The client pauses as (step, resume?, pause number), in order: pause ``i`` stops its
-    worker at step ``i`` and resumes it at step ``i + at_once`` (a step is a pause length
-    divided by ``at_once``), so ``at_once`` workers are stopped at a time; at a step where one
-    resumes and another stops, the resume comes first."""
-    events = [(i, False, i) for i in range(pauses)] + [
-        (i + at_once, True, i) for i in range(pauses)
-    ]
-    return sorted(events, key=lambda event: (event[0], not event[1]))
 
 
 @pytest.mark.not_on("memory", reason="in-process only")
