@@ -51,10 +51,10 @@ pytestmark = pytest.mark.anyio
 CANCEL_CYCLES = int(os.environ.get("ASYNCLOCK_CANCEL_CYCLES", "1000"))
 #: Client pauses per backend, each of 1.3 ttl, spread over PAUSE_WORKERS worker processes of
 #: which PAUSED_AT_ONCE are stopped at a time: the two others contend with each other and with
-#: the stopped ones' leases. Overlapping five at a time, the 30 pauses take 7 pause lengths.
+#: the stopped ones' leases. Six at a time, the 30 pauses take 6 pause lengths, not 15.
 CLIENT_PAUSES = 30
-PAUSE_WORKERS = 7
-PAUSED_AT_ONCE = 5
+PAUSE_WORKERS = 8
+PAUSED_AT_ONCE = 6
 
 
 def report(test: str, backend: BackendUnderTest, **values: Any) -> None:
