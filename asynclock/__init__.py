@@ -29,9 +29,13 @@ from ._fencing import current_lease as current_lease
 from ._fencing import current_token as current_token
 from ._fencing import held_leases as held_leases
 from ._lease import Lease as Lease
+from ._primitives import Election as Election
+from ._primitives import Leader as Leader
+from ._primitives import Semaphore as Semaphore
 from ._scope import LockContext as LockContext
 from ._scope import MultiLockContext as MultiLockContext
 from .abc import Capabilities as Capabilities
+from .abc import HolderInfo as HolderInfo
 from .abc import LockInfo as LockInfo
 
 __all__ = (
@@ -41,8 +45,11 @@ __all__ = (
     "Capabilities",
     "ConnectionState",
     "DeadlockDetected",
+    "Election",
+    "HolderInfo",
     "InvalidArgument",
     "InvalidURL",
+    "Leader",
     "Lease",
     "LeaseLost",
     "LockClient",
@@ -52,6 +59,7 @@ __all__ = (
     "MissingDependency",
     "MultiLockContext",
     "NotHeld",
+    "Semaphore",
     "StaleToken",
     "StateChange",
     "UnsupportedFeature",

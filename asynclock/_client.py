@@ -2,47 +2,49 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Self
 
-import anyio
-
 from . import _fencing, _validate
+from ._acquiring import (
+    LossBeforeLease,
+    Settings,
+    acquire_all,
+    canonical,
+    check_request,
+    observe_acquire,
+    public_info,
+    require,
+    wait_for_grant,
+)
 from ._clock import now
-from ._deadlock import wait_watching_deadlocks, waiter_for
 from ._errors import (
     AcquireTimeout,
-    BackendTimeout,
     BackendUnavailable,
     DeadlockDetected,
     InvalidArgument,
     LockError,
     Waiter,
 )
-from ._events import AcquireOutcome, ConnectionState, Events, LossKind, StateChange
+from ._events import ConnectionState, LossKind, StateChange
+from ._extend import extend
 from ._host import BackendHost
-from ._lease import Lease, OnLost, new_owner, public_owner
+from ._lease import Lease, OnLost, new_owner
+from ._primitives import Election, Semaphore
 from ._renewal import RENEWAL
-from ._scope import LockContext, MultiLockContext, release_all
-from ._state import StateTracker
-from .abc import Backend, Capabilities, Grant, LockInfo, LockRequest
+from ._scope import LockContext, MultiLockContext
+from .abc import (
+    Backend,
+    Capabilities,
+    Grant,
+    Kind,
+    LockInfo,
+    LockRequest,
+)
 
 logger = logging.getLogger("asynclock")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Settings:
-    """How a client treats its leases (see :func:`asynclock.connect` for each)."""
-
-    drift: float
-    margin: float | None
-    release_timeout: float
-    deadlock_interval: float | None
-    label: str | None
 
 
 class LockClient:
@@ -65,7 +67,7 @@ class LockClient:
         label: str | None = None,
     ) -> None:
         self._backend = backend
-        self._settings = _Settings(drift, margin, release_timeout, deadlock_interval, label)
+        self._settings = Settings(drift, margin, release_timeout, deadlock_interval, label)
         self._host = host = BackendHost(
             backend, connect_timeout=connect_timeout, release_timeout=release_timeout
         )
@@ -137,6 +139,7 @@ class LockClient:
         ttl: float = 30.0,
         timeout: float | None = None,
         on_lost: OnLost = "cancel",
+        shared: bool = False,
     ) -> LockContext:
         """Hold the lock ``name`` for the body of an ``async with``; yields the :class:`Lease`.
 
@@ -145,12 +148,24 @@ class LockClient:
         the body is cancelled (``on_lost="cancel"``, the default) and the ``async with`` raises
         :class:`LeaseLost`; with ``on_lost="flag"`` the body runs on, ``lease.lost`` becomes true
         and ``lease.wait_lost()`` returns.
+
+        ``shared=True`` takes a shared (read) hold: held together with other shared holds of
+        the name, never with an exclusive one. A waiting exclusive request blocks the shared
+        requests that come after it, so a stream of readers cannot starve a writer. Every hold,
+        shared or not, gets a token larger than all before it (``capabilities.shared_locks``).
         """
         self._check_on_lost(on_lost)
         name, ttl, timeout = self._check(name, ttl, timeout)
-
-        # A partial, not a closure: one coroutine fewer between the body and the backend.
-        acquire = functools.partial(self._acquire, name, ttl, timeout, on_lost, track_context=False)
+        if shared:
+            self._check_shared()
+            acquire = functools.partial(
+                self._acquire, name, ttl, timeout, on_lost, track_context=False, shared=True
+            )
+        else:
+            # A partial, not a closure: one coroutine fewer between the body and the backend.
+            acquire = functools.partial(
+                self._acquire, name, ttl, timeout, on_lost, track_context=False
+            )
         return LockContext(acquire, on_lost, self._events, self._host.deadlines)
 
     def lock_all(
@@ -170,29 +185,12 @@ class LockClient:
         ``current_token(name)`` gives each lock's token. The tuple is in canonical order.
         """
         self._check_on_lost(on_lost)
-        unique = sorted({_validate.lock_name(name) for name in names}, key=_canonical)
+        unique = sorted({_validate.lock_name(name) for name in names}, key=canonical)
         if not unique:
             raise InvalidArgument("lock_all needs at least one lock name")
         _, ttl, timeout = self._check(unique[0], ttl, timeout)
 
-        async def acquire() -> list[Lease]:
-            deadline = math.inf if timeout is None else anyio.current_time() + timeout
-            taken: list[Lease] = []
-            try:
-                for name in unique:
-                    # Out of time: the remaining locks still get one try each (timeout 0).
-                    left = None if timeout is None else max(0.0, deadline - anyio.current_time())
-                    try:
-                        taken.append(
-                            await self._acquire(name, ttl, left, on_lost, track_context=False)
-                        )
-                    except AcquireTimeout:
-                        raise AcquireTimeout(name, timeout or 0.0) from None
-            except BaseException:
-                await release_all(taken)  # finishes whatever cancels us
-                raise
-            return taken
-
+        acquire = functools.partial(acquire_all, self._acquire, unique, ttl, timeout, on_lost)
         return MultiLockContext(acquire, on_lost, self._events, self._host.deadlines)
 
     async def acquire(
@@ -202,53 +200,77 @@ class LockClient:
         ttl: float = 30.0,
         timeout: float | None = None,
         on_lost: OnLost = "flag",
+        shared: bool = False,
     ) -> Lease:
         """Take the lock and return its :class:`Lease`; release it with ``await lease.release()``.
 
         There is no body to cancel here, so loss is only flagged (``lease.lost``,
         ``lease.wait_lost()``). ``current_token()`` sees the lease in this task until released.
+        ``shared`` as for :meth:`lock`.
         """
         self._check_on_lost(on_lost)
         name, ttl, timeout = self._check(name, ttl, timeout)
-        return await self._acquire(name, ttl, timeout, on_lost, track_context=True)
+        if shared:
+            self._check_shared()
+        return await self._acquire(
+            name, ttl, timeout, on_lost, track_context=True, shared=bool(shared)
+        )
 
-    async def try_acquire(self, name: str, *, ttl: float = 30.0) -> Lease | None:
-        """Take the lock if it is free right now; ``None`` if someone else holds it."""
+    async def try_acquire(
+        self, name: str, *, ttl: float = 30.0, shared: bool = False
+    ) -> Lease | None:
+        """Take the lock if it is free right now; ``None`` if someone else holds it (for a
+        shared hold: if a writer holds it or waits for it)."""
         name, ttl, _ = self._check(name, ttl, 0)
+        if shared:
+            self._check_shared()
         try:
-            return await self._acquire(name, ttl, 0, "flag", track_context=True)
+            return await self._acquire(
+                name, ttl, 0, "flag", track_context=True, shared=bool(shared)
+            )
         except AcquireTimeout:
             return None
 
-    async def inspect(self, name: str) -> LockInfo:
-        """What the server says about lock ``name`` now: held or not, by which lease, with which
+    def semaphore(self, name: str, *, permits: int) -> Semaphore:
+        """A semaphore of ``permits`` holds of ``name``, each its own lease (see
+        :class:`Semaphore`). Semaphores are a namespace of their own: the lock ``"a"`` and the
+        semaphore ``"a"`` are unrelated."""
+        return Semaphore(self, name, permits)
+
+    def election(self, name: str) -> Election:
+        """The leader election ``name`` (see :class:`Election`), a namespace of its own."""
+        return Election(self, name)
+
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
+        """What the server says about ``name`` now: held or not, by which lease, with which
         token, how long until it would expire, how many wait (``None`` where it cannot tell).
+        ``holders`` lists every hold (readers, a semaphore's permits); ``kind`` picks the
+        namespace (``"lock"``, ``"semaphore"``, ``"election"``).
 
         Raises :class:`UnsupportedFeature` on backends that cannot tell (Redlock).
         """
         name = _validate.lock_name(name)
-        if self._host.state != "open":
-            raise RuntimeError(
-                "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
-            )
-        info = await self._backend.inspect(name)
-        if info.owner is not None:
-            info = dataclasses.replace(info, owner=public_owner(info.owner))
-        return info
+        if kind not in ("lock", "semaphore", "election"):
+            raise InvalidArgument(f"kind must be 'lock', 'semaphore' or 'election', got {kind!r}")
+        self._check_open()
+        return public_info(await self._backend.inspect(name, kind), kind)
 
     # -- internals ---------------------------------------------------------------------------
 
     def _check(self, name: object, ttl: object, timeout: object) -> tuple[str, float, float | None]:
-        checked_name = _validate.lock_name(name)
-        checked_ttl = _validate.positive_seconds(ttl, "ttl")
-        if checked_ttl < self._backend.min_ttl:
-            raise InvalidArgument(
-                f"ttl {checked_ttl:g} s is too short for {self._backend.describe()}: a lease must "
-                "outlast a renewal round trip plus the safety margin; the minimum is "
-                f"{self._backend.min_ttl:g} s"
+        return check_request(self._backend, name, ttl, timeout)
+
+    def _check_open(self) -> None:
+        if self._host.state != "open":
+            raise RuntimeError(
+                "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
             )
-        self._backend.check_ttl(checked_ttl)
-        return checked_name, checked_ttl, _validate.timeout(timeout)
+
+    def _check_shared(self) -> None:
+        self._require("shared_locks", "shared (read) locks")
+
+    def _require(self, capability: str, what: str) -> None:
+        require(self._backend, capability, what)
 
     @staticmethod
     def _check_on_lost(on_lost: object) -> None:
@@ -280,14 +302,22 @@ class LockClient:
         on_lost: OnLost,
         *,
         track_context: bool,
+        kind: Kind = "lock",
+        shared: bool = False,
+        permits: int = 1,
+        value: bytes = b"",
     ) -> Lease:
         if self._host.state != "open":
             raise RuntimeError(
                 "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
             )
         margin = self._margin_for(ttl)
-        losses = _LossBeforeLease()
-        request = LockRequest(name=name, ttl=ttl, owner=new_owner(), on_lost=losses.report)
+        losses = LossBeforeLease()
+        request = (
+            LockRequest(name, ttl, new_owner(), losses.report)
+            if kind == "lock" and not shared
+            else LockRequest(name, ttl, new_owner(), losses.report, kind, shared, permits, value)
+        )
         events = self._events
         # Timed only when someone observes; None tells an observer who subscribed meanwhile
         # that this acquire was not timed.
@@ -299,7 +329,9 @@ class LockClient:
             elif timeout is None and not events.active and not self._settings.deadlock_interval:
                 grant = await self._backend.acquire(request)  # the common case, directly
             else:
-                grant = await self._wait(request, timeout, deadlocks)
+                grant = await wait_for_grant(
+                    self._backend, request, timeout, deadlocks, events, self._settings
+                )
         except BaseException as exc:
             error = exc
             if isinstance(exc, Exception) and not isinstance(exc, LockError):
@@ -331,6 +363,8 @@ class LockClient:
             fencing=self._backend.capabilities.fencing,
             releaser=self._host.release,
             on_loss=self._on_loss,
+            hold=None if kind == "lock" and not shared else (kind, shared, value),
+            extender=self._extend,
         )
         losses.hand_to(lease)
         self._supervisor.add(lease)
@@ -338,129 +372,20 @@ class LockClient:
             _fencing.push(lease)
         return lease
 
+    async def _extend(self, lease: Lease, ttl: float) -> None:
+        """``lease.extend(ttl)``: one renewal now, with a new ttl (see :meth:`Lease.extend`)."""
+        _, ttl, _ = self._check(lease.name, ttl, None)
+        await extend(
+            lease,
+            ttl,
+            self._margin_for,
+            backend=self._backend,
+            deadlines=self._host.deadlines,
+            supervisor=self._supervisor,
+        )
+
     def _on_loss(self, lease: Lease, kind: LossKind, reason: str) -> None:
         if kind == "deadline":
             self._state.deadline_passed(lease.name)
         if self._events.active:
             self._events.emit("lost", lease.name, kind, reason)
-
-    async def _wait(
-        self, request: LockRequest, timeout: float | None, deadlocks: list[list[Waiter]]
-    ) -> Grant | None:
-        """Wait for the lock until ``timeout``; with deadlock detection, also until this task is
-        found to be the victim of a cycle (then ``deadlocks`` holds the cycle)."""
-        if not self._events.active:
-            return await self._wait_for_grant(request, timeout, deadlocks)
-        self._events.emit("waiting", request.name, 1)
-        try:
-            return await self._wait_for_grant(request, timeout, deadlocks)
-        finally:
-            self._events.emit("waiting", request.name, -1)
-
-    async def _wait_for_grant(
-        self, request: LockRequest, timeout: float | None, deadlocks: list[list[Waiter]]
-    ) -> Grant | None:
-        registry = self._backend.waiter_registry() if self._settings.deadlock_interval else None
-        wait: Callable[[], Awaitable[Grant | None]]
-        if registry is None or self._settings.deadlock_interval is None:
-            wait = functools.partial(self._backend.acquire, request)
-        else:
-            wait = functools.partial(
-                wait_watching_deadlocks,
-                self._backend,
-                request,
-                registry,
-                waiter_for(request.name, self._settings.label),
-                interval=self._settings.deadlock_interval,
-                found=deadlocks,
-                release_timeout=self._settings.release_timeout,
-            )
-        if timeout is None:
-            return await wait()
-        return await try_then_wait(self._backend, request, timeout, wait)
-
-
-def _canonical(name: str) -> bytes:
-    # Byte order of the UTF-8 form: the same in every process and language.
-    return name.encode("utf-8")
-
-
-def observe_acquire(
-    state: StateTracker,
-    events: Events,
-    name: str,
-    started: float | None,
-    grant: Grant | None,
-    error: BaseException | None,
-) -> None:
-    """Tell the connection state and the observers how an acquire ended."""
-    outcome: AcquireOutcome
-    if error is None:
-        outcome = "acquired"
-    elif isinstance(error, AcquireTimeout):
-        outcome = "busy" if error.timeout == 0 else "timeout"
-    elif isinstance(error, DeadlockDetected):
-        outcome = "deadlock"
-    elif isinstance(error, BackendUnavailable | BackendTimeout):
-        state.reached(False, error)
-        outcome = "error"
-    elif isinstance(error, anyio.get_cancelled_exc_class()):
-        outcome = "cancelled"
-    else:
-        outcome = "error"
-    if outcome in ("acquired", "busy", "timeout"):
-        state.reached(True)
-    if events.active and started is not None:
-        token = grant.token if grant is not None else None
-        events.emit("acquired", name, outcome, now() - started, token)
-
-
-async def try_then_wait(
-    backend: Backend[Grant],
-    request: LockRequest,
-    timeout: float,
-    wait: Callable[[], Awaitable[Grant | None]],
-) -> Grant | None:
-    """Try the lock once, then ``wait()`` for it until ``timeout`` has passed."""
-    deadline = anyio.current_time() + timeout
-    # However short the timeout, the lock is tried once: it bounds the wait, not the first
-    # attempt (timeout=1e-9 must not fail where timeout=0 succeeds).
-    try:
-        grant = await backend.try_acquire(request)
-    except BackendTimeout:
-        raise  # the server did not answer: one timeout is one op_timeout
-    except BackendUnavailable:
-        # With time left, the wait below retries as the backend does (a Redlock majority may
-        # come back), as it did before this first try existed.
-        if anyio.current_time() >= deadline:
-            raise
-        grant = None
-    if grant is not None or anyio.current_time() >= deadline:
-        return grant
-    with anyio.move_on_at(deadline):
-        return await wait()
-    return None
-
-
-class _LossBeforeLease:
-    """``LockRequest.on_lost`` of one acquire: a loss the backend reports before the lease
-    exists (between the grant and its registration) is kept and handed to it."""
-
-    __slots__ = ("_lease", "_reasons")
-
-    def __init__(self) -> None:
-        self._lease: Lease | None = None
-        self._reasons: list[str] | None = None
-
-    def report(self, reason: str) -> None:
-        if self._lease is not None:
-            self._lease._mark_lost(reason)
-        elif self._reasons is None:
-            self._reasons = [reason]
-        else:
-            self._reasons.append(reason)
-
-    def hand_to(self, lease: Lease) -> None:
-        self._lease = lease
-        for reason in self._reasons or ():
-            lease._mark_lost(reason)

@@ -11,7 +11,17 @@ from ._errors import InvalidArgument, UnsupportedFeature
 from ._host import check_event_loop
 from ._registry import make_backend, redact
 
-_CAPABILITY_NAMES = ("fencing", "fifo", "loss_detection", "quorum", "cross_process")
+_CAPABILITY_NAMES = (
+    "fencing",
+    "fifo",
+    "loss_detection",
+    "quorum",
+    "cross_process",
+    "shared_locks",
+    "semaphores",
+    "elections",
+    "ttl_change",
+)
 
 
 def connect(

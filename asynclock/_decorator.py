@@ -49,12 +49,14 @@ def locked(
     client: ClientSource,
     ttl: float = 30.0,
     timeout: float | None = None,
+    shared: bool = False,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
     """Hold the lock named by ``template`` around every call of the decorated coroutine function.
 
     ``client`` is an open :class:`LockClient`, or a function returning one (for clients made
     after import, in an application's start-up). ``timeout`` is as for ``LockClient.lock``:
     ``None`` waits, ``0`` raises :class:`asynclock.AcquireTimeout` at once when the lock is held.
+    ``shared=True`` holds it shared with other readers (a read-write lock's read side).
     """
 
     def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -65,7 +67,7 @@ def locked(
         @functools.wraps(func)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             name = lock_name_for(template, signature, args, kwargs)
-            async with resolve_client(client).lock(name, ttl=ttl, timeout=timeout):
+            async with resolve_client(client).lock(name, ttl=ttl, timeout=timeout, shared=shared):
                 return await func(*args, **kwargs)
 
         return wrapper

@@ -82,6 +82,13 @@ class Deadlines:
             if self._sleep is not None:
                 self._sleep.deadline = deadline
 
+    def moved(self, deadline: float) -> None:
+        """A lease's deadline moved to ``deadline`` (an ``extend()``), perhaps earlier."""
+        if deadline < self._wake_at:
+            self._wake_at = deadline
+            if self._sleep is not None:
+                self._sleep.deadline = deadline
+
     def unwatch(self, body: BodyScope) -> None:
         self._bodies.discard(body)
 

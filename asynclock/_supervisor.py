@@ -62,8 +62,10 @@ class Supervisor:
             self._leases = {lease for lease in self._leases if lease.held}
             batch = self._due(anyio.current_time())
             if not batch:
+                # A lease being extended is looked at again when the extend ends (add()).
                 self._next_look = min(
-                    (lease.next_renewal for lease in self._leases), default=math.inf
+                    (lease.next_renewal for lease in self._leases if not lease.busy),
+                    default=math.inf,
                 )
                 with anyio.move_on_at(self._next_look) as self._sleep:
                     await anyio.sleep_forever()
@@ -73,16 +75,27 @@ class Supervisor:
             await self._renew(batch)
 
     def _due(self, now: float) -> list[Lease]:
-        due = [lease for lease in self._leases if lease.next_renewal <= now]
+        due = [lease for lease in self._leases if lease.next_renewal <= now and not lease.busy]
         if not due:
             return []
         return [
             lease
             for lease in self._leases
-            if RENEWAL.joins_batch(lease.next_renewal, lease.ttl, now) and not lease.lost
+            if RENEWAL.joins_batch(lease.next_renewal, lease.ttl, now)
+            and not lease.lost
+            and not lease.busy  # an extend() in flight renews it
         ]
 
     async def _renew(self, batch: Sequence[Lease]) -> None:
+        for lease in batch:
+            lease.busy = True
+        try:
+            await self._renew_batch(batch)
+        finally:
+            for lease in batch:
+                lease._set_idle()
+
+    async def _renew_batch(self, batch: Sequence[Lease]) -> None:
         outcomes: Sequence[RenewOutcome] | None = None
         self.renew_calls += 1
         started = anyio.current_time()

@@ -78,9 +78,10 @@ class Capabilities:
 Kind = Literal["lock", "semaphore", "election"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False, slots=True)
 class LockRequest:
-    """One acquisition, as the core hands it to a backend.
+    """One acquisition, as the core hands it to a backend. Read-only by convention: not frozen,
+    since a frozen dataclass's ``__init__`` costs twice as much, on every acquire.
 
     The core only sends ``shared``, ``kind="semaphore"`` and ``kind="election"`` to backends whose
     :class:`Capabilities` say they can; a backend may still refuse what it cannot do with
@@ -126,6 +127,8 @@ class Grant:
     token: int | None
     valid_from: float
     ttl: float
+    #: The request's kind (``LockRequest.kind``): the namespace the hold lives in.
+    space: Kind = field(default="lock", kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)

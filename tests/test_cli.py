@@ -138,7 +138,7 @@ def test_status_shows_the_holder_and_its_token(tmp_path: Path) -> None:
     job, other = result.stdout.splitlines()
     assert job.startswith("job: held by ")
     assert "token 1" in job
-    assert other == "other: free"
+    assert other in ("other: free", "other: free, 0 waiting")
 
 
 # A command with a child of its own; it writes "its pid, its child's pid" once both run.
@@ -363,3 +363,40 @@ def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
     assert f"command not found: {script}" in stderr
     assert "ran" not in stdout
     assert_lock_free(tmp_path)
+
+
+def test_status_lines_show_readers_permits_and_the_leader() -> None:
+    from asynclock import HolderInfo, LockInfo
+    from asynclock._cli._status import describe
+
+    readers = LockInfo(
+        "catalog",
+        held=True,
+        owner="a1",
+        token=4,
+        waiters=1,
+        holders=(HolderInfo("a1", 4, 9.5, True), HolderInfo("b2", 5, 9.9, True)),
+    )
+    assert describe("catalog", readers).splitlines() == [
+        "catalog: 2 shared holds, 1 waiting",
+        "  a1, token 4, expires in 9.5 s, shared",
+        "  b2, token 5, expires in 9.9 s, shared",
+    ]
+    permits = LockInfo(
+        "renderers",
+        held=True,
+        kind="semaphore",
+        permits=3,
+        waiters=0,
+        holders=(HolderInfo("c3", 7, 2.0),),
+    )
+    assert describe("renderers", permits).splitlines() == [
+        "renderers (3 permits): 1 in use, 0 waiting",
+        "  c3, token 7, expires in 2.0 s",
+    ]
+    leader = LockInfo(
+        "scheduler", held=True, kind="election", owner="d4", token=9, value=b"host-a:80"
+    )
+    assert describe("scheduler", leader) == "scheduler: led by 'host-a:80' by d4, token 9"
+    idle = LockInfo("renderers", held=False, kind="semaphore", waiters=0)
+    assert describe("renderers", idle) == "renderers: free, 0 waiting"

@@ -404,6 +404,10 @@ def test_require_refuses_a_backend_without_the_capability() -> None:
         asynclock.connect("memory://x", require=["quorum"])
     with pytest.raises(asynclock.InvalidArgument, match="unknown capabilities"):
         asynclock.connect("memory://x", require=["magic"])
+    # The primitives are capabilities too.
+    asynclock.connect("memory://x", require=["shared_locks", "semaphores", "elections"])
+    with pytest.raises(asynclock.UnsupportedFeature, match="semaphores"):
+        asynclock.connect("redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", require=["semaphores"])
 
 
 async def test_a_margin_that_leaves_no_room_to_renew_is_refused() -> None:

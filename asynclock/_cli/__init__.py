@@ -5,7 +5,8 @@
 command runs, and when the lease is lost it terminates the command's whole process group
 (etcdctl lets the command run on after its lease is gone).
 
-``asynclock status NAME... [--url URL]`` prints who holds each lock, with which token, how long
+``asynclock status NAME... [--url URL] [--kind lock|semaphore|election]`` prints who holds each
+lock (every reader, every permit, the leader's value), with which token, how long
 until its lease would expire and how many wait, as far as the backend can tell.
 
 ``asynclock demo`` starts several worker *processes* that contend for one lock on the embedded
@@ -86,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
     status_ = commands.add_parser("status", help="who holds a lock, its token, who waits")
     status_.add_argument("names", nargs="+", metavar="NAME")
     status_.add_argument("--url", default=url)
+    status_.add_argument(
+        "--kind",
+        choices=("lock", "semaphore", "election"),
+        default="lock",
+        help="what NAME is: a lock (with its readers), a semaphore, an election",
+    )
     demo_ = commands.add_parser("demo", help="processes contending for one lock, with tokens")
     demo_.add_argument("--url", help="lock URL (default: a temporary SQLite file)")
     demo_.add_argument("--workers", type=int, default=2)
@@ -128,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_locked, args.url, args.name, args.ttl, args.timeout, args.grace, command
             )
         if args.command == "status":
-            return anyio.run(status, args.url, args.names)
+            return anyio.run(status, args.url, args.names, args.kind)
         if args.command == "demo":
             return demo(args.url, args.workers, args.rounds, args.hold)
         demo_worker(args.url, args.worker, args.rounds, args.hold)

@@ -4,6 +4,8 @@
 from .redis._lane import Lane, Undo
 from .redis._resp import pack
 from .redis._scripts import (
+    HOLDS_TAG,
+    KIND_SPACE,
     LOCK_TAG,
     QUEUE_TAG,
     QUEUE_TTL_TAG,
@@ -12,6 +14,8 @@ from .redis._scripts import (
     WAITERS_TTL_KEY,
     WAKE_TAG,
     Script,
+    fair_keys,
+    holds_key,
     lock_key,
     queue_key,
     queue_ttl_key,
@@ -22,6 +26,8 @@ from .redis._settings import ERRORS, Settings
 
 __all__ = (
     "ERRORS",
+    "HOLDS_TAG",
+    "KIND_SPACE",
     "LOCK_TAG",
     "QUEUE_TAG",
     "QUEUE_TTL_TAG",
@@ -33,6 +39,8 @@ __all__ = (
     "Script",
     "Settings",
     "Undo",
+    "fair_keys",
+    "holds_key",
     "lock_key",
     "pack",
     "queue_key",

@@ -24,6 +24,7 @@ from ._kit import (
     BackendUnavailable,
     Capabilities,
     Grant,
+    HolderInfo,
     InvalidURL,
     Kind,
     LockInfo,
@@ -36,6 +37,7 @@ from ._kit import (
     WaiterRegistry,
     checkpoint,
     now,
+    permits_mismatch,
     redact,
     split_userinfo,
 )
@@ -48,42 +50,113 @@ class _Holder:
     owner: str
     expires_at: float
     on_lost: Callable[[str], None]
+    token: int = 0
+    shared: bool = False
+    value: bytes = b""
 
 
 @dataclass(slots=True)
 class _Lock:
+    """One name of one kind: its exclusive holder, or its shared holders (readers, a
+    semaphore's permits), its queue and its token counter."""
+
     holder: _Holder | None = None
+    #: Shared holds (readers) or a semaphore's permits, by owner id.
+    holders: dict[str, _Holder] = field(default_factory=dict)
     #: The waiters' owner ids in the order they came, each with the event that wakes it.
-    #: Only the first is ever woken, so a hand-over costs the same however many wait (one
-    #: event for all woke every waiter at every release: 1,000 waiters, 1,000 wake-ups each).
+    #: Only the first is ever woken, and only the first may take: a waiter that takes wakes
+    #: the next, so readers (and permits) behind each other pass in a chain, and a hand-over
+    #: costs the same however many wait (one event for all woke every waiter at every release:
+    #: 1,000 waiters, 1,000 wake-ups each).
     waiters: OrderedDict[str, anyio.Event] = field(default_factory=OrderedDict)
     counter: int = 0
+    #: A semaphore's size, while anyone holds or waits for it.
+    permits: int = 0
+    #: Set (and replaced) on every change of holders: what wait_for_change waits on.
+    changed: anyio.Event | None = None
 
     def free(self, now: float) -> bool:
-        return self.holder is None or self.holder.expires_at <= now
+        holder = self.holder
+        if holder is not None and holder.expires_at > now:
+            return False
+        return not self.holders or not self.live(now)
+
+    def live(self, now: float) -> list[_Holder]:
+        """The shared holds (or permits) still held: expired ones are dropped."""
+        holders = self.holders
+        if not holders:
+            return []
+        expired = [owner for owner, held in holders.items() if held.expires_at <= now]
+        for owner in expired:
+            del holders[owner]
+        return list(holders.values())
+
+    def can_take(self, request: LockRequest, now: float) -> bool:
+        if request.kind == "semaphore":
+            return len(self.live(now)) < request.permits
+        exclusive_free = self.holder is None or self.holder.expires_at <= now
+        if request.shared:
+            return exclusive_free
+        return exclusive_free and not self.live(now)
+
+    def expiry(self) -> float:
+        """When the first waiter must look again without a wake-up: a blocking hold expires."""
+        times = [held.expires_at for held in self.holders.values()]
+        if self.holder is not None:
+            times.append(self.holder.expires_at)
+        return min(times, default=math.inf)
 
     def first(self) -> str | None:
         return next(iter(self.waiters), None)
 
     def notify(self) -> None:
-        """Wake the first waiter: the holder changed, or the first waiter did."""
+        """Wake the first waiter: the holders changed, or the first waiter did."""
         first = self.first()
         if first is not None:
             self.waiters[first].set()
+        if self.changed is not None:
+            self.notify_watchers()
+
+    def notify_watchers(self) -> None:
+        """Wake the observers waiting for a change of holders."""
+        if self.changed is not None:
+            self.changed.set()
+            self.changed = None
+
+    def find(self, owner: str) -> _Holder | None:
+        holder = self.holder
+        if holder is not None and holder.owner == owner:
+            return holder
+        return self.holders.get(owner)
+
+    def drop(self, owner: str) -> bool:
+        if self.holder is not None and self.holder.owner == owner:
+            self.holder = None
+            return True
+        return self.holders.pop(owner, None) is not None
+
+    def all_holds(self, now: float) -> list[_Holder]:
+        holds = self.live(now)
+        if self.holder is not None and self.holder.expires_at > now:
+            holds.append(self.holder)
+        return sorted(holds, key=lambda held: held.token)
 
 
 class _Store:
     """The "server": the locks of one namespace, shared by every client in the process."""
 
     def __init__(self) -> None:
-        self.locks: dict[str, _Lock] = {}
+        #: Each kind is a namespace of its own: the lock "a" and the semaphore "a" are unrelated.
+        self.spaces: dict[Kind, dict[str, _Lock]] = {"lock": {}, "semaphore": {}, "election": {}}
+        self.locks = self.spaces["lock"]
         #: Deadlock detection's records: key -> (value, expires at).
         self.waiters: dict[str, tuple[str, float]] = {}
 
-    def get(self, name: str) -> _Lock:
-        lock = self.locks.get(name)
+    def get(self, name: str, kind: Kind = "lock") -> _Lock:
+        space = self.locks if kind == "lock" else self.spaces[kind]
+        lock = space.get(name)
         if lock is None:
-            lock = self.locks[name] = _Lock()
+            lock = space[name] = _Lock()
         return lock
 
 
@@ -128,7 +201,15 @@ class MemoryBackend(Backend[Grant]):
     # No round trip to outlast: only the margin.
     min_ttl = 0.01
     capabilities = Capabilities(
-        fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=False
+        fencing=True,
+        fifo=True,
+        loss_detection=True,
+        quorum=False,
+        cross_process=False,
+        shared_locks=True,
+        semaphores=True,
+        elections=True,
+        ttl_change=True,
     )
 
     def __init__(self, namespace: str) -> None:
@@ -167,50 +248,101 @@ class MemoryBackend(Backend[Grant]):
 
     # -- test hooks: the server's side -------------------------------------------------------
 
-    def expire(self, name: str, *, notify: bool = False) -> None:
-        """Drop the lock on the "server", as a ttl expiry or an operator's delete would.
+    def expire(self, name: str, *, notify: bool = False, kind: Kind = "lock") -> None:
+        """Drop every hold of ``name`` on the "server", as a ttl expiry or an operator's delete
+        would.
 
-        With ``notify=True`` the holder is told at once (a backend with push notification, like
-        a ZooKeeper session event); otherwise it finds out on its next renewal.
+        With ``notify=True`` the holders are told at once (a backend with push notification,
+        like a ZooKeeper session event); otherwise they find out on their next renewal.
         """
-        lock = self._store.get(name)
-        holder, lock.holder = lock.holder, None
+        lock = self._store.get(name, kind)
+        holds = [*lock.holders.values(), *([lock.holder] if lock.holder else [])]
+        lock.holder = None
+        lock.holders.clear()
         lock.notify()
-        if notify and holder is not None:
-            holder.on_lost("the lock was removed on the server")
+        if notify:
+            for held in holds:
+                held.on_lost("the lock was removed on the server")
 
-    def holder(self, name: str) -> str | None:
-        """The owner id holding ``name`` now, if any."""
-        lock = self._store.get(name)
-        if lock.free(anyio.current_time()):
-            return None
-        assert lock.holder is not None
-        return lock.holder.owner
+    def holder(self, name: str, kind: Kind = "lock") -> str | None:
+        """The owner id holding ``name`` now (the lowest token's, if several), if any."""
+        holds = self._store.get(name, kind).all_holds(anyio.current_time())
+        return holds[0].owner if holds else None
 
-    def waiting(self, name: str) -> int:
-        return len(self._store.get(name).waiters)
+    def waiting(self, name: str, kind: Kind = "lock") -> int:
+        return len(self._store.get(name, kind).waiters)
+
+    def leftovers(self) -> list[str]:
+        """Every ``kind:name`` still held (for tests: empty when every client released)."""
+        at = anyio.current_time()
+        return sorted(
+            f"{kind}:{name}"
+            for kind, space in self._store.spaces.items()
+            for name, lock in space.items()
+            if lock.all_holds(at) or lock.waiters
+        )
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         await anyio.lowlevel.checkpoint()
-        lock = self._store.get(name)
-        now = anyio.current_time()
-        if lock.free(now) or lock.holder is None:
-            return LockInfo(name, held=False, waiters=len(lock.waiters))
+        lock = self._store.get(name, kind)
+        at = anyio.current_time()
+        holds = lock.all_holds(at)
+        waiting = len(lock.waiters)
+        permits = lock.permits if kind == "semaphore" and (holds or waiting) else None
+        if not holds:
+            return LockInfo(name, held=False, waiters=waiting, kind=kind, permits=permits)
+        first = holds[0]
         return LockInfo(
             name,
             held=True,
-            owner=lock.holder.owner,
-            token=lock.counter,
-            expires_in=lock.holder.expires_at - now,
-            waiters=len(lock.waiters),
+            owner=first.owner,
+            token=first.token,
+            expires_in=first.expires_at - at,
+            waiters=waiting,
+            kind=kind,
+            holders=tuple(
+                HolderInfo(held.owner, held.token, held.expires_at - at, held.shared, held.value)
+                for held in holds
+            ),
+            permits=permits,
+            value=first.value if kind == "election" else None,
         )
+
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        lock = self._store.get(name, kind)
+        if lock.changed is None:
+            lock.changed = anyio.Event()
+        changed = lock.changed  # registered before the look: no change slips between
+        now_info = await self.inspect(name, kind)
+        if (now_info.owner, now_info.token) != (seen.owner, seen.token):
+            return
+        # An expiry sets no event: look again when the first hold would expire.
+        with anyio.move_on_at(min(anyio.current_time() + timeout, lock.expiry())):
+            await changed.wait()
 
     # -- the contract ------------------------------------------------------------------------
 
     def _take(self, lock: _Lock, request: LockRequest, sent_at: float) -> Grant:
         lock.counter += 1
-        lock.holder = _Holder(request.owner, sent_at + request.ttl, request.on_lost)
-        return Grant(request.name, request.owner, lock.counter, sent_at, request.ttl)
+        token = lock.counter
+        owner = request.owner
+        kind = request.kind
+        if kind == "lock" and not request.shared:
+            # The common case first, as it was before the other kinds existed.
+            lock.holder = _Holder(owner, sent_at + request.ttl, request.on_lost, token)
+            if lock.changed is not None:
+                lock.notify_watchers()
+            return Grant(request.name, owner, token, sent_at, request.ttl)
+        if kind == "election":
+            lock.holder = _Holder(
+                owner, sent_at + request.ttl, request.on_lost, token, value=request.value
+            )
+        else:  # a reader or a permit
+            lock.holders[owner] = _Holder(
+                owner, sent_at + request.ttl, request.on_lost, token, request.shared
+            )
+        lock.notify_watchers()
+        return Grant(request.name, owner, token, sent_at, request.ttl, space=kind)
 
     def _server(self) -> Awaitable[None]:
         """Where a call meets the "server": a checkpoint, or a wait while it is paused (a
@@ -225,19 +357,35 @@ class MemoryBackend(Backend[Grant]):
         while self.faults.paused:  # noqa: ASYNC110 (a test fault, set from outside)
             await anyio.sleep(0.005)
 
+    def _lock_for(self, request: LockRequest, at: float) -> _Lock:
+        kind = request.kind
+        if kind == "lock":
+            return self._store.get(request.name)
+        lock = self._store.get(request.name, kind)
+        if kind == "semaphore":
+            if lock.permits != request.permits and (lock.live(at) or lock.waiters):
+                raise permits_mismatch(request.name, lock.permits, request.permits)
+            lock.permits = request.permits
+        return lock
+
     async def try_acquire(self, request: LockRequest) -> Grant | None:
         await self._server()
-        lock = self._store.get(request.name)
         at = now()
-        if lock.free(at) and not lock.waiters:
+        lock = self._lock_for(request, at)
+        if not lock.waiters and lock.can_take(request, at):
             return self._take(lock, request, at)
         return None
 
     async def acquire(self, request: LockRequest) -> Grant:
         await self._server()
-        lock = self._store.get(request.name)
         at = now()
-        if lock.free(at) and not lock.waiters:
+        if request.kind == "lock" and not request.shared:
+            lock = self._store.get(request.name)
+            free = lock.free(at)  # the common case, without can_take's questions
+        else:
+            lock = self._lock_for(request, at)
+            free = lock.can_take(request, at)
+        if free and not lock.waiters:
             # Nobody to queue behind: taken at once, without a place or an event.
             return self._take(lock, request, at)
         owner = request.owner
@@ -245,16 +393,17 @@ class MemoryBackend(Backend[Grant]):
         try:
             while True:
                 at = now()
-                if lock.free(at) and lock.first() == owner:
-                    del lock.waiters[owner]
-                    # The next one must look again: it waits for this holder's expiry now.
-                    lock.notify()
-                    return self._take(lock, request, at)
-                # Only the first waiter needs the holder's expiry: it is woken when it
-                # becomes the first.
+                # Only the first waiter may take, and only it needs the holders' expiry: it
+                # is woken when it becomes the first.
                 expiry = math.inf
-                if lock.holder is not None and lock.first() == owner:
-                    expiry = lock.holder.expires_at
+                if lock.first() == owner:
+                    if lock.can_take(request, at):
+                        del lock.waiters[owner]
+                        # The next one must look again: it may share with this holder (a
+                        # reader, a permit), or it waits for this holder's expiry now.
+                        lock.notify()
+                        return self._take(lock, request, at)
+                    expiry = lock.expiry()
                 with anyio.move_on_at(expiry):
                     await woken.wait()
                 if woken.is_set():
@@ -276,25 +425,31 @@ class MemoryBackend(Backend[Grant]):
                 await anyio.sleep_forever()
             case "lost":
                 return [Lost("injected: the server says the lock is gone")] * len(grants)
-        outcomes: list[RenewOutcome] = []
-        for grant in grants:
-            lock = self._store.get(grant.name)
-            holder = lock.holder
-            if holder is None or holder.owner != grant.owner:
-                outcomes.append(Lost("the lock is no longer held by this lease on the server"))
-            elif holder.expires_at <= sent_at:
-                outcomes.append(Lost("the lock expired on the server before it was renewed"))
-            else:
-                holder.expires_at = sent_at + grant.ttl
-                outcomes.append(Renewed(sent_at, grant.ttl))
-        return outcomes
+        return [self._renew_one(grant, sent_at, grant.ttl) for grant in grants]
+
+    def _renew_one(self, grant: Grant, sent_at: float, ttl: float) -> RenewOutcome:
+        holder = self._store.get(grant.name, grant.space).find(grant.owner)
+        if holder is None:
+            return Lost("the lock is no longer held by this lease on the server")
+        if holder.expires_at <= sent_at:
+            return Lost("the lock expired on the server before it was renewed")
+        holder.expires_at = sent_at + ttl
+        return Renewed(sent_at, ttl)
+
+    async def extend(self, grant: Grant, ttl: float) -> RenewOutcome:
+        # Not subject to Faults.renew: that fault stands for the background renewal failing,
+        # which is what an extend() is for.
+        sent_at = anyio.current_time()
+        await self._server()
+        return self._renew_one(grant, sent_at, ttl)
 
     async def release(self, grant: Grant) -> None:
         # No checkpoint unless paused: releasing never waits for anyone (as anyio.Lock's
         # release), and a cancellation has nothing to interrupt.
         if self.faults.paused:
             await self._server()
-        lock = self._store.get(grant.name)
-        if lock.holder is not None and lock.holder.owner == grant.owner:
-            lock.holder = None
+        space = grant.space
+        store = self._store
+        lock = (store.locks if space == "lock" else store.spaces[space]).get(grant.name)
+        if lock is not None and lock.drop(grant.owner):
             lock.notify()

@@ -31,9 +31,8 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -41,6 +40,10 @@ import anyio.abc
 
 from .._errors import UnsupportedFeature
 from ..fencing import PostgresGuard, RedisGuard
+from ._safety_checks import check_lock, check_permits
+from ._safety_config import SafetyConfig as SafetyConfig
+from ._safety_config import SafetyReport as SafetyReport
+from ._safety_permits import permit_log, prepare_permits
 
 _PG_TABLES = """
 CREATE TABLE IF NOT EXISTS asynclock_safety_counter (run text PRIMARY KEY, value bigint NOT NULL);
@@ -214,88 +217,10 @@ async def _resource_log(spec: str) -> list[tuple[int | None, int]]:
     return log
 
 
-@dataclass(frozen=True)
-class SafetyConfig:
-    """One safety run. ``url`` is the lock backend, ``resource`` the shared resource's URL."""
-
-    url: str
-    resource: str
-    workers: int = 4
-    duration: float = 8.0
-    ttl: float = 1.0
-    fencing: bool = True
-    #: Chance that a hold is paused between its read and its write, and how.
-    pause_probability: float = 0.15
-    pause_kind: Literal["stop", "block"] = "stop"
-    #: How long a pause lasts; default 1.5 x ttl, long enough for the lease to expire.
-    pause: float | None = None
-    hold: float = 0.005
-    #: False: leases are only flagged when lost (``on_lost="flag"``), so the guard alone stands
-    #: between a stale holder and the resource.
-    cancel_on_loss: bool = True
-    #: Server faults: (seconds after the start, function) pairs, run in order in a thread.
-    nemesis: Sequence[tuple[float, Callable[[], object]]] = ()
-    lock: str = "safety"
-    seed: int = 1
-
-
-@dataclass
-class SafetyReport:
-    """What a run did and what its checks found."""
-
-    config: SafetyConfig
-    holds: int = 0
-    lost_leases: int = 0
-    pauses: int = 0
-    writes_accepted: int = 0
-    writes_refused: int = 0
-    final_value: int = 0
-    lost_updates: int = 0
-    stale_writes_accepted: int = 0
-    #: Holds that overlapped a hold of another worker (either side of an overlap).
-    overlapping_holds: int = 0
-    #: Holds during which another worker acquired the lock: the stale holders.
-    overtaken_holds: int = 0
-    #: For each lost lease: seconds between the body's cancellation and the earliest server-side
-    #: expiry (positive: cancelled in time; negative: the process was paused past it).
-    cancel_margins: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    @property
-    def safe(self) -> bool:
-        """No lost update and no stale write accepted."""
-        return self.lost_updates == 0 and self.stale_writes_accepted == 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.config.url.split("://")[0],
-            "resource": self.config.resource.split("://")[0],
-            "fencing": self.config.fencing,
-            "cancel_on_loss": self.config.cancel_on_loss,
-            "pause_kind": self.config.pause_kind,
-            "workers": self.config.workers,
-            "duration": self.config.duration,
-            "ttl": self.config.ttl,
-            "holds": self.holds,
-            "lost_leases": self.lost_leases,
-            "pauses": self.pauses,
-            "writes_accepted": self.writes_accepted,
-            "writes_refused": self.writes_refused,
-            "final_value": self.final_value,
-            "lost_updates": self.lost_updates,
-            "stale_writes_accepted": self.stale_writes_accepted,
-            "overlapping_holds": self.overlapping_holds,
-            "overtaken_holds": self.overtaken_holds,
-            "cancelled_before_expiry": sum(margin > 0 for margin in self.cancel_margins),
-            "cancelled_after_expiry": sum(margin <= 0 for margin in self.cancel_margins),
-            "safe": self.safe,
-        }
-
-
-def _fencing_capable(url: str) -> bool:
+def _capable(url: str, capability: str) -> bool:
     from .._registry import make_backend
 
-    return make_backend(url, {}).capabilities.fencing
+    return bool(getattr(make_backend(url, {}).capabilities, capability))
 
 
 def _process_stopped(pid: int) -> bool:
@@ -333,68 +258,20 @@ async def _run_nemesis(
         await anyio.to_thread.run_sync(fault)
 
 
-def _check(
-    report: SafetyReport, histories: list[list[dict[str, Any]]], log: list[tuple[int | None, int]]
-) -> None:
-    holds: list[tuple[int, float, float]] = []
-    for worker, events in enumerate(histories):
-        start: dict[str, Any] | None = None
-        end: float | None = None
-        for event in events:
-            op = event["op"]
-            if op == "acquire":
-                start, end = event, None
-                report.holds += 1
-            elif op == "write":
-                if event["ok"]:
-                    report.writes_accepted += 1
-                else:
-                    report.writes_refused += 1
-            elif op == "end":
-                end = event["t"]
-            elif op in ("release", "lost") and start is not None:
-                holds.append((worker, start["t"], end if end is not None else event["t"]))
-                if op == "lost":
-                    report.lost_leases += 1
-                    report.cancel_margins.append(start["expires"] - (end or event["t"]))
-                start = None
-            elif op == "error":
-                report.errors.append(event["reason"])
-    holds.sort(key=lambda hold: hold[1])
-    overlapping: set[int] = set()
-    overtaken: set[int] = set()
-    for index, (worker, _, end_t) in enumerate(holds):
-        for later in range(index + 1, len(holds)):
-            other_worker, other_start, _ = holds[later]
-            if other_start >= end_t:
-                break
-            if other_worker != worker:
-                overlapping.update((index, later))
-                overtaken.add(index)
-    report.overlapping_holds = len(overlapping)
-    report.overtaken_holds = len(overtaken)
-    report.final_value = log[-1][1] if log else 0
-    report.lost_updates = len(log) - report.final_value
-    highest: int | None = None
-    for token, _ in log:
-        if token is None:
-            continue
-        if highest is not None and token < highest:
-            report.stale_writes_accepted += 1
-        highest = token if highest is None else max(highest, token)
-
-
 async def run_safety(config: SafetyConfig) -> SafetyReport:
     """Run ``config`` and check its history; bounded by ``config.duration`` plus a grace period."""
-    if config.fencing and not _fencing_capable(config.url):
-        raise UnsupportedFeature(
-            f"{config.url.split('://')[0]}:// issues no fencing tokens; run it with fencing=False"
-        )
+    scheme = config.url.split("://")[0]
+    if config.fencing and not _capable(config.url, "fencing"):
+        raise UnsupportedFeature(f"{scheme}:// issues no fencing tokens; run it with fencing=False")
+    needed = {"semaphore": "semaphores", "election": "elections"}.get(config.primitive)
+    if needed is not None and not _capable(config.url, needed):
+        raise UnsupportedFeature(f"{scheme}:// has no {needed}")
     report = SafetyReport(config)
     run = uuid.uuid4().hex[:12]
     resource = f"{config.resource}#{run}"
     pause = config.pause if config.pause is not None else config.ttl * 1.5
-    await _prepare(resource)
+    semaphore = config.primitive == "semaphore"
+    await (prepare_permits(resource, config.permits) if semaphore else _prepare(resource))
     with tempfile.TemporaryDirectory(prefix="asynclock-safety-") as directory:
         histories = [Path(directory, f"worker-{index}.jsonl") for index in range(config.workers)]
         processes: list[anyio.abc.Process] = []
@@ -409,6 +286,7 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
                     "--pause-probability", str(config.pause_probability),
                     "--pause-kind", config.pause_kind, "--pause", str(pause),
                     "--seed", str(config.seed * 1000 + index),
+                    "--primitive", config.primitive, "--permits", str(config.permits),
                 ]  # fmt: skip
                 if config.fencing:
                     command.append("--fencing")
@@ -445,5 +323,8 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
             else []
             for path in histories
         ]
-    _check(report, events, await _resource_log(resource))
+    if semaphore:
+        check_permits(report, events, await permit_log(resource))
+    else:
+        check_lock(report, events, await _resource_log(resource))
     return report

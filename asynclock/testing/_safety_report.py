@@ -49,14 +49,34 @@ _COLUMNS = (
 )
 
 
-def _row(report: SafetyReport) -> str:
+#: The table of the semaphore and election runs.
+_PRIMITIVE_COLUMNS = (
+    ("backend", "lock"),
+    ("primitive", "primitive"),
+    ("permits", "permits"),
+    ("fencing", "fencing"),
+    ("pause_kind", "pause"),
+    ("holds", "holds"),
+    ("lost_leases", "leases lost"),
+    ("most_holds_at_once", "most holds at once"),
+    ("most_writers_at_once", "most writers at once (resource)"),
+    ("writes_accepted", "holds' writes accepted"),
+    ("writes_refused", "refused (stale)"),
+    ("lost_updates", "lost updates"),
+    ("stale_writes_accepted", "stale writes accepted"),
+    ("token_errors", "token errors"),
+    ("safe", "safe"),
+)
+
+
+def _row(report: SafetyReport, columns: tuple[tuple[str, str], ...] = _COLUMNS) -> str:
     data = report.as_dict()
     cells = []
-    for key, _ in _COLUMNS:
+    for key, _ in columns:
         value = data[key]
         if isinstance(value, bool):
             value = "yes" if value else "**no**"
-        cells.append(str(value))
+        cells.append("-" if value is None else str(value))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -79,7 +99,34 @@ def _servers() -> Iterator[dict[str, object]]:
         yield found
 
 
-async def _run(profile: str, out: str | None) -> int:
+def _capabilities(url: str) -> tuple[bool, bool]:
+    from .._registry import make_backend
+
+    capabilities = make_backend(url, {}).capabilities
+    return capabilities.semaphores, capabilities.elections
+
+
+def make_fencing(url: str) -> bool:
+    from .._registry import make_backend
+
+    return make_backend(url, {}).capabilities.fencing
+
+
+def _primitive_runs(base: SafetyConfig, resource: str) -> list[SafetyConfig]:
+    """Semaphore (2 permits, 5 workers) and election runs, fenced and not, where the backend
+    has them. A semaphore's resource is always PostgreSQL (its permit guard)."""
+    semaphores, elections = _capabilities(base.url)
+    fenced = [True, False] if make_fencing(base.url) else [False]
+    runs = []
+    if semaphores:
+        sem = replace(base, primitive="semaphore", permits=2, workers=5, resource=resource)
+        runs += [replace(sem, fencing=fencing) for fencing in fenced]
+    if elections:
+        runs += [replace(base, primitive="election", fencing=fencing) for fencing in fenced]
+    return runs
+
+
+async def _run(profile: str, out: str | None, primitives: bool = False) -> int:
     seconds = _PROFILES[profile]
     rows: list[str] = []
     unsafe_with_fencing = 0
@@ -120,19 +167,24 @@ async def _run(profile: str, out: str | None) -> int:
                 replace(base, resource=redis.url, pause_kind="block"),
                 replace(base, cancel_on_loss=True),
             ]  # fmt: skip
-            for config in [*fencing_runs, replace(base, fencing=False)]:
+            runs = [*fencing_runs, replace(base, fencing=False)]
+            if primitives:
+                runs = _primitive_runs(base, postgres.url)
+            for config in runs:
                 started = time.monotonic()
                 report = await run_safety(config)
-                rows.append(_row(report))
+                rows.append(_row(report, _PRIMITIVE_COLUMNS if primitives else _COLUMNS))
                 print(rows[-1], f"({time.monotonic() - started:.0f} s)", flush=True)
                 if config.fencing and not report.safe:
                     unsafe_with_fencing += 1
-    header = "| " + " | ".join(title for _, title in _COLUMNS) + " |"
-    rule = "|" + "---|" * len(_COLUMNS)
+    columns = _PRIMITIVE_COLUMNS if primitives else _COLUMNS
+    header = "| " + " | ".join(title for _, title in columns) + " |"
+    rule = "|" + "---|" * len(columns)
     text = "\n".join(
         [
-            f"Profile `{profile}`: 4 worker processes per run, a hold paused with probability "
-            f"0.25 for 1.5 x ttl between its read and its write; {platform.platform()}, "
+            f"Profile `{profile}`: 4 worker processes per run (semaphores: 5, sharing 2 "
+            "permits), a hold paused with probability 0.25 for 1.5 x ttl between its read and "
+            f"its write (semaphores: its enter and its exit); {platform.platform()}, "
             f"Python {platform.python_version()}, measured {time.strftime('%Y-%m-%d')}.",
             "",
             header,
@@ -151,8 +203,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--profile", choices=sorted(_PROFILES), default="short")
     parser.add_argument("--out", help="write the Markdown table here")
+    parser.add_argument(
+        "--primitives",
+        action="store_true",
+        help="the semaphore and election runs instead of the lock runs",
+    )
     args = parser.parse_args()
-    sys.exit(anyio.run(_run, args.profile, args.out))
+    sys.exit(anyio.run(_run, args.profile, args.out, args.primitives))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ import anyio
 
 import asynclock
 from asynclock._errors import StaleToken
-from asynclock.testing._safety import Resource, open_resource
+from asynclock._scope import LockContext
+from asynclock.testing._safety import open_resource
+from asynclock.testing._safety_permits import open_permits
 
 
 class _History:
@@ -38,39 +40,65 @@ class _History:
         self._file.flush()
 
 
+def _held(locks: asynclock.LockClient, args: argparse.Namespace) -> LockContext:
+    on_lost: Literal["cancel", "flag"] = "cancel" if args.cancel_on_loss else "flag"
+    options = {"ttl": args.ttl, "timeout": args.acquire_timeout, "on_lost": on_lost}
+    if args.primitive == "semaphore":
+        return locks.semaphore(args.lock, permits=args.permits).lock(**options)
+    if args.primitive == "election":
+        return locks.election(args.lock).campaign(f"worker {os.getpid()}".encode(), **options)
+    return locks.lock(args.lock, **options)
+
+
+def _pause(args: argparse.Namespace) -> None:
+    # The fault lands after the last await before the write, where no check the client makes
+    # can help: the write is sent the moment the process runs again.
+    if random.random() < args.pause_probability:
+        if args.pause_kind == "stop":
+            # The GC-pause case: the whole process stops; the runner resumes it.
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            # An event loop blocked by synchronous work: no renewal runs either.
+            time.sleep(args.pause)  # the fault itself: a blocking call in async code
+
+
+async def _body(resource: Any, history: _History, args: argparse.Namespace, lease: Any) -> None:
+    known = lease.token if lease.token is not None and args.fencing_known else None
+    token = known if args.fencing else None
+    history.log("acquire", token=known, expires=lease.grant.valid_from + lease.ttl)
+    try:
+        if args.primitive == "semaphore":
+            # A permit: enter, work, (pause), exit; at most `permits` holders inside.
+            await resource.access("enter", token, known)
+            await anyio.sleep(args.hold)
+            _pause(args)
+            await resource.access("exit", token, known)
+            history.log("write", ok=True, token=known, value=None)
+        else:
+            value = await resource.read(token)
+            await anyio.sleep(args.hold)
+            _pause(args)
+            await resource.write(value + 1, token, known)
+            history.log("write", ok=True, token=known, value=value + 1)
+    except StaleToken as exc:
+        history.log("write", ok=False, token=exc.token, value=None)
+    finally:
+        # The hold ends here, as the body sees it (also when it is being cancelled); the
+        # release that follows is not part of it.
+        history.log("end")
+        if token is not None and args.primitive == "semaphore":
+            with anyio.CancelScope(shield=True):
+                await resource.leave(token)
+
+
 async def _hold_once(
     locks: asynclock.LockClient,
-    resource: Resource,
+    resource: Any,
     history: _History,
     args: argparse.Namespace,
 ) -> None:
-    on_lost: Literal["cancel", "flag"] = "cancel" if args.cancel_on_loss else "flag"
-    async with locks.lock(
-        args.lock, ttl=args.ttl, timeout=args.acquire_timeout, on_lost=on_lost
-    ) as lease:
-        known = lease.token if locks.capabilities.fencing else None
-        token = known if args.fencing else None
-        history.log("acquire", token=known, expires=lease.grant.valid_from + lease.ttl)
-        try:
-            value = await resource.read(token)
-            await anyio.sleep(args.hold)
-            # The fault lands after the last await before the write, where no check the client
-            # makes can help: the write is sent the moment the process runs again.
-            if random.random() < args.pause_probability:
-                if args.pause_kind == "stop":
-                    # The GC-pause case: the whole process stops; the runner resumes it.
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                else:
-                    # An event loop blocked by synchronous work: no renewal runs either.
-                    time.sleep(args.pause)  # noqa: ASYNC251 - the fault itself
-            await resource.write(value + 1, token, known)
-            history.log("write", ok=True, token=known, value=value + 1)
-        except StaleToken as exc:
-            history.log("write", ok=False, token=exc.token, value=None)
-        finally:
-            # The hold ends here, as the body sees it (also when it is being cancelled); the
-            # release that follows is not part of it.
-            history.log("end")
+    async with _held(locks, args) as lease:
+        await _body(resource, history, args, lease)
     if lease.lost:
         # on_lost="flag": the body ran to its end on a lost lease; record it as a loss.
         raise asynclock.LeaseLost(args.lock, lease.lost_reason or "lost")
@@ -80,7 +108,13 @@ async def _main(args: argparse.Namespace) -> None:
     deadline = time.monotonic() + args.duration
     with open(args.history, "a", encoding="utf-8") as file:  # noqa: ASYNC230 - tiny, local
         history = _History(file)
-        async with asynclock.connect(args.url) as locks, open_resource(args.resource) as resource:
+        opened = (
+            open_permits(args.resource, args.permits)
+            if args.primitive == "semaphore"
+            else open_resource(args.resource)
+        )
+        async with asynclock.connect(args.url) as locks, opened as resource:
+            args.fencing_known = locks.capabilities.fencing
             while time.monotonic() < deadline:
                 try:
                     await _hold_once(locks, resource, history, args)
@@ -111,6 +145,8 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cancel", dest="cancel_on_loss", action="store_false")
+    parser.add_argument("--primitive", choices=("lock", "semaphore", "election"), default="lock")
+    parser.add_argument("--permits", type=int, default=3)
     args = parser.parse_args()
     random.seed(args.seed)
     anyio.run(_main, args)

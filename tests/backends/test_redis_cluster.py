@@ -239,3 +239,39 @@ async def test_deadlock_records_share_one_slot(
         await registry.withdraw("a")
         await registry.withdraw("b")
         assert await registry.scan() == []
+
+
+async def test_kinds_route_by_slot_and_an_election_change_is_pushed_across_nodes(
+    redis_cluster_nodes: RedisClusterNodes, name: str
+) -> None:
+    """Every key of a name and kind is in one slot; the scripts' PUBLISH of an election's
+    change reaches a watcher subscribed on whichever node its wake channel is."""
+    prefix = f"kinds-{uuid.uuid4().hex[:6]}:"
+    for kind in ("lock", "semaphore", "election"):
+        keys = lua.fair_keys(prefix, name, kind)
+        assert len({key_slot(key.encode()) for key in keys}) == 1
+    async with (
+        connect(redis_cluster_nodes, prefix) as locks,
+        connect(redis_cluster_nodes, prefix) as watcher,
+    ):
+        backend = watcher._backend
+        assert isinstance(backend, RedisClusterBackend)
+        readers = [await locks.acquire(name, ttl=5, shared=True) for _ in range(2)]
+        permits = [await locks.semaphore(name, permits=2).acquire(ttl=5) for _ in range(2)]
+        info = await watcher.inspect(name)
+        assert [holder.shared for holder in info.holders] == [True, True]
+        assert (await watcher.semaphore(name, permits=2).inspect()).permits == 2
+        seen = await backend.inspect(name, "election")
+
+        async def campaign() -> None:
+            await anyio.sleep(0.2)
+            async with locks.election(name).campaign(b"leader", ttl=5, timeout=5):
+                await anyio.sleep(0.2)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(campaign)
+            started = anyio.current_time()
+            await backend.wait_for_change(name, "election", seen, 5)
+            assert anyio.current_time() - started < 1.0
+        for lease in (*readers, *permits):
+            await lease.release()

@@ -263,3 +263,38 @@ async def test_wait_replicas_refuses_a_take_no_replica_acknowledged(
         assert master.call("EXISTS", lua.lock_key(prefix, name)) == 0
         async with locks.lock(name, ttl=2.0):
             pass
+
+
+async def test_replicated_shared_holds_permits_and_terms_survive_the_masters_death(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    """The kinds of hold go through a failover as a lock does: the new master has their holds
+    sets, so they renew there, exclude the others, and the next holds' tokens are higher."""
+    async with connect(group, prefix) as locks, connect(group, prefix) as other:
+        reader = await locks.acquire(name, ttl=5.0, shared=True)
+        permit = await locks.semaphore(name, permits=1).acquire(ttl=5.0)
+        campaign = locks.election(name).campaign(b"old-master-era", ttl=5.0)
+        term = await campaign.__aenter__()
+        try:
+            for kind in ("lock", "semaphore", "election"):
+                await on_replica(group, lua.holds_key(prefix, name, kind))
+            old = group.kill_master()
+            try:
+                await anyio.to_thread.run_sync(group.wait_for_failover, old)
+                assert await other.try_acquire(name, ttl=1.0) is None  # the reader holds
+                assert await other.semaphore(name, permits=1).try_acquire(ttl=1.0) is None
+                leader = await other.election(name).leader()
+                assert leader is not None and leader.value == b"old-master-era"
+                await anyio.sleep(2.0)  # renewed on the new master meanwhile
+                assert reader.held and permit.held and term.held
+                tokens = (reader.token, permit.token, term.token)
+            finally:
+                await restore(group, old)
+        finally:
+            await campaign.__aexit__(None, None, None)
+        await reader.release()
+        await permit.release()
+        async with other.lock(name, ttl=1.0) as writer:
+            assert writer.token > tokens[0]
+        async with other.semaphore(name, permits=1).lock(ttl=1.0) as second:
+            assert second.token > tokens[1]

@@ -49,13 +49,9 @@ async def evalsha_calls(raw: redis.asyncio.Redis) -> int:
 @pytest.mark.parametrize("name", ["plain", "with}brace", "{tagged}", "a{b}c"])
 def test_every_key_of_a_name_is_in_one_cluster_slot(name: str) -> None:
     for prefix in ("asynclock:", "app{x}:"):
-        keys = [
-            lua.lock_key(prefix, name),
-            lua.token_key(prefix, name),
-            lua.queue_key(prefix, name),
-            lua.queue_ttl_key(prefix, name),
-        ]
-        assert len(set(keys)) == 4
+        keys = [key for kind in lua.KIND_SPACE for key in lua.fair_keys(prefix, name, kind)]
+        # Five keys per kind, none shared between kinds (each kind is a namespace).
+        assert len(set(keys)) == 5 * len(lua.KIND_SPACE)
         assert len({key_slot(key.encode()) for key in keys}) == 1, keys
 
 
@@ -137,7 +133,7 @@ async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections_i
                 connections = await connections_named(raw, client_name)
                 assert connections <= MAX_BUSY + 1
                 members = await raw.zrange(lua.queue_key(prefix, name), 0, -1)
-                queued = [member.decode().rsplit(" ", 1)[1] for member in members]
+                queued = [member.decode().split(" ")[4] for member in members]
                 await holder.release()
         assert await connections_named(raw, client_name) <= MAX_BUSY + 1
     assert len(order) == count

@@ -633,8 +633,10 @@ async def test_inspect_gives_the_holders_owner_secret_to_the_core_which_shows_it
             await lease.release()
         await admin.delete(f"{parent}/a-stranger-0000000000")
         # Readers before the first writer all hold the lock.
-        rw = ReadWriteLock(locks, "seen")
-        async with rw.read(ttl=5) as first, ReadWriteLock(other, "seen").read(ttl=5):
+        async with (
+            locks.lock("seen", ttl=5, shared=True) as first,
+            other.lock("seen", ttl=5, shared=True),
+        ):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(wait_then_release)
                 await wait_until_children(admin, parent, 3)
@@ -1066,7 +1068,7 @@ async def test_credentials_protect_lock_nodes_from_other_clients(
 # -- read-write locks ------------------------------------------------------------------------
 
 
-async def test_read_write_lock_shares_reads_and_does_not_starve_writers(
+async def test_shared_holds_share_reads_and_do_not_starve_writers(
     zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
 ) -> None:
     url = f"{zookeeper_server.url}{chroot}"
@@ -1075,42 +1077,42 @@ async def test_read_write_lock_shares_reads_and_does_not_starve_writers(
     tokens: dict[str, int] = {}
     readers_may_leave = anyio.Event()
     async with asynclock.connect(url) as a, asynclock.connect(url) as b:
-        rw_a, rw_b = ReadWriteLock(a, "rw"), ReadWriteLock(b, "rw")
 
-        async def read_until_told(rw: ReadWriteLock, label: str) -> None:
-            async with rw.read(ttl=5, timeout=2) as lease:
+        async def read_until_told(locks: asynclock.LockClient, label: str) -> None:
+            async with locks.lock("rw", ttl=5, timeout=2, shared=True) as lease:
                 tokens[label] = lease.token
                 events.append(f"{label} in")
                 await readers_may_leave.wait()
                 events.append(f"{label} out")
 
         async def write() -> None:
-            async with rw_b.write(ttl=5, timeout=10) as lease:
+            async with b.lock("rw", ttl=5, timeout=10) as lease:
                 tokens["writer"] = lease.token
                 events.append("writer in")
                 await anyio.sleep(0.1)
                 events.append("writer out")
 
         async def late_read() -> None:
-            async with rw_a.read(ttl=5, timeout=10) as lease:
+            async with a.lock("rw", ttl=5, timeout=10, shared=True) as lease:
                 tokens["late"] = lease.token
                 events.append("late reader in")
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(read_until_told, rw_a, "r1")
-            tg.start_soon(read_until_told, rw_b, "r2")
+            tg.start_soon(read_until_told, a, "r1")
+            tg.start_soon(read_until_told, b, "r2")
             await wait_until_children(admin, parent, 2)
             await until(lambda: len(events) == 2)
             assert sorted(events) == ["r1 in", "r2 in"]  # both readers inside at once
+            assert all("-read-" in child for child in await children(admin, parent))
             tg.start_soon(write)
             await wait_until_children(admin, parent, 3)
             tg.start_soon(late_read)
             await wait_until_children(admin, parent, 4)
             # A reader that comes after a waiting writer waits for the writer.
             with pytest.raises(asynclock.AcquireTimeout):
-                async with rw_b.read(ttl=5, timeout=0.2):
+                async with b.lock("rw", ttl=5, timeout=0.2, shared=True):
                     pytest.fail("a reader overtook a waiting writer")
-            # The plain lock is the write lock: excluded by readers too.
+            assert await b.try_acquire("rw", ttl=5, shared=True) is None
             assert await b.try_acquire("rw", ttl=5) is None
             assert "writer in" not in events
             readers_may_leave.set()
@@ -1120,10 +1122,29 @@ async def test_read_write_lock_shares_reads_and_does_not_starve_writers(
     assert max(tokens["r1"], tokens["r2"]) < tokens["writer"] < tokens["late"]
 
 
-async def test_read_write_lock_needs_the_zookeeper_backend() -> None:
+async def test_the_deprecated_read_write_lock_takes_the_same_holds(
+    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+) -> None:
+    async with asynclock.connect(f"{zookeeper_server.url}{chroot}") as locks:
+        with pytest.warns(DeprecationWarning, match=r"locks\.lock\(name, shared=True\)"):
+            rw = ReadWriteLock(locks, "rw")
+        async with rw.read(ttl=5) as reader:
+            assert reader.shared
+            assert await locks.try_acquire("rw", ttl=5) is None
+            again = await locks.try_acquire("rw", ttl=5, shared=True)
+            assert again is not None
+            await again.release()
+        async with rw.write(ttl=5) as writer:
+            assert not writer.shared and writer.token > reader.token
+            assert await locks.try_acquire("rw", ttl=5, shared=True) is None
+
+
+async def test_the_deprecated_read_write_lock_works_on_any_backend_with_shared_locks() -> None:
     async with asynclock.connect("memory://") as locks:
-        with pytest.raises(asynclock.UnsupportedFeature, match="zookeeper"):
-            ReadWriteLock(locks, "x")
+        with pytest.warns(DeprecationWarning, match="deprecated"):
+            rw = ReadWriteLock(locks, "x")
+        async with rw.read(ttl=5) as lease:
+            assert lease.shared
 
 
 def test_read_write_lock_is_still_importable_from_the_backend() -> None:

@@ -66,6 +66,9 @@ def etcd_backend(etcd_server: EtcdServer) -> BackendUnderTest:
             await kv.DeleteRange(rpc.DeleteRangeRequest(key=reply.kvs[0].key))
 
     async def leftovers() -> list[str]:
+        # Everything under the test's prefix: locks (and their shared holds), and the
+        # semaphores' and elections' keys, which live under "<prefix>!semaphore/" and
+        # "<prefix>!election/".
         base = prefix.encode()
         async with stubs(etcd_server) as (kv, leases):
             reply = await kv.Range(rpc.RangeRequest(key=base, range_end=_end(base), keys_only=True))

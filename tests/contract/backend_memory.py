@@ -21,7 +21,7 @@ def memory_backend() -> BackendUnderTest:
         server.expire(name)
 
     async def leftovers() -> list[str]:
-        return sorted(name for name in server._store.locks if server.holder(name) is not None)
+        return server.leftovers()
 
     @contextmanager
     def hang(client: asynclock.LockClient) -> Iterator[None]:

@@ -7,6 +7,7 @@ import asyncpg
 import pytest
 
 from asynclock.backends.postgres import lock_key
+from asynclock.backends.postgres._kinds import kind_key, permits_class, split
 from asynclock.testing import PostgresServer
 from tests.contract.harness import BackendUnderTest
 
@@ -14,6 +15,20 @@ from tests.contract.harness import BackendUnderTest
 HOLDERS_OF_KEY = """
 SELECT pid FROM pg_locks
 WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND classid = $1 AND objid = $2
+"""
+#: Every holder of the lock, the election and the semaphore (its permits lock) of a name.
+HOLDERS_OF_NAME = """
+SELECT DISTINCT pid FROM pg_locks
+WHERE locktype = 'advisory' AND granted AND (
+    (objsubid = 1 AND classid = $1 AND objid = $2)
+    OR (objsubid = 1 AND classid = $3 AND objid = $4)
+    OR (objsubid = 2 AND classid = $5::int::oid)
+)
+"""
+#: Rows of the holders' table (shared holds, permits, leaders) a client of this
+#: application_name left.
+HOLDER_ROWS = """
+SELECT held, pid FROM asynclock_holders WHERE application_name = $1
 """
 
 
@@ -24,12 +39,16 @@ def key_parts(name: str, schema: str = "public") -> tuple[int, int]:
 
 
 async def terminate_holder(dsn: str, name: str, schema: str = "public") -> list[int]:
-    """``pg_terminate_backend`` of every session holding lock ``name``; waits until they end."""
+    """``pg_terminate_backend`` of every session holding lock ``name`` (or the election or a
+    permit of the semaphore ``name``); waits until they end."""
     admin = await asyncpg.connect(dsn)
     try:
-        pids: list[int] = [
-            row[0] for row in await admin.fetch(HOLDERS_OF_KEY, *key_parts(name, schema))
-        ]
+        parts = (
+            *key_parts(name, schema),
+            *split(kind_key(name, "election", schema)),
+            permits_class(name, schema),
+        )
+        pids: list[int] = [row[0] for row in await admin.fetch(HOLDERS_OF_NAME, *parts)]
         for pid in pids:
             await admin.execute("SELECT pg_terminate_backend($1, 5000)", pid)
     finally:
@@ -38,9 +57,14 @@ async def terminate_holder(dsn: str, name: str, schema: str = "public") -> list[
 
 
 async def sessions_of(dsn: str, application_name: str) -> list[str]:
-    """The server sessions with this application_name and the advisory locks they hold."""
+    """The server sessions with this application_name and the advisory locks they hold, and
+    the holders' rows its clients left."""
     admin = await asyncpg.connect(dsn)
     try:
+        if await admin.fetchval("SELECT to_regclass('asynclock_holders')") is not None:
+            leaders = await admin.fetch(HOLDER_ROWS, application_name)
+        else:
+            leaders = []
         rows = await admin.fetch(
             """
             SELECT a.pid, a.state, count(l.pid) AS locks
@@ -53,7 +77,10 @@ async def sessions_of(dsn: str, application_name: str) -> list[str]:
         )
     finally:
         await admin.close()
-    return sorted(f"session {row[0]} ({row[1]}, {row[2]} advisory locks)" for row in rows)
+    return sorted(
+        [f"session {row[0]} ({row[1]}, {row[2]} advisory locks)" for row in rows]
+        + [f"the holders' row of key {row[0]} (session {row[1]})" for row in leaders]
+    )
 
 
 @pytest.fixture

@@ -12,14 +12,15 @@ from tests.contract.harness import BackendUnderTest
 
 
 async def redis_leftovers(server: RedisServer, prefix: str, client_name: str) -> list[str]:
-    """Keys under ``prefix`` (fencing counters excepted: they are meant to stay) and
-    connections named ``client_name`` still open on ``server``."""
-    token_prefix = f"{prefix}{lua.TOKEN_TAG}"
+    """Keys under ``prefix`` (fencing counters excepted, of every kind: locks, semaphores and
+    elections alike, they are meant to stay) and connections named ``client_name`` still open
+    on ``server``. So a semaphore's or an election's holds, queue and permits count here."""
+    token_prefixes = tuple(f"{prefix}{space}{lua.TOKEN_TAG}" for space in lua.KIND_SPACE.values())
     async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
         keys = [
             key.decode()
             async for key in raw.scan_iter(match=f"{prefix}*", count=1000)
-            if not key.decode().startswith(token_prefix)
+            if not key.decode().startswith(token_prefixes)
         ]
         # A client that just closed its sockets may still be listed for a moment.
         with anyio.move_on_after(2):

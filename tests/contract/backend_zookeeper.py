@@ -78,6 +78,8 @@ def zookeeper_backend(zookeeper_server: ZooKeeperServer) -> BackendUnderTest:
 
     async def leftovers() -> list[str]:
         async with zk_admin(address) as client:
+            # Every kind lives under the chroot: locks' parents, semaphores' (%semaphore-<name>)
+            # and elections' (%election-<name>), with their nodes.
             left = await znodes_under(client, chroot)
             # Runs once, at the end of the test: leave the server as we found it.
             await delete_tree(client, chroot)

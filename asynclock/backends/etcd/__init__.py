@@ -31,14 +31,23 @@ How a lock works here:
   connection broke or etcd had no leader, and at once when etcd elected a new leader since it
   was sent (after a leader kill, a forwarded write is otherwise never answered).
 
+Shared holds are keys of the same queue (``r<lease id>-<owner id>``) that wait only for older
+exclusive keys; semaphores and elections have key ranges of their own (see ``_names.py``).
+
 It talks to etcd through aetcd's generated gRPC stubs (``aetcd.rpc``) on a ``grpc.aio`` channel
 of its own: aetcd's ``Client`` has no TLS, no range limits or create-revision filters, no
 keepalive stream, and its watcher returns errors instead of raising them.
 
 The package, imported in one direction (each file only from those below it):
 
-* ``backend.py``: :class:`EtcdBackend`, the contract's calls;
-* ``_queue.py``: taking a lock, queueing for it, leaving the queue after a cancel;
+* ``backend.py``: :class:`EtcdBackend`, the contract's calls (and ``extend``: the key moves to
+  the client's lease of the new ttl);
+* ``_inspect.py``: ``inspect`` of every kind, and ``wait_for_change`` (elections' ``observe``)
+  through a watch on the client's stream;
+* ``_permits.py``: a semaphore's permits (keys granted in queue order, while fewer than N are
+  older);
+* ``_queue.py``: taking a lock (exclusive or shared) or an election's term, queueing for it,
+  leaving the queue after a cancel;
 * ``_watch.py``: a waiter's wait for its turn (watches, the lease kept alive meanwhile);
 * ``_hub.py``: the client's one watch stream, and the watch per lock name;
 * ``_keys.py``: deletes of lock keys, the keys whose delete failed, the client's keys in the
@@ -46,6 +55,7 @@ The package, imported in one direction (each file only from those below it):
 * ``_lease.py``: :class:`EtcdGrant`, the client's leases and their keepalive stream;
 * ``_wire.py``: the gRPC channel, deadlines, re-authentication, the resend logic;
 * ``_errors.py``: gRPC statuses into asynclock's errors (one translator);
+* ``_names.py``: where each kind's keys live, what a key's name and value say;
 * ``_proto.py``: request messages; ``_urls.py``: the URL and the settings.
 
 ``fenced_txn`` and ``fence_compare`` (they take a Lease) live in :mod:`asynclock.fencing`.

@@ -13,18 +13,47 @@ from .._kit import InvalidArgument
 __all__ = (
     "create_is",
     "delete_op",
+    "mod_below",
+    "move_op",
     "prefix_end",
     "put_op",
     "range_op",
     "to_compare",
     "to_request_op",
+    "values_within",
 )
 
 
-def put_op(key: bytes, owner: str, lease_id: int) -> Any:
-    return rpc.RequestOp(
-        request_put=rpc.PutRequest(key=key, value=owner.encode("ascii"), lease=lease_id)
+def put_op(key: bytes, value: bytes, lease_id: int) -> Any:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease_id))
+
+
+def move_op(key: bytes, lease_id: int) -> Any:
+    """Attach the existing ``key`` to another lease, keeping its value and create revision."""
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, lease=lease_id, ignore_value=True))
+
+
+def mod_below(key: bytes, revision: int, range_end: bytes = b"") -> Any:
+    """A comparison: no key up to ``range_end`` was created or changed at ``revision`` or
+    later (true for an empty range)."""
+    return rpc.Compare(
+        key=key,
+        range_end=range_end,
+        target=rpc.Compare.MOD,
+        result=rpc.Compare.LESS,
+        mod_revision=revision,
     )
+
+
+def values_within(key: bytes, low: bytes, high: bytes, range_end: bytes = b"") -> list[Any]:
+    """Comparisons: every key up to ``range_end`` has a value strictly between ``low`` and
+    ``high`` (false for an empty range)."""
+    return [
+        rpc.Compare(
+            key=key, range_end=range_end, target=rpc.Compare.VALUE, result=result, value=value
+        )
+        for result, value in ((rpc.Compare.GREATER, low), (rpc.Compare.LESS, high))
+    ]
 
 
 def range_op(key: bytes, range_end: bytes = b"", **fields: Any) -> Any:

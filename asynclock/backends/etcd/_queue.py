@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import anyio
 from aetcd import rpc
@@ -30,6 +29,16 @@ from ._errors import transient
 from ._hub import WatchHub
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
+from ._names import (
+    SHARED_MARK,
+    blockers,
+    is_shared,
+    lease_of,
+    name_of,
+    name_prefix,
+    permit_value,
+    writers,
+)
 from ._proto import create_is, delete_op, prefix_end, put_op, range_op
 from ._urls import bucket
 from ._watch import Place, TurnWait
@@ -49,6 +58,10 @@ class Attempt:
     bucket: int
     prefix: bytes
     end: bytes
+    #: The range of the keys this hold waits for when they are older (for a shared hold,
+    #: only the exclusive keys of the name; else every key of the name).
+    low: bytes
+    high: bytes
     lease: ClientLease | None = None
     #: Set just before the request that may create it is sent: from then on it may exist.
     key: bytes | None = None
@@ -61,7 +74,14 @@ class Attempt:
 
     def put(self) -> Any:
         assert self.key is not None and self.lease is not None
-        return put_op(self.key, self.request.owner, self.lease.id)
+        request = self.request
+        if request.kind == "election":
+            value = request.value
+        elif request.kind == "semaphore":
+            value = permit_value(request.permits, waiting=False)
+        else:
+            value = request.owner.encode("ascii")
+        return put_op(self.key, value, self.lease.id)
 
     def own(self) -> bytes:
         """Our key (placed)."""
@@ -69,10 +89,10 @@ class Attempt:
         return self.key
 
     def newest(self, limit: int, **fields: Any) -> Any:
-        """A read of the newest ``limit`` keys under the name (newest first)."""
+        """A read of the newest ``limit`` keys that this hold waits for (newest first)."""
         return range_op(
-            self.prefix,
-            self.end,
+            self.low,
+            self.high,
             sort_target=rpc.RangeRequest.CREATE,
             sort_order=rpc.RangeRequest.DESCEND,
             limit=limit,
@@ -97,24 +117,23 @@ class Queue:
     #: The key prefix of every lock (the ``prefix`` option, encoded).
     _prefix: bytes
 
-    def name_prefix(self, name: str) -> bytes:
-        # Percent-encoding with no safe characters is injective and never yields "/", so
-        # "<prefix><encoded>/" holds the keys of exactly one name.
-        return self._prefix + quote(name, safe="").encode("ascii") + b"/"
-
     def attempt(self, request: LockRequest) -> Attempt:
-        prefix = self.name_prefix(request.name)
-        return Attempt(request, bucket(request.ttl), prefix, prefix_end(prefix))
+        prefix = name_prefix(self._prefix, request.name, request.kind)
+        end = prefix_end(prefix)
+        low, high = writers(prefix) if request.shared else (prefix, end)
+        return Attempt(request, bucket(request.ttl), prefix, end, low, high)
 
-    def _place(self, attempt: Attempt, lease: ClientLease) -> bytes:
+    def place(self, attempt: Attempt, lease: ClientLease) -> bytes:
         """Put the attempt's (next) key on ``lease``."""
         attempt.lease = lease
-        attempt.key = attempt.prefix + f"{lease.id:016x}-{attempt.request.owner}".encode("ascii")
+        mark = SHARED_MARK if attempt.request.shared else b""
+        suffix = f"{lease.id:016x}-{attempt.request.owner}".encode("ascii")
+        attempt.key = attempt.prefix + mark + suffix
         attempt.rev = 0
         self._keys.placed(attempt.key)
         return attempt.key
 
-    def _requeue(self, attempt: Attempt) -> None:
+    def requeue(self, attempt: Attempt) -> None:
         """Our key is gone (its lease expired or was revoked, or someone deleted it)."""
         if attempt.key is not None:
             self._keys.gone(attempt.key)
@@ -132,6 +151,7 @@ class Queue:
             key=key,
             lease_id=lease.id,
             on_lost=attempt.request.on_lost,
+            space=attempt.request.kind,
         )
         lease.held.add(grant)
         self._keys.lowest.pop(key, None)
@@ -143,9 +163,10 @@ class Queue:
         and a try needs no round trip. The client's own tasks queued for one lock try it
         before each wait: this saves one write through raft per acquisition."""
         now = anyio.current_time()
-        start = len(attempt.prefix)
         for key in self._keys.by_name.get(attempt.prefix, ()):
-            lease = self._leases.by_id.get(int(key[start : start + 16], 16))
+            if attempt.request.shared and is_shared(key):
+                continue  # a reader of ours does not keep another reader out
+            lease = self._leases.by_id.get(lease_of(key))
             if lease is not None and lease.fresh(now):
                 return True
         return False
@@ -154,12 +175,12 @@ class Queue:
         """Create our key only if there is no key under the name (nobody holds or waits)."""
         for _ in range(3):
             lease = await self._leases.lease_for(attempt.bucket)
-            key = self._place(attempt, lease)
+            key = self.place(attempt, lease)
             try:
                 reply = await self._wire.txn(
                     f"taking lock {attempt.request.name!r}",
                     rpc.TxnRequest(
-                        compare=[create_is(attempt.prefix, 0, range_end=attempt.end)],
+                        compare=[create_is(attempt.low, 0, range_end=attempt.high)],
                         success=[attempt.put()],
                         # Our own key, in case an earlier try of this request (given up or
                         # failed, then sent again) created it.
@@ -203,14 +224,14 @@ class Queue:
             try:
                 if attempt.rev == 0:
                     if attempt.key is None or attempt.lease is None:
-                        self._place(attempt, await self._leases.lease_for(attempt.bucket))
+                        self.place(attempt, await self._leases.lease_for(attempt.bucket))
                     state = await self._enqueue(attempt)
                 else:
                     state = await self._check(attempt)
                 lease = attempt.lease
                 assert lease is not None
                 if state is None:
-                    self._requeue(attempt)  # at the back
+                    self.requeue(attempt)  # at the back
                     continue
                 self._keys.settled(attempt.own())
                 failures.reset()
@@ -219,7 +240,7 @@ class Queue:
                         return
                     # Our lease was not refreshed lately: prove it alive, then look again.
                     if not await self._leases.refresh(lease):
-                        self._requeue(attempt)
+                        self.requeue(attempt)
                     continue
                 if self._keys.deleted(state.predecessor) and shortcuts < 3:
                     # We deleted the key before ours after this read (our release's answer
@@ -233,7 +254,7 @@ class Queue:
             except ProvenGone:
                 if attempt.lease is not None:
                     self._leases.died(attempt.lease, lease_gone(attempt.lease.id))
-                self._requeue(attempt)
+                self.requeue(attempt)
             except BackendUnavailable as exc:
                 if self._wire.channel is None or not transient(exc):
                     raise
@@ -253,25 +274,28 @@ class Queue:
         )
         return await wait.run(lease)
 
-    async def release(self, name: str, key: bytes, token: int, what: str) -> None:
+    async def release(self, key: bytes, token: int, what: str, *, handover: bool = True) -> None:
         """Delete our key ``key`` (guarded on its create revision ``token``). When keys of
         ours wait under the name, the same transaction reads which key is the lowest after
         the delete: if it is ours, its waiter holds the lock without a round trip of its own
-        (``Keys.lowest``)."""
+        (``Keys.lowest``). Not for a semaphore's permits (``handover=False``): their waiters
+        count the keys before them."""
         keys = self._keys
-        prefix = self.name_prefix(name)
+        prefix = name_of(key)
         behind = list(keys.local.get(key, ()))
-        if not token or not (behind or prefix in keys.unsettled):
+        if not token or not handover or not (behind or prefix in keys.unsettled):
             await keys.delete(key, token, what)
             return
         end = prefix_end(prefix)
         if len(behind) == 1:
-            # The waiter right behind: is its key still there, with nothing before it?
+            # The waiter right behind: is its key still there, with nothing before it that it
+            # waits for (any key, or only writers for a reader)?
             # (Not count_only: etcd counts before it applies the create revision filter.)
             waiter = behind[0]
+            low, high = blockers(waiter.own)
             reads = [
                 range_op(waiter.own),
-                range_op(prefix, end, max_create_revision=waiter.rev - 1, limit=1),
+                range_op(low, high, max_create_revision=waiter.rev - 1, limit=1),
             ]
         else:
             # A key of ours whose place is not known yet (its request is on its way): the
@@ -321,8 +345,8 @@ class Queue:
             rpc.TxnRequest(
                 compare=[create_is(key, 0)],
                 # Our key was created last, so the newest keys are ours, the one before, and
-                # whether there is one before that.
-                success=[attempt.put(), attempt.newest(3)],
+                # whether there is one before that (for a reader: the last two writers).
+                success=[attempt.put(), attempt.newest(2 if attempt.request.shared else 3)],
                 failure=[range_op(key)],
             ),
             keep=attempt,
@@ -331,7 +355,10 @@ class Queue:
         if reply.succeeded:
             kvs = reply.responses[1].response_range.kvs
             attempt.rev = seen
-            return Place(bytes(kvs[1].key) if len(kvs) > 1 else None, len(kvs) == 2, seen)
+            # A writer's read includes its own key (the newest); a reader's, of writers only,
+            # does not.
+            lower = kvs if attempt.request.shared else kvs[1:]
+            return Place(bytes(lower[0].key) if lower else None, len(lower) == 1, seen)
         kvs = reply.responses[0].response_range.kvs
         if not kvs:  # pragma: no cover - the compare saw it, the read in the same txn must too
             raise BackendUnavailable(f"etcd lost key {key!r} within one transaction")

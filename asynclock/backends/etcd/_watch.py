@@ -19,14 +19,14 @@ from ._lease import ClientLease, Leases
 from ._proto import range_op
 from ._wire import Wire
 
-__all__ = ("Place", "TurnWait")
+__all__ = ("UNSYNCED_POLLS", "Place", "TurnWait", "raise_failure")
 
 #: A waiter re-reads the queue this often even without a watch event (a belt to the braces of
 #: watch revisions and gRPC keepalive pings).
 _RECHECK_EVERY: Final = 30.0
 #: When the next waiter's watch may be unsynced (see ``TurnWait._after_watch``), it looks again
 #: after these delays (seconds from the watch's start), covering etcd's 100 ms catch-up period.
-_UNSYNCED_POLLS: Final = (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0.11)
+UNSYNCED_POLLS: Final = (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0.11)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,21 @@ class Place:
     next_in_line: bool
     #: The revision of the read.
     seen: int
+
+
+async def raise_failure(wire: Wire, what: str, failed: Sequence[BaseException]) -> None:
+    """Raise the first failure of a wait's watches, translated (after an auth token that etcd
+    dropped: authenticate again, and return so that the waiter looks again)."""
+    for error in failed:
+        if isinstance(error, grpc.aio.AioRpcError):
+            if wire.settings.user is not None and token_rejected(error):
+                await wire.authenticate()
+                return
+            with translate(wire.errors, f"{what} on {wire.describe}"):
+                raise error
+        if isinstance(error, LockError):
+            raise error
+        raise BackendUnavailable(f"{what} on {wire.describe}: {error!r}") from error
 
 
 class TurnWait:
@@ -136,16 +151,7 @@ class TurnWait:
                 local.remove(self)
         if self.proven:
             return True  # whatever failed since: the proof stands (the caller checks the lease)
-        for error in self._failed:
-            if isinstance(error, grpc.aio.AioRpcError):
-                if wire.settings.user is not None and token_rejected(error):
-                    await wire.authenticate()
-                    return False
-                with translate(wire.errors, f"{self._what} on {wire.describe}"):
-                    raise error
-            if isinstance(error, LockError):
-                raise error
-            raise BackendUnavailable(f"{self._what} on {wire.describe}: {error!r}") from error
+        await raise_failure(wire, self._what, self._failed)
         return False
 
     def _wake(self) -> None:
@@ -249,7 +255,7 @@ class TurnWait:
         if not self._place.next_in_line or revision <= start:
             return []
         now = anyio.current_time()
-        return [now + delay for delay in _UNSYNCED_POLLS]
+        return [now + delay for delay in UNSYNCED_POLLS]
 
     async def _both_exist(self) -> tuple[bool, int]:
         reply = await self._wire.txn(

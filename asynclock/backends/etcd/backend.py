@@ -23,11 +23,13 @@ from .._kit import (
     Unknown,
 )
 from ._hub import WatchHub
+from ._inspect import Inspector
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
-from ._proto import create_is, prefix_end, range_op, to_compare, to_request_op
+from ._permits import Permits
+from ._proto import create_is, move_op, range_op, to_compare, to_request_op
 from ._queue import Queue
-from ._urls import Settings, check_ttl, read_settings
+from ._urls import Settings, bucket, check_ttl, read_settings
 from ._wire import Wire
 
 __all__ = ("EtcdBackend",)
@@ -41,7 +43,15 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     driver = "gRPC (grpc.aio, through aetcd)"
     capabilities = Capabilities(
-        fencing=True, fifo=True, loss_detection=True, quorum=True, cross_process=True
+        fencing=True,
+        fifo=True,
+        loss_detection=True,
+        quorum=True,
+        cross_process=True,
+        shared_locks=True,
+        semaphores=True,
+        elections=True,
+        ttl_change=True,
     )
 
     def __init__(self, settings: Settings) -> None:
@@ -55,9 +65,10 @@ class EtcdBackend(Backend[EtcdGrant]):
         self._leases = Leases(self._wire)
         self._keys = Keys(self._wire)
         self._hub = WatchHub(self._wire, self._host)
-        self._queue = Queue(
-            self._wire, self._leases, self._keys, self._host, self._hub, settings.prefix.encode()
-        )
+        prefix = settings.prefix.encode()
+        self._queue = Queue(self._wire, self._leases, self._keys, self._host, self._hub, prefix)
+        self._permits = Permits(self._wire, self._leases, self._keys, self._hub, self._queue)
+        self._inspector = Inspector(self._wire, self._hub, prefix)
         self._opened = False
         self._closed = False
 
@@ -123,10 +134,13 @@ class EtcdBackend(Backend[EtcdGrant]):
         if self._keys.orphans:
             # A key of ours left behind (a delete that failed) may be the one in the way.
             await self._keys.sweep()
-        if self._queue.known_busy(attempt):
+        if request.kind != "semaphore" and self._queue.known_busy(attempt):
             return None
         try:
-            taken = await self._queue.take_if_free(attempt)
+            if request.kind == "semaphore":
+                taken = await self._permits.take_if_free(attempt)
+            else:
+                taken = await self._queue.take_if_free(attempt)
         except BaseException:
             await self._queue.abandon(attempt)
             raise
@@ -137,7 +151,10 @@ class EtcdBackend(Backend[EtcdGrant]):
         if self._keys.orphans:
             await self._keys.sweep()
         try:
-            await self._queue.wait_for(attempt)
+            if request.kind == "semaphore":
+                await self._permits.wait_for(attempt)
+            else:
+                await self._queue.wait_for(attempt)
         except BaseException:
             await self._queue.abandon(attempt)
             raise
@@ -226,7 +243,10 @@ class EtcdBackend(Backend[EtcdGrant]):
         # again from the start after a native cancellation, or retry it in the background.
         try:
             await self._queue.release(
-                grant.name, grant.key, token, f"releasing lock {grant.name!r}"
+                grant.key,
+                token,
+                f"releasing {grant.space} {grant.name!r}",
+                handover=grant.space != "semaphore",
             )
         except BaseException as exc:
             # Interrupted or failed: whoever comes next (a renewal, a wait, the next acquire,
@@ -241,42 +261,47 @@ class EtcdBackend(Backend[EtcdGrant]):
         self._keys.orphans.pop(grant.key, None)
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
-        prefix = self._queue.name_prefix(name)
-        wire = self._wire
-        reply = await wire.call(
-            f"inspecting lock {name!r}",
-            lambda md, timeout: wire.kv.Range(
-                rpc.RangeRequest(
-                    key=prefix,
-                    range_end=prefix_end(prefix),
-                    sort_target=rpc.RangeRequest.CREATE,
-                    sort_order=rpc.RangeRequest.ASCEND,
-                    keys_only=True,
+        return await self._inspector.inspect(name, kind)
+
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        await self._inspector.wait_for_change(name, kind, seen, timeout)
+
+    async def extend(self, grant: EtcdGrant, ttl: float) -> RenewOutcome:
+        """Renew now with another ttl: the key moves to this client's lease of the new ttl
+        (a put that keeps its value and create revision, so its token and its place in the
+        queue), and later renewals keep that lease alive."""
+        check_ttl(ttl)
+        old = self._leases.by_id.get(grant.lease_id)
+        if old is None or old.dead:
+            return Lost(lease_gone(grant.lease_id))
+        if bucket(ttl) == old.bucket:
+            return (await self.renew([grant]))[0]
+        try:
+            lease = await self._leases.lease_for(bucket(ttl))
+            # A full ttl from now, not from the new lease's last keepalive.
+            if not await self._leases.refresh(lease):
+                return Unknown(BackendUnavailable(lease_gone(lease.id)))
+            reply = await self._wire.txn(
+                f"extending {grant.space} {grant.name!r} to {ttl:g} s",
+                rpc.TxnRequest(
+                    compare=[create_is(grant.key, grant.token or 0)],
+                    success=[move_op(grant.key, lease.id)],
                 ),
-                timeout=timeout,
-                metadata=md,
-            ),
-        )
-        kvs = list(reply.kvs)
-        if not kvs:
-            return LockInfo(name, held=False, waiters=0)
-        # The lowest create revision holds the lock; its key ends in "<lease hex>-<owner>".
-        first = kvs[0]
-        lease_hex, _, owner = bytes(first.key)[len(prefix) :].decode("ascii").partition("-")
-        ttl = await wire.call(
-            f"reading the lease of lock {name!r}",
-            lambda md, timeout: wire.lease.LeaseTimeToLive(
-                rpc.LeaseTimeToLiveRequest(ID=int(lease_hex, 16)), timeout=timeout, metadata=md
-            ),
-        )
-        return LockInfo(
-            name,
-            held=True,
-            owner=owner or None,
-            token=int(first.create_revision),
-            expires_in=float(ttl.TTL) if int(ttl.TTL) >= 0 else None,
-            waiters=len(kvs) - 1,
-        )
+            )
+        except LockError as exc:
+            # The key may be on either lease now: a renewal reads it (and finds it gone, if
+            # it rode on a lease that expires).
+            return Unknown(exc)
+        if not reply.succeeded:
+            return Lost(
+                f"the lock key {grant.key!r} was deleted on the server (by an operator or "
+                "another client); someone else may hold the lock now"
+            )
+        old.held.discard(grant)
+        lease.held.add(grant)
+        grant.lease_id, grant.ttl = lease.id, float(lease.ttl)
+        grant.valid_from = lease.valid_from
+        return Renewed(lease.valid_from, float(lease.ttl))
 
     # -- fencing inside etcd -----------------------------------------------------------------
 

@@ -51,20 +51,32 @@ Tokens
     which our connections set) and never rolled back, so tokens keep increasing across crashes
     and restarts of the server.
 
+Other kinds of hold
+    Shared holds are ``pg_advisory_lock_shared`` on the same connections and queues (the
+    server's lock queue gives writer preference). A semaphore's permit is an advisory lock on
+    one of ``N`` slot keys, on a connection of its own, with ``N`` in a shared two-int4 lock
+    that ``pg_locks`` shows (``_semaphores.py``). An election is an exclusive lock in a key space
+    of its own. Shared holds, permits and leaders keep a row (owner, token, value) in the
+    holders' table for ``inspect()``, which reads only rows whose session holds the key now
+    (``_kinds.py``, ``_inspect.py``); ``wait_for_change`` waits for a NOTIFY on the client's
+    listening connection.
+
 Loss
     The connection closing (``pg_terminate_backend``, a server restart, the idle timeout, a
     reset) is reported at once through asyncpg's termination listener; a renewal that finds the
     connection closed, or talking to another server session, reports it too.
 
 Files (imports go down this list, never up)
-    ``backend.py`` the Backend class; ``_lanes.py`` takes, renewals and releases on the holding
-    connections, ``_lane.py`` one of them and its task; ``_waits.py`` waits in the server's
-    queue, ``_renewals.py`` the renewals of the connections that hold a lock after one;
-    ``_queue.py`` the queue table; ``_sessions.py`` connections: connecting, the idle pool,
-    ending an interrupted session; ``_server.py`` what open() checks and creates;
-    ``_translate.py`` asyncpg's errors into asynclock's; ``_urls.py`` the URL and options;
-    ``_sql.py`` the statements and :func:`lock_key`. ``transaction_lock`` lives in
-    :mod:`asynclock.extras.postgres`.
+    ``backend.py`` the Backend class; ``_inspect.py`` inspect() and wait_for_change();
+    ``_semaphores.py`` semaphores; ``_queue.py`` the queue table; ``_waits.py`` waits in the
+    server's queue, ``_renewals.py`` the renewals of the connections that hold a lock after one;
+    ``_lanes.py`` takes, renewals and releases on the holding connections, ``_lane.py`` one of
+    them and its task; ``_sessions.py`` connections: connecting, the idle pool, ending an
+    interrupted session; ``_server.py`` what open() checks and creates; ``_kinds.py`` the
+    statements of shared holds and elections, the holders' table and the keys of each kind;
+    ``_semaphore_sql.py`` the statements of semaphores; ``_translate.py`` asyncpg's errors into
+    asynclock's; ``_urls.py`` the URL and options; ``_sql.py`` the statements and
+    :func:`lock_key`. ``transaction_lock`` lives in :mod:`asynclock.extras.postgres`.
 """
 
 from typing import Any

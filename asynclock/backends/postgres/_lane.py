@@ -12,8 +12,9 @@ out) leaves its statement to run; a take that succeeded behind an abandoned call
 an unlock queued right behind it, so no cancellation strands a lock.
 
 Session advisory locks are re-entrant: a second take of a key the lane holds would succeed on
-the server. ``Lane.keys`` keeps the keys a lane holds or is taking, and a take of one of them is
-refused here, as the server refuses another session.
+the server, in either mode (a shared take even past a waiting writer). ``Lane.keys`` keeps the
+keys a lane holds or is taking, in any mode, and a take of one of them is refused here, as the
+server refuses another session.
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ class PostgresGrant(Grant):
     released: bool = False
     #: The lane that holds it; None: a dedicated connection of its own.
     lane: Lane | None = field(default=None, repr=False)
+    #: A shared (read) hold.
+    shared: bool = False
+    #: The name's key in the holders' table, for a hold that keeps a row there (all but
+    #: exclusive locks): a release that finds the session gone deletes the row it left.
+    kept_key: int | None = None
+    #: What releases it on a dedicated connection (the connection holds only this lock).
+    release_sql: str = field(default="", repr=False)
+    release_args: tuple[object, ...] = field(default=(), repr=False)
 
 
 class Owner(Protocol):
@@ -74,7 +83,6 @@ class Owner(Protocol):
 
     server: str
     sequence: str
-    take_sql: str
     op_timeout: float
     by_connection: dict[Any, Lane]
 
@@ -122,6 +130,9 @@ class Lane:
         self.keys: set[int] = set()
         #: The grant of each key held here.
         self.grants: dict[int, PostgresGrant] = {}
+        #: The unlock statement and its arguments (after the key) of each key held or taken
+        #: here with a statement of its own (shared, election); the others: ``UNLOCK``.
+        self.unlocks: dict[int, tuple[str, tuple[object, ...]]] = {}
         self._ops: deque[Op] = deque()
         self._wakeup: asyncio.Future[None] | None = None
         #: A statement is in flight (closing must not wait for it).
@@ -197,9 +208,10 @@ class Lane:
         waits for it (a release), else nobody does."""
         self.keys.discard(key)
         self.grants.pop(key, None)
+        sql, args = self.unlocks.pop(key, (UNLOCK, ()))
         if self.dead is not None:
             return None
-        op = self.submit(UNLOCK_KEY, key)
+        op = self.submit(UNLOCK_KEY, key, sql, *args)
         if not awaited:
             self.detach(op)
         if first:
@@ -262,19 +274,18 @@ class Lane:
         connection = self.connection
         if op.kind == TAKE and op.future.done():
             self.keys.discard(op.key)  # abandoned before it was sent: nothing to undo
+            self.unlocks.pop(op.key, None)
             return
         self.busy = True
         self._current = op
         op.sent_at = now()
         try:
             if op.kind == TAKE:
-                result = await connection.fetchval(
-                    self._lanes.take_sql, op.key, self._lanes.sequence
-                )
+                result = await connection.fetchval(op.sql, op.key, self._lanes.sequence, *op.args)
             elif op.kind == QUERY:
                 result = await connection.fetchrow(op.sql, *op.args)
             elif op.kind == UNLOCK_KEY:
-                result = await connection.fetchval(UNLOCK, op.key)
+                result = await connection.fetchval(op.sql or UNLOCK, op.key, *op.args)
             else:
                 self.renewals += 1
                 result = await connection.fetchval(RENEW)
@@ -299,6 +310,7 @@ class Lane:
         if op.kind == TAKE:
             if result is None:
                 self.keys.discard(op.key)
+                self.unlocks.pop(op.key, None)
             elif op.future.done():
                 self.unlock_behind(op.key, first=True)  # its caller is gone: undone now
         if not op.future.done():
@@ -320,6 +332,7 @@ class Lane:
         grants = list(self.grants.values())
         self.grants.clear()
         self.keys.clear()
+        self.unlocks.clear()
         if self.connection is not None and not self.connection.is_closed():
             self.connection.terminate()
         if self._wakeup is not None and not self._wakeup.done():

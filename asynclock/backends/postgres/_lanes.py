@@ -22,8 +22,8 @@ from .._kit import (
     now,
     translate,
 )
+from ._kinds import Mode
 from ._lane import RENEWAL, TAKE, Lane, PostgresGrant
-from ._sql import LANE_TAKE
 from ._translate import Errors, connection_broken, unmapped
 
 logger = logging.getLogger("asynclock")
@@ -37,7 +37,6 @@ class Lanes:
         host: TaskHost,
         errors: Errors,
         sequence: str,
-        queue: str,
         op_timeout: float,
         *,
         connect: Callable[[int], Awaitable[Any]],
@@ -47,7 +46,6 @@ class Lanes:
         self._errors = errors
         self.server = errors.server
         self.sequence = sequence
-        self.take_sql = LANE_TAKE.format(queue=queue)
         self.op_timeout = op_timeout
         self.connect = connect
         self.close = close
@@ -87,7 +85,16 @@ class Lanes:
 
     # -- take, renew, release ----------------------------------------------------------------
 
-    async def take(self, request: LockRequest, key: int, ttl_ms: int) -> PostgresGrant | None:
+    def holds_shared(self, ttl_ms: int, key: int, mode: Mode) -> bool:
+        """Whether the lane of ``ttl_ms`` holds ``key``, or is taking it, in ``mode`` (shared):
+        its unlock is that mode's."""
+        lane = self.by_ttl.get(ttl_ms)
+        unlock = None if lane is None or key not in lane.keys else lane.unlocks.get(key)
+        return unlock is not None and unlock[0] == mode.unlock
+
+    async def take(
+        self, request: LockRequest, key: int, ttl_ms: int, mode: Mode, channel: str
+    ) -> PostgresGrant | None:
         """One try-lock on the lane of ``ttl_ms``, run by the lane's task: a caller that is
         cancelled or times out stops waiting, and a take that succeeded behind it is undone
         (``Lane._execute``, or here when the cancellation came with the reply). A lane found
@@ -97,7 +104,10 @@ class Lanes:
             if key in lane.keys:
                 return None  # ours already: re-entrant on the server, busy to everyone
             lane.keys.add(key)
-            op = lane.submit(TAKE, key)
+            lane.unlocks[key] = (mode.unlock, mode.unlock_args(channel))
+            op = lane.submit(
+                TAKE, key, mode.lane_take, *mode.take_args(request.owner, request.value, channel)
+            )
             try:
                 with translate(self._errors, f"taking {request.name!r}"):
                     token = await op.future
@@ -133,7 +143,10 @@ class Lanes:
                 pid=lane.pid,
                 connection=lane.connection,
                 on_lost=request.on_lost,
+                space=request.kind,
                 lane=lane,
+                shared=mode.shared,
+                kept_key=key if mode.kept else None,
             )
             lane.grants[key] = grant
             return grant

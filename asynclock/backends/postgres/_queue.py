@@ -7,7 +7,7 @@ table already has a place for the key (so that nobody overtakes it), a waiter ta
 the table (``asynclock_waiters``): a ticket from the token sequence, which only increases. Only
 the head of the table (the smallest live ticket of the key) goes on, into the server's queue,
 behind whoever entered it before the table had places; a take on a lane is refused while the
-table has places (``LANE_TAKE``). So the order is the order of arrival across both queues.
+table has places (``_kinds._LANE_TAKE``). So the order is the order of arrival across both queues.
 
 The head leaves the table once the server granted it the lock, and tells every client with a
 NOTIFY on the schema's channel; each client's listener (one connection per client) wakes its
@@ -30,9 +30,10 @@ from typing import Any
 
 import anyio
 
-from .._kit import LockRequest, TaskHost, translate
+from .._kit import LockRequest, TaskHost, permits_mismatch, translate
 from ._lane import QUERY, Lane, PostgresGrant
 from ._lanes import Lanes
+from ._semaphore_sql import ENQUEUE_SEMAPHORE
 from ._sessions import Sessions
 from ._sql import ENQUEUE, HEAD, LEAVE, REFRESH, REQUEUE, SWEEP
 from ._translate import Errors
@@ -89,12 +90,15 @@ class Queue:
                 ("leave", LEAVE),
                 ("refresh", REFRESH),
                 ("sweep", SWEEP),
+                ("enqueue_semaphore", ENQUEUE_SEMAPHORE),
             )
         }
         self.client = uuid.uuid4().hex
         #: This client's waiters in the table, by key, in ticket order.
         self.entries: dict[int, list[_Entry]] = {}
         self.listener: Any = None
+        #: Who waits for a change of a key (``wait_for_change``); a NOTIFY of it sets theirs.
+        self.observers: dict[int, set[anyio.Event]] = {}
         self._listening = False
         self._refreshing = False
 
@@ -108,16 +112,22 @@ class Queue:
         key: int,
         ttl_ms: int,
         enter_server_queue: Callable[[], Awaitable[PostgresGrant | None]],
+        *,
+        permits: tuple[int, int] | None = None,
     ) -> PostgresGrant:
-        """Take a place, wait until it is the head, then wait in the server's queue."""
+        """Take a place, wait until it is the head, then wait in the server's queue.
+
+        ``permits``: a semaphore's waiter (its permits class and number, ``_semaphores.py``):
+        its place records the number, refused when the holders' or waiters' differs; its head
+        tries to take a permit, and waits for a release (a NOTIFY, or the poll) when none is
+        free."""
         lease_ms = int(min(max(ttl_ms / 1000.0, LEASE_MIN), LEASE_MAX) * 1000)
-        entry = _Entry(key, uuid.uuid4().hex, ttl_ms, lease_ms)
+        waiter = uuid.uuid4().hex + ("" if permits is None else f" permits={permits[1]}")
+        entry = _Entry(key, waiter, ttl_ms, lease_ms)
         self._start_helpers()
         what = f"waiting for {request.name!r} in the queue table"
         try:
-            row = await self._query(ttl_ms, what, "enqueue", key, self._sequence, entry.waiter,
-                                    self.client, lease_ms)  # fmt: skip
-            self._place(entry, row[0])
+            await self._enqueue(entry, what, request.name, permits)
             while True:
                 wake = entry.wake = anyio.Event()  # before the check: a NOTIFY during it counts
                 entries = self.entries[key]
@@ -126,25 +136,37 @@ class Queue:
                     row = await self._query(ttl_ms, what, "head", key, entry.waiter)
                     if row is None or not row[1]:
                         # Gone or expired (this process was paused): to the end of the queue.
-                        requeue = "enqueue" if row is None else "requeue"
-                        args = (
-                            (key, self._sequence, entry.waiter, self.client, lease_ms)
-                            if row is None
-                            else (key, entry.waiter, self._sequence)
-                        )
-                        row = await self._query(ttl_ms, what, requeue, *args)
                         entries.remove(entry)
-                        self._place(entry, row[0])
+                        if row is None:
+                            await self._enqueue(entry, what, request.name, permits)
+                        else:
+                            row = await self._query(
+                                ttl_ms, what, "requeue", key, entry.waiter, self._sequence
+                            )
+                            self._place(entry, row[0])
                         continue
                     if row[0]:
                         grant = await enter_server_queue()
                         if grant is not None:
                             return grant
-                        continue  # its connection died (a pause?): is it still the head?
+                        if permits is None:
+                            continue  # its connection died (a pause?): is it still the head?
                 with anyio.move_on_after(POLL if first else None):
                     await wake.wait()
         finally:
             self._leave(entry, ttl_ms)
+
+    async def _enqueue(
+        self, entry: _Entry, what: str, name: str, permits: tuple[int, int] | None
+    ) -> None:
+        args = (entry.key, self._sequence, entry.waiter, self.client, entry.lease_ms)
+        if permits is None:
+            row = await self._query(entry.ttl_ms, what, "enqueue", *args)
+        else:
+            row = await self._query(entry.ttl_ms, what, "enqueue_semaphore", *args, *permits)
+            if row[0] is None:
+                raise permits_mismatch(name, int(row[1]), permits[1])
+        self._place(entry, row[0])
 
     def _place(self, entry: _Entry, ticket: int) -> None:
         entry.ticket = ticket
@@ -192,6 +214,25 @@ class Queue:
         entries = self.entries.get(key)
         if entries:
             entries[0].wake.set()
+        for event in self.observers.get(key, ()):
+            event.set()
+
+    def wake_observers(self) -> None:
+        """The client closes: every ``wait_for_change`` returns now."""
+        for events in self.observers.values():
+            for event in events:
+                event.set()
+
+    async def listen(self) -> bool:
+        """Make sure the listener listens (for ``wait_for_change``), and say whether it does."""
+        if self.listener is None:
+            if not self._listening:
+                self._listening = True
+                self._host.start_soon(self._listen, name="asynclock: postgres listener")
+            with anyio.move_on_after(self._errors.connect_timeout + 1.0):
+                while self._listening:  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+        return self.listener is not None
 
     def closed(self, connection: Any) -> bool:
         if connection is not self.listener:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import asyncpg
 
 from .._kit import BackendUnavailable
 from ._sql import lock_key
+
+logger = logging.getLogger("asynclock")
 
 #: How often a server process running one of our statements (a wait) checks that the client is
 #: still there; a backstop for waits whose session we could not end ourselves (a killed
@@ -64,6 +67,29 @@ async def ensure_queue(connection: Any, *, queue: str, schema: str, create: str)
                 "SELECT pg_advisory_xact_lock($1)", lock_key("create sequence", schema)
             )
             await connection.execute(create)
+
+
+async def ensure_holders(
+    connection: Any, *, holders: str, schema: str, create: str, sweep: str, server: str
+) -> bool:
+    """Create the holders' table if it is missing, and delete the rows of holds that ended while
+    no client ran; False (with a warning) if this user may not: exclusive locks need no table,
+    so a client whose owner has not created it yet still opens, and refuses the other kinds."""
+    try:
+        await ensure_queue(connection, queue=holders, schema=schema, create=create)
+        await connection.fetchval(sweep, None, 0)
+    except asyncpg.InsufficientPrivilegeError as exc:
+        logger.warning(
+            "asynclock: %s: %s; shared locks, semaphores and elections need the table %s "
+            "(create it once as its owner with %s, and GRANT SELECT, INSERT, UPDATE, DELETE "
+            "ON it TO the lock users)",
+            server,
+            exc,
+            holders,
+            " ".join(create.split()),
+        )
+        return False
+    return True
 
 
 async def probe_check_interval(connection: Any, server_settings: dict[str, str]) -> None:

@@ -105,6 +105,9 @@ class Sessions:
         self._connecting: set[_Connect] = set()
         self._connects = 0
         self.open = False
+        #: Deletes the holders' rows of an ended session ($1: its pid), once open() found the
+        #: table (``_kinds.SWEEP_SESSION``).
+        self.sweep_sql: str | None = None
 
     # -- taking and giving back --------------------------------------------------------------
 
@@ -273,6 +276,9 @@ class Sessions:
                 END_SESSION, pid, self._settings.application_name, timeout=self._op_timeout
             ):
                 await polls.pause()
+            if self.sweep_sql is not None:
+                # A take whose commit was in flight left the row of a hold that ended with it.
+                await helper.execute(self.sweep_sql, pid, timeout=self._op_timeout)
         except BaseException as exc:
             self.discard(helper)
             if not isinstance(exc, Exception):

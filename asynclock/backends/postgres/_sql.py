@@ -14,36 +14,8 @@ QUEUE_TABLE = "asynclock_waiters"
 #: ``idle_session_timeout`` is an int of milliseconds.
 MAX_TIMEOUT_MS = 2**31 - 1
 
-# A take on a lane (a holding connection shared by the locks of one ttl, whose idle timer is
-# set once, when it connects): try-lock and token in one round trip, no row when busy.
-# Only when nobody waits in the queue table: its head may be between two steps (see _queue.py).
-LANE_TAKE = """
-WITH attempt AS MATERIALIZED (
-    SELECT pg_try_advisory_lock($1) AS taken
-    WHERE NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
-)
-SELECT nextval($2::regclass) FROM attempt WHERE attempt.taken
-"""
 # A lane's release: only its key (the others on the connection stay held).
 UNLOCK = "SELECT pg_advisory_unlock($1)"
-# Wait in the server's lock queue, then (the CTE is evaluated first) arm the idle timer and
-# draw the token under the lock: one round trip. The timer starts when this statement ends, so
-# its send time is a safe valid_from; after a long wait the lease is restarted by RENEW.
-# Unless $4 (the head of the queue table goes to the server's queue): only when the table is
-# empty, which the statement checks before it queues (no row comes back otherwise).
-# The head first takes the key's marker ($5, shared, released with the lock): inspect counts it
-# once, not in both queues.
-WAIT = """
-WITH empty AS MATERIALIZED (
-    SELECT 1 WHERE $4 OR NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
-),
-marked AS MATERIALIZED (SELECT pg_advisory_lock_shared($5) FROM empty WHERE $4),
-granted AS MATERIALIZED (
-    SELECT pg_advisory_lock($1) FROM empty CROSS JOIN (SELECT count(*) FROM marked) AS heads
-)
-SELECT nextval($2::regclass), pg_backend_pid(), set_config('idle_session_timeout', $3, false)
-FROM granted
-"""
 RENEW = "SELECT pg_backend_pid()"
 # The connection is dedicated, so "all" is exactly our lock (with any re-entrant count).
 RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
@@ -102,13 +74,6 @@ SELECT (SELECT count(*) FROM {queue} WHERE key = $1 AND expires_at > now()) - (
       AND w.classid = $2 AND w.objid = $3
 )
 """
-INSPECT = (
-    "SELECT l.granted, l.pid, a.application_name "
-    "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-    "WHERE l.locktype = 'advisory' AND l.objsubid = 1 "
-    "AND l.classid = $1 AND l.objid = $2"
-)
-
 # Make sure a session of ours has ended: the server process of a connection we closed while it
 # had a statement in flight (a cancelled or failed wait, take or token). It may still be blocked
 # in the lock queue, which does not read the socket: pg_terminate_backend ends it. Repeated until
@@ -162,11 +127,10 @@ def quote_ident(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 
-def creates(sequence: str, queue: str) -> str:
+def creates(sequence: str, queue: str, *more: str) -> str:
     """What open() creates, on one line (for a message to the owner of the schema)."""
-    return " ".join(
-        f"{CREATE.format(sequence=sequence)}; {CREATE_QUEUE.format(queue=queue)}".split()
-    )
+    statements = (CREATE.format(sequence=sequence), CREATE_QUEUE.format(queue=queue), *more)
+    return " ".join("; ".join(statements).split())
 
 
 def queue_name(schema: str) -> str:

@@ -6,13 +6,19 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
 from .._kit import LockRequest, now, translate
 from ._lane import PostgresGrant
 from ._sessions import Replacements, Sessions
-from ._sql import RENEW, marker_key, timeout_ms
+from ._sql import RELEASE, RENEW, timeout_ms
 from ._translate import Errors, connection_broken, unmapped
 
 logger = logging.getLogger("asynclock")
+
+#: How long after a renewal was sent a release waits for its reply before closing the connection
+#: instead (a statement in flight: the connection cannot be unlocked and kept before it ends).
+_RENEWAL_WAIT = 0.05
 
 #: A wait that lasted longer than this share of the ttl restarts the idle timer before it is
 #: handed over (its own send time is the lease's start otherwise).
@@ -27,7 +33,6 @@ class Waits:
         sessions: Sessions,
         errors: Errors,
         sequence: str,
-        sql: str,
         op_timeout: float,
         held: dict[Any, PostgresGrant],
         *,
@@ -36,7 +41,6 @@ class Waits:
         self._sessions = sessions
         self._errors = errors
         self.sequence = sequence
-        self._sql = sql
         self.op_timeout = op_timeout
         #: The grant each dedicated holding connection holds (the backend's).
         self._held = held
@@ -44,7 +48,18 @@ class Waits:
         self.waiting = 0
 
     async def wait(
-        self, request: LockRequest, key: int, ttl_ms: int, *, head: bool
+        self,
+        request: LockRequest,
+        key: int,
+        ttl_ms: int,
+        *,
+        head: bool,
+        sql: str,
+        args: tuple[object, ...] = (),
+        release: tuple[str, tuple[object, ...]] = (RELEASE, ()),
+        shared: bool = False,
+        kept: bool = False,
+        bound: float | None = None,
     ) -> PostgresGrant | None:
         """Wait in the server's queue on a dedicated connection, which then holds the lock;
         unless the queue table has places for the key (None: wait there, ``_queue.py``), or
@@ -63,23 +78,39 @@ class Waits:
         # Counted before the first await: waiters that start together see each other.
         self.waiting += 1
         try:
-            return await self._wait(request, key, ttl_ms, head=head)
+            grant = await self._wait(
+                request, key, ttl_ms, head=head, sql=sql, args=args, bound=bound
+            )
         finally:
             self.waiting -= 1
+        if grant is not None:
+            grant.shared = shared
+            grant.kept_key = key if kept else None
+            grant.release_sql, grant.release_args = release
+        return grant
 
     async def _wait(
-        self, request: LockRequest, key: int, ttl_ms: int, *, head: bool
+        self,
+        request: LockRequest,
+        key: int,
+        ttl_ms: int,
+        *,
+        head: bool,
+        sql: str,
+        args: tuple[object, ...],
+        bound: float | None,
     ) -> PostgresGrant | None:
         replacements = Replacements()
         while True:
             connection, reused = await self._sessions.take()
             try:
-                with translate(self._errors, f"waiting for {request.name!r}"):
+                with (
+                    translate(self._errors, f"waiting for {request.name!r}"),
+                    anyio.fail_after(bound),  # a try (that does not wait): op_timeout
+                ):
                     # Queue in the server; the caller's cancel scope bounds the wait.
                     sent_at = now()
-                    row = await connection.fetchrow(
-                        self._sql, key, self.sequence, str(ttl_ms), head, marker_key(key)
-                    )
+                    row = await connection.fetchrow(sql, key, self.sequence, str(ttl_ms), *args)
                     if row is None:
                         self._sessions.give_back(connection)
                         return None
@@ -117,9 +148,51 @@ class Waits:
             pid=int(row[1]),
             connection=connection,
             on_lost=request.on_lost,
+            space=request.kind,
         )
         self._held[connection] = grant
         if connection.is_closed():
             # Closed between the reply and now: the listener may have run already.
             self._connection_closed(connection)
         return grant
+
+    async def release(self, grant: PostgresGrant) -> None:
+        """Release a dedicated connection's lock (``PostgresBackend.release``): unlock and keep
+        the connection, or close it (either frees the lock)."""
+        connection = grant.connection
+        self._held.pop(connection, None)
+        if connection.is_closed():
+            self._sessions.all.discard(connection)
+            return
+        try:
+            renewal = grant.renewal
+            if renewal is not None:
+                # Its statement is in flight. A renewal just sent on a healthy server is back
+                # within milliseconds; one that has not come back by now (a hung server, often
+                # why the lease was lost) is not waited for: closing frees the lock just the same.
+                left = renewal.sent_at + _RENEWAL_WAIT - now()
+                if left <= 0 or not await renewal.finished(left):
+                    self._sessions.discard(connection)
+                    return
+            await connection.execute(
+                grant.release_sql or RELEASE, *grant.release_args, timeout=self.op_timeout
+            )
+        except BaseException as exc:
+            # Closed at once, never reused: whatever state the statement left, the session
+            # ends with the connection, and the lock with it.
+            gone = connection_broken(connection, exc)
+            self._sessions.discard(connection)
+            if not isinstance(exc, Exception):
+                raise
+            if not gone:
+                logger.warning(
+                    "asynclock: unlocking %r on %s failed (%r); closed its connection "
+                    "instead, so the server frees the lock when it reads the close, at the "
+                    "latest %g s after the last renewal it received",
+                    grant.name,
+                    self._errors.server,
+                    exc,
+                    grant.ttl,
+                )
+            return
+        self._sessions.give_back(connection)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Self
 
@@ -20,32 +20,43 @@ from .._kit import (
     LockRequest,
     RenewOutcome,
     TaskHost,
-    now,
+    UnsupportedFeature,
     redact,
     translate,
+)
+from ._inspect import Inspector
+from ._kinds import (
+    CREATE_HOLDERS,
+    SWEEP,
+    SWEEP_SESSION,
+    holders_name,
+    kind_key,
+    modes,
 )
 from ._lane import PostgresGrant
 from ._lanes import Lanes
 from ._queue import Queue
 from ._renewals import Renewals
-from ._server import check_version, ensure_queue, ensure_sequence, probe_check_interval
+from ._semaphores import Semaphores
+from ._server import (
+    check_version,
+    ensure_holders,
+    ensure_queue,
+    ensure_sequence,
+    probe_check_interval,
+)
 from ._sessions import Sessions
 from ._sql import (
     CREATE,
     CREATE_QUEUE,
-    INSPECT,
-    INSPECT_QUEUE,
     MAX_TIMEOUT_MS,
-    RELEASE,
-    WAIT,
     creates,
-    lock_key,
     marker_key,
     queue_name,
     sequence_name,
     timeout_ms,
 )
-from ._translate import CHECKING, Errors, connection_broken
+from ._translate import CHECKING, Errors
 from ._urls import Settings, read_url
 from ._waits import Waits
 
@@ -62,9 +73,6 @@ _SERVER_SETTINGS = {
     "idle_in_transaction_session_timeout": "0",
     "synchronous_commit": "on",
 }
-#: How long after a renewal was sent a release waits for its reply before closing the connection
-#: instead (a statement in flight: the connection cannot be unlocked and kept before it ends).
-_RENEWAL_WAIT = 0.05
 
 
 class PostgresBackend(Backend[PostgresGrant]):
@@ -74,8 +82,17 @@ class PostgresBackend(Backend[PostgresGrant]):
     #: 0.89 ttl): 0.1 s leaves some 55 ms for it. On a shared 2-core machine with a local
     #: server, 2 s holds (20 ttls) at ttl 0.1 s kept their leases (tests/backends/test_postgres.py).
     min_ttl = 0.1
+    #: Whether the holders' table is there for shared locks, semaphores, elections (open()).
+    _holders_ready = False
     capabilities = Capabilities(
-        fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
+        fencing=True,
+        fifo=True,
+        loss_detection=True,
+        quorum=False,
+        cross_process=True,
+        shared_locks=True,
+        semaphores=True,
+        elections=True,
     )
 
     def __init__(
@@ -98,21 +115,21 @@ class PostgresBackend(Backend[PostgresGrant]):
         self.max_idle = max_idle
         self.max_waiting = max_waiting
         self._ssl = ssl_context
-        #: The token sequence, as a quoted, schema-qualified name.
         self.sequence = sequence_name(schema)
         self._described = redact(dsn.split("?", 1)[0])
         self.queue = queue_name(schema)
-        self._inspect_queue = INSPECT_QUEUE.format(queue=self.queue)
+        self.holders = holders_name(schema)
+        self._modes = modes(self.queue, self.holders)
+        self._channel = f"asynclock {schema}"
         self._translator = Errors(
             self._described,
             connect_timeout,
             schema,
             self.sequence,
-            creates(self.sequence, self.queue),
+            creates(self.sequence, self.queue, CREATE_HOLDERS.format(holders=self.holders)),
         )
-        #: The grant each holding connection holds.
+        #: The grant of each dedicated holding connection; our waiters in the server's queue.
         self._held: dict[Any, PostgresGrant] = {}
-        #: How many of our acquires wait in the server's queue, by key.
         self._waiting: dict[int, int] = {}
         self._server_version: str | None = None
         #: Settings of every connection opened after open() (see _server.CHECK_INTERVAL_MS).
@@ -134,7 +151,6 @@ class PostgresBackend(Backend[PostgresGrant]):
             self._host,
             self._translator,
             self.sequence,
-            self.queue,
             op_timeout,
             connect=self._sessions.connect_lane,
             close=self._sessions.close,
@@ -143,7 +159,6 @@ class PostgresBackend(Backend[PostgresGrant]):
             self._sessions,
             self._translator,
             self.sequence,
-            WAIT.format(queue=self.queue),
             op_timeout,
             self._held,
             on_closed=self._connection_closed,
@@ -155,8 +170,9 @@ class PostgresBackend(Backend[PostgresGrant]):
             errors=self._translator,
             sequence=self.sequence,
             queue=self.queue,
-            channel=f"asynclock {schema}",
+            channel=self._channel,
         )
+        self._semaphores, self._inspector = _kind_parts(self, schema)
         self._state = "new"
 
     # -- construction ------------------------------------------------------------------------
@@ -226,6 +242,16 @@ class PostgresBackend(Backend[PostgresGrant]):
                         schema=self.schema,
                         create=CREATE_QUEUE.format(queue=self.queue),
                     )
+                    self._holders_ready = await ensure_holders(
+                        connection,
+                        holders=self.holders,
+                        schema=self.schema,
+                        create=CREATE_HOLDERS.format(holders=self.holders),
+                        sweep=SWEEP.format(holders=self.holders),
+                        server=self._described,
+                    )
+                    if self._holders_ready:
+                        self._sessions.sweep_sql = SWEEP_SESSION.format(holders=self.holders)
                     await probe_check_interval(connection, self._server_settings)
             except BaseException:
                 self._sessions.discard(connection)
@@ -241,6 +267,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         if self._state == "closed":
             return
         self._state = "closed"
+        self._queue.wake_observers()
         interrupted: BaseException | None = None
         try:
             await self._lanes.drain(min(self.op_timeout, 0.25))
@@ -266,23 +293,58 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     async def _take(self, request: LockRequest, *, wait: bool) -> PostgresGrant | None:
         """Try on the lane of the request's ttl; if the lock is busy and ``wait``, wait for it
-        in the server's queue on a dedicated connection."""
-        key = lock_key(request.name, self.schema)
+        in the server's queue on a dedicated connection (or in the queue table behind it).
+        Semaphores take and wait their own way (``_semaphores.py``)."""
+        if (request.shared or request.kind != "lock") and not self._holders_ready:
+            raise _no_holders_table(request, self._described, self.holders)
+        if request.kind == "semaphore":
+            return await self._semaphores.take(request, wait=wait)
+        key = kind_key(request.name, request.kind, self.schema)
+        mode = self._modes[request.kind, request.shared and request.kind == "lock"]
         ttl_ms = timeout_ms(request.ttl)
         waiting = self._waiting.get(key, 0)
         if not (wait and waiting):  # others of ours wait for it: it is busy, queue behind
-            grant = await self._lanes.take(request, key, ttl_ms)
+            if mode.shared and self._lanes.holds_shared(ttl_ms, key, mode):
+                # The lane holds it shared already: a second hold there would be re-entrant
+                # (past a waiting writer too), so this one tries on a connection of its own.
+                grant = await self._waits.wait(
+                    request,
+                    key,
+                    ttl_ms,
+                    head=False,
+                    sql=mode.try_dedicated,
+                    args=(request.owner, request.value),
+                    release=(mode.release, ()),
+                    shared=True,
+                    kept=True,
+                    bound=self.op_timeout,
+                )
+            else:
+                grant = await self._lanes.take(request, key, ttl_ms, mode, self._channel)
             if grant is not None or not wait:
                 return grant
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
+            extra = mode.take_args(request.owner, request.value, self._channel)
+
+            def server_queue(head: bool) -> Awaitable[PostgresGrant | None]:
+                return self._waits.wait(
+                    request,
+                    key,
+                    ttl_ms,
+                    head=head,
+                    sql=mode.wait,
+                    args=(head, marker_key(key), *extra),
+                    release=(mode.release, mode.release_args(key, self._channel)),
+                    shared=mode.shared,
+                    kept=mode.kept,
+                )
+
             if self._waits.waiting < self.max_waiting:
-                grant = await self._waits.wait(request, key, ttl_ms, head=False)
+                grant = await server_queue(False)
                 if grant is not None:
                     return grant
-            return await self._queue.wait(
-                request, key, ttl_ms, lambda: self._waits.wait(request, key, ttl_ms, head=True)
-            )
+            return await self._queue.wait(request, key, ttl_ms, lambda: server_queue(True))
         finally:
             left = self._waiting[key] - 1
             if left:
@@ -316,82 +378,20 @@ class PostgresBackend(Backend[PostgresGrant]):
         grant.released = True
         if grant.lane is not None:
             await self._lanes.release(grant, grant.lane)
-            return
-        connection = grant.connection
-        self._held.pop(connection, None)
-        if connection.is_closed():
-            self._sessions.all.discard(connection)
-            return
-        try:
-            renewal = grant.renewal
-            if renewal is not None:
-                # Its statement is in flight. A renewal just sent on a healthy server is back
-                # within milliseconds; one that has not come back by now (a hung server, often
-                # why the lease was lost) is not waited for: closing frees the lock just the same.
-                left = renewal.sent_at + _RENEWAL_WAIT - now()
-                if left <= 0 or not await renewal.finished(left):
-                    self._sessions.discard(connection)
-                    return
-            await connection.execute(RELEASE, timeout=self.op_timeout)
-        except BaseException as exc:
-            # Closed at once, never reused: whatever state the statement left, the session
-            # ends with the connection, and the lock with it.
-            gone = connection_broken(connection, exc)
-            self._sessions.discard(connection)
-            if not isinstance(exc, Exception):
-                raise
-            if not gone:
-                logger.warning(
-                    "asynclock: unlocking %r on %s failed (%r); closed its connection "
-                    "instead, so the server frees the lock when it reads the close, at the "
-                    "latest %g s after the last renewal it received",
-                    grant.name,
-                    self.describe(),
-                    exc,
-                    grant.ttl,
-                )
-            return
-        self._sessions.give_back(connection)
+            gone = grant.lane.dead is not None
+        else:
+            await self._waits.release(grant)
+            gone = grant.connection.is_closed()
+        if grant.kept_key is not None and gone:
+            # The session ended without deleting the hold's row: once it has (inspect never
+            # shows the row meanwhile), so does this.
+            await self._inspector.sweep(grant.kept_key, grant.pid)
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
-        signed = lock_key(name, self.schema)
-        key = signed & 0xFFFFFFFFFFFFFFFF
-        while True:
-            connection, reused = await self._sessions.take()
-            try:
-                with self._errors(f"inspecting lock {name!r}"), anyio.fail_after(self.op_timeout):
-                    rows = await connection.fetch(INSPECT, key >> 32, key & 0xFFFFFFFF)
-                    marker = marker_key(signed) & 0xFFFFFFFFFFFFFFFF
-                    queued = await connection.fetchval(
-                        self._inspect_queue,
-                        signed,
-                        key >> 32,
-                        key & 0xFFFFFFFF,
-                        marker >> 32,
-                        marker & 0xFFFFFFFF,
-                    )
-            except BaseException as exc:
-                broken = connection_broken(connection, exc)
-                self._sessions.discard(connection)  # holds no lock: closing it is all
-                if reused and broken and isinstance(exc, Exception):
-                    continue  # died in the pool: ask on another connection
-                raise
-            break
-        self._sessions.give_back(connection)
-        holders = [row for row in rows if row["granted"]]
-        # In the server's queue, and in the queue table (its head, in both, once).
-        waiters = len(rows) - len(holders) + int(queued)
-        if not holders:
-            return LockInfo(name, held=False, waiters=waiters)
-        holder = holders[0]
-        # The token lives in the holder's session only, and the server's idle timer is not
-        # exposed to other sessions: neither is shown.
-        return LockInfo(
-            name,
-            held=True,
-            waiters=waiters,
-            holder=f"{holder['application_name'] or '?'} (backend pid {holder['pid']})",
-        )
+        return await self._inspector.inspect(name, kind)
+
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        await self._inspector.wait_for_change(name, kind, seen, timeout)
 
     # -- loss --------------------------------------------------------------------------------
 
@@ -410,3 +410,39 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     def _errors(self, what: str) -> AbstractContextManager[None]:
         return translate(self._translator, what)
+
+
+def _kind_parts(backend: PostgresBackend, schema: str) -> tuple[Semaphores, Inspector]:
+    """The parts for semaphores, and for inspecting every kind."""
+    semaphores = Semaphores(
+        sessions=backend._sessions,
+        errors=backend._translator,
+        sequence=backend.sequence,
+        queue_table=backend.queue,
+        holders=backend.holders,
+        schema=schema,
+        channel=backend._channel,
+        held=backend._held,
+        queue=backend._queue,
+        on_closed=backend._connection_closed,
+        op_timeout=backend.op_timeout,
+    )
+    inspector = Inspector(
+        sessions=backend._sessions,
+        errors=backend._translator,
+        queue=backend._queue,
+        schema=schema,
+        tables=(backend.queue, backend.holders),
+        op_timeout=backend.op_timeout,
+        poll_interval=backend.poll_interval,
+    )
+    return semaphores, inspector
+
+
+def _no_holders_table(request: LockRequest, server: str, holders: str) -> UnsupportedFeature:
+    create = " ".join(CREATE_HOLDERS.format(holders=holders).split())
+    return UnsupportedFeature(
+        f"{request.kind} {request.name!r}: shared locks, semaphores and elections on {server} "
+        f"need the table {holders}, which this user may not create: create it once as its "
+        f"owner with {create}, and GRANT SELECT, INSERT, UPDATE, DELETE ON it TO the lock users"
+    )

@@ -9,7 +9,10 @@ Layout (imports go down this list, never up):
 - :mod:`._sentinel`: finding the master (sentinels asked, ``ROLE`` checked);
 - :mod:`._cluster`: the slot map and the routing lane (``MOVED``, renewals per master);
 - :mod:`._replicas`: ``wait_replicas`` (``WAIT`` behind takes and renewals);
-- :mod:`.backend`: :class:`RedisBackend` (one server, fencing tokens, a fair queue);
+- :mod:`.backend`: :class:`RedisBackend` (one server, fencing tokens, a fair queue: taking,
+  waiting and the clean-up of an interrupted acquire);
+- :mod:`._holds`: what it does with the holds it has, of every kind (renew, extend, release,
+  inspect, wait for an election's change) and :class:`RedisGrant`;
 - :mod:`.redlock`: :class:`RedlockBackend` (a majority of masters, no fencing);
 - :mod:`._quorum`: Redlock's majority arithmetic and its local queue of waiters;
 - :mod:`._server`: what the single-server backend checks on its server (version, durability,
@@ -19,7 +22,9 @@ Layout (imports go down this list, never up):
 - :mod:`._wire`: Redlock's wire (one pipelined connection per master, in-order cleanup);
 - :mod:`._resp`: the Redis protocol, written and read (both wires);
 - :mod:`._settings`: URL forms, shared options, TLS, error translation;
-- :mod:`._scripts`: the Lua scripts and key names (one copy of each).
+- :mod:`._fair`: the fair queue's Lua scripts, for every kind of hold (exclusive and shared
+  locks, semaphore permits, election terms);
+- :mod:`._scripts`: the other Lua scripts and the key names (one copy of each).
 """
 
 from ._server import RedisDurabilityWarning, durability_problems

@@ -228,7 +228,7 @@ class ClusterLane(Lane):
         self,
         script: lua.Script,
         keys: Sequence[str],
-        args: Sequence[str | int],
+        args: Sequence[lua.Arg],
         undo: Undo | None = None,
     ) -> Any:
         if not keys:
@@ -270,7 +270,7 @@ class ClusterLane(Lane):
         await anyio.sleep(pause)
         await self.refresh()
 
-    async def _renew_per_node(self, keys: Sequence[str], args: Sequence[str | int]) -> list[int]:
+    async def _renew_per_node(self, keys: Sequence[str], args: Sequence[lua.Arg]) -> list[int]:
         """RENEW over many slots: one call per master, run side by side; codes in order."""
         if not self._masters:
             await self.refresh()
@@ -303,7 +303,7 @@ class ClusterLane(Lane):
         return codes
 
     async def _renew_batch(
-        self, keys: list[str], owners: list[str | int], ttls: list[str | int]
+        self, keys: list[str], owners: list[lua.Arg], ttls: list[lua.Arg]
     ) -> list[int]:
         async def send(address: HostPort) -> list[int] | None:
             if any(self.node_of(key) != address for key in keys):

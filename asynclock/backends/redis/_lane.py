@@ -25,7 +25,7 @@ from redis.asyncio.connection import AbstractConnection
 
 from .._kit import TaskHost
 from ._resp import pack
-from ._scripts import Script
+from ._scripts import Arg, Script
 
 logger = logging.getLogger("asynclock")
 
@@ -379,7 +379,7 @@ class Lane:
         self,
         script: Script,
         keys: Sequence[str],
-        args: Sequence[str | int],
+        args: Sequence[Arg],
         undo: Undo | None = None,
     ) -> Any:
         """``EVALSHA``, loading the script first if the server does not know it (a restart

@@ -4,12 +4,22 @@ decided, what a renewal's votes mean, and the local queue of one client's waiter
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from .._kit import BackendUnavailable, InvalidArgument, Lost, Renewed, RenewOutcome, Unknown
-from ._wire import Failed
+from .._kit import (
+    BackendUnavailable,
+    InvalidArgument,
+    LockInfo,
+    Lost,
+    Renewed,
+    RenewOutcome,
+    Unknown,
+)
+from ._wire import Failed, Master, gather
 
 logger = logging.getLogger("asynclock")
 
@@ -157,3 +167,60 @@ def reason(result: object) -> str:
         text = str(error) or type(error).__name__
         return text if len(text) < 120 else text[:117] + "..."
     return "ok"
+
+
+#: A master's view of one lock: {holder or false, pttl}.
+PEEK: Final = "return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}"
+
+
+def majority_view(name: str, results: list[Any], quorum: int, where: str) -> LockInfo:
+    """``inspect()`` from every master's PEEK: held when a majority name one holder, expiring
+    when fewer than a majority would still have its key."""
+    replies = [r for r in results if isinstance(r, list) and len(r) == 2]
+    if len(replies) < quorum:
+        raise BackendUnavailable(
+            f"inspecting {name!r}: only {len(replies)} masters of {where} answered; a "
+            f"majority ({quorum}) is needed to say who holds it"
+        )
+    holders = Counter(bytes(r[0]) for r in replies if r[0])
+    if holders:
+        holder, votes = holders.most_common(1)[0]
+        if votes >= quorum:
+            left = sorted((int(r[1]) for r in replies if r[0] == holder), reverse=True)
+            ms = left[quorum - 1]
+            return LockInfo(
+                name,
+                held=True,
+                owner=holder.decode("utf-8", "replace"),
+                expires_in=ms / 1000 if ms >= 0 else None,
+            )
+    return LockInfo(name, held=False)
+
+
+async def check_majority(
+    masters: Sequence[Master], timeout: float, quorum: int, where: str, grace: float
+) -> None:
+    """PING every master; raise unless a majority answers (warn about the others)."""
+    futures = [master.submit(("PING",)) for master in masters]
+    decided = functools.partial(majority_answered, quorum=quorum)
+    results = await gather(futures, timeout, decided, grace=grace)
+    down = [
+        f"{master.address} ({reason(result)})"
+        for master, result in zip(masters, results, strict=True)
+        if isinstance(result, Failed)
+    ]
+    if len(masters) - len(down) < quorum:
+        raise BackendUnavailable(
+            f"cannot reach a majority of {where}: {len(down)} of {len(masters)} masters did "
+            f"not answer ({'; '.join(down)}); check that redis-server runs on each and that "
+            "the hosts, ports and password are right"
+        )
+    if down:
+        logger.warning(
+            "asynclock: %s: %d of %d masters did not answer (%s); locking goes on with the "
+            "majority",
+            where,
+            len(down),
+            len(masters),
+            "; ".join(down),
+        )

@@ -12,13 +12,14 @@ from ._scripts import (
     WAITERS_KEY,
     WAITERS_TTL_KEY,
     WITHDRAW_WAITER,
+    Arg,
     Script,
     as_text,
     ttl_ms,
 )
 
 #: The backend's way to run a script: (script, keys, args, what it is doing) -> reply.
-RunScript = Callable[[Script, Sequence[str], Sequence[str | int], str], Awaitable[Any]]
+RunScript = Callable[[Script, Sequence[str], Sequence[Arg], str], Awaitable[Any]]
 
 
 class RedisWaiters(WaiterRegistry):

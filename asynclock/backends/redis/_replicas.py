@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .._kit import InvalidArgument, Options
+from . import _fair
 from . import _scripts as lua
 from ._lane import Lane, Wait
 from ._settings import COMMON_OPTIONS
@@ -53,7 +54,7 @@ class ReplicaWait:
         if not self.replicas:
             return
         lane.wait_for = {
-            lua.TAKE.sha: Wait(self.replicas, self.timeout_ms, _took),
+            _fair.TAKE.sha: Wait(self.replicas, self.timeout_ms, _took),
             lua.RENEW.sha: Wait(self.replicas, self.timeout_ms, _renewed),
         }
 

@@ -24,11 +24,12 @@ tenth of the shortest), so that bound is never much older than that.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Final
 
 import anyio
@@ -152,6 +153,45 @@ def _wake(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+class Watch:
+    """One ``wait_for_change`` listening on a channel of changes (see :meth:`WakeChannel.watch`).
+
+    ``target``: how many SUBSCRIBEs of the channel this connection must have confirmed before
+    it listens (None: no connection); ``fired``: a message came (or the connection changed)."""
+
+    __slots__ = ("_acks", "_future", "channel", "fired", "lost", "target")
+
+    def __init__(self, channel: str, acks: Counter[str], target: int | None) -> None:
+        self.channel = channel
+        self._acks = acks
+        self.target = target
+        self.fired = False
+        self.lost = target is None
+        self._future: asyncio.Future[None] | None = None
+
+    def notify(self) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+    async def _wait(self) -> None:
+        self._future = asyncio.get_running_loop().create_future()
+        try:
+            await self._future
+        finally:
+            self._future = None
+
+    async def ready(self) -> bool:
+        """Wait until the subscription is confirmed: True; False if there is no connection."""
+        while not self.lost and self._acks[self.channel] < (self.target or 0):
+            await self._wait()
+        return not self.lost
+
+    async def changed(self) -> None:
+        """Wait for a message on the channel (or the connection's end)."""
+        while not (self.fired or self.lost):
+            await self._wait()
+
+
 class WakeChannel:
     """The watch connection of one client (see the module's docstring). ``run`` lives in the
     backend's task host until it closes."""
@@ -168,6 +208,7 @@ class WakeChannel:
         self._op_timeout = op_timeout
         self._describe = describe
         self._channel = channel
+        self._channel_bytes = channel.encode()
         self._on_restart = on_restart
         self.run_id: str | None = None
         self.waiters: dict[str, Waiter] = {}
@@ -181,6 +222,67 @@ class WakeChannel:
         self._ping_timer: asyncio.TimerHandle | None = None
         self._ping_every = PING_EVERY
         self._connected_before = False
+        #: ``watch``: the listeners by channel; SUBSCRIBEs written and confirmed on this
+        #: connection by channel; the channels whose last command written was SUBSCRIBE.
+        self._watches: dict[str, set[Watch]] = {}
+        self._subs: Counter[str] = Counter()
+        self._acks: Counter[str] = Counter()
+        self._subscribed: set[str] = set()
+
+    # -- changes (elections' wait_for_change) ------------------------------------------------
+
+    @contextlib.contextmanager
+    def watch(self, channel: str) -> Iterator[Watch]:
+        """Listen to ``channel`` on this connection while in the block. The subscription is
+        written at once (no await); :meth:`Watch.ready` waits for its confirmation, after which
+        every message published on it is seen. Leaving unsubscribes the last listener."""
+        conn = self._conn
+        target: int | None = None
+        if conn is not None:
+            try:
+                if channel not in self._subscribed:
+                    write_now(conn, pack(("SUBSCRIBE", channel)))
+                    self._subs[channel] += 1
+                    self._subscribed.add(channel)
+                target = self._subs[channel]
+            except redis.exceptions.ConnectionError:
+                target = None  # the reader finds out, and connects again
+        watch = Watch(channel, self._acks, target)
+        self._watches.setdefault(channel, set()).add(watch)
+        try:
+            yield watch
+        finally:
+            watches = self._watches.get(channel)
+            if watches is not None:
+                watches.discard(watch)
+                if not watches:
+                    del self._watches[channel]
+                    self._unsubscribe(channel)
+
+    def _unsubscribe(self, channel: str) -> None:
+        if channel in self._subscribed and self._conn is not None:
+            self._subscribed.discard(channel)
+            with contextlib.suppress(redis.exceptions.ConnectionError):
+                write_now(self._conn, pack(("UNSUBSCRIBE", channel)))
+
+    def _changes_lost(self) -> None:
+        """The connection ended: its subscriptions with it; every listener looks again."""
+        self._subs.clear()
+        self._acks.clear()
+        self._subscribed.clear()
+        for watches in self._watches.values():
+            for watch in watches:
+                watch.lost = True
+                watch.notify()
+
+    def _on_feed(self, kind: bytes, channel: bytes, _data: object) -> None:
+        name = channel.decode()
+        if kind == b"subscribe":
+            self._acks[name] += 1
+        for watch in self._watches.get(name, ()):
+            if kind == b"message":
+                watch.fired = True
+            watch.notify()
 
     # -- waiters -----------------------------------------------------------------------------
 
@@ -320,12 +422,15 @@ class WakeChannel:
                 if not isinstance(reply, list) or not reply:
                     continue
                 kind = reply[0]
-                if kind == b"message":
+                if kind == b"message" and reply[1] == self._channel_bytes:
                     self._dispatch(reply[2])
                 elif kind == b"pong" and self._pings:
                     self._fresh = self._pings.popleft()
+                elif kind in (b"message", b"subscribe") and len(reply) == 3:
+                    self._on_feed(kind, reply[1], reply[2])
         finally:
             self._conn = None
+            self._changes_lost()
             if self._ping_timer is not None:
                 self._ping_timer.cancel()
                 self._ping_timer = None

@@ -4,26 +4,27 @@ Take: one Lua script does ``SET lock owner NX PX ttl`` and ``INCR``s the name's 
 so the token and the lock come from one atomic step. Renew and release compare the owner id (one
 per lease) before they act; one script renews every lock a client holds, in one round trip.
 
-Keys. Per lock name, four keys, each ``<prefix><kind>:{<name>}``: the braces are a Redis Cluster
-hash tag, so the four are in one slot (:mod:`._scripts`):
+Keys. Per name and kind, five keys, each ``<prefix>[<kind>:]<tag>:{<name>}``: the braces are
+a Redis Cluster hash tag, so the five are in one slot (:mod:`._scripts`, :mod:`._fair`): the
+exclusive holder (``lock:``), the fencing counter (``token:``, no expiry), the queue by arrival
+(``queue:``) and by expiry (``queue-ttl:``), and the other holds (``holds:``: shared holds,
+permits, the leader, each with its own expiry, so a crashed holder frees its own only). TAKE,
+RELEASE, LEAVE and INSPECT get exactly these five as KEYS and touch no other key. RENEW gets
+only lock keys and holds sets, of many names, so on a cluster it must be split per slot (or
+per name). Deadlock detection's two keys (``deadlock:waiters``, ``deadlock:expiry``) are whole
+keys of their own, touched together only with each other.
 
-- ``lock:{name}``: the holder's owner id, with the lease's PX expiry;
-- ``token:{name}``: the fencing counter (no expiry);
-- ``queue:{name}``: sorted set of waiters by arrival; a member is
-  ``"<client id> <ttl ms> <place ms> <owner id>"``;
-- ``queue-ttl:{name}``: the same members, scored by when their place expires (server ms).
-
-TAKE, RELEASE and LEAVE get exactly these four as KEYS, in this order, and touch no other key
-(INSPECT reads them too). RENEW gets only lock keys, of many names, so on a cluster it must be
-split per slot (or per name). Deadlock detection's two keys (``deadlock:waiters``,
-``deadlock:expiry``) are whole keys of their own, touched together only with each other.
+Kinds. A shared hold waits behind any exclusive waiter ahead of it (writer preference); a
+semaphore's permits are a hold each, its number stored with them while anyone holds or waits
+(another number is refused); an election is a semaphore of one whose hold keeps the leader's
+value, and whose scripts PUBLISH every change on a channel of the name (``wait_for_change``).
 
 Waiting and the wake-up. A waiter's first TAKE (mode ``wait``) puts it in the queue; its place
 expires unless it refreshes it (every third of ``waiter_ttl``, or of its ttl if shorter), so a
 dead waiter cannot stall the line for longer than that. Whatever frees the lock (RELEASE, LEAVE,
 or a TAKE that finds it free while another waiter is first) *hands it over* in the same script:
-it sets the lock key to the first live waiter's owner id (PX: its ttl, cut to what is left of
-its place), draws its token, takes it out of the queue and ``PUBLISH``es
+it gives the first live waiters their holds (PX: their ttl, cut to what is left of
+their place), draws their tokens, takes it out of the queue and ``PUBLISH``es
 ``"g <owner> <token> <px>"`` on ``<prefix>wake:<client id>``, the channel of the waiter's client
 (a Pub/Sub channel, not a key: it has no slot; on a cluster, plain PUBLISH reaches a subscriber
 on any node). The waiter wakes holding the lock, without a round trip. The waiter behind it may
@@ -58,40 +59,33 @@ that wakes up cannot leave the lock to a caller that has given up.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Final, Self
 
-import anyio
-
 from .._kit import (
-    Backend,
     BackendTimeout,
     BackendUnavailable,
     Capabilities,
-    Grant,
     HostPort,
     InvalidURL,
-    Kind,
-    LockInfo,
     LockRequest,
-    Lost,
     Options,
-    Renewed,
-    RenewOutcome,
     TaskHost,
     WaiterRegistry,
     finish,
     now,
     parse_host,
+    permits_mismatch,
     redact,
     translate,
 )
+from . import _fair
+from . import _holds as holds
 from . import _scripts as lua
+from ._holds import RedisGrant
 from ._lane import Lane, Undo
 from ._records import RedisWaiters
 from ._server import check_server
@@ -105,23 +99,22 @@ _SCHEMES: Final = ("redis", "rediss")
 _DEFAULT_WAITER_TTL: Final = 5.0
 
 
-@dataclass(eq=False, slots=True)
-class RedisGrant(Grant):
-    """A ``redis://`` lease. ``lease_ttl`` is the ttl asked for, which renewals apply: a lock
-    handed over while its waiter was in line starts with what was left of the waiter's place
-    when that is shorter (``ttl``), so that a waiter that died in line stalls nobody for long."""
-
-    lease_ttl: float
-
-
-class RedisBackend(Backend[RedisGrant]):
+class RedisBackend(holds.HoldingBackend):
     """Locks on one Redis server, with fencing tokens and a fair (FIFO) waiter queue."""
 
     driver = "redis-py"
     #: Makes the wire: (pool, op_timeout, task host) -> Lane (``redis+cluster://``: by slot).
     _lane_type: Callable[..., Lane] = Lane
     capabilities = Capabilities(
-        fencing=True, fifo=True, loss_detection=True, quorum=False, cross_process=True
+        fencing=True,
+        fifo=True,
+        loss_detection=True,
+        quorum=False,
+        cross_process=True,
+        shared_locks=True,
+        semaphores=True,
+        elections=True,
+        ttl_change=True,
     )
 
     def __init__(
@@ -194,15 +187,6 @@ class RedisBackend(Backend[RedisGrant]):
     def queue_key(self, name: str) -> str:
         return lua.queue_key(self.settings.prefix, name)
 
-    def _keys(self, name: str) -> list[str]:
-        prefix = self.settings.prefix
-        return [
-            lua.lock_key(prefix, name),
-            lua.token_key(prefix, name),
-            lua.queue_key(prefix, name),
-            lua.queue_ttl_key(prefix, name),
-        ]
-
     # -- life cycle --------------------------------------------------------------------------
 
     @property
@@ -227,14 +211,14 @@ class RedisBackend(Backend[RedisGrant]):
                     lane, self.describe(), durability_warning=self.durability_warning
                 )
                 # Load the scripts now, so that the first acquire costs one round trip.
-                for script in (lua.TAKE, lua.RELEASE, lua.LEAVE, lua.RENEW):
+                for script in (_fair.TAKE, _fair.RELEASE, _fair.LEAVE, lua.RENEW):
                     await lane.call("SCRIPT", "LOAD", script.text)
                 wakes = self._wakes = WakeChannel(
                     pool,
                     self.settings.op_timeout,
                     self.describe(),
                     f"{self._wake_prefix}{self._client_id}",
-                    functools.partial(_report_lost_after_restart, self),
+                    self._report_lost_after_restart,
                 )
                 wakes.run_id = run_id
                 conn = await wakes.connect()
@@ -269,41 +253,33 @@ class RedisBackend(Backend[RedisGrant]):
         return self._lane
 
     async def _script(
-        self, script: lua.Script, keys: Sequence[str], args: Sequence[str | int], what: str
+        self, script: lua.Script, keys: Sequence[str], args: Sequence[lua.Arg], what: str
     ) -> Any:
         lane = self._connected()
         with translate(ERRORS, f"{what} on {self.describe()}"):
             return await lane.script(script, keys, args)
 
-    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
-        holder, ms_left, counter, waiters = await self._script(
-            lua.INSPECT, self._keys(name), [], f"inspecting lock {name!r}"
-        )
-        if not holder:
-            return LockInfo(name, held=False, waiters=int(waiters))
-        # Every take bumps the counter, so while the key is held it is the holder's token.
-        return LockInfo(
-            name,
-            held=True,
-            owner=lua.as_text(holder),
-            token=int(counter) if counter is not None else None,
-            expires_in=int(ms_left) / 1000 if int(ms_left) >= 0 else None,
-            waiters=int(waiters),
-        )
-
-    def _args(self, request: LockRequest) -> list[str | int]:
-        """ARGV of TAKE and LEAVE (see :mod:`._scripts`), without TAKE's mode."""
+    def _args(self, request: LockRequest) -> list[lua.Arg]:
+        """ARGV of TAKE and LEAVE (see :mod:`._fair`), without TAKE's ``wait``/``try``."""
+        change = ""
+        if request.kind == "election":
+            change = lua.change_channel(self.settings.prefix, request.name, request.kind)
         return [
             request.owner,
             self._wake_prefix,
             self._place_ms(request),
             lua.ttl_ms(request.ttl),
             self._client_id,
+            holds.mode_of(request),
+            holds.permits_of(request),
+            holds.value_of(request),
+            change,
         ]
 
     def _undo_for(self, request: LockRequest) -> Undo:
         """LEAVE for ``request``, sent as plain EVAL (it must not depend on the script cache)."""
-        return Undo("EVAL", lua.LEAVE.text, 4, *self._keys(request.name), *self._args(request))
+        keys = self._keys(request.name, request.kind)
+        return Undo("EVAL", _fair.LEAVE.text, len(keys), *keys, *self._args(request))
 
     async def _take_once(
         self, request: LockRequest, mode: str, undo: Undo
@@ -314,9 +290,14 @@ class RedisBackend(Backend[RedisGrant]):
         sent_at = now()
         with translate(ERRORS, f"taking lock {request.name!r} on {self.describe()}"):
             reply = await lane.script(
-                lua.TAKE, self._keys(request.name), [*self._args(request), mode], undo
+                _fair.TAKE,
+                self._keys(request.name, request.kind),
+                [*self._args(request), mode],
+                undo,
             )
         taken, value = lua.codes(reply, 2)
+        if taken < 0:
+            raise permits_mismatch(request.name, value, request.permits)
         if taken:
             return self._granted(request, value, sent_at, request.ttl), 0, sent_at
         return None, value, sent_at
@@ -324,7 +305,18 @@ class RedisBackend(Backend[RedisGrant]):
     def _granted(
         self, request: LockRequest, token: int, valid_from: float, ttl: float
     ) -> RedisGrant:
-        grant = RedisGrant(request.name, request.owner, token, valid_from, ttl, request.ttl)
+        grant = RedisGrant(
+            request.name,
+            request.owner,
+            token,
+            valid_from,
+            ttl,
+            request.ttl,
+            request.kind,
+            holds.mode_of(request),
+            holds.permits_of(request),
+            holds.value_of(request),
+        )
         self._held[grant.owner] = (grant, request.on_lost)
         return grant
 
@@ -336,9 +328,11 @@ class RedisBackend(Backend[RedisGrant]):
         return max(1, min(self._waiter_ttl_ms, lua.ttl_ms(request.ttl)))
 
     async def try_acquire(self, request: LockRequest) -> RedisGrant | None:
-        if self._wakes is not None and self._wakes.waits_for(request.name):
+        line = holds.line_of(request.kind, request.name)
+        if request.kind != "semaphore" and self._wakes is not None and self._wakes.waits_for(line):
             # A task of ours has a place in the line: a try never jumps it (the take would
             # refuse, or hand the free lock to the first in line), so no round trip for that.
+            # (A semaphore's try goes anyway: it may ask for other permits, which must raise.)
             return None
         undo = self._undo_for(request)
         try:
@@ -356,7 +350,7 @@ class RedisBackend(Backend[RedisGrant]):
         undo = self._undo_for(request)
         refresh = self._place_ms(request) / 3000.0
         # Registered before the first take, so that no hand-over can come before we listen.
-        waiter = wakes.register(request.owner, request.name)
+        waiter = wakes.register(request.owner, holds.line_of(request.kind, request.name))
         try:
             while True:
                 waiter.poked = False
@@ -406,8 +400,8 @@ class RedisBackend(Backend[RedisGrant]):
 
     async def _leave_once(self, request: LockRequest) -> None:
         await self._script(
-            lua.LEAVE,
-            self._keys(request.name),
+            _fair.LEAVE,
+            self._keys(request.name, request.kind),
             self._args(request),
             f"cleaning up after an acquire of {request.name!r}",
         )
@@ -421,79 +415,3 @@ class RedisBackend(Backend[RedisGrant]):
                 f"cleaning up after an interrupted acquire of {request.name!r} on "
                 f"{self.describe()}",
             )
-
-    async def renew(self, grants: Sequence[RedisGrant]) -> Sequence[RenewOutcome]:
-        if not grants:
-            return []
-        keys = [self.lock_key(grant.name) for grant in grants]
-        args: list[str | int] = [grant.owner for grant in grants]
-        args += [lua.ttl_ms(grant.lease_ttl) for grant in grants]
-        sent_at = anyio.current_time()
-        reply = await self._script(lua.RENEW, keys, args, f"renewing {len(grants)} lock(s)")
-        codes = lua.codes(reply, len(grants))
-        return [
-            _outcome(grant, code, sent_at, self.describe())
-            for grant, code in zip(grants, codes, strict=True)
-        ]
-
-    async def release(self, grant: RedisGrant) -> None:
-        self._held.pop(grant.owner, None)
-        sent_at = now()
-        try:
-            reply = await self._script(
-                lua.RELEASE,
-                self._keys(grant.name),
-                [grant.owner, self._wake_prefix, self._client_id],
-                f"releasing lock {grant.name!r}",
-            )
-        except BaseException:
-            # The reply may have been the only word of a hand-over to a waiter of ours.
-            self._poke(grant.name)
-            raise
-        if isinstance(reply, list):
-            # Handed to a task of this client: it learns from this reply (no message), and
-            # runs before the releasing task goes on, as the next holder should.
-            heir, token, px = reply
-            if self._wakes is not None and self._wakes.hand(
-                lua.as_text(heir), int(token), int(px), sent_at
-            ):
-                await asyncio.sleep(0)
-        elif reply == 0:
-            self._poke(grant.name)  # or a retry after a lost reply, which may have handed it
-
-    def _poke(self, name: str) -> None:
-        if self._wakes is not None:
-            self._wakes.poke(name)
-
-
-def _outcome(grant: RedisGrant, code: int, sent_at: float, describe: str) -> RenewOutcome:
-    """What RENEW's code for ``grant`` means."""
-    if code == 1:
-        return Renewed(sent_at, grant.lease_ttl)
-    if code == 0:
-        return Lost(
-            f"the key of lock {grant.name!r} is gone from {describe} (expired, deleted or evicted)"
-        )
-    return Lost(f"lock {grant.name!r} is held by another owner on {describe}")
-
-
-async def _report_lost_after_restart(backend: RedisBackend) -> None:
-    """After a restart: every held lease whose key is gone (or another's) is lost, now."""
-    held = list(backend._held.values())
-    if not held:
-        return
-    # RENEW with ttls of 0 only tells which keys are still ours.
-    reply = await backend._script(
-        lua.RENEW,
-        [backend.lock_key(grant.name) for grant, _ in held],
-        [*(grant.owner for grant, _ in held), *(0 for _ in held)],
-        f"checking {len(held)} lock(s) after a restart",
-    )
-    for (grant, on_lost), code in zip(held, lua.codes(reply, len(held)), strict=True):
-        if code == 1 or grant.owner not in backend._held:
-            continue  # kept (the server has persistence), or released meanwhile
-        what = "is gone" if code == 0 else "is held by another owner"
-        on_lost(
-            f"{backend.describe()} restarted and the key of lock {grant.name!r} {what} "
-            "(a restart without persistence forgets every lock)"
-        )

@@ -42,11 +42,15 @@ from .._kit import (
     HostPort,
     InvalidArgument,
     InvalidURL,
+    Kind,
+    LockInfo,
     LockRequest,
     Options,
+    Renewed,
     RenewOutcome,
     RetryPolicy,
     TaskHost,
+    UnsupportedFeature,
     finish,
     parse_hosts,
     redact,
@@ -55,12 +59,14 @@ from . import _scripts as lua
 from ._quorum import (
     EXAMPLE,
     MIN_MASTERS,
+    PEEK,
     RenewVotes,
     Room,
+    check_majority,
     check_master_count,
     majority_answered,
+    majority_view,
     never,
-    reason,
     round_decided,
     said,
     still_queued,
@@ -97,6 +103,33 @@ class RedlockGrant(Grant):
     ttl_ms: int = 0
 
 
+def _parse(
+    url: str, options: Mapping[str, object]
+) -> tuple[tuple[HostPort, ...], Settings, float, float]:
+    """``from_url``'s work: the masters, the settings, the drift and the retry cap."""
+    parts = split_url(url, schemes=("redlock",), example=EXAMPLE)
+    if not parts.hosts:
+        raise InvalidURL(f"{redact(url)!r} names no masters; e.g. {EXAMPLE}")
+    addresses = tuple(parse_hosts(parts.hosts, default_port=DEFAULT_PORT, url=url, example=EXAMPLE))
+    if len(set(addresses)) != len(addresses):
+        raise InvalidURL(
+            f"{redact(url)!r} names a master twice; Redlock needs independent masters, e.g. "
+            f"{EXAMPLE}"
+        )
+    check_master_count(len(addresses), redact(url))
+    opts = Options(options, "redlock://")
+    tls = opts.flag("tls", False)
+    settings = common_settings(opts, source="redlock://", url=parts, tls=tls)
+    drift = opts.number("drift", _DEFAULT_DRIFT)
+    if drift >= 0.5:
+        raise InvalidArgument(
+            f"option 'drift' of redlock:// is a share of the ttl below 0.5, got {drift!r}"
+        )
+    max_retry_delay = opts.number("max_retry_delay", _DEFAULT_MAX_RETRY_DELAY, minimum=0.001)
+    opts.finish((*COMMON_OPTIONS, "tls", "drift", "max_retry_delay"))
+    return addresses, settings, drift, max_retry_delay
+
+
 # -- the backend ------------------------------------------------------------------------------
 
 
@@ -105,8 +138,17 @@ class RedlockBackend(Backend[RedlockGrant]):
     masters being down, paused or partitioned away."""
 
     driver = "asyncio streams, plus redis-py"
+    #: No shared holds, semaphores or elections: without a counter shared by the masters there
+    #: is no token to order them, and a semaphore's permits would need a majority's agreement on
+    #: a set, which independent masters cannot give atomically. ``extend`` applies a new ttl on
+    #: a majority by the renewal's (and the take's) validity rule.
     capabilities = Capabilities(
-        fencing=False, fifo=False, loss_detection=True, quorum=True, cross_process=True
+        fencing=False,
+        fifo=False,
+        loss_detection=True,
+        quorum=True,
+        cross_process=True,
+        ttl_change=True,
     )
 
     def __init__(
@@ -137,26 +179,7 @@ class RedlockBackend(Backend[RedlockGrant]):
 
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
-        parts = split_url(url, schemes=("redlock",), example=EXAMPLE)
-        if not parts.hosts:
-            raise InvalidURL(f"{redact(url)!r} names no masters; e.g. {EXAMPLE}")
-        addresses = parse_hosts(parts.hosts, default_port=DEFAULT_PORT, url=url, example=EXAMPLE)
-        if len(set(addresses)) != len(addresses):
-            raise InvalidURL(
-                f"{redact(url)!r} names a master twice; Redlock needs independent masters, e.g. "
-                f"{EXAMPLE}"
-            )
-        check_master_count(len(addresses), redact(url))
-        opts = Options(options, "redlock://")
-        tls = opts.flag("tls", False)
-        settings = common_settings(opts, source="redlock://", url=parts, tls=tls)
-        drift = opts.number("drift", _DEFAULT_DRIFT)
-        if drift >= 0.5:
-            raise InvalidArgument(
-                f"option 'drift' of redlock:// is a share of the ttl below 0.5, got {drift!r}"
-            )
-        max_retry_delay = opts.number("max_retry_delay", _DEFAULT_MAX_RETRY_DELAY, minimum=0.001)
-        opts.finish((*COMMON_OPTIONS, "tls", "drift", "max_retry_delay"))
+        addresses, settings, drift, max_retry_delay = _parse(url, options)
         return cls(addresses, settings, drift=drift, max_retry_delay=max_retry_delay)
 
     def describe(self) -> str:
@@ -184,37 +207,14 @@ class RedlockBackend(Backend[RedlockGrant]):
         await self._host.open()
         self._masters = [Master(address, self.settings, self._host) for address in self.addresses]
         try:
-            await self._check_masters()
+            # A hung minority does not hold up the start for op_timeout: a majority and a
+            # moment for the others is enough (a connection being set up goes on in its task).
+            await check_majority(
+                self._masters, self.settings.op_timeout, self.quorum, self.describe(), _OPEN_GRACE
+            )
         except BaseException:
             await self.aclose()
             raise
-
-    async def _check_masters(self) -> None:
-        futures = [master.submit(("PING",)) for master in self._masters]
-        # A hung minority does not hold up the start for op_timeout: a majority and a moment
-        # for the others is enough (a connection still being set up goes on in its own task).
-        results = await gather(futures, self.settings.op_timeout, self._majority, grace=_OPEN_GRACE)
-        down = [
-            f"{master.address} ({reason(result)})"
-            for master, result in zip(self._masters, results, strict=True)
-            if isinstance(result, Failed)
-        ]
-        if len(self._masters) - len(down) < self.quorum:
-            raise BackendUnavailable(
-                f"cannot reach a majority of {self.describe()}: {len(down)} of "
-                f"{len(self._masters)} masters did not answer ({'; '.join(down)}); check "
-                "that redis-server runs on each and that the hosts, ports and password are "
-                "right"
-            )
-        if down:
-            logger.warning(
-                "asynclock: %s: %d of %d masters did not answer (%s); locking goes on with "
-                "the majority",
-                self.describe(),
-                len(down),
-                len(self._masters),
-                "; ".join(down),
-            )
 
     async def aclose(self) -> None:
         if self._closed:
@@ -367,27 +367,58 @@ class RedlockBackend(Backend[RedlockGrant]):
                 backoff.reset()
 
     async def renew(self, grants: Sequence[RedlockGrant]) -> Sequence[RenewOutcome]:
+        return await self._renew([(grant, grant.ttl_ms) for grant in grants])
+
+    async def extend(self, grant: RedlockGrant, ttl: float) -> RenewOutcome:
+        """A renewal with another ttl, by the rule of every renewal: renewed on a majority,
+        and ``ttl - elapsed - drift`` left, counted from before the first request was sent.
+        Later renewals apply the new ttl once it held; after an outcome that proves nothing
+        they keep the old one (the core caps the deadline by a shorter ttl that a master may
+        have applied)."""
+        self.check_ttl(ttl)
+        ms = lua.ttl_ms(ttl)
+        (outcome,) = await self._renew([(grant, ms)])
+        if not isinstance(outcome, Renewed):
+            return outcome
+        grant.ttl_ms = ms
+        # The same expiry told as the ttl the masters apply, from a start moved earlier by the
+        # drift allowance (valid_from + ttl is still a bound no master expires before).
+        allowance = ms / 1000 - outcome.ttl
+        return Renewed(outcome.valid_from - allowance, ms / 1000)
+
+    async def _renew(self, grants: Sequence[tuple[RedlockGrant, int]]) -> list[RenewOutcome]:
+        """RENEW of each grant with its ttl in ms, on every master at once."""
         if not grants:
             return []
         masters = self._live_masters()
-        keys = [self.lock_key(grant.name) for grant in grants]
-        args: list[str | int] = [grant.owner for grant in grants]
-        args += [grant.ttl_ms for grant in grants]
+        keys = [self.lock_key(grant.name) for grant, _ in grants]
+        args: list[str | int] = [grant.owner for grant, _ in grants]
+        args += [ms for _, ms in grants]
         votes = RenewVotes(len(masters), self.quorum, len(grants))
         sent_at = anyio.current_time()
         command = ("EVAL", lua.RENEW.text, len(keys), *keys, *args)
         futures = [master.submit(command) for master in masters]
-        shortest = min(grant.ttl_ms for grant in grants) / 1000
+        shortest = min(ms for _, ms in grants) / 1000
         results = await gather(futures, self._request_timeout(shortest), votes.decided)
         elapsed = anyio.current_time() - sent_at
         return votes.outcomes(
-            [(grant.name, grant.ttl_ms / 1000) for grant in grants],
+            [(grant.name, ms / 1000) for grant, ms in grants],
             results,
             sent_at=sent_at,
             elapsed=elapsed,
             allowance=self._drift_allowance,
             where=self.describe(),
         )
+
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
+        if kind != "lock":
+            raise UnsupportedFeature(f"{self.describe()} has no {kind}s (only exclusive locks)")
+        futures = [
+            master.submit(("EVAL", PEEK, 1, self.lock_key(name))) for master in self._live_masters()
+        ]
+        timeout = self.settings.op_timeout
+        results = await gather(futures, timeout, self._majority, grace=_RELEASE_GRACE)
+        return majority_view(name, results, self.quorum, self.describe())
 
     async def release(self, grant: RedlockGrant) -> None:
         masters = self._live_masters()

@@ -21,8 +21,15 @@ The recipe is Curator's ``InterProcessMutex``:
 * The parent ``<chroot>/<name>`` is a container node, kept while it is in use and deleted once
   it has been empty and unused for ``_PARENT_LINGER`` seconds (the server deletes empty
   containers too, should the client die first).
-* Read-write locks (:class:`asynclock.extras.zookeeper.ReadWriteLock`) put ``-read-`` nodes in
-  the same queue: a reader waits for the writers before it, a writer for everyone before it.
+* Shared holds (``locks.lock(name, shared=True)``) put ``-read-`` nodes in the same queue: a
+  reader waits for the writers before it, a writer for everyone before it (so a waiting writer
+  blocks the readers that come after it).
+* A semaphore of N permits is a queue of ``-sem<N>-`` nodes under its own parent
+  ``<chroot>/%semaphore-<name>``: a node holds when fewer than N nodes are ahead of it, and
+  waits watching the N nodes just ahead of it (a release wakes at most N waiters). N is in
+  every node's name; a request with another N than the first node's is refused.
+* An election is an exclusive lock under ``<chroot>/%election-<name>`` whose nodes carry the
+  candidates' values: the first node is the leader, and ``wait_for_change`` watches it.
 
 The wire protocol (jute serialisation, request and response types, error codes) is aiozk's;
 the session, connection and watch handling are our own, because aiozk's ``ZKClient`` retries
@@ -33,12 +40,14 @@ call is bounded by ``op_timeout``.
 The package, imported in one direction (each file only from those below it):
 
 * ``backend.py``: :class:`ZooKeeperBackend`, the contract's calls and sessions per ttl;
+* ``_inspect.py``: ``inspect`` and ``wait_for_change`` (the holders of a name, its watches);
 * ``_queue.py``: one attempt at a lock (the queue recipe, waiting, cleanup when cancelled);
+* ``_order.py``: who holds and whom each waiter waits for, from a listing of the queue;
 * ``_tree.py``: the chroot and the lock parent nodes;
 * ``_lease.py``: :class:`ZooKeeperGrant` and the held nodes of a session (watched for loss);
 * ``_session.py``: a session over reconnects, its calls, watches and pings;
 * ``_wire.py``: one framed connection and the handshake;
-* ``_urls.py``: the URL and the settings; ``_names.py``: znode names;
+* ``_urls.py``: the URL and the settings; ``_names.py``: znode names and namespaces;
 * ``_errors.py``: the private exceptions and their translation (``zk_errors``).
 """
 

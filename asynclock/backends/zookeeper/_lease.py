@@ -18,7 +18,7 @@ from aiozk import protocol as zk
 
 from .._kit import Grant
 from ._errors import SERVER_ERRORS, ConnectionLoss, SessionGone
-from ._names import EXCLUSIVE, Kind
+from ._names import EXCLUSIVE
 from ._session import Context, Session
 from ._wire import RETRY
 
@@ -29,10 +29,11 @@ logger = logging.getLogger("asynclock.zookeeper")
 
 @dataclass(eq=False, slots=True)
 class ZooKeeperGrant(Grant):
-    """A held lock: its znode, the session that owns it, and whether it is shared (read)."""
+    """A held lock, permit or term: its znode, the session that owns it, and the node's kind
+    (``lock``, ``read`` for a shared hold, ``sem<N>`` for a semaphore's permit)."""
 
     path: str = ""
-    kind: Kind = EXCLUSIVE
+    kind: str = EXCLUSIVE
     session: LockSession | None = field(default=None, repr=False)
     #: The release names the node in the parent's data (``_queue.MARK_AFTER``).
     marks_release: bool = False

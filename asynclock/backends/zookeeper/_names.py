@@ -1,28 +1,62 @@
-"""Znode names: lock names encoded as one znode name, and the parts of a lock node's name.
+"""Znode names: lock names encoded as one znode name, the namespaces of the kinds, and the
+parts of a lock node's name.
 
 A lock node is ``_c_<owner>-<kind>-<sequence>``: Curator's "protected" marker, the lease's
-owner id (so that a create whose reply was lost is found again), the kind (``lock`` for an
-exclusive hold, ``read`` for a shared one) and the sequence number the server appends.
+owner id (so that a create whose reply was lost is found again), the node's kind and the
+sequence number the server appends. The kinds:
+
+* ``lock``: an exclusive hold (a lock's writer, a plain lock, an election's candidate);
+* ``read``: a shared hold of a lock;
+* ``sem<N>``: a hold of a semaphore of ``N`` permits (``sem3``). The number is in the name, so
+  that one listing of the queue shows it for every node: a request with another number is
+  refused without reading any node's data.
 """
 
 from __future__ import annotations
 
-import contextvars
-from typing import Final, Literal
+from typing import Final
 
-__all__ = ("EXCLUSIVE", "KIND", "PROTECTED", "SHARED", "Kind", "encode_name", "forbidden")
+__all__ = (
+    "EXCLUSIVE",
+    "PROTECTED",
+    "SEMAPHORE",
+    "SHARED",
+    "encode_name",
+    "forbidden",
+    "namespace_prefix",
+    "permits_of",
+    "semaphore_kind",
+)
 
 #: Prefix of every lock node: Curator's "protected" marker, then the lease owner id.
 PROTECTED = "_c_"
 EXCLUSIVE: Final = "lock"
 SHARED: Final = "read"
-Kind = Literal["lock", "read"]
+SEMAPHORE: Final = "sem"
 
-#: The lock kind the next acquire in this context takes (set by
-#: :class:`asynclock.extras.zookeeper.ReadWriteLock`, read by the backend's acquire).
-KIND: contextvars.ContextVar[Kind] = contextvars.ContextVar(
-    "asynclock_zookeeper_kind", default=EXCLUSIVE
-)
+#: What precedes the encoded name of a semaphore's or an election's parent node (a lock's
+#: parent is the encoded name alone, as before there were other kinds). An encoded name has a
+#: ``%`` only before two upper-case hex digits, so ``%s`` and ``%e`` never start one: the
+#: three namespaces cannot meet, whatever the names.
+_NAMESPACES: Final = {"lock": "", "semaphore": "%semaphore-", "election": "%election-"}
+
+
+def namespace_prefix(kind: str) -> str:
+    """What precedes the encoded name of a parent node of ``kind`` (``abc.Kind``)."""
+    return _NAMESPACES[kind]
+
+
+def semaphore_kind(permits: int) -> str:
+    """The kind part of a node of a semaphore of ``permits`` permits."""
+    return f"{SEMAPHORE}{permits}"
+
+
+def permits_of(kind: str) -> int | None:
+    """The permits of a semaphore node's kind part (``sem3``: 3); None for any other kind."""
+    digits = kind.removeprefix(SEMAPHORE)
+    if digits == kind or not digits.isdigit() or digits.startswith("0"):
+        return None
+    return int(digits)
 
 
 def forbidden(char: str) -> bool:

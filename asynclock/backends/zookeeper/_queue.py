@@ -1,9 +1,13 @@
-"""Waiting for a lock: Curator's queue recipe, one attempt in one session.
+"""Waiting for a lock, a semaphore's permit or an election: Curator's queue recipe, one
+attempt in one session.
 
 The acquirer creates an ephemeral sequential node; the lowest sequence number holds the lock
-and every other waiter watches only the node just before its own (FIFO, no herd). A reader
-waits for the writers before it, a writer for everyone before it. The fencing token is the
-node's ``czxid``, returned by the same ``Create2`` round trip.
+and every other waiter watches only the node just before its own that blocks it (FIFO, no
+herd). A reader waits for the writers before it, a writer for everyone before it; a semaphore's
+node holds among the first N and watches the N nodes just ahead of it (``_order``). The
+fencing token is the node's ``czxid``, returned by the same ``Create2`` round trip. An
+election's node is an exclusive lock node in the election's own parent, and carries the
+candidate's value as its data.
 
 Server error replies are raised as aiozk exceptions and the session's private ones as they
 are: the backend translates them (``_errors.zk_errors``).
@@ -15,7 +19,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import anyio
 from aiozk import exc as zk_exc
@@ -25,12 +29,13 @@ from aiozk.protocol.create import Create2Request
 from .._kit import BackendUnavailable, LockRequest, finish
 from ._errors import SERVER_ERRORS, ConnectionLoss, NotConnected, SessionGone
 from ._lease import LockSession, ZooKeeperGrant
-from ._names import EXCLUSIVE, PROTECTED, SHARED, Kind, encode_name
+from ._names import EXCLUSIVE, PROTECTED, SHARED, encode_name, semaphore_kind
+from ._order import blockers, permit_blockers, queue, sequence
 from ._session import ATTEMPTS
 from ._tree import Tree
 from ._wire import CONTAINER, EPHEMERAL_SEQUENTIAL, NO_EVENT, CreateContainerRequest
 
-__all__ = ("MARK_AFTER", "Attempt", "Queued", "blockers", "queue")
+__all__ = ("MARK_AFTER", "Attempt", "node_kind")
 
 #: A lease that queued behind at least this many nodes names its node in the parent's data when
 #: it is released (see ``Attempt._released_by_holder``): the queue it leaves is likely long, and
@@ -40,6 +45,13 @@ __all__ = ("MARK_AFTER", "Attempt", "Queued", "blockers", "queue")
 MARK_AFTER = 8
 
 logger = logging.getLogger("asynclock.zookeeper")
+
+
+def node_kind(request: LockRequest) -> str:
+    """The kind part of the name of the node that ``request`` creates (``_names``)."""
+    if request.kind == "semaphore":
+        return semaphore_kind(request.permits)
+    return SHARED if request.kind == "lock" and request.shared else EXCLUSIVE
 
 
 def _checked(reply: Any) -> Any:
@@ -55,8 +67,9 @@ class Attempt:
     tree: Tree
     session: LockSession
     request: LockRequest
-    kind: Kind
     op_timeout: float
+    #: The kind part of our node's name (``lock``, ``read``, ``sem3``).
+    kind: str = field(init=False)
     parent: str = field(init=False)
     prefix: str = field(init=False)
     #: Our node's name once we know it.
@@ -67,7 +80,8 @@ class Attempt:
     ahead_seen: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        self.parent = self.tree.parent(self.request.name)
+        self.kind = node_kind(self.request)
+        self.parent = self.tree.parent(self.request.name, self.request.kind)
         self.prefix = f"{PROTECTED}{encode_name(self.request.owner)}-{self.kind}-"
 
     async def run(self, wait: bool) -> ZooKeeperGrant | None:
@@ -77,8 +91,8 @@ class Attempt:
             czxid, children, listed_at = await self._enqueue()
             while True:
                 assert self.node is not None
-                ahead = blockers(children, self.node, self.kind)
-                # A waiter keeps the node it watches, not the listing (a name per node of the
+                ahead = self._blockers(children)
+                # A waiter keeps the nodes it watches, not the listing (a name per node of the
                 # queue): its memory stays the same however long the queue.
                 del children
                 if ahead is None:
@@ -92,18 +106,15 @@ class Attempt:
                     return self._granted(czxid, listed_at)
                 if not wait:
                     return None
-                watched, alone = ahead[-1], len(ahead) == 1
-                self.ahead_seen = max(self.ahead_seen, len(ahead))
-                del ahead
-                gone_since = await self._wait_for(f"{self.parent}/{watched}")
-                if gone_since is not None and alone:
-                    # The only node ahead that blocked us is gone, and a node created later
-                    # always gets a higher sequence number: the lock is ours, no need to list.
-                    return self._granted(czxid, gone_since)
-                if gone_since is not None:
-                    released_at = await self._released_by_holder(watched)
-                    if released_at is not None:
-                        return self._granted(czxid, released_at)
+                if self.request.kind == "semaphore":
+                    # Any of the N nodes ahead going may give us a permit; the listing says.
+                    await self._wait_for(*(f"{self.parent}/{node}" for node in ahead))
+                    del ahead
+                else:
+                    granted_at = await self._wait_for_lock(ahead)
+                    del ahead
+                    if granted_at is not None:
+                        return self._granted(czxid, granted_at)
                 listed_at = anyio.current_time()
                 (reply,) = await session.call_retrying(
                     zk.GetChildrenRequest(path=self.parent, watch=False)
@@ -121,6 +132,29 @@ class Attempt:
                     unfinished=self._leave_to_janitor,
                 )
 
+    def _blockers(self, children: Sequence[str]) -> list[str] | None:
+        assert self.node is not None
+        if self.request.kind == "semaphore":
+            return permit_blockers(children, self.node, self.request.name, self.request.permits)
+        return blockers(children, self.node, self.kind)
+
+    async def _wait_for_lock(self, ahead: list[str]) -> float | None:
+        """Wait for the last node of ``ahead`` (the nodes that block our lock node) to go.
+
+        Returns when the lock is known to be ours without listing the queue (a valid
+        ``valid_from``), or None: list it.
+        """
+        watched, alone = ahead[-1], len(ahead) == 1
+        self.ahead_seen = max(self.ahead_seen, len(ahead))
+        gone_since = await self._wait_for(f"{self.parent}/{watched}")
+        if gone_since is not None and alone:
+            # The only node ahead that blocked us is gone, and a node created later always
+            # gets a higher sequence number: the lock is ours, no need to list.
+            return gone_since
+        if gone_since is not None:
+            return await self._released_by_holder(watched)
+        return None
+
     def _granted(self, czxid: int, listed_at: float) -> ZooKeeperGrant:
         path = f"{self.parent}/{self.node}"
         grant = ZooKeeperGrant(
@@ -133,6 +167,7 @@ class Attempt:
             kind=self.kind,
             session=self.session,
             marks_release=self.kind == EXCLUSIVE and self.ahead_seen >= MARK_AFTER,
+            space=self.request.kind,
         )
         self.session.hold(path, self.request.on_lost)
         self.node = None  # handed over: nothing to clean up
@@ -142,7 +177,9 @@ class Attempt:
         requests: list[Any] = [
             Create2Request(
                 path=f"{self.parent}/{self.prefix}",
-                data=b"",
+                # An election's candidate keeps its value in its node: the leader's is read
+                # from the first node (``inspect``).
+                data=self.request.value if self.request.kind == "election" else b"",
                 acl=self.tree.acl,
                 flags=EPHEMERAL_SEQUENTIAL,
             ),
@@ -209,7 +246,7 @@ class Attempt:
             self.unsure = False
             return None
         children = _checked(listed).children
-        mine = sorted((c for c in children if c.startswith(self.prefix)), key=_sequence)
+        mine = sorted((c for c in children if c.startswith(self.prefix)), key=sequence)
         if not mine:
             self.unsure = False
             return None
@@ -229,29 +266,34 @@ class Attempt:
         logger.info("asynclock: reusing lock node %s/%s after a lost reply", self.parent, self.node)
         return _checked(stat).stat.created_zxid, children, sent_at
 
-    async def _wait_for(self, path: str) -> float | None:
-        """Wait until ``path`` is gone or changed, or the session's state changed.
+    async def _wait_for(self, *paths: str) -> float | None:
+        """Wait until one of ``paths`` is gone or changed, or the session's state changed.
 
-        Returns, when ``path`` is known to be gone, a time before a request the server answered
+        Returns, when one is known to be gone, a time before a request the server answered
         after that (a valid ``valid_from``); None when something else woke us.
         """
         wake = _Wake()
         session = self.session
-        session.add_watch(path, wake)
+        for path in paths:
+            session.add_watch(path, wake)
         session.add_listener(wake)
         try:
             sent_at = anyio.current_time()
-            (reply,) = await session.call_retrying(zk.GetDataRequest(path=path, watch=True))
-            if isinstance(reply, zk_exc.NoNode):
+            replies = await session.call_retrying(
+                *(zk.GetDataRequest(path=path, watch=True) for path in paths)
+            )
+            if any(isinstance(reply, zk_exc.NoNode) for reply in replies):
                 return sent_at
-            _checked(reply)
+            for reply in replies:
+                _checked(reply)
             await wake.future
             # The event came over a live connection of a live session; the last request the
             # server answered bounds when it last heard from us.
             deleted = wake.deleted and session.state == "connected"
             return session.heard_sent_at if deleted else None
         finally:
-            session.drop_watch(path, wake)
+            for path in paths:
+                session.drop_watch(path, wake)
             session.drop_listener(wake)
 
     async def _released_by_holder(self, node: str) -> float | None:
@@ -327,70 +369,3 @@ class _Wake:
         self.deleted = self.deleted or event_type == zk.WatchEvent.DELETED
         if not self.future.done():
             self.future.set_result(None)
-
-
-def _sequence(child: str) -> int:
-    suffix = child.rpartition("-")[2]
-    return int(suffix) if suffix.isdigit() else -1
-
-
-class Queued(NamedTuple):
-    """A lock node in the queue. A tuple, so that a listing of 1,000 nodes is read and sorted
-    in C (sequence numbers are unique: the order is theirs)."""
-
-    sequence: int
-    child: str
-    #: The encoded owner id (``encode_name(request.owner)``).
-    owner: str
-    kind: str
-
-
-def queue(children: Sequence[str]) -> list[Queued]:
-    """Our lock nodes among ``children`` (``_c_<owner>-<kind>-<sequence>``), in queue order;
-    anything else takes no part in the order."""
-    found: list[Queued] = []
-    for child in children:
-        head, _, suffix = child.rpartition("-")
-        owner_part, _, child_kind = head.rpartition("-")
-        owner = owner_part.removeprefix(PROTECTED)
-        if (
-            not child.startswith(PROTECTED)
-            or not suffix.isdigit()
-            or child_kind not in (EXCLUSIVE, SHARED)
-            or not owner
-        ):
-            continue
-        found.append(Queued(int(suffix), child, owner, child_kind))
-    found.sort()
-    return found
-
-
-def blockers(children: Sequence[str], node: str, kind: Kind) -> list[str] | None:
-    """The nodes ahead of ``node`` that keep it from the lock, in queue order (empty: it holds
-    the lock); None if ``node`` is not among ``children``.
-
-    The same order as :func:`queue`, read in one pass that looks closer only at the nodes
-    ahead: every waiter reads a listing (a name per node of the queue) when it queues.
-    """
-    mine = _sequence(node)
-    found = False
-    ahead: list[tuple[int, str]] = []
-    for child in children:
-        head, _, suffix = child.rpartition("-")
-        if not suffix.isdigit():
-            continue
-        sequence = int(suffix)
-        if sequence >= mine:
-            found = found or child == node
-            continue
-        owner, _, child_kind = head.rpartition("-")
-        if (
-            (child_kind == EXCLUSIVE or (child_kind == SHARED and kind == EXCLUSIVE))
-            and len(owner) > len(PROTECTED)
-            and owner.startswith(PROTECTED)
-        ):
-            ahead.append((sequence, child))
-    if not found:
-        return None
-    ahead.sort()
-    return [child for _, child in ahead]

@@ -1,8 +1,9 @@
-"""The backend's part of the znode tree: the chroot, and one parent node per lock name.
+"""The backend's part of the znode tree: the chroot, and one parent node per name and kind.
 
-A lock's parent ``<chroot>/<encoded name>`` is a container node, kept while it is in use and
-deleted once it has been empty and unused for a while (the server deletes empty containers
-too, should the client die first).
+A lock's parent ``<chroot>/<encoded name>`` (a semaphore's ``<chroot>/%semaphore-<encoded
+name>``, an election's ``<chroot>/%election-<encoded name>``) is a container node, kept while
+it is in use and deleted once it has been empty and unused for a while (the server deletes
+empty containers too, should the client die first).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from aiozk import protocol as zk
 
 from .._kit import translate
 from ._errors import ConnectionLoss, SessionGone, zk_errors
-from ._names import encode_name
+from ._names import encode_name, namespace_prefix
 from ._session import Session
 from ._urls import Settings
 
@@ -37,9 +38,9 @@ class Tree:
             # "auth" with an empty id: the server puts in the digest of our credentials.
             self.acl = [ZkACL.make("auth", "", True, True, True, True, True)]
 
-    def parent(self, name: str) -> str:
-        """The parent node of the lock ``name``."""
-        return f"{self.chroot.rstrip('/')}/{encode_name(name)}"
+    def parent(self, name: str, kind: str = "lock") -> str:
+        """The parent node of ``name`` of ``kind`` (``abc.Kind``: each kind its own namespace)."""
+        return f"{self.chroot.rstrip('/')}/{namespace_prefix(kind)}{encode_name(name)}"
 
     def touch(self, parent: str) -> None:
         self.parents[parent] = anyio.current_time()

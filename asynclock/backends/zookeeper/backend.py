@@ -6,7 +6,6 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Self
-from urllib.parse import unquote
 
 import anyio
 from aiozk import exc as zk_exc
@@ -18,6 +17,7 @@ from .._kit import (
     BackendUnavailable,
     Capabilities,
     InvalidArgument,
+    Kind,
     LockInfo,
     LockRequest,
     Lost,
@@ -29,11 +29,10 @@ from .._kit import (
     finish,
     translate,
 )
-from .._kit import Kind as RequestKind
+from . import _inspect
 from ._errors import SessionGone, zk_errors
 from ._lease import LockSession, ZooKeeperGrant
-from ._names import KIND, SHARED, Kind
-from ._queue import Attempt, queue
+from ._queue import Attempt
 from ._session import ATTEMPTS, Context, Session
 from ._tree import Tree
 from ._urls import Settings, describe, parse_url
@@ -56,8 +55,17 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     """
 
     driver = "aiozk"
+    # ttl_change stays False: a lease's ttl is its session's timeout, fixed when the session
+    # was made (``extend`` renews with the same ttl, the contract's default).
     capabilities = Capabilities(
-        fencing=True, fifo=True, loss_detection=True, quorum=True, cross_process=True
+        fencing=True,
+        fifo=True,
+        loss_detection=True,
+        quorum=True,
+        cross_process=True,
+        shared_locks=True,
+        semaphores=True,
+        elections=True,
     )
 
     def __init__(self, settings: Settings) -> None:
@@ -189,48 +197,32 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
 
     # -- the contract ----------------------------------------------------------------------
 
-    async def inspect(self, name: str, kind: RequestKind = "lock") -> LockInfo:
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         session = await self._session_for(self._settings.session_timeout)
-        parent = self._tree.parent(name)
-        with translate(zk_errors, f"inspecting lock {name!r} on {self.describe()}"):
-            (listed,) = await session.call_retrying(zk.GetChildrenRequest(path=parent, watch=False))
-            if isinstance(listed, zk_exc.NoNode):
-                return LockInfo(name, held=False, waiters=0)
-            if isinstance(listed, Exception):
-                raise listed
-            entries = queue(listed.children)
-            if not entries:
-                return LockInfo(name, held=False, waiters=0)
-            # The lowest sequence holds it (a reader shares it with the readers right after
-            # it). The owner part of its name is the lease's owner secret, which the core hashes.
-            first = entries[0].child
-            owner = unquote(entries[0].owner) or None
-            (found,) = await session.call_retrying(
-                zk.ExistsRequest(path=f"{parent}/{first}", watch=False)
-            )
-        token = None if isinstance(found, Exception) else int(found.stat.created_zxid)
-        holders = 1
-        if entries[0].kind == SHARED:  # every reader before the first writer holds it
-            while holders < len(entries) and entries[holders].kind == SHARED:
-                holders += 1
-        return LockInfo(name, held=True, owner=owner, token=token, waiters=len(entries) - holders)
+        with translate(zk_errors, f"inspecting {kind} {name!r} on {self.describe()}"):
+            return await _inspect.inspect(session, self._tree, name, kind)
+
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        session = await self._session_for(self._settings.session_timeout)
+        with translate(zk_errors, f"watching {kind} {name!r} on {self.describe()}"):
+            await _inspect.wait_for_change(session, self._tree, name, kind, seen, timeout)
 
     async def try_acquire(self, request: LockRequest) -> ZooKeeperGrant | None:
-        return await self._acquire(request, KIND.get(), wait=False)
+        return await self._acquire(request, wait=False)
 
     async def acquire(self, request: LockRequest) -> ZooKeeperGrant:
-        grant = await self._acquire(request, KIND.get(), wait=True)
+        grant = await self._acquire(request, wait=True)
         assert grant is not None
         return grant
 
-    async def _acquire(
-        self, request: LockRequest, kind: Kind, *, wait: bool
-    ) -> ZooKeeperGrant | None:
-        what = f"acquiring {request.name!r} on {self.describe()}"
+    async def _acquire(self, request: LockRequest, *, wait: bool) -> ZooKeeperGrant | None:
+        what = f"acquiring {request.kind} {request.name!r} on {self.describe()}"
+        if request.kind == "semaphore" and request.permits < 1:
+            raise InvalidArgument(f"{what}: permits must be at least 1, not {request.permits}")
         with translate(zk_errors, what):
             for _ in range(ATTEMPTS):
                 session = await self._session_for(request.ttl)
-                attempt = Attempt(self._tree, session, request, kind, self._settings.op_timeout)
+                attempt = Attempt(self._tree, session, request, self._settings.op_timeout)
                 try:
                     return await attempt.run(wait)
                 except SessionGone as exc:

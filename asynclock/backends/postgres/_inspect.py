@@ -1,0 +1,221 @@
+"""What ``inspect()`` reads, per kind: holders from ``pg_locks``, an election's value from the
+holders' table (only the rows of sessions that hold the lock now), waiters from both queues.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+
+from .._kit import HolderInfo, Kind, LockError, LockInfo, translate
+from ._kinds import INSPECT_HOLDS, SWEEP, kind_key, permits_class, split
+from ._queue import Queue
+from ._semaphore_sql import INSPECT_PERMITS, INSPECT_SEMAPHORE
+from ._sessions import Sessions
+from ._sql import INSPECT_QUEUE, marker_key
+from ._translate import Errors, connection_broken
+
+logger = logging.getLogger("asynclock")
+
+#: The longest wait_for_change() waits for a NOTIFY before it looks again (s).
+CHANGE_POLL = 0.5
+#: How long a release waits for the session of a lost leader to end, to delete its row (s).
+SWEEP_WAIT = 1.0
+
+
+async def inspect_key(
+    connection: Any, name: str, kind: Kind, key: int, *, holds_sql: str, queue_sql: str
+) -> LockInfo:
+    """A lock (exclusive or shared holds) or an election."""
+    classid, objid = split(key)
+    rows = await connection.fetch(holds_sql, classid, objid, key)
+    queued = await connection.fetchval(queue_sql, key, classid, objid, *split(marker_key(key)))
+    granted = [row for row in rows if row["granted"]]
+    # In the server's queue, and in the queue table (its head, in both, once).
+    waiters = len(rows) - len(granted) + int(queued)
+    if not granted:
+        return LockInfo(name, held=False, waiters=waiters, kind=kind)
+    # Only the holds with a row (shared holds, leaders) are listed, lowest token first: an
+    # exclusive lock's token and owner live in its holder's session only, and the server's
+    # idle timer is not exposed to other sessions, so neither is shown for it.
+    holders = tuple(
+        HolderInfo(
+            owner=row["owner"],
+            token=row["token"],
+            shared=row["mode"] == "ShareLock",
+            value=bytes(row["value"]) if kind == "election" else None,
+        )
+        for row in granted
+        if row["owner"] is not None
+    )
+    if kind == "election" and not holders:
+        # Granted, but its take has not committed the leader's row yet (a hand-over in
+        # progress): no leader is known until it has, and its NOTIFY comes then. Shown as
+        # nobody, never as a leader without a value or token.
+        return LockInfo(name, held=False, waiters=waiters, kind=kind)
+    first = holders[0] if holders else HolderInfo()
+    return LockInfo(
+        name,
+        held=True,
+        owner=first.owner,
+        token=first.token,
+        waiters=waiters,
+        holder=f"{granted[0]['application_name'] or '?'} (backend pid {granted[0]['pid']})",
+        kind=kind,
+        holders=holders,
+        value=first.value,
+    )
+
+
+async def inspect_semaphore(
+    connection: Any, name: str, key: int, klass: int, *, sql: str, permits_sql: str
+) -> LockInfo:
+    held, permits, waiters = await connection.fetchrow(sql, klass, key)
+    rows = await connection.fetch(permits_sql, key) if held else []
+    holders = tuple(HolderInfo(owner=row["owner"], token=row["token"]) for row in rows)
+    first = holders[0] if holders else HolderInfo()
+    return LockInfo(
+        name,
+        held=bool(held),
+        owner=first.owner,
+        token=first.token,
+        waiters=int(waiters),
+        kind="semaphore",
+        holders=holders,
+        permits=None if permits is None else int(permits),
+    )
+
+
+def changed(now: LockInfo, seen: LockInfo) -> bool:
+    """Whether the holders may have changed between two inspections."""
+    return (now.held, now.owner, now.token, now.value, len(now.holders)) != (
+        seen.held,
+        seen.owner,
+        seen.token,
+        seen.value,
+        len(seen.holders),
+    )
+
+
+class Inspector:
+    """``inspect()`` and ``wait_for_change()`` of one backend."""
+
+    def __init__(
+        self,
+        *,
+        sessions: Sessions,
+        errors: Errors,
+        queue: Queue,
+        schema: str,
+        tables: tuple[str, str],
+        op_timeout: float,
+        poll_interval: float,
+    ) -> None:
+        self._sessions = sessions
+        self._errors = errors
+        self._queue = queue
+        self._schema = schema
+        queue_table, holders = tables
+        self._queue_sql = INSPECT_QUEUE.format(queue=queue_table)
+        self._holds_sql = INSPECT_HOLDS.format(holders=holders)
+        self._semaphore_sql = INSPECT_SEMAPHORE.format(queue=queue_table)
+        self._permits_sql = INSPECT_PERMITS.format(holders=holders)
+        self._sweep_sql = SWEEP.format(holders=holders)
+        self._op_timeout = op_timeout
+        self._poll_interval = poll_interval
+
+    async def inspect(self, name: str, kind: Kind) -> LockInfo:
+        key = kind_key(name, kind, self._schema)
+        while True:
+            connection, reused = await self._sessions.take()
+            try:
+                with (
+                    translate(self._errors, f"inspecting {kind} {name!r}"),
+                    anyio.fail_after(self._op_timeout),
+                ):
+                    # Rows left by holders whose sessions ended go first (none are shown).
+                    await connection.fetchval(self._sweep_sql, key, 0)
+                    if kind == "semaphore":
+                        klass = permits_class(name, self._schema)
+                        info = await inspect_semaphore(
+                            connection,
+                            name,
+                            key,
+                            klass,
+                            sql=self._semaphore_sql,
+                            permits_sql=self._permits_sql,
+                        )
+                    else:
+                        info = await inspect_key(
+                            connection,
+                            name,
+                            kind,
+                            key,
+                            holds_sql=self._holds_sql,
+                            queue_sql=self._queue_sql,
+                        )
+            except BaseException as exc:
+                broken = connection_broken(connection, exc)
+                self._sessions.discard(connection)  # holds no lock: closing it is all
+                if reused and broken and isinstance(exc, Exception):
+                    continue  # died in the pool: ask on another connection
+                raise
+            self._sessions.give_back(connection)
+            return info
+
+    async def sweep(self, key: int, pid: int) -> None:
+        """Delete the holders' rows of ``key`` whose sessions ended, waiting up to
+        ``SWEEP_WAIT`` for the session ``pid`` to end (a connection just closed by us). Best
+        effort: inspect never shows such a row, and the next leader's take overwrites it."""
+        deadline = anyio.current_time() + SWEEP_WAIT
+        try:
+            connection, _ = await self._sessions.take()
+        except Exception as exc:
+            logger.info("asynclock: cannot delete the row of a lost hold: %r", exc)
+            return
+        try:
+            with anyio.fail_after(self._op_timeout + SWEEP_WAIT):
+                while await connection.fetchval(self._sweep_sql, key, pid):
+                    if anyio.current_time() > deadline:
+                        break
+                    await anyio.sleep(0.01)
+        except BaseException as exc:
+            self._sessions.discard(connection)
+            if not isinstance(exc, Exception):
+                raise
+            logger.info("asynclock: cannot delete the row of a lost hold: %r", exc)
+            return
+        self._sessions.give_back(connection)
+
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        """Until a NOTIFY of the name's key (a leader's take and release send one; a waiter
+        leaving the queue table, a permit freed while others wait), a change that inspect()
+        shows, or ``timeout``; at most ``CHANGE_POLL`` (a holder whose session died tells
+        nobody). On the client's one listening connection, interest registered first. The
+        client closing ends it (the caller sees it closed), not with the error of an inspect
+        whose connection the close took."""
+        key = kind_key(name, kind, self._schema)
+        event = anyio.Event()
+        observers = self._queue.observers.setdefault(key, set())
+        observers.add(event)
+        try:
+            with anyio.move_on_after(timeout):
+                if not await self._queue.listen():
+                    await anyio.sleep(self._poll_interval)  # no listener: poll
+                    return
+                try:
+                    now = await self.inspect(name, kind)
+                except LockError:
+                    if not self._sessions.open:
+                        return
+                    raise
+                if changed(now, seen):
+                    return
+                with anyio.move_on_after(CHANGE_POLL):
+                    await event.wait()
+        finally:
+            observers.discard(event)
+            if not observers:
+                self._queue.observers.pop(key, None)

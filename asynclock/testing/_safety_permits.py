@@ -1,0 +1,116 @@
+"""The resource of a semaphore's safety run: a PostgreSQL log of accesses, behind a permit guard.
+
+Each hold of a permit *enters* the resource, waits, and *exits* it: two accesses, each fenced by
+:class:`asynclock.fencing.PostgresSemaphoreGuard` (when fencing is on) and logged with the
+holder's token in commit order. A worker paused past its ttl between the two is the fault: its
+permit goes to another worker, and its exit arrives afterwards. Fenced, the guard refuses it;
+unfenced, the log shows one permit more in use than the semaphore has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..fencing import PostgresSemaphoreGuard
+
+_TABLES = """
+CREATE TABLE IF NOT EXISTS asynclock_safety_permit_writes (
+    seq bigserial PRIMARY KEY, run text NOT NULL, token bigint, op text NOT NULL
+);
+"""
+_FENCES = "asynclock_safety_permit_fences"
+
+
+def _split(spec: str) -> tuple[str, str]:
+    url, _, run = spec.partition("#")
+    if not run or not urlsplit(url).scheme.startswith("postgres"):
+        raise ValueError(
+            f"a semaphore's safety run needs a postgresql://...#run resource, not {spec!r}"
+        )
+    return url, run
+
+
+class PermitResource:
+    """What a worker of a semaphore's run uses: fenced, logged accesses."""
+
+    def __init__(self, url: str, run: str, permits: int) -> None:
+        self._url = url
+        self._run = run
+        self._db: Any = None
+        self._guard = PostgresSemaphoreGuard(permits, table=_FENCES)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Any]:
+        import asyncpg
+
+        if self._db is None:
+            self._db = await asyncpg.connect(self._url)
+        try:
+            yield self._db
+        except BaseException:
+            # A statement cancelled half-way leaves the connection in an unknown state: never
+            # reuse it (see _safety._PostgresResource).
+            self._db.terminate()
+            self._db = None
+            raise
+
+    async def access(self, op: str, token: int | None, logged_token: int | None) -> None:
+        """Log ``op`` with ``logged_token``; fenced by ``token`` (StaleToken if refused)."""
+        insert = "INSERT INTO asynclock_safety_permit_writes (run, token, op) VALUES ($1, $2, $3)"
+        async with self._connection() as db:
+            if token is None:
+                await db.execute(insert, self._run, logged_token, op)
+                return
+            async with db.transaction():
+                await self._guard.check(db, self._run, token)
+                await db.execute(insert, self._run, logged_token, op)
+
+    async def leave(self, token: int) -> None:
+        async with self._connection() as db:
+            await self._guard.leave(db, self._run, token)
+
+    async def aclose(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+
+
+@contextlib.asynccontextmanager
+async def open_permits(spec: str, permits: int) -> AsyncIterator[PermitResource]:
+    url, run = _split(spec)
+    resource = PermitResource(url, run, permits)
+    try:
+        yield resource
+    finally:
+        await resource.aclose()
+
+
+async def prepare_permits(spec: str, permits: int) -> None:
+    import asyncpg
+
+    url, _ = _split(spec)
+    connection = await asyncpg.connect(url)
+    try:
+        await connection.execute(_TABLES)
+        await PostgresSemaphoreGuard(permits, table=_FENCES).create_table(connection)
+    finally:
+        await connection.close()
+
+
+async def permit_log(spec: str) -> list[tuple[int | None, str]]:
+    """Accepted accesses in commit order, (token, op); the run's rows are deleted."""
+    import asyncpg
+
+    url, run = _split(spec)
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetch(
+            "SELECT token, op FROM asynclock_safety_permit_writes WHERE run = $1 ORDER BY seq", run
+        )
+        await connection.execute("DELETE FROM asynclock_safety_permit_writes WHERE run = $1", run)
+        await connection.execute(f"DELETE FROM {_FENCES} WHERE resource = $1", run)
+    finally:
+        await connection.close()
+    return [(row["token"], str(row["op"])) for row in rows]

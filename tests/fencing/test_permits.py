@@ -1,0 +1,282 @@
+"""The semaphore guard: at most N holders' tokens admitted at a time, the oldest evicted."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+
+import asynclock
+from asynclock.fencing import (
+    MemorySemaphoreGuard,
+    PermitSlots,
+    PostgresSemaphoreGuard,
+    RedisSemaphoreGuard,
+    StaleToken,
+)
+from asynclock.testing import PostgresServer, RedisServer
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_admits_up_to_n_tokens_and_evicts_the_oldest_for_a_newer_one() -> None:
+    guard = MemorySemaphoreGuard(3)
+    for token in (1, 2, 3):
+        await guard.write("r", token, token=token)
+    assert guard.admitted("r") == (1, 2, 3)
+    await guard.write("r", "again", token=2)  # a holder may access as often as it likes
+    await guard.check("r", 4)  # a fourth permit: the oldest one's lease must have ended
+    assert guard.admitted("r") == (2, 3, 4)
+    with pytest.raises(StaleToken) as info:
+        await guard.write("r", "late", token=1)  # evicted: refused from now on
+    assert (info.value.token, info.value.resource) == (1, "r")
+    assert await guard.read("r", token=3) == "again"
+    assert guard.rejected == 1
+
+
+async def test_a_token_older_than_every_admitted_one_is_refused_when_full() -> None:
+    guard = MemorySemaphoreGuard(2)
+    await guard.check("r", 5)
+    await guard.check("r", 6)
+    with pytest.raises(StaleToken) as info:
+        await guard.check("r", 4)
+    assert info.value.highest == 5
+    assert guard.admitted("r") == (5, 6)
+
+
+async def test_leaving_frees_the_slot_and_the_token_never_comes_back() -> None:
+    guard = MemorySemaphoreGuard(2)
+    await guard.check("r", 1)  # a long-running holder
+    for token in range(2, 50):  # short holders come and go beside it
+        async with guard.entered("r", token):
+            await guard.check("r", 1)
+    assert guard.admitted("r") == (1,)
+    with pytest.raises(StaleToken):
+        await guard.check("r", 7)  # left: not admitted again
+    await guard.leave("r", 1)
+    await guard.leave("r", 1)  # idempotent
+    assert guard.admitted("r") == ()
+
+
+async def test_a_slot_is_freed_even_when_the_block_is_cancelled() -> None:
+    guard = MemorySemaphoreGuard(1)
+    with anyio.move_on_after(0.01):
+        async with guard.entered("r", 1):
+            await anyio.sleep(1)
+    await guard.check("r", 2)
+    assert guard.admitted("r") == (2,)
+
+
+async def test_resources_are_independent() -> None:
+    guard = MemorySemaphoreGuard(1)
+    await guard.check("a", 9)
+    await guard.check("b", 1)
+    assert (guard.admitted("a"), guard.admitted("b")) == ((9,), (1,))
+
+
+def test_an_evicted_or_departed_token_is_never_admitted_again_randomised() -> None:
+    """The invariant the safety runs rely on: the tokens whose accesses were accepted around
+    any moment are at most N (a token admitted twice was admitted in between)."""
+    rng = random.Random(7)
+    for _ in range(200):
+        permits = rng.randint(1, 4)
+        slots = PermitSlots(permits)
+        gone: set[int] = set()
+        last_ok: dict[int, int] = {}
+        first_ok: dict[int, int] = {}
+        for step in range(200):
+            token = rng.randint(1, 40)
+            if rng.random() < 0.2:
+                slots.leave(token)
+                gone.add(token)
+                continue
+            before = set(slots.admitted)
+            if slots.admit(token) is None:
+                assert token not in gone or token in before
+                first_ok.setdefault(token, step)
+                last_ok[token] = step
+            assert len(slots.admitted) <= permits
+            gone |= before - set(slots.admitted)
+        for step in range(200):
+            live = [t for t in first_ok if first_ok[t] <= step <= last_ok[t]]
+            assert len(live) <= permits
+
+
+def test_departed_tokens_stay_bounded_and_spare_a_long_holder() -> None:
+    slots = PermitSlots(2)
+    assert slots.admit(1) is None
+    for token in range(2, 20_000):
+        assert slots.admit(token) is None
+        slots.leave(token)
+    assert len(slots.departed) <= 4096
+    assert slots.admitted == [1]  # the long-running holder kept its slot
+    assert slots.admit(1) is None
+
+
+async def test_takes_the_token_of_the_lease_in_this_context() -> None:
+    guard = MemorySemaphoreGuard(2)
+    async with asynclock.connect("memory://permits-guard") as locks:
+        async with locks.lock("job") as lease:
+            assert await guard.check("out") == lease.token
+            await guard.leave("out")
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
+def test_permits_must_be_a_positive_int(bad: object) -> None:
+    with pytest.raises(asynclock.InvalidArgument):
+        MemorySemaphoreGuard(bad)  # type: ignore[arg-type]
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def pg(postgres_server: PostgresServer) -> AsyncIterator[tuple[Any, str]]:
+    import asyncpg
+
+    connection = await asyncpg.connect(postgres_server.dsn)
+    table = f"permits_{uuid.uuid4().hex[:8]}"
+    yield connection, table
+    await connection.execute(f"DROP TABLE IF EXISTS {table}")
+    await connection.close()
+
+
+async def test_postgres_semaphore_guard_admits_n_and_evicts_the_oldest(pg: Any) -> None:
+    connection, table = pg
+    guard = PostgresSemaphoreGuard(2, table=table)
+    await guard.create_table(connection)
+    await guard.create_table(connection)  # idempotent
+    for token in (3, 4, 3):
+        assert await guard.check(connection, "r", token) == token
+    await guard.check(connection, "r", 5)
+    assert await guard.admitted(connection, "r") == (4, 5)
+    with pytest.raises(StaleToken) as info:
+        async with connection.transaction():
+            await guard.check(connection, "r", 3)
+    assert info.value.token == 3
+    await guard.leave(connection, "r", 4)
+    await guard.check(connection, "r", 6)  # the slot 4 left
+    assert await guard.admitted(connection, "r") == (5, 6)
+    with pytest.raises(StaleToken):
+        await guard.check(connection, "r", 4)
+    assert await guard.admitted(connection, "other") == ()
+
+
+async def test_postgres_semaphore_guard_holds_the_row_until_the_access_commits(
+    pg: Any, postgres_server: PostgresServer
+) -> None:
+    import asyncpg
+
+    connection, table = pg
+    guard = PostgresSemaphoreGuard(1, table=table)
+    await guard.create_table(connection)
+    other = await asyncpg.connect(postgres_server.dsn)
+    try:
+        events: list[str] = []
+        older = connection.transaction()
+        await older.start()
+        await guard.check(connection, "r", 6)
+
+        async def newer() -> None:
+            async with other.transaction():
+                await guard.check(other, "r", 7)
+                events.append("newer checked")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(newer)
+            await anyio.sleep(0.3)
+            events.append("older commits")
+            await older.commit()
+        assert events == ["older commits", "newer checked"]
+        with pytest.raises(StaleToken):
+            await guard.check(connection, "r", 6)
+    finally:
+        await other.close()
+
+
+def test_postgres_semaphore_guard_refuses_bad_names() -> None:
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(2, table="x; drop")
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(0)
+
+
+async def test_with_a_real_semaphore_a_holder_that_never_left_is_evicted_by_a_newer_one() -> None:
+    guard = MemorySemaphoreGuard(2)
+    async with asynclock.connect("memory://permits-guard-sem") as locks:
+        sem = locks.semaphore("renderers", permits=2)
+        crashed = await sem.acquire(ttl=5)
+        await guard.check("out", crashed.token)
+        await crashed.release()  # as its ttl would: it never told the guard
+        async with sem.lock(ttl=5) as second, sem.lock(ttl=5) as third:
+            assert crashed.token < second.token < third.token
+            async with guard.entered("out", second.token), guard.entered("out", third.token):
+                assert guard.admitted("out") == (second.token, third.token)
+                with pytest.raises(StaleToken):
+                    await guard.write("out", "late", token=crashed.token)
+
+
+# -- Redis ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def raw_redis(redis_server: RedisServer) -> AsyncIterator[Any]:
+    import redis.asyncio
+
+    client = redis.asyncio.Redis(host=redis_server.host, port=redis_server.port)
+    yield client
+    await client.aclose()
+
+
+async def test_redis_semaphore_guard_admits_n_runs_the_command_and_evicts_the_oldest(
+    raw_redis: Any,
+) -> None:
+    prefix = f"permits-{uuid.uuid4().hex[:8]}:"
+    guard = RedisSemaphoreGuard(raw_redis, 2, prefix=prefix)
+    assert await guard.call("r", "RPUSH", f"{prefix}log", "from 3", token=3) == 1
+    assert await guard.check("r", 4) == 4
+    await guard.check("r", 5)  # full: 3 is evicted
+    with pytest.raises(StaleToken) as info:
+        await guard.call("r", "RPUSH", f"{prefix}log", "late", token=3)
+    assert (info.value.token, info.value.highest) == (3, 5)
+    assert await raw_redis.lrange(f"{prefix}log", 0, -1) == [b"from 3"]  # it did not run
+    await guard.leave("r", 4)
+    await guard.check("r", 6)
+    with pytest.raises(StaleToken):
+        await guard.check("r", 4)
+    big = 2**63 - 1  # exact beyond Lua's doubles
+    await guard.check("r", big - 1)
+    await guard.check("r", big)
+    with pytest.raises(StaleToken):
+        await guard.check("r", big - 2)
+
+
+async def test_redis_semaphore_guard_follows_the_rule_of_permit_slots(raw_redis: Any) -> None:
+    """Random checks and leaves, small memory: the script decides as PermitSlots does."""
+    rng = random.Random(11)
+    for round_ in range(6):
+        prefix = f"permits-{uuid.uuid4().hex[:8]}:"
+        permits = rng.randint(1, 3)
+        guard = RedisSemaphoreGuard(raw_redis, permits, prefix=prefix, remembered=6)
+        slots = PermitSlots(permits, remembered=6)
+        for _ in range(150):
+            token = rng.randint(1, 60)
+            if rng.random() < 0.3:
+                slots.leave(token)
+                await guard.leave("r", token)
+                continue
+            expected = slots.admit(token)
+            try:
+                await guard.check("r", token)
+                got = None
+            except StaleToken as exc:
+                got = exc.highest
+            assert got == expected, (round_, token, slots)
+            stored = await raw_redis.hmget(f"{prefix}r", "admitted", "floor")
+            admitted = [int(each) for each in (stored[0] or b"").split()]
+            assert admitted == slots.admitted, (round_, token, slots)
+            assert (None if stored[1] is None else int(stored[1])) == slots.floor

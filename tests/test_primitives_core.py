@@ -1,0 +1,165 @@
+"""The core's side of the primitives on memory://, with its fault hooks: extend() against a
+blocked renewal, extend() beside a renewal in flight, shorter ttls, cancellation of extend()."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import anyio
+import pytest
+
+import asynclock
+from asynclock.backends.memory import MemoryBackend
+
+pytestmark = pytest.mark.anyio
+
+
+def _client() -> asynclock.LockClient:
+    return asynclock.connect(f"memory://primitives-{uuid.uuid4().hex[:8]}")
+
+
+def _backend(locks: asynclock.LockClient) -> MemoryBackend:
+    backend = locks._backend
+    assert isinstance(backend, MemoryBackend)
+    return backend
+
+
+async def test_extend_keeps_the_lock_through_a_body_longer_than_the_first_ttl() -> None:
+    async with _client() as locks:
+        async with locks.lock("job", ttl=0.4) as lease:
+            await lease.extend(3.0)
+            _backend(locks).faults.renew = "hang"  # no background renewal from here on
+            await anyio.sleep(1.0)  # 2.5 times the first ttl
+            assert lease.held and not lease.lost
+            assert _backend(locks).holder("job") is not None
+            _backend(locks).faults.renew = "ok"
+
+
+async def test_without_extend_the_same_body_loses_the_lock() -> None:
+    async with _client() as locks:
+        with pytest.raises(asynclock.LeaseLost):
+            async with locks.lock("job", ttl=0.4):
+                _backend(locks).faults.renew = "hang"
+                await anyio.sleep(1.0)
+        _backend(locks).faults.renew = "ok"
+
+
+async def test_a_shorter_ttl_moves_the_deadline_earlier_and_the_body_is_cancelled_by_it() -> None:
+    async with _client() as locks:
+        started = anyio.current_time()
+        with pytest.raises(asynclock.LeaseLost):
+            async with locks.lock("job", ttl=5.0) as lease:
+                first_deadline = lease.deadline
+                await lease.extend(0.3)
+                assert lease.deadline < first_deadline
+                _backend(locks).faults.renew = "hang"
+                await anyio.sleep(5)
+        # Cancelled at the new deadline (0.3 s less drift and margin), not the old one.
+        assert anyio.current_time() - started < 1.0
+        _backend(locks).faults.renew = "ok"
+
+
+async def test_extend_waits_for_a_renewal_in_flight_and_is_never_beside_it() -> None:
+    async with _client() as locks:
+        lease = await locks.acquire("job", ttl=0.6)
+        backend = _backend(locks)
+        backend.faults.paused = True  # the renewal, when due, waits in the "server"
+        with anyio.fail_after(2):
+            while not lease.busy:  # noqa: ASYNC110 (the renewal loop sets it)
+                await anyio.sleep(0.01)
+        extended = asyncio.create_task(lease.extend(2.0))
+        await anyio.sleep(0.05)
+        assert not extended.done()  # waiting for the renewal, not beside it
+        backend.faults.paused = False
+        await extended
+        assert lease.ttl == 2.0 and lease.held
+        await lease.release()
+
+
+@pytest.mark.parametrize("cancels", [1, 3])
+async def test_a_cancelled_extend_to_a_shorter_ttl_keeps_the_shorter_deadline(
+    cancels: int,
+) -> None:
+    async with _client() as locks:
+        lease = await locks.acquire("job", ttl=10.0)
+        backend = _backend(locks)
+        backend.faults.paused = True  # the extend reaches the "server" and waits there
+        sent = anyio.current_time()
+        task = asyncio.create_task(lease.extend(1.0))
+        await anyio.sleep(0.05)
+        for _ in range(cancels):
+            task.cancel()
+            await asyncio.sleep(0)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The server may have applied the shorter ttl: the deadline must not outlast it.
+        assert lease.deadline <= sent + 1.0
+        assert not lease.busy
+        backend.faults.paused = False
+        await lease.release()
+
+
+async def test_extend_of_a_lease_the_server_dropped_raises_and_cancels_its_body() -> None:
+    async with _client() as locks:
+        with pytest.raises(asynclock.LeaseLost):
+            async with locks.lock("job", ttl=5.0) as lease:
+                _backend(locks).expire("job")
+                await lease.extend(5.0)
+                pytest.fail("extend() of a dropped lease returned")
+
+
+async def test_a_leader_dropped_on_the_server_is_cancelled_and_observers_see_it() -> None:
+    async with _client() as locks, _client() as _:
+        seen: list[asynclock.Leader | None] = []
+
+        async def observe() -> None:
+            async for leader in locks.election("e").observe():
+                seen.append(leader)  # noqa: PERF401 (read while it runs)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(observe)
+            with anyio.fail_after(2):
+                while not seen:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            with pytest.raises(asynclock.LeaseLost):
+                async with locks.election("e").campaign(b"me", ttl=5.0):
+                    with anyio.fail_after(2):
+                        while not seen or seen[-1] is None:  # noqa: ASYNC110
+                            await anyio.sleep(0.01)
+                    _backend(locks).expire("e", notify=True, kind="election")
+                    await anyio.sleep(5)
+            with anyio.fail_after(2):
+                while seen[-1] is not None:  # noqa: ASYNC110 (pushed, not polled)
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        assert [leader.value if leader else None for leader in seen] == [None, b"me", None]
+
+
+async def test_semaphore_permits_validate() -> None:
+    async with _client() as locks:
+        for bad in (0, -1, 10_001):
+            with pytest.raises(asynclock.InvalidArgument, match="between 1 and"):
+                locks.semaphore("s", permits=bad)
+        with pytest.raises(asynclock.InvalidArgument, match="int"):
+            locks.semaphore("s", permits=2.0)  # type: ignore[arg-type]
+        with pytest.raises(asynclock.InvalidArgument):
+            await locks.inspect("s", "queue")  # type: ignore[arg-type]
+
+
+async def test_inspect_shows_readers_permits_and_the_leader() -> None:
+    async with _client() as locks:
+        readers = [await locks.acquire("r", ttl=5, shared=True) for _ in range(3)]
+        info = await locks.inspect("r")
+        assert [holder.owner for holder in info.holders] == [reader.owner for reader in readers]
+        assert all(holder.shared for holder in info.holders)
+        semaphore = locks.semaphore("s", permits=4)
+        permits = [await semaphore.acquire(ttl=5) for _ in range(2)]
+        info = await semaphore.inspect()
+        assert info.permits == 4 and len(info.holders) == 2
+        async with locks.election("e").campaign(b"leader-a", ttl=5) as term:
+            info = await locks.inspect("e", "election")
+            assert info.value == b"leader-a" and info.owner == term.owner
+        for lease in (*readers, *permits):
+            await lease.release()
+        assert (await semaphore.inspect()).permits is None
