@@ -6,7 +6,10 @@ Each backend joins the contract suite with a fixture named ``<name>_backend`` th
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,3 +35,41 @@ def contract_scheme(name: str) -> str:
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+# -- hunting unclosed transports (opt-in) ---------------------------------------------------
+#
+# An asyncio transport that a test never closes is only reported when the garbage collector
+# reaches it, often after that test's event loop has closed and in some later test ("unclosed
+# transport", "unclosed socket" as unraisable warnings, with nothing naming who made it).
+# ASYNCLOCK_TRANSPORT_LEAKS=1 records where each socket transport is made and fails the test
+# whose teardown leaves one open on a closed loop, with that stack; the socket is then closed,
+# so that no later test gets the warning.
+
+if os.environ.get("ASYNCLOCK_TRANSPORT_LEAKS", "").strip() in {"1", "true", "yes"}:
+    import asyncio.selector_events
+    import traceback
+
+    _Transport = asyncio.selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
+    _made: list[tuple[Any, list[str]]] = []
+    _init = _Transport.__init__
+
+    def _recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        _init(self, *args, **kwargs)
+        _made.append((self, traceback.format_stack(limit=30)[:-1]))
+
+    _Transport.__init__ = _recording_init
+
+    @pytest.hookimpl(hookwrapper=True, trylast=True)
+    def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+        yield
+        left = []
+        for transport, stack in _made:
+            loop = transport._loop
+            if transport._sock is not None and not transport._closing and loop.is_closed():
+                left.append(f"{transport._sock!r}, made at:\n{''.join(stack)}")
+                transport._sock.close()
+                transport._sock = None
+        _made.clear()
+        if left:
+            pytest.fail("unclosed transport(s) on a closed loop:\n" + "\n".join(left))

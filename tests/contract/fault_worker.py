@@ -1,8 +1,10 @@
-"""One worker process of the fault contract's client-pause test.
+"""One worker process of the fault contract's client-pause test (and that test's pause schedule).
 
 It takes the lock over and over and does a fenced read-modify-write on a counter in an SQLite
-file (the resource), until its time is up, then prints one JSON line: what it saw. The test
-SIGSTOPs and resumes workers while they run.
+file (the resource), then prints one JSON line: what it saw. The test SIGSTOPs and resumes
+workers while they run. Once the test has resumed every worker for the last time, it writes that
+moment (``time.time()``) into ``stop_file``; each worker stops as soon as it has taken the lock
+after it (or when ``seconds`` are up, which the test then reports as a starved worker).
 
 Usage: python -m tests.contract.fault_worker '<json config>'
 """
@@ -14,6 +16,7 @@ import random
 import sqlite3
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -64,6 +67,25 @@ def fenced_write(db: sqlite3.Connection, worker: int, token: int | None, value: 
         db.execute("COMMIT")
 
 
+def pause_schedule(pauses: int, at_once: int) -> list[tuple[int, bool, int]]:
+    """The client pauses as (step, resume?, pause number), in order: pause ``i`` stops its
+    worker at step ``i`` and resumes it at step ``i + at_once`` (a step is a pause length
+    divided by ``at_once``), so ``at_once`` workers are stopped at a time; at a step where one
+    resumes and another stops, the resume comes first."""
+    events = [(i, False, i) for i in range(pauses)] + [
+        (i + at_once, True, i) for i in range(pauses)
+    ]
+    return sorted(events, key=lambda event: (event[0], not event[1]))
+
+
+def read_last_resume(path: Path) -> float | None:
+    """When the test resumed the workers for the last time, once it has said so."""
+    try:
+        return float(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
 async def main(config: dict[str, Any]) -> dict[str, Any]:
     worker: int = config["worker"]
     ttl: float = config["ttl"]
@@ -79,9 +101,15 @@ async def main(config: dict[str, Any]) -> dict[str, Any]:
         "acquired_at": [],
     }
     end = time.monotonic() + config["seconds"]
+    stop_file = Path(config["stop_file"])
+    last_resume: float | None = None
     async with asynclock.connect(config["url"], **config["options"]) as locks:
         print("ready", flush=True)
         while time.monotonic() < end:
+            if last_resume is None:
+                last_resume = read_last_resume(stop_file)
+            if last_resume is not None and max(seen["acquired_at"], default=0.0) > last_resume:
+                break  # the lock is still usable after every pause: what the test waits for
             try:
                 async with locks.lock(config["name"], ttl=ttl, timeout=ttl * 3) as lease:
                     seen["acquired"] += 1

@@ -6,7 +6,8 @@ Written once, run against every real backend (see tests/contract/conftest.py):
     ``async with`` raises LeaseLost promptly, and the lock is usable once the server returns;
 (b) every connection reset between holds: the next acquire succeeds without an error;
 (c) client processes SIGSTOPped past their ttl under contention, with fenced writes: no error
-    but LeaseLost / AcquireTimeout, no stale write accepted, the lock usable throughout;
+    but LeaseLost / AcquireTimeout, no stale write accepted, the lock usable throughout and
+    after the last pause;
 (d) native ``Task.cancel()`` (and ``asyncio.timeout``) delivered 1-3 times at random moments of
     acquire, release and ``async with`` exit, 1,000 cycles: the lock is free for another client
     within 100 ms of the cancelled task ending, nothing is left on the server, no task runs on;
@@ -41,15 +42,19 @@ import pytest
 import asynclock
 from asynclock import ConnectionState
 from asynclock.testing import FaultProxy
-from tests.contract.fault_worker import open_resource
+from tests.contract.fault_worker import open_resource, pause_schedule
 from tests.contract.harness import BackendUnderTest
 
 pytestmark = pytest.mark.anyio
 
 #: Native-cancellation cycles per backend.
 CANCEL_CYCLES = int(os.environ.get("ASYNCLOCK_CANCEL_CYCLES", "1000"))
-#: Client pauses per backend.
+#: Client pauses per backend, each of 1.3 ttl, spread over PAUSE_WORKERS worker processes of
+#: which PAUSED_AT_ONCE are stopped at a time: the two others contend with each other and with
+#: the stopped ones' leases. Six at a time, the 30 pauses take 6 pause lengths, not 15.
 CLIENT_PAUSES = 30
+PAUSE_WORKERS = 8
+PAUSED_AT_ONCE = 6
 
 
 def report(test: str, backend: BackendUnderTest, **values: Any) -> None:
@@ -218,13 +223,16 @@ async def test_client_processes_paused_past_their_ttl_keep_the_resource_safe(
 ) -> None:
     ttl = backend.ttl
     resource = tmp_path / "resource.db"
+    stop_file = tmp_path / "last-resume"
     open_resource(str(resource)).close()
     fenced = backend.name != "redlock"  # Redlock has no token: only the error kinds are checked
     pause = ttl * 1.3
-    stagger = pause / 2  # at most two of the three workers stopped at once
-    seconds = CLIENT_PAUSES * stagger + pause + ttl * 4
+    step = pause / PAUSED_AT_ONCE
+    schedule = pause_schedule(CLIENT_PAUSES, PAUSED_AT_ONCE)
+    # A guard only: each worker stops once it has taken the lock after the last resume.
+    seconds = schedule[-1][0] * step + ttl * 10 + 5
     workers = []
-    for index in range(3):
+    for index in range(PAUSE_WORKERS):
         config = {
             "worker": index,
             "url": backend.url,
@@ -234,6 +242,7 @@ async def test_client_processes_paused_past_their_ttl_keep_the_resource_safe(
             "fenced": fenced,
             "resource": str(resource),
             "seconds": seconds,
+            "stop_file": str(stop_file),
         }
         workers.append(
             subprocess.Popen(  # noqa: ASYNC220 (starting a process does not block for long)
@@ -249,20 +258,15 @@ async def test_client_processes_paused_past_their_ttl_keep_the_resource_safe(
             line = await anyio.to_thread.run_sync(worker.stdout.readline)
             assert line.strip() == "ready", line
         started = time.time()
-        stopped: list[tuple[float, int]] = []  # (resume at, pid)
-        for index in range(CLIENT_PAUSES):
-            worker = workers[index % 3]
-            os.kill(worker.pid, signal.SIGSTOP)
-            stopped.append((anyio.current_time() + pause, worker.pid))
-            await anyio.sleep(stagger)
-            for resume_at, pid in list(stopped):
-                if anyio.current_time() >= resume_at:
-                    os.kill(pid, signal.SIGCONT)
-                    stopped.remove((resume_at, pid))
-        for resume_at, pid in stopped:
-            await anyio.sleep(max(0.0, resume_at - anyio.current_time()))
-            os.kill(pid, signal.SIGCONT)
+        began = anyio.current_time()
+        for at, resume, pause_number in schedule:
+            await anyio.sleep(max(0.0, began + at * step - anyio.current_time()))
+            # Pause i stops worker i % PAUSE_WORKERS, which has run since its own last resume.
+            pid = workers[pause_number % PAUSE_WORKERS].pid
+            os.kill(pid, signal.SIGCONT if resume else signal.SIGSTOP)
         last_resume = time.time()
+        stop_file.with_suffix(".tmp").write_text(repr(last_resume))
+        stop_file.with_suffix(".tmp").replace(stop_file)
         results = []
         for worker in workers:
             out, _ = await anyio.to_thread.run_sync(
@@ -276,6 +280,10 @@ async def test_client_processes_paused_past_their_ttl_keep_the_resource_safe(
                 worker.send_signal(signal.SIGCONT)
                 worker.kill()
                 worker.wait()
+    # Every worker has closed its client; a grant the last resumes left to nobody (a Redis
+    # hand-over to a waiter that was stopped in line, say) runs out by its ttl.
+    async with backend.connect() as locks:
+        free_after = await wait_until_free(backend, locks, name, within=ttl * 2 + 1)
     errors = [error for result in results for error in result["errors"]]
     assert errors == []
     # The lock stayed usable: every worker took it, also after the last pause.
@@ -304,6 +312,7 @@ async def test_client_processes_paused_past_their_ttl_keep_the_resource_safe(
         refused=sum(result["refused"] for result in results),
         lost=sum(result["lost"] for result in results),
         timeouts=sum(result["timeouts"] for result in results),
+        free_after_exit=round(free_after, 3),
     )
 
 
