@@ -40,7 +40,7 @@ RETRY_ABOVE = 1.25
 #: The longest either run may take, queueing included: a hang fails the test, never the suite.
 RUN_LIMIT = 60.0
 
-#: Only backends that promise FIFO order take part (sqlite and redlock do not).
+#: Only backends that promise FIFO order take part (redlock does not).
 NOT_FIFO = tuple(
     name for name in CONTRACT_BACKENDS if not backend_class(contract_scheme(name)).capabilities.fifo
 )
