@@ -28,7 +28,9 @@ or, for a semaphore, as many waiters as there are free permits. Each gets its ho
 leaves the queue, and is told ``"g <owner> <token> <px>"`` on its client's wake channel (or by
 the reply, when it is a waiter of the releasing client: a flat list of owner, token, px). px
 is its ttl, cut to what is left of its place. The new head may be told ``"f <owner> <px>"``:
-what it waits behind expires in px ms unless renewed.
+what it waits behind expires in px ms unless renewed. A message may be read late (its client
+was stopped, and its take ran first on resuming): a TAKE that leaves its waiter in line says
+which tokens came before it, so that a hand-over told late, and gone, is not taken for one.
 """
 
 from __future__ import annotations
@@ -232,6 +234,14 @@ local function hand_over(local_client, me)
   return told, mine
 end
 
+-- No hand-over from now on gets a token at or below this one (see next_token): a waiter told
+-- of one that is (a message read late, after a stall) knows it came before this take.
+local function token_floor()
+  local t = redis.call('TIME')
+  local last = redis.call('GET', counter)
+  return math.max(last and tonumber(last) or 0, tonumber(t[1]) * 1000000 + tonumber(t[2]) - 1)
+end
+
 -- A semaphore nobody holds or waits for keeps nothing (its permits may change then).
 local function tidy()
   if mode == 'p' and redis.call('EXISTS', queue) == 0 then
@@ -246,6 +256,9 @@ end
 #: Take a hold, or (``ARGV[10] == 'wait'``) join or refresh the queue. Returns {1, token}
 #: when the hold is ours, {0, hint} when not: ms until it is worth looking again (-1: no
 #: idea, wait for a wake or the refresh), {-1, permits} when a semaphore's permits differ.
+#: A take that leaves its waiter in line returns {0, hint, floor}: every hand-over from now
+#: on gets a token above floor, so a hand-over told with a token at or below it came before
+#: this take, and is gone (else the take would have found it and returned {1, token}).
 TAKE: Final = Script(
     _HEAD
     + """
@@ -323,9 +336,9 @@ for _, key in ipairs(kept) do
   keep(key, waiter_ttl)
 end
 if redis.call('ZRANGE', queue, 0, 0)[1] == member then
-  return {0, ahead_ms(mode, now)}
+  return {0, ahead_ms(mode, now), token_floor()}
 end
-return {0, -1}
+return {0, -1, token_floor()}
 """
 )
 

@@ -62,6 +62,7 @@ class Waiter:
         "_timer",
         "ahead",
         "deadline",
+        "floor",
         "handed",
         "in_line",
         "name",
@@ -76,6 +77,10 @@ class Waiter:
         #: (token, px, fresh): the lock was handed to us, with this token and expiry (ms),
         #: started after the local time ``fresh``.
         self.handed: tuple[int, int, float] | None = None
+        #: Our last take left us in line, and every hand-over after it has a token above
+        #: this: one told with a lower token (read late, after a stall) came before that
+        #: take, which found it gone already (else it would have returned the lock).
+        self.floor = -1
         #: When to take again: to refresh our place, and (told "f": we are first) just after
         #: the lease ahead of us expires, in case its holder died.
         self.deadline = math.inf
@@ -93,6 +98,16 @@ class Waiter:
     def due(self) -> bool:
         """Time to take again (or the lock is ours)."""
         return self.handed is not None or self.poked or now() >= min(self.deadline, self.ahead)
+
+    def hand(self, token: int, px: int, fresh: float) -> bool:
+        """The lock was handed to us (told at ``fresh``); False if that hand-over came before
+        our last take (its token is at or below the take's floor): that take did not find
+        it, so its lease is gone, and we wait in a new place."""
+        if token <= self.floor:
+            return False
+        self.handed = (token, px, fresh)
+        self.notify()
+        return True
 
     def notify(self) -> None:
         future = self._future
@@ -114,12 +129,18 @@ class Waiter:
         self._timer = future.get_loop().call_at(min(self.deadline, self.ahead), _wake, future)
 
     async def until_due(
-        self, sent_at: float, refresh: float, hint_ms: int
+        self, sent_at: float, refresh: float, hint_ms: int, floor: int
     ) -> tuple[int, int, float] | None:
-        """After a take that left us in line (sent at ``sent_at``, with the script's hint): wait
-        until the lock is handed to us (token, px, valid from), or it is time to take again
-        (our place needs its refresh, the lease ahead of us expired, a poke): None."""
+        """After a take that left us in line (sent at ``sent_at``, with the script's hint and
+        token floor): wait until the lock is handed to us (token, px, valid from), or it is
+        time to take again (our place needs its refresh, the lease ahead of us expired, a
+        poke): None."""
         self.sent_at = sent_at
+        self.floor = max(self.floor, floor)
+        if self.handed is not None and self.handed[0] <= self.floor:
+            # Told (late) of a hand-over that came before this take, which did not find it:
+            # its lease is gone, and we are in line again. Not ours.
+            self.handed = None
         self.deadline = sent_at + refresh * random.uniform(0.8, 1.0)
         if hint_ms >= 0:
             # We are first and the holder's key expires in hint_ms (or the first waiter is
@@ -325,13 +346,10 @@ class WakeChannel:
 
     def hand(self, owner: str, token: int, px: int, fresh: float) -> bool:
         """The lock was handed to our waiter ``owner`` (a RELEASE of this client said so, sent
-        at ``fresh``); False if no such waiter waits any more (its clean-up frees the lock)."""
+        at ``fresh``); False if no such waiter waits any more (its clean-up frees the lock),
+        or the hand-over came before its last take (see :meth:`Waiter.hand`)."""
         waiter = self.waiters.get(owner)
-        if waiter is None:
-            return False
-        waiter.handed = (token, px, fresh)
-        waiter.notify()
-        return True
+        return waiter is not None and waiter.hand(token, px, fresh)
 
     def poke(self, name: str) -> None:
         """Every waiter of ``name`` takes again (a hand-over to one of them may be unknown)."""
@@ -348,8 +366,7 @@ class WakeChannel:
             return  # its acquire ended meanwhile (LEAVE or its own take dealt with the lock)
         if kind == b"g":
             token, _, px = numbers.partition(b" ")
-            waiter.handed = (int(token), int(px), self._fresh)
-            waiter.notify()
+            waiter.hand(int(token), int(px), self._fresh)
         elif kind == b"f":
             waiter.first(int(numbers))
 

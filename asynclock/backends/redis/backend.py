@@ -283,9 +283,9 @@ class RedisBackend(holds.HoldingBackend):
 
     async def _take_once(
         self, request: LockRequest, mode: str, undo: Undo
-    ) -> tuple[RedisGrant | None, int, float]:
-        """One TAKE: (the grant, 0) if the lock is ours, else (None, the script's hint); and
-        the time it was sent."""
+    ) -> tuple[RedisGrant | None, int, int, float]:
+        """One TAKE: (the grant, 0, -1) if the lock is ours, else (None, the script's hint, its
+        token floor, -1 after a try); and the time it was sent."""
         lane = self._connected()
         sent_at = now()
         with translate(ERRORS, f"taking lock {request.name!r} on {self.describe()}"):
@@ -295,12 +295,15 @@ class RedisBackend(holds.HoldingBackend):
                 [*self._args(request), mode],
                 undo,
             )
-        taken, value = lua.codes(reply, 2)
+        # {0, hint, floor} when the take left us in line, else two codes (see _fair.TAKE).
+        taken, value, *floor = lua.codes(
+            reply, 3 if isinstance(reply, list) and len(reply) == 3 else 2
+        )
         if taken < 0:
             raise permits_mismatch(request.name, value, request.permits)
         if taken:
-            return self._granted(request, value, sent_at, request.ttl), 0, sent_at
-        return None, value, sent_at
+            return self._granted(request, value, sent_at, request.ttl), 0, -1, sent_at
+        return None, value, floor[0] if floor else -1, sent_at
 
     def _granted(
         self, request: LockRequest, token: int, valid_from: float, ttl: float
@@ -336,7 +339,7 @@ class RedisBackend(holds.HoldingBackend):
             return None
         undo = self._undo_for(request)
         try:
-            grant, _, _ = await self._take_once(request, "try", undo)
+            grant, _, _, _ = await self._take_once(request, "try", undo)
         except BaseException as exc:
             # Cancelled or failed with the take in flight: it may have run. Undo it.
             await self._clean_up(request, undo, exc)
@@ -356,11 +359,13 @@ class RedisBackend(holds.HoldingBackend):
                 waiter.poked = False
                 waiter.ahead = math.inf
                 # Joins the queue (or refreshes our place) when the lock is not ours yet.
-                grant, hint_ms, sent_at = await self._take_once(request, "wait", undo)
+                grant, hint_ms, floor, sent_at = await self._take_once(request, "wait", undo)
                 if grant is not None:
                     return grant
                 wakes.in_line(waiter, refresh * 3)
-                handed = await waiter.until_due(sent_at, refresh, hint_ms)
+                # A hand-over told before this take's reply may be older than the take (read
+                # late, after a stall): the floor tells, and an older one is not ours.
+                handed = await waiter.until_due(sent_at, refresh, hint_ms, floor)
                 if handed is not None:
                     token, px, valid_from = handed
                     return self._granted(request, token, valid_from, px / 1000)

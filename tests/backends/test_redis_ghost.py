@@ -1,0 +1,130 @@
+"""redis:// waiting: a hand-over told late, after its waiter queued again, is not taken for a grant.
+
+A waiter stopped in line (SIGSTOP, a stalled loop) may be handed the lock while it cannot run;
+its handed lease expires unrenewed, and on resuming its refresh timer can run before its wake
+channel reads the old ``"g"`` message (after a stop, epoll_wait returns EINTR with its timeout
+passed, and Python then runs the due timers without polling again). Its take then queues it
+again, and the old message must not end the acquire: the lock is another's by then, and the new
+place would later be handed the lock with no acquire left to take it (a ghost holder).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import pytest
+import redis.asyncio
+
+import asynclock
+from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis import RedisBackend, _fair
+from asynclock.testing import RedisServer
+from tests.backends.test_redis import connect, lane_of, wait_for_queue
+from tests.contract.backend_redis import redis_leftovers
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def name() -> str:
+    return f"redis-ghost/{uuid.uuid4().hex[:8]}"
+
+
+def stall_waiting(locks: asynclock.LockClient) -> tuple[Callable[[], None], list[bytes]]:
+    """Make ``locks`` behave as a process stopped in line: its wake channel keeps the messages
+    it reads (returned), and every take of a waiter after the first waits; the function returned resumes
+    it with the takes first, then the kept messages, as a resumed process runs its due timers
+    before it reads its sockets."""
+    backend = locks._backend
+    assert isinstance(backend, RedisBackend) and backend._wakes is not None
+    wakes = backend._wakes
+    lane = lane_of(locks)
+    kept: list[bytes] = []
+    resumed = anyio.Event()
+    takes = 0
+    dispatch = wakes._dispatch
+    script = lane.script
+
+    def keep(data: bytes) -> None:
+        if resumed.is_set():
+            dispatch(data)
+        else:
+            kept.append(data)
+
+    async def stalled_script(
+        which: lua.Script, keys: Sequence[str], args: Sequence[lua.Arg], undo: Any = None
+    ) -> Any:
+        nonlocal takes
+        if which is _fair.TAKE and args[-1] == "wait":
+            takes += 1
+            if takes > 1:
+                await resumed.wait()
+        return await script(which, keys, args, undo)
+
+    def resume() -> None:
+        resumed.set()
+
+    wakes._dispatch = keep  # type: ignore[method-assign]
+    lane.script = stalled_script  # type: ignore[method-assign]
+    return resume, kept
+
+
+async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_nor_strands(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    async with (
+        redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
+        connect(redis_server, prefix) as first,
+        connect(redis_server, prefix) as stopped,
+        connect(redis_server, prefix) as third,
+    ):
+        lock_key = lua.lock_key(prefix, name)
+        holder = await first.acquire(name, ttl=30)
+        resume, kept = stall_waiting(stopped)
+        got: list[asynclock.Lease] = []
+        later: list[asynclock.Lease] = []
+
+        async def wait(client: asynclock.LockClient, ttl: float, into: list[Any]) -> None:
+            into.append(await client.acquire(name, ttl=ttl, timeout=10))
+
+        async with anyio.create_task_group() as tg:
+            # ttl 0.6 s: the waiter's place lasts 0.6 s, and so does a lock handed to it.
+            tg.start_soon(wait, stopped, 0.6, got)
+            await wait_for_queue(raw, prefix, name, 1)
+            tg.start_soon(wait, third, 30, later)
+            await wait_for_queue(raw, prefix, name, 2)
+            stopped_owner = (await raw.zrange(lua.queue_key(prefix, name), 0, 0))[0]
+            stopped_owner = stopped_owner.decode().split(" ")[4]
+            await holder.release()
+            # Handed to the stopped waiter, which neither hears of it nor renews it: it
+            # expires, and the next in line takes the lock.
+            assert await raw.get(lock_key) == stopped_owner.encode()
+            with anyio.fail_after(5):
+                while not later:  # noqa: ASYNC110 (the waiter's task appends)
+                    await anyio.sleep(0.01)
+            assert any(data.startswith(b"g ") for data in kept)
+            # The stopped waiter resumes: its take queues it again, behind the holder; only
+            # then does it read the hand-over told while it was stopped.
+            resume()
+            await wait_for_queue(raw, prefix, name, 1)
+            await anyio.sleep(0.05)
+            wakes = stopped._backend._wakes  # type: ignore[attr-defined]
+            for data in kept:
+                wakes._dispatch(data)
+            await anyio.sleep(0.2)
+            # The lock is the third client's: the stale hand-over must not end the acquire.
+            assert not got, "an acquire returned a grant of a lease that had expired"
+            assert await raw.get(lock_key) == later[0].grant.owner.encode()
+            await later[0].release()
+            # Its place is live: the release hands the lock to it, with a newer token.
+            with anyio.fail_after(5):
+                while not got:  # noqa: ASYNC110 (the waiter's task appends)
+                    await anyio.sleep(0.01)
+        assert got[0].token > later[0].token
+        assert await raw.get(lock_key) == got[0].grant.owner.encode()
+        await got[0].release()
+        # Nothing of the name is left: no lock held for an acquire that is over, no place.
+        assert await redis_leftovers(redis_server, prefix, "no such client") == []
