@@ -11,7 +11,7 @@ place would later be handed the lock with no acquire left to take it (a ghost ho
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -19,10 +19,13 @@ import pytest
 import redis.asyncio
 
 import asynclock
+from asynclock.abc import Kind
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend, _fair
+from asynclock.backends.redis._lane import Undo
+from asynclock.backends.redis._scripts import Arg
 from asynclock.testing import RedisServer
-from tests.backends.test_redis import connect, lane_of, wait_for_queue
+from tests.backends.test_redis import connect, lane_of
 from tests.contract.backend_redis import redis_leftovers
 
 pytestmark = pytest.mark.anyio
@@ -35,9 +38,9 @@ def name() -> str:
 
 def stall_waiting(locks: asynclock.LockClient) -> tuple[Callable[[], None], list[bytes]]:
     """Make ``locks`` behave as a process stopped in line: its wake channel keeps the messages
-    it reads (returned), and every take of a waiter after the first waits; the function returned resumes
-    it with the takes first, then the kept messages, as a resumed process runs its due timers
-    before it reads its sockets."""
+    it reads (returned; once resumed, ``_dispatch`` passes them on), and every take of a
+    waiter after the first waits for the function returned, which resumes it: its takes go
+    first, as a resumed process runs its due timers before it reads its sockets."""
     backend = locks._backend
     assert isinstance(backend, RedisBackend) and backend._wakes is not None
     wakes = backend._wakes
@@ -55,7 +58,7 @@ def stall_waiting(locks: asynclock.LockClient) -> tuple[Callable[[], None], list
             kept.append(data)
 
     async def stalled_script(
-        which: lua.Script, keys: Sequence[str], args: Sequence[lua.Arg], undo: Any = None
+        which: lua.Script, keys: Sequence[str], args: Sequence[Arg], undo: Undo | None = None
     ) -> Any:
         nonlocal takes
         if which is _fair.TAKE and args[-1] == "wait":
@@ -68,40 +71,76 @@ def stall_waiting(locks: asynclock.LockClient) -> tuple[Callable[[], None], list
         resumed.set()
 
     wakes._dispatch = keep  # type: ignore[method-assign]
-    lane.script = stalled_script  # type: ignore[method-assign]
+    lane.script = stalled_script  # type: ignore[method-assign, assignment]
     return resume, kept
 
 
+async def queued(raw: redis.asyncio.Redis, prefix: str, name: str, kind: Kind) -> list[str]:
+    """The owner ids in the queue of ``name`` of ``kind``, first in line first."""
+    members = await raw.zrange(lua.queue_key(prefix, name, kind), 0, -1)
+    return [member.decode().split(" ")[4] for member in members]
+
+
+async def wait_for_line(
+    raw: redis.asyncio.Redis, prefix: str, name: str, kind: Kind, length: int
+) -> list[str]:
+    with anyio.fail_after(5):
+        # The queue lives on the server: polling it is the only way to look.
+        while len(line := await queued(raw, prefix, name, kind)) != length:  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+    return line
+
+
+async def holder_of(locks: asynclock.LockClient, name: str, kind: Kind) -> str | None:
+    """The owner id of the first hold (the client's inspect() shows a digest of it)."""
+    return (await locks._backend.inspect(name, kind)).owner
+
+
+@pytest.mark.parametrize("hold", ["exclusive", "shared", "semaphore"])
 async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_nor_strands(
-    redis_server: RedisServer, prefix: str, name: str
+    redis_server: RedisServer, prefix: str, name: str, hold: str
 ) -> None:
+    kind: Kind = "semaphore" if hold == "semaphore" else "lock"
     async with (
         redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
         connect(redis_server, prefix) as first,
         connect(redis_server, prefix) as stopped,
         connect(redis_server, prefix) as third,
     ):
-        lock_key = lua.lock_key(prefix, name)
-        holder = await first.acquire(name, ttl=30)
+
+        async def take(client: asynclock.LockClient, ttl: float) -> asynclock.Lease:
+            if hold == "semaphore":
+                return await client.semaphore(name, permits=1).acquire(ttl=ttl, timeout=10)
+            # A shared hold waits behind an exclusive one: the waiters ask for shared holds.
+            shared = hold == "shared"
+            return await client.acquire(name, ttl=ttl, timeout=10, shared=shared)
+
+        if hold == "shared":
+            holder = await first.acquire(name, ttl=30)
+        else:
+            holder = await take(first, 30)
         resume, kept = stall_waiting(stopped)
         got: list[asynclock.Lease] = []
         later: list[asynclock.Lease] = []
 
         async def wait(client: asynclock.LockClient, ttl: float, into: list[Any]) -> None:
-            into.append(await client.acquire(name, ttl=ttl, timeout=10))
+            into.append(await take(client, ttl))
 
         async with anyio.create_task_group() as tg:
             # ttl 0.6 s: the waiter's place lasts 0.6 s, and so does a lock handed to it.
             tg.start_soon(wait, stopped, 0.6, got)
-            await wait_for_queue(raw, prefix, name, 1)
-            tg.start_soon(wait, third, 30, later)
-            await wait_for_queue(raw, prefix, name, 2)
-            stopped_owner = (await raw.zrange(lua.queue_key(prefix, name), 0, 0))[0]
-            stopped_owner = stopped_owner.decode().split(" ")[4]
+            (stopped_owner,) = await wait_for_line(raw, prefix, name, kind, 1)
+            if hold == "shared":
+                # An exclusive waiter behind it, so the stopped one queues again on resuming.
+                later_task = first.acquire(name, ttl=30, timeout=10)
+                tg.start_soon(lambda: wait_into(later_task, later))
+            else:
+                tg.start_soon(wait, third, 30, later)
+            await wait_for_line(raw, prefix, name, kind, 2)
             await holder.release()
             # Handed to the stopped waiter, which neither hears of it nor renews it: it
             # expires, and the next in line takes the lock.
-            assert await raw.get(lock_key) == stopped_owner.encode()
+            assert await holder_of(third, name, kind) == stopped_owner
             with anyio.fail_after(5):
                 while not later:  # noqa: ASYNC110 (the waiter's task appends)
                     await anyio.sleep(0.01)
@@ -109,7 +148,7 @@ async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_no
             # The stopped waiter resumes: its take queues it again, behind the holder; only
             # then does it read the hand-over told while it was stopped.
             resume()
-            await wait_for_queue(raw, prefix, name, 1)
+            assert await wait_for_line(raw, prefix, name, kind, 1) == [stopped_owner]
             await anyio.sleep(0.05)
             wakes = stopped._backend._wakes  # type: ignore[attr-defined]
             for data in kept:
@@ -117,14 +156,18 @@ async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_no
             await anyio.sleep(0.2)
             # The lock is the third client's: the stale hand-over must not end the acquire.
             assert not got, "an acquire returned a grant of a lease that had expired"
-            assert await raw.get(lock_key) == later[0].grant.owner.encode()
+            assert await holder_of(third, name, kind) == later[0].grant.owner
             await later[0].release()
             # Its place is live: the release hands the lock to it, with a newer token.
             with anyio.fail_after(5):
                 while not got:  # noqa: ASYNC110 (the waiter's task appends)
                     await anyio.sleep(0.01)
         assert got[0].token > later[0].token
-        assert await raw.get(lock_key) == got[0].grant.owner.encode()
+        assert await holder_of(third, name, kind) == got[0].grant.owner
         await got[0].release()
         # Nothing of the name is left: no lock held for an acquire that is over, no place.
         assert await redis_leftovers(redis_server, prefix, "no such client") == []
+
+
+async def wait_into(acquiring: Awaitable[asynclock.Lease], into: list[Any]) -> None:
+    into.append(await acquiring)
