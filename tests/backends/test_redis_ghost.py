@@ -4,14 +4,22 @@ A waiter stopped in line (SIGSTOP, a stalled loop) may be handed the lock while 
 its handed lease expires unrenewed, and on resuming its refresh timer can run before its wake
 channel reads the old ``"g"`` message (after a stop, epoll_wait returns EINTR with its timeout
 passed, and Python then runs the due timers without polling again). Its take then queues it
-again, and the old message must not end the acquire: the lock is another's by then, and the new
-place would later be handed the lock with no acquire left to take it (a ghost holder).
+again, and the old message must not end the acquire: the lock is another's by then (the grant
+counted from the new take, so the body would run beside that holder), and the new place would
+later be handed the lock with no acquire left to take it (a ghost holder until its ttl ran out).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -171,3 +179,82 @@ async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_no
 
 async def wait_into(acquiring: Awaitable[asynclock.Lease], into: list[Any]) -> None:
     into.append(await acquiring)
+
+
+#: A client process that waits for the lock once, holds it for a moment and says what it saw.
+_WAITER = """
+import sys, time, anyio, asynclock
+
+async def main(url, prefix, name):
+    async with asynclock.connect(url, prefix=prefix, durability_warning=False) as locks:
+        print("ready", flush=True)
+        try:
+            async with locks.lock(name, ttl=0.6, timeout=10, on_lost="cancel") as lease:
+                print("got", time.time(), lease.token, flush=True)
+                await anyio.sleep(0.01)
+        except asynclock.LockError as exc:
+            print("error", type(exc).__name__, flush=True)
+    print("done", time.time(), flush=True)
+
+anyio.run(main, *sys.argv[1:])
+"""
+
+
+async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_exits(
+    redis_server: RedisServer, prefix: str, name: str
+) -> None:
+    """The same race for real: the waiter's process is SIGSTOPped in line, handed the lock,
+    and resumed after that lease expired and another client took the lock."""
+    async with (
+        redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
+        connect(redis_server, prefix) as first,
+        connect(redis_server, prefix) as third,
+    ):
+        holder = await first.acquire(name, ttl=30)
+        child = subprocess.Popen(  # noqa: ASYNC220 (starting a process does not block for long)
+            [sys.executable, "-c", _WAITER, redis_server.url, prefix, name],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parents[2],
+        )
+        try:
+            assert child.stdout is not None
+            line = await anyio.to_thread.run_sync(child.stdout.readline)
+            assert line.strip() == "ready", line
+            (stopped_owner,) = await wait_for_line(raw, prefix, name, "lock", 1)
+            later: list[asynclock.Lease] = []
+
+            async def wait() -> None:
+                later.append(await third.acquire(name, ttl=30, timeout=10))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait)
+                await wait_for_line(raw, prefix, name, "lock", 2)
+                os.kill(child.pid, signal.SIGSTOP)
+                await holder.release()
+                assert await holder_of(third, name, "lock") == stopped_owner
+                with anyio.fail_after(5):
+                    while not later:  # noqa: ASYNC110 (the waiter's task appends)
+                        await anyio.sleep(0.01)
+                os.kill(child.pid, signal.SIGCONT)
+                # Resumed: it queues again behind the third client's hold, and waits.
+                assert await wait_for_line(raw, prefix, name, "lock", 1) == [stopped_owner]
+                await anyio.sleep(0.3)
+                assert await holder_of(third, name, "lock") == later[0].grant.owner
+                released = time.time()
+                await later[0].release()
+            out, _ = await anyio.to_thread.run_sync(
+                functools.partial(child.communicate, timeout=20)
+            )
+        finally:
+            if child.poll() is None:
+                child.send_signal(signal.SIGCONT)
+                child.kill()
+                child.wait()
+        seen = out.split()
+        # It held the lock only after the third client released it: its place was live.
+        assert seen[0] == "got", out
+        assert float(seen[1]) > released, out
+        assert int(seen[2]) > later[0].token, out
+        # It exited: nothing of the name is left, at once (no ghost hold, no place).
+        assert await redis_leftovers(redis_server, prefix, "no such client") == []
