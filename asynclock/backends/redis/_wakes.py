@@ -16,7 +16,10 @@ Lease arithmetic: a hand-over starts the new holder's expiry when the releasing 
 at a moment the waiter does not see. What it knows precedes that moment is the send time of
 any request the server answered before it published the wake: the waiter's own last take,
 and the last ``PING`` sent on this connection whose reply came before the message (replies and
-messages on one connection arrive in the order the server wrote them). The reader pings every
+messages on one connection arrive in the order the server wrote them). The first holds only for
+a hand-over that came after that take, which a message read late (the client was stopped, and
+its take ran first on resuming) may not be: the take's reply says which tokens came before it,
+and a hand-over with one of those is dropped (:meth:`Waiter.hand`). The reader pings every
 :data:`PING_EVERY` seconds while anyone waits (more often when a waiter's place is short: a
 tenth of the shortest), so that bound is never much older than that.
 """

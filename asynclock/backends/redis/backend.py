@@ -27,7 +27,9 @@ it gives the first live waiters their holds (PX: their ttl, cut to what is left 
 their place), draws their tokens, takes it out of the queue and ``PUBLISH``es
 ``"g <owner> <token> <px>"`` on ``<prefix>wake:<client id>``, the channel of the waiter's client
 (a Pub/Sub channel, not a key: it has no slot; on a cluster, plain PUBLISH reaches a subscriber
-on any node). The waiter wakes holding the lock, without a round trip. The waiter behind it may
+on any node). The waiter wakes holding the lock, without a round trip (unless the message is
+older than its last take, read late after a stall: that take found the lease gone and queued it
+again, and told it the tokens handed out before; such a wake is dropped). The waiter behind it may
 be told ``"f <owner> <px>"`` (it is first now; the lease ahead expires in px ms unless renewed),
 so that it takes over a holder that dies. Each client holds one connection subscribed to its
 channel, however many of its tasks wait (:mod:`._wakes`); its tasks hold no connection while
