@@ -436,6 +436,33 @@ async def test_observe_ends_when_the_client_closes(backend: BackendUnderTest, na
     assert seen == [None]
 
 
+async def test_cancelling_campaigns_leaves_nothing_behind(
+    backend: BackendUnderTest, name: str
+) -> None:
+    ttl = backend.ttl * 5
+    async with backend.connect() as locks, backend.connect() as other:
+        _needs(locks, "elections")
+        leader = other.election(name).campaign(b"leader", ttl=ttl)
+        await leader.__aenter__()
+        try:
+            for cancels in (1, 2, 5):
+                task = asyncio.create_task(_hold(locks.election(name).campaign(b"c", ttl=ttl)))
+                await anyio.sleep(0.1)
+                for _ in range(cancels):
+                    task.cancel()
+                    await asyncio.sleep(0)
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            with anyio.move_on_after(0.05):  # anyio's cancellation, mid-wait
+                await _hold(locks.election(name).campaign(b"c", ttl=ttl))
+        finally:
+            await leader.__aexit__(None, None, None)
+        # The cancelled candidates are gone: the next one leads at once.
+        async with locks.election(name).campaign(b"next", ttl=ttl, timeout=5):
+            current = await other.election(name).leader()
+            assert current is not None and current.value == b"next"
+
+
 async def test_campaign_checks_its_value(backend: BackendUnderTest, name: str) -> None:
     async with backend.connect() as locks:
         _needs(locks, "elections")
