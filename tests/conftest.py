@@ -22,7 +22,7 @@ CONTRACT_BACKENDS = sorted(
     (path.stem.removeprefix("backend_") for path in (_HERE / "contract").glob("backend_*.py")),
     key=lambda name: (name not in _FIRST, _FIRST.index(name) if name in _FIRST else 0, name),
 )
-pytest_plugins = [f"tests.contract.backend_{name}" for name in CONTRACT_BACKENDS]
+pytest_plugins = ["tests.loud", *(f"tests.contract.backend_{name}" for name in CONTRACT_BACKENDS)]
 #: The URL scheme of the contract backends whose name is not one (a module name cannot hold "+").
 _SCHEMES = {"sentinel": "redis+sentinel", "cluster": "redis+cluster"}
 
