@@ -5,8 +5,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.conftest import CONTRACT_BACKENDS
+from asynclock._registry import backend_class
+from asynclock.abc import Capabilities
+from tests.conftest import CONTRACT_BACKENDS, contract_scheme
 from tests.contract.harness import BackendUnderTest
+from tests.contract.kinds import KINDS
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -20,7 +23,30 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         # are left out of its parametrisation (not skipped: there is nothing to run there).
         for marker in metafunc.definition.iter_markers("not_on"):
             names = [name for name in names if name not in marker.args]
-        metafunc.parametrize("backend_name", names, indirect=False)
+        # A test of a primitive runs on the backends that have it (test_primitives.py checks
+        # that each backend has what its documentation promises).
+        for marker in metafunc.definition.iter_markers("needs"):
+            names = [
+                name
+                for name in names
+                if all(getattr(_capabilities(name), capability) for capability in marker.args)
+            ]
+        if "kind" not in metafunc.fixturenames:
+            metafunc.parametrize("backend_name", names, indirect=False)
+            return
+        # A test of every kind of hold runs on each backend for each kind it has
+        # (tests/contract/kinds.py).
+        pairs = [
+            pytest.param(name, kind, id=f"{name}-{kind}")
+            for name in names
+            for kind, capability in KINDS.items()
+            if capability is None or getattr(_capabilities(name), capability)
+        ]
+        metafunc.parametrize(("backend_name", "kind"), pairs)
+
+
+def _capabilities(name: str) -> Capabilities:
+    return backend_class(contract_scheme(name)).capabilities
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 :class:`ResourceServer` runs in the test's process, on 127.0.0.1: the resource every worker
 process uses, fenced by a guard (:class:`asynclock.fencing.MemorySemaphoreGuard` for a
 semaphore, :class:`asynclock.fencing.MemoryGuard` for an election's terms). It counts the bodies
-inside at once (``enter`` / ``exit``, the shared counter), accepts or refuses writes by token,
+inside at once (``enter`` / ``exit`` by holder and token), accepts or refuses writes by token,
 and keeps every event in arrival order, so the test reads one history for all processes.
 
 A worker (``python -m tests.contract.primitive_worker '<json config>'``) runs candidate tasks:
@@ -47,7 +47,8 @@ class ResourceServer:
         self.guard: MemoryGuard | MemorySemaphoreGuard = (
             MemorySemaphoreGuard(permits) if permits else MemoryGuard()
         )
-        self.inside = 0
+        #: The bodies inside now, by (who, token).
+        self.bodies: set[tuple[str, int]] = set()
         self.most_inside = 0
         #: Every event, in the order the resource saw it (the history the test checks).
         self.events: list[dict[str, Any]] = []
@@ -82,11 +83,13 @@ class ResourceServer:
         event = {**message, "t": time.monotonic()}
         op = message["op"]
         if op == "enter":
-            self.inside += 1
-            self.most_inside = max(self.most_inside, self.inside)
-            event["inside"] = self.inside
+            self.bodies.add((message["who"], message["token"]))
+            self.most_inside = max(self.most_inside, len(self.bodies))
+            event["inside"] = len(self.bodies)
         elif op == "exit":
-            self.inside -= 1
+            # Only a body whose enter was counted: one cancelled before its enter reached the
+            # resource still sends its exit, which must not count another body out.
+            self.bodies.discard((message["who"], message["token"]))
         elif op == "write":
             try:
                 self.guard._check(RESOURCE, message["token"])
@@ -158,9 +161,10 @@ class _Client:
 async def _fenced_body(
     client: _Client, token: int, hold: float, every: float, *, leave: bool
 ) -> None:
-    """Enter, write with ``token`` every ``every`` s for ``hold`` s, exit (also if cancelled)."""
-    await client.send("enter", token=token)
+    """Enter, write with ``token`` every ``every`` s for ``hold`` s, exit (also if cancelled:
+    the enter may have reached the resource even if its reply never came back)."""
     try:
+        await client.send("enter", token=token)
         end = time.monotonic() + hold
         while True:
             await client.send("write", token=token)

@@ -1,4 +1,7 @@
-"""The contract every backend passes, run against each real backend (see tests/conftest.py)."""
+"""The contract every backend passes, run against each real backend (see tests/conftest.py).
+
+A test that takes ``kind`` runs for locks, semaphores of one permit and elections alike
+(tests/contract/kinds.py)."""
 
 from __future__ import annotations
 
@@ -9,22 +12,27 @@ import anyio
 import pytest
 
 import asynclock
+from asynclock.abc import Kind
 from tests.contract.harness import BackendUnderTest
+from tests.contract.kinds import Holds, holds
 
 pytestmark = pytest.mark.anyio
 
+#: The warning a lease lost on the server logs.
+LOST = r"lease on '.*' lost"
+
 
 async def test_mutual_exclusion_under_50_contending_tasks(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
     """A read-sleep-write counter shared by 50 tasks on 5 clients never loses an update."""
     counter = 0
     inside = 0
     most_inside = 0
 
-    async def worker(locks: asynclock.LockClient) -> None:
+    async def worker(hold: Holds) -> None:
         nonlocal counter, inside, most_inside
-        async with locks.lock(name, ttl=10 * backend.ttl):
+        async with hold.lock(name, ttl=10 * backend.ttl):
             inside += 1
             most_inside = max(most_inside, inside)
             seen = counter
@@ -37,50 +45,50 @@ async def test_mutual_exclusion_under_50_contending_tasks(
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 for index in range(50):
-                    tg.start_soon(worker, clients[index % 5])
+                    tg.start_soon(worker, holds(clients[index % 5], kind))
     assert counter == 50
     assert most_inside == 1
 
 
 async def test_try_acquire_returns_none_while_held_and_a_lease_when_free(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
     async with backend.connect() as first, backend.connect() as second:
-        lease = await first.try_acquire(name, ttl=backend.ttl * 5)
+        lease = await holds(first, kind).try_acquire(name, ttl=backend.ttl * 5)
         assert lease is not None
-        assert await second.try_acquire(name, ttl=backend.ttl * 5) is None
+        assert await holds(second, kind).try_acquire(name, ttl=backend.ttl * 5) is None
         await lease.release()
-        again = await second.try_acquire(name, ttl=backend.ttl * 5)
+        again = await holds(second, kind).try_acquire(name, ttl=backend.ttl * 5)
         assert again is not None
         await again.release()
 
 
 async def test_timeout_raises_acquire_timeout_after_the_timeout(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
     async with backend.connect() as first, backend.connect() as second:
-        async with first.lock(name, ttl=backend.ttl * 5):
+        async with holds(first, kind).lock(name, ttl=backend.ttl * 5):
             started = anyio.current_time()
             with pytest.raises(asynclock.AcquireTimeout) as info:
-                async with second.lock(name, ttl=backend.ttl * 5, timeout=0.3):
+                async with holds(second, kind).lock(name, ttl=backend.ttl * 5, timeout=0.3):
                     pytest.fail("entered a lock that another client holds")
             waited = anyio.current_time() - started
             assert isinstance(info.value, TimeoutError)
             assert 0.25 <= waited < 2.0
             with pytest.raises(asynclock.AcquireTimeout):
-                async with second.lock(name, ttl=backend.ttl * 5, timeout=0):
+                async with holds(second, kind).lock(name, ttl=backend.ttl * 5, timeout=0):
                     pass
 
 
 async def test_waiter_gets_the_lock_when_it_is_released(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
     order: list[str] = []
     async with backend.connect() as first, backend.connect() as second:
-        holder = await first.acquire(name, ttl=backend.ttl * 5)
+        holder = await holds(first, kind).acquire(name, ttl=backend.ttl * 5)
 
         async def wait_for_it() -> None:
-            async with second.lock(name, ttl=backend.ttl * 5, timeout=10):
+            async with holds(second, kind).lock(name, ttl=backend.ttl * 5, timeout=10):
                 order.append("waiter")
 
         async with anyio.create_task_group() as tg:
@@ -92,13 +100,13 @@ async def test_waiter_gets_the_lock_when_it_is_released(
 
 
 async def test_tokens_strictly_increase_across_clients(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
     tokens: list[int] = []
     async with backend.connect() as first, backend.connect() as second:
         if not first.capabilities.fencing:
             # No sound token (Redlock): asking for one is an error, never a made-up number.
-            async with first.lock(name, ttl=backend.ttl * 5) as lease:
+            async with holds(first, kind).lock(name, ttl=backend.ttl * 5) as lease:
                 with pytest.raises(asynclock.UnsupportedFeature, match="efficiency"):
                     _ = lease.token
                 with pytest.raises(asynclock.UnsupportedFeature):
@@ -106,7 +114,7 @@ async def test_tokens_strictly_increase_across_clients(
             return
         for index in range(10):
             locks = first if index % 2 else second
-            async with locks.lock(name, ttl=backend.ttl * 5) as lease:
+            async with holds(locks, kind).lock(name, ttl=backend.ttl * 5) as lease:
                 tokens.append(lease.token)
                 assert asynclock.current_token() == lease.token
     assert tokens == sorted(tokens)
@@ -131,6 +139,7 @@ async def test_release_is_idempotent_and_never_frees_another_holders_lock(
         await current.release()
 
 
+@pytest.mark.expect_log(LOST)
 async def test_lease_lost_on_the_server_cancels_the_body_and_raises_lease_lost(
     backend: BackendUnderTest, name: str
 ) -> None:
@@ -156,6 +165,7 @@ async def test_lease_lost_on_the_server_cancels_the_body_and_raises_lease_lost(
     assert cancelled_at - revoked_at < ttl
 
 
+@pytest.mark.expect_log(LOST)
 async def test_on_lost_flag_keeps_the_body_running_and_wait_lost_returns(
     backend: BackendUnderTest, name: str
 ) -> None:
@@ -173,54 +183,83 @@ async def test_on_lost_flag_keeps_the_body_running_and_wait_lost_returns(
 
 
 async def test_a_callers_cancellation_passes_through_untouched(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
     async with backend.connect() as locks:
         with anyio.move_on_after(0.2) as scope:
-            async with locks.lock(name, ttl=backend.ttl * 5):
+            async with holds(locks, kind).lock(name, ttl=backend.ttl * 5):
                 await anyio.sleep(10)
         assert scope.cancelled_caught
         # And the lock was released on the way out.
-        lease = await locks.try_acquire(name, ttl=backend.ttl * 5)
+        lease = await holds(locks, kind).try_acquire(name, ttl=backend.ttl * 5)
         assert lease is not None
         await lease.release()
 
 
 async def test_cancelling_acquire_at_any_point_leaves_nothing_behind(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
     """Cancel a free-lock acquire and a waiting acquire at delays spread over a round trip."""
     async with backend.connect() as locks, backend.connect() as other:
         started = anyio.current_time()
-        lease = await locks.acquire(name, ttl=backend.ttl * 5)
+        lease = await holds(locks, kind).acquire(name, ttl=backend.ttl * 5)
         round_trip = max(anyio.current_time() - started, 0.001)
         await lease.release()
         for step in range(12):
             delay = round_trip * step / 8
             with anyio.move_on_after(delay):
-                async with locks.lock(name, ttl=backend.ttl * 5):
+                async with holds(locks, kind).lock(name, ttl=backend.ttl * 5):
                     await anyio.sleep(10)
-            probe = await other.try_acquire(name, ttl=backend.ttl * 5)
+            probe = await holds(other, kind).try_acquire(name, ttl=backend.ttl * 5)
             assert probe is not None, f"lock left held after cancelling at {delay:.4f} s"
             # Now cancel a waiter queued behind the probe.
             with anyio.move_on_after(delay + 0.01):
-                async with locks.lock(name, ttl=backend.ttl * 5):
+                async with holds(locks, kind).lock(name, ttl=backend.ttl * 5):
                     pytest.fail("entered a held lock")
             await probe.release()
-            again = await other.try_acquire(name, ttl=backend.ttl * 5)
+            again = await holds(other, kind).try_acquire(name, ttl=backend.ttl * 5)
             assert again is not None, f"a cancelled waiter blocks the lock ({delay:.4f} s)"
             await again.release()
 
 
-async def test_cancelling_release_still_releases(backend: BackendUnderTest, name: str) -> None:
+async def test_a_waiter_cancelled_natively_or_by_anyio_leaves_nothing_behind(
+    backend: BackendUnderTest, name: str, kind: Kind
+) -> None:
+    """A waiter's task cancelled once, twice and five times in a row (as a web framework's
+    disconnect and a timeout may both do), then by anyio: nothing is left queued."""
+    ttl = backend.ttl * 5
+    async with backend.connect() as locks, backend.connect() as other:
+        holder = await holds(other, kind).acquire(name, ttl=ttl)
+        for cancels in (1, 2, 5):
+            task = asyncio.create_task(_hold(holds(locks, kind).lock(name, ttl=ttl)))
+            await anyio.sleep(0.1)
+            for _ in range(cancels):
+                task.cancel()
+                await asyncio.sleep(0)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        with anyio.move_on_after(0.05):
+            await _hold(holds(locks, kind).lock(name, ttl=ttl))
+        await holder.release()
+        # The cancelled waiters are gone: the next one gets in at once.
+        again = await holds(locks, kind).acquire(name, ttl=ttl, timeout=5)
+        await again.release()
+
+
+async def _hold(context: asynclock.LockContext) -> None:
+    async with context:
+        await anyio.sleep(30)
+
+
+async def test_cancelling_release_still_releases(backend: BackendUnderTest, name: str, kind: Kind) -> None:
     async with backend.connect() as locks, backend.connect() as other:
         for step in range(6):
-            lease = await locks.acquire(name, ttl=backend.ttl * 5)
+            lease = await holds(locks, kind).acquire(name, ttl=backend.ttl * 5)
             with anyio.CancelScope() as scope:
                 scope.cancel()
                 await lease.release()
             del step
-            probe = await other.try_acquire(name, ttl=backend.ttl * 5)
+            probe = await holds(other, kind).try_acquire(name, ttl=backend.ttl * 5)
             assert probe is not None
             await probe.release()
 
@@ -253,13 +292,13 @@ async def test_nested_locks_and_current_token_in_child_tasks(
     assert seen == {"innermost": inner, "outer": outer}
 
 
-async def test_leases_are_renewed_past_their_ttl(backend: BackendUnderTest, name: str) -> None:
+async def test_leases_are_renewed_past_their_ttl(backend: BackendUnderTest, name: str, kind: Kind) -> None:
     async with backend.connect() as locks, backend.connect() as other:
-        async with locks.lock(name, ttl=backend.ttl) as lease:
+        async with holds(locks, kind).lock(name, ttl=backend.ttl) as lease:
             await anyio.sleep(backend.ttl * 2.5)
             assert not lease.lost
             assert lease.remaining > 0
-            assert await other.try_acquire(name, ttl=backend.ttl) is None
+            assert await holds(other, kind).try_acquire(name, ttl=backend.ttl) is None
 
 
 async def test_unusual_names_work(backend: BackendUnderTest, name: str) -> None:
@@ -282,13 +321,13 @@ async def test_unusual_names_work(backend: BackendUnderTest, name: str) -> None:
 
 
 async def test_closing_the_client_releases_what_it_holds(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
     async with backend.connect() as other:
         async with backend.connect() as locks:
-            await locks.acquire(name, ttl=backend.ttl * 5)
-            await locks.acquire(f"{name}/2", ttl=backend.ttl * 5)
-        lease = await other.try_acquire(name, ttl=backend.ttl * 5)
+            await holds(locks, kind).acquire(name, ttl=backend.ttl * 5)
+            await holds(locks, kind).acquire(f"{name}/2", ttl=backend.ttl * 5)
+        lease = await holds(other, kind).try_acquire(name, ttl=backend.ttl * 5)
         assert lease is not None
         await lease.release()
 

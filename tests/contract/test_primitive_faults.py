@@ -90,12 +90,6 @@ async def finished(
         assert process.returncode == 0, f"worker {index} exited {process.returncode}:\n{output}"
 
 
-async def needs(backend: BackendUnderTest, capability: str) -> None:
-    async with backend.connect() as locks:
-        if not getattr(locks.capabilities, capability):
-            pytest.skip(f"{backend.name} has no {capability}")
-
-
 def report(test: str, backend: BackendUnderTest, **values: Any) -> None:
     """Measurements, to the file named by ``ASYNCLOCK_FAULT_REPORT`` (as test_faults.py does)."""
     path = os.environ.get("ASYNCLOCK_FAULT_REPORT")
@@ -111,10 +105,10 @@ def started_from(server: ResourceServer, count: int) -> bool:
 # -- semaphores ------------------------------------------------------------------------------
 
 
+@pytest.mark.needs("semaphores")
 async def test_semaphore_20_tasks_over_2_processes_never_more_than_3_inside(
     backend: BackendUnderTest, name: str, tmp_path: Path
 ) -> None:
-    await needs(backend, "semaphores")
     ttl = backend.ttl
     async with serving(3) as server:
         common = {
@@ -137,10 +131,10 @@ async def test_semaphore_20_tasks_over_2_processes_never_more_than_3_inside(
     report("semaphore_20_tasks", backend, most_inside=server.most_inside, seconds=round(took, 2))
 
 
+@pytest.mark.needs("semaphores")
 async def test_a_killed_holder_process_frees_exactly_its_permit_within_its_ttl(
     backend: BackendUnderTest, name: str, tmp_path: Path
 ) -> None:
-    await needs(backend, "semaphores")
     ttl = backend.ttl
     async with serving(3) as server, backend.connect() as locks:
         sem = locks.semaphore(name, permits=3)
@@ -166,10 +160,10 @@ async def test_a_killed_holder_process_frees_exactly_its_permit_within_its_ttl(
     report("semaphore_holder_killed", backend, ttl=ttl, free_after=round(free_after, 3))
 
 
+@pytest.mark.needs("semaphores")
 async def test_a_paused_holder_process_loses_only_its_permit_and_its_late_writes(
     backend: BackendUnderTest, name: str, tmp_path: Path
 ) -> None:
-    await needs(backend, "semaphores")
     ttl = backend.ttl
     async with serving(3) as server, backend.connect() as locks:
         sem = locks.semaphore(name, permits=3)
@@ -234,10 +228,10 @@ def terms(server: ResourceServer) -> list[dict[str, Any]]:
     return server.of("enter")
 
 
+@pytest.mark.needs("elections")
 async def test_election_5_candidates_on_3_processes_one_leader_at_a_time(
     backend: BackendUnderTest, name: str, tmp_path: Path
 ) -> None:
-    await needs(backend, "elections")
     ttl = backend.ttl
     seconds = 30.0
     async with serving(None) as server, backend.connect() as locks:
@@ -291,10 +285,10 @@ async def test_election_5_candidates_on_3_processes_one_leader_at_a_time(
     )
 
 
+@pytest.mark.needs("elections")
 async def test_election_leader_paused_past_its_ttl_is_replaced_and_fenced(
     backend: BackendUnderTest, name: str, tmp_path: Path
 ) -> None:
-    await needs(backend, "elections")
     ttl = backend.ttl
     seconds = ttl * 4 + 6
     async with serving(None) as server, backend.connect() as locks:

