@@ -23,6 +23,7 @@ import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
 import pytest
 
 #: Loggers whose records at or above the level fail a test that did not expect them.

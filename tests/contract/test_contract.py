@@ -251,7 +251,9 @@ async def _hold(context: asynclock.LockContext) -> None:
         await anyio.sleep(30)
 
 
-async def test_cancelling_release_still_releases(backend: BackendUnderTest, name: str, kind: Kind) -> None:
+async def test_cancelling_release_still_releases(
+    backend: BackendUnderTest, name: str, kind: Kind
+) -> None:
     async with backend.connect() as locks, backend.connect() as other:
         for step in range(6):
             lease = await holds(locks, kind).acquire(name, ttl=backend.ttl * 5)
@@ -292,7 +294,9 @@ async def test_nested_locks_and_current_token_in_child_tasks(
     assert seen == {"innermost": inner, "outer": outer}
 
 
-async def test_leases_are_renewed_past_their_ttl(backend: BackendUnderTest, name: str, kind: Kind) -> None:
+async def test_leases_are_renewed_past_their_ttl(
+    backend: BackendUnderTest, name: str, kind: Kind
+) -> None:
     async with backend.connect() as locks, backend.connect() as other:
         async with holds(locks, kind).lock(name, ttl=backend.ttl) as lease:
             await anyio.sleep(backend.ttl * 2.5)

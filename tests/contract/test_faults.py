@@ -112,7 +112,9 @@ async def proxied(
 @pytest.mark.expect_log(r"lease on '.*' lost: no successful renewal before the local deadline")
 # The release cannot reach a paused server; whether it gives up before the server answers again
 # depends on how long the store's own timeouts make it wait.
-@pytest.mark.allow_log(r"releasing '.*' on .* did not complete in \d+ s; retrying in the background")
+@pytest.mark.allow_log(
+    r"releasing '.*' on .* did not complete in \d+ s; retrying in the background"
+)
 async def test_server_paused_past_the_ttl_cancels_the_body_and_exits_promptly(
     backend: BackendUnderTest, name: str
 ) -> None:

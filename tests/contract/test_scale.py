@@ -147,8 +147,7 @@ async def test_1000_waiters_get_the_lock_in_fifo_order_in_linear_time(
         # The first small run also warms up what runs once (a JIT, a cache of statements):
         # the least of three small runs is the per-waiter cost the large run is held to.
         fews = [
-            await pass_all(backend, holder, locks, f"{name}/few{run}", FEW, ttl)
-            for run in range(3)
+            await pass_all(backend, holder, locks, f"{name}/few{run}", FEW, ttl) for run in range(3)
         ]
         few = min(fews)
         large = await pass_all(backend, holder, locks, f"{name}/many", many, ttl)
