@@ -37,6 +37,39 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+# -- running in parallel ----------------------------------------------------------------------
+#
+# scripts/test runs pytest-xdist with --dist loadgroup: the tests of one server backend (its
+# contract cases and its own module) run on one worker, so each worker starts only the servers
+# of the backends it was given and no two workers fault-inject one server; the rest (memory,
+# SQLite, the core, the integrations) go to whichever worker is free.
+
+#: Backends whose server the suite starts (the others need none and run anywhere).
+_SERVER_BACKENDS = frozenset(CONTRACT_BACKENDS) - {"memory", "sqlite"}
+#: Store test modules whose name does not start with their backend's name.
+_MODULE_BACKENDS = {"redis_sentinel": "sentinel", "redis_cluster": "cluster"}
+
+
+def _backend_of(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "backend_name" in callspec.params:
+        return str(callspec.params["backend_name"])
+    if item.path.parent.name == "backends" and item.path.stem.startswith("test_"):
+        stem = item.path.stem.removeprefix("test_")
+        for prefix, backend in _MODULE_BACKENDS.items():
+            if stem.startswith(prefix):
+                return backend
+        return stem.split("_")[0]
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        backend = _backend_of(item)
+        if backend in _SERVER_BACKENDS:
+            item.add_marker(pytest.mark.xdist_group(backend))
+
+
 # -- hunting unclosed transports (opt-in) ---------------------------------------------------
 #
 # An asyncio transport that a test never closes is only reported when the garbage collector

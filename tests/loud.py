@@ -21,7 +21,7 @@ import asyncio
 import asyncio.runners
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -150,8 +150,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
-) -> Iterator[pytest.TestReport]:
-    report: pytest.TestReport = yield
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
     logs = item.stash.get(_LOGS, None)
     if call.when == "call" and logs is not None and report.failed:
         # A test that failed already need not also say that its expected log never came.
