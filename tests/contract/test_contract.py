@@ -121,6 +121,9 @@ async def test_tokens_strictly_increase_across_clients(
     assert len(set(tokens)) == len(tokens)
 
 
+# The revoke ends the stale lease: a backend told at once (PostgreSQL, ZooKeeper) warns that
+# it is lost before its late release; the others learn it only from that release.
+@pytest.mark.allow_log(LOST)
 async def test_release_is_idempotent_and_never_frees_another_holders_lock(
     backend: BackendUnderTest, name: str
 ) -> None:

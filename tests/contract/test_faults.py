@@ -170,6 +170,7 @@ async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
 
 
 @_THROUGH_A_PROXY
+@pytest.mark.expect_log(r"lease on '.*' lost")
 async def test_connection_state_follows_a_partition_and_its_end(
     backend: BackendUnderTest, name: str
 ) -> None:
