@@ -41,9 +41,11 @@ import pytest
 
 import asynclock
 from asynclock import ConnectionState
+from asynclock.abc import Kind
 from asynclock.testing import FaultProxy
 from tests.contract.fault_worker import open_resource, pause_schedule
 from tests.contract.harness import BackendUnderTest
+from tests.contract.kinds import holds
 
 pytestmark = pytest.mark.anyio
 
@@ -435,7 +437,7 @@ async def test_server_restart_between_holds_keeps_tokens_rising(
 
 
 async def test_a_client_closed_by_native_cancellation_leaves_nothing_behind(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
     """The client's own exit (releasing what it holds, closing the backend) runs to its end
     when the task that owns it is cancelled natively, once or several times."""
@@ -446,8 +448,8 @@ async def test_a_client_closed_by_native_cancellation_leaves_nothing_behind(
 
             async def own_a_client(holding: asyncio.Event = holding) -> None:
                 async with backend.connect() as locks:
-                    await locks.acquire(name, ttl=ttl)
-                    await locks.acquire(f"{name}/2", ttl=ttl)
+                    await holds(locks, kind).acquire(name, ttl=ttl)
+                    await holds(locks, kind).acquire(f"{name}/2", ttl=ttl)
                     holding.set()
                     await asyncio.sleep(60)
 
@@ -460,7 +462,7 @@ async def test_a_client_closed_by_native_cancellation_leaves_nothing_behind(
             with suppress(asyncio.CancelledError):
                 await task
             for each in (name, f"{name}/2"):
-                probe = await other.try_acquire(each, ttl=ttl)
+                probe = await holds(other, kind).try_acquire(each, ttl=ttl)
                 assert probe is not None, f"{each!r} still held after {cancels} cancels"
                 await probe.release()
 
