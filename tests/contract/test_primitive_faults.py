@@ -309,20 +309,26 @@ async def test_election_leader_paused_past_its_ttl_is_replaced_and_fenced(
                 with workers(backend, tmp_path, configs[1:], first=1) as others:
                     await server.wait_for(lambda: started_from(server, 3), timeout=30)
                     await anyio.sleep(0.3)  # the other four are waiting in line
-                    (first,) = terms(server)
+                    # The paused process's term now (on a starved machine, the one it began
+                    # with may already have lost a renewal race and been won again).
+                    index = len(terms(server)) - 1
+                    first = terms(server)[index]
+                    assert first["who"].startswith("0/"), "the first process leads alone"
                     os.kill(paused.pid, signal.SIGSTOP)
                     stopped_at = anyio.current_time()
                     try:
-                        await server.wait_for(lambda: len(terms(server)) >= 2, ttl * 3 + 2)
+                        await server.wait_for(lambda: len(terms(server)) > index + 1, ttl * 3 + 2)
                         replaced_after = anyio.current_time() - stopped_at
-                        second = terms(server)[1]
+                        second = terms(server)[index + 1]
                         await server.wait_for(
                             lambda: server.of("write", ok=True, token=second["token"]), 5
                         )
                         await anyio.sleep(0.2)
                     finally:
                         os.kill(paused.pid, signal.SIGCONT)
-                    await server.wait_for(lambda: server.of("lost"), timeout=ttl * 3 + 5)
+                    await server.wait_for(
+                        lambda: server.of("lost", token=first["token"]), timeout=ttl * 3 + 5
+                    )
                     await server.wait_for(
                         lambda: server.of("write", late=True, token=first["token"]), timeout=5
                     )
@@ -332,8 +338,6 @@ async def test_election_leader_paused_past_its_ttl_is_replaced_and_fenced(
             tg.cancel_scope.cancel()
     assert second["who"] != first["who"] and second["token"] > first["token"]
     assert replaced_after < ttl * 3 + 2
-    (lost, *_) = server.of("lost")
-    assert lost["token"] == first["token"]
     taken_over = server.of("write", ok=True, token=second["token"])[0]["t"]
     late = [e for e in server.of("write", token=first["token"]) if e["t"] > taken_over]
     assert late and not any(event["ok"] for event in late), late
@@ -343,7 +347,8 @@ async def test_election_leader_paused_past_its_ttl_is_replaced_and_fenced(
     assert None not in tokens, f"observe() yielded a leader without its term's token: {observed}"
     known = [token for token in tokens if token is not None]
     assert known == sorted(set(known)), observed
-    assert tokens[:2] == [first["token"], second["token"]], observed
+    assert first["token"] in tokens, observed
+    assert tokens[tokens.index(first["token"]) :][:2] == [first["token"], second["token"]], observed
     # The resource accepted the terms' writes in term order: none from an old term after a
     # newer term had written.
     accepted = [event["token"] for event in server.of("write", ok=True)]
