@@ -93,8 +93,31 @@ class _Collector(logging.Handler):
 
 
 _collector = _Collector()
-for _name in WATCHED:
-    logging.getLogger(_name).addHandler(_collector)
+
+
+def _deaf_loggers() -> list[str]:
+    """What keeps a watched record from reaching the collector (a library's logging set-up
+    in a test, a ``logging.disable()``), as problems; the collector is attached again."""
+    problems = []
+    if logging.root.manager.disable >= logging.WARNING:
+        problems.append(f"logging.disable({logging.root.manager.disable}) left in force")
+        logging.disable(logging.NOTSET)
+    for name, threshold in WATCHED.items():
+        logger = logging.getLogger(name)
+        if _collector not in logger.handlers:
+            logger.addHandler(_collector)
+            problems.append(f"the collector was taken off the {name!r} logger")
+        if logger.getEffectiveLevel() > threshold:
+            problems.append(f"the {name!r} logger's level was raised above {threshold}")
+    for name, each in logging.root.manager.loggerDict.items():
+        if name.partition(".")[0] in WATCHED and isinstance(each, logging.Logger):
+            if each.disabled:
+                problems.append(f"the {name!r} logger was disabled")
+                each.disabled = False
+    return problems
+
+
+_deaf_loggers()
 
 #: Tasks found running when an event loop of a test closed.
 _left_running: list[str] = []
@@ -125,6 +148,9 @@ _LOGS = pytest.StashKey[ExpectedLogs]()
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    # Something before this test (not in it: its teardown would have said) made the loggers
+    # deaf: hear them again, so that this test is checked.
+    _deaf_loggers()
     logs = item.stash[_LOGS] = _collector.current = ExpectedLogs()
     for marker in item.iter_markers("expect_log"):
         logs.expect(*marker.args, **marker.kwargs)
@@ -140,6 +166,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     logs = item.stash.get(_LOGS, None)
     _collector.current = None
     problems = logs.problems() if logs is not None else []
+    problems += [f"{problem}: this test's logs were not all checked" for problem in _deaf_loggers()]
     problems += [f"task left running when the event loop closed: {t}" for t in _left_running]
     _left_running.clear()
     if problems:
