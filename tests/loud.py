@@ -110,10 +110,10 @@ def _deaf_loggers() -> list[str]:
         if logger.getEffectiveLevel() > threshold:
             problems.append(f"the {name!r} logger's level was raised above {threshold}")
     for name, each in logging.root.manager.loggerDict.items():
-        if name.partition(".")[0] in WATCHED and isinstance(each, logging.Logger):
-            if each.disabled:
-                problems.append(f"the {name!r} logger was disabled")
-                each.disabled = False
+        watched = name.partition(".")[0] in WATCHED
+        if watched and isinstance(each, logging.Logger) and each.disabled:
+            problems.append(f"the {name!r} logger was disabled")
+            each.disabled = False
     return problems
 
 
