@@ -80,6 +80,7 @@ async def test_worker_pool_never_overlaps_jobs_with_the_same_key(
     assert ledger.most_at_once > 1  # different keys did run in parallel
 
 
+@pytest.mark.expect_log(r"lease on 'account-x' lost: the lock was removed on the server")
 async def test_a_job_whose_lease_is_lost_fails_instead_of_succeeding(
     locks: asynclock.LockClient,
 ) -> None:
@@ -223,6 +224,7 @@ async def test_a_timeout_from_the_jobs_own_lock_is_its_error_not_a_deferral(
     await holder.release()
 
 
+@pytest.mark.expect_log(r"lease on 'slow-1' (was )?lost")
 async def test_a_job_that_returned_before_its_loss_was_known_keeps_its_result(
     locks: asynclock.LockClient,
 ) -> None:
@@ -237,6 +239,7 @@ async def test_a_job_that_returned_before_its_loss_was_known_keeps_its_result(
     assert await job({"job_try": 1, "asynclock": locks}, 1) == "done"
 
 
+@pytest.mark.expect_log(r"lease on 'doomed-1' lost: the lock was removed on the server")
 async def test_a_job_whose_lease_is_lost_while_it_runs_fails_with_lease_lost(
     locks: asynclock.LockClient,
 ) -> None:
