@@ -11,11 +11,9 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 from urllib.parse import unquote
 
-import anyio
 import httpx
 import pytest
-from anyio.abc import TaskStatus
-from fastapi import APIRouter, Depends, FastAPI, Query, Response
+from fastapi import APIRouter, FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -261,55 +259,3 @@ def test_locked_above_the_route_decorator_fails_at_import() -> None:
     app.add_api_route("/later/{order_id}", registered, methods=["PUT"])
     with pytest.raises(asynclock.InvalidArgument, match=re.escape("PUT /later/{order_id}")):
         locked("orders/{order_id}", client=locks)(registered)
-
-
-async def test_a_request_chosen_as_deadlock_victim_gets_409() -> None:
-    # The request holds a (its dependency), then waits for b, which another task holds while
-    # it waits for a: the request starts waiting last, so it is the victim (the youngest), and
-    # its endpoint never runs.
-    async with asynclock.connect(
-        "memory://fastapi-deadlock", deadlock_detection=True, deadlock_interval=0.05
-    ) as locks:
-        request_holds_a = anyio.Event()
-        other_waits = anyio.Event()
-        ran: list[str] = []
-
-        async def after_the_other_waits() -> None:
-            request_holds_a.set()
-            await other_waits.wait()
-
-        app = FastAPI()
-
-        @app.post("/move/{x}")
-        @locked("b/{x}", client=locks, timeout=5)
-        async def move(
-            x: str,
-            lease: asynclock.Lease = lock_dependency("a/{x}", client=locks),  # noqa: B008
-            _: None = Depends(after_the_other_waits),
-        ) -> str:
-            ran.append(x)
-            return x
-
-        async def other(*, task_status: TaskStatus[None]) -> None:
-            async with locks.lock("b/1"):
-                task_status.started()
-                await request_holds_a.wait()
-
-                async def let_the_request_go_on() -> None:
-                    await anyio.sleep(0.2)  # the other task has been waiting for a a while
-                    other_waits.set()
-
-                async with anyio.create_task_group() as task_group:
-                    task_group.start_soon(let_the_request_go_on)
-                    async with locks.lock("a/1", timeout=10):
-                        ran.append("other")
-
-        async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
-            async with anyio.create_task_group() as task_group:
-                await task_group.start(other)
-                answer = await http.post("/move/1")
-    assert answer.status_code == 409
-    assert answer.json()["detail"]["error"] == "deadlock"
-    assert "deadlock while waiting for 'b/1'" in answer.json()["detail"]["message"]
-    assert answer.headers["retry-after"] == "1"
-    assert ran == ["other"]  # the other task went on once the request let go of a

@@ -2,7 +2,7 @@
 against the session's real Redis (the queue and the locks), once deferring busy jobs at once
 (``timeout=0``) and once waiting for the lock.
 
-The jobs (tests/integrations/jobqueue_*.py) record their start and end in Redis while they hold
+The jobs (tests/integrations/jobqueue_workers.py) record their start and end in Redis while they hold
 their lock; the tests check that no two jobs of one account overlapped, that every job ran exactly
 once and that the queue reports every job as succeeded.
 """
@@ -103,7 +103,7 @@ class Arq(JobQueue):
     name = "arq"
 
     def worker_command(self) -> list[str]:
-        return [sys.executable, "-m", "arq", "tests.integrations.jobqueue_arq.WorkerSettings"]
+        return [sys.executable, "-m", "arq", "tests.integrations.jobqueue_workers.ArqSettings"]
 
     async def open(self) -> None:
         from arq import create_pool
@@ -133,7 +133,7 @@ class Saq(JobQueue):
     name = "saq"
 
     def worker_command(self) -> list[str]:
-        return [sys.executable, "-m", "saq", "tests.integrations.jobqueue_saq.settings"]
+        return [sys.executable, "-m", "saq", "tests.integrations.jobqueue_workers.saq_settings"]
 
     async def open(self) -> None:
         from saq import Queue
@@ -176,14 +176,14 @@ class Taskiq(JobQueue):
         # One taskiq worker command with its own process manager and 2 worker processes.
         return [
             sys.executable, "-m", "taskiq", "worker",
-            "tests.integrations.jobqueue_taskiq:broker",
+            "tests.integrations.jobqueue_workers:broker",
             "--workers", "2",
             "--max-async-tasks", "5",
             "--shutdown-timeout", "10",
         ]  # fmt: skip
 
     async def open(self) -> None:
-        from .jobqueue_taskiq_redis import RedisListBroker, RedisResultBackend
+        from .jobqueue_common import RedisListBroker, RedisResultBackend
 
         self.results: RedisResultBackend[str] = RedisResultBackend(self.url)
         self.broker = RedisListBroker(self.url, queue_name="jobqueue").with_result_backend(

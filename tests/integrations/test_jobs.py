@@ -1,12 +1,10 @@
-"""``asynclock.locked`` on job functions: a plain asyncio worker pool and an arq-style job."""
+"""The job-queue decorators called as their workers call them (arq, saq, taskiq), and
+``asynclock.locked`` on an arq-style job. A plain worker pool is examples/worker_pool.py."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import anyio
@@ -17,93 +15,6 @@ import asynclock
 from ._servers import memory
 
 pytestmark = pytest.mark.anyio
-
-
-@dataclass
-class Ledger:
-    """What the workers did: who ran at once, and how each job ended."""
-
-    active: Counter[str] = field(default_factory=Counter)
-    overlaps: list[str] = field(default_factory=list)
-    most_at_once: int = 0
-    succeeded: list[int] = field(default_factory=list)
-    failed: dict[int, str] = field(default_factory=dict)
-
-
-async def run_pool(
-    jobs: list[tuple[str, int]], process: Any, ledger: Ledger, *, workers: int = 4
-) -> None:
-    """A worker pool as an application writes it: an asyncio.Queue and N worker tasks."""
-    queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
-    for job in jobs:
-        queue.put_nowait(job)
-
-    async def worker() -> None:
-        while True:
-            try:
-                key, job_id = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            try:
-                await process(key, job_id)
-            except Exception as exc:  # a job failure is recorded, never fatal to the worker
-                ledger.failed[job_id] = type(exc).__name__
-            else:
-                ledger.succeeded.append(job_id)
-            finally:
-                queue.task_done()
-
-    async with anyio.create_task_group() as task_group:
-        for _ in range(workers):
-            task_group.start_soon(worker)
-
-
-async def test_worker_pool_never_overlaps_jobs_with_the_same_key(
-    locks: asynclock.LockClient,
-) -> None:
-    ledger = Ledger()
-
-    @asynclock.locked("account-{key}", client=locks, timeout=10)
-    async def process(key: str, job_id: int) -> None:
-        ledger.active[key] += 1
-        if ledger.active[key] > 1:
-            ledger.overlaps.append(key)
-        ledger.most_at_once = max(ledger.most_at_once, sum(ledger.active.values()))
-        await anyio.sleep(0.01)
-        ledger.active[key] -= 1
-
-    jobs = [(key, number) for number, key in enumerate(["a", "b", "a", "c", "a", "b"] * 3)]
-    await run_pool(jobs, process, ledger, workers=4)
-    assert ledger.overlaps == []
-    assert sorted(ledger.succeeded) == list(range(len(jobs)))
-    assert ledger.failed == {}
-    assert ledger.most_at_once > 1  # different keys did run in parallel
-
-
-@pytest.mark.expect_log(r"lease on 'account-x' lost: the lock was removed on the server")
-async def test_a_job_whose_lease_is_lost_fails_instead_of_succeeding(
-    locks: asynclock.LockClient,
-) -> None:
-    ledger = Ledger()
-    doomed_started = anyio.Event()
-    finished_body: list[int] = []
-
-    @asynclock.locked("account-{key}", client=locks, timeout=10)
-    async def process(key: str, job_id: int) -> None:
-        if job_id == 1:
-            doomed_started.set()
-            await anyio.sleep(5)  # cancelled when the lease is lost
-        else:
-            await anyio.sleep(0.01)
-        finished_body.append(job_id)
-
-    async with anyio.create_task_group() as task_group:
-        task_group.start_soon(run_pool, [("x", 1), ("x", 2), ("y", 3)], process, ledger)
-        await doomed_started.wait()
-        memory(locks).expire("account-x", notify=True)
-    assert ledger.failed == {1: "LeaseLost"}
-    assert sorted(ledger.succeeded) == [2, 3]  # job 2 (same key) then got the lock and ran
-    assert 1 not in finished_body
 
 
 # -- arq's calling convention: ``await job(ctx, *args)``, registered by ``__name__`` ---------------
