@@ -87,22 +87,6 @@ async def wait_until_queued(backend: SQLiteBackend, name: str, count: int, kind:
             await anyio.sleep(0.005)
 
 
-async def test_wait_for_change_returns_at_a_local_release(store: SQLiteBackend) -> None:
-    term = await store.acquire(request("c", kind="election", value=b"x"))
-    seen = await store.inspect("c", "election")
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(store.release, term)
-        started = anyio.current_time()
-        await store.wait_for_change("c", "election", seen, 5.0)
-    assert anyio.current_time() - started < 1.0
-    started = anyio.current_time()
-    await store.wait_for_change("c", "election", seen, 0.05)
-    assert anyio.current_time() - started < 1.0
-
-
-# -- extend ---------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("kind", ["lock", "shared", "semaphore", "election"])
 async def test_extend_changes_the_ttl_of_one_lease_and_renewals_keep_it(
     store: SQLiteBackend, kind: str

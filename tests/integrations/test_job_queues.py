@@ -388,8 +388,11 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
 # -- the lifecycle helpers, with each queue's own worker in this process ---------------------------
 
 
-def new_tasks(before: set[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
-    return [task for task in asyncio.all_tasks() - before if not task.done()]
+def assert_closed(worker_locks: Any, before: set[asyncio.Task[Any]]) -> None:
+    """The worker's shutdown closed its lock client, and nothing of it runs on."""
+    with pytest.raises(RuntimeError, match="not open"):
+        worker_locks.client  # noqa: B018
+    assert [task for task in asyncio.all_tasks() - before if not task.done()] == []
 
 
 # arq's Worker.close() calls redis-py's deprecated close().
@@ -462,9 +465,7 @@ async def test_arq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
         finally:
             await pool.aclose()
         assert hooks_ran_in["startup"] is not hooks_ran_in["shutdown"]
-        with pytest.raises(RuntimeError, match="not open"):
-            worker_locks.client  # noqa: B018 - closed at shutdown
-        assert new_tasks(before) == []
+        assert_closed(worker_locks, before)
 
 
 @pytest.mark.expect_log(r"lease on 'life/4' lost: the hold of 'life/4' is gone")
@@ -525,9 +526,7 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
                 await running
         finally:
             await queue.disconnect()
-        with pytest.raises(RuntimeError, match="not open"):
-            worker_locks.client  # noqa: B018 - closed at shutdown
-        assert new_tasks(before) == []
+        assert_closed(worker_locks, before)
 
 
 @pytest.mark.expect_log(r"lease on 'life/5' lost: the hold of 'life/5' is gone")
@@ -567,6 +566,4 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
         assert isinstance(lost.error, asynclock.LeaseLost)
         await broker.shutdown()
         assert "asynclock" not in broker.state
-        with pytest.raises(RuntimeError, match="not open"):
-            worker_locks.client  # noqa: B018 - closed at shutdown
-        assert new_tasks(before) == []
+        assert_closed(worker_locks, before)

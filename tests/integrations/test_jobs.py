@@ -1,9 +1,8 @@
-"""The job-queue decorators called as their workers call them (arq, saq, taskiq), and
-``asynclock.locked`` on an arq-style job. A plain worker pool is examples/worker_pool.py."""
+"""The job-queue decorators (arq, saq, taskiq) called as their workers call them. Their real
+workers are in test_job_queues.py; a plain worker pool is examples/worker_pool.py."""
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, cast
 
@@ -15,48 +14,6 @@ import asynclock
 from ._servers import memory
 
 pytestmark = pytest.mark.anyio
-
-
-# -- arq's calling convention: ``await job(ctx, *args)``, registered by ``__name__`` ---------------
-
-_clients: dict[str, asynclock.LockClient] = {}
-
-
-@asynclock.locked("invoice-{invoice_id}", client=lambda: _clients["locks"], timeout=0)
-async def charge_invoice(ctx: dict[str, Any], invoice_id: int) -> str:
-    ctx["charged"].append(invoice_id)
-    await ctx["gate"].wait()
-    return f"charged {invoice_id} with token {asynclock.current_token()}"
-
-
-async def test_arq_style_job_function(locks: asynclock.LockClient) -> None:
-    _clients["locks"] = locks
-    ctx: dict[str, Any] = {"job_try": 1, "charged": [], "gate": anyio.Event()}
-    assert charge_invoice.__name__ == "charge_invoice"  # arq names the job after the function
-    results: dict[str, object] = {}
-
-    async def run(label: str, *args: Any, **kwargs: Any) -> None:
-        try:
-            results[label] = await charge_invoice(ctx, *args, **kwargs)
-        except asynclock.AcquireTimeout as exc:  # arq would record the failure and retry
-            results[label] = exc
-
-    try:
-        async with anyio.create_task_group() as task_group:
-            task_group.start_soon(run, "first", 10)
-            await anyio.wait_all_tasks_blocked()
-            # The same invoice, passed by keyword: the lock name is the same.
-            task_group.start_soon(functools.partial(run, "duplicate", invoice_id=10))
-            task_group.start_soon(run, "other", 11)
-            await anyio.wait_all_tasks_blocked()
-            ctx["gate"].set()
-    finally:
-        _clients.clear()
-    assert isinstance(results["duplicate"], asynclock.AcquireTimeout)
-    assert results["duplicate"].name == "invoice-10"
-    assert str(results["first"]).startswith("charged 10 with token")
-    assert str(results["other"]).startswith("charged 11 with token")
-    assert sorted(ctx["charged"]) == [10, 11]
 
 
 # -- the queue integrations' decorators, called as their workers call them -----------------------

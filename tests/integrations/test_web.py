@@ -42,6 +42,11 @@ async def test_a_busy_lock_answers_423_at_once(web: Web, locks: asynclock.LockCl
                 busy = await http.post("/orders/7")
             other = await http.post("/orders/8")  # another order: not blocked by 7
         free = await http.post("/orders/7")
+        missing = await http.post("/nowhere")
+    # A lease that held, and a request that took none (a 404), have no loss to report.
+    assert LEASE_LOST_HEADER not in free.headers
+    assert missing.status_code == 404
+    assert LEASE_LOST_HEADER not in missing.headers
     assert busy.status_code == 423
     assert web.error(busy)["error"] == "lock_busy"
     assert web.error(busy)["lock"] == "orders/7"
