@@ -270,7 +270,9 @@ def check(answers: list[Answer], ledger: Ledger, longs: list[str]) -> Counter[st
 
 # The faults decide which of the orders' leases are lost, and which releases wait for Redis.
 @pytest.mark.allow_log(r"lease on 'orders/o\d+' (was )?lost")
-@pytest.mark.allow_log(r"releasing 'orders/(o\d+|long-[ab])' on redis://\S+ did not complete")
+@pytest.mark.allow_log(
+    r"releasing 'orders/(o\d+|long-[ab]|booked-then-paused)' on redis://\S+ did not complete"
+)
 @pytest.mark.expect_log(r"answered 503 for the lock 'orders/o\d+': taking lock")
 @pytest.mark.allow_log(r"answered 503 for the lock 'orders/long-[ab]': taking lock")
 @pytest.mark.expect_log(r"lease on 'orders/long-[ab]' lost: no successful renewal")
