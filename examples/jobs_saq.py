@@ -22,7 +22,7 @@ from collections import Counter
 from contextlib import ExitStack
 
 from saq import Queue, Worker
-from saq.job import Status
+from saq.job import TERMINAL_STATUSES, Status
 from saq.types import Context
 
 import asynclock
@@ -65,14 +65,23 @@ async def demo(redis_url: str) -> bool:
             shutdown=worker_locks.shutdown,
             concurrency=4,
         )
+        # The worker sweeps the queue as it starts, and saq's sweep aborts a job that a worker
+        # has just taken but not yet marked active. Sweeping now, before any job is queued,
+        # holds the worker's sweep off for `lock` seconds, past the end of this demo.
+        await queue.sweep(lock=120)
         jobs = []
         for n in range(12):
             job = await queue.enqueue("settle", account=ACCOUNTS[n % len(ACCOUNTS)], job_id=n)
             assert job is not None
             jobs.append(job)
         running_worker = asyncio.create_task(worker.start())
-        for job in jobs:
-            await job.refresh(until_complete=30)
+        # Polled, not job.refresh(until_complete=...): that reads the job, then subscribes to its
+        # updates, and misses a job that completes in between (it then waits out its timeout).
+        async with asyncio.timeout(30):
+            for job in jobs:
+                while job.status not in TERMINAL_STATUSES:
+                    await asyncio.sleep(0.02)
+                    await job.refresh()
         await worker.stop()  # shutdown, from another task than the worker's start-up
         await running_worker
         failed = 0

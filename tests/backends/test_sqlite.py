@@ -1,159 +1,377 @@
-"""The embedded backend across real OS processes: exclusion, crashes, pauses, durable tokens."""
+"""What only the embedded backend has: one file shared by processes (its queue, its rows, files
+of earlier versions, rows of an earlier boot), a hold per lease of each kind, trio.
+
+What every backend does (shared locks, semaphores, elections, cancellation, killed or paused
+holders) is the contract's (tests/contract), which runs on sqlite:// too."""
 
 from __future__ import annotations
 
-import itertools
-import os
 import signal
+import sqlite3
 import subprocess
 import sys
+import textwrap
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 
 import anyio
 import pytest
 
 import asynclock
+from asynclock.abc import Kind, LockRequest, Lost, Renewed
+from asynclock.backends.sqlite import SQLiteBackend
+from asynclock.backends.sqlite._store import BOOT_ID, WAITER_TTL
+from tests.contract.harness import sqlite_write_locked
 
 pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def spawn(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.backends.sqlite_worker", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
+def request(
+    name: str,
+    *,
+    ttl: float = 5.0,
+    kind: Kind = "lock",
+    shared: bool = False,
+    permits: int = 1,
+    value: bytes = b"",
+) -> LockRequest:
+    return LockRequest(
+        name,
+        ttl,
+        uuid.uuid4().hex,
+        lambda reason: None,
+        kind=kind,
+        shared=shared,
+        permits=permits,
+        value=value,
     )
 
 
-def read_line(process: subprocess.Popen[str], timeout: float = 20.0) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if line:
-            return line.strip()
-        if process.poll() is not None:
-            break
-    raise AssertionError(f"worker said nothing (exit code {process.poll()})")
+def rows(path: Path) -> list[tuple[str, ...]]:
+    """Every hold and waiter row in the file, live or not."""
+    with closing(sqlite3.connect(path)) as db:
+        return [
+            *db.execute("SELECT 'lock', name FROM asynclock_locks"),
+            *db.execute("SELECT kind, name FROM asynclock_holds"),
+            *db.execute("SELECT 'queue', kind, name FROM asynclock_queue"),
+        ]
 
 
 @pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "locks.db"
+
+
+@pytest.fixture
+async def store(path: Path) -> AsyncIterator[SQLiteBackend]:
+    async with SQLiteBackend(str(path)) as backend:
+        yield backend
+    assert rows(path) == [], "rows left behind"
+
+
+@pytest.fixture
+async def other(path: Path) -> AsyncIterator[SQLiteBackend]:
+    """A second client of the same file (as another process would be)."""
+    async with SQLiteBackend(str(path)) as backend:
+        yield backend
+
+
+async def wait_until_queued(backend: SQLiteBackend, name: str, count: int, kind: Kind) -> None:
+    with anyio.fail_after(5):
+        while (await backend.inspect(name, kind)).waiters != count:  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+
+
+@pytest.mark.parametrize("kind", ["lock", "shared", "semaphore", "election"])
+async def test_extend_changes_the_ttl_of_one_lease_and_renewals_keep_it(
+    store: SQLiteBackend, kind: str
+) -> None:
+    asked = (
+        request("x", ttl=1.0, shared=True)
+        if kind == "shared"
+        else request("x", ttl=1.0, kind=kind, permits=2)  # type: ignore[arg-type]
+    )
+    grant = await store.acquire(asked)
+    outcome = await store.extend(grant, 30.0)
+    assert isinstance(outcome, Renewed) and outcome.ttl == 30.0
+    assert isinstance((await store.renew([grant]))[0], Renewed)
+    info = await store.inspect("x", grant.kind)
+    assert info.expires_in is not None and 25 < info.expires_in <= 30
+    assert isinstance(await store.extend(grant, 0.5), Renewed)
+    info = await store.inspect("x", grant.kind)
+    assert info.expires_in is not None and info.expires_in <= 0.5
+    await anyio.sleep(0.6)
+    assert isinstance(await store.extend(grant, 30.0), Lost)
+    await store.release(grant)
+
+
+# -- across processes -------------------------------------------------------------------------
+
+#: Another process that queues for the exclusive lock NAME, then holds it (renewing) until killed.
+_WAITER = textwrap.dedent(
+    """
+    import sys, uuid, anyio
+    from asynclock.abc import LockRequest
+    from asynclock.backends.sqlite import SQLiteBackend
+
+    async def main(path, name):
+        async with SQLiteBackend(path) as backend:
+            grant = await backend.acquire(LockRequest(name, 5.0, uuid.uuid4().hex, print))
+            print("held", grant.token, flush=True)
+            while True:
+                await anyio.sleep(1)
+                await backend.renew([grant])
+
+    anyio.run(main, sys.argv[1], sys.argv[2])
+    """
+)
+
+Spawn = Callable[[Path, str], subprocess.Popen[str]]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
     started: list[subprocess.Popen[str]] = []
-    yield started
+
+    def start(path: Path, name: str) -> subprocess.Popen[str]:
+        command = [sys.executable, "-c", _WAITER, str(path), name]
+        started.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True))
+        return started[-1]
+
+    yield start
     for process in started:
-        if process.poll() is None:
-            process.kill()
+        process.kill()
         process.wait()
         if process.stdout is not None:
             process.stdout.close()
 
 
-def test_four_processes_exclude_each_other(
-    tmp_path: Path, processes: list[subprocess.Popen[str]]
+def held_line(process: subprocess.Popen[str]) -> int:
+    assert process.stdout is not None
+    line = process.stdout.readline().split()
+    assert line and line[0] == "held", line
+    return int(line[1])
+
+
+def stopped(process: subprocess.Popen[str]) -> bool:
+    return Path(f"/proc/{process.pid}/stat").read_text().split(") ")[1][0] == "T"
+
+
+async def stop(process: subprocess.Popen[str], path: Path) -> None:
+    """Kill the other process and delete the lock it held (it would only lapse in its ttl)."""
+    process.kill()
+    await anyio.to_thread.run_sync(process.wait)
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute("DELETE FROM asynclock_locks")
+
+
+async def test_a_writer_waiting_in_another_process_holds_back_readers_here(
+    path: Path, store: SQLiteBackend, spawn: Spawn
 ) -> None:
-    db, counter = tmp_path / "locks.db", tmp_path / "counter"
-    counter.write_text("0")
-    processes.extend(spawn(str(db), "count", str(counter), "25") for _ in range(4))
-    holds: list[tuple[int, float, float]] = []
-    for process in processes:
-        assert process.stdout is not None
-        out, _ = process.communicate(timeout=120)
-        assert process.returncode == 0
-        for line in out.splitlines():
-            _, token, start, end = line.split()
-            holds.append((int(token), float(start), float(end)))
-    assert int(counter.read_text()) == 100
-    holds.sort(key=lambda hold: hold[1])
-    # CLOCK_MONOTONIC is one clock for all processes on the host, so holds are comparable.
-    for earlier, later in itertools.pairwise(holds):
-        assert earlier[2] <= later[1], f"holds overlap: {earlier} and {later}"
-    tokens = [hold[0] for hold in holds]
-    assert tokens == sorted(tokens)
-    assert len(set(tokens)) == 100
+    reader = await store.acquire(request("x", shared=True))
+    writer = spawn(path, "x")
+    await wait_until_queued(store, "x", 1, "lock")
+    assert await store.try_acquire(request("x", shared=True)) is None
+    await store.release(reader)
+    token = await anyio.to_thread.run_sync(held_line, writer)
+    assert reader.token is not None and token > reader.token
+    info = await store.inspect("x")
+    assert info.held and not info.holders[0].shared
+    await stop(writer, path)
 
 
-async def test_a_killed_holder_frees_the_lock_within_its_ttl(
-    tmp_path: Path, processes: list[subprocess.Popen[str]]
+async def test_a_stopped_waiter_holds_up_the_queue_for_waiter_ttl_at_most(
+    path: Path, store: SQLiteBackend, spawn: Spawn
 ) -> None:
-    db = tmp_path / "locks.db"
-    ttl = 1.0
-    holder = spawn(str(db), "hold", "job", str(ttl))
-    processes.append(holder)
-    assert read_line(holder).startswith("held ")
-    async with asynclock.connect(f"sqlite://{db}") as locks:
-        assert await locks.try_acquire("job", ttl=ttl) is None
-        holder.send_signal(signal.SIGKILL)
-        killed_at = anyio.current_time()
-        lease = await locks.acquire("job", ttl=ttl, timeout=5)
-        waited = anyio.current_time() - killed_at
-        await lease.release()
-    assert waited <= ttl + 0.2
-
-
-async def test_a_paused_holder_loses_the_lock_and_is_told_when_it_resumes(
-    tmp_path: Path, processes: list[subprocess.Popen[str]]
-) -> None:
-    """The seeds' GC-pause case: the lease expires during the pause, another process takes the
-    lock, and the paused holder's body is cancelled as soon as it runs again."""
-    db = tmp_path / "locks.db"
-    ttl = 1.0
-    holder = spawn(str(db), "hold", "job", str(ttl))
-    processes.append(holder)
-    first_token = int(read_line(holder).split()[1])
-    os.kill(holder.pid, signal.SIGSTOP)
+    """Its row lapses; when it runs again it takes a new place at the back (and gets in)."""
+    holder = await store.acquire(request("st"))
+    waiter = spawn(path, "st")
+    await wait_until_queued(store, "st", 1, "lock")
+    # Stopped inside a write transaction of its poll, it would keep the file write-locked (and
+    # every statement here waiting) until it runs again: stop it while the file is ours.
+    with sqlite_write_locked(str(path)):
+        waiter.send_signal(signal.SIGSTOP)
+        with anyio.fail_after(5):
+            while not stopped(waiter):  # noqa: ASYNC110 - another process's state
+                await anyio.sleep(0.01)
     try:
-        async with asynclock.connect(f"sqlite://{db}") as locks:
-            async with locks.lock("job", ttl=ttl, timeout=5) as lease:
-                assert lease.token > first_token
-                os.kill(holder.pid, signal.SIGCONT)
-                line = await anyio.to_thread.run_sync(read_line, holder)
-                assert line.startswith("lost "), line
+        await store.release(holder)
+        stopped_at = time.monotonic()
+        with anyio.fail_after(WAITER_TTL + 3):
+            grant = await store.acquire(request("st"))
+        assert time.monotonic() - stopped_at <= WAITER_TTL + 0.5
     finally:
-        os.kill(holder.pid, signal.SIGCONT)
+        waiter.send_signal(signal.SIGCONT)
+    await anyio.sleep(0.2)  # the waiter polls again: behind us now
+    assert (await store.inspect("st")).waiters == 1
+    await store.release(grant)
+    assert await anyio.to_thread.run_sync(held_line, waiter) > (grant.token or 0)
+    await stop(waiter, path)
 
 
-async def test_tokens_survive_a_restart_of_every_client(tmp_path: Path) -> None:
-    url = f"sqlite://{tmp_path / 'locks.db'}"
-    async with asynclock.connect(url) as locks:
-        async with locks.lock("t") as lease:
-            before = lease.token
-    async with asynclock.connect(url) as locks:
-        async with locks.lock("t") as lease:
-            assert lease.token == before + 1
+#: A process of TASKS tasks taking the lock "rw" ROUNDS times each (in "rw" mode two in three
+#: tasks read); it prints each hold as "<r|w> <token> <start> <end>".
+_CONTENDER = textwrap.dedent(
+    """
+    import sys, time, anyio, asynclock
+
+    async def main(url, mode, tasks, rounds):
+        async with asynclock.connect(url) as locks:
+            async def one(index):
+                for _ in range(rounds):
+                    shared = mode == "rw" and index % 3 != 0
+                    async with locks.lock("rw", ttl=5, timeout=60, shared=shared) as lease:
+                        start = time.monotonic()
+                        await anyio.sleep(0.005)
+                        end = time.monotonic()
+                    print("r" if shared else "w", lease.token, repr(start), repr(end), flush=True)
+
+            async with anyio.create_task_group() as tg:
+                for index in range(tasks):
+                    tg.start_soon(one, index)
+
+    anyio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    """
+)
 
 
-async def test_a_missing_directory_is_a_named_error(tmp_path: Path) -> None:
-    with pytest.raises(asynclock.BackendUnavailable, match="does not exist"):
-        async with asynclock.connect(f"sqlite://{tmp_path}/no/such/dir/locks.db"):
-            pass
+def most_at_once(holds: list[tuple[float, float]]) -> int:
+    # CLOCK_MONOTONIC is one clock for all processes on the host, so holds are comparable.
+    edges = sorted([(start, 1) for start, _ in holds] + [(end, -1) for _, end in holds])
+    at_once = most = 0
+    for _, step in edges:
+        at_once += step
+        most = max(most, at_once)
+    return most
 
 
-async def test_a_file_that_is_no_database_is_a_named_error(tmp_path: Path) -> None:
-    path = tmp_path / "locks.db"
-    path.write_bytes(b"not a database, " * 512)
-    with pytest.raises(asynclock.BackendUnavailable, match=r"cannot open sqlite://.*DatabaseError"):
-        async with asynclock.connect(f"sqlite://{path}"):
-            pass
+@pytest.mark.parametrize("mode", ["lock", "rw"])
+def test_processes_contending_exclude_writers_and_share_reads(path: Path, mode: str) -> None:
+    """3 processes of 4 tasks, 5 holds each, on one file: a writer overlaps no other hold,
+    readers share, and each hold has a token of its own (rising with the writes). Semaphores
+    and elections across processes are the contract's."""
+    command = [sys.executable, "-c", _CONTENDER, f"sqlite://{path}", mode, "4", "5"]
+    started = [
+        subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(3)
+    ]
+    lines = [line.split() for p in started for line in p.communicate(timeout=90)[0].splitlines()]
+    assert len(lines) == 3 * 4 * 5 and all(p.returncode == 0 for p in started)
+    holds = [(float(start), float(end)) for _, _, start, end in lines]
+    tokens = sorted(int(token) for _, token, _, _ in lines)
+    assert len(set(tokens)) == len(tokens)
+    for kind, _, start, end in lines:
+        if kind == "w":
+            others = [(s, e) for s, e in holds if (s, e) != (float(start), float(end))]
+            assert all(e <= float(start) or s >= float(end) for s, e in others)
+    if mode == "rw":
+        assert most_at_once(holds) > 1, "readers share"
+    else:
+        by_start = sorted(lines, key=lambda line: float(line[2]))
+        assert [int(line[1]) for line in by_start] == tokens
+    assert rows(path) == []
 
 
-async def test_a_row_from_another_boot_is_not_held(tmp_path: Path) -> None:
-    import sqlite3
-    from contextlib import closing
+# -- this client's own queue ------------------------------------------------------------------
 
-    url = f"sqlite://{tmp_path / 'locks.db'}"
-    async with asynclock.connect(url) as locks:
+
+async def test_try_acquire_with_other_permits_is_refused_while_this_client_waits(
+    store: SQLiteBackend,
+) -> None:
+    full = await store.acquire(request("pw", kind="semaphore", permits=1))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.acquire, request("pw", kind="semaphore", permits=1))
+        await wait_until_queued(store, "pw", 1, "semaphore")
+        # Not a plain "taken" because a task of this client waits: the numbers differ.
+        with pytest.raises(asynclock.InvalidArgument, match="has 1 permits"):
+            await store.try_acquire(request("pw", kind="semaphore", permits=4))
+        assert await store.try_acquire(request("pw", kind="semaphore", permits=1)) is None
+        tg.cancel_scope.cancel()
+    await store.release(full)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_every_kind_runs_on_trio(store: SQLiteBackend, other: SQLiteBackend) -> None:
+    reader = await store.acquire(request("t", shared=True))
+    permit = await store.acquire(request("t", kind="semaphore", permits=2))
+    term = await other.acquire(request("t", kind="election", value=b"v"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other.acquire, request("t"))
+        await wait_until_queued(store, "t", 1, "lock")
+        assert await store.try_acquire(request("t", shared=True)) is None
+        tg.cancel_scope.cancel()
+    assert isinstance(await store.extend(permit, 10.0), Renewed)
+    assert (await store.inspect("t", "election")).value == b"v"
+    for backend, grant in ((store, reader), (store, permit), (other, term)):
+        await backend.release(grant)
+
+
+# -- the file ---------------------------------------------------------------------------------
+
+_OLD_SCHEMA = """
+CREATE TABLE asynclock_locks (name TEXT PRIMARY KEY, owner TEXT NOT NULL,
+    token INTEGER NOT NULL, boot_id TEXT NOT NULL, expires_at REAL NOT NULL);
+CREATE TABLE asynclock_tokens (name TEXT PRIMARY KEY, last INTEGER NOT NULL);
+CREATE TABLE asynclock_waiters (key TEXT PRIMARY KEY, value TEXT NOT NULL,
+    boot_id TEXT NOT NULL, expires_at REAL NOT NULL);
+"""
+
+
+async def test_an_earlier_versions_file_and_exclusive_row_are_honoured(path: Path) -> None:
+    """A file made by an earlier version gains the new tables; an exclusive lock taken by a
+    process of that version (its row, its counter) excludes writers and readers alike, and
+    tokens go on from its counter."""
+    with closing(sqlite3.connect(path)) as db, db:
+        db.executescript(_OLD_SCHEMA)
+        db.execute("INSERT INTO asynclock_tokens VALUES ('old', 41)")
+        db.execute(
+            "INSERT INTO asynclock_locks VALUES ('old', 'an-old-process', 41, ?, ?)",
+            (BOOT_ID, time.monotonic() + 0.5),
+        )
+    async with SQLiteBackend(str(path)) as backend:
+        assert await backend.try_acquire(request("old")) is None
+        assert await backend.try_acquire(request("old", shared=True)) is None
+        info = await backend.inspect("old")
+        assert info.held and info.owner == "an-old-process" and info.token == 41
+        with anyio.fail_after(5):
+            grant = await backend.acquire(request("old", shared=True))
+        assert grant.token == 42
+        await backend.release(grant)
+    assert rows(path) == []
+
+
+async def test_tokens_survive_a_restart_of_every_client(path: Path) -> None:
+    for expected in (1, 2):
+        async with asynclock.connect(f"sqlite://{path}") as locks:
+            async with locks.lock("t") as lease:
+                assert lease.token == expected
+
+
+async def test_a_row_from_another_boot_is_not_held(path: Path) -> None:
+    async with asynclock.connect(f"sqlite://{path}") as locks:
         lease = await locks.acquire("boot", ttl=30)
         assert await locks.try_acquire("boot") is None
-        with closing(sqlite3.connect(tmp_path / "locks.db")) as db, db:
+        with closing(sqlite3.connect(path)) as db, db:
             db.execute("UPDATE asynclock_locks SET boot_id = 'an-earlier-boot'")
         other = await locks.try_acquire("boot")
         assert other is not None
         assert other.token > lease.token
         await other.release()
         await lease.release()
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [("no/such/dir/locks.db", "does not exist"), ("junk.db", r"cannot open .*DatabaseError")],
+)
+async def test_a_missing_directory_or_a_file_that_is_no_database_is_a_named_error(
+    tmp_path: Path, where: str, message: str
+) -> None:
+    (tmp_path / "junk.db").write_bytes(b"not a database, " * 512)
+    with pytest.raises(asynclock.BackendUnavailable, match=message):
+        async with asynclock.connect(f"sqlite://{tmp_path}/{where}"):
+            pass

@@ -1,19 +1,25 @@
-"""Real servers for the integration tests: uvicorn and aiohttp on 127.0.0.1, in the test's task."""
+"""Real servers for the integration tests (uvicorn and aiohttp on 127.0.0.1, in the test's task),
+lock clients, and the apps that the web tests run on each framework."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import httpx
 import uvicorn
 from aiohttp import web
+from fastapi import FastAPI
 
 import asynclock
 from asynclock.abc import Grant, LockRequest
 from asynclock.backends.memory import MemoryBackend
+from asynclock.integrations import aiohttp as aiohttp_locks
+from asynclock.integrations import fastapi as fastapi_locks
 
 
 @asynccontextmanager
@@ -94,3 +100,86 @@ async def failing_locks() -> AsyncIterator[tuple[asynclock.LockClient, FailingMe
     )
     async with client:
         yield client, backend
+
+
+class Gate:
+    """Holds a handler inside its critical section until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.entered = anyio.Event()
+        self.open = anyio.Event()
+        self.cancelled: list[str] = []
+        self.finished: list[str] = []
+
+    async def pass_through(self, who: str) -> None:
+        self.entered.set()
+        try:
+            await self.open.wait()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled.append(who)
+            raise
+        self.finished.append(who)
+
+
+#: The work of a handler under test, given the order id of ``POST /orders/{order_id}``; what it
+#: returns is the JSON answer.
+Body = Callable[[str], Awaitable[Any]]
+
+
+def _fastapi_decorated(locks: asynclock.LockClient, body: Body, **options: Any) -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(fastapi_locks.LeaseLossHeaders)
+
+    @app.post("/orders/{order_id}")
+    @fastapi_locks.locked("orders/{order_id}", client=locks, **options)
+    async def pay(order_id: str) -> Any:
+        return await body(order_id)
+
+    return app
+
+
+def _fastapi_dependency(locks: asynclock.LockClient, body: Body, **options: Any) -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(fastapi_locks.LeaseLossHeaders)
+    dependency = fastapi_locks.lock_dependency("orders/{order_id}", client=locks, **options)
+
+    @app.post("/orders/{order_id}")
+    async def pay(order_id: str, lease: asynclock.Lease = dependency) -> Any:
+        assert lease.name == f"orders/{order_id}"
+        return await body(order_id)
+
+    return app
+
+
+def _aiohttp(locks: asynclock.LockClient, body: Body, **options: Any) -> web.Application:
+    @aiohttp_locks.locked("orders/{order_id}", client=locks, **options)
+    async def pay(request: web.Request) -> web.Response:
+        return web.json_response(await body(request.match_info["order_id"]))
+
+    app = web.Application()
+    app.router.add_post("/orders/{order_id}", pay)
+    return app
+
+
+def _answers_in_detail(answer: httpx.Response) -> dict[str, str]:
+    detail: dict[str, str] = answer.json()["detail"]
+    return detail
+
+
+@dataclass(frozen=True)
+class Web:
+    """One way to lock a handler: FastAPI's decorator or dependency, or aiohttp's decorator.
+    ``serve(app(locks, body, **options))`` serves ``POST /orders/{order_id}`` under the lock
+    ``orders/{order_id}``; ``error(answer)`` is the error an answer carries."""
+
+    name: str
+    app: Callable[..., Any]
+    serve: Callable[[Any], AbstractAsyncContextManager[str]]
+    error: Callable[[httpx.Response], dict[str, str]]
+
+
+WEBS = [
+    Web("fastapi", _fastapi_decorated, serve_asgi, _answers_in_detail),
+    Web("fastapi-dependency", _fastapi_dependency, serve_asgi, _answers_in_detail),
+    Web("aiohttp", _aiohttp, serve_aiohttp, httpx.Response.json),
+]

@@ -30,13 +30,17 @@ EXPECTED = {
         "409 fencing token",
     ],
     "worker_pool.py": ["overlapping jobs on one account: 0"],
+    **{
+        name: ["overlapping jobs on one account: 0; failed jobs: 0"]
+        for name in ("jobs_arq.py", "jobs_saq.py", "jobs_taskiq.py")
+    },
 }
 
 
-async def run_example(
-    name: str, url: str | None, variable: str = "ASYNCLOCK_URL"
-) -> tuple[int, str]:
-    """Run ``examples/name`` with ``url`` in the environment ``variable`` (unset when None)."""
+async def run_example(name: str, url: str | None) -> str:
+    """Run ``examples/name`` with ``url`` in its environment variable (none: its own server);
+    check that it succeeded, and return what it printed."""
+    variable = "ASYNCLOCK_REDIS_URL" if name.startswith("jobs_") else "ASYNCLOCK_URL"
     env = {key: value for key, value in os.environ.items() if key != variable}
     if url is not None:
         env[variable] = url
@@ -47,32 +51,46 @@ async def run_example(
             check=False,
             stderr=subprocess.STDOUT,
         )
-    return done.returncode, done.stdout.decode()
+    output = done.stdout.decode()
+    assert done.returncode == 0, f"{name} failed:\n{output}"
+    return output
 
 
-async def test_every_example_runs_on_the_embedded_backend_and_on_a_real_server(
+async def test_every_example_runs_on_its_own_server_and_on_a_real_one(
     redis_server: RedisServer,
 ) -> None:
-    def real() -> str:  # a key prefix of its own per run: the examples use the same lock names
+    """The web examples lock on the embedded backend by default, the job examples start a
+    redis-server; each also runs on the session's Redis (a key prefix of its own per run:
+    the examples use the same lock names)."""
+
+    def real(name: str) -> str:
+        if name.startswith("jobs_"):
+            return redis_server.url  # the job examples give their keys a prefix themselves
         return f"{redis_server.url}?prefix=ex-{uuid.uuid4().hex[:6]}:&durability_warning=false"
 
-    runs = [(name, None) for name in EXPECTED] + [(name, real()) for name in EXPECTED]
-    results: dict[tuple[str, str | None], tuple[int, str]] = {}
+    # Starting a redis-server of its own is the same code in every job example: once is enough.
+    runs: list[tuple[str, str | None]] = [(name, real(name)) for name in EXPECTED]
+    runs += [(name, None) for name in EXPECTED if not name.startswith("jobs_")]
+    runs.append(("jobs_arq.py", None))
+    results: dict[tuple[str, str | None], str] = {}
 
-    async def run(name: str, lock_url: str | None) -> None:
-        results[name, lock_url] = await run_example(name, lock_url)
+    async def run(name: str, url: str | None) -> None:
+        results[name, url] = await run_example(name, url)
 
     async with anyio.create_task_group() as task_group:
-        for name, lock_url in runs:
-            task_group.start_soon(run, name, lock_url)
+        for name, url in runs:
+            task_group.start_soon(run, name, url)
 
-    for (name, lock_url), (returncode, output) in results.items():
-        assert returncode == 0, f"{name} failed:\n{output}"
+    for (name, url), output in results.items():
         assert "as expected" in output, output
         for line in EXPECTED[name]:
             assert line in output, f"{name} did not print {line!r}:\n{output}"
-        where = lock_url.split("?")[0] if lock_url else "sqlite:///"
-        assert f"locks on {where}" in output, output
+        if name.startswith("jobs_"):
+            assert output.count(" settled with token ") == 12, output
+        if url is not None:
+            assert f"locks on {url.split('?')[0]}" in output, output
+        elif not name.startswith("jobs_"):
+            assert "locks on sqlite:///" in output, output
 
 
 _WITHOUT_FRAMEWORKS = """

@@ -1,0 +1,250 @@
+"""What the web integrations do alike: FastAPI's decorator and dependency, and aiohttp's decorator,
+each on a real server (uvicorn, aiohttp) called over HTTP. What only one framework does is in
+test_fastapi.py and test_aiohttp.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote
+
+import anyio
+import httpx
+import pytest
+
+import asynclock
+from asynclock.integrations import aiohttp as aiohttp_locks
+from asynclock.integrations import fastapi as fastapi_locks
+from asynclock.integrations.fastapi import LEASE_LOST_HEADER
+from tests.loud import ExpectedLogs
+
+from ._servers import WEBS, Gate, Web, failing_locks, memory
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=WEBS, ids=[web.name for web in WEBS])
+def web(request: pytest.FixtureRequest) -> Web:
+    chosen: Web = request.param
+    return chosen
+
+
+async def token_of(order: str) -> dict[str, Any]:
+    return {"order": order, "token": asynclock.current_token()}
+
+
+async def test_a_busy_lock_answers_423_at_once(web: Web, locks: asynclock.LockClient) -> None:
+    app = web.app(locks, token_of)
+    async with web.serve(app) as url, httpx.AsyncClient(base_url=url) as http:
+        async with locks.lock("orders/7"):
+            with anyio.fail_after(2):
+                busy = await http.post("/orders/7")
+            other = await http.post("/orders/8")  # another order: not blocked by 7
+        free = await http.post("/orders/7")
+        missing = await http.post("/nowhere")
+    # A lease that held, and a request that took none (a 404), have no loss to report.
+    assert LEASE_LOST_HEADER not in free.headers
+    assert missing.status_code == 404
+    assert LEASE_LOST_HEADER not in missing.headers
+    assert busy.status_code == 423
+    assert web.error(busy)["error"] == "lock_busy"
+    assert web.error(busy)["lock"] == "orders/7"
+    assert busy.headers["retry-after"] == "1"  # the default
+    assert other.json()["order"] == "8"
+    assert free.json()["order"] == "7"
+
+
+@pytest.mark.expect_log(r"lease on 'orders/3' lost: the lock was removed on the server")
+async def test_a_lost_lease_cancels_the_handler_and_answers_503_without_inviting_a_retry(
+    web: Web, locks: asynclock.LockClient
+) -> None:
+    gate = Gate()
+
+    async def gated(order: str) -> str:
+        await gate.pass_through(order)
+        return order
+
+    async with web.serve(web.app(locks, gated)) as url, httpx.AsyncClient(base_url=url) as http:
+        answers: list[httpx.Response] = []
+
+        async def call() -> None:
+            answers.append(await http.post("/orders/3"))
+
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(call)
+            await gate.entered.wait()
+            memory(locks).expire("orders/3", notify=True)
+        # The server is still up: the lost lease did not break it for the next request.
+        gate.open.set()
+        after = await http.post("/orders/3")
+    lost = answers[0]
+    assert lost.status_code == 503
+    error = web.error(lost)
+    assert error["error"] == "lease_lost"
+    assert error["lock"] == "orders/3"
+    assert "removed on the server" in error["message"]
+    # Its effects may be partial: no invitation to retry.
+    assert "retry-after" not in lost.headers
+    assert "retry" not in error["message"]
+    assert gate.cancelled == ["3"]  # the handler really was cancelled
+    assert gate.finished == ["3"]  # ... and the next request ran to the end
+    assert after.status_code == 200
+
+
+async def test_waiting_mode_serializes_the_handler_and_gives_up_with_423_after_its_timeout(
+    web: Web, locks: asynclock.LockClient
+) -> None:
+    active = most = 0
+
+    async def deposit(order: str) -> int:
+        nonlocal active, most
+        active += 1
+        most = max(most, active)
+        await anyio.sleep(0.02)
+        active -= 1
+        return asynclock.current_token()
+
+    answers: list[httpx.Response] = []
+    async with (
+        web.serve(web.app(locks, deposit, timeout=10)) as url,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+
+        async def call() -> None:
+            answers.append(await http.post("/orders/a"))
+
+        async with anyio.create_task_group() as task_group:
+            for _ in range(6):
+                task_group.start_soon(call)
+    async with (
+        web.serve(web.app(locks, deposit, timeout=0.2)) as url,
+        httpx.AsyncClient(base_url=url) as http,
+    ):
+        async with locks.lock("orders/a"):
+            started = anyio.current_time()
+            busy = await http.post("/orders/a")
+            waited = anyio.current_time() - started
+    assert [answer.status_code for answer in answers] == [200] * 6
+    assert most == 1
+    assert sorted(answer.json() for answer in answers) == list(range(1, 7))  # one token each
+    assert busy.status_code == 423
+    assert 0.2 <= waited < 2
+
+
+@pytest.mark.parametrize(
+    ("fail", "status", "error"),
+    [
+        (lambda: asynclock.BackendUnavailable("redis://x: refused"), 503, "lock_unavailable"),
+        (lambda: asynclock.BackendTimeout("redis://x: no answer in 1 s"), 503, "lock_unavailable"),
+        (lambda: asynclock.DeadlockDetected("orders/1", []), 409, "deadlock"),
+    ],
+    ids=["unavailable", "timeout", "deadlock"],
+)
+@pytest.mark.parametrize("timeout", [0, 0.3])
+async def test_lock_errors_while_acquiring_are_answered_never_500(
+    web: Web,
+    timeout: float,
+    fail: Callable[[], asynclock.LockError],
+    status: int,
+    error: str,
+    expected_logs: ExpectedLogs,
+) -> None:
+    if error == "lock_unavailable":
+        expected_logs.expect(r"answered 503 for the lock 'orders/1'")
+    async with failing_locks() as (locks, backend):
+        app = web.app(locks, token_of, timeout=timeout, retry_after=7)
+        async with web.serve(app) as url, httpx.AsyncClient(base_url=url) as http:
+            backend.fail = fail
+            refused = await http.post("/orders/1")
+            backend.fail = None
+            after = await http.post("/orders/1")  # the server is back: served again
+            async with locks.lock("orders/1"):
+                busy = await http.post("/orders/1")
+    assert refused.status_code == status
+    assert web.error(refused)["error"] == error
+    assert web.error(refused)["lock"] == "orders/1"
+    assert refused.headers["retry-after"] == "7"
+    assert after.status_code == 200
+    assert busy.status_code == 423
+    assert busy.headers["retry-after"] == "7"
+
+
+@pytest.mark.expect_log(r"lease on 'orders/5' (was )?lost")
+async def test_a_body_that_completed_keeps_its_response_and_reports_the_loss(
+    web: Web, locks: asynclock.LockClient
+) -> None:
+    async def book(order: str) -> dict[str, str]:
+        # Blocks the event loop past the ttl, then returns without a checkpoint: the loss is
+        # only known once the body has completed (a paused process).
+        time.sleep(0.4)  # noqa: ASYNC251 - blocking the loop is the point
+        return {"booked": order}
+
+    app = web.app(locks, book, ttl=0.2)
+    async with web.serve(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
+        answer = await http.post("/orders/5")
+        free = await locks.try_acquire("orders/5", ttl=1.0)  # and the lock was released
+    assert answer.status_code == 200  # not 503 "retry": the booking is done
+    assert answer.json() == {"booked": "5"}
+    reason = unquote(answer.headers[LEASE_LOST_HEADER])
+    assert "no successful renewal before the local deadline" in reason
+    assert free is not None
+    await free.release()
+
+
+@pytest.mark.expect_log(r"lease on 'orders/9' (was )?lost")
+async def test_a_body_that_returned_before_its_cancellation_landed_keeps_its_response(
+    web: Web, locks: asynclock.LockClient
+) -> None:
+    # The loss is signalled while the body runs, but the body returns without another
+    # checkpoint, so it is never stopped: its work is done and its answer stands.
+    async def pay(order: str) -> str:
+        memory(locks).expire(f"orders/{order}", notify=True)
+        return order
+
+    async with web.serve(web.app(locks, pay)) as url, httpx.AsyncClient(base_url=url) as http:
+        answer = await http.post("/orders/9")
+    assert answer.status_code == 200
+    assert answer.json() == "9"
+    assert unquote(answer.headers[LEASE_LOST_HEADER]) == "the lock was removed on the server"
+
+
+async def test_errors_of_locks_the_handler_took_itself_are_not_answered_as_its_own(
+    web: Web, locks: asynclock.LockClient
+) -> None:
+    async def transfer(order: str) -> str:
+        async with locks.lock("accounts/y", timeout=0):
+            return "moved"
+
+    async with web.serve(web.app(locks, transfer)) as url, httpx.AsyncClient(base_url=url) as http:
+        async with locks.lock("accounts/y"):
+            answer = await http.post("/orders/1")
+    # The framework's own answer to the handler's AcquireTimeout (a TimeoutError: aiohttp says
+    # 504), not the integration's 423 for orders/1.
+    assert answer.status_code in {500, 504}
+    assert "lock_busy" not in answer.text
+
+
+def no_client() -> asynclock.LockClient:
+    raise AssertionError("the lock client is only needed when a request comes in")
+
+
+@pytest.mark.parametrize("locked", [fastapi_locks.locked, aiohttp_locks.locked])
+def test_mistakes_are_reported_when_the_handler_is_defined(locked: Callable[..., Any]) -> None:
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("orders/{}", {}, "positional field"),
+        ("orders/{id", {}, "malformed"),
+        ("orders/{id}", {"ttl": 0}, "ttl"),
+        ("orders/{id}", {"timeout": -1}, "timeout"),
+        ("a", {"tll": 3}, "unknown option tll; the options are"),
+        ("a", {"busy_status": 200}, "busy_status must be an HTTP error"),
+        ("a", {"retry_after": 0.5}, "retry_after must be whole seconds"),
+    ]
+    for template, options, message in cases:
+        with pytest.raises(asynclock.InvalidArgument, match=message):
+            locked(template, client=no_client, **options)
+
+    def sync(id: str) -> None: ...
+
+    with pytest.raises(TypeError, match="async def"):
+        locked("orders/{id}", client=no_client)(sync)
