@@ -30,7 +30,7 @@ from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, lock_key
 from asynclock.extras.postgres import TransactionLock, transaction_lock
 from asynclock.testing import FaultProxy, PostgresServer, free_port
-from tests.contract.backend_postgres import HOLDERS_OF_KEY, key_parts, terminate_holder
+from tests.contract.backend_postgres import LOCKERS_OF_KEY, key_parts, terminate_holder
 
 pytestmark = pytest.mark.anyio
 
@@ -127,7 +127,7 @@ class TLSPostgresServer(PostgresServer):
 
 
 async def holders(admin: asyncpg.Connection, name: str, schema: str = "public") -> list[int]:
-    return [row[0] for row in await admin.fetch(HOLDERS_OF_KEY, *key_parts(name, schema))]
+    return [row[0] for row in await admin.fetch(LOCKERS_OF_KEY, *key_parts(name, schema), True)]
 
 
 async def waiters(admin: asyncpg.Connection, name: str) -> int:
