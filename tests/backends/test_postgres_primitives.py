@@ -8,6 +8,7 @@ import asyncio
 import random
 import uuid
 from contextlib import AsyncExitStack, suppress
+from typing import Any
 
 import anyio
 import pytest
@@ -22,25 +23,11 @@ pytestmark = pytest.mark.anyio
 
 
 def request(
-    name: str,
-    *,
-    ttl: float = 5.0,
-    kind: Kind = "lock",
-    shared: bool = False,
-    permits: int = 1,
-    value: bytes = b"",
-    lost: list[str] | None = None,
+    name: str, *, ttl: float = 5.0, lost: list[str] | None = None, **fields: Any
 ) -> LockRequest:
-    return LockRequest(
-        name=name,
-        ttl=ttl,
-        owner=uuid.uuid4().hex,
-        on_lost=(lost.append if lost is not None else lambda reason: None),
-        kind=kind,
-        shared=shared,
-        permits=permits,
-        value=value,
-    )
+    """A request of ``name``; ``fields``: kind, shared, permits, value."""
+    on_lost = lost.append if lost is not None else lambda reason: None
+    return LockRequest(name, ttl, uuid.uuid4().hex, on_lost, **fields)
 
 
 async def until_waiting(backend: PostgresBackend, name: str, kind: Kind, count: int) -> None:
@@ -442,7 +429,7 @@ async def test_the_row_of_a_killed_reader_goes_with_the_next_readers(pg: Pg) -> 
     """Nobody releases a killed process's hold: a later reader's take deletes its row (once
     its session is gone), so nothing stays on the server."""
     rows = "SELECT count(*) FROM asynclock_holders WHERE held = $1"
-    process, _ = await start_holder(pg.server.url, "shared", pg.name, 30.0)
+    process, _ = await start_holder(pg.server.url, pg.name, shared=True)
     async with process, pg.connect() as locks:
         assert await pg.admin.fetchval(rows, kind_key(pg.name, "lock")) == 1
         process.kill()

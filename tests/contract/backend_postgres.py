@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,6 @@ from asynclock.backends.postgres import PostgresBackend, lock_key
 from asynclock.backends.postgres._kinds import kind_key, permits_class, split
 from asynclock.testing import PostgresServer
 from tests.contract.harness import BackendUnderTest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 #: Advisory locks of the bigint form, by key, as pg_locks shows them ($3: granted or waiting).
 LOCKERS_OF_KEY = """
@@ -48,24 +46,18 @@ WHERE a.application_name = $1 GROUP BY a.pid, a.state
 #: Rows of the holders' table (shared holds, permits, leaders) of an application_name.
 HOLDER_ROWS = "SELECT held, pid FROM asynclock_holders WHERE application_name = $1"
 
-#: A hold in a process of its own: prints "held", then "lost" if its body is cancelled.
+ROOT = Path(__file__).resolve().parents[2]
+
+#: A lock in a process of its own (sys.argv: url, name, ttl, seconds to hold, "shared" or not):
+#: prints "held" once it holds.
 HOLDER = """
 import sys, anyio, asynclock
 
-async def main(url, kind, name, ttl):
+async def main(url, name, ttl, hold, shared):
     async with asynclock.connect(url) as locks:
-        if kind == "semaphore":
-            hold = locks.semaphore(name, permits=2).lock(ttl=float(ttl))
-        elif kind == "election":
-            hold = locks.election(name).campaign(b"child", ttl=float(ttl))
-        else:
-            hold = locks.lock(name, ttl=float(ttl), shared=kind == "shared")
-        try:
-            async with hold:
-                print("held", flush=True)
-                await anyio.sleep(60)
-        except asynclock.LeaseLost:
-            print("lost", flush=True)
+        async with locks.lock(name, ttl=float(ttl), shared=shared == "shared", timeout=30):
+            print("held", flush=True)
+            await anyio.sleep(float(hold))
 
 anyio.run(main, *sys.argv[1:])
 """
@@ -108,16 +100,22 @@ async def sessions_of(admin: asyncpg.Connection, application_name: str) -> list[
 
 
 async def start_holder(
-    url: str, kind: str, name: str, ttl: float
+    url: str,
+    name: str,
+    *,
+    ttl: float = 30,
+    hold: float = 60,
+    shared: bool = False,
+    held: bool = True,
 ) -> tuple[Process, BufferedByteReceiveStream]:
-    """A :data:`HOLDER` of ``kind`` (lock, shared, semaphore, election), once it holds."""
-    process = await anyio.open_process(
-        [sys.executable, "-c", HOLDER, url, kind, name, str(ttl)], cwd=ROOT, stderr=None
-    )
+    """A :data:`HOLDER` process, and its output; once it holds, if ``held``."""
+    args = [url, name, str(ttl), str(hold), "shared" if shared else "exclusive"]
+    process = await anyio.open_process([sys.executable, "-c", HOLDER, *args], cwd=ROOT, stderr=None)
     assert process.stdout is not None
     output = BufferedByteReceiveStream(process.stdout)
-    with anyio.fail_after(20):
-        assert await output.receive_until(b"\n", 100) == b"held"
+    if held:
+        with anyio.fail_after(20):
+            assert await output.receive_until(b"\n", 100) == b"held"
     return process, output
 
 
@@ -128,8 +126,8 @@ class Pg:
 
     server: PostgresServer
     admin: asyncpg.Connection
-    name: str
-    app: str
+    name: str = field(default_factory=lambda: f"pg/{uuid.uuid4().hex[:12]}")
+    app: str = field(default_factory=lambda: f"pg-{uuid.uuid4().hex[:8]}")
 
     @property
     def url(self) -> str:
@@ -147,9 +145,9 @@ class Pg:
         parts = key_parts(name or self.name, schema)
         return [row[0] for row in await self.admin.fetch(LOCKERS_OF_KEY, *parts, True)]
 
-    async def waiters(self, name: str | None = None) -> list[int]:
-        """The sessions waiting for the lock ``name`` in the server's queue."""
-        parts = key_parts(name or self.name)
+    async def waiters(self) -> list[int]:
+        """The sessions waiting for the lock in the server's queue."""
+        parts = key_parts(self.name)
         return [row[0] for row in await self.admin.fetch(LOCKERS_OF_KEY, *parts, False)]
 
     async def wait_for_waiters(self, count: int) -> None:
@@ -197,9 +195,7 @@ class Pg:
 async def pg(postgres_server: PostgresServer) -> AsyncIterator[Pg]:
     admin = await asyncpg.connect(postgres_server.dsn)
     try:
-        yield Pg(
-            postgres_server, admin, f"pg/{uuid.uuid4().hex[:12]}", f"pg-{uuid.uuid4().hex[:8]}"
-        )
+        yield Pg(postgres_server, admin)
     finally:
         await admin.close()
 
