@@ -181,6 +181,31 @@ async def test_another_number_of_permits_is_refused_while_held_or_waited_for(pg:
     await pg.nothing_left()
 
 
+async def test_a_permit_taken_after_other_takes_queued_before_it_starts_its_lease_then(
+    pg: Pg,
+) -> None:
+    """Takes of one semaphore are serialised by a transaction lock; one that waits there longer
+    than its ttl (20 contending takes did, under load) gets a lease that starts with its take,
+    not one that expired before its body began."""
+    async with pg.backend() as one:
+        await pg.admin.execute("BEGIN")
+        await pg.admin.execute("SELECT pg_advisory_xact_lock($1)", kind_key(pg.name, "semaphore"))
+        async with anyio.create_task_group() as tg:
+            grants: list[PostgresGrant | None] = []
+
+            async def take() -> None:
+                grants.append(await one.try_acquire(request(pg.name, ttl=1.0, kind="semaphore")))
+
+            tg.start_soon(take)
+            await anyio.sleep(1.2)  # a ttl and more
+            released_at = anyio.current_time()
+            await pg.admin.execute("COMMIT")
+        (grant,) = grants
+        assert grant is not None and grant.valid_from > released_at
+        await one.release(grant)
+    await pg.nothing_left()
+
+
 async def test_a_terminated_permit_frees_exactly_that_permit(pg: Pg) -> None:
     lost: list[str] = []
     name = pg.name
