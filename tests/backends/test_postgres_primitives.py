@@ -16,7 +16,7 @@ import pytest
 import asynclock
 from asynclock.abc import Kind, LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, PostgresGrant
-from asynclock.backends.postgres._kinds import kind_key, permits_class, split
+from asynclock.backends.postgres._kinds import kind_key
 from tests.contract.backend_postgres import Pg, start_holder
 
 pytestmark = pytest.mark.anyio
@@ -360,13 +360,6 @@ async def test_observers_never_see_a_leader_whose_take_has_not_committed(pg: Pg)
     assert all(leader.value in (b"one", b"two") and leader.token for leader in leaders), seen
     tokens = [leader.token or 0 for leader in leaders]
     assert tokens == sorted(tokens)
-
-
-async def test_permits_class_and_keys_are_in_their_own_spaces(pg: Pg) -> None:
-    keys = {kind_key(pg.name, kind) for kind in ("lock", "semaphore", "election")}
-    assert len(keys) == 3
-    assert -(2**31) <= permits_class(pg.name) < 2**31
-    assert all(0 <= part < 2**32 for part in split(kind_key(pg.name, "election")))
 
 
 # -- sessions that end, users who may not -------------------------------------------------------
