@@ -213,9 +213,11 @@ async def _transaction(
             try:
                 await transaction.rollback()
             except Exception as exc:
-                logger.warning(
-                    "asynclock: rolling back the transaction of %r failed: %r", name, exc
-                )
+                # A closed connection's transaction ended with its session: nothing to undo.
+                if not connection.is_closed():
+                    logger.warning(
+                        "asynclock: rolling back the transaction of %r failed: %r", name, exc
+                    )
         raise
     with translate(errors, f"committing the transaction of {name!r}"):
         await transaction.commit()

@@ -118,7 +118,9 @@ _RELEASE = """
 WITH gone AS (DELETE FROM {holders} WHERE pid = pg_backend_pid())
 SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false){notify}
 """
-_NOTIFY = ", pg_notify(${channel}, $1::text)"
+# $1 is the key: cast to bigint first, or a statement that uses $1 nowhere else (_RELEASE) makes
+# asyncpg type it as text and refuse the int key.
+_NOTIFY = ", pg_notify(${channel}, $1::bigint::text)"
 
 # Rows of holds whose session ended without deleting them (terminated, killed, timed out):
 # their pid no longer holds ``held``. A row is written after its lock is granted, so no live

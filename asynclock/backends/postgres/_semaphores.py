@@ -92,8 +92,12 @@ class Semaphores:
                     # A try: it waits for nothing but other takes' transactions.
                     anyio.fail_after(self._op_timeout),
                 ):
-                    sent_at = now()
                     await connection.execute(BEGIN_SEMAPHORE.format(key=int(key)))
+                    # The lease starts with the take, after the wait for other takes'
+                    # transactions (20 contending takes waited longer than a ttl of 1 s, and
+                    # got permits that had expired before their bodies began): the server's
+                    # idle timer only starts once the COMMIT below has ended the transaction.
+                    sent_at = now()
                     row = await connection.fetchrow(
                         self._take_sql,
                         key,
