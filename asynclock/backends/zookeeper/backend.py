@@ -205,7 +205,13 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
         session = await self._session_for(self._settings.session_timeout)
         with translate(zk_errors, f"watching {kind} {name!r} on {self.describe()}"):
-            await _inspect.wait_for_change(session, self._tree, name, kind, seen, timeout)
+            try:
+                await _inspect.wait_for_change(session, self._tree, name, kind, seen, timeout)
+            except SessionGone:
+                # aclose() ended the session under the watch: a change feed ends with its
+                # client (the caller sees it closed), it does not fail.
+                if self._state != "closed":
+                    raise
 
     async def try_acquire(self, request: LockRequest) -> ZooKeeperGrant | None:
         return await self._acquire(request, wait=False)
