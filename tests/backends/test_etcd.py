@@ -190,32 +190,6 @@ async def test_a_lease_with_held_locks_and_waiters_is_kept_alive_on_one_schedule
         await held.release()
 
 
-async def test_two_acquisitions_of_one_name_in_one_client_exclude_each_other(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
-    inside = 0
-    most = 0
-
-    async def worker(locks: asynclock.LockClient) -> None:
-        nonlocal inside, most
-        async with locks.lock("same", ttl=5):
-            inside += 1
-            most = max(most, inside)
-            await anyio.sleep(0.005)
-            inside -= 1
-
-    async with asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks:
-        held = await locks.acquire("same", ttl=5)
-        # Same client, same ttl, so the same lease: still a second queue entry.
-        assert await locks.try_acquire("same", ttl=5) is None
-        await held.release()
-        with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-                for _ in range(20):
-                    tg.start_soon(worker, locks)
-    assert most == 1
-
-
 @pytest.mark.expect_log(r"lease on '[ab]' lost: etcd lease \w+ expired or was revoked")
 async def test_revoking_the_lease_cancels_every_body_on_it_and_the_client_recovers(
     etcd_server: EtcdServer, etcd_prefix: str
