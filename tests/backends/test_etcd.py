@@ -8,6 +8,7 @@ import functools
 import http.client
 import json
 import os
+import random
 import signal
 import ssl
 import subprocess
@@ -29,7 +30,7 @@ from asynclock.abc import Renewed
 from asynclock.backends.etcd import EtcdBackend, EtcdGrant
 from asynclock.fencing import fence_compare, fenced_txn
 from asynclock.testing import EtcdCluster, EtcdServer, FaultProxy, find_binary, free_port
-from tests.contract.backend_etcd import key_prefix, metrics, raw, wait_until
+from tests.contract.backend_etcd import Raw, key_prefix, metrics, raw, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -255,6 +256,77 @@ async def test_an_idle_lease_that_expired_is_replaced(
 
 
 # -- faults ------------------------------------------------------------------------------------
+
+
+async def test_acquires_cancelled_at_random_moments_never_leave_a_key(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A cancelled request may still reach etcd, and after the clean-up's delete (they travel
+    on different streams): the clean-up waits for it first."""
+    rng = random.Random(5)
+    base = key_prefix(etcd_prefix, "c")
+    async with (
+        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
+        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as other,
+        raw(etcd_server.address) as direct,
+    ):
+        started = anyio.current_time()
+        await (await locks.acquire("c", ttl=4)).release()
+        round_trip = anyio.current_time() - started
+        for attempt in range(300):
+            held = await other.acquire("c", ttl=4) if attempt % 2 else None
+            with anyio.move_on_after(rng.uniform(0, 3 * round_trip)):
+                async with locks.lock("c", ttl=4):
+                    await anyio.sleep(10)
+            if held is not None:
+                await held.release()
+            assert await direct.count(base) == 0, f"a key was left by attempt {attempt}"
+
+
+@pytest.mark.expect_log(r"lease on 'a' lost: no successful renewal before the local deadline")
+@pytest.mark.expect_log(r"releasing 'a' on etcd://\S+ did not complete in 1 s")
+async def test_keepalive_blackholed_cancels_the_body_before_etcd_expires_the_lease(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    ttl = 4.0
+    gone_at: list[float] = []
+
+    async def watch_key(direct: Raw, base: bytes) -> None:
+        while True:
+            if not await direct.count(base):
+                gone_at.append(anyio.current_time())
+                return
+            await anyio.sleep(0.01)
+
+    async with (
+        FaultProxy(etcd_server.host, etcd_server.port) as proxy,
+        raw(etcd_server.address) as direct,
+    ):
+        locks = asynclock.connect(
+            f"etcd://{proxy.address}", prefix=etcd_prefix, op_timeout=1.0, release_timeout=1.0
+        )
+        async with locks:
+            cancelled_at = None
+            async with anyio.create_task_group() as tg:
+                with pytest.raises(asynclock.LeaseLost) as info:
+                    async with locks.lock("a", ttl=ttl) as lease:
+                        tg.start_soon(watch_key, direct, key_prefix(etcd_prefix, "a"))
+                        proxy.blackhole()
+                        try:
+                            await anyio.sleep(30)
+                        finally:
+                            cancelled_at = anyio.current_time()
+            assert "local deadline" in info.value.reason
+            assert cancelled_at is not None
+            # Cancelled before the server let go of the key (the release could not reach it).
+            assert gone_at and cancelled_at < gone_at[0]
+            assert cancelled_at <= lease.deadline + 0.1
+            # Once the network heals, the client works again (on a new lease).
+            proxy.pass_through()
+            async with locks.lock("a", ttl=ttl) as again:
+                assert again.token > lease.token
+    async with raw(etcd_server.address) as direct:
+        assert await direct.count(etcd_prefix.encode()) == 0
 
 
 @pytest.mark.expect_log(r"releasing 'stuck' on etcd://\S+ did not complete \(MayHaveApplied")
