@@ -531,6 +531,20 @@ async def test_inspect_gives_the_holders_owner_secret_to_the_core_which_shows_it
 # -- cleanup ---------------------------------------------------------------------------------
 
 
+async def test_a_client_closed_right_after_a_connection_reset_still_deletes_its_parents(
+    zookeeper_server: ZooKeeperServer, zk_chroot: str, zk_admin: ZKClient
+) -> None:
+    """aclose() deletes the lock parents this client used once its session is connected again,
+    not only when it is connected at that moment: they are left behind otherwise (until the
+    server's container check, a minute later)."""
+    async with FaultProxy(zookeeper_server.host, zookeeper_server.port) as proxy:
+        async with asynclock.connect(f"zookeeper://{proxy.address}{zk_chroot}") as locks:
+            await (await locks.acquire("p", ttl=5)).release()
+            proxy.reset()  # every session reconnects
+            await until(lambda: backend_of(locks)._connected() is None, 2)
+    assert await znodes_under(zk_admin, zk_chroot) == []
+
+
 async def test_cancelled_waiter_and_release_while_disconnected_are_cleaned_after_reconnect(
     zookeeper_server: ZooKeeperServer, zk_chroot: str, zk_admin: ZKClient
 ) -> None:

@@ -120,9 +120,13 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         if self._state == "closed":
             return
         self._state = "closed"
+        # A session that is reconnecting (a connection reset just before) will do: the delete
+        # waits for it, within the bound; skipped, the parents would stay until the server's
+        # container check, a minute later.
+        session = self._connected() or next((s for s in self._sessions.values() if s.usable), None)
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(min(self._settings.op_timeout, 2.0)):
-                await self._tree.delete_parents(self._connected(), list(self._tree.parents))
+                await self._tree.delete_parents(session, list(self._tree.parents))
         sessions, self._sessions = list(self._sessions.values()), {}
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
