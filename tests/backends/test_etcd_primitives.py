@@ -3,11 +3,7 @@ Backend methods, against real etcd (the contract suite runs them through the cli
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import random
 import secrets
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -16,19 +12,13 @@ import anyio
 import pytest
 from aetcd import rpc
 
-import asynclock
 from asynclock import InvalidArgument
 from asynclock.abc import Kind, LockInfo, LockRequest, Lost, Renewed
 from asynclock.backends.etcd import EtcdBackend, EtcdGrant
 from asynclock.testing import EtcdServer
-from tests.backends.test_etcd import end, raw, wait_until
+from tests.contract.backend_etcd import raw, wait_until
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"/asynclock-test/{uuid.uuid4().hex[:12]}/"
 
 
 @asynccontextmanager
@@ -37,26 +27,9 @@ async def backend(url: str, prefix: str) -> AsyncIterator[EtcdBackend]:
         yield opened
 
 
-def request(
-    name: str,
-    *,
-    ttl: float = 5.0,
-    kind: Kind = "lock",
-    shared: bool = False,
-    permits: int = 1,
-    value: bytes = b"",
-    lost: list[str] | None = None,
-) -> LockRequest:
-    return LockRequest(
-        name,
-        ttl,
-        secrets.token_hex(16),
-        on_lost=(lost if lost is not None else []).append,
-        kind=kind,
-        shared=shared,
-        permits=permits,
-        value=value,
-    )
+def request(name: str, *, ttl: float = 5.0, **fields: Any) -> LockRequest:
+    """A request as the core makes it (a fresh owner secret each time)."""
+    return LockRequest(name, ttl, secrets.token_hex(16), on_lost=lambda reason: None, **fields)
 
 
 async def keys_under(server: EtcdServer, prefix: str) -> list[Any]:
@@ -89,97 +62,10 @@ async def granted_one(granted: list[EtcdGrant]) -> None:
 # -- shared holds ------------------------------------------------------------------------------
 
 
-async def test_readers_share_a_writer_waits_and_readers_after_it_wait_for_it(
-    etcd_server: EtcdServer, prefix: str
-) -> None:
-    async with backend(etcd_server.url, prefix) as etcd:
-        r1 = await etcd.try_acquire(request("rw", shared=True))
-        r2 = await etcd.acquire(request("rw", shared=True))
-        assert r1 is not None and r2.token is not None and r1.token is not None
-        assert r2.token > r1.token
-        assert await etcd.try_acquire(request("rw")) is None
-        granted: list[EtcdGrant] = []
-        async with anyio.create_task_group() as tg:
-            await started(tg, etcd, request("rw"), granted)  # a writer waits
-            # A reader that comes after the waiting writer neither tries in nor waits in.
-            assert await etcd.try_acquire(request("rw", shared=True)) is None
-            await started(tg, etcd, request("rw", shared=True), granted)
-            info = await etcd.inspect("rw")
-            assert [h.token for h in info.holders] == [r1.token, r2.token]
-            assert all(h.shared for h in info.holders) and info.waiters == 2
-            await anyio.sleep(0.2)
-            assert not granted
-            await etcd.release(r1)
-            await anyio.sleep(0.1)
-            assert not granted
-            await etcd.release(r2)
-            await granted_one(granted)
-            await anyio.sleep(0.2)
-            (writer,) = granted  # the reader still waits for the writer
-            assert writer.token is not None and writer.token > r2.token
-            info = await etcd.inspect("rw")
-            assert info.token == writer.token and not info.holders[0].shared
-            await etcd.release(writer)
-        reader = granted[1]
-        assert reader.token is not None and writer.token is not None
-        assert reader.token > writer.token
-        await etcd.release(reader)
-        assert not await keys_under(etcd_server, prefix)
-
-
-async def test_readers_and_writers_of_two_clients_mixed_at_random_never_overlap(
-    etcd_server: EtcdServer, prefix: str
-) -> None:
-    """Hand-overs inside one client (the release's own read) and between clients, readers
-    behind writers and writers behind readers, at random."""
-    rng = random.Random(3)
-    readers = writers = 0
-    broken: list[str] = []
-    counts = {"shared": 0, "exclusive": 0}
-    last_writer = 0
-    async with (
-        asynclock.connect(etcd_server.url, prefix=prefix) as one,
-        asynclock.connect(etcd_server.url, prefix=prefix) as two,
-    ):
-
-        async def worker(locks: asynclock.LockClient, seed: float) -> None:
-            nonlocal readers, writers, last_writer
-            own = random.Random(seed)
-            for _ in range(15):
-                shared = own.random() < 0.6
-                async with locks.lock("m", ttl=4, timeout=20, shared=shared) as lease:
-                    assert lease.token is not None
-                    if lease.token < last_writer:
-                        broken.append(f"token {lease.token} after writer {last_writer}")
-                    if shared:
-                        readers += 1
-                        if writers:
-                            broken.append("a reader with a writer")
-                    else:
-                        writers += 1
-                        last_writer = lease.token
-                        if writers > 1 or readers:
-                            broken.append("a writer with others")
-                    counts["shared" if shared else "exclusive"] += 1
-                    await anyio.sleep(own.uniform(0, 0.004))
-                    if shared:
-                        readers -= 1
-                    else:
-                        writers -= 1
-
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                for index in range(12):
-                    tg.start_soon(worker, (one, two)[index % 2], rng.random())
-    assert not broken, broken[:5]
-    assert counts["shared"] > 30 and counts["exclusive"] > 30
-    assert not await keys_under(etcd_server, prefix)
-
-
 async def test_a_reader_of_one_client_does_not_keep_its_other_readers_out(
-    etcd_server: EtcdServer, prefix: str
+    etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
-    async with backend(etcd_server.url, prefix) as etcd:
+    async with backend(etcd_server.url, etcd_prefix) as etcd:
         first = await etcd.acquire(request("r", shared=True))
         # known_busy() must not count our own reader against another reader.
         second = await etcd.try_acquire(request("r", shared=True))
@@ -195,128 +81,31 @@ async def test_a_reader_of_one_client_does_not_keep_its_other_readers_out(
 # -- semaphores --------------------------------------------------------------------------------
 
 
-async def test_a_semaphore_admits_n_at_once_in_fifo_order_over_two_clients(
-    etcd_server: EtcdServer, prefix: str
+async def test_semaphore_inspect_and_a_permits_mismatch_that_leaves_no_key(
+    etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
-    inside = most = 0
-    order: list[int] = []
-    async with backend(etcd_server.url, prefix) as one, backend(etcd_server.url, prefix) as two:
-
-        async def worker(index: int) -> None:
-            nonlocal inside, most
-            etcd = (one, two)[index % 2]
-            grant = await etcd.acquire(request("s", kind="semaphore", permits=3))
-            inside += 1
-            most = max(most, inside)
-            order.append(index)
-            await anyio.sleep(0.02)
-            inside -= 1
-            await etcd.release(grant)
-
-        with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-                for index in range(20):
-                    tg.start_soon(worker, index)
-    assert most == 3 and sorted(order) == list(range(20))
-    assert not await keys_under(etcd_server, prefix)
-
-
-async def test_200_semaphore_waiters_of_two_clients_are_granted_in_queue_order(
-    etcd_server: EtcdServer, prefix: str
-) -> None:
-    """Grants follow the keys' create revisions (tokens rise in the order the bodies start),
-    and a release wakes at most N waiters, so the queue drains in linear time."""
-    entered: list[int] = []
-    async with (
-        asynclock.connect(etcd_server.url, prefix=prefix) as one,
-        asynclock.connect(etcd_server.url, prefix=prefix) as two,
-    ):
-        held = [await one.semaphore("q", permits=3).acquire(ttl=10) for _ in range(3)]
-
-        async def waiter(index: int) -> None:
-            async with (one, two)[index % 2].semaphore("q", permits=3).lock(ttl=10) as lease:
-                assert lease.token is not None
-                entered.append(lease.token)
-
-        async def queued() -> bool:
-            return (await one.semaphore("q", permits=3).inspect()).waiters == 200
-
-        async with anyio.create_task_group() as tg:
-            for index in range(200):
-                tg.start_soon(waiter, index)
-            await wait_until(queued, timeout=20)
-            started_at = anyio.current_time()
-            with anyio.fail_after(15):
-                for lease in held:
-                    await lease.release()
-        drained = anyio.current_time() - started_at
-    assert entered == sorted(entered) and len(entered) == 200
-    assert drained < 10, drained
-
-
-async def test_semaphore_try_inspect_and_a_permits_mismatch_that_leaves_nothing(
-    etcd_server: EtcdServer, prefix: str
-) -> None:
-    async with backend(etcd_server.url, prefix) as etcd:
+    async with backend(etcd_server.url, etcd_prefix) as etcd:
         assert (await etcd.inspect("s", "semaphore")).permits is None
-        grants = [await etcd.try_acquire(request("s", kind="semaphore", permits=2))]
-        grants.append(await etcd.try_acquire(request("s", kind="semaphore", permits=2)))
-        assert all(grants)
+        held = [await etcd.acquire(request("s", kind="semaphore", permits=2)) for _ in range(2)]
         assert await etcd.try_acquire(request("s", kind="semaphore", permits=2)) is None
-        before = await keys_under(etcd_server, prefix)
         for call in (etcd.try_acquire, etcd.acquire):
             with pytest.raises(InvalidArgument, match=r"has 2 permits.*asked for 3"):
                 await call(request("s", kind="semaphore", permits=3))
-        assert len(await keys_under(etcd_server, prefix)) == len(before) == 2
+        assert len(await keys_under(etcd_server, etcd_prefix)) == 2
         info = await etcd.inspect("s", "semaphore")
-        held = [g for g in grants if g is not None]
         assert info.permits == 2 and info.kind == "semaphore" and info.waiters == 0
         assert [h.token for h in info.holders] == [g.token for g in held]
-        # A lock of the same name is another thing.
-        lock = await etcd.try_acquire(request("s"))
-        assert lock is not None
-        for grant in [*held, lock]:
+        for grant in held:
             await etcd.release(grant)
-        # Idle: any number starts afresh.
-        again = await etcd.try_acquire(request("s", kind="semaphore", permits=5))
-        assert again is not None
-        await etcd.release(again)
-        assert not await keys_under(etcd_server, prefix)
-
-
-async def test_a_dead_holders_lease_frees_exactly_its_permit(
-    etcd_server: EtcdServer, prefix: str
-) -> None:
-    lost: list[str] = []
-    async with (
-        backend(etcd_server.url, prefix) as crashed,
-        backend(etcd_server.url, prefix) as alive,
-    ):
-        doomed = await crashed.acquire(request("s", kind="semaphore", permits=2, lost=lost))
-        kept = await alive.acquire(request("s", kind="semaphore", permits=2))
-        granted: list[EtcdGrant] = []
-        async with anyio.create_task_group() as tg:
-            await started(tg, alive, request("s", kind="semaphore", permits=2), granted)
-            await anyio.sleep(0.1)
-            assert not granted
-            async with raw(etcd_server.address) as direct:
-                await direct.leases.LeaseRevoke(rpc.LeaseRevokeRequest(ID=doomed.lease_id))
-            await granted_one(granted)
-        (outcome,) = await crashed.renew([doomed])
-        assert isinstance(outcome, Lost)
-        (outcome,) = await alive.renew([kept])
-        assert isinstance(outcome, Renewed)
-        for grant in (kept, granted[0]):
-            await alive.release(grant)
 
 
 async def test_permits_are_granted_in_queue_order_even_to_a_waiter_that_stalls(
-    etcd_server: EtcdServer, prefix: str
+    etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
     """A key marked waiting (its waiter stalled between seeing its turn and marking its key
     granted) holds up the keys behind it, and a try, until it goes with its lease."""
-    base = f"{prefix}!semaphore/s/".encode()
-    async with backend(etcd_server.url, prefix) as etcd, raw(etcd_server.address) as direct:
+    base = f"{etcd_prefix}!semaphore/s/".encode()
+    async with backend(etcd_server.url, etcd_prefix) as etcd, raw(etcd_server.address) as direct:
         stalled = await direct.leases.LeaseGrant(rpc.LeaseGrantRequest(TTL=30))
         await direct.kv.Put(
             rpc.PutRequest(key=base + b"%016x-stalled" % stalled.ID, value=b"2;w", lease=stalled.ID)
@@ -340,9 +129,9 @@ async def test_permits_are_granted_in_queue_order_even_to_a_waiter_that_stalls(
 
 
 async def test_an_election_shows_its_leader_and_pushes_each_change(
-    etcd_server: EtcdServer, prefix: str
+    etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
-    async with backend(etcd_server.url, prefix) as etcd:
+    async with backend(etcd_server.url, etcd_prefix) as etcd:
         idle = await etcd.inspect("e", "election")
         assert not idle.held and idle.kind == "election"
         first = await etcd.acquire(request("e", kind="election", value=b"one"))
@@ -378,7 +167,7 @@ async def test_an_election_shows_its_leader_and_pushes_each_change(
         await etcd.release(granted[0])
         with anyio.fail_after(1):
             await etcd.wait_for_change("e", "election", now, 10)
-        assert not await keys_under(etcd_server, prefix)
+        assert not await keys_under(etcd_server, etcd_prefix)
 
 
 # -- extend ------------------------------------------------------------------------------------
@@ -392,15 +181,15 @@ async def lease_ttl(server: EtcdServer, lease_id: int) -> int:
 
 @pytest.mark.parametrize("kind", ["lock", "semaphore", "election"])
 async def test_extend_moves_the_key_to_a_lease_of_the_new_ttl_keeping_its_token(
-    etcd_server: EtcdServer, prefix: str, kind: Kind
+    etcd_server: EtcdServer, etcd_prefix: str, kind: Kind
 ) -> None:
-    async with backend(etcd_server.url, prefix) as etcd:
+    async with backend(etcd_server.url, etcd_prefix) as etcd:
         grant = await etcd.acquire(request("x", ttl=3, kind=kind, value=b"v"))
         token, before = grant.token, grant.lease_id
         outcome = await etcd.extend(grant, 20)
         assert isinstance(outcome, Renewed) and outcome.ttl == 20
         assert grant.lease_id != before and grant.ttl == 20 and grant.token == token
-        (key,) = await keys_under(etcd_server, prefix)
+        (key,) = await keys_under(etcd_server, etcd_prefix)
         assert key.lease == grant.lease_id and key.create_revision == token
         assert await lease_ttl(etcd_server, grant.lease_id) == 20
         expires_in = (await etcd.inspect("x", kind)).expires_in
@@ -419,181 +208,22 @@ async def test_extend_moves_the_key_to_a_lease_of_the_new_ttl_keeping_its_token(
 
 
 async def test_an_extended_lock_outlives_its_first_ttl(
-    etcd_server: EtcdServer, prefix: str
+    etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
-    async with backend(etcd_server.url, prefix) as etcd:
+    async with backend(etcd_server.url, etcd_prefix) as etcd:
         grant = await etcd.acquire(request("x", ttl=2))
         assert isinstance(await etcd.extend(grant, 6), Renewed)
         await anyio.sleep(3.5)  # no renewal meanwhile
-        (key,) = await keys_under(etcd_server, prefix)
+        (key,) = await keys_under(etcd_server, etcd_prefix)
         assert key.create_revision == grant.token
         await etcd.release(grant)
 
 
-async def test_wait_for_change_leaves_no_watch(etcd_server: EtcdServer, prefix: str) -> None:
-    async with backend(etcd_server.url, prefix) as etcd:
+async def test_wait_for_change_leaves_no_watch(etcd_server: EtcdServer, etcd_prefix: str) -> None:
+    async with backend(etcd_server.url, etcd_prefix) as etcd:
         seen = LockInfo("w", held=False)
         for _ in range(3):
             with anyio.move_on_after(0.05):
                 await etcd.wait_for_change("w", "election", seen, 10)
         await anyio.sleep(0.05)
         assert etcd._hub.watches == 0
-
-
-# -- cancellation ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("what", ["shared", "semaphore", "election"])
-async def test_acquires_cancelled_at_random_moments_never_leave_a_key(
-    etcd_server: EtcdServer, prefix: str, what: str
-) -> None:
-    """As the lock's test in test_etcd.py: a cancelled request may reach etcd after the
-    clean-up's delete unless the clean-up waits for it; native cancels too."""
-    rng = random.Random(7)
-    async with (
-        asynclock.connect(etcd_server.url, prefix=prefix) as locks,
-        asynclock.connect(etcd_server.url, prefix=prefix) as other,
-    ):
-
-        def hold(client: asynclock.LockClient) -> Any:
-            if what == "shared":
-                # A writer waits behind another's writer, a reader likewise.
-                return client.lock("c", ttl=4, shared=client is locks)
-            if what == "semaphore":
-                return client.semaphore("c", permits=1).lock(ttl=4)
-            return client.election("c").campaign(b"v", ttl=4)
-
-        started_at = anyio.current_time()
-        async with hold(locks):
-            pass
-        round_trip = anyio.current_time() - started_at
-        for attempt in range(120):
-            blocker = hold(other) if attempt % 2 else None
-            if blocker is not None:
-                await blocker.__aenter__()
-            delay = rng.uniform(0, 3 * round_trip)
-            if attempt % 3 == 0:
-                task = asyncio.create_task(_hold_forever(hold(locks)))
-                await asyncio.sleep(delay)
-                for _ in range(attempt % 4 + 1):
-                    task.cancel()
-                    await asyncio.sleep(0)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            else:
-                with anyio.move_on_after(delay):
-                    await _hold_forever(hold(locks))
-            if blocker is not None:
-                await blocker.__aexit__(None, None, None)
-            left = await keys_under(etcd_server, prefix)
-            assert not left, f"attempt {attempt} left {[bytes(kv.key) for kv in left]}"
-
-
-async def _hold_forever(context: Any) -> None:
-    async with context:
-        await anyio.sleep(10)
-
-
-# -- an election through an etcd leader kill --------------------------------------------------
-
-
-class FencedResource:
-    """What leaders write to: refuses a token lower than one it has accepted, and counts who
-    is inside a term at once."""
-
-    def __init__(self) -> None:
-        self.highest = 0
-        self.refused: list[tuple[int, str]] = []
-        self.terms: list[tuple[int, str]] = []
-        self.inside: set[str] = set()
-        self.most = 0
-
-    def enter(self, token: int, who: str) -> None:
-        self.inside.add(who)
-        self.most = max(self.most, len(self.inside))
-        self.terms.append((token, who))
-
-    def write(self, token: int, who: str) -> None:
-        if token < self.highest:
-            self.refused.append((token, who))
-        self.highest = max(self.highest, token)
-
-
-async def test_an_election_survives_an_etcd_leader_kill_without_two_leaders(
-    etcd_cluster: Any, prefix: str
-) -> None:
-    resource = FencedResource()
-    seen: list[int | None] = []
-    killed_at: list[int] = []
-    ttl = 2.0
-    clients = [asynclock.connect(etcd_cluster.url, prefix=prefix) for _ in range(3)]
-
-    async def candidate(locks: asynclock.LockClient, who: str, stop: anyio.Event) -> None:
-        election = locks.election("leader")
-        while not stop.is_set():
-            try:
-                async with election.campaign(who.encode(), ttl=ttl) as term:
-                    assert term.token is not None
-                    resource.enter(term.token, who)
-                    try:
-                        for _ in range(6):
-                            resource.write(term.token, who)
-                            await anyio.sleep(0.05)
-                    finally:
-                        resource.inside.discard(who)
-            except asynclock.LeaseLost:
-                pass  # a term may end by itself when renewals cannot reach etcd in time
-            except asynclock.BackendUnavailable:
-                await anyio.sleep(0.05)
-
-    async def observer(locks: asynclock.LockClient, stop: anyio.Event) -> None:
-        async for leader in locks.election("leader").observe():
-            seen.append(None if leader is None else leader.token)
-            if stop.is_set():
-                return
-
-    async with clients[0], clients[1], clients[2]:
-        stop = anyio.Event()
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as outer:
-                outer.start_soon(observer, clients[0], stop)
-                async with anyio.create_task_group() as tg:
-                    for index, locks in enumerate(clients):
-                        tg.start_soon(candidate, locks, f"c{index}", stop)
-                    await anyio.sleep(1.5)
-                    await wait_until(_someone_leads(resource))  # kill it during a term
-                    before = len(resource.terms)
-                    killed = await anyio.to_thread.run_sync(etcd_cluster.kill_leader)
-                    killed_at.append(len(resource.terms))
-                    try:
-                        # Terms go on after the election of a new etcd leader.
-                        await wait_until(_more_terms(resource, killed_at[0] + 3), timeout=20)
-                    finally:
-                        await anyio.to_thread.run_sync(killed.restart)
-                    stop.set()
-                await anyio.sleep(0.2)  # the last change reaches the observer
-                outer.cancel_scope.cancel()
-    assert before >= 2
-    assert resource.most == 1, resource.terms
-    assert not resource.refused
-    tokens = [token for token, _ in resource.terms]
-    assert tokens == sorted(set(tokens)), resource.terms
-    observed = [token for token in seen if token is not None]
-    assert observed == sorted(set(observed)) and len(observed) >= 3
-
-
-def _someone_leads(resource: FencedResource) -> Any:
-    async def check() -> bool:
-        return bool(resource.inside)
-
-    return check
-
-
-def _more_terms(resource: FencedResource, count: int) -> Any:
-    async def check() -> bool:
-        return len(resource.terms) >= count
-
-    return check
-
-
-__all__ = ("end", "prefix", "wait_until")

@@ -4,9 +4,6 @@ kill on an ensemble."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import random
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,30 +16,17 @@ from aiozk import ZKClient
 import asynclock
 from asynclock.abc import LockInfo, LockRequest
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant
-from asynclock.testing import FaultProxy, ZooKeeperEnsemble, ZooKeeperServer
-from tests.backends.test_zookeeper import (
-    assert_session_state_clean,
+from asynclock.testing import FaultProxy, ZooKeeperServer
+from tests.contract.backend_zookeeper import (
     backend_of,
     children,
     until,
     wait_until_children,
     watched_paths,
+    znodes_under,
 )
-from tests.contract.backend_zookeeper import delete_tree, zk_admin, znodes_under
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def chroot() -> str:
-    return f"/prim-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-async def admin(zookeeper_server: ZooKeeperServer, chroot: str) -> AsyncIterator[ZKClient]:
-    async with zk_admin(zookeeper_server.address) as client:
-        yield client
-        await delete_tree(client, chroot)
 
 
 @asynccontextmanager
@@ -68,66 +52,36 @@ def token(grant: ZooKeeperGrant | LockInfo) -> int:
 
 
 async def test_the_three_kinds_of_one_name_are_three_parents(
-    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+    zookeeper_server: ZooKeeperServer, zk_chroot: str, zk_admin: ZKClient
 ) -> None:
-    async with backend(f"{zookeeper_server.url}{chroot}") as zk:
+    async with backend(f"{zookeeper_server.url}{zk_chroot}") as zk:
         lock = await zk.try_acquire(ask("a"))
         permit = await zk.try_acquire(ask("a", kind="semaphore", permits=2))
         term = await zk.try_acquire(ask("a", kind="election", value=b"me:8080"))
         assert lock is not None and permit is not None and term is not None
         assert token(lock) < token(permit) < token(term)
-        tree = {path.rpartition("/")[0] for path in await znodes_under(admin, chroot)}
-        assert tree == {chroot, f"{chroot}/a", f"{chroot}/%semaphore-a", f"{chroot}/%election-a"}
+        tree = {path.rpartition("/")[0] for path in await znodes_under(zk_admin, zk_chroot)}
+        assert tree == {
+            zk_chroot,
+            f"{zk_chroot}/a",
+            f"{zk_chroot}/%semaphore-a",
+            f"{zk_chroot}/%election-a",
+        }
         assert "-sem2-" in permit.path and "-lock-" in term.path
-        assert await admin.get_data(term.path) == b"me:8080"
+        assert await zk_admin.get_data(term.path) == b"me:8080"
         # A lock named like another kind's parent is still the lock of that name.
         odd = await zk.try_acquire(ask("%semaphore-a"))
-        assert odd is not None and odd.path.startswith(f"{chroot}/%25semaphore-a/")
+        assert odd is not None and odd.path.startswith(f"{zk_chroot}/%25semaphore-a/")
         for grant in (lock, permit, term, odd):
             await zk.release(grant)
-    assert await znodes_under(admin, chroot) == []
-
-
-async def test_readers_share_and_a_waiting_writer_holds_back_later_readers(
-    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
-) -> None:
-    url = f"{zookeeper_server.url}{chroot}"
-    async with backend(url) as zk, backend(url) as other:
-        first = await zk.try_acquire(ask("rw", shared=True))
-        second = await other.try_acquire(ask("rw", shared=True))
-        assert first is not None and second is not None and first.kind == "read"
-        assert await zk.try_acquire(ask("rw")) is None  # readers exclude a writer
-        async with anyio.create_task_group() as tg:
-            written: list[ZooKeeperGrant] = []
-
-            async def write() -> None:
-                written.append(await other.acquire(ask("rw")))
-
-            tg.start_soon(write)
-            await wait_until_children(admin, f"{chroot}/rw", 3)
-            # A reader that comes after the waiting writer does not get in.
-            assert await zk.try_acquire(ask("rw", shared=True)) is None
-            info = await zk.inspect("rw")
-            assert [h.token for h in info.holders] == [first.token, second.token]
-            assert all(h.shared for h in info.holders) and info.waiters == 1
-            assert (info.owner, info.token) == (first.owner, first.token)
-            await zk.release(first)
-            await zk.release(second)
-        (writer,) = written
-        assert token(writer) > token(second)
-        later = await zk.try_acquire(ask("rw", shared=True))
-        assert later is None
-        await other.release(writer)
-        later = await zk.try_acquire(ask("rw", shared=True))
-        assert later is not None and token(later) > token(writer)
-        await zk.release(later)
+    assert await znodes_under(zk_admin, zk_chroot) == []
 
 
 async def test_semaphore_waiters_watch_the_n_nodes_ahead_and_enter_in_order(
-    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+    zookeeper_server: ZooKeeperServer, zk_chroot: str, zk_admin: ZKClient
 ) -> None:
-    url = f"{zookeeper_server.url}{chroot}"
-    parent = f"{chroot}/%semaphore-pool"
+    url = f"{zookeeper_server.url}{zk_chroot}"
+    parent = f"{zk_chroot}/%semaphore-pool"
     async with backend(url) as zk, backend(url) as other:
         holders = [await zk.acquire(ask("pool", kind="semaphore", permits=3)) for _ in range(3)]
         assert await other.try_acquire(ask("pool", kind="semaphore", permits=3)) is None
@@ -142,9 +96,9 @@ async def test_semaphore_waiters_watch_the_n_nodes_ahead_and_enter_in_order(
         async with anyio.create_task_group() as tg:
             for index in range(6):
                 tg.start_soon(wait, index)
-                await wait_until_children(admin, parent, 4 + index)
+                await wait_until_children(zk_admin, parent, 4 + index)
             # Nobody watches the queue; each waiter watches the 3 nodes just ahead of it.
-            queue = [f"{parent}/{child}" for child in await children(admin, parent)]
+            queue = [f"{parent}/{child}" for child in await children(zk_admin, parent)]
             watched = watched_paths(zookeeper_server)
             assert parent not in watched
             for position in range(3, 9):
@@ -173,74 +127,10 @@ async def test_semaphore_waiters_watch_the_n_nodes_ahead_and_enter_in_order(
         )
 
 
-async def test_another_number_of_permits_is_refused_and_leaves_nothing(
-    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
-) -> None:
-    url = f"{zookeeper_server.url}{chroot}"
-    parent = f"{chroot}/%semaphore-pool"
-    async with backend(url) as zk, backend(url) as other:
-        held = await zk.acquire(ask("pool", kind="semaphore", permits=2))
-        for attempt in (other.try_acquire, other.acquire):
-            with pytest.raises(asynclock.InvalidArgument, match=r"has 2 permits.*asked for 3"):
-                await attempt(ask("pool", kind="semaphore", permits=3))
-            assert len(await children(admin, parent)) == 1
-        # A waiter with the right number is not disturbed, and the name's lock is unrelated.
-        assert await other.try_acquire(ask("pool", kind="semaphore", permits=2)) is not None
-        assert await other.try_acquire(ask("pool")) is not None
-        await zk.release(held)
-    async with backend(url) as zk:
-        # Nobody holds or waits: any number starts afresh.
-        fresh = await zk.try_acquire(ask("pool", kind="semaphore", permits=5))
-        assert fresh is not None and fresh.kind == "sem5"
-        await zk.release(fresh)
-
-
-async def test_a_vanished_holders_session_frees_exactly_its_permits(
-    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
-) -> None:
-    direct = f"{zookeeper_server.url}{chroot}"
-    parent = f"{chroot}/%semaphore-pool"
-    lost: list[str] = []
-    async with FaultProxy(zookeeper_server.host, zookeeper_server.port) as proxy:
-        async with (
-            backend(f"zookeeper://{proxy.address}{chroot}") as crashing,
-            backend(direct) as zk,
-        ):
-            gone = [
-                await crashing.acquire(ask("pool", lost.append, kind="semaphore", permits=3, ttl=2))
-                for _ in range(2)
-            ]
-            kept = await zk.acquire(ask("pool", kind="semaphore", permits=3, ttl=2))
-            async with anyio.create_task_group() as tg:
-                entered: list[ZooKeeperGrant] = []
-
-                async def wait() -> None:
-                    entered.append(
-                        await zk.acquire(ask("pool", kind="semaphore", permits=3, ttl=2))
-                    )
-
-                tg.start_soon(wait)
-                tg.start_soon(wait)
-                await wait_until_children(admin, parent, 5)
-                proxy.blackhole()  # the holder hangs: the server expires its session
-                with anyio.fail_after(6):
-                    await until(lambda: len(entered) == 2, timeout=6)
-            assert {g.path.rpartition("/")[2] for g in gone}.isdisjoint(
-                await children(admin, parent)
-            )
-            # Exactly its two permits went: the other holder keeps its own.
-            assert (await zk.renew([kept]))[0].__class__.__name__ == "Renewed"
-            assert len(await children(admin, parent)) == 3
-            for grant in (kept, *entered):
-                await zk.release(grant)
-            proxy.pass_through()
-            await until(lambda: len(lost) == 2, timeout=10)
-
-
 async def test_election_value_token_and_a_change_feed_on_the_leaders_node(
-    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+    zookeeper_server: ZooKeeperServer, zk_chroot: str, zk_admin: ZKClient
 ) -> None:
-    url = f"{zookeeper_server.url}{chroot}"
+    url = f"{zookeeper_server.url}{zk_chroot}"
     woke: list[float] = []
     async with backend(url) as zk, backend(url) as other:
 
@@ -276,7 +166,7 @@ async def test_election_value_token_and_a_change_feed_on_the_leaders_node(
                 feed.start_soon(watch, info, 0.5)
                 await anyio.sleep(0.1)
                 tg.start_soon(campaign)
-                await wait_until_children(admin, f"{chroot}/%election-boss", 2)
+                await wait_until_children(zk_admin, f"{zk_chroot}/%election-boss", 2)
             assert woke.pop() >= 0.45
             # ...the leader leaving is.
             async with anyio.create_task_group() as feed:
@@ -297,133 +187,10 @@ async def test_election_value_token_and_a_change_feed_on_the_leaders_node(
             assert all(s["watches"] == 0 for s in client.extra_info()["sessions"].values())
 
 
-class Fenced:
-    """A resource in the test's process that accepts a write only with a token at least as
-    high as every token it accepted before (what a fencing guard does)."""
-
-    def __init__(self) -> None:
-        self.highest = 0
-        self.accepted: list[tuple[int, str]] = []
-        self.refused: list[tuple[int, str]] = []
-
-    def write(self, token: int, who: str) -> None:
-        if token < self.highest:
-            self.refused.append((token, who))
-            return
-        self.highest = token
-        self.accepted.append((token, who))
-
-
-async def test_an_election_survives_a_server_leader_kill_with_one_leader_at_a_time(
-    zookeeper_ensemble: ZooKeeperEnsemble,
-) -> None:
-    """5 candidates on 3 clients campaign in turn while the ensemble's leader is killed twice:
-    the sessions move to another member, no term is lost, and the terms' tokens keep rising
-    at the resource, one leader at a time."""
-    chroot = f"/prim-{uuid.uuid4().hex[:10]}"
-    url = f"{zookeeper_ensemble.url}{chroot}"
-    resource = Fenced()
-    leading: set[str] = set()
-    most = 0
-    terms: list[int] = []
-    stop = anyio.Event()
-
-    async def candidate(locks: asynclock.LockClient, me: str) -> None:
-        nonlocal most
-        election = locks.election("leader")
-        while not stop.is_set():
-            async with election.campaign(me.encode(), ttl=4, timeout=30) as term:
-                leading.add(me)
-                most = max(most, len(leading))
-                terms.append(term.token)
-                resource.write(term.token, me)
-                await anyio.sleep(0.05)
-                resource.write(term.token, me)
-                leading.discard(me)
-
-    async def terms_after(count: int) -> None:
-        target = len(terms) + count
-        await until(lambda: len(terms) >= target, timeout=10)
-
-    clients = [asynclock.connect(url, op_timeout=3) for _ in range(3)]
-    try:
-        async with clients[0], clients[1], clients[2], anyio.create_task_group() as tg:
-            for index in range(5):
-                tg.start_soon(candidate, clients[index % 3], f"candidate-{index}")
-            for _ in range(2):
-                await terms_after(3)
-                killed = await anyio.to_thread.run_sync(zookeeper_ensemble.kill_leader)
-                try:
-                    await terms_after(3)  # elected again, with the new ZooKeeper leader
-                finally:
-                    await anyio.to_thread.run_sync(killed.restart)
-            stop.set()
-        for locks in clients:
-            for info in backend_of(locks).extra_info()["sessions"].values():
-                assert info["reconnects"] >= 1
-    finally:
-        async with zk_admin(zookeeper_ensemble.address) as client:
-            await delete_tree(client, chroot)
-    assert most == 1
-    assert terms == sorted(terms) and len(set(terms)) == len(terms) >= 9
-    assert resource.refused == []
-    assert len(resource.accepted) == 2 * len(terms)
-
-
-async def test_native_cancels_of_semaphore_waiters_and_observers_leave_nothing(
-    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
-) -> None:
-    """Cancelled natively 1-3 times at random moments (over a 30 ms one-way delay, so that a
-    cancel often lands on a request in flight): no node, watch callback or listener is left,
-    and the permits work at once."""
-    rng = random.Random(19)
-    parent = f"{chroot}/%semaphore-pool"
-    async with FaultProxy(zookeeper_server.host, zookeeper_server.port) as proxy:
-        async with (
-            asynclock.connect(f"{zookeeper_server.url}{chroot}") as holder,
-            asynclock.connect(f"zookeeper://{proxy.address}{chroot}", op_timeout=3) as victim,
-        ):
-            pool = holder.semaphore("pool", permits=2)
-            held = [await pool.acquire(ttl=10) for _ in range(2)]
-            election = victim.election("boss")
-            proxy.delay(30)
-            for _ in range(12):
-                tasks: list[asyncio.Task[object]] = [
-                    asyncio.create_task(victim.semaphore("pool", permits=2).acquire(ttl=10)),
-                    asyncio.create_task(_observe(election, changes=0)),
-                    asyncio.create_task(_observe(election, changes=1)),
-                ]
-                await asyncio.sleep(rng.uniform(0, 0.15))
-                for task in tasks:
-                    for _ in range(rng.randint(1, 3)):
-                        task.cancel()
-                        await asyncio.sleep(rng.uniform(0, 0.02))
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                assert len(await children(admin, parent)) == 2
-            proxy.pass_through()
-            assert_session_state_clean(victim)
-            await held[0].release()
-            again = await victim.semaphore("pool", permits=2).try_acquire(ttl=10)
-            assert again is not None
-            await again.release()
-            await held[1].release()
-
-
-async def _observe(election: asynclock.Election, *, changes: int) -> None:
-    """Reads the current leader, then waits for ``changes`` changes (which never come)."""
-    seen = 0
-    async for _ in election.observe():
-        if seen == changes:
-            return
-        seen += 1
-
-
 async def test_a_change_feed_on_a_semaphore_or_lock_watches_the_parents_children(
-    zookeeper_server: ZooKeeperServer, chroot: str, admin: ZKClient
+    zookeeper_server: ZooKeeperServer, zk_chroot: str, zk_admin: ZKClient
 ) -> None:
-    url = f"{zookeeper_server.url}{chroot}"
+    url = f"{zookeeper_server.url}{zk_chroot}"
     async with backend(url) as zk, backend(url) as other:
         permit = await zk.acquire(ask("pool", kind="semaphore", permits=2))
         seen = await other.inspect("pool", "semaphore")
@@ -445,3 +212,21 @@ async def test_a_change_feed_on_a_semaphore_or_lock_watches_the_parents_children
         for grant in (permit, second):
             await zk.release(grant)
         assert all(s["watches"] == 0 for s in other.extra_info()["sessions"].values())
+
+
+async def test_a_change_feed_ends_quietly_when_its_client_closes_during_a_request(
+    zookeeper_server: ZooKeeperServer, zk_chroot: str, zk_admin: ZKClient
+) -> None:
+    """The client closing under a watch's request (the session ends first) is the end of the
+    feed, not an error: Election.observe() ends when its client closes."""
+    async with FaultProxy(zookeeper_server.host, zookeeper_server.port) as proxy:
+        locks = asynclock.connect(f"zookeeper://{proxy.address}{zk_chroot}")
+        async with locks:
+            zk = backend_of(locks)
+            seen = await zk.inspect("boss", "election")
+            proxy.delay(100)  # the watch's first request is on its way when the client closes
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(zk.wait_for_change, "boss", "election", seen, 10.0)
+                await anyio.sleep(0.05)
+                with anyio.fail_after(5):
+                    await locks.aclose()

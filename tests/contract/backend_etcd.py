@@ -1,13 +1,18 @@
+"""etcd for the contract suite (``etcd_backend``), and the helpers and fixtures of the etcd
+tests in tests/backends/: direct gRPC access beside the backend under test, /metrics."""
+
 from __future__ import annotations
 
 import http.client
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+import anyio
 import grpc
 import pytest
 from aetcd import rpc
@@ -16,8 +21,56 @@ from asynclock.testing import EtcdServer
 from tests.contract.harness import BackendUnderTest
 
 
-def _end(prefix: bytes) -> bytes:
+def end(prefix: bytes) -> bytes:
+    """The range end that covers every key starting with ``prefix``."""
     return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+def key_prefix(prefix: str, name: str) -> bytes:
+    """Where the queue of the lock ``name`` lives under the client's ``prefix``."""
+    return f"{prefix}{quote(name, safe='')}/".encode()
+
+
+@dataclass
+class Raw:
+    """Direct gRPC access to etcd, beside the backend under test."""
+
+    kv: Any
+    leases: Any
+
+    async def keys(self, prefix: bytes) -> list[Any]:
+        """The keys under ``prefix``, oldest first (the queue's order)."""
+        reply = await self.kv.Range(
+            rpc.RangeRequest(
+                key=prefix,
+                range_end=end(prefix),
+                sort_target=rpc.RangeRequest.CREATE,
+                sort_order=rpc.RangeRequest.ASCEND,
+            )
+        )
+        return list(reply.kvs)
+
+    async def count(self, prefix: bytes) -> int:
+        reply = await self.kv.Range(
+            rpc.RangeRequest(key=prefix, range_end=end(prefix), count_only=True)
+        )
+        return int(reply.count)
+
+    async def count_is(self, prefix: bytes, expected: int) -> bool:
+        return await self.count(prefix) == expected
+
+    async def lease_ids(self) -> set[int]:
+        reply = await self.leases.LeaseLeases(rpc.LeaseLeasesRequest())
+        return {int(item.ID) for item in reply.leases}
+
+
+@asynccontextmanager
+async def raw(address: str) -> AsyncIterator[Raw]:
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield Raw(rpc.KVStub(channel), rpc.LeaseStub(channel))
+    finally:
+        await channel.close()
 
 
 def lease_ids(server: EtcdServer) -> set[int]:
@@ -31,13 +84,33 @@ def lease_ids(server: EtcdServer) -> set[int]:
     return {int(item["ID"]) for item in reply.get("leases", [])}
 
 
-@asynccontextmanager
-async def stubs(server: EtcdServer) -> AsyncIterator[tuple[Any, Any]]:
-    channel = grpc.aio.insecure_channel(server.address)
+def metrics(server: EtcdServer, name: str, labels: str = "") -> float:
+    """The sum of the series of one metric of etcd's Prometheus endpoint (those whose labels
+    contain ``labels``)."""
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=5)
     try:
-        yield rpc.KVStub(channel), rpc.LeaseStub(channel)
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
     finally:
-        await channel.close()
+        connection.close()
+    total = 0.0
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if (series == name or series.startswith(name + "{")) and labels in series:
+            total += float(value)
+    return total
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while not await predicate():  # noqa: ASYNC110 (polls the server)
+            await anyio.sleep(0.005)
+
+
+@pytest.fixture
+def etcd_prefix() -> str:
+    """A key prefix of the test's own on the shared server."""
+    return f"/asynclock-test/{uuid.uuid4().hex[:12]}/"
 
 
 @pytest.fixture
@@ -50,31 +123,20 @@ def etcd_backend(etcd_server: EtcdServer) -> BackendUnderTest:
     async def revoke(name: str) -> None:
         # Delete the holder's key (the lowest create revision under the name), as an operator
         # would; revoking the lease itself is tested in tests/backends/test_etcd.py.
-        base = f"{prefix}{quote(name, safe='')}/".encode()
-        async with stubs(etcd_server) as (kv, _):
-            reply = await kv.Range(
-                rpc.RangeRequest(
-                    key=base,
-                    range_end=_end(base),
-                    sort_target=rpc.RangeRequest.CREATE,
-                    sort_order=rpc.RangeRequest.ASCEND,
-                    limit=1,
-                    keys_only=True,
-                )
-            )
-            assert reply.kvs, f"nobody holds {name!r}"
-            await kv.DeleteRange(rpc.DeleteRangeRequest(key=reply.kvs[0].key))
+        async with raw(etcd_server.address) as direct:
+            keys = await direct.keys(key_prefix(prefix, name))
+            assert keys, f"nobody holds {name!r}"
+            await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=keys[0].key))
 
     async def leftovers() -> list[str]:
         # Everything under the test's prefix: locks (and their shared holds), and the
         # semaphores' and elections' keys, which live under "<prefix>!semaphore/" and
         # "<prefix>!election/".
-        base = prefix.encode()
-        async with stubs(etcd_server) as (kv, leases):
-            reply = await kv.Range(rpc.RangeRequest(key=base, range_end=_end(base), keys_only=True))
-            listed = (await leases.LeaseLeases(rpc.LeaseLeasesRequest())).leases
-        found = [f"key {bytes(item.key).decode()}" for item in reply.kvs]
-        found += [f"lease {item.ID:016x}" for item in listed if item.ID not in before]
+        async with raw(etcd_server.address) as direct:
+            found = [
+                f"key {bytes(item.key).decode()}" for item in await direct.keys(prefix.encode())
+            ]
+            found += [f"lease {id_:016x}" for id_ in await direct.lease_ids() if id_ not in before]
         return sorted(found)
 
     return BackendUnderTest(

@@ -1,20 +1,28 @@
+"""ZooKeeper for the contract suite (``zookeeper_backend``), and the helpers and fixtures of
+the ZooKeeper tests in tests/backends/: a plain aiozk client beside the backend under test, the
+queue's znodes, the server's watches, a session expired from outside."""
+
 from __future__ import annotations
 
+import contextlib
+import inspect
+import struct
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 
 import anyio
 import pytest
-from aiozk import ZKClient, exc
+from aiozk import ZKClient, exc, protocol
 
-from asynclock.backends.zookeeper import encode_name
+import asynclock
+from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
 from asynclock.testing import ZooKeeperServer
 from tests.contract.harness import BackendUnderTest
 
 
 @asynccontextmanager
-async def zk_admin(address: str) -> AsyncIterator[ZKClient]:
+async def admin_client(address: str) -> AsyncIterator[ZKClient]:
     """A plain aiozk client, independent of the backend under test."""
     client = ZKClient(address, session_timeout=10)
     with anyio.fail_after(10):
@@ -48,7 +56,7 @@ async def delete_tree(client: ZKClient, path: str) -> None:
 async def revoke_lock(address: str, chroot: str, name: str) -> None:
     """Delete the znode of the current holder of ``name`` (the lowest sequence number)."""
     parent = f"{chroot}/{encode_name(name)}"
-    async with zk_admin(address) as client:
+    async with admin_client(address) as client:
         children = await client.get_children(parent)
         assert children, f"nobody holds {name!r}"
         holder = min(children, key=lambda child: int(child.rpartition("-")[2]))
@@ -77,7 +85,7 @@ def zookeeper_backend(zookeeper_server: ZooKeeperServer) -> BackendUnderTest:
             await revoke_lock(address, chroot, name)
 
     async def leftovers() -> list[str]:
-        async with zk_admin(address) as client:
+        async with admin_client(address) as client:
             # Every kind lives under the chroot: locks' parents, semaphores' (%semaphore-<name>)
             # and elections' (%election-<name>), with their nodes.
             left = await znodes_under(client, chroot)
@@ -105,3 +113,108 @@ def zookeeper_backend(zookeeper_server: ZooKeeperServer) -> BackendUnderTest:
         url_for_hosts=lambda hosts: f"zookeeper://{hosts}{chroot}",
         many_hosts=True,
     )
+
+
+# -- for tests/backends/test_zookeeper*.py ------------------------------------------------------
+
+
+@pytest.fixture
+def zk_chroot() -> str:
+    """A chroot of the test's own on the shared server."""
+    return f"/test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def zk_admin(zookeeper_server: ZooKeeperServer, zk_chroot: str) -> AsyncIterator[ZKClient]:
+    """An independent aiozk client on the server; deletes the test's chroot afterwards."""
+    async with admin_client(zookeeper_server.address) as client:
+        yield client
+        await delete_tree(client, zk_chroot)
+
+
+def grant_of(lease: asynclock.Lease) -> ZooKeeperGrant:
+    grant = lease.grant
+    assert isinstance(grant, ZooKeeperGrant)
+    return grant
+
+
+def backend_of(locks: asynclock.LockClient) -> ZooKeeperBackend:
+    backend = locks._backend
+    assert isinstance(backend, ZooKeeperBackend)
+    return backend
+
+
+async def until(
+    check: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout: float = 5.0
+) -> None:
+    """Poll ``check`` until it is true; fail after ``timeout`` seconds."""
+    with anyio.fail_after(timeout):
+        while True:
+            result = check()
+            if await result if inspect.isawaitable(result) else result:
+                return
+            await anyio.sleep(0.005)
+
+
+async def children(admin: ZKClient, parent: str) -> list[str]:
+    """The children of ``parent`` in queue order (their sequence numbers)."""
+    try:
+        found: list[str] = await admin.get_children(parent)
+    except exc.NoNode:
+        return []
+    return sorted(found, key=lambda child: int(child.rpartition("-")[2]))
+
+
+async def wait_until_children(admin: ZKClient, parent: str, count: int) -> list[str]:
+    async def enough() -> bool:
+        return len(await children(admin, parent)) >= count
+
+    await until(enough, 10)
+    return await children(admin, parent)
+
+
+def watched_paths(server: ZooKeeperServer) -> dict[str, list[str]]:
+    """The server's data watches: path -> session ids (four-letter word ``wchp``)."""
+    watched: dict[str, list[str]] = {}
+    path = ""
+    for line in server.four_letter_word("wchp", timeout=5).splitlines():
+        if line.startswith("/"):
+            path = line.strip()
+            watched[path] = []
+        elif line.strip():
+            watched[path].append(line.strip())
+    return watched
+
+
+def assert_session_state_clean(locks: asynclock.LockClient) -> None:
+    for info in backend_of(locks).extra_info()["sessions"].values():
+        assert info["held"] == info["waiting_calls"] == info["orphans"] == 0, info
+        assert info["watches"] == info["listeners"] == 0, info
+        assert info["state"] == "connected", info
+
+
+async def expire_session(server: ZooKeeperServer, grant: ZooKeeperGrant) -> None:
+    """Take over the grant's session from a second connection and close it (server-side)."""
+    session = grant.session
+    assert session is not None
+    connect = protocol.ConnectRequest(
+        protocol_version=0,
+        last_seen_zxid=0,
+        timeout=round(session.timeout * 1000),
+        session_id=session.session_id,
+        password=session._id.password,
+        read_only=False,
+    ).serialize()
+    close = protocol.CloseRequest().serialize(1)
+    with anyio.fail_after(5):
+        async with await anyio.connect_tcp(server.host, server.port) as stream:
+            await stream.send(struct.pack("!i", len(connect)) + connect)
+            received = b""
+            while len(received) < 4 or len(received) < 4 + int.from_bytes(received[:4], "big"):
+                received += await stream.receive()
+            reply = protocol.ConnectResponse.deserialize(received[4:])
+            assert reply.session_id == session.session_id
+            await stream.send(struct.pack("!i", len(close)) + close)
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                while True:  # the close reply, then the server hangs up
+                    await stream.receive()

@@ -120,9 +120,13 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         if self._state == "closed":
             return
         self._state = "closed"
+        # A session that is reconnecting (a connection reset just before) will do: the delete
+        # waits for it, within the bound; skipped, the parents would stay until the server's
+        # container check, a minute later.
+        session = self._connected() or next((s for s in self._sessions.values() if s.usable), None)
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(min(self._settings.op_timeout, 2.0)):
-                await self._tree.delete_parents(self._connected(), list(self._tree.parents))
+                await self._tree.delete_parents(session, list(self._tree.parents))
         sessions, self._sessions = list(self._sessions.values()), {}
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
@@ -205,7 +209,13 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
         session = await self._session_for(self._settings.session_timeout)
         with translate(zk_errors, f"watching {kind} {name!r} on {self.describe()}"):
-            await _inspect.wait_for_change(session, self._tree, name, kind, seen, timeout)
+            try:
+                await _inspect.wait_for_change(session, self._tree, name, kind, seen, timeout)
+            except SessionGone:
+                # aclose() ended the session under the watch: a change feed ends with its
+                # client (the caller sees it closed), it does not fail.
+                if self._state != "closed":
+                    raise
 
     async def try_acquire(self, request: LockRequest) -> ZooKeeperGrant | None:
         return await self._acquire(request, wait=False)
