@@ -9,8 +9,12 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 import asynclock
+from asynclock.abc import Kind
 from asynclock.testing import Server
+from tests.contract.kinds import holds
 
 
 @dataclass
@@ -92,3 +96,24 @@ def sqlite_write_locked(path: str) -> Iterator[None]:
     finally:
         stop.set()
         thread.join(10)
+
+
+async def wait_until_free(
+    backend: BackendUnderTest,
+    client: asynclock.LockClient,
+    name: str,
+    within: float,
+    kind: Kind = "lock",
+) -> float:
+    """Take and release ``name`` with ``client`` as soon as it is free; the seconds it took."""
+    started = anyio.current_time()
+    with anyio.fail_after(within):
+        while True:
+            try:
+                lease = await holds(client, kind).try_acquire(name, ttl=backend.ttl * 5)
+            except asynclock.BackendUnavailable:
+                lease = None  # the server is still coming back
+            if lease is not None:
+                await lease.release()
+                return anyio.current_time() - started
+            await anyio.sleep(0.01)

@@ -13,7 +13,7 @@ import pytest
 
 import asynclock
 from asynclock.abc import Kind
-from tests.contract.harness import BackendUnderTest
+from tests.contract.harness import BackendUnderTest, wait_until_free
 from tests.contract.kinds import Holds, holds
 
 pytestmark = pytest.mark.anyio
@@ -213,8 +213,10 @@ async def test_cancelling_acquire_at_any_point_leaves_nothing_behind(
             with anyio.move_on_after(delay):
                 async with holds(locks, kind).lock(name, ttl=backend.ttl * 5):
                     await anyio.sleep(10)
-            probe = await holds(other, kind).try_acquire(name, ttl=backend.ttl * 5)
-            assert probe is not None, f"lock left held after cancelling at {delay:.4f} s"
+            # Free at once, or within the 100 ms of test_faults (d): a take on PostgreSQL,
+            # cancelled while its statement runs, returns before the unlock that undoes it.
+            await wait_until_free(backend, other, name, within=0.1, kind=kind)
+            probe = await holds(other, kind).acquire(name, ttl=backend.ttl * 5, timeout=5)
             # Now cancel a waiter queued behind the probe.
             with anyio.move_on_after(delay + 0.01):
                 async with holds(locks, kind).lock(name, ttl=backend.ttl * 5):
