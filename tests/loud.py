@@ -180,8 +180,9 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     logs = item.stash.get(_LOGS, None)
-    if call.when == "call" and logs is not None and report.failed:
-        # A test that failed already need not also say that its expected log never came.
+    if logs is not None and (report.failed or report.skipped):
+        # A test that failed already, or never ran, need not also say that its expected log
+        # never came.
         logs.failed = True
     return report
 
