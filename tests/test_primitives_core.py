@@ -36,6 +36,7 @@ async def test_extend_keeps_the_lock_through_a_body_longer_than_the_first_ttl() 
             _backend(locks).faults.renew = "ok"
 
 
+@pytest.mark.expect_log("lease on 'job' lost: no successful renewal before the local deadline")
 async def test_without_extend_the_same_body_loses_the_lock() -> None:
     async with _client() as locks:
         with pytest.raises(asynclock.LeaseLost):
@@ -45,6 +46,9 @@ async def test_without_extend_the_same_body_loses_the_lock() -> None:
         _backend(locks).faults.renew = "ok"
 
 
+@pytest.mark.expect_log(
+    r"lease on 'job' lost: no successful renewal before the local deadline \(ttl 0\.3 s\)"
+)
 async def test_a_shorter_ttl_moves_the_deadline_earlier_and_the_body_is_cancelled_by_it() -> None:
     async with _client() as locks:
         started = anyio.current_time()
@@ -100,6 +104,7 @@ async def test_a_cancelled_extend_to_a_shorter_ttl_keeps_the_shorter_deadline(
         await lease.release()
 
 
+@pytest.mark.expect_log("lease on 'job' lost: the lock is no longer held by this lease")
 async def test_extend_of_a_lease_the_server_dropped_raises_and_cancels_its_body() -> None:
     async with _client() as locks:
         with pytest.raises(asynclock.LeaseLost):
@@ -109,6 +114,7 @@ async def test_extend_of_a_lease_the_server_dropped_raises_and_cancels_its_body(
                 pytest.fail("extend() of a dropped lease returned")
 
 
+@pytest.mark.expect_log("lease on 'e' lost: the lock was removed on the server")
 async def test_a_leader_dropped_on_the_server_is_cancelled_and_observers_see_it() -> None:
     async with _client() as locks, _client() as _:
         seen: list[asynclock.Leader | None] = []

@@ -138,6 +138,7 @@ async def test_a_cleanup_with_its_own_scope_nests_inside_the_shield() -> None:
     assert (cleanup.started, cleanup.finished) == (1, 1)
 
 
+@pytest.mark.expect_log(r"scoped and slow did not finish within 0\.1 s; given up")
 async def test_a_cleanup_with_its_own_scope_is_still_bounded_by_the_timeout() -> None:
     cleanup = ScopedCleanup(10)
     started = anyio.current_time()

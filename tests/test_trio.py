@@ -53,6 +53,7 @@ def test_sqlite_backend_runs_on_trio(tmp_path: Path) -> None:
     on_trio(f"sqlite://{tmp_path / 'locks.db'}")
 
 
+@pytest.mark.expect_log("lease on 'a' lost: the lock was removed on the server")
 def test_a_lost_lease_cancels_the_body_on_trio() -> None:
     async def main() -> None:
         async with asynclock.connect("memory://trio-lost") as locks:
