@@ -151,21 +151,3 @@ async def test_semaphore_permits_validate() -> None:
             locks.semaphore("s", permits=2.0)  # type: ignore[arg-type]
         with pytest.raises(asynclock.InvalidArgument):
             await locks.inspect("s", "queue")  # type: ignore[arg-type]
-
-
-async def test_inspect_shows_readers_permits_and_the_leader() -> None:
-    async with _client() as locks:
-        readers = [await locks.acquire("r", ttl=5, shared=True) for _ in range(3)]
-        info = await locks.inspect("r")
-        assert [holder.owner for holder in info.holders] == [reader.owner for reader in readers]
-        assert all(holder.shared for holder in info.holders)
-        semaphore = locks.semaphore("s", permits=4)
-        permits = [await semaphore.acquire(ttl=5) for _ in range(2)]
-        info = await semaphore.inspect()
-        assert info.permits == 4 and len(info.holders) == 2
-        async with locks.election("e").campaign(b"leader-a", ttl=5) as term:
-            info = await locks.inspect("e", "election")
-            assert info.value == b"leader-a" and info.owner == term.owner
-        for lease in (*readers, *permits):
-            await lease.release()
-        assert (await semaphore.inspect()).permits is None
