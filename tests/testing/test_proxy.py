@@ -167,15 +167,6 @@ async def test_blackhole_holds_traffic_and_keeps_connections_open() -> None:
                 assert echo.accepted == 2
 
 
-async def test_blackhole_makes_a_real_client_time_out() -> None:
-    with RedisServer() as server:
-        async with FaultProxy(server.host, server.port) as proxy, redis_via(proxy) as client:
-            assert await client.ping()
-            proxy.blackhole()
-            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
-                await client.ping()
-
-
 async def test_reset_sends_rst_and_keeps_accepting() -> None:
     async with proxied_echo() as (_, proxy):
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
@@ -191,8 +182,24 @@ async def test_reset_sends_rst_and_keeps_accepting() -> None:
             await round_trip(stream)
 
 
-async def test_reset_gives_a_real_client_a_connection_error() -> None:
+async def test_a_real_client_times_out_on_blackhole_and_drop_replies_and_fails_on_reset() -> None:
     with RedisServer() as server:
+        async with (
+            FaultProxy(server.host, server.port) as proxy,
+            redis_via(proxy) as client,
+            Redis(host=server.host, port=server.port) as direct,
+        ):
+            await client.set("k", "before")
+            proxy.drop_replies()
+            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
+                await client.set("k", "after")
+            # The write reached the server; only its reply was lost.
+            assert await direct.get("k") == b"after"
+        async with FaultProxy(server.host, server.port) as proxy, redis_via(proxy) as client:
+            assert await client.ping()
+            proxy.blackhole()
+            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
+                await client.ping()
         async with FaultProxy(server.host, server.port) as proxy, redis_via(proxy) as client:
             # One connection, not the pool: redis-py 5's pool notices a closed socket when it
             # hands the connection out and reconnects silently; 6 and later do not.
@@ -210,21 +217,6 @@ async def test_reset_gives_a_real_client_a_connection_error() -> None:
                 await connection.disconnect()
             # A new connection goes through the proxy, which still accepts.
             assert await client.ping()
-
-
-async def test_drop_replies_delivers_writes_but_no_answers() -> None:
-    with RedisServer() as server:
-        async with (
-            FaultProxy(server.host, server.port) as proxy,
-            redis_via(proxy) as client,
-            Redis(host=server.host, port=server.port) as direct,
-        ):
-            await client.set("k", "before")
-            proxy.drop_replies()
-            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
-                await client.set("k", "after")
-            # The write reached the server; only its reply was lost.
-            assert await direct.get("k") == b"after"
 
 
 async def test_drop_replies_with_echo_server() -> None:
