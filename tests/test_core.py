@@ -365,25 +365,23 @@ async def test_bad_names_are_refused_with_the_reason(
 
 
 @pytest.mark.parametrize(
-    ("ttl", "message"),
-    [(0, "> 0"), (-1, "> 0"), (float("nan"), "finite"), (float("inf"), "finite"), ("1", "number")],
+    ("option", "value", "message"),
+    [
+        ("ttl", 0, "> 0"),
+        ("ttl", -1, "> 0"),
+        ("ttl", float("nan"), "finite"),
+        ("ttl", float("inf"), "finite"),
+        ("ttl", "1", "number"),
+        ("timeout", -1, ">= 0"),
+        ("timeout", float("nan"), "finite"),
+        ("on_lost", "ignore", "on_lost"),
+    ],
 )
-async def test_bad_ttls_are_refused(locks: asynclock.LockClient, ttl: object, message: str) -> None:
-    with pytest.raises(asynclock.InvalidArgument, match=message):
-        locks.lock("a", ttl=ttl)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(("timeout", "message"), [(-1, ">= 0"), (float("nan"), "finite")])
-async def test_bad_timeouts_are_refused(
-    locks: asynclock.LockClient, timeout: float, message: str
+async def test_bad_options_are_refused(
+    locks: asynclock.LockClient, option: str, value: object, message: str
 ) -> None:
     with pytest.raises(asynclock.InvalidArgument, match=message):
-        await locks.acquire("a", timeout=timeout)
-
-
-async def test_bad_on_lost_is_refused(locks: asynclock.LockClient) -> None:
-    with pytest.raises(asynclock.InvalidArgument, match="on_lost"):
-        locks.lock("a", on_lost="ignore")  # type: ignore[arg-type]
+        await locks.acquire("a", **{option: value})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
