@@ -177,16 +177,6 @@ async def test_failing_renewals_do_not_move_the_deadline(locks: asynclock.LockCl
     assert "deadline" in reason
 
 
-async def test_renewal_recovers_after_a_blip(locks: asynclock.LockClient) -> None:
-    async with locks.lock("a", ttl=1.0) as lease:
-        memory(locks).faults.renew = "fail"
-        await anyio.sleep(0.45)
-        memory(locks).faults.renew = "ok"
-        await anyio.sleep(1.0)
-        assert not lease.lost
-        assert lease.remaining > 0.3
-
-
 @pytest.mark.parametrize(
     ("how", "reason", "within"),
     [
@@ -270,14 +260,6 @@ async def test_locked_keeps_the_result_of_a_call_that_finished_before_its_loss_w
     assert await job(3) == 6
 
 
-async def test_other_exceptions_from_the_body_propagate(locks: asynclock.LockClient) -> None:
-    with pytest.raises(KeyError):
-        async with locks.lock("a", ttl=30.0):
-            raise KeyError("x")
-    lease = await locks.try_acquire("a")
-    assert lease is not None
-
-
 @pytest.mark.expect_log(LOST.format("a", REMOVED))
 async def test_outer_cancellation_wins_over_a_simultaneous_loss(
     locks: asynclock.LockClient,
@@ -300,28 +282,19 @@ async def test_renewals_of_many_leases_are_batched(locks: asynclock.LockClient) 
         await lease.release()
 
 
-async def test_acquire_tracks_current_token_until_release(locks: asynclock.LockClient) -> None:
-    lease = await locks.acquire("tracked")
-    assert asynclock.current_token() == lease.token
-    assert asynclock.current_lease("tracked") is lease
-    await lease.release()
-    with pytest.raises(asynclock.NotHeld, match="no lock is held"):
-        asynclock.current_token()
-
-
-async def test_current_token_names_what_is_held(locks: asynclock.LockClient) -> None:
-    async with locks.lock("held-one"):
-        with pytest.raises(asynclock.NotHeld, match="'held-one'"):
-            asynclock.current_token("other")
-
-
-async def test_remaining_counts_down_and_is_zero_after_release(
+async def test_acquire_tracks_current_token_and_remaining_until_release(
     locks: asynclock.LockClient,
 ) -> None:
-    lease = await locks.acquire("r", ttl=10.0)
+    lease = await locks.acquire("tracked", ttl=10.0)
+    assert asynclock.current_token() == lease.token
+    assert asynclock.current_lease("tracked") is lease
     assert 8.0 < lease.remaining <= 10.0
+    with pytest.raises(asynclock.NotHeld, match="'tracked'"):
+        asynclock.current_token("other")
     await lease.release()
     assert lease.remaining == 0.0
+    with pytest.raises(asynclock.NotHeld, match="no lock is held"):
+        asynclock.current_token()
 
 
 async def test_server_expiry_is_never_before_the_local_deadline(
@@ -442,10 +415,16 @@ def test_public_names_match_all() -> None:
         assert getattr(asynclock, name).__module__ in ("asynclock", "asynclock.abc")
 
 
-async def test_exceptions_from_the_client_block_are_not_wrapped_in_groups() -> None:
+async def test_exceptions_from_the_body_and_the_client_block_propagate_unwrapped() -> None:
     with pytest.raises(KeyError):
         async with asynclock.connect("memory://unwrapped"):
             raise KeyError("x")
+    async with asynclock.connect("memory://unwrapped") as locks:
+        with pytest.raises(KeyError):
+            async with locks.lock("a", ttl=30.0):
+                raise KeyError("x")
+        lease = await locks.try_acquire("a")  # released on the way out
+        assert lease is not None
     with pytest.raises(asynclock.AcquireTimeout):
         async with asynclock.connect("memory://unwrapped") as locks:
             await locks.acquire("a")
@@ -537,7 +516,7 @@ async def test_closing_the_client_stops_background_releases_after_release_timeou
     assert anyio.current_time() - started < 1.5
 
 
-async def test_connection_state_suspended_then_reconnected_without_a_loss(
+async def test_a_renewal_blip_suspends_and_reconnects_without_a_loss(
     locks: asynclock.LockClient,
 ) -> None:
     changes = locks.state_changes()
@@ -552,7 +531,9 @@ async def test_connection_state_suspended_then_reconnected_without_a_loss(
             reconnected = await anext(changes)
         assert reconnected.previous is asynclock.ConnectionState.SUSPENDED
         assert reconnected.state is asynclock.ConnectionState.RECONNECTED
+        await anyio.sleep(1.0)  # renewed again past the ttl
         assert not lease.lost
+        assert lease.remaining > 0.3
 
 
 @pytest.mark.expect_log(r"observer .*Broken.* failed on acquired; it is unsubscribed")
