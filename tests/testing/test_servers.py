@@ -201,12 +201,14 @@ async def test_redis_fake_clock_jumps_at_run_time() -> None:
             assert abs(seconds - (time.time() - 3540)) < 2
 
 
-def test_redis_fake_clock_argument_checks() -> None:
+def test_redis_fake_clock_and_pause_argument_checks() -> None:
     with pytest.raises(ValueError, match="relative offset"):
         RedisServer(faketime="@2020-01-01 00:00:00")
     server = RedisServer()
     with pytest.raises(RuntimeError, match="faketime"):
         server.jump_clock(1)
+    with pytest.raises(RuntimeError, match="not running"):
+        server.pause()
     server.stop()
 
 
@@ -311,8 +313,11 @@ def test_server_is_a_context_manager_and_stop_is_idempotent() -> None:
     assert server.pid is None
     with pytest.raises(RuntimeError, match="never started"):
         _ = server.data_dir
+    # /dev/shm when it is writable (faster fsync for etcd and ZooKeeper), else the temp dir.
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     with server as entered:
         assert entered is server
+        assert str(server.data_dir).startswith(f"{base}/asynclock-redis-")
         pid = server.pid
         assert pid is not None
         data_dir = server.data_dir
@@ -338,35 +343,17 @@ def test_stop_is_bounded_when_the_server_ignores_the_shutdown_signal() -> None:
     assert wait_for(lambda: process_gone(pid))
 
 
-def test_stop_of_a_paused_server() -> None:
+def test_a_paused_server_is_reported_by_wait_ready_and_still_stops() -> None:
     with RedisServer() as server:
         pid = server.pid
         assert pid is not None
         server.pause()
+        with pytest.raises(ServerStartError, match="did not serve"):
+            server.wait_ready(0.2)
+        assert server.is_running  # reported, not killed
+        server.resume()
+        server.wait_ready(5)
+        server.pause()
         start = time.monotonic()
     assert time.monotonic() - start < 5
     assert wait_for(lambda: process_gone(pid))
-
-
-def test_wait_ready_reports_a_frozen_server_without_killing_it() -> None:
-    with RedisServer() as server:
-        server.pause()
-        with pytest.raises(ServerStartError, match="did not serve"):
-            server.wait_ready(0.2)
-        assert server.is_running
-        server.resume()
-        server.wait_ready(5)
-
-
-def test_pause_needs_a_running_server() -> None:
-    server = RedisServer()
-    with pytest.raises(RuntimeError, match="not running"):
-        server.pause()
-    server.stop()
-
-
-def test_temp_dirs_prefer_shared_memory() -> None:
-    # /dev/shm when it is writable (faster fsync for etcd and ZooKeeper), else the temp dir.
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    with RedisServer() as server:
-        assert str(server.data_dir).startswith(f"{base}/asynclock-redis-")
