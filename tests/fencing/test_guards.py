@@ -26,7 +26,7 @@ pytestmark = pytest.mark.anyio
 # -- the in-memory guard ----------------------------------------------------------------------
 
 
-async def test_memory_guard_refuses_older_tokens_and_keeps_the_value() -> None:
+async def test_memory_guard_refuses_older_tokens_and_keeps_the_value_strict_each_once() -> None:
     guard = MemoryGuard()
     await guard.write("r", "from 7", token=7)
     await guard.write("r", "from 7 again", token=7)  # the same holder may write again
@@ -35,13 +35,10 @@ async def test_memory_guard_refuses_older_tokens_and_keeps_the_value() -> None:
     assert (info.value.token, info.value.highest, info.value.resource) == (6, 7, "r")
     assert await guard.read("r", token=8) == "from 7 again"
     assert guard.rejected == 1
-
-
-async def test_strict_guard_accepts_each_token_once() -> None:
-    guard = MemoryGuard(strict=True)
-    await guard.check("r", 3)
+    strict = MemoryGuard(strict=True)  # each token once
+    await strict.check("r", 3)
     with pytest.raises(StaleToken):
-        await guard.check("r", 3)
+        await strict.check("r", 3)
 
 
 async def test_a_read_through_the_guard_fences_a_read_modify_write() -> None:

@@ -34,6 +34,8 @@ async def test_admits_up_to_n_tokens_and_evicts_the_oldest_for_a_newer_one() -> 
     assert (info.value.token, info.value.resource) == (1, "r")
     assert await guard.read("r", token=3) == "again"
     assert guard.rejected == 1
+    await guard.check("other", 1)  # resources are independent
+    assert (guard.admitted("other"), guard.admitted("r")) == ((1,), (2, 3, 4))
 
 
 async def test_a_token_older_than_every_admitted_one_is_refused_when_full() -> None:
@@ -67,13 +69,6 @@ async def test_a_slot_is_freed_even_when_the_block_is_cancelled() -> None:
             await anyio.sleep(1)
     await guard.check("r", 2)
     assert guard.admitted("r") == (2,)
-
-
-async def test_resources_are_independent() -> None:
-    guard = MemorySemaphoreGuard(1)
-    await guard.check("a", 9)
-    await guard.check("b", 1)
-    assert (guard.admitted("a"), guard.admitted("b")) == ((9,), (1,))
 
 
 def test_an_evicted_or_departed_token_is_never_admitted_again_randomised() -> None:
