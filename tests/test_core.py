@@ -363,6 +363,13 @@ def test_bad_urls_are_refused_with_the_reason(url: str, message: str) -> None:
         asynclock.connect(url)
 
 
+def test_unknown_options_are_refused() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="bogus"):
+        asynclock.connect("memory://x", bogus=1)
+    with pytest.raises(asynclock.InvalidArgument, match="bogus"):
+        asynclock.connect("memory://x?bogus=1")
+
+
 def test_require_refuses_a_backend_without_the_capability() -> None:
     with pytest.raises(asynclock.UnsupportedFeature, match="quorum"):
         asynclock.connect("memory://x", require=["quorum"])

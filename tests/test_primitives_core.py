@@ -151,3 +151,18 @@ async def test_semaphore_permits_validate() -> None:
             locks.semaphore("s", permits=2.0)  # type: ignore[arg-type]
         with pytest.raises(asynclock.InvalidArgument):
             await locks.inspect("s", "queue")  # type: ignore[arg-type]
+
+
+async def test_inspect_shows_readers_permits_and_the_leader_by_public_owner() -> None:
+    async with _client() as locks:
+        readers = [await locks.acquire("r", ttl=5, shared=True) for _ in range(2)]
+        info = await locks.inspect("r")
+        assert [holder.owner for holder in info.holders] == [reader.owner for reader in readers]
+        semaphore = locks.semaphore("s", permits=4)
+        permit = await semaphore.acquire(ttl=5)
+        assert (await semaphore.inspect()).permits == 4
+        async with locks.election("e").campaign(b"leader-a", ttl=5) as term:
+            assert (await locks.inspect("e", "election")).owner == term.owner
+        for lease in (*readers, permit):
+            await lease.release()
+        assert (await semaphore.inspect()).permits is None
