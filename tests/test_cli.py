@@ -20,6 +20,7 @@ from asynclock._cli import (
     EXIT_TIMEOUT,
     EXIT_USAGE,
 )
+from tests.testing._helpers import process_gone
 
 ASYNCLOCK = [sys.executable, "-m", "asynclock"]
 
@@ -38,11 +39,8 @@ def test_run_exports_the_token_and_returns_the_commands_exit_code(tmp_path: Path
     assert (first.returncode, second.returncode) == (7, 7)
     assert first.stdout.split() == ["job", "1"]
     assert second.stdout.split() == ["job", "2"]
-
-
-def test_run_reports_a_command_killed_by_a_signal_as_128_plus_n(tmp_path: Path) -> None:
-    result = run("run", "job", "--url", f"sqlite://{tmp_path}/l.db", "--", "sh", "-c", "kill -9 $$")
-    assert result.returncode == 128 + 9
+    # A command killed by signal n: 128 + n, as a shell says.
+    assert run("run", "job", "--url", url, "--", "sh", "-c", "kill -9 $$").returncode == 128 + 9
 
 
 def test_run_times_out_with_its_own_exit_code(tmp_path: Path) -> None:
@@ -155,20 +153,11 @@ while True:
 """
 
 
-def gone(pid: int) -> bool:
-    """Exited (a zombie nobody reaped counts: a container's init may not reap)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(b")", 1)[1].split()[0] == b"Z"
-
-
 def wait_gone(pids: list[int], within: float) -> float:
     started = time.monotonic()
-    while not all(map(gone, pids)):
+    while not all(map(process_gone, pids)):
         assert time.monotonic() - started < within, (
-            f"still running: {[p for p in pids if not gone(p)]}"
+            f"still running: {[p for p in pids if not process_gone(p)]}"
         )
         time.sleep(0.002)
     return time.monotonic() - started
@@ -228,7 +217,7 @@ def test_run_command_dies_with_its_supervisor_killed_by_sigkill(
 ) -> None:
     supervisor, family = start_family(tmp_path, "--ttl", "3")
     with supervisor:
-        assert not any(map(gone, family))
+        assert not any(map(process_gone, family))
         if target == "process":
             os.kill(supervisor.pid, signal.SIGKILL)
         else:  # what a shell does to a job, or `timeout -s KILL`: the command is not in it
@@ -303,31 +292,31 @@ def test_run_ends_what_the_command_leaves_running_before_releasing(tmp_path: Pat
     url = f"sqlite://{tmp_path}/locks.db"
     result = run("run", "job", "--url", url, "--", "sh", "-c", f"sleep 60 & echo $! > {pidfile}")
     assert result.returncode == 0, result.stderr
-    assert gone(int(pidfile.read_text()))
+    assert process_gone(int(pidfile.read_text()))
 
 
-def test_run_reports_a_missing_command_with_127(tmp_path: Path) -> None:
-    url = f"sqlite://{tmp_path}/locks.db"
-    for command in ("no-such-command-asynclock", str(tmp_path / "no" / "such"), ""):
-        started = time.monotonic()
-        result = run("run", "job", "--url", url, "--", command, "arg")
-        assert result.returncode == EXIT_NOT_FOUND == 127
-        shown = command or "''"
-        assert result.stderr == f"asynclock run: command not found: {shown}\n"
-        assert time.monotonic() - started < 10
-    assert_lock_free(tmp_path)
-
-
-def test_run_reports_a_command_that_cannot_be_executed_with_126(tmp_path: Path) -> None:
+def test_run_reports_a_missing_or_not_executable_command_with_127_or_126(
+    tmp_path: Path,
+) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho ran\n")
     script.chmod(0o644)
-    for command in (str(script), str(tmp_path)):
-        result = run("run", "job", "--url", url, "--", command)
-        assert result.returncode == EXIT_NOT_EXECUTABLE == 126
-        assert f"command not executable: {command}" in result.stderr
+    # The whole message when not found; the reason follows when not executable.
+    for command, code, message in [
+        ("no-such-command-asynclock", EXIT_NOT_FOUND, "command not found: {}\n"),
+        (str(tmp_path / "no" / "such"), EXIT_NOT_FOUND, "command not found: {}\n"),
+        ("", EXIT_NOT_FOUND, "command not found: ''\n"),
+        (str(script), EXIT_NOT_EXECUTABLE, "command not executable: {} ("),
+        (str(tmp_path), EXIT_NOT_EXECUTABLE, "command not executable: {} ("),
+    ]:
+        started = time.monotonic()
+        result = run("run", "job", "--url", url, "--", command, "arg")
+        assert result.returncode == code
+        assert result.stderr.startswith(f"asynclock run: {message.format(command)}")
         assert "ran" not in result.stdout
+        assert time.monotonic() - started < 10
+    assert (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE) == (127, 126)
     assert_lock_free(tmp_path)
 
 

@@ -151,16 +151,11 @@ def test_every_exception_has_sample_arguments(cls: type[BaseException]) -> None:
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 @pytest.mark.parametrize("cls", _marked(EXCEPTIONS))
-def test_every_exception_pickles_with_its_message_and_attributes(
+def test_every_exception_pickles_and_copies_with_its_message_and_attributes(
     cls: type[BaseException], protocol: int
 ) -> None:
     original = sample(cls)
     assert_same(pickle.loads(pickle.dumps(original, protocol=protocol)), original)
-
-
-@pytest.mark.parametrize("cls", _marked(EXCEPTIONS))
-def test_every_exception_copies(cls: type[BaseException]) -> None:
-    original = sample(cls)
     assert_same(copy.copy(original), original)
     assert_same(copy.deepcopy(original), original)
 

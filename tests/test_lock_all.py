@@ -79,6 +79,7 @@ async def test_cancellation_releases_what_was_taken(url: str) -> None:
         await blocker.release()
 
 
+@pytest.mark.expect_log("lease on 'y' lost: the lock was removed on the server")
 async def test_every_token_is_visible_and_loss_of_one_cancels_the_body() -> None:
     async with asynclock.connect(f"memory://lock-all-{uuid.uuid4().hex[:8]}") as locks:
         backend = locks._backend

@@ -264,6 +264,7 @@ async def test_failed_renewals_and_the_connection_states_they_cause(
     assert not telemetry.points("asynclock.leases.lost")
 
 
+@pytest.mark.expect_log("lease on 'order:9' lost: the lock was removed on the server")
 async def test_a_loss_the_server_proves_marks_the_body_span_as_an_error(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
@@ -285,6 +286,7 @@ async def test_a_loss_the_server_proves_marks_the_body_span_as_an_error(
     assert str((events["exception"].attributes or {})["exception.type"]).endswith("LeaseLost")
 
 
+@pytest.mark.expect_log("lease on 'a' lost: no successful renewal before the local deadline")
 async def test_a_hung_renewal_is_lost_at_the_deadline_and_the_state_goes_lost(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
@@ -300,6 +302,8 @@ async def test_a_hung_renewal_is_lost_at_the_deadline_and_the_state_goes_lost(
     assert "deadline" in (span.status.description or "")
 
 
+@pytest.mark.expect_log("lease on 'a' lost: no successful renewal before the local deadline")
+@pytest.mark.expect_log("lease on 'a' was lost after its body had run to completion")
 async def test_a_body_that_finished_before_its_loss_was_known_is_counted_not_an_error(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:

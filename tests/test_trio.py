@@ -45,14 +45,12 @@ def on_trio(url: str) -> None:
     anyio.run(main, backend="trio")
 
 
-def test_memory_backend_runs_on_trio() -> None:
-    on_trio("memory://trio-test")
+@pytest.mark.parametrize("scheme", ["memory", "sqlite"])
+def test_the_in_process_backends_run_on_trio(tmp_path: Path, scheme: str) -> None:
+    on_trio("memory://trio-test" if scheme == "memory" else f"sqlite://{tmp_path / 'locks.db'}")
 
 
-def test_sqlite_backend_runs_on_trio(tmp_path: Path) -> None:
-    on_trio(f"sqlite://{tmp_path / 'locks.db'}")
-
-
+@pytest.mark.expect_log("lease on 'a' lost: the lock was removed on the server")
 def test_a_lost_lease_cancels_the_body_on_trio() -> None:
     async def main() -> None:
         async with asynclock.connect("memory://trio-lost") as locks:

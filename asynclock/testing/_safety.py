@@ -258,6 +258,22 @@ async def _run_nemesis(
         await anyio.to_thread.run_sync(fault)
 
 
+async def _start_together(
+    processes: Sequence[anyio.abc.Process], histories: Sequence[Path]
+) -> float:
+    """Wait until every worker is connected (or has exited), then let them all go at once;
+    returns when, the start of the nemesis schedule."""
+    with anyio.fail_after(120):
+        # Polling tiny local files that other processes make: nothing to wait on instead.
+        while not all(  # noqa: ASYNC110
+            Path(f"{history}.ready").exists() or process.returncode is not None  # noqa: ASYNC240
+            for history, process in zip(histories, processes, strict=True)
+        ):
+            await anyio.sleep(0.01)
+    histories[0].with_name("go").touch()
+    return time.monotonic()
+
+
 async def run_safety(config: SafetyConfig) -> SafetyReport:
     """Run ``config`` and check its history; bounded by ``config.duration`` plus a grace period."""
     scheme = config.url.split("://")[0]
@@ -275,7 +291,6 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
     with tempfile.TemporaryDirectory(prefix="asynclock-safety-") as directory:
         histories = [Path(directory, f"worker-{index}.jsonl") for index in range(config.workers)]
         processes: list[anyio.abc.Process] = []
-        started = time.monotonic()
         try:
             for index, history in enumerate(histories):
                 command = [
@@ -297,6 +312,7 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
                     await anyio.open_process(command, stdin=None, stdout=log_file, stderr=log_file)
                 )
                 log_file.close()
+            started = await _start_together(processes, histories)
             with anyio.fail_after(config.duration + max(30.0, 10 * config.ttl)):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_resume_stopped, processes, pause, report)

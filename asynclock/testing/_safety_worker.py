@@ -19,6 +19,7 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 from typing import IO, Any, Literal
 
 import anyio
@@ -105,8 +106,17 @@ async def _hold_once(
         raise asynclock.LeaseLost(args.lock, lease.lost_reason or "lost")
 
 
+async def _start_together(history: str) -> None:
+    """Say this worker is connected, and wait for the runner's go: every worker contends for the
+    whole duration, however long each took to start (on a loaded host, seconds)."""
+    # Tiny local files, polled: the runner is another process, with nothing to wait on instead.
+    Path(f"{history}.ready").touch()  # noqa: ASYNC240
+    go = Path(history).with_name("go")
+    while not go.exists():  # noqa: ASYNC110
+        await anyio.sleep(0.005)
+
+
 async def _main(args: argparse.Namespace) -> None:
-    deadline = time.monotonic() + args.duration
     with open(args.history, "a", encoding="utf-8") as file:  # noqa: ASYNC230 - tiny, local
         history = _History(file)
         opened = (
@@ -116,6 +126,8 @@ async def _main(args: argparse.Namespace) -> None:
         )
         async with asynclock.connect(args.url) as locks, opened as resource:
             args.fencing_known = locks.capabilities.fencing
+            await _start_together(args.history)
+            deadline = time.monotonic() + args.duration
             while time.monotonic() < deadline:
                 try:
                     await _hold_once(locks, resource, history, args)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +10,15 @@ import anyio
 import pytest
 
 import asynclock
-from asynclock.fencing import MAX_TOKEN, MemoryGuard, PostgresGuard, RedisGuard, StaleToken
-from asynclock.testing import PostgresServer, RedisServer
+from asynclock.fencing import (
+    MAX_TOKEN,
+    MemoryGuard,
+    PostgresGuard,
+    PostgresSemaphoreGuard,
+    RedisGuard,
+    StaleToken,
+)
+from asynclock.testing import PostgresServer
 
 pytestmark = pytest.mark.anyio
 
@@ -20,7 +26,7 @@ pytestmark = pytest.mark.anyio
 # -- the in-memory guard ----------------------------------------------------------------------
 
 
-async def test_memory_guard_refuses_older_tokens_and_keeps_the_value() -> None:
+async def test_memory_guard_refuses_older_tokens_and_keeps_the_value_strict_each_once() -> None:
     guard = MemoryGuard()
     await guard.write("r", "from 7", token=7)
     await guard.write("r", "from 7 again", token=7)  # the same holder may write again
@@ -29,13 +35,10 @@ async def test_memory_guard_refuses_older_tokens_and_keeps_the_value() -> None:
     assert (info.value.token, info.value.highest, info.value.resource) == (6, 7, "r")
     assert await guard.read("r", token=8) == "from 7 again"
     assert guard.rejected == 1
-
-
-async def test_strict_guard_accepts_each_token_once() -> None:
-    guard = MemoryGuard(strict=True)
-    await guard.check("r", 3)
+    strict = MemoryGuard(strict=True)  # each token once
+    await strict.check("r", 3)
     with pytest.raises(StaleToken):
-        await guard.check("r", 3)
+        await strict.check("r", 3)
 
 
 async def test_a_read_through_the_guard_fences_a_read_modify_write() -> None:
@@ -72,46 +75,37 @@ async def test_bad_tokens_are_refused(bad: Any) -> None:
 # -- PostgreSQL -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def pg(postgres_server: PostgresServer) -> AsyncIterator[Any]:
-    import asyncpg
-
-    connection = await asyncpg.connect(postgres_server.dsn)
-    table = f"fences_{uuid.uuid4().hex[:8]}"
-    yield connection, table
-    await connection.execute(f"DROP TABLE IF EXISTS {table}, resource_{table}")
-    await connection.close()
-
-
-async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back(
-    pg: Any, postgres_server: PostgresServer
-) -> None:
+async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back(pg: Any) -> None:
     connection, table = pg
     guard = PostgresGuard(table=table)
     await guard.create_table(connection)
     await guard.create_table(connection)  # idempotent
-    await connection.execute(f"CREATE TABLE resource_{table} (id int PRIMARY KEY, v text)")
-    await connection.execute(f"INSERT INTO resource_{table} VALUES (1, 'initial')")
+    await connection.execute("CREATE TEMP TABLE resource (id int PRIMARY KEY, v text)")
+    await connection.execute("INSERT INTO resource VALUES (1, 'initial')")
     async with connection.transaction():
         await guard.check(connection, "orders/1", 10)
-        await connection.execute(f"UPDATE resource_{table} SET v = 'by 10' WHERE id = 1")
+        await connection.execute("UPDATE resource SET v = 'by 10' WHERE id = 1")
     with pytest.raises(StaleToken) as info:
         async with connection.transaction():
-            await connection.execute(f"UPDATE resource_{table} SET v = 'by 9' WHERE id = 1")
+            await connection.execute("UPDATE resource SET v = 'by 9' WHERE id = 1")
             await guard.check(connection, "orders/1", 9)
     assert (info.value.token, info.value.highest) == (9, 10)
-    assert await connection.fetchval(f"SELECT v FROM resource_{table} WHERE id = 1") == "by 10"
+    assert await connection.fetchval("SELECT v FROM resource WHERE id = 1") == "by 10"
     assert await guard.highest(connection, "orders/1") == 10
 
 
-async def test_postgres_guard_serializes_transactions_in_flight(
-    pg: Any, postgres_server: PostgresServer
+@pytest.mark.parametrize("kind", ["guard", "semaphore guard of 1"])
+async def test_postgres_guards_serialize_transactions_in_flight(
+    pg: Any, postgres_server: PostgresServer, kind: str
 ) -> None:
-    """A newer holder's check waits for the older transaction, so check+write stay atomic."""
+    """A newer holder's check waits for the older transaction to commit (the guard's row is
+    held until then), so check+write stay atomic; then the older token is refused."""
     import asyncpg
 
     connection, table = pg
-    guard = PostgresGuard(table=table)
+    guard: PostgresGuard | PostgresSemaphoreGuard = (
+        PostgresGuard(table=table) if kind == "guard" else PostgresSemaphoreGuard(1, table=table)
+    )
     await guard.create_table(connection)
     other = await asyncpg.connect(postgres_server.dsn)
     try:
@@ -131,29 +125,22 @@ async def test_postgres_guard_serializes_transactions_in_flight(
             events.append("older commits")
             await older.commit()
         assert events == ["older commits", "newer checked"]
-        # And the older holder cannot come back after the newer one committed.
         with pytest.raises(StaleToken):
-            async with connection.transaction():
-                await guard.check(connection, "r", 6)
+            await guard.check(connection, "r", 6)
     finally:
         await other.close()
 
 
-def test_postgres_guard_refuses_unsafe_identifiers() -> None:
+def test_postgres_guards_refuse_unsafe_identifiers_and_bad_permits() -> None:
     with pytest.raises(asynclock.InvalidArgument, match="identifier"):
         PostgresGuard(table="fences; DROP TABLE x")
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(2, table="x; drop")
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(0)
 
 
 # -- Redis -------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def redis_client(redis_server: RedisServer) -> AsyncIterator[Any]:
-    import redis.asyncio
-
-    client = redis.asyncio.Redis(host=redis_server.host, port=redis_server.port)
-    yield client
-    await client.aclose()
 
 
 async def test_redis_guard_runs_the_command_only_for_a_fresh_token(redis_client: Any) -> None:

@@ -42,6 +42,7 @@ def fenced(url: str, resource: str, ttl: float, **changes: object) -> SafetyConf
         "fencing": True,
         "cancel_on_loss": False,
         "pause_probability": 0.1,
+        "permits": 2,
     }
     values.update(changes)
     return SafetyConfig(**values)  # type: ignore[arg-type]
@@ -54,15 +55,27 @@ def assert_safe(report: SafetyReport) -> None:
     assert not crashed, summary(report)
     assert report.holds > 0, summary(report)
     assert report.safe, summary(report)
-    assert report.final_value == report.writes_accepted, summary(report)
+    if report.config.primitive == "semaphore":
+        writers = report.most_writers_at_once
+        assert writers is not None and writers <= report.config.permits, summary(report)
+    else:
+        assert report.final_value == report.writes_accepted, summary(report)
 
 
-async def test_redis_lock_server_paused_past_the_ttl(postgres_server: PostgresServer) -> None:
+@pytest.mark.parametrize("primitive", ["lock", "semaphore", "election"])
+async def test_redis_lock_server_paused_past_the_ttl(
+    postgres_server: PostgresServer, primitive: str
+) -> None:
     with RedisServer() as server:
         url = f"{server.url}?prefix=nemesis-{uuid.uuid4().hex[:6]}:&durability_warning=false"
         report = await run_safety(
             fenced(
-                url, postgres_server.url, 0.6, nemesis=[(2.0, server.pause), (3.5, server.resume)]
+                url,
+                postgres_server.url,
+                0.6,
+                primitive=primitive,
+                workers=5 if primitive == "semaphore" else 4,
+                nemesis=[(2.0, server.pause), (3.5, server.resume)],
             )
         )
     assert_safe(report)
@@ -93,23 +106,37 @@ async def test_redis_lock_server_killed_and_restarted(
     assert_safe(report)
 
 
-async def test_etcd_leader_killed(postgres_server: PostgresServer) -> None:
+@pytest.mark.parametrize("primitive", ["lock", "election"])
+async def test_etcd_leader_killed(postgres_server: PostgresServer, primitive: str) -> None:
     with EtcdCluster(size=3) as cluster:
         url = f"{cluster.url}?prefix=/nemesis-{uuid.uuid4().hex[:6]}/"
         report = await run_safety(
             fenced(
-                url, postgres_server.url, 2.0, duration=8.0, nemesis=[(2.5, cluster.kill_leader)]
+                url,
+                postgres_server.url,
+                2.0,
+                duration=8.0,
+                primitive=primitive,
+                nemesis=[(2.5, cluster.kill_leader)],
             )
         )
     assert_safe(report)
+    assert report.token_errors == 0, summary(report)
 
 
-async def test_zookeeper_leader_killed(postgres_server: PostgresServer) -> None:
+@pytest.mark.parametrize("primitive", ["lock", "semaphore"])
+async def test_zookeeper_leader_killed(postgres_server: PostgresServer, primitive: str) -> None:
     with ZooKeeperEnsemble(size=3) as ensemble:
         url = f"{ensemble.url}/nemesis-{uuid.uuid4().hex[:6]}"
         report = await run_safety(
             fenced(
-                url, postgres_server.url, 2.0, duration=8.0, nemesis=[(2.5, ensemble.kill_leader)]
+                url,
+                postgres_server.url,
+                2.0,
+                duration=8.0,
+                primitive=primitive,
+                workers=5 if primitive == "semaphore" else 4,
+                nemesis=[(2.5, ensemble.kill_leader)],
             )
         )
     assert_safe(report)
@@ -160,84 +187,3 @@ async def test_redis_sentinel_master_fails_before_replicating(
     # The lock was granted twice at once, and the first holder's late write was refused.
     assert report.overlapping_holds > 0, summary(report)
     assert report.writes_refused > 0, summary(report)
-
-
-# -- semaphores and elections under the same faults --------------------------------------------
-
-
-def assert_primitive_safe(report: SafetyReport) -> None:
-    crashed = [error for error in report.errors if error.startswith("worker ")]
-    assert not crashed, summary(report)
-    assert report.holds > 0, summary(report)
-    assert report.safe, summary(report)
-    if report.config.primitive == "semaphore":
-        writers = report.most_writers_at_once
-        assert writers is not None and writers <= report.config.permits, summary(report)
-    else:
-        assert report.final_value == report.writes_accepted, summary(report)
-
-
-def skip_without(url: str, capability: str) -> None:
-    from asynclock._registry import make_backend
-
-    if not getattr(make_backend(url, {}).capabilities, capability):
-        pytest.skip(f"{url.split('://')[0]}:// has no {capability}")
-
-
-@pytest.mark.parametrize("primitive", ["semaphore", "election"])
-async def test_redis_server_paused_past_the_ttl_under_semaphores_and_elections(
-    postgres_server: PostgresServer, primitive: str
-) -> None:
-    with RedisServer() as server:
-        url = f"{server.url}?prefix=nemesis-{uuid.uuid4().hex[:6]}:&durability_warning=false"
-        skip_without(url, f"{primitive}s")
-        report = await run_safety(
-            fenced(
-                url,
-                postgres_server.url,
-                0.6,
-                primitive=primitive,
-                permits=2,
-                workers=5 if primitive == "semaphore" else 4,
-                nemesis=[(2.0, server.pause), (3.5, server.resume)],
-            )
-        )
-    assert_primitive_safe(report)
-    assert report.lost_leases > 0, summary(report)
-
-
-async def test_etcd_leader_killed_under_an_election(postgres_server: PostgresServer) -> None:
-    with EtcdCluster(size=3) as cluster:
-        url = f"{cluster.url}?prefix=/nemesis-{uuid.uuid4().hex[:6]}/"
-        skip_without(url, "elections")
-        report = await run_safety(
-            fenced(
-                url,
-                postgres_server.url,
-                2.0,
-                duration=8.0,
-                primitive="election",
-                nemesis=[(2.5, cluster.kill_leader)],
-            )
-        )
-    assert_primitive_safe(report)
-    assert report.token_errors == 0, summary(report)
-
-
-async def test_zookeeper_leader_killed_under_a_semaphore(postgres_server: PostgresServer) -> None:
-    with ZooKeeperEnsemble(size=3) as ensemble:
-        url = f"{ensemble.url}/nemesis-{uuid.uuid4().hex[:6]}"
-        skip_without(url, "semaphores")
-        report = await run_safety(
-            fenced(
-                url,
-                postgres_server.url,
-                2.0,
-                duration=8.0,
-                primitive="semaphore",
-                permits=2,
-                workers=5,
-                nemesis=[(2.5, ensemble.kill_leader)],
-            )
-        )
-    assert_primitive_safe(report)

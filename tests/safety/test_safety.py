@@ -1,103 +1,151 @@
-"""Safety runs (short profile): worker processes paused past their ttl between read and write.
+"""Safety runs (short profile) of locks, semaphores and elections: worker processes paused past
+their ttl between read and write (a semaphore's enter and exit).
 
-With fencing, the resource must end with no lost update and no stale write accepted, whatever the
-pauses did; without it, the same faults must visibly corrupt the counter (the seeds' point).
-Every lock backend runs against the real server from the testing toolkit.
+With fencing, the resource must end with no lost update, no stale write accepted and never more
+than ``permits`` writers at once, whatever the pauses did; without it, the same faults must
+visibly corrupt it (the seeds' point). Every lock backend runs against the real server from the
+testing toolkit.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import asynclock
+from asynclock._registry import make_backend
 from asynclock.testing import EtcdServer, PostgresServer, RedisServer, ZooKeeperServer
 from asynclock.testing._safety import SafetyConfig, SafetyReport, run_safety
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 
-@dataclass
-class LockBackend:
-    name: str
-    url: str
-    ttl: float
-
-
 @pytest.fixture(params=["sqlite", "redis", "etcd", "zookeeper", "postgres"])
-def lock_backend(request: pytest.FixtureRequest, tmp_path: Path) -> LockBackend:
+def lock_backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, float]:
+    """A lock backend's URL and a short ttl it honours."""
     tag = uuid.uuid4().hex[:8]
     if request.param == "sqlite":
-        return LockBackend("sqlite", f"sqlite://{tmp_path}/locks.db", 0.6)
+        return f"sqlite://{tmp_path}/locks.db", 0.6
     if request.param == "redis":
-        server: RedisServer = request.getfixturevalue("redis_server")
-        return LockBackend(
-            "redis", f"{server.url}?prefix=safety-{tag}:&durability_warning=false", 0.6
-        )
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        return f"{redis.url}?prefix=safety-{tag}:&durability_warning=false", 0.6
     if request.param == "etcd":
         etcd: EtcdServer = request.getfixturevalue("etcd_server")
-        # etcd grants leases of at least 2 s.
-        return LockBackend("etcd", f"{etcd.url}?prefix=/safety-{tag}/", 2.0)
+        return f"{etcd.url}?prefix=/safety-{tag}/", 2.0  # etcd grants leases of 2 s at least
     if request.param == "zookeeper":
         zookeeper: ZooKeeperServer = request.getfixturevalue("zookeeper_server")
         # The ttl is the session timeout; the test server allows 1 to 10 s.
-        return LockBackend("zookeeper", f"{zookeeper.url}/safety-{tag}", 1.0)
+        return f"{zookeeper.url}/safety-{tag}", 1.0
     postgres: PostgresServer = request.getfixturevalue("postgres_server")
-    return LockBackend("postgres", postgres.url, 1.0)
+    return postgres.url, 1.0
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite://{tmp_path}/locks.db"
 
 
 def summary(report: SafetyReport) -> str:
     return f"{report.as_dict()} errors={report.errors[:3]}"
 
 
-def config(lock: LockBackend, resource: str, **changes: object) -> SafetyConfig:
-    defaults: dict[str, object] = {
-        "url": lock.url,
+def config(url: str, ttl: float, resource: str, **changes: object) -> SafetyConfig:
+    values: dict[str, object] = {
+        "url": url,
         "resource": resource,
-        "workers": 4,
-        "duration": max(3.0, lock.ttl * 5),
-        "ttl": lock.ttl,
+        "workers": 4 if changes.get("primitive", "lock") == "lock" else 5,
+        "duration": max(3.0, ttl * 5),
+        "ttl": ttl,
         "fencing": True,
         # on_lost="flag": nothing but the guard stands between a stale holder and the resource.
         "cancel_on_loss": False,
         "pause_probability": 0.25,
+        "permits": 2,
     }
-    defaults.update(changes)
-    return SafetyConfig(**defaults)  # type: ignore[arg-type]
+    values.update(changes)
+    return SafetyConfig(**values)  # type: ignore[arg-type]
 
 
+def capable(url: str, capability: str) -> None:
+    if not getattr(make_backend(url, {}).capabilities, capability):
+        pytest.skip(f"{url.split('://')[0]}:// has no {capability}")
+
+
+@pytest.mark.parametrize("primitive", ["lock", "election"])
 async def test_with_fencing_no_stale_write_is_accepted(
-    lock_backend: LockBackend, postgres_server: PostgresServer
+    lock_backend: tuple[str, float], postgres_server: PostgresServer, primitive: str
 ) -> None:
-    report = await run_safety(config(lock_backend, postgres_server.url))
+    url, ttl = lock_backend
+    if primitive == "election":
+        capable(url, "elections")
+    report = await run_safety(config(url, ttl, postgres_server.url, primitive=primitive))
     assert not report.errors, summary(report)
     assert report.lost_leases > 0, summary(report)  # the faults happened ...
     assert report.overtaken_holds > 0, summary(report)  # ... two workers held at once ...
     assert report.writes_refused > 0, summary(report)  # ... and the guard refused the stale ones
+    assert report.token_errors == 0, summary(report)
     assert report.safe, summary(report)
     assert report.final_value == report.writes_accepted
 
 
 async def test_without_fencing_the_same_faults_lose_updates(
-    lock_backend: LockBackend, redis_server: RedisServer
+    lock_backend: tuple[str, float], redis_server: RedisServer
 ) -> None:
-    report = await run_safety(config(lock_backend, redis_server.url, fencing=False))
+    url, ttl = lock_backend
+    report = await run_safety(config(url, ttl, redis_server.url, fencing=False))
     assert not report.errors, summary(report)
     assert report.lost_leases > 0, summary(report)
     assert not report.safe, summary(report)
     assert report.lost_updates > 0, summary(report)
 
 
+async def test_semaphore_with_fencing_never_more_than_n_writers(
+    lock_backend: tuple[str, float], postgres_server: PostgresServer
+) -> None:
+    url, ttl = lock_backend
+    capable(url, "semaphores")
+    report = await run_safety(config(url, ttl, postgres_server.url, primitive="semaphore"))
+    assert not report.errors, summary(report)
+    assert report.lost_leases > 0, summary(report)
+    # The pauses made more holds than permits at once, as the workers saw them ...
+    assert report.most_holds_at_once is not None and report.most_holds_at_once > 2, summary(report)
+    assert report.writes_refused > 0, summary(report)  # ... and the guard refused the stale
+    assert report.most_writers_at_once is not None and report.most_writers_at_once <= 2
+    assert report.safe, summary(report)
+
+
+async def test_semaphore_without_fencing_lets_more_than_n_writers_in(
+    sqlite_url: str, postgres_server: PostgresServer
+) -> None:
+    report = await run_safety(
+        config(sqlite_url, 0.6, postgres_server.url, primitive="semaphore", fencing=False)
+    )
+    assert not report.errors, summary(report)
+    assert report.lost_leases > 0, summary(report)
+    assert report.most_writers_at_once is not None and report.most_writers_at_once > 2
+    assert not report.safe, summary(report)
+
+
+async def test_election_without_fencing_loses_updates(
+    sqlite_url: str, redis_server: RedisServer
+) -> None:
+    report = await run_safety(
+        config(sqlite_url, 0.6, redis_server.url, primitive="election", fencing=False)
+    )
+    assert not report.errors, summary(report)
+    assert report.lost_leases > 0, summary(report)
+    assert report.lost_updates > 0, summary(report)
+    assert not report.safe, summary(report)
+
+
 @pytest.mark.parametrize("pause_kind", ["stop", "block"])
 async def test_cancellation_and_fencing_together_on_a_redis_resource(
-    tmp_path: Path, redis_server: RedisServer, pause_kind: str
+    sqlite_url: str, redis_server: RedisServer, pause_kind: str
 ) -> None:
-    lock = LockBackend("sqlite", f"sqlite://{tmp_path}/locks.db", 0.6)
     report = await run_safety(
-        config(lock, redis_server.url, cancel_on_loss=True, pause_kind=pause_kind)
+        config(sqlite_url, 0.6, redis_server.url, cancel_on_loss=True, pause_kind=pause_kind)
     )
     assert not report.errors, summary(report)
     assert report.lost_leases > 0, summary(report)
@@ -108,10 +156,20 @@ async def test_redlock_has_no_fencing_and_loses_updates_under_pauses(
     redis_servers: list[RedisServer], postgres_server: PostgresServer
 ) -> None:
     url = "redlock://" + ",".join(server.address for server in redis_servers) + "/0"
-    lock = LockBackend("redlock", f"{url}?prefix=safety-{uuid.uuid4().hex[:8]}:", 0.6)
+    url += f"?prefix=safety-{uuid.uuid4().hex[:8]}:"
     with pytest.raises(asynclock.UnsupportedFeature, match="no fencing tokens"):
-        await run_safety(config(lock, postgres_server.url))
-    report = await run_safety(config(lock, postgres_server.url, fencing=False))
+        await run_safety(config(url, 0.6, postgres_server.url))
+    with pytest.raises(asynclock.UnsupportedFeature, match="no semaphores"):
+        await run_safety(
+            config(url, 0.6, postgres_server.url, primitive="semaphore", fencing=False)
+        )
+    report = await run_safety(config(url, 0.6, postgres_server.url, fencing=False))
     assert not report.errors, summary(report)
     assert report.overtaken_holds > 0, summary(report)
     assert not report.safe, summary(report)
+
+
+async def test_a_semaphore_run_needs_a_postgresql_resource() -> None:
+    with pytest.raises(ValueError, match="postgresql"):
+        url = "memory://safety-resource"
+        await run_safety(config(url, 0.6, "redis://127.0.0.1:1/0", primitive="semaphore"))

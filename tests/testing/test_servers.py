@@ -8,8 +8,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,6 @@ import aetcd.exceptions
 import anyio
 import asyncpg
 import pytest
-import redis.exceptions
 from aiozk import ZKClient
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -42,28 +42,62 @@ from ._helpers import process_gone, wait_for
 PAUSED_WAIT = 0.4
 
 
-@asynccontextmanager
-async def redis_client(server: Server) -> AsyncIterator[Redis]:
-    # No retries: a frozen server must show as one timeout, not as four.
-    client = Redis(
-        host=server.host, port=server.port, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2
-    )
-    try:
-        yield client
-    finally:
-        await client.aclose()
+@dataclass
+class Store:
+    """One client of a server: it writes and reads one value, and shows a frozen server."""
+
+    put: Callable[[str, bytes], Awaitable[object]]
+    get: Callable[[str], Awaitable[bytes | None]]
+    frozen: type[BaseException] = TimeoutError  # what a call to a paused server raises
 
 
 @asynccontextmanager
-async def zk_client(address: str) -> AsyncIterator[ZKClient]:
-    client = ZKClient(address, session_timeout=5)
-    with anyio.fail_after(10):
-        await client.start()
-    try:
-        yield client
-    finally:
+async def store(server: Server) -> AsyncIterator[Store]:
+    if isinstance(server, RedisServer):
+        # No retries: a frozen server must show as one timeout, not as four.
+        redis = Redis(host=server.host, port=server.port, retry=Retry(NoBackoff(), 0))
+        try:
+            yield Store(redis.set, redis.get)
+        finally:
+            await redis.aclose()
+    elif isinstance(server, EtcdServer):
+        # gRPC's own deadline, not anyio.fail_after: a cancelled unary gRPC call raises a fresh
+        # CancelledError that anyio cannot tell from an outer cancellation (grpc/grpc#43502).
+        async with aetcd.Client(host=server.host, port=server.port, timeout=1) as etcd:
+
+            async def etcd_get(key: str) -> bytes | None:
+                got = await etcd.get(key.encode())
+                return None if got is None else bytes(got.value)
+
+            yield Store(
+                lambda key, value: etcd.put(key.encode(), value),
+                etcd_get,
+                aetcd.exceptions.ConnectionTimeoutError,
+            )
+    elif isinstance(server, ZooKeeperServer):
+        zookeeper = ZKClient(server.address, session_timeout=5)
         with anyio.fail_after(10):
-            await client.close()
+            await zookeeper.start()
+        try:
+            yield Store(
+                lambda key, value: zookeeper.create(f"/{key}", data=value),
+                lambda key: zookeeper.get_data(f"/{key}"),
+            )
+        finally:
+            with anyio.fail_after(10):
+                await zookeeper.close()
+    else:
+        connection = await asyncpg.connect(server.url)
+        put = "CREATE TABLE IF NOT EXISTS kv (k text PRIMARY KEY, v bytea); INSERT INTO kv "
+        try:
+            yield Store(
+                lambda key, value: connection.execute(
+                    put + f"VALUES ('{key}', '\\x{value.hex()}')"
+                ),
+                lambda key: connection.fetchval("SELECT v FROM kv WHERE k = $1", key),
+            )
+        finally:
+            connection.terminate()  # also when a paused server left a query unanswered
 
 
 def assert_cleaned_up(pid: int, data_dir: Path) -> None:
@@ -83,35 +117,51 @@ def assert_common_surface(server: Server, scheme: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_redis_serves_pauses_resumes_and_restarts() -> None:
-    server = RedisServer()
+@pytest.mark.parametrize(
+    ("make", "url"),
+    [
+        (RedisServer, "redis://{}/0"),
+        (EtcdServer, "etcd://{}"),
+        (lambda: ZooKeeperServer(tick_time_ms=500), "zookeeper://{}"),
+        (PostgresServer, "postgresql://postgres@{}/postgres"),
+    ],
+    ids=["redis", "etcd", "zookeeper", "postgres"],
+)
+async def test_a_server_serves_pauses_resumes_and_restarts(
+    make: Callable[[], SingleServer], url: str
+) -> None:
+    server = make()
     with server:
-        assert_common_surface(server, "redis")
-        assert server.url == f"redis://127.0.0.1:{server.port}/0"
+        assert_common_surface(server, url.partition(":")[0])
+        assert server.url == url.format(server.address)
         port, data_dir, pid = server.port, server.data_dir, server.pid
         assert pid is not None
-        async with redis_client(server) as client:
-            await client.set("k", "v")
+        async with store(server) as client:
+            await client.put("k", b"v")
+            # A postmaster's backends are its children: pausing the process group freezes them.
             server.pause()
             assert server.is_paused
-            with pytest.raises(TimeoutError), anyio.fail_after(PAUSED_WAIT):
+            with (
+                pytest.raises(client.frozen),
+                anyio.fail_after(PAUSED_WAIT if client.frozen is TimeoutError else 5),
+            ):
                 await client.get("k")
             server.resume()
-            assert await client.get("k") == b"v"
+        async with store(server) as client:
+            with anyio.fail_after(5):
+                assert await client.get("k") == b"v"
 
-            server.kill()
-            assert not server.is_running
-            assert process_gone(pid)
-            with pytest.raises(redis.exceptions.ConnectionError):
-                await client.get("k")
-
+        server.kill()
+        assert not server.is_running
+        assert process_gone(pid)
         server.restart()
-        assert server.port == port
-        assert server.data_dir == data_dir
+        assert (server.port, server.data_dir) == (port, data_dir)
         assert server.pid != pid
-        async with redis_client(server) as client:
-            # No persistence: a restarted redis starts empty, as a real one without AOF would.
-            assert await client.get("k") is None
+        async with store(server) as client:
+            with anyio.fail_after(5):
+                # No persistence: a restarted redis starts empty, as a real one without AOF would.
+                kept = await client.get("k")
+                assert kept == (None if isinstance(server, RedisServer) else b"v")
     assert_cleaned_up(server.pid or pid, data_dir)
     server.stop()
     with pytest.raises(RuntimeError, match="stopped"):
@@ -122,7 +172,7 @@ async def test_redis_serves_pauses_resumes_and_restarts() -> None:
 async def test_redis_fake_clock_jumps_at_run_time() -> None:
     with RedisServer(faketime="+0") as server:
         assert server.faketime
-        async with redis_client(server) as client:
+        async with Redis(host=server.host, port=server.port) as client:
             seconds, _ = await client.time()
             assert abs(seconds - time.time()) < 2
 
@@ -146,17 +196,19 @@ async def test_redis_fake_clock_jumps_at_run_time() -> None:
             assert time.monotonic() - start >= 0.19
 
         server.restart()
-        async with redis_client(server) as client:
+        async with Redis(host=server.host, port=server.port) as client:
             seconds, _ = await client.time()
             assert abs(seconds - (time.time() - 3540)) < 2
 
 
-def test_redis_fake_clock_argument_checks() -> None:
+def test_redis_fake_clock_and_pause_argument_checks() -> None:
     with pytest.raises(ValueError, match="relative offset"):
         RedisServer(faketime="@2020-01-01 00:00:00")
     server = RedisServer()
     with pytest.raises(RuntimeError, match="faketime"):
         server.jump_clock(1)
+    with pytest.raises(RuntimeError, match="not running"):
+        server.pause()
     server.stop()
 
 
@@ -173,105 +225,6 @@ def test_redis_start_offset_units_and_a_jump_before_start() -> None:
             check=True,
         )
         assert abs(int(answer.stdout.split()[0]) - (time.time() - 5340)) < 2
-
-
-@pytest.mark.anyio
-async def test_etcd_serves_pauses_resumes_and_keeps_data_across_kill() -> None:
-    server = EtcdServer()
-    with server:
-        assert_common_surface(server, "etcd")
-        assert server.url == f"etcd://127.0.0.1:{server.port}"
-        port, data_dir, pid = server.port, server.data_dir, server.pid
-        assert pid is not None
-        # gRPC's own deadline, not anyio.fail_after: a cancelled unary gRPC call raises a fresh
-        # CancelledError that anyio cannot tell from an outer cancellation (grpc/grpc#43502).
-        async with aetcd.Client(host=server.host, port=server.port, timeout=1) as client:
-            await client.put(b"k", b"v")
-            server.pause()
-            with pytest.raises(aetcd.exceptions.ConnectionTimeoutError):
-                await client.get(b"k")
-            server.resume()
-            with anyio.fail_after(5):
-                got = await client.get(b"k")
-            assert got is not None
-            assert got.value == b"v"
-
-        server.kill()
-        assert process_gone(pid)
-        server.restart()
-        assert server.port == port
-        async with aetcd.Client(host=server.host, port=server.port) as client:
-            with anyio.fail_after(5):
-                got = await client.get(b"k")
-            assert got is not None
-            assert got.value == b"v"
-    assert_cleaned_up(pid, data_dir)
-
-
-@pytest.mark.anyio
-async def test_zookeeper_serves_pauses_resumes_and_keeps_data_across_kill() -> None:
-    server = ZooKeeperServer(tick_time_ms=500)
-    with server:
-        assert_common_surface(server, "zookeeper")
-        assert server.url == f"zookeeper://127.0.0.1:{server.port}"
-        assert server.mode() == "standalone"
-        port, data_dir, pid = server.port, server.data_dir, server.pid
-        assert pid is not None
-        async with zk_client(server.address) as client:
-            await client.create("/k", data=b"v")
-            server.pause()
-            with pytest.raises(TimeoutError), anyio.fail_after(PAUSED_WAIT):
-                await client.get_data("/k")
-            server.resume()
-            with anyio.fail_after(5):
-                assert await client.get_data("/k") == b"v"
-
-        server.kill()
-        assert process_gone(pid)
-        server.restart()
-        assert server.port == port
-        async with zk_client(server.address) as client:
-            with anyio.fail_after(5):
-                assert await client.get_data("/k") == b"v"
-    assert_cleaned_up(pid, data_dir)
-
-
-@pytest.mark.anyio
-async def test_postgres_serves_pauses_resumes_and_keeps_rows_across_kill() -> None:
-    server = PostgresServer()
-    with server:
-        assert_common_surface(server, "postgresql")
-        assert server.url == f"postgresql://postgres@127.0.0.1:{server.port}/postgres"
-        assert server.dsn == server.url
-        port, data_dir, pid = server.port, server.data_dir, server.pid
-        assert pid is not None
-        connection = await asyncpg.connect(server.dsn)
-        try:
-            await connection.execute("CREATE TABLE t (x int); INSERT INTO t VALUES (42)")
-            # The backend serving this connection is a child of the postmaster: pausing the
-            # process group must freeze it too.
-            server.pause()
-            with pytest.raises(TimeoutError), anyio.fail_after(PAUSED_WAIT):
-                await connection.fetchval("SELECT x FROM t")
-        finally:
-            server.resume()
-            connection.terminate()
-        connection = await asyncpg.connect(server.dsn)
-        try:
-            assert await connection.fetchval("SELECT x FROM t") == 42
-        finally:
-            await connection.close()
-
-        server.kill()
-        assert process_gone(pid)
-        server.restart()
-        assert server.port == port
-        connection = await asyncpg.connect(server.dsn)
-        try:
-            assert await connection.fetchval("SELECT x FROM t") == 42
-        finally:
-            await connection.close()
-    assert_cleaned_up(pid, data_dir)
 
 
 class _Crashing(SingleServer):
@@ -360,8 +313,11 @@ def test_server_is_a_context_manager_and_stop_is_idempotent() -> None:
     assert server.pid is None
     with pytest.raises(RuntimeError, match="never started"):
         _ = server.data_dir
+    # /dev/shm when it is writable (faster fsync for etcd and ZooKeeper), else the temp dir.
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     with server as entered:
         assert entered is server
+        assert str(server.data_dir).startswith(f"{base}/asynclock-redis-")
         pid = server.pid
         assert pid is not None
         data_dir = server.data_dir
@@ -387,35 +343,17 @@ def test_stop_is_bounded_when_the_server_ignores_the_shutdown_signal() -> None:
     assert wait_for(lambda: process_gone(pid))
 
 
-def test_stop_of_a_paused_server() -> None:
+def test_a_paused_server_is_reported_by_wait_ready_and_still_stops() -> None:
     with RedisServer() as server:
         pid = server.pid
         assert pid is not None
         server.pause()
+        with pytest.raises(ServerStartError, match="did not serve"):
+            server.wait_ready(0.2)
+        assert server.is_running  # reported, not killed
+        server.resume()
+        server.wait_ready(5)
+        server.pause()
         start = time.monotonic()
     assert time.monotonic() - start < 5
     assert wait_for(lambda: process_gone(pid))
-
-
-def test_wait_ready_reports_a_frozen_server_without_killing_it() -> None:
-    with RedisServer() as server:
-        server.pause()
-        with pytest.raises(ServerStartError, match="did not serve"):
-            server.wait_ready(0.2)
-        assert server.is_running
-        server.resume()
-        server.wait_ready(5)
-
-
-def test_pause_needs_a_running_server() -> None:
-    server = RedisServer()
-    with pytest.raises(RuntimeError, match="not running"):
-        server.pause()
-    server.stop()
-
-
-def test_temp_dirs_prefer_shared_memory() -> None:
-    # /dev/shm when it is writable (faster fsync for etcd and ZooKeeper), else the temp dir.
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    with RedisServer() as server:
-        assert str(server.data_dir).startswith(f"{base}/asynclock-redis-")
