@@ -33,8 +33,7 @@ from asynclock.backends.redis import RedisBackend, _fair
 from asynclock.backends.redis._lane import Undo
 from asynclock.backends.redis._scripts import Arg
 from asynclock.testing import RedisServer
-from tests.backends.test_redis import connect, lane_of
-from tests.contract.backend_redis import redis_leftovers
+from tests.contract.backend_redis import connect, lane_of, redis_leftovers
 
 pytestmark = pytest.mark.anyio
 
@@ -106,11 +105,11 @@ async def holder_of(locks: asynclock.LockClient, name: str, kind: Kind) -> str |
 
 @pytest.mark.parametrize("hold", ["exclusive", "shared", "semaphore"])
 async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_nor_strands(
-    redis_server: RedisServer, prefix: str, name: str, hold: str
+    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str, hold: str
 ) -> None:
     kind: Kind = "semaphore" if hold == "semaphore" else "lock"
+    raw = raw_redis
     async with (
-        redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
         connect(redis_server, prefix) as first,
         connect(redis_server, prefix) as stopped,
         connect(redis_server, prefix) as third,
@@ -201,12 +200,12 @@ anyio.run(main, *sys.argv[1:])
 
 
 async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_exits(
-    redis_server: RedisServer, prefix: str, name: str
+    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
     """The same race for real: the waiter's process is SIGSTOPped in line, handed the lock,
     and resumed after that lease expired and another client took the lock."""
+    raw = raw_redis
     async with (
-        redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
         connect(redis_server, prefix) as first,
         connect(redis_server, prefix) as third,
     ):
@@ -251,6 +250,8 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
                 child.send_signal(signal.SIGCONT)
                 child.kill()
                 child.wait()
+            assert child.stdout is not None
+            child.stdout.close()  # communicate() closed it, unless the test failed before
         seen = out.split()
         # It held the lock only after the third client released it: its place was live.
         assert seen[0] == "got", out
