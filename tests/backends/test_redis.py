@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import sys
 import time
@@ -23,6 +22,7 @@ from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning, RedisGrant
 from asynclock.testing import FaultProxy, RedisServer
 from tests.contract.backend_redis import (
+    acl_user,
     connect,
     kill_connections,
     lane_of,
@@ -153,55 +153,30 @@ async def test_a_waiter_whose_server_dies_gets_backend_unavailable(
 async def test_acl_user_and_password_are_used_and_a_wrong_password_is_refused(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str
 ) -> None:
-    user = f"locker-{uuid.uuid4().hex[:6]}"
     # A user that may not run CONFIG, as on many managed services.
-    await raw_redis.acl_setuser(
-        user,
-        enabled=True,
-        passwords=["+s3cret"],
-        keys=["*"],
-        channels=["*"],
-        commands=["+@all", "-config"],
-    )
-    try:
-        good = f"redis://{user}:s3cret@{redis_server.address}/0"
+    async with acl_user(raw_redis, redis_server, commands=["+@all", "-config"]) as url:
         # durability_warning stays on: a server that hides its settings is not an error and
         # must not warn (pytest turns warnings into errors here).
-        async with asynclock.connect(good, prefix=prefix) as locks:
+        async with asynclock.connect(url, prefix=prefix) as locks:
             async with locks.lock("acl", ttl=5) as lease:
                 assert lease.token >= 1
             info = locks._backend.extra_info()
             assert "appendonly" not in info  # CONFIG GET was refused, the check skipped
-        bad = f"redis://{user}:wrong@{redis_server.address}/0"
         with pytest.raises(asynclock.BackendUnavailable, match="password"):
-            async with asynclock.connect(bad, prefix=prefix):
+            async with asynclock.connect(url.replace(":pw@", ":wrong@"), prefix=prefix):
                 pytest.fail("connected with a wrong password")
-    finally:
-        await raw_redis.acl_deluser(user)
 
 
 async def test_an_empty_client_name_serves_users_that_may_not_name_connections(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str
 ) -> None:
-    user = f"plain-{uuid.uuid4().hex[:6]}"
-    await raw_redis.acl_setuser(
-        user,
-        enabled=True,
-        passwords=["+pw"],
-        keys=["*"],
-        channels=["*"],
-        commands=["+@all", "-client"],
-    )
-    try:
-        url = f"redis://{user}:pw@{redis_server.address}/0"
+    async with acl_user(raw_redis, redis_server, commands=["+@all", "-client"]) as url:
         with pytest.raises(asynclock.BackendUnavailable, match=r"(?i)permission"):
             async with connect(url, prefix):
                 pytest.fail("CLIENT SETNAME was allowed")
         async with connect(url, prefix, client_name="") as locks:
             async with locks.lock("plain", ttl=5) as lease:
                 assert lease.token >= 1
-    finally:
-        await raw_redis.acl_deluser(user)
 
 
 async def test_durability_warning_on_a_server_without_an_append_only_file(
@@ -537,75 +512,10 @@ async def test_a_reply_that_came_while_the_event_loop_stalled_is_read_not_timed_
         await asyncio.sleep(0.3)
         await holder.release()
         taken = await waiter
+        # Handed over with the rest of its 0.6 s place, less than the 0.5 s margin kept from a
+        # 5 s lease's deadline: renewed at once, not lost as it was granted.
+        assert not taken.lost and taken.ttl == 5
         await taken.release()
-
-
-_STALLED_WORKER = """
-import asyncio, random, sys, anyio, asynclock
-async def main():
-    url, prefix, name = sys.argv[1:]
-    stop = []
-    counts = {}
-    async with asynclock.connect(
-        url, prefix=prefix, op_timeout=0.2, waiter_ttl=1.0, durability_warning=False
-    ) as locks:
-        async def work():
-            while not stop:
-                try:
-                    async with locks.lock(name, ttl=1, timeout=3):
-                        await asyncio.sleep(random.uniform(0, 0.01))
-                    lease = await locks.try_acquire(name, ttl=1)
-                    if lease is not None:
-                        await lease.release()
-                    outcome = "ok"
-                except (asynclock.LeaseLost, asynclock.AcquireTimeout) as exc:
-                    outcome = type(exc).__name__
-                except Exception as exc:
-                    outcome = f"ERROR {exc!r}"
-                counts[outcome] = counts.get(outcome, 0) + 1
-        async with anyio.create_task_group() as tg:
-            for _ in range(3):
-                tg.start_soon(work)
-            await anyio.to_thread.run_sync(sys.stdin.read)  # until the test closes stdin
-            stop.append(True)
-    for outcome, count in sorted(counts.items()):
-        print(count, outcome, flush=True)
-anyio.run(main)
-"""
-
-
-async def test_a_client_process_paused_past_op_timeout_gets_no_backend_timeout(
-    redis_server: RedisServer, prefix: str, name: str
-) -> None:
-    """A worker SIGSTOPped (0.5 s, op_timeout 0.2 s) at random moments of its lock cycles,
-    twelve times: what it sees is at most LeaseLost or AcquireTimeout, never a BackendTimeout
-    made up by a timer that ran out while the process was stopped."""
-    process = await anyio.open_process(
-        [sys.executable, "-c", _STALLED_WORKER, redis_server.url, prefix, name],
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    try:
-        await anyio.sleep(0.5)
-        for _ in range(12):
-            await anyio.sleep(random.uniform(0.05, 0.2))
-            process.send_signal(signal.SIGSTOP)
-            await anyio.sleep(0.5)
-            process.send_signal(signal.SIGCONT)
-        await anyio.sleep(0.3)
-        assert process.stdin is not None
-        await process.stdin.aclose()
-        with anyio.fail_after(30):
-            await process.wait()
-        assert process.stdout is not None and process.stderr is not None
-        output = b"".join([chunk async for chunk in process.stdout]).decode()
-        errors = b"".join([chunk async for chunk in process.stderr]).decode()
-    finally:
-        if process.returncode is None:
-            process.kill()
-        await process.aclose()
-    assert process.returncode == 0, errors
-    assert "ERROR" not in output, output
-    assert " ok" in output, output
 
 
 async def test_a_take_given_up_on_a_frozen_server_is_undone_when_the_server_wakes(

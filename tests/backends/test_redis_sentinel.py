@@ -260,21 +260,14 @@ async def test_a_frozen_master_is_left_for_the_new_one(
 # -- WAIT ---------------------------------------------------------------------------------------
 
 
-async def test_wait_replicas_takes_once_the_replica_has_the_lock(
-    group: RedisSentinelGroup, prefix: str, name: str
-) -> None:
-    async with connect(group, prefix, wait_replicas=1, wait_timeout=0.2) as locks:
-        async with locks.lock(name, ttl=2.0):
-            replica = group.replicas()[0]
-            # No polling: WAIT returned only once the replica had it.
-            assert replica.call("EXISTS", lua.lock_key(prefix, name)) == 1
-
-
-async def test_wait_replicas_refuses_a_take_no_replica_acknowledged(
+async def test_wait_replicas_takes_once_the_replica_has_the_lock_and_undoes_a_take_it_lacks(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
     replica = group.replicas()[0]
     async with connect(group, prefix, wait_replicas=1, wait_timeout=0.1) as locks:
+        async with locks.lock(name, ttl=2.0):
+            # No polling: WAIT returned only once the replica had it.
+            assert replica.call("EXISTS", lua.lock_key(prefix, name)) == 1
         replica.pause()
         try:
             with pytest.raises(asynclock.BackendUnavailable, match="wait_replicas"):
@@ -282,7 +275,6 @@ async def test_wait_replicas_refuses_a_take_no_replica_acknowledged(
         finally:
             replica.resume()
         # The take was undone on the master: the lock is free for the next one.
-        master = group.master()
-        assert master.call("EXISTS", lua.lock_key(prefix, name)) == 0
+        assert group.master().call("EXISTS", lua.lock_key(prefix, name)) == 0
         async with locks.lock(name, ttl=2.0):
             pass

@@ -19,7 +19,14 @@ from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend
 from asynclock.backends.redis._lane import MAX_BUSY
 from asynclock.testing import RedisServer
-from tests.contract.backend_redis import connect, kill_connections, lane_of, wait_for_queue
+from tests.contract.backend_redis import (
+    acl_user,
+    connect,
+    connections_named,
+    kill_connections,
+    lane_of,
+    wait_for_queue,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -27,10 +34,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def name() -> str:
     return f"redis-wait/{uuid.uuid4().hex[:8]}"
-
-
-async def connections_named(raw: redis.asyncio.Redis, client_name: str) -> int:
-    return sum(1 for entry in await raw.client_list() if entry.get("name") == client_name)
 
 
 async def evalsha_calls(raw: redis.asyncio.Redis) -> int:
@@ -119,13 +122,10 @@ async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections_i
             async with anyio.create_task_group() as tg:
                 for _ in range(count):
                     tg.start_soon(waiter)
-                await wait_for_queue(raw, prefix, name, count)
+                queued = await wait_for_queue(raw, prefix, name, count)
                 # Every task waits, and the client holds its lane (at most MAX_BUSY calls in
                 # flight) and its one wake channel.
-                connections = await connections_named(raw, client_name)
-                assert connections <= MAX_BUSY + 1
-                members = await raw.zrange(lua.queue_key(prefix, name), 0, -1)
-                queued = [member.decode().split(" ")[4] for member in members]
+                assert await connections_named(raw, client_name) <= MAX_BUSY + 1
                 await holder.release()
         assert await connections_named(raw, client_name) <= MAX_BUSY + 1
     assert len(order) == count
@@ -195,25 +195,12 @@ async def test_a_wake_lost_while_the_wake_channel_reconnects_is_found_by_a_take(
 
 
 async def test_a_user_without_the_wake_channel_is_refused_at_connect_naming_the_acl(
-    redis_server: RedisServer, prefix: str
+    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str
 ) -> None:
-    user = f"nochan-{uuid.uuid4().hex[:6]}"
-    async with redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw:
-        await raw.acl_setuser(
-            user,
-            enabled=True,
-            passwords=["+pw"],
-            keys=["*"],
-            commands=["+@all"],
-            reset_channels=True,
-        )
-        try:
-            url = f"redis://{user}:pw@{redis_server.address}/0"
-            with pytest.raises(asynclock.BackendUnavailable, match=rf"'&{prefix}wake:\*'"):
-                async with connect(url, prefix):
-                    pytest.fail("connected without the permission to wait")
-        finally:
-            await raw.acl_deluser(user)
+    async with acl_user(raw_redis, redis_server, channels=[], reset_channels=True) as url:
+        with pytest.raises(asynclock.BackendUnavailable, match=rf"'&{prefix}wake:\*'"):
+            async with connect(url, prefix):
+                pytest.fail("connected without the permission to wait")
 
 
 async def test_a_hand_over_across_clients_starts_a_short_lease_from_a_recent_moment(

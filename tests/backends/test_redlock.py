@@ -21,7 +21,8 @@ from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redlock import RedlockBackend, RedlockGrant
 from asynclock.testing import FaultProxy, RedisServer, free_port
 from asynclock.testing._redis_topologies import command
-from tests.contract.backend_redis import kill_connections, redis_leftovers
+from tests.contract.backend_redis import connections_named, kill_connections
+from tests.contract.backend_redlock import redlock_leftovers
 
 pytestmark = pytest.mark.anyio
 
@@ -48,25 +49,9 @@ async def proxies(servers: Sequence[RedisServer]) -> AsyncIterator[list[FaultPro
         ]
 
 
-async def leftovers(servers: Sequence[RedisServer], prefix: str, client_name: str) -> list[str]:
-    """Keys under ``prefix`` and connections named ``client_name``, on every master."""
-    found: list[str] = []
-    for server in servers:
-        found += [
-            f"{server.address}: {item}"
-            for item in await redis_leftovers(server, prefix, client_name)
-        ]
-    return found
-
-
 async def named_connections(servers: Sequence[RedisServer], client_name: str) -> list[int]:
-    """How many connections named ``client_name`` each master has now (``CLIENT LIST``)."""
-    counts = []
-    for server in servers:
-        async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
-            entries = await raw.client_list()
-            counts.append(sum(1 for entry in entries if entry.get("name") == client_name))
-    return counts
+    """How many connections named ``client_name`` each master has now."""
+    return [await connections_named(server, client_name) for server in servers]
 
 
 def holders(servers: Sequence[RedisServer], key: str) -> list[str | None]:
@@ -153,16 +138,6 @@ async def test_no_fencing_token_lease_token_and_current_token_raise(
                 asynclock.current_token()
             with pytest.raises(asynclock.UnsupportedFeature):
                 asynclock.current_token(name)
-
-
-async def test_unreachable_masters_give_backend_unavailable_quickly(prefix: str) -> None:
-    url = url_of([f"127.0.0.1:{free_port()}" for _ in range(3)])
-    started = time.monotonic()
-    with pytest.raises(asynclock.BackendUnavailable, match="majority") as info:
-        async with asynclock.connect(url, prefix=prefix):
-            pytest.fail("connected to masters that do not exist")
-    assert time.monotonic() - started < 1.0
-    assert "3 of 3 masters did not answer" in str(info.value)
 
 
 # -- the algorithm ----------------------------------------------------------------------------
@@ -268,24 +243,6 @@ async def test_a_minority_revoked_is_tolerated_and_a_majority_revoked_is_loss(
         assert isinstance(outcome, Lost)
         assert "2 of 3 masters" in outcome.reason
         await lease.release()
-
-
-async def test_a_stale_owner_can_neither_renew_nor_release(
-    redis_servers: list[RedisServer], prefix: str, name: str
-) -> None:
-    key = lua.lock_key(prefix, name)
-    addresses = [s.address for s in redis_servers]
-    async with connect(addresses, prefix) as first, connect(addresses, prefix) as second:
-        stale = await first.acquire(name, ttl=5)
-        for server in redis_servers:
-            async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
-                await raw.delete(key)  # its keys expired, say
-        current = await second.acquire(name, ttl=5)
-        (outcome,) = await first._backend.renew([stale.grant])
-        assert isinstance(outcome, Lost)
-        await first._backend.release(stale.grant)
-        assert holders(redis_servers, key) == [current.grant.owner] * 3
-        await current.release()
 
 
 # -- faults on a minority: locking goes on ----------------------------------------------------
@@ -401,12 +358,12 @@ async def test_many_waiters_all_pass_quickly_over_one_connection_per_master(
     redis_servers: list[RedisServer], prefix: str, name: str, waiters: int, clients: int
 ) -> None:
     """Item 11 of issue 15: 1,000 waiting tasks in one client got 4 grants in 2 minutes, with
-    2,274 connections and a key left on every master. A client's waiters take turns locally
-    (one of them runs rounds) and share one pipelined connection per master."""
+    2,274 connections and a key left on every master. A client's waiters take turns locally,
+    in the order they came (one of them runs rounds), and share one pipelined connection per
+    master."""
     client_name = f"asynclock-many-{uuid.uuid4().hex[:8]}"
     addresses = [server.address for server in redis_servers]
     peaks = [0] * len(redis_servers)
-    passed = 0
 
     async def sample_connections(stop: anyio.Event) -> None:
         while not stop.is_set():
@@ -415,11 +372,11 @@ async def test_many_waiters_all_pass_quickly_over_one_connection_per_master(
                 peaks[index] = max(peaks[index], count)
             await anyio.sleep(0.02)
 
-    async def wait_for_the_lock(locks: asynclock.LockClient) -> None:
-        nonlocal passed
+    order: list[int] = []
+
+    async def wait_for_the_lock(locks: asynclock.LockClient, index: int) -> None:
         async with locks.lock(name, ttl=10):
-            pass  # held for ~0: the hand-over is what is measured
-        passed += 1
+            order.append(index)  # held for ~0: the hand-over is what is measured
 
     async with AsyncExitStack() as stack:
         group = [
@@ -433,15 +390,17 @@ async def test_many_waiters_all_pass_quickly_over_one_connection_per_master(
             with anyio.fail_after(20):
                 async with anyio.create_task_group() as tg:
                     for index in range(waiters):
-                        tg.start_soon(wait_for_the_lock, group[index % clients])
+                        tg.start_soon(wait_for_the_lock, group[index % clients], index)
             elapsed = anyio.current_time() - started
             stop.set()
-    assert passed == waiters
+    assert sorted(order) == list(range(waiters))
+    if clients == 1:
+        assert order == list(range(waiters))
     # Measured 0.4 s for 1,000 waiters in one client (the old code: 5 in 65 s); the bound is
     # for a loaded machine.
     assert elapsed < 15, f"{waiters} waiters took {elapsed:.1f} s"
     assert all(peak <= clients + 1 for peak in peaks), peaks
-    assert await leftovers(redis_servers, prefix, client_name) == []
+    assert await redlock_leftovers(redis_servers, prefix, client_name) == []
 
 
 async def test_a_release_wakes_the_next_local_waiter_at_once(
@@ -458,26 +417,6 @@ async def test_a_release_wakes_the_next_local_waiter_at_once(
         second = await waiter
         assert anyio.current_time() - released < 0.1
         await second.release()
-
-
-async def test_waiters_of_one_client_take_turns_in_arrival_order(
-    redis_servers: list[RedisServer], prefix: str, name: str
-) -> None:
-    addresses = [server.address for server in redis_servers]
-    order: list[int] = []
-
-    async def wait(index: int) -> None:
-        async with locks.lock(name, ttl=5):
-            order.append(index)
-
-    async with connect(addresses, prefix) as locks, connect(addresses, prefix) as other:
-        blocker = await other.acquire(name, ttl=5)
-        async with anyio.create_task_group() as tg:
-            for index in range(20):
-                tg.start_soon(wait, index)
-                await anyio.sleep(0.005)
-            await blocker.release()
-    assert order == list(range(20))
 
 
 async def test_many_waiters_that_give_up_leave_nothing_behind(
@@ -514,7 +453,7 @@ async def test_many_waiters_that_give_up_leave_nothing_behind(
         lease = await locks.try_acquire(name, ttl=5)
         assert lease is not None
         await lease.release()
-    assert await leftovers(redis_servers, prefix, client_name) == []
+    assert await redlock_leftovers(redis_servers, prefix, client_name) == []
 
 
 # -- cleanup that cannot be overtaken or interrupted ------------------------------------------
@@ -538,7 +477,7 @@ async def test_the_release_after_a_late_take_on_a_slow_master_is_not_overtaken(
             await anyio.sleep(0.5)  # everything the slow proxy holds has gone through
             assert holders(redis_servers, key) == [None] * 3
             slow.pass_through()
-    assert await leftovers(redis_servers, prefix, client_name) == []
+    assert await redlock_leftovers(redis_servers, prefix, client_name) == []
 
 
 # -- connections that die, and a paused client -------------------------------------------------
@@ -575,7 +514,7 @@ async def test_a_killed_connection_between_holds_does_not_fail_the_next_acquire(
             made[2] + 1,
         ]
         assert await named_connections(redis_servers, client_name) == [1, 1, 1]
-    assert await leftovers(redis_servers, prefix, client_name) == []
+    assert await redlock_leftovers(redis_servers, prefix, client_name) == []
 
 
 async def test_a_reply_that_arrived_during_a_pause_of_the_client_is_not_a_timeout(
@@ -666,7 +605,7 @@ async def test_a_hung_masters_connection_is_closed_after_op_timeout_and_replaced
                 await anyio.sleep(0.05)
         await anyio.sleep(1.1)  # a take buffered on the closed connection expires with its ttl
         assert await named_connections(servers, client_name) == [1, 1, 1]
-    assert await leftovers(servers, prefix, client_name) == []
+    assert await redlock_leftovers(servers, prefix, client_name) == []
 
 
 @pytest.mark.parametrize("frozen_for", [0.5, 1.6])

@@ -9,6 +9,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import redis.asyncio
 
 import asynclock
+from asynclock.abc import Kind
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend
 from asynclock.testing import RedisServer, free_port
@@ -101,6 +103,29 @@ def connect(server: RedisServer | str, prefix: str, **options: Any) -> asynclock
     return asynclock.connect(url, prefix=prefix, **options)
 
 
+@asynccontextmanager
+async def acl_user(
+    raw: redis.asyncio.Redis, server: RedisServer, **rules: Any
+) -> AsyncIterator[str]:
+    """A user of ``server`` with the password ``pw`` and redis-py's ``acl_setuser`` ``rules``
+    (by default every key, channel and command), for the block: its URL."""
+    user = f"user-{uuid.uuid4().hex[:6]}"
+    rules = {"keys": ["*"], "channels": ["*"], "commands": ["+@all"], **rules}
+    await raw.acl_setuser(user, enabled=True, passwords=["+pw"], **rules)
+    try:
+        yield f"redis://{user}:pw@{server.address}/0"
+    finally:
+        await raw.acl_deluser(user)
+
+
+async def connections_named(raw: redis.asyncio.Redis | RedisServer, client_name: str) -> int:
+    """How many connections named ``client_name`` the server has now (``CLIENT LIST``)."""
+    if isinstance(raw, RedisServer):
+        async with redis.asyncio.Redis(host=raw.host, port=raw.port) as client:
+            return await connections_named(client, client_name)
+    return sum(1 for entry in await raw.client_list() if entry.get("name") == client_name)
+
+
 def lane_of(locks: asynclock.LockClient) -> lua.Lane:
     backend = locks._backend
     assert isinstance(backend, RedisBackend)
@@ -108,11 +133,16 @@ def lane_of(locks: asynclock.LockClient) -> lua.Lane:
     return backend._lane
 
 
-async def wait_for_queue(raw: redis.asyncio.Redis, prefix: str, name: str, length: int) -> None:
+async def wait_for_queue(
+    raw: redis.asyncio.Redis, prefix: str, name: str, length: int, kind: Kind = "lock"
+) -> list[str]:
+    """Until ``length`` wait in the queue of ``name`` of ``kind``: their owner ids, first in
+    line first."""
     with anyio.fail_after(10):
         # The queue lives on the server: polling it is the only way to look.
-        while await raw.zcard(lua.queue_key(prefix, name)) != length:  # noqa: ASYNC110
+        while len(members := await raw.zrange(lua.queue_key(prefix, name, kind), 0, -1)) != length:  # noqa: ASYNC110
             await anyio.sleep(0.005)
+    return [member.decode().split(" ")[4] for member in members]
 
 
 async def kill_connections(server: RedisServer | redis.asyncio.Redis, client_name: str) -> int:
