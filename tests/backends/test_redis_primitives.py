@@ -17,7 +17,7 @@ from asynclock.abc import Kind, LockRequest, Renewed
 from asynclock.backends.redis import RedisBackend, RedisGrant
 from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import RedisServer
-from tests.contract.backend_redis import connect, kill_connections, redis_leftovers
+from tests.contract.backend_redis import connect, kill_connections, redis_leftovers, wait_for_queue
 
 pytestmark = pytest.mark.anyio
 
@@ -90,7 +90,6 @@ async def test_a_release_hands_over_to_every_reader_up_to_the_next_writer(
     order: list[str] = []
     async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
         writer = await first.acquire(name, ttl=10)
-        queue = lua.queue_key(prefix, name)
 
         async def take(label: str, locks: asynclock.LockClient, shared: bool) -> None:
             async with locks.lock(name, ttl=10, timeout=10, shared=shared):
@@ -109,9 +108,7 @@ async def test_a_release_hands_over_to_every_reader_up_to_the_next_writer(
                 start=1,
             ):
                 tg.start_soon(take, label, locks, shared)
-                with anyio.fail_after(5):
-                    while await raw_redis.zcard(queue) != length:  # noqa: ASYNC110
-                        await anyio.sleep(0.005)
+                await wait_for_queue(raw_redis, prefix, name, length)
             await writer.release()
     assert set(order[:2]) == {"r1 in", "r2 in"}
     assert order.index("w in") > max(order.index("r1 out"), order.index("r2 out"))

@@ -203,6 +203,11 @@ async def test_a_failed_partial_acquire_releases_on_every_master(
         with pytest.raises(asynclock.AcquireTimeout):
             await locks.acquire(name, ttl=5, timeout=0.3)
         assert holders(redis_servers, key) == ["other", "other", None]
+        # The other holder died: its keys run out, and a waiter tries again as they do.
+        for server in redis_servers:
+            command(server.host, server.port, "SET", key, "other", "PX", "400")
+        lease = await locks.acquire(name, ttl=5, timeout=5)
+        await lease.release()
 
 
 async def test_cancelling_a_round_in_flight_releases_on_every_master(
