@@ -134,15 +134,21 @@ def lane_of(locks: asynclock.LockClient) -> lua.Lane:
 
 
 async def wait_for_queue(
-    raw: redis.asyncio.Redis, prefix: str, name: str, length: int, kind: Kind = "lock"
+    raw: redis.asyncio.Redis,
+    prefix: str,
+    name: str,
+    length: int,
+    kind: Kind = "lock",
+    within: float = 10,
 ) -> list[str]:
     """Until ``length`` wait in the queue of ``name`` of ``kind``: their owner ids, first in
     line first."""
-    with anyio.fail_after(10):
+    key = lua.queue_key(prefix, name, kind)
+    with anyio.fail_after(within):
         # The queue lives on the server: polling it is the only way to look.
-        while len(members := await raw.zrange(lua.queue_key(prefix, name, kind), 0, -1)) != length:  # noqa: ASYNC110
+        while await raw.zcard(key) != length:  # noqa: ASYNC110
             await anyio.sleep(0.005)
-    return [member.decode().split(" ")[4] for member in members]
+    return [member.decode().split(" ")[4] for member in await raw.zrange(key, 0, -1)]
 
 
 async def kill_connections(server: RedisServer | redis.asyncio.Redis, client_name: str) -> int:

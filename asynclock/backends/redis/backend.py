@@ -381,6 +381,11 @@ class RedisBackend(holds.HoldingBackend):
                 handed = await waiter.until_due(sent_at, refresh, hint_ms, floor)
                 if handed is not None:
                     token, px, valid_from = handed
+                    if valid_from + px / 1000 <= now():
+                        # Told so late (the process was stopped, the loop stalled) that the
+                        # lease is over already: the lock may be another's by now. The next
+                        # take says (it finds our own owner id if the key is still ours).
+                        continue
                     grant = self._granted(request, token, valid_from, px / 1000)
                     if grant.ttl < 2 * min(1.0, request.ttl / 10):
                         await self._lengthen(grant)
