@@ -145,27 +145,6 @@ async def test_a_stale_slot_map_is_corrected_by_moved(
         assert lane.lookups == lookups
 
 
-async def test_contention_across_clients_is_fair_and_tokens_rise(
-    redis_cluster_nodes: RedisClusterNodes, prefix: str, name: str
-) -> None:
-    cluster = redis_cluster_nodes
-    order: list[int] = []
-    async with connect(cluster, prefix) as one, connect(cluster, prefix) as two:
-        first = await one.acquire(name, ttl=2.0)
-
-        async def wait(locks: asynclock.LockClient, index: int) -> None:
-            async with locks.lock(name, ttl=2.0) as lease:
-                order.append(index)
-                assert lease.token > first.token
-
-        async with anyio.create_task_group() as tg:
-            for index, locks in enumerate([two, one, two]):
-                tg.start_soon(wait, locks, index)
-                await anyio.sleep(0.05)  # in this order in the queue
-            await first.release()
-    assert order == [0, 1, 2]
-
-
 async def test_wait_replicas_refuses_takes_on_a_cluster_without_replicas(
     redis_cluster_nodes: RedisClusterNodes, prefix: str, name: str
 ) -> None:
@@ -244,12 +223,9 @@ async def test_deadlock_records_share_one_slot(
 async def test_kinds_route_by_slot_and_an_election_change_is_pushed_across_nodes(
     redis_cluster_nodes: RedisClusterNodes, name: str
 ) -> None:
-    """Every key of a name and kind is in one slot; the scripts' PUBLISH of an election's
-    change reaches a watcher subscribed on whichever node its wake channel is."""
+    """(Every key of a name and kind is in one slot: test_redis_waiting.py.) The scripts' PUBLISH
+    of an election's change reaches a watcher subscribed on whichever node its wake channel is."""
     prefix = f"kinds-{uuid.uuid4().hex[:6]}:"
-    for kind in ("lock", "semaphore", "election"):
-        keys = lua.fair_keys(prefix, name, kind)
-        assert len({key_slot(key.encode()) for key in keys}) == 1
     async with (
         connect(redis_cluster_nodes, prefix) as locks,
         connect(redis_cluster_nodes, prefix) as watcher,

@@ -131,29 +131,52 @@ async def test_a_dead_sentinel_is_passed_over(
 # -- failover ---------------------------------------------------------------------------------
 
 
-async def test_a_replicated_lock_survives_the_masters_death(
+async def test_replicated_holds_of_every_kind_survive_the_masters_death(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
+    """A lock, a shared hold, a permit and a term whose keys reached the replica go through a
+    failover: the new master has them, so they renew there, exclude the others, and the next
+    holds' tokens are higher."""
     async with connect(group, prefix) as locks, connect(group, prefix) as other:
         # A ttl well above the failover's ~2 s: renewals fail until it is over.
-        lease = await locks.acquire(name, ttl=5.0)
-        await on_replica(group, lua.lock_key(prefix, name))
-        old = group.kill_master()
+        leases = [
+            await locks.acquire(name, ttl=5.0),
+            await locks.acquire(f"{name}/r", ttl=5.0, shared=True),
+            await locks.semaphore(name, permits=1).acquire(ttl=5.0),
+        ]
+        campaign = locks.election(name).campaign(b"old-master-era", ttl=5.0)
+        leases.append(await campaign.__aenter__())
         try:
-            new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
-            assert new is not old
-            # The new master has the key: the lease renews there and nobody else gets it.
-            assert await other.try_acquire(name, ttl=1.0) is None
-            await anyio.sleep(2.0)  # renewed on the new master meanwhile
-            assert lease.held, lease.lost_reason
-            first = lease.token
-            await lease.release()
-            async with other.lock(name, ttl=1.0) as second:
-                assert second.token > first
+            await on_replica(group, lua.lock_key(prefix, name))
+            for each, kind in ((f"{name}/r", "lock"), (name, "semaphore"), (name, "election")):
+                await on_replica(group, lua.holds_key(prefix, each, kind))
+            old = group.kill_master()
+            try:
+                new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
+                assert new is not old
+                assert await other.try_acquire(name, ttl=1.0) is None
+                assert await other.try_acquire(f"{name}/r", ttl=1.0) is None  # the reader holds
+                assert await other.semaphore(name, permits=1).try_acquire(ttl=1.0) is None
+                leader = await other.election(name).leader()
+                assert leader is not None and leader.value == b"old-master-era"
+                await anyio.sleep(2.0)  # renewed on the new master meanwhile
+                assert all(lease.held for lease in leases), [each.lost_reason for each in leases]
+            finally:
+                await restore(group, old)
         finally:
-            await restore(group, old)
+            await campaign.__aexit__(None, None, None)
+        for lease in leases[:3]:
+            await lease.release()
+        async with other.lock(name, ttl=1.0) as writer:
+            assert writer.token > leases[0].token
+        async with other.lock(f"{name}/r", ttl=1.0) as writer:
+            assert writer.token > leases[1].token
+        async with other.semaphore(name, permits=1).lock(ttl=1.0) as permit:
+            assert permit.token > leases[2].token
 
 
+# Told by the restart watcher, a renewal or the local deadline, whichever comes first.
+@pytest.mark.expect_log(r"lease on .* lost: ")
 async def test_an_unreplicated_lock_is_granted_again_with_a_higher_token_and_reported_lost(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
@@ -237,21 +260,14 @@ async def test_a_frozen_master_is_left_for_the_new_one(
 # -- WAIT ---------------------------------------------------------------------------------------
 
 
-async def test_wait_replicas_takes_once_the_replica_has_the_lock(
-    group: RedisSentinelGroup, prefix: str, name: str
-) -> None:
-    async with connect(group, prefix, wait_replicas=1, wait_timeout=0.2) as locks:
-        async with locks.lock(name, ttl=2.0):
-            replica = group.replicas()[0]
-            # No polling: WAIT returned only once the replica had it.
-            assert replica.call("EXISTS", lua.lock_key(prefix, name)) == 1
-
-
-async def test_wait_replicas_refuses_a_take_no_replica_acknowledged(
+async def test_wait_replicas_takes_once_the_replica_has_the_lock_and_undoes_a_take_it_lacks(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
     replica = group.replicas()[0]
     async with connect(group, prefix, wait_replicas=1, wait_timeout=0.1) as locks:
+        async with locks.lock(name, ttl=2.0):
+            # No polling: WAIT returned only once the replica had it.
+            assert replica.call("EXISTS", lua.lock_key(prefix, name)) == 1
         replica.pause()
         try:
             with pytest.raises(asynclock.BackendUnavailable, match="wait_replicas"):
@@ -259,42 +275,6 @@ async def test_wait_replicas_refuses_a_take_no_replica_acknowledged(
         finally:
             replica.resume()
         # The take was undone on the master: the lock is free for the next one.
-        master = group.master()
-        assert master.call("EXISTS", lua.lock_key(prefix, name)) == 0
+        assert group.master().call("EXISTS", lua.lock_key(prefix, name)) == 0
         async with locks.lock(name, ttl=2.0):
             pass
-
-
-async def test_replicated_shared_holds_permits_and_terms_survive_the_masters_death(
-    group: RedisSentinelGroup, prefix: str, name: str
-) -> None:
-    """The kinds of hold go through a failover as a lock does: the new master has their holds
-    sets, so they renew there, exclude the others, and the next holds' tokens are higher."""
-    async with connect(group, prefix) as locks, connect(group, prefix) as other:
-        reader = await locks.acquire(name, ttl=5.0, shared=True)
-        permit = await locks.semaphore(name, permits=1).acquire(ttl=5.0)
-        campaign = locks.election(name).campaign(b"old-master-era", ttl=5.0)
-        term = await campaign.__aenter__()
-        try:
-            for kind in ("lock", "semaphore", "election"):
-                await on_replica(group, lua.holds_key(prefix, name, kind))
-            old = group.kill_master()
-            try:
-                await anyio.to_thread.run_sync(group.wait_for_failover, old)
-                assert await other.try_acquire(name, ttl=1.0) is None  # the reader holds
-                assert await other.semaphore(name, permits=1).try_acquire(ttl=1.0) is None
-                leader = await other.election(name).leader()
-                assert leader is not None and leader.value == b"old-master-era"
-                await anyio.sleep(2.0)  # renewed on the new master meanwhile
-                assert reader.held and permit.held and term.held
-                tokens = (reader.token, permit.token, term.token)
-            finally:
-                await restore(group, old)
-        finally:
-            await campaign.__aexit__(None, None, None)
-        await reader.release()
-        await permit.release()
-        async with other.lock(name, ttl=1.0) as writer:
-            assert writer.token > tokens[0]
-        async with other.semaphore(name, permits=1).lock(ttl=1.0) as second:
-            assert second.token > tokens[1]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 import pytest
 import redis.asyncio
@@ -9,6 +10,19 @@ from asynclock.backends import _redis_scripts as lua
 from asynclock.testing import RedisServer
 from tests.contract.backend_redis import redis_leftovers
 from tests.contract.harness import BackendUnderTest
+
+
+async def redlock_leftovers(
+    servers: Sequence[RedisServer], prefix: str, client_name: str
+) -> list[str]:
+    """:func:`redis_leftovers` on every master."""
+    found: list[str] = []
+    for server in servers:
+        found += [
+            f"{server.address}: {item}"
+            for item in await redis_leftovers(server, prefix, client_name)
+        ]
+    return found
 
 
 def redlock_url(servers: list[RedisServer]) -> str:
@@ -28,13 +42,7 @@ def redlock_backend(redis_servers: list[RedisServer]) -> BackendUnderTest:
                 assert await raw.delete(lua.lock_key(prefix, name)) == 1
 
     async def leftovers() -> list[str]:
-        found = []
-        for server in redis_servers:
-            found += [
-                f"{server.address}: {item}"
-                for item in await redis_leftovers(server, prefix, client_name)
-            ]
-        return found
+        return await redlock_leftovers(redis_servers, prefix, client_name)
 
     return BackendUnderTest(
         "redlock",

@@ -24,7 +24,7 @@ import redis.exceptions
 from redis.asyncio.connection import AbstractConnection
 
 from .._kit import TaskHost
-from ._resp import pack
+from ._resp import finish_closing, pack
 from ._scripts import Arg, Script
 
 logger = logging.getLogger("asynclock")
@@ -44,6 +44,9 @@ LATE_GRACE: Final = 0.1
 #: How long a connection with an interrupted call and its undo behind it is kept to read their
 #: replies (and be reused) before it is closed; the server runs both in order either way.
 _DRAIN_FOR = 30.0
+#: How long a closing client waits for its connections to close (a TLS one waits for the
+#: server's close_notify) before it aborts them.
+_CLOSE_GRACE = 0.5
 
 
 class Undo:
@@ -400,7 +403,9 @@ class Lane:
         for scope in list(self._drains):
             scope.cancel()
         every, self._every = self._every, set()
+        writers = [conn._writer for conn in every if conn._writer is not None]
         for conn in every:
             if conn._writer is not None:
                 conn._writer.close()
             conn._reader = conn._writer = None
+        await finish_closing(writers, _CLOSE_GRACE)

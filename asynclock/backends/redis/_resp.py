@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
+
+import anyio
 
 
 def pack(args: Sequence[str | int | float | bytes]) -> bytes:
@@ -48,3 +51,18 @@ async def read_reply(reader: asyncio.StreamReader) -> Any:
     if kind == b"-":
         return ErrorReply(rest.decode("utf-8", "replace"))
     raise ProtocolError(f"unexpected reply line {line[:40]!r}")
+
+
+async def finish_closing(writers: Sequence[asyncio.StreamWriter], within: float) -> None:
+    """Wait, shielded and for at most ``within`` seconds, until ``writers`` (closed already)
+    have closed their sockets, and abort those that have not by then. A TLS connection's close
+    sends its close_notify and closes the socket only when the peer has answered: a client whose
+    event loop ends first leaves the socket open ("unclosed transport" when it is collected)."""
+    left = list(writers)
+    with anyio.CancelScope(shield=True), anyio.move_on_after(within):
+        while left:
+            with contextlib.suppress(Exception):  # how it ended is no matter here: it did
+                await left[0].wait_closed()
+            left.pop(0)
+    for writer in left:
+        writer.transport.abort()

@@ -326,7 +326,8 @@ class Master:
         """Requests are on their way (or waiting for a connection)."""
         return bool((self._link is not None and self._link.pending) or self._backlog)
 
-    def close(self) -> None:
+    def close(self) -> asyncio.StreamWriter | None:
+        """Close the connection; its writer, to wait for (see ``finish_closing``)."""
         self._closed = True
         link, self._link = self._link, None
         error = BackendUnavailable(f"the connection to Redis master {self.address} is closed")
@@ -337,6 +338,7 @@ class Master:
             for request in pending:
                 request.fail(error)
         self._fail_backlog(error)
+        return link.writer if link is not None else None
 
 
 def _outcome(future: asyncio.Future[Any]) -> Any:

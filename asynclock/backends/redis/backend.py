@@ -75,6 +75,7 @@ from .._kit import (
     InvalidURL,
     LockRequest,
     Options,
+    Renewed,
     TaskHost,
     WaiterRegistry,
     finish,
@@ -325,6 +326,16 @@ class RedisBackend(holds.HoldingBackend):
         self._held[grant.owner] = (grant, request.on_lost)
         return grant
 
+    async def _lengthen(self, grant: RedisGrant) -> None:
+        """Renew a lock handed over with a short rest of its waiter's place at once: the core
+        keeps a safety margin (by default ``min(1 s, ttl / 10)`` of the ttl asked for) from a
+        lease's first deadline, which a place shorter than that (a ``waiter_ttl`` under a
+        second or so, with a longer ttl) would have passed already: lost when it was granted."""
+        (outcome,) = await self.renew([grant])
+        if isinstance(outcome, Renewed):
+            grant.valid_from, grant.ttl = outcome.valid_from, outcome.ttl
+        # Lost: the core's first renewal will say so.
+
     def _place_ms(self, request: LockRequest) -> int:
         """How long a waiter's place lasts without a refresh: ``waiter_ttl``, but never longer
         than the lease it waits for, as on etcd and ZooKeeper, where a waiter's key lives as
@@ -370,7 +381,15 @@ class RedisBackend(holds.HoldingBackend):
                 handed = await waiter.until_due(sent_at, refresh, hint_ms, floor)
                 if handed is not None:
                     token, px, valid_from = handed
-                    return self._granted(request, token, valid_from, px / 1000)
+                    if valid_from + px / 1000 <= now():
+                        # Told so late (the process was stopped, the loop stalled) that the
+                        # lease is over already: the lock may be another's by now. The next
+                        # take says (it finds our own owner id if the key is still ours).
+                        continue
+                    grant = self._granted(request, token, valid_from, px / 1000)
+                    if grant.ttl < 2 * min(1.0, request.ttl / 10):
+                        await self._lengthen(grant)
+                    return grant
         except BaseException as exc:
             await self._clean_up(request, undo, exc)
             raise

@@ -71,6 +71,7 @@ from ._quorum import (
     said,
     still_queued,
 )
+from ._resp import finish_closing
 from ._settings import COMMON_OPTIONS, DEFAULT_PORT, Settings, common_settings, split_url
 from ._wire import Failed, Master, gather
 
@@ -225,10 +226,10 @@ class RedlockBackend(Backend[RedlockGrant]):
             while any(master.busy for master in masters):  # noqa: ASYNC110
                 await anyio.sleep(0.005)
         self._closed = True
-        for master in masters:
-            master.close()
+        writers = [writer for master in masters if (writer := master.close()) is not None]
         # Not under a shield: the host's task group was entered in open(), at this level.
         await self._host.aclose()
+        await finish_closing(writers, _DRAIN_ON_CLOSE)
 
     # -- rounds ------------------------------------------------------------------------------
 
