@@ -7,6 +7,7 @@ Each backend joins the contract suite with a fixture named ``<name>_backend`` th
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,12 @@ def contract_scheme(name: str) -> str:
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def name(request: pytest.FixtureRequest) -> str:
+    """A lock name of the test's own, prefixed by its module's name (``test_redis/1f0c...``)."""
+    return f"{request.path.stem}/{uuid.uuid4().hex[:12]}"
 
 
 # -- running in parallel ----------------------------------------------------------------------

@@ -34,11 +34,6 @@ pytestmark = pytest.mark.anyio
 # -- helpers ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def name() -> str:
-    return f"redis-test/{uuid.uuid4().hex[:8]}"
-
-
 # -- URLs and options -------------------------------------------------------------------------
 
 

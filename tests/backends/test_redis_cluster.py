@@ -24,11 +24,6 @@ from asynclock.testing._redis_topologies import RedisClusterNodes
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def name() -> str:
-    return f"cluster-test/{uuid.uuid4().hex[:8]}"
-
-
 def connect(cluster: RedisClusterNodes, prefix: str, **options: Any) -> asynclock.LockClient:
     options.setdefault("durability_warning", False)
     options.setdefault("op_timeout", 1.0)

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,6 @@ from asynclock.testing import RedisServer
 from tests.contract.backend_redis import connect, lane_of, redis_leftovers, wait_for_queue
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def name() -> str:
-    return f"redis-ghost/{uuid.uuid4().hex[:8]}"
 
 
 def stall_waiting(locks: asynclock.LockClient) -> tuple[Callable[[], None], list[bytes]]:

@@ -22,11 +22,6 @@ from tests.contract.backend_redis import connect, kill_connections, redis_leftov
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def name() -> str:
-    return f"redis-kinds/{uuid.uuid4().hex[:8]}"
-
-
 def backend_of(locks: asynclock.LockClient) -> RedisBackend:
     backend = locks._backend
     assert isinstance(backend, RedisBackend)

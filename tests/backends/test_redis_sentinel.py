@@ -7,7 +7,6 @@ each leaves it as it found it: a master, a replica in sync, three sentinels that
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,11 +21,6 @@ from asynclock.testing import free_port
 from asynclock.testing._redis_topologies import SERVICE, RedisNode, RedisSentinelGroup
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def name() -> str:
-    return f"sentinel-test/{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")

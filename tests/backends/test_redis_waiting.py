@@ -31,11 +31,6 @@ from tests.contract.backend_redis import (
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def name() -> str:
-    return f"redis-wait/{uuid.uuid4().hex[:8]}"
-
-
 async def evalsha_calls(raw: redis.asyncio.Redis) -> int:
     stats = await raw.info("commandstats")
     return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))

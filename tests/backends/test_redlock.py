@@ -27,11 +27,6 @@ from tests.contract.backend_redlock import redlock_leftovers
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def name() -> str:
-    return f"redlock-test/{uuid.uuid4().hex[:8]}"
-
-
 def url_of(addresses: Sequence[str]) -> str:
     return "redlock://" + ",".join(addresses) + "/0"
 
