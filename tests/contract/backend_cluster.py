@@ -51,4 +51,5 @@ def cluster_backend(redis_cluster_nodes: RedisClusterNodes) -> BackendUnderTest:
         url_for_hosts=lambda hosts: f"redis+cluster://{hosts}",
         many_hosts=True,
         persistent=False,
+        long_waits={"waiter_ttl": 60},
     )

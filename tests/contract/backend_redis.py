@@ -76,6 +76,7 @@ def redis_backend(redis_server: RedisServer) -> BackendUnderTest:
         url_via=lambda addresses: f"redis://{addresses[0]}/0",
         url_for_hosts=lambda hosts: f"redis://{hosts}/0",
         persistent=False,
+        long_waits={"waiter_ttl": 60},
     )
 
 

@@ -45,4 +45,5 @@ def sentinel_backend(redis_sentinel_group: RedisSentinelGroup) -> BackendUnderTe
         url_for_hosts=lambda hosts: f"redis+sentinel://{hosts}/asynclock/0",
         many_hosts=True,
         persistent=False,
+        long_waits={"waiter_ttl": 60},
     )

@@ -45,6 +45,10 @@ class BackendUnderTest:
     #: The server forgets nothing it promised to keep when it restarts (Redis without
     #: persistence does forget its keys: the fault contract then checks tokens still rise).
     persistent: bool = True
+    #: Options for a client whose waiters wait long, a thousand in line (test_scale): a store
+    #: that keeps each waiter's place alive refreshes it less often, so that what is measured
+    #: is the hand-overs, not refreshes that grow with how long the line takes to pass.
+    long_waits: dict[str, Any] = field(default_factory=dict)
 
     def connect(self, **options: Any) -> asynclock.LockClient:
         return asynclock.connect(self.url, **{**self.options, **options})
