@@ -97,9 +97,7 @@ async def proxied(
 @pytest.mark.expect_log(r"lease on '.*' lost: no successful renewal before the local deadline")
 # The release cannot reach a paused server; whether it gives up before the server answers again
 # depends on how long the store's own timeouts make it wait.
-@pytest.mark.allow_log(
-    r"releasing '.*' on .* did not complete in \d+ s; retrying in the background"
-)
+@pytest.mark.allow_log(r"releasing '.*' on .* did not complete .*retrying in the background")
 async def test_server_paused_past_the_ttl_cancels_the_body_and_exits_promptly(
     backend: BackendUnderTest, name: str
 ) -> None:
@@ -194,6 +192,10 @@ async def test_connection_state_follows_a_partition_and_its_end(
         )
         assert locks.state.connected
         await lease.release()
+        # The hold cut off by the partition ends on the server at its own expiry (ZooKeeper
+        # keeps the node of a session it has not expired yet): then the lock is free, and the
+        # client's close leaves nothing behind.
+        await wait_until_free(backend, locks, name, within=backend.ttl * 10)
     closed = await anext(changes)
     assert closed.state is ConnectionState.CLOSED
     with pytest.raises(StopAsyncIteration):
