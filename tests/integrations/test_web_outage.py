@@ -214,7 +214,15 @@ async def run_scenario(
             finally:
                 redis_server.resume()
             await reached(REQUESTS * 0.7)
-            await post(0, "booked-then-paused", PAUSED)
+            # Its take may be answered 503 or 423 before its body runs (op_timeout 0.3 s on a
+            # loaded host): nothing was done, so that answer is dropped and it asks again, as
+            # the long requests do: the scenario needs a body that books and is then paused.
+            for _ in range(20):
+                await post(0, "booked-then-paused", PAUSED)
+                paused = next(answer for answer in answers if answer.request_id == PAUSED)
+                if paused.error not in ("lock_unavailable", "lock_busy"):
+                    break
+                answers.remove(paused)
 
         # A guard against a hang, not a bound on speed: the 1,500 requests take 15-20 s on a
         # quiet machine, 45 s beside the rest of the suite on a loaded one.
@@ -276,7 +284,7 @@ def check(answers: list[Answer], ledger: Ledger, longs: list[str]) -> Counter[st
     r"releasing 'orders/(o\d+|long-[ab]|booked-then-paused)' on redis://\S+ did not complete"
 )
 @pytest.mark.expect_log(r"answered 503 for the lock 'orders/o\d+': taking lock")
-@pytest.mark.allow_log(r"answered 503 for the lock 'orders/long-[ab]': taking lock")
+@pytest.mark.allow_log(r"answered 503 for the lock 'orders/(long-[ab]|booked-then-paused)': taking")
 @pytest.mark.expect_log(r"lease on 'orders/long-[ab]' lost: no successful renewal")
 @pytest.mark.expect_log(r"lease on 'orders/booked-then-paused' (was )?lost")
 @pytest.mark.parametrize(
