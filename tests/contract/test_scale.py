@@ -42,8 +42,9 @@ FEW = 100
 #: garbage collection, a larger heap): linear growth is ratio ~ waiters / FEW, quadratic ~ its
 #: square.
 LINEAR_MARGIN = 2.0
-#: The longest either run may take, queueing included: a hang fails the test, never the suite.
-RUN_LIMIT = 60.0
+#: The longest either run may take, queueing included: a guard against a hang, not a bound
+#: on speed (queueing 1,000 waiters one by one takes a minute on ZooKeeper beside the suite).
+RUN_LIMIT = 150.0
 
 #: Only backends that promise FIFO order take part (redlock does not).
 NOT_FIFO = tuple(
@@ -139,6 +140,7 @@ async def pass_all(
     return last_in[0] - released[0], last_in[1] - released[1]
 
 
+@pytest.mark.timeout(400)
 async def test_1000_waiters_get_the_lock_in_fifo_order_in_linear_time(
     backend: BackendUnderTest, name: str
 ) -> None:
