@@ -154,6 +154,8 @@ async def test_connections_reset_between_holds_do_not_fail_the_next_acquire(
 
 @_THROUGH_A_PROXY
 @pytest.mark.expect_log(r"lease on '.*' lost")
+# ZooKeeper also says its session is gone when the cut outlasts the session's timeout.
+@pytest.mark.allow_log(r"ZooKeeper session \S+ is gone \(no ZooKeeper server answered")
 async def test_connection_state_follows_a_partition_and_its_end(
     backend: BackendUnderTest, name: str
 ) -> None:

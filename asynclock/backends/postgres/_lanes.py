@@ -193,7 +193,10 @@ class Lanes:
         a renewal that waited in the network still renews from its send time."""
         op = lane.renewal
         if op is None and lane.dead is None:
-            op = lane.renewal = lane.submit(RENEWAL)
+            # Detached as well as shielded: when every renewal waiting for it has given up (a
+            # partition, a closing client), its error must not be left unretrieved ("Future
+            # exception was never retrieved", seen when a partition ended a renewal in flight).
+            op = lane.renewal = Lane.detach(lane.submit(RENEWAL))
         error: BaseException | None = lane.dead
         pid = None
         if op is not None:
