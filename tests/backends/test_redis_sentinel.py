@@ -235,12 +235,20 @@ async def test_a_frozen_master_is_left_for_the_new_one(
     connection's handshake to it times out too, which sends the client to the sentinels, and
     the replicated lease renews on the promoted replica. The old master, thawed, is demoted."""
     async with connect(group, prefix) as locks, connect(group, prefix) as other:
-        lease = await locks.acquire(name, ttl=5.0)
+        # A ttl that outlasts a failover on a loaded host (5 s did not, in a CI run); what is
+        # checked is a renewal on the promoted replica after it, not how soon one comes.
+        lease = await locks.acquire(name, ttl=12.0)
         await on_replica(group, lua.lock_key(prefix, name))
         old = group.pause_master()
         try:
             new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
-            await anyio.sleep(2.0)
+            promoted_at = anyio.current_time()
+            # A renewal sent after the promotion moves the deadline to its send time + 10.88 s
+            # (ttl less 1 % drift and the 1 s margin); the last one before the freeze cannot
+            # reach past promoted_at + 10.4 unless the failover took under 0.5 s.
+            with anyio.fail_after(10):
+                while lease.deadline < promoted_at + 10.4:  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
             assert lease.held, lease.lost_reason
             assert await other.try_acquire(name, ttl=1.0) is None
             backend = locks._backend
