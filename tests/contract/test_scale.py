@@ -162,7 +162,14 @@ async def test_1000_waiters_get_the_lock_in_fifo_order_in_linear_time(
             await pass_all(backend, holder, locks, f"{name}/few{run}", FEW, ttl) for run in range(3)
         ]
         few, few_servers = min(fews)
-        large, large_servers = await pass_all(backend, holder, locks, f"{name}/many", many, ttl)
+        # Two large runs, the lesser counts, as the least of the small ones does: the other
+        # workers' load inflates a thread's CPU time too (caches, switches), by up to 2.5x in
+        # one run of a loaded suite (SQLite: 21.2 against 8.5 alone), not the same in every run.
+        larges = [
+            await pass_all(backend, holder, locks, f"{name}/many{run}", many, ttl)
+            for run in range(2)
+        ]
+        large, large_servers = min(larges)
         spent = anyio.current_time() - started
     assert _tasks() == before, "tasks left running after the clients closed"
     bound = many / FEW * LINEAR_MARGIN
@@ -171,7 +178,7 @@ async def test_1000_waiters_get_the_lock_in_fifo_order_in_linear_time(
         few=FEW,
         many=many,
         few_cpu_s=[client for client, _ in fews],
-        many_cpu_s=large,
+        many_cpu_s=[client for client, _ in larges],
         few_server_cpu_s=few_servers,
         many_server_cpu_s=large_servers,
         total_s=spent,
