@@ -121,3 +121,9 @@ async def wait_until_free(
                 await lease.release()
                 return anyio.current_time() - started
             await anyio.sleep(0.01)
+
+
+async def hold_until_cancelled(context: asynclock.LockContext) -> None:
+    """Take the hold and keep it until cancelled (a body that never ends by itself)."""
+    async with context:
+        await anyio.sleep(30)

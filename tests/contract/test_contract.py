@@ -13,7 +13,7 @@ import pytest
 
 import asynclock
 from asynclock.abc import Kind
-from tests.contract.harness import BackendUnderTest, wait_until_free
+from tests.contract.harness import BackendUnderTest, hold_until_cancelled, wait_until_free
 from tests.contract.kinds import Holds, holds
 
 pytestmark = pytest.mark.anyio
@@ -236,7 +236,7 @@ async def test_a_waiter_cancelled_natively_or_by_anyio_leaves_nothing_behind(
     async with backend.connect() as locks, backend.connect() as other:
         holder = await holds(other, kind).acquire(name, ttl=ttl)
         for cancels in (1, 2, 5):
-            task = asyncio.create_task(_hold(holds(locks, kind).lock(name, ttl=ttl)))
+            task = asyncio.create_task(hold_until_cancelled(holds(locks, kind).lock(name, ttl=ttl)))
             await anyio.sleep(0.1)
             for _ in range(cancels):
                 task.cancel()
@@ -244,16 +244,11 @@ async def test_a_waiter_cancelled_natively_or_by_anyio_leaves_nothing_behind(
             with pytest.raises(asyncio.CancelledError):
                 await task
         with anyio.move_on_after(0.05):
-            await _hold(holds(locks, kind).lock(name, ttl=ttl))
+            await hold_until_cancelled(holds(locks, kind).lock(name, ttl=ttl))
         await holder.release()
         # The cancelled waiters are gone: the next one gets in at once.
         again = await holds(locks, kind).acquire(name, ttl=ttl, timeout=5)
         await again.release()
-
-
-async def _hold(context: asynclock.LockContext) -> None:
-    async with context:
-        await anyio.sleep(30)
 
 
 async def test_cancelling_release_still_releases(

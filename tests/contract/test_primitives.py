@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 import asynclock
-from tests.contract.harness import BackendUnderTest
+from tests.contract.harness import BackendUnderTest, hold_until_cancelled
 
 pytestmark = pytest.mark.anyio
 
@@ -155,7 +155,7 @@ async def test_cancelling_shared_acquires_leaves_nothing_behind(
     async with backend.connect() as locks, backend.connect() as other:
         writer = await other.acquire(name, ttl=ttl)
         for cancels in (1, 3):
-            task = asyncio.create_task(_hold(locks.lock(name, ttl=ttl, shared=True)))
+            task = asyncio.create_task(hold_until_cancelled(locks.lock(name, ttl=ttl, shared=True)))
             await anyio.sleep(0.1)
             for _ in range(cancels):
                 task.cancel()
@@ -166,11 +166,6 @@ async def test_cancelling_shared_acquires_leaves_nothing_behind(
         # The cancelled readers are gone: a writer gets in at once.
         again = await other.acquire(name, ttl=ttl, timeout=5)
         await again.release()
-
-
-async def _hold(context: asynclock.LockContext) -> None:
-    async with context:
-        await anyio.sleep(30)
 
 
 # -- semaphores ---------------------------------------------------------------------------
