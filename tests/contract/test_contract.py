@@ -222,9 +222,9 @@ async def test_cancelling_acquire_at_any_point_leaves_nothing_behind(
                 async with holds(locks, kind).lock(name, ttl=backend.ttl * 5):
                     pytest.fail("entered a held lock")
             await probe.release()
-            again = await holds(other, kind).try_acquire(name, ttl=backend.ttl * 5)
-            assert again is not None, f"a cancelled waiter blocks the lock ({delay:.4f} s)"
-            await again.release()
+            # Likewise for the cancelled waiter (a CI run found it still held at once on
+            # PostgreSQL: a semaphore waiter's take, cancelled mid-statement).
+            await wait_until_free(backend, other, name, within=0.1, kind=kind)
 
 
 async def test_a_waiter_cancelled_natively_or_by_anyio_leaves_nothing_behind(
