@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import pytest
 
 import asynclock
 from asynclock.abc import Kind
@@ -127,3 +129,15 @@ async def hold_until_cancelled(context: asynclock.LockContext) -> None:
     """Take the hold and keep it until cancelled (a body that never ends by itself)."""
     async with context:
         await anyio.sleep(30)
+
+
+async def cancel_while_waiting(context: asynclock.LockContext, cancels: int) -> None:
+    """Wait for the hold in a task of its own, then cancel that task natively ``cancels``
+    times in a row (as a disconnect and a timeout may both do); it ends cancelled."""
+    task = asyncio.create_task(hold_until_cancelled(context))
+    await anyio.sleep(0.1)
+    for _ in range(cancels):
+        task.cancel()
+        await asyncio.sleep(0)
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -13,7 +13,12 @@ import pytest
 
 import asynclock
 from asynclock.abc import Kind
-from tests.contract.harness import BackendUnderTest, hold_until_cancelled, wait_until_free
+from tests.contract.harness import (
+    BackendUnderTest,
+    cancel_while_waiting,
+    hold_until_cancelled,
+    wait_until_free,
+)
 from tests.contract.kinds import Holds, holds
 
 pytestmark = pytest.mark.anyio
@@ -236,13 +241,7 @@ async def test_a_waiter_cancelled_natively_or_by_anyio_leaves_nothing_behind(
     async with backend.connect() as locks, backend.connect() as other:
         holder = await holds(other, kind).acquire(name, ttl=ttl)
         for cancels in (1, 2, 5):
-            task = asyncio.create_task(hold_until_cancelled(holds(locks, kind).lock(name, ttl=ttl)))
-            await anyio.sleep(0.1)
-            for _ in range(cancels):
-                task.cancel()
-                await asyncio.sleep(0)
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_while_waiting(holds(locks, kind).lock(name, ttl=ttl), cancels)
         with anyio.move_on_after(0.05):
             await hold_until_cancelled(holds(locks, kind).lock(name, ttl=ttl))
         await holder.release()

@@ -3,7 +3,6 @@ against every real backend that has them (and the refusal, by name, on those tha
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import random
 from collections.abc import Callable
@@ -12,7 +11,7 @@ import anyio
 import pytest
 
 import asynclock
-from tests.contract.harness import BackendUnderTest, hold_until_cancelled
+from tests.contract.harness import BackendUnderTest, cancel_while_waiting
 
 pytestmark = pytest.mark.anyio
 
@@ -155,13 +154,7 @@ async def test_cancelling_shared_acquires_leaves_nothing_behind(
     async with backend.connect() as locks, backend.connect() as other:
         writer = await other.acquire(name, ttl=ttl)
         for cancels in (1, 3):
-            task = asyncio.create_task(hold_until_cancelled(locks.lock(name, ttl=ttl, shared=True)))
-            await anyio.sleep(0.1)
-            for _ in range(cancels):
-                task.cancel()
-                await asyncio.sleep(0)
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_while_waiting(locks.lock(name, ttl=ttl, shared=True), cancels)
         await writer.release()
         # The cancelled readers are gone: a writer gets in at once.
         again = await other.acquire(name, ttl=ttl, timeout=5)
