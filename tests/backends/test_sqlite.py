@@ -294,6 +294,43 @@ async def test_try_acquire_with_other_permits_is_refused_while_this_client_waits
     await store.release(full)
 
 
+async def test_waiters_keep_their_places_through_a_stall_longer_than_waiter_ttl(
+    path: Path, store: SQLiteBackend, other: SQLiteBackend
+) -> None:
+    """The file write-locked by another connection past WAITER_TTL (a long transaction, or
+    the disk stalled): this client's waiters were not stopped, so they keep their places
+    (a loaded run of test_scale put 989 of 1,000 at the back of the line)."""
+
+    def places() -> list[tuple[str, int]]:
+        with closing(sqlite3.connect(path)) as db:
+            query = "SELECT owner, seq FROM asynclock_queue WHERE name = 'stall' ORDER BY seq"
+            return list(db.execute(query))
+
+    holders = [await other.acquire(request(name)) for name in ("stall", "elsewhere")]
+    order: list[int] = []
+
+    async def wait(index: int, name: str) -> None:
+        grant = await store.acquire(request(name))
+        order.append(index)
+        await store.release(grant)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(3):
+            tg.start_soon(wait, index, "stall")
+            await wait_until_queued(store, "stall", index + 1, "lock")
+        # A later row of another name: places taken again would be numbered after it.
+        tg.start_soon(wait, 3, "elsewhere")
+        await wait_until_queued(store, "elsewhere", 1, "lock")
+        before = places()
+        with sqlite_write_locked(str(path)):
+            await anyio.sleep(WAITER_TTL + 0.5)
+        await anyio.sleep(0.2)  # a poll or two of the first waiters
+        assert places() == before
+        for holder in holders:
+            await other.release(holder)
+    assert [index for index in order if index < 3] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_every_kind_runs_on_trio(store: SQLiteBackend, other: SQLiteBackend) -> None:
     reader = await store.acquire(request("t", shared=True))

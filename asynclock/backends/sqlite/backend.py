@@ -160,13 +160,20 @@ class _LocalQueue:
         self.released.set()
         self.released = anyio.Event()
 
-    def due(self, now: float) -> tuple[str, ...]:
-        """The waiters whose rows the next poll refreshes: all of them a few times per
-        ``WAITER_TTL`` (at every poll, 1,000 waiters cost 1,000 writes a poll)."""
-        if len(self._turns) < 2 or self._refreshed > now - WAITER_TTL / 4:
-            return ()
-        self._refreshed = now
-        return tuple(self._turns)
+    def places(self) -> Callable[[float], Sequence[str]]:
+        """The waiters whose rows a take refreshes, decided in its transaction at its time:
+        all of them a few times per ``WAITER_TTL`` (at every poll, 1,000 waiters would cost
+        1,000 writes a poll). Decided there, not when the take is asked for, so that a take
+        that waited (for the file, the disk, or this process, stopped) keeps them all."""
+        owners = tuple(self._turns)
+
+        def due(now: float) -> Sequence[str]:
+            if self._refreshed > now - WAITER_TTL / 4:
+                return ()
+            self._refreshed = now  # in the worker thread: one float, the GIL keeps it whole
+            return owners
+
+        return due
 
     def _notify(self) -> None:
         first = self.first()
@@ -303,8 +310,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         try:
             while True:
                 if not queued or local.first() == request.owner:
-                    keep = local.due(time.monotonic())
-                    grant, retry_at = await self._take(request, wait=True, keep=keep)
+                    grant, retry_at = await self._take(request, wait=True, keep=local.places())
                     if isinstance(grant, SQLiteGrant):
                         return grant
                     if grant and queued:
@@ -334,7 +340,11 @@ class SQLiteBackend(Backend[SQLiteGrant]):
                 del self._queues[key]
 
     async def _take(
-        self, request: LockRequest, *, wait: bool, keep: Sequence[str] = ()
+        self,
+        request: LockRequest,
+        *,
+        wait: bool,
+        keep: Callable[[float], Sequence[str]] = lambda now: (),
     ) -> tuple[SQLiteGrant | bool, float]:
         """One attempt: the grant, or whether the request took a new place in the queue and
         when the earliest hold in the way expires."""
@@ -469,7 +479,9 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             raise BackendUnavailable(f"{self.describe()} is closed")
         return self._connection
 
-    def _take_sync(self, want: Want, wait: bool, keep: Sequence[str]) -> _store.Taken:
+    def _take_sync(
+        self, want: Want, wait: bool, keep: Callable[[float], Sequence[str]]
+    ) -> _store.Taken:
         if want.owner in self._abandoned:
             return _store.Taken(None)  # its caller is gone (and an undo follows)
         return _store.take(self._db(), want, wait=wait, keep=keep)
