@@ -25,8 +25,17 @@ from asynclock.integrations import fastapi as fastapi_locks
 @asynccontextmanager
 async def serve_asgi(app: Any) -> AsyncIterator[str]:
     """Serve ``app`` with uvicorn on a free port; yield its base URL; shut it down cleanly."""
+    # Idle connections stay open for the whole test, as aiohttp's do (75 s): uvicorn's 5 s
+    # default closes them, and a request sent on one as it closes gets no answer (httpx's
+    # ReadError, seen after a handler blocked the loop), an HTTP race, not the locks'.
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, log_level="warning", ws="none", lifespan="off"
+        app,
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        ws="none",
+        lifespan="off",
+        timeout_keep_alive=120,
     )
     server = uvicorn.Server(config)
     async with anyio.create_task_group() as task_group:

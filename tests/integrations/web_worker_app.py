@@ -59,6 +59,8 @@ WAIT = 0.3
 #: The default body's work before it books: long enough that outages find bodies in flight.
 WORK = 0.01
 FRAMEWORKS = ("fastapi", "aiohttp")
+#: Seconds an idle HTTP connection stays open: longer than any scenario.
+KEEP_ALIVE = 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +253,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = Config.from_env()
     sock = socket.socket(fileno=args.fd)  # family and type are read from the descriptor
     if args.framework == "fastapi":
-        # SIGTERM makes uvicorn finish its requests, then run the lifespan's exit.
+        # SIGTERM makes uvicorn finish its requests, then run the lifespan's exit. Idle
+        # connections stay open for the whole scenario (aiohttp's default keeps them 75 s):
+        # uvicorn closes them after 5 s, and a request sent on one as it closes gets no answer
+        # (httpx's ReadError), an HTTP race that says nothing about the locks.
         server = uvicorn.Server(
-            uvicorn.Config(fastapi_app(config), log_level="warning", ws="none", lifespan="on")
+            uvicorn.Config(
+                fastapi_app(config),
+                log_level="warning",
+                ws="none",
+                lifespan="on",
+                timeout_keep_alive=KEEP_ALIVE,
+            )
         )
         server.run(sockets=[sock])
     else:
