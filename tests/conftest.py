@@ -6,7 +6,9 @@ Each backend joins the contract suite with a fixture named ``<name>_backend`` th
 
 from __future__ import annotations
 
-import os
+import asyncio.selector_events
+import sys
+import traceback
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,34 +84,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # An asyncio transport that a test never closes is only reported when the garbage collector
 # reaches it, often after that test's event loop has closed and in some later test ("unclosed
 # transport", "unclosed socket" as unraisable warnings, with nothing naming who made it).
-# ASYNCLOCK_TRANSPORT_LEAKS=1 records where each socket transport is made and fails the test
-# whose teardown leaves one open on a closed loop, with that stack; the socket is then closed,
-# so that no later test gets the warning.
+# Every socket transport records where it was made (frames only: source lines are read if it
+# leaks), and a test whose teardown leaves one open on a closed loop fails with that stack; the
+# socket is then closed. Otherwise the leak surfaces as a ResourceWarning in whichever later test
+# runs the garbage collector (test_scale's gc.collect() got a Redis connection of an earlier test).
+_Transport = asyncio.selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
+_made: list[tuple[Any, traceback.StackSummary]] = []
+_init = _Transport.__init__
 
-if os.environ.get("ASYNCLOCK_TRANSPORT_LEAKS", "").strip() in {"1", "true", "yes"}:
-    import asyncio.selector_events
-    import traceback
 
-    _Transport = asyncio.selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
-    _made: list[tuple[Any, list[str]]] = []
-    _init = _Transport.__init__
+def _recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    _init(self, *args, **kwargs)
+    frames = traceback.walk_stack(sys._getframe(1))
+    _made.append((self, traceback.StackSummary.extract(frames, limit=30, lookup_lines=False)))
 
-    def _recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        _init(self, *args, **kwargs)
-        _made.append((self, traceback.format_stack(limit=30)[:-1]))
 
-    _Transport.__init__ = _recording_init
+_Transport.__init__ = _recording_init
 
-    @pytest.hookimpl(hookwrapper=True, trylast=True)
-    def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-        yield
-        left = []
-        for transport, stack in _made:
-            loop = transport._loop
-            if transport._sock is not None and not transport._closing and loop.is_closed():
-                left.append(f"{transport._sock!r}, made at:\n{''.join(stack)}")
-                transport._sock.close()
-                transport._sock = None
-        _made.clear()
-        if left:
-            pytest.fail("unclosed transport(s) on a closed loop:\n" + "\n".join(left))
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    yield
+    left = []
+    for transport, stack in _made:
+        loop = transport._loop
+        if transport._sock is not None and not transport._closing and loop.is_closed():
+            made_at = "".join(reversed(stack.format()))
+            left.append(f"{transport._sock!r}, made at:\n{made_at}")
+            transport._sock.close()
+            transport._sock = None
+    _made.clear()
+    if left:
+        pytest.fail("unclosed transport(s) on a closed loop:\n" + "\n".join(left))
