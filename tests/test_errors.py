@@ -220,3 +220,15 @@ def test_every_exception_crosses_a_process_boundary() -> None:
 def test_lock_error_is_the_base_of_asynclocks_own() -> None:
     own = [cls for cls in EXCEPTIONS if not cls.__module__.startswith("asynclock.testing")]
     assert all(issubclass(cls, LockError) for cls in own)
+
+
+def test_a_driver_error_without_a_message_still_says_what_it_was() -> None:
+    from asynclock.backends._kit import Translator, translate
+
+    table: Translator = {TimeoutError: asynclock.BackendTimeout, OSError: asynclock.BackendUnavailable}
+    with pytest.raises(asynclock.BackendTimeout) as timed_out, translate(table, "checking"):
+        raise TimeoutError  # anyio.fail_after's, with no text
+    assert str(timed_out.value) == "checking: TimeoutError (the server did not answer in time)"
+    with pytest.raises(asynclock.BackendUnavailable) as refused, translate(table, "opening"):
+        raise ConnectionResetError
+    assert str(refused.value) == "opening: ConnectionResetError"

@@ -70,5 +70,12 @@ def _translated(translator: Translator, exc: Exception, context: str) -> LockErr
         return translator(exc, context)
     for source, target in translator.items():
         if isinstance(exc, source):
-            return target(f"{context}: {type(exc).__name__}: {exc}")
+            return target(f"{context}: {_described(exc)}")
     return None
+
+
+def _described(exc: Exception) -> str:
+    # A timeout of the backend's own (anyio.fail_after, asyncio.timeout) says nothing itself.
+    if not str(exc) and isinstance(exc, TimeoutError):
+        return "TimeoutError (the server did not answer in time)"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
