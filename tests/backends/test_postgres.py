@@ -329,6 +329,38 @@ async def test_tokens_keep_rising_after_a_crash(pg: Pg) -> None:
                 assert after.token > before.token
 
 
+@pytest.mark.expect_log(r"lost: no successful renewal before the local deadline")
+@pytest.mark.expect_log(r"releasing .* did not complete in 5 s; retrying in the background")
+async def test_blackholed_connection_cancels_the_body_before_the_server_frees_the_lock(
+    pg: Pg,
+) -> None:
+    # The body stops ttl * drift + margin (0.33 s here) before the server may free the lock.
+    ttl = 3.0
+    async with FaultProxy(pg.server.host, pg.server.port) as proxy:
+        url = f"postgresql://postgres@{proxy.address}/postgres?op_timeout=0.3"
+        async with asynclock.connect(url) as locks:
+            with pytest.raises(asynclock.LeaseLost, match="deadline"):
+                async with locks.lock(pg.name, ttl=ttl) as lease:
+                    holder = await pg.holders()
+                    proxy.blackhole()
+                    blackholed_at = anyio.current_time()
+                    try:
+                        await anyio.sleep(30)
+                    finally:
+                        cancelled_at = anyio.current_time()
+                        with anyio.CancelScope(shield=True):
+                            held_when_cancelled = await pg.holders()
+            # The body stopped while the server still kept the lock for us: nobody overlapped.
+            assert held_when_cancelled == holder
+            assert cancelled_at < lease.grant.valid_from + ttl
+            assert cancelled_at - blackholed_at < ttl
+            # The server ends the silent session ttl after the last renewal it received.
+            with anyio.fail_after(ttl + 2):
+                while await pg.holders():  # noqa: ASYNC110 (polling the server)
+                    await anyio.sleep(0.02)
+            assert anyio.current_time() >= lease.grant.valid_from + ttl
+
+
 async def test_a_network_cut_shorter_than_the_lease_costs_nothing(pg: Pg) -> None:
     """Renewals time out during the cut (op_timeout 0.3 s) but are not cancelled: the one that
     waited in the network reaches the server after the cut and renews the lease."""
