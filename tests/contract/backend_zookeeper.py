@@ -10,6 +10,8 @@ import struct
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import pytest
@@ -17,7 +19,7 @@ from aiozk import ZKClient, exc, protocol
 
 import asynclock
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
-from asynclock.testing import ZooKeeperServer
+from asynclock.testing import FaultProxy, ZooKeeperServer
 from tests.contract.harness import BackendUnderTest
 
 
@@ -124,11 +126,62 @@ def zk_chroot() -> str:
     return f"/test-{uuid.uuid4().hex[:10]}"
 
 
+@dataclass
+class Zk:
+    """A test's own chroot on the shared server, and a plain aiozk client beside the backend."""
+
+    server: ZooKeeperServer
+    admin: ZKClient
+    chroot: str
+
+    @property
+    def url(self) -> str:
+        return f"{self.server.url}{self.chroot}"
+
+    def connect(self, **options: Any) -> asynclock.LockClient:
+        return asynclock.connect(self.url, **options)
+
+    @asynccontextmanager
+    async def backend(self, **options: Any) -> AsyncIterator[ZooKeeperBackend]:
+        async with self.connect(**options) as locks:
+            yield backend_of(locks)
+
+    @asynccontextmanager
+    async def proxied(
+        self, **options: Any
+    ) -> AsyncIterator[tuple[FaultProxy, asynclock.LockClient]]:
+        """A client that reaches the server through a fault proxy."""
+        async with FaultProxy(self.server.host, self.server.port) as proxy:
+            url = f"zookeeper://{proxy.address}{self.chroot}"
+            async with asynclock.connect(url, **options) as locks:
+                yield proxy, locks
+
+    async def children(self, parent: str) -> list[str]:
+        """The children of the chroot's ``parent`` in queue order (their sequence numbers)."""
+        try:
+            found: list[str] = await self.admin.get_children(f"{self.chroot}/{parent}")
+        except exc.NoNode:
+            return []
+        return sorted(found, key=lambda child: int(child.rpartition("-")[2]))
+
+    async def wait_for_children(self, parent: str, count: int) -> list[str]:
+        """The children of ``parent`` once there are ``count`` (or more)."""
+        await until(lambda: self.has_children(parent, count, at_least=True), 10)
+        return await self.children(parent)
+
+    async def has_children(self, parent: str, count: int, *, at_least: bool = False) -> bool:
+        found = len(await self.children(parent))
+        return found >= count if at_least else found == count
+
+    async def tree(self) -> list[str]:
+        return await znodes_under(self.admin, self.chroot)
+
+
 @pytest.fixture
-async def zk_admin(zookeeper_server: ZooKeeperServer, zk_chroot: str) -> AsyncIterator[ZKClient]:
-    """An independent aiozk client on the server; deletes the test's chroot afterwards."""
+async def zk(zookeeper_server: ZooKeeperServer, zk_chroot: str) -> AsyncIterator[Zk]:
+    """A :class:`Zk` on the shared server; deletes the test's chroot afterwards."""
     async with admin_client(zookeeper_server.address) as client:
-        yield client
+        yield Zk(zookeeper_server, client, zk_chroot)
         await delete_tree(client, zk_chroot)
 
 
@@ -154,23 +207,6 @@ async def until(
             if await result if inspect.isawaitable(result) else result:
                 return
             await anyio.sleep(0.005)
-
-
-async def children(admin: ZKClient, parent: str) -> list[str]:
-    """The children of ``parent`` in queue order (their sequence numbers)."""
-    try:
-        found: list[str] = await admin.get_children(parent)
-    except exc.NoNode:
-        return []
-    return sorted(found, key=lambda child: int(child.rpartition("-")[2]))
-
-
-async def wait_until_children(admin: ZKClient, parent: str, count: int) -> list[str]:
-    async def enough() -> bool:
-        return len(await children(admin, parent)) >= count
-
-    await until(enough, 10)
-    return await children(admin, parent)
 
 
 def watched_paths(server: ZooKeeperServer) -> dict[str, list[str]]:
