@@ -27,9 +27,10 @@ from tests.contract.harness import BackendUnderTest
 async def admin_client(address: str) -> AsyncIterator[ZKClient]:
     """A plain aiozk client, independent of the backend under test."""
     client = ZKClient(address, session_timeout=10)
-    with anyio.fail_after(10):
-        await client.start()
     try:
+        # Closed if its start fails as well: aiozk's repair loop would run on otherwise.
+        with anyio.fail_after(10):
+            await client.start()
         yield client
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
