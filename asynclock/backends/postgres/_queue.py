@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 
 from .._kit import LockRequest, TaskHost, permits_mismatch, translate
-from ._lane import QUERY, Lane, PostgresGrant
+from ._lane import QUERY, Lane, Op, PostgresGrant
 from ._lanes import Lanes
 from ._semaphore_sql import ENQUEUE_SEMAPHORE
 from ._sessions import Sessions
@@ -126,6 +126,7 @@ class Queue:
         entry = _Entry(key, waiter, ttl_ms, lease_ms)
         self._start_helpers()
         what = f"waiting for {request.name!r} in the queue table"
+        granted: PostgresGrant | None = None
         try:
             await self._enqueue(entry, what, request.name, permits)
             while True:
@@ -146,15 +147,17 @@ class Queue:
                             self._place(entry, row[0])
                         continue
                     if row[0]:
-                        grant = await enter_server_queue()
-                        if grant is not None:
-                            return grant
+                        granted = await enter_server_queue()
+                        if granted is not None:
+                            return granted
                         if permits is None:
                             continue  # its connection died (a pause?): is it still the head?
                 with anyio.move_on_after(POLL if first else None):
                     await wake.wait()
         finally:
-            self._leave(entry, ttl_ms)
+            leaving = self._leave(entry, ttl_ms)
+            if granted is not None:
+                granted.leaving = leaving
 
     async def _enqueue(
         self, entry: _Entry, what: str, name: str, permits: tuple[int, int] | None
@@ -172,7 +175,7 @@ class Queue:
         entry.ticket = ticket
         bisect.insort(self.entries.setdefault(entry.key, []), entry)
 
-    def _leave(self, entry: _Entry, ttl_ms: int) -> None:
+    def _leave(self, entry: _Entry, ttl_ms: int) -> Op | None:
         """Give the place up (granted, or the wait ended otherwise) without an await: the
         statement runs in the lane's task; the next waiter of the key checks its turn."""
         entries = self.entries.get(entry.key, [])
@@ -183,9 +186,9 @@ class Queue:
         else:
             entries[0].wake.set()
         if not self._host.running:
-            return  # closing: the place expires on its own
+            return None  # closing: the place expires on its own
         lane = self._lanes.lane(ttl_ms)
-        lane.detach(
+        return lane.detach(
             lane.submit(QUERY, 0, self._sql["leave"], entry.key, entry.waiter, self._channel)
         )
 

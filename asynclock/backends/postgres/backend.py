@@ -3,6 +3,7 @@ table, renewals and releases."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from collections.abc import Awaitable, Mapping, Sequence
@@ -376,6 +377,11 @@ class PostgresBackend(Backend[PostgresGrant]):
         if grant.released:
             return
         grant.released = True
+        if grant.leaving is not None:
+            # Its queue place goes first (a statement already queued on a lane; its error, if
+            # any, was dropped: a place of a dead session expires). Waited for, not awaited:
+            # a cancelled release must not cancel the statement.
+            await asyncio.wait((grant.leaving.future,))
         if grant.lane is not None:
             await self._lanes.release(grant, grant.lane)
             gone = grant.lane.dead is not None
