@@ -187,10 +187,7 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
     read the hand-over before its take runs again (about 1 run in 3 did): an expired grant
     that must not end the acquire either."""
     raw = raw_redis
-    async with (
-        connect(redis_server, prefix) as first,
-        connect(redis_server, prefix) as third,
-    ):
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as third:
         holder = await first.acquire(name, ttl=30)
         child = subprocess.Popen(  # noqa: ASYNC220 (starting a process does not block for long)
             [sys.executable, "-c", _WAITER, redis_server.url, prefix, name],
