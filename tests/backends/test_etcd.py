@@ -7,6 +7,7 @@ import base64
 import http.client
 import json
 import os
+import random
 import signal
 import ssl
 import subprocess
@@ -233,6 +234,49 @@ async def test_an_idle_lease_that_expired_is_replaced(etcd: Etcd) -> None:
 
 
 # -- faults ------------------------------------------------------------------------------------
+
+
+async def test_acquires_cancelled_at_random_moments_never_leave_a_key(etcd: Etcd) -> None:
+    """A cancelled request may still reach etcd, and after the clean-up's delete (they travel
+    on different streams): the clean-up waits for it first."""
+    rng = random.Random(5)
+    async with etcd.connect() as locks, etcd.connect() as other, etcd.raw() as direct:
+        started = anyio.current_time()
+        await (await locks.acquire("c", ttl=4)).release()
+        round_trip = anyio.current_time() - started
+        for attempt in range(300):
+            held = await other.acquire("c", ttl=4) if attempt % 2 else None
+            with anyio.move_on_after(rng.uniform(0, 3 * round_trip)):
+                async with locks.lock("c", ttl=4):
+                    await anyio.sleep(10)
+            if held is not None:
+                await held.release()
+            assert await direct.count(etcd.base("c")) == 0, f"a key was left by attempt {attempt}"
+
+
+@pytest.mark.expect_log(r"lease on 'a' lost: no successful renewal before the local deadline")
+@pytest.mark.expect_log(r"releasing 'a' on etcd://\S+ did not complete in 1 s")
+async def test_keepalives_failing_within_op_timeout_end_the_body_by_the_local_deadline(
+    etcd: Etcd,
+) -> None:
+    """Each keepalive fails after op_timeout (1 s, under the ttl) instead of hanging; once the
+    network heals, the client works again on a new lease."""
+    async with FaultProxy(etcd.server.host, etcd.server.port) as proxy:
+        url = f"etcd://{proxy.address}"
+        async with etcd.connect(url, op_timeout=1.0, release_timeout=1.0) as locks:
+            with pytest.raises(asynclock.LeaseLost, match="local deadline"):
+                async with locks.lock("a", ttl=4.0) as lease:
+                    proxy.blackhole()
+                    try:
+                        await anyio.sleep(30)
+                    finally:
+                        cancelled_at = anyio.current_time()
+            assert cancelled_at <= lease.deadline + 0.1
+            proxy.pass_through()
+            async with locks.lock("a", ttl=4.0) as again:
+                assert again.token > lease.token
+    async with etcd.raw() as direct:
+        assert await direct.count(etcd.prefix.encode()) == 0
 
 
 @pytest.mark.expect_log(r"releasing 'stuck' on etcd://\S+ did not complete \(MayHaveApplied")

@@ -54,6 +54,17 @@ async def granted_one(granted: list[EtcdGrant]) -> None:
     await wait_until(some, timeout=5)
 
 
+async def test_a_try_for_a_reader_is_not_refused_for_the_clients_own_reader(etcd: Etcd) -> None:
+    async with backend(etcd) as store:
+        first = await store.acquire(request("r", shared=True))
+        # known_busy() must not count our own reader against another reader.
+        second = await store.try_acquire(request("r", shared=True))
+        assert second is not None
+        assert await store.try_acquire(request("r")) is None
+        for grant in (first, second):
+            await store.release(grant)
+
+
 # -- semaphores --------------------------------------------------------------------------------
 
 

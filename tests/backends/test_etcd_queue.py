@@ -10,7 +10,7 @@ from aetcd import rpc
 
 import asynclock
 from asynclock.testing import EtcdServer, FaultProxy
-from tests.contract.backend_etcd import Etcd, metrics, wait_until
+from tests.contract.backend_etcd import Etcd, metrics
 
 pytestmark = pytest.mark.anyio
 
@@ -23,6 +23,17 @@ def watchers(server: EtcdServer) -> tuple[float, float]:
     )
 
 
+async def until_watchers(etcd: Etcd, streams: float | None, watching: float, within: float) -> None:
+    """Until the server counts ``streams`` (None: any) and ``watching``; it counts a stream
+    closed or a watch cancelled a moment after the client did it."""
+    with anyio.fail_after(within):
+        while True:
+            now_streams, now_watching = watchers(etcd.server)
+            if now_watching == watching and streams in (None, now_streams):
+                return
+            await anyio.sleep(0.005)
+
+
 def calls(server: EtcdServer, method: str) -> float:
     return metrics(server, "grpc_server_handled_total", f'grpc_method="{method}"')
 
@@ -30,12 +41,8 @@ def calls(server: EtcdServer, method: str) -> float:
 async def test_waiters_of_one_client_share_one_stream_and_one_watch_and_leave_none(
     etcd: Etcd,
 ) -> None:
-    async def quiet() -> bool:
-        # No stream open: the server notices an earlier test's stream closed only a moment
-        # after its client closed, and counted as "before", it hid the one opened here.
-        return watchers(etcd.server) == (0, 0)
-
-    await wait_until(quiet, timeout=5)
+    # No stream open: an earlier test's stream, still counted, would hide the one opened here.
+    await until_watchers(etcd, 0, 0, within=5)
     order: list[int] = []
     async with etcd.connect() as locks, etcd.raw() as direct:
         holder = await locks.acquire("a", ttl=10)
@@ -58,17 +65,8 @@ async def test_waiters_of_one_client_share_one_stream_and_one_watch_and_leave_no
                 await holder.release()
         assert order == list(range(50))
         # The name's watch outlives its last waiter by a second, then it is cancelled.
-
-        async def cancelled() -> bool:
-            return watchers(etcd.server)[1] == 0
-
-        await wait_until(cancelled, timeout=5)
-
-    async def closed() -> bool:
-        # The server notices the closed stream a moment after the client's channel closes.
-        return watchers(etcd.server) == (0, 0)
-
-    await wait_until(closed, timeout=3)
+        await until_watchers(etcd, None, 0, within=5)
+    await until_watchers(etcd, 0, 0, within=3)
 
 
 async def test_a_hand_over_within_one_client_is_the_release_transaction_alone(etcd: Etcd) -> None:
