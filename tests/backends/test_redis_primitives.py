@@ -1,7 +1,6 @@
 """Shared holds, semaphores, elections and extend() on redis:// as the server stores them:
-per-hold expiry, hand-over to a group of readers, permits kept while anyone holds,
-elections' change channel, a new ttl kept by later renewals. (What every backend must do is in
-tests/contract/test_primitives.py.)"""
+per-hold expiry, hand-over to a group of readers, elections' change channel, a new ttl kept by
+later renewals. (What every backend must do is in tests/contract/test_primitives.py.)"""
 
 from __future__ import annotations
 
@@ -92,32 +91,6 @@ async def test_a_release_hands_over_to_every_reader_up_to_the_next_writer(
     assert set(order[:2]) == {"r1 in", "r2 in"}
     assert order.index("w in") > max(order.index("r1 out"), order.index("r2 out"))
     assert order.index("r3 in") > order.index("w out")
-
-
-async def test_semaphore_permits_live_with_the_holds_and_go_with_the_last(
-    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
-) -> None:
-    async with connect(redis_server, prefix) as locks:
-        backend = backend_of(locks)
-        semaphore = locks.semaphore(name, permits=2)
-        dead = await backend.try_acquire(request(name, 0.3, kind="semaphore", permits=2))
-        assert dead is not None
-        kept = await semaphore.acquire(ttl=5)
-        holds_key = lua.holds_key(prefix, name, "semaphore")
-        members = await raw_redis.zrange(holds_key, 0, -1)
-        assert b"#2" in members and len(members) == 3
-        assert await semaphore.try_acquire(ttl=5) is None
-        await anyio.sleep(0.4)
-        # The dead holder's permit is free again, and only it.
-        third = await semaphore.try_acquire(ttl=5)
-        assert third is not None
-        info = await semaphore.inspect()
-        assert info.permits == 2
-        assert [holder.owner for holder in info.holders] == [kept.owner, third.owner]
-        await kept.release()
-        await third.release()
-        assert await raw_redis.exists(holds_key) == 0
-        assert await redis_leftovers(redis_server, prefix, "no such client") == []
 
 
 async def test_extend_sets_the_ttl_that_later_renewals_keep(
