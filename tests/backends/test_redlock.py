@@ -31,7 +31,10 @@ def url_of(addresses: Sequence[str]) -> str:
     return "redlock://" + ",".join(addresses) + "/0"
 
 
-def connect(addresses: Sequence[str], prefix: str, **options: Any) -> asynclock.LockClient:
+def connect(
+    masters: Sequence[str | RedisServer], prefix: str, **options: Any
+) -> asynclock.LockClient:
+    addresses = [each if isinstance(each, str) else each.address for each in masters]
     return asynclock.connect(url_of(addresses), prefix=prefix, **options)
 
 
@@ -155,7 +158,7 @@ async def test_healthy_rounds_keep_their_connections(
                 total += int((await raw.info("stats"))["total_connections_received"])
         return total
 
-    async with connect([s.address for s in redis_servers], prefix) as locks:
+    async with connect(redis_servers, prefix) as locks:
         lease = await locks.acquire(name, ttl=5)
         await lease.release()
         before = await connections_received()
@@ -173,7 +176,7 @@ async def test_a_failed_partial_acquire_releases_on_every_master(
     # Someone else holds the lock on two masters; the third one is free.
     for server in redis_servers[:2]:
         command(server.host, server.port, "SET", key, "other", "PX", "10000")
-    async with connect([s.address for s in redis_servers], prefix) as locks:
+    async with connect(redis_servers, prefix) as locks:
         assert await locks.try_acquire(name, ttl=5) is None
         assert holders(redis_servers, key) == ["other", "other", None]
         with pytest.raises(asynclock.AcquireTimeout):
@@ -190,7 +193,7 @@ async def test_a_minority_revoked_is_tolerated_and_a_majority_revoked_is_loss(
     redis_servers: list[RedisServer], prefix: str, name: str
 ) -> None:
     key = lua.lock_key(prefix, name)
-    async with connect([s.address for s in redis_servers], prefix) as locks:
+    async with connect(redis_servers, prefix) as locks:
         lease = await locks.acquire(name, ttl=1)
         for server, outcome_type in zip(redis_servers[:2], (Renewed, Lost), strict=True):
             command(server.host, server.port, "DEL", key)
@@ -317,7 +320,6 @@ async def test_many_waiters_all_pass_quickly_over_one_connection_per_master(
     """Issue 15, item 11: a client's waiters take turns locally, in the order they came, and
     share one pipelined connection per master (1,000 once got 4 grants in 2 minutes)."""
     client_name = f"asynclock-many-{uuid.uuid4().hex[:8]}"
-    addresses = [server.address for server in redis_servers]
     peaks = [0] * len(redis_servers)
 
     async def sample_connections(stop: anyio.Event) -> None:
@@ -335,7 +337,7 @@ async def test_many_waiters_all_pass_quickly_over_one_connection_per_master(
 
     async with AsyncExitStack() as stack:
         group = [
-            await stack.enter_async_context(connect(addresses, prefix, client_name=client_name))
+            await stack.enter_async_context(connect(redis_servers, prefix, client_name=client_name))
             for _ in range(clients)
         ]
         stop = anyio.Event()
@@ -362,8 +364,7 @@ async def test_a_release_wakes_the_next_local_waiter_at_once(
     redis_servers: list[RedisServer], prefix: str, name: str
 ) -> None:
     """The waiter whose turn it is does not sleep out its backoff when this client releases."""
-    addresses = [server.address for server in redis_servers]
-    async with connect(addresses, prefix, max_retry_delay=1) as locks:
+    async with connect(redis_servers, prefix, max_retry_delay=1) as locks:
         first = await locks.acquire(name, ttl=5)
         waiter = asyncio.create_task(locks.acquire(name, ttl=5))
         await anyio.sleep(1.5)  # its backoff has grown to 0.5-1 s by now
@@ -380,7 +381,6 @@ async def test_many_waiters_that_give_up_leave_nothing_behind(
     """500 waiters, half ended by their timeout and half by asyncio.timeout (a native cancel):
     all end promptly, the local turns are gone, and the lock is free at once."""
     client_name = f"asynclock-giveup-{uuid.uuid4().hex[:8]}"
-    addresses = [server.address for server in redis_servers]
     outcomes: list[str] = []
 
     async def wait(index: int) -> None:
@@ -393,8 +393,8 @@ async def test_many_waiters_that_give_up_leave_nothing_behind(
         except (asynclock.AcquireTimeout, TimeoutError):
             outcomes.append("gave up")
 
-    async with connect(addresses, prefix, client_name=client_name) as locks:
-        async with connect(addresses, prefix) as other:
+    async with connect(redis_servers, prefix, client_name=client_name) as locks:
+        async with connect(redis_servers, prefix) as other:
             blocker = await other.acquire(name, ttl=5)
             started = anyio.current_time()
             async with anyio.create_task_group() as tg:
@@ -443,8 +443,7 @@ async def test_a_killed_connection_between_holds_does_not_fail_the_next_acquire(
     """CLIENT KILL on one master, then on all three, between holds; with ``settle=0`` the
     request goes out on the dead connection and is sent again on a new one."""
     client_name = f"asynclock-kill-{uuid.uuid4().hex[:8]}"
-    addresses = [server.address for server in redis_servers]
-    async with connect(addresses, prefix, client_name=client_name) as locks:
+    async with connect(redis_servers, prefix, client_name=client_name) as locks:
         async with locks.lock(name, ttl=2):
             pass
         masters = locks._backend._masters  # type: ignore[attr-defined]
@@ -474,8 +473,7 @@ async def test_a_reply_that_arrived_during_a_pause_of_the_client_is_not_a_timeou
 ) -> None:
     """The event loop blocked past op_timeout with the replies already in the sockets (a
     process pause): the replies are read before any time bound is judged."""
-    addresses = [server.address for server in redis_servers]
-    async with connect(addresses, prefix, op_timeout=0.2) as locks:
+    async with connect(redis_servers, prefix, op_timeout=0.2) as locks:
         attempt = asyncio.create_task(locks.try_acquire(name, ttl=5))
         await asyncio.sleep(0)  # the takes are written
         await asyncio.sleep(0)
@@ -536,8 +534,7 @@ async def test_a_hung_masters_connection_is_closed_after_op_timeout_and_replaced
 ) -> None:
     client_name = f"asynclock-hung-{uuid.uuid4().hex[:8]}"
     servers = [own_redis_server, redis_servers[1], redis_servers[2]]
-    addresses = [server.address for server in servers]
-    async with connect(addresses, prefix, client_name=client_name, op_timeout=0.3) as locks:
+    async with connect(servers, prefix, client_name=client_name, op_timeout=0.3) as locks:
         master = locks._backend._masters[0]  # type: ignore[attr-defined]
         async with locks.lock(name, ttl=1) as lease:
             own_redis_server.pause()
@@ -569,8 +566,7 @@ async def test_an_attempt_given_up_on_frozen_masters_is_undone_when_they_answer(
     when the connections were closed as hung (op_timeout 1 s) meanwhile."""
     with ExitStack() as stack:
         servers = [stack.enter_context(RedisServer()) for _ in range(3)]
-        addresses = [server.address for server in servers]
-        async with connect(addresses, prefix, op_timeout=1) as locks:
+        async with connect(servers, prefix, op_timeout=1) as locks:
             for server in servers:
                 server.pause()
             try:
