@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import http.client
 import json
 import os
@@ -520,43 +519,23 @@ def auth_server() -> Iterator[EtcdServer]:
         yield server
 
 
-def _post(
-    server: EtcdServer, path: str, body: dict[str, Any], token: str | None = None
-) -> dict[str, Any]:
-    """One call to etcd's JSON gateway."""
-    connection = http.client.HTTPConnection(server.host, server.port, timeout=5)
-    try:
-        headers = {"Authorization": token} if token else {}
-        connection.request("POST", path, body=json.dumps(body).encode(), headers=headers)
-        response = connection.getresponse()
-        payload = response.read()
-        assert response.status == 200, payload
-        reply: dict[str, Any] = json.loads(payload)
-        return reply
-    finally:
-        connection.close()
+def etcdctl(server: EtcdServer, *args: str) -> None:
+    command = [find_binary("etcdctl", "etcd-client"), f"--endpoints={server.address}", *args]
+    subprocess.run(command, check=True, capture_output=True, timeout=10)
 
 
 def _enable_auth(server: EtcdServer) -> None:
     """Add root (password "rootpw") and alice (read-write on /alice/ only), then enable auth."""
-
-    def b64(text: str) -> str:
-        return base64.b64encode(text.encode()).decode()
-
-    _post(server, "/v3/auth/user/add", {"name": "root", "password": "rootpw"})
-    _post(server, "/v3/auth/user/grant", {"user": "root", "role": "root"})
-    _post(server, "/v3/auth/role/add", {"name": "locks"})
-    _post(
-        server,
-        "/v3/auth/role/grant",
-        {
-            "name": "locks",
-            "perm": {"key": b64("/alice/"), "range_end": b64("/alice0"), "permType": "READWRITE"},
-        },
-    )
-    _post(server, "/v3/auth/user/add", {"name": "alice", "password": "alicepw"})
-    _post(server, "/v3/auth/user/grant", {"user": "alice", "role": "locks"})
-    _post(server, "/v3/auth/enable", {})
+    for args in (
+        "user add root --new-user-password=rootpw",
+        "user grant-role root root",
+        "role add locks",
+        "role grant-permission locks --prefix=true readwrite /alice/",
+        "user add alice --new-user-password=alicepw",
+        "user grant-role alice locks",
+        "auth enable",
+    ):
+        etcdctl(server, *args.split())
 
 
 async def test_user_and_password(auth_server: EtcdServer) -> None:
@@ -580,9 +559,8 @@ async def test_user_and_password(auth_server: EtcdServer) -> None:
     # etcd forgets every token when auth is switched off and on: the client logs in again.
     async with asynclock.connect(f"etcd://alice:alicepw@{host}", prefix="/alice/locks/") as locks:
         await (await locks.acquire("a", ttl=2)).release()
-        token = _post(auth_server, "/v3/auth/authenticate", {"name": "root", "password": "rootpw"})
-        _post(auth_server, "/v3/auth/disable", {}, token["token"])
-        _post(auth_server, "/v3/auth/enable", {})
+        etcdctl(auth_server, "--user=root:rootpw", "auth", "disable")
+        etcdctl(auth_server, "auth", "enable")
         await (await locks.acquire("a", ttl=2)).release()
     # Alice may not touch another prefix: refused at connect time, not at the first lock.
     with pytest.raises(asynclock.BackendUnavailable, match="'/elsewhere/'"):
