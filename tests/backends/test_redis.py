@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio
 
 import asynclock
-from asynclock.abc import Lost, Renewed
+from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning, RedisGrant
 from asynclock.testing import FaultProxy, RedisServer
@@ -588,6 +588,27 @@ async def test_the_next_waiter_takes_over_from_a_stalled_holder_after_a_handoff(
     assert len(taken_at) == 2
     # The third client took over about ttl after the stalled one took the lock.
     assert taken_at[1] - taken_at[0] < ttl + 0.5
+
+
+@pytest.mark.parametrize("then", ["read both replies", "close the client"])
+async def test_cancelling_a_take_in_flight_leaves_nothing(
+    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str, then: str
+) -> None:
+    """A take cancelled after it was sent (it may have run) is undone on the server: the undo
+    goes right behind it on its connection, whether the client reads both replies or closes."""
+    async with FaultProxy(redis_server.host, redis_server.port) as proxy:
+        async with connect(f"redis://{proxy.address}/0", prefix) as locks:
+            proxy.delay(50)  # the take reaches the server, the reply comes back late
+            request = LockRequest(name, 5.0, uuid.uuid4().hex, lambda reason: None)
+            with anyio.move_on_after(0.07):
+                await locks._backend.try_acquire(request)
+                pytest.fail("the take was not cancelled")
+            if then == "read both replies":
+                proxy.pass_through()
+                await anyio.sleep(0.1)
+        proxy.pass_through()
+        await anyio.sleep(0.1)
+        assert await raw_redis.exists(lua.lock_key(prefix, name)) == 0
 
 
 async def test_a_deadlock_between_two_clients_is_found_and_broken_once(
