@@ -7,6 +7,7 @@ each leaves it as it found it: a master, a replica in sync, three sentinels that
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,9 +17,11 @@ import redis.asyncio
 
 import asynclock
 from asynclock.backends import _redis_scripts as lua
+from asynclock.backends._kit import HostPort
 from asynclock.backends.redis.sentinel import RedisSentinelBackend
 from asynclock.testing import free_port
 from asynclock.testing._redis_topologies import SERVICE, RedisNode, RedisSentinelGroup
+from tests.contract.backend_redis import kill_connections
 
 pytestmark = pytest.mark.anyio
 
@@ -119,6 +122,23 @@ async def test_a_dead_sentinel_is_passed_over(
         assert isinstance(backend, RedisSentinelBackend)
         # The sentinel that answered is asked first from now on.
         assert str(backend.locator.sentinels[0]) != dead
+        assert backend.extra_info()["master"] == group.master().address
+
+
+async def test_a_replica_taken_for_the_master_is_refused_and_the_sentinels_asked_again(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    """As after a failover this client has not heard of yet: a new connection to the address
+    it knows finds a replica (ROLE), and the call goes on to the master the sentinels name."""
+    client_name = f"stale-{uuid.uuid4().hex[:6]}"
+    async with connect(group, prefix, client_name=client_name) as locks:
+        backend = locks._backend
+        assert isinstance(backend, RedisSentinelBackend)
+        replica = group.replicas()[0]
+        backend.locator._master = HostPort(replica.host, replica.port)
+        await kill_connections(group.master(), client_name)  # the next call connects anew
+        async with locks.lock(name, ttl=2.0) as lease:
+            assert lease.token > 0
         assert backend.extra_info()["master"] == group.master().address
 
 
