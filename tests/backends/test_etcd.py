@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import functools
 import http.client
 import json
 import os
@@ -15,7 +13,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,7 @@ from asynclock.abc import Renewed
 from asynclock.backends.etcd import EtcdBackend, EtcdGrant
 from asynclock.fencing import fence_compare, fenced_txn
 from asynclock.testing import EtcdCluster, EtcdServer, FaultProxy, find_binary, free_port
-from tests.contract.backend_etcd import Raw, key_prefix, metrics, raw, wait_until
+from tests.contract.backend_etcd import Etcd, metrics, raw, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -59,7 +56,6 @@ def test_malformed_urls_are_refused_with_an_example(url: str, message: str) -> N
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"colour": "blue"}, "unknown option(s) for etcd://: colour"),
         ({"op_timeout": "soon"}, "'op_timeout'"),
         ({"op_timeout": "0"}, "'op_timeout'"),
         ({"prefix": "/no/slash"}, "must end with '/'"),
@@ -87,10 +83,8 @@ def test_url_forms_and_a_password_free_description() -> None:
         EtcdBackend.from_url("etcd://a:b@127.0.0.1", {"user": "c", "password": "d"})
 
 
-async def test_ttl_below_etcds_minimum_is_refused_and_fractions_round_up(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
-    async with asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks:
+async def test_ttl_below_etcds_minimum_is_refused_and_fractions_round_up(etcd: Etcd) -> None:
+    async with etcd.connect() as locks:
         with pytest.raises(asynclock.InvalidArgument, match="minimum lease of 2 s"):
             locks.lock("a", ttl=1.5)
         with pytest.raises(asynclock.InvalidArgument, match="minimum lease"):
@@ -104,8 +98,8 @@ async def test_ttl_below_etcds_minimum_is_refused_and_fractions_round_up(
 # -- connecting --------------------------------------------------------------------------------
 
 
-async def test_silent_server_times_out_within_op_timeout(etcd_server: EtcdServer) -> None:
-    async with FaultProxy(etcd_server.host, etcd_server.port) as proxy:
+async def test_silent_server_times_out_within_op_timeout(etcd: Etcd) -> None:
+    async with FaultProxy(etcd.server.host, etcd.server.port) as proxy:
         proxy.blackhole()
         started = anyio.current_time()
         with pytest.raises(asynclock.BackendTimeout, match="op_timeout"):
@@ -114,11 +108,9 @@ async def test_silent_server_times_out_within_op_timeout(etcd_server: EtcdServer
         assert anyio.current_time() - started < 2.0
 
 
-async def test_a_dead_endpoint_in_the_list_is_skipped(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
-    url = f"etcd://127.0.0.1:{free_port()},{etcd_server.address}"
-    async with asynclock.connect(url, prefix=etcd_prefix) as locks:
+async def test_a_dead_endpoint_in_the_list_is_skipped(etcd: Etcd) -> None:
+    url = f"etcd://127.0.0.1:{free_port()},{etcd.server.address}"
+    async with etcd.connect(url) as locks:
         for _ in range(5):
             async with locks.lock("a", ttl=2) as lease:
                 assert lease.token > 0
@@ -128,17 +120,14 @@ async def test_a_dead_endpoint_in_the_list_is_skipped(
 
 
 async def test_one_lease_per_ttl_and_one_keepalive_per_lease_for_any_number_of_locks(
-    etcd_server: EtcdServer, etcd_prefix: str
+    etcd: Etcd,
 ) -> None:
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        raw(etcd_server.address) as direct,
-    ):
-        granted = metrics(etcd_server, "etcd_debugging_lease_granted_total")
+    async with etcd.connect() as locks, etcd.raw() as direct:
+        granted = metrics(etcd.server, "etcd_debugging_lease_granted_total")
         # Long ttls: the supervisor does not renew on its own while the test measures.
         short = [await locks.acquire(f"s{i}", ttl=30) for i in range(30)]
         long = [await locks.acquire(f"l{i}", ttl=60) for i in range(10)]
-        assert metrics(etcd_server, "etcd_debugging_lease_granted_total") - granted == 2
+        assert metrics(etcd.server, "etcd_debugging_lease_granted_total") - granted == 2
         info = locks._backend.extra_info()
         assert set(info["leases"]) == {30, 60} and info["server_version"].startswith("3.")
         grants = [lease.grant for lease in short + long]
@@ -151,37 +140,34 @@ async def test_one_lease_per_ttl_and_one_keepalive_per_lease_for_any_number_of_l
             )
             assert len(info.keys) in (30, 10)
 
-        renewed = metrics(etcd_server, "etcd_debugging_lease_renewed_total")
+        renewed = metrics(etcd.server, "etcd_debugging_lease_renewed_total")
         outcomes = await locks._backend.renew(grants)
-        assert metrics(etcd_server, "etcd_debugging_lease_renewed_total") - renewed == 2
+        assert metrics(etcd.server, "etcd_debugging_lease_renewed_total") - renewed == 2
         assert all(isinstance(outcome, Renewed) for outcome in outcomes)
         for lease in short + long:
             await lease.release()
-        assert await direct.count(etcd_prefix.encode()) == 0
+        assert await direct.count(etcd.prefix.encode()) == 0
         ours = lease_ids & await direct.lease_ids()
         assert ours == lease_ids  # kept for the next acquisitions ...
-    async with raw(etcd_server.address) as direct:
+    async with etcd.raw() as direct:
         assert not lease_ids & await direct.lease_ids()  # ... and revoked on close
 
 
 async def test_a_lease_with_held_locks_and_waiters_is_kept_alive_on_one_schedule(
-    etcd_server: EtcdServer, etcd_prefix: str
+    etcd: Etcd,
 ) -> None:
     """The supervisor (for the held lock) and the waiter (for its queue entry) keep the same
     lease alive: one keepalive per renewal interval between them, not one each."""
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        raw(etcd_server.address) as direct,
-    ):
+    async with etcd.connect() as locks, etcd.raw() as direct:
         held = await locks.acquire("held", ttl=3)
         # A key without a lease blocks "busy", so the only lease renewed is ours.
-        blocker = key_prefix(etcd_prefix, "busy") + b"blocker"
+        blocker = etcd.base("busy") + b"blocker"
         await direct.kv.Put(rpc.PutRequest(key=blocker, value=b"x"))
         waiter = asyncio.create_task(locks.acquire("busy", ttl=3))
         await anyio.sleep(0.3)
-        renewed = metrics(etcd_server, "etcd_debugging_lease_renewed_total")
+        renewed = metrics(etcd.server, "etcd_debugging_lease_renewed_total")
         await anyio.sleep(4.0)  # four renewal intervals of 1 s
-        sent = metrics(etcd_server, "etcd_debugging_lease_renewed_total") - renewed
+        sent = metrics(etcd.server, "etcd_debugging_lease_renewed_total") - renewed
         assert 3 <= sent <= 5, f"{sent:g} keepalives in 4 s for one lease of 3 s"
         assert not held.lost and not waiter.done()
         await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=blocker))
@@ -193,15 +179,11 @@ async def test_a_lease_with_held_locks_and_waiters_is_kept_alive_on_one_schedule
 
 @pytest.mark.expect_log(r"lease on '[ab]' lost: etcd lease \w+ expired or was revoked")
 async def test_revoking_the_lease_cancels_every_body_on_it_and_the_client_recovers(
-    etcd_server: EtcdServer, etcd_prefix: str
+    etcd: Etcd,
 ) -> None:
     ttl = 6.0
     lost: list[str] = []
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as other,
-        raw(etcd_server.address) as direct,
-    ):
+    async with etcd.connect() as locks, etcd.connect() as other, etcd.raw() as direct:
 
         async def hold(name: str, started: anyio.Event) -> None:
             try:
@@ -216,7 +198,7 @@ async def test_revoking_the_lease_cancels_every_body_on_it_and_the_client_recove
                 started = anyio.Event()
                 tg.start_soon(hold, name, started)
                 await started.wait()
-            (key,) = await direct.keys(key_prefix(etcd_prefix, "a"))
+            (key,) = await direct.keys(etcd.base("a"))
             revoked_at = anyio.current_time()
             await direct.leases.LeaseRevoke(rpc.LeaseRevokeRequest(ID=key.lease))
         # Both bodies rode on the one lease; both learnt it at the next renewal (ttl / 3),
@@ -232,13 +214,8 @@ async def test_revoking_the_lease_cancels_every_body_on_it_and_the_client_recove
         await again.release()
 
 
-async def test_an_idle_lease_that_expired_is_replaced(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        raw(etcd_server.address) as direct,
-    ):
+async def test_an_idle_lease_that_expired_is_replaced(etcd: Etcd) -> None:
+    async with etcd.connect() as locks, etcd.raw() as direct:
         first = await locks.acquire("a", ttl=2)
         await first.release()
         assert isinstance(first.grant, EtcdGrant)
@@ -258,18 +235,11 @@ async def test_an_idle_lease_that_expired_is_replaced(
 # -- faults ------------------------------------------------------------------------------------
 
 
-async def test_acquires_cancelled_at_random_moments_never_leave_a_key(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
+async def test_acquires_cancelled_at_random_moments_never_leave_a_key(etcd: Etcd) -> None:
     """A cancelled request may still reach etcd, and after the clean-up's delete (they travel
     on different streams): the clean-up waits for it first."""
     rng = random.Random(5)
-    base = key_prefix(etcd_prefix, "c")
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as other,
-        raw(etcd_server.address) as direct,
-    ):
+    async with etcd.connect() as locks, etcd.connect() as other, etcd.raw() as direct:
         started = anyio.current_time()
         await (await locks.acquire("c", ttl=4)).release()
         round_trip = anyio.current_time() - started
@@ -280,67 +250,42 @@ async def test_acquires_cancelled_at_random_moments_never_leave_a_key(
                     await anyio.sleep(10)
             if held is not None:
                 await held.release()
-            assert await direct.count(base) == 0, f"a key was left by attempt {attempt}"
+            assert await direct.count(etcd.base("c")) == 0, f"a key was left by attempt {attempt}"
 
 
 @pytest.mark.expect_log(r"lease on 'a' lost: no successful renewal before the local deadline")
 @pytest.mark.expect_log(r"releasing 'a' on etcd://\S+ did not complete in 1 s")
-async def test_keepalive_blackholed_cancels_the_body_before_etcd_expires_the_lease(
-    etcd_server: EtcdServer, etcd_prefix: str
+async def test_keepalives_failing_within_op_timeout_end_the_body_by_the_local_deadline(
+    etcd: Etcd,
 ) -> None:
-    ttl = 4.0
-    gone_at: list[float] = []
-
-    async def watch_key(direct: Raw, base: bytes) -> None:
-        while True:
-            if not await direct.count(base):
-                gone_at.append(anyio.current_time())
-                return
-            await anyio.sleep(0.01)
-
-    async with (
-        FaultProxy(etcd_server.host, etcd_server.port) as proxy,
-        raw(etcd_server.address) as direct,
-    ):
-        locks = asynclock.connect(
-            f"etcd://{proxy.address}", prefix=etcd_prefix, op_timeout=1.0, release_timeout=1.0
-        )
-        async with locks:
-            cancelled_at = None
-            async with anyio.create_task_group() as tg:
-                with pytest.raises(asynclock.LeaseLost) as info:
-                    async with locks.lock("a", ttl=ttl) as lease:
-                        tg.start_soon(watch_key, direct, key_prefix(etcd_prefix, "a"))
-                        proxy.blackhole()
-                        try:
-                            await anyio.sleep(30)
-                        finally:
-                            cancelled_at = anyio.current_time()
-            assert "local deadline" in info.value.reason
-            assert cancelled_at is not None
-            # Cancelled before the server let go of the key (the release could not reach it).
-            assert gone_at and cancelled_at < gone_at[0]
+    """Each keepalive fails after op_timeout (1 s, under the ttl) instead of hanging; once the
+    network heals, the client works again on a new lease."""
+    async with FaultProxy(etcd.server.host, etcd.server.port) as proxy:
+        url = f"etcd://{proxy.address}"
+        async with etcd.connect(url, op_timeout=1.0, release_timeout=1.0) as locks:
+            with pytest.raises(asynclock.LeaseLost, match="local deadline"):
+                async with locks.lock("a", ttl=4.0) as lease:
+                    proxy.blackhole()
+                    try:
+                        await anyio.sleep(30)
+                    finally:
+                        cancelled_at = anyio.current_time()
             assert cancelled_at <= lease.deadline + 0.1
-            # Once the network heals, the client works again (on a new lease).
             proxy.pass_through()
-            async with locks.lock("a", ttl=ttl) as again:
+            async with locks.lock("a", ttl=4.0) as again:
                 assert again.token > lease.token
-    async with raw(etcd_server.address) as direct:
-        assert await direct.count(etcd_prefix.encode()) == 0
+    async with etcd.raw() as direct:
+        assert await direct.count(etcd.prefix.encode()) == 0
 
 
 @pytest.mark.expect_log(r"releasing 'stuck' on etcd://\S+ did not complete \(MayHaveApplied")
-async def test_a_failed_release_is_retried_by_the_next_renewal(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
+async def test_a_failed_release_is_retried_by_the_next_renewal(etcd: Etcd) -> None:
     """The client's lease lives on for its other locks, so a key whose delete failed must not
     wait for the lease: a later renewal deletes it."""
-    async with FaultProxy(etcd_server.host, etcd_server.port) as proxy:
+    async with FaultProxy(etcd.server.host, etcd.server.port) as proxy:
         async with (
-            asynclock.connect(
-                f"etcd://{proxy.address}", prefix=etcd_prefix, op_timeout=0.5
-            ) as locks,
-            asynclock.connect(etcd_server.url, prefix=etcd_prefix) as other,
+            etcd.connect(f"etcd://{proxy.address}", op_timeout=0.5) as locks,
+            etcd.connect() as other,
         ):
             keeper = await locks.acquire("keeper", ttl=6)
             stuck = await locks.acquire("stuck", ttl=6)
@@ -349,8 +294,8 @@ async def test_a_failed_release_is_retried_by_the_next_renewal(
             # Drop the delete still queued in the proxy, as a broken connection would.
             proxy.reset()
             proxy.pass_through()
-            async with raw(etcd_server.address) as direct:
-                assert await direct.count(key_prefix(etcd_prefix, "stuck")) == 1
+            async with etcd.raw() as direct:
+                assert await direct.count(etcd.base("stuck")) == 1
             with anyio.fail_after(4):
                 taken = await other.acquire("stuck", ttl=6)
             assert not keeper.lost
@@ -358,17 +303,11 @@ async def test_a_failed_release_is_retried_by_the_next_renewal(
             await keeper.release()
 
 
-async def test_a_waiter_whose_lease_was_revoked_queues_again_on_a_live_lease(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
+async def test_a_waiter_whose_lease_was_revoked_queues_again_on_a_live_lease(etcd: Etcd) -> None:
     """etcd#11456: a waiter must not be told it holds the lock on a lease that is gone."""
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as holder,
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as waiting,
-        raw(etcd_server.address) as direct,
-    ):
+    async with etcd.connect() as holder, etcd.connect() as waiting, etcd.raw() as direct:
         lease = await holder.acquire("x", ttl=6)
-        base = key_prefix(etcd_prefix, "x")
+        base = etcd.base("x")
         got: list[asynclock.Lease] = []
 
         async def wait() -> None:
@@ -376,11 +315,11 @@ async def test_a_waiter_whose_lease_was_revoked_queues_again_on_a_live_lease(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(wait)
-            await wait_until(functools.partial(direct.count_is, base, 2))
+            await direct.until_count(base, 2)
             _, queued = await direct.keys(base)
             await direct.leases.LeaseRevoke(rpc.LeaseRevokeRequest(ID=queued.lease))
             # It notices its entry is gone and queues again, behind the holder.
-            await wait_until(functools.partial(direct.count_is, base, 2))
+            await direct.until_count(base, 2)
             await lease.release()
         (won,) = got
         (key,) = await direct.keys(base)
@@ -392,25 +331,17 @@ async def test_a_waiter_whose_lease_was_revoked_queues_again_on_a_live_lease(
 
 
 async def test_a_leader_kill_keeps_holds_and_the_queue_and_locking_works_again_soon(
-    etcd_cluster: EtcdCluster, etcd_prefix: str
+    etcd_cluster: EtcdCluster, etcd: Etcd
 ) -> None:
-    """A lock held across two leader kills is kept (its renewals ride out the elections), and
-    the waiters queued before and during them get it in order once it is released.
-
-    Issue 15, item 12: a take sent just after the kill went to a follower that forwarded it
-    to the dead leader; etcd never answers such a write (it waits out its own 6 s request
-    timeout), so locking stalled for op_timeout (5 s). Now a call that is slow while etcd
-    elects a new leader is sent again at once: locking works after the election (0.5-1.5 s
-    with this cluster's 500 ms election timeout) plus one round trip.
-
-    The bound, 4 s: the election takes at most two election timeouts plus a vote round (about
-    1.5 s here), the retry a few milliseconds, and a shared 2-core machine adds up to a second
-    or two; op_timeout (5 s), the stall this replaces, stays above it.
-    """
+    """A lock held across two leader kills is kept, and the waiters queued before and during
+    them get it in order. Issue 15, item 12: a take forwarded to the dead leader is never
+    answered; a call slow during an election is sent again at once, so locking works after the
+    election (about 1.5 s at most here) plus a round trip: under 4 s on a loaded machine, below
+    the op_timeout (5 s) stall this replaces."""
     bound = 4.0
     measured: list[tuple[float, float]] = []
     order: list[int] = []
-    clients = [asynclock.connect(etcd_cluster.url, prefix=etcd_prefix) for _ in range(4)]
+    clients = [asynclock.connect(etcd_cluster.url, prefix=etcd.prefix) for _ in range(4)]
     async with clients[0] as holder, clients[1] as taker, clients[2], clients[3]:
         held = await holder.acquire("held", ttl=10)
 
@@ -422,8 +353,7 @@ async def test_a_leader_kill_keeps_holds_and_the_queue_and_locking_works_again_s
             async with raw(etcd_cluster.members[0].address) as direct:
                 for index in range(3):
                     waiters.start_soon(wait, index)
-                    base = key_prefix(etcd_prefix, "held")
-                    await wait_until(functools.partial(direct.count_is, base, index + 2))
+                    await direct.until_count(etcd.base("held"), index + 2)
             for kill in range(2):
                 for _ in range(5):  # connections to every member are up and in use
                     async with taker.lock("x", ttl=4):
@@ -467,15 +397,12 @@ async def test_a_leader_kill_keeps_holds_and_the_queue_and_locking_works_again_s
         assert renewal_after < bound, measured
 
 
-async def test_connections_reset_before_and_during_holds_raise_nothing(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
-    """Issue 15, fault contract (b): a connection reset between holds failed the next
-    try_acquire (and the first try of every acquire with a timeout) with "Stream removed";
-    a reset during a hold failed the release, left to the background. Both are sent again."""
+async def test_connections_reset_before_and_during_holds_raise_nothing(etcd: Etcd) -> None:
+    """Issue 15: a reset failed the next try_acquire (and an acquire's first try) with "Stream
+    removed", and a reset during a hold the release; both are sent again."""
     async with (
-        FaultProxy(etcd_server.host, etcd_server.port) as proxy,
-        asynclock.connect(f"etcd://{proxy.address}", prefix=etcd_prefix) as locks,
+        FaultProxy(etcd.server.host, etcd.server.port) as proxy,
+        etcd.connect(f"etcd://{proxy.address}") as locks,
     ):
         tokens: list[int] = []
         for round_ in range(24):
@@ -501,22 +428,20 @@ async def test_connections_reset_before_and_during_holds_raise_nothing(
             if round_ % 8 >= 4:
                 await anyio.sleep(0.05)  # and once gRPC has noticed the reset
         assert tokens == sorted(set(tokens))
-    async with raw(etcd_server.address) as direct:
-        assert await direct.count(etcd_prefix.encode()) == 0
+    async with etcd.raw() as direct:
+        assert await direct.count(etcd.prefix.encode()) == 0
 
 
-async def test_a_take_whose_answer_was_lost_is_sent_again_and_finds_its_own_key(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
+async def test_a_take_whose_answer_was_lost_is_sent_again_and_finds_its_own_key(etcd: Etcd) -> None:
     """The take reached etcd, its answer did not (connection reset): sent again, it must not
     say "held by someone else" about our own key, nor leave a second one."""
     async with (
-        FaultProxy(etcd_server.host, etcd_server.port) as proxy,
-        asynclock.connect(f"etcd://{proxy.address}", prefix=etcd_prefix) as locks,
-        raw(etcd_server.address) as direct,
+        FaultProxy(etcd.server.host, etcd.server.port) as proxy,
+        etcd.connect(f"etcd://{proxy.address}") as locks,
+        etcd.raw() as direct,
     ):
         await (await locks.acquire("t", ttl=10)).release()  # a fresh lease: one request left
-        base = key_prefix(etcd_prefix, "t")
+        base = etcd.base("t")
         got: list[asynclock.Lease | None] = []
 
         async def take() -> None:
@@ -525,7 +450,7 @@ async def test_a_take_whose_answer_was_lost_is_sent_again_and_finds_its_own_key(
         async with anyio.create_task_group() as tg:
             proxy.drop_replies()
             tg.start_soon(take)
-            await wait_until(functools.partial(direct.count_is, base, 1), timeout=3)
+            await direct.until_count(base, 1, 3)
             proxy.pass_through()
             proxy.reset()
         (lease,) = got
@@ -536,55 +461,16 @@ async def test_a_take_whose_answer_was_lost_is_sent_again_and_finds_its_own_key(
         assert await direct.count(base) == 0
 
 
-async def test_inspect_shows_the_holders_public_owner_and_the_waiters(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
-    """inspect() returns the holder's grant.owner, which the core hashes into Lease.owner; the
-    secret itself is never shown."""
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as other,
-    ):
-        free = await other.inspect("i")
-        assert not free.held and free.owner is None and free.waiters == 0
-        lease = await locks.acquire("i", ttl=6)
-        secret = lease.grant.owner
-        assert (await locks._backend.inspect("i")).owner == secret
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(_hold_briefly, other, "i"))
-            async with raw(etcd_server.address) as direct:
-                await wait_until(
-                    functools.partial(direct.count_is, key_prefix(etcd_prefix, "i"), 2)
-                )
-            info = await other.inspect("i")
-            assert info.held and info.owner == lease.owner and info.owner != secret
-            assert info.token == lease.token and info.waiters == 1
-            assert info.expires_in is not None and 0 < info.expires_in <= 6
-            await lease.release()
-        assert (await other.inspect("i")).owner is None
-
-
-async def _hold_briefly(client: asynclock.LockClient, name: str) -> None:
-    async with client.lock(name, ttl=6):
-        pass
-
-
 # -- fencing inside etcd -----------------------------------------------------------------------
 
 
-async def test_fenced_txn_commits_only_while_our_key_has_our_create_revision(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
+async def test_fenced_txn_commits_only_while_our_key_has_our_create_revision(etcd: Etcd) -> None:
     import asynclock.backends.etcd as old_path
 
     # The old import path still works (kept for compatibility).
     assert old_path.fenced_txn is fenced_txn and old_path.fence_compare is fence_compare
-    data = f"{etcd_prefix}data".encode()
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as other,
-        raw(etcd_server.address) as direct,
-    ):
+    data = f"{etcd.prefix}data".encode()
+    async with etcd.connect() as locks, etcd.connect() as other, etcd.raw() as direct:
         lease = await locks.acquire("guarded", ttl=6)
         put = aetcd.transactions.Put(data, b"first")
         assert (await fenced_txn(locks, lease, success=[put]))[0]
@@ -597,14 +483,14 @@ async def test_fenced_txn_commits_only_while_our_key_has_our_create_revision(
         assert bytes(responses[0].response_range.kvs[0].value) == b"first"
 
         # Our key goes (as if our lease had expired) and someone else takes the lock.
-        (key,) = await direct.keys(key_prefix(etcd_prefix, "guarded"))
+        (key,) = await direct.keys(etcd.base("guarded"))
         await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=key.key))
         newer = await other.acquire("guarded", ttl=6)
         late = aetcd.transactions.Put(data, b"stale write")
         with pytest.raises(asynclock.LeaseLost, match="not applied"):
             await fenced_txn(locks, lease, success=[late])
         # The same guard in the user's own aetcd transaction.
-        async with aetcd.Client(host=etcd_server.host, port=etcd_server.port) as client:
+        async with aetcd.Client(host=etcd.server.host, port=etcd.server.port) as client:
             ok, _ = await client.transaction(
                 compare=[fence_compare(lease)], success=[late], failure=[]
             )
@@ -633,43 +519,23 @@ def auth_server() -> Iterator[EtcdServer]:
         yield server
 
 
-def _post(
-    server: EtcdServer, path: str, body: dict[str, Any], token: str | None = None
-) -> dict[str, Any]:
-    """One call to etcd's JSON gateway."""
-    connection = http.client.HTTPConnection(server.host, server.port, timeout=5)
-    try:
-        headers = {"Authorization": token} if token else {}
-        connection.request("POST", path, body=json.dumps(body).encode(), headers=headers)
-        response = connection.getresponse()
-        payload = response.read()
-        assert response.status == 200, payload
-        reply: dict[str, Any] = json.loads(payload)
-        return reply
-    finally:
-        connection.close()
+def etcdctl(server: EtcdServer, *args: str) -> None:
+    command = [find_binary("etcdctl", "etcd-client"), f"--endpoints={server.address}", *args]
+    subprocess.run(command, check=True, capture_output=True, timeout=10)
 
 
 def _enable_auth(server: EtcdServer) -> None:
     """Add root (password "rootpw") and alice (read-write on /alice/ only), then enable auth."""
-
-    def b64(text: str) -> str:
-        return base64.b64encode(text.encode()).decode()
-
-    _post(server, "/v3/auth/user/add", {"name": "root", "password": "rootpw"})
-    _post(server, "/v3/auth/user/grant", {"user": "root", "role": "root"})
-    _post(server, "/v3/auth/role/add", {"name": "locks"})
-    _post(
-        server,
-        "/v3/auth/role/grant",
-        {
-            "name": "locks",
-            "perm": {"key": b64("/alice/"), "range_end": b64("/alice0"), "permType": "READWRITE"},
-        },
-    )
-    _post(server, "/v3/auth/user/add", {"name": "alice", "password": "alicepw"})
-    _post(server, "/v3/auth/user/grant", {"user": "alice", "role": "locks"})
-    _post(server, "/v3/auth/enable", {})
+    for args in (
+        "user add root --new-user-password=rootpw",
+        "user grant-role root root",
+        "role add locks",
+        "role grant-permission locks --prefix=true readwrite /alice/",
+        "user add alice --new-user-password=alicepw",
+        "user grant-role alice locks",
+        "auth enable",
+    ):
+        etcdctl(server, *args.split())
 
 
 async def test_user_and_password(auth_server: EtcdServer) -> None:
@@ -693,9 +559,8 @@ async def test_user_and_password(auth_server: EtcdServer) -> None:
     # etcd forgets every token when auth is switched off and on: the client logs in again.
     async with asynclock.connect(f"etcd://alice:alicepw@{host}", prefix="/alice/locks/") as locks:
         await (await locks.acquire("a", ttl=2)).release()
-        token = _post(auth_server, "/v3/auth/authenticate", {"name": "root", "password": "rootpw"})
-        _post(auth_server, "/v3/auth/disable", {}, token["token"])
-        _post(auth_server, "/v3/auth/enable", {})
+        etcdctl(auth_server, "--user=root:rootpw", "auth", "disable")
+        etcdctl(auth_server, "auth", "enable")
         await (await locks.acquire("a", ttl=2)).release()
     # Alice may not touch another prefix: refused at connect time, not at the first lock.
     with pytest.raises(asynclock.BackendUnavailable, match="'/elsewhere/'"):
@@ -708,42 +573,26 @@ async def test_user_and_password(auth_server: EtcdServer) -> None:
 # -- TLS ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class Certificates:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
+def make_certificates(directory: Path) -> None:
+    """ca.pem, and server.pem and client.pem (with their .key) signed by it, in ``directory``."""
 
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_certificates(directory: Path) -> Certificates:
-    ext = directory / "san.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=directory)  # fmt: skip
+    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+            "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=directory)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-days", "2", "-extfile", str(ext),
-                 "-out", f"{name}.pem", cwd=directory)  # fmt: skip
-    return Certificates(
-        directory / "ca.pem",
-        directory / "server.pem",
-        directory / "server.key",
-        directory / "client.pem",
-        directory / "client.key",
-    )
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                "-keyout", f"{name}.key", "-out", f"{name}.csr")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.pem")  # fmt: skip
 
 
 @contextmanager
-def tls_etcd(directory: Path, certs: Certificates) -> Iterator[int]:
-    """An etcd that serves clients over TLS and requires a client certificate."""
+def tls_etcd(directory: Path) -> Iterator[int]:
+    """An etcd that serves clients over TLS and requires a client certificate: its port."""
+    make_certificates(directory)
     port, peer = free_port(), free_port()
     command = [
         find_binary("etcd", "etcd-server"),
@@ -753,17 +602,17 @@ def tls_etcd(directory: Path, certs: Certificates) -> Iterator[int]:
         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
         "--initial-cluster", f"tls=http://127.0.0.1:{peer}",
-        "--cert-file", str(certs.server_cert), "--key-file", str(certs.server_key),
-        "--trusted-ca-file", str(certs.ca), "--client-cert-auth",
+        "--cert-file", "server.pem", "--key-file", "server.key",
+        "--trusted-ca-file", "ca.pem", "--client-cert-auth",
         "--logger", "zap", "--log-outputs", "stderr", "--log-level", "error",
     ]  # fmt: skip
     log = (directory / "etcd.log").open("wb")
     process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command, cwd=directory, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
-        context = ssl.create_default_context(cafile=str(certs.ca))
-        context.load_cert_chain(str(certs.client_cert), str(certs.client_key))
+        context = ssl.create_default_context(cafile=str(directory / "ca.pem"))
+        context.load_cert_chain(str(directory / "client.pem"), str(directory / "client.key"))
         deadline = time.monotonic() + 20
         while True:
             assert process.poll() is None, (directory / "etcd.log").read_text()
@@ -786,41 +635,26 @@ def tls_etcd(directory: Path, certs: Certificates) -> Iterator[int]:
 
 
 async def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
-    certs = make_certificates(tmp_path)
-    with tls_etcd(tmp_path, certs) as port:
+    with tls_etcd(tmp_path) as port:
+        url = f"etcd://127.0.0.1:{port}"
+        ca = str(tmp_path / "ca.pem")
         options: dict[str, Any] = {
-            "ca_cert": str(certs.ca),
-            "cert_cert": str(certs.client_cert),
-            "cert_key": str(certs.client_key),
+            "ca_cert": ca,
+            "cert_cert": str(tmp_path / "client.pem"),
+            "cert_key": str(tmp_path / "client.key"),
         }
-        for url in (f"etcd://127.0.0.1:{port}", f"etcd://127.0.0.1:{port},localhost:{port}"):
-            async with asynclock.connect(url, **options) as locks:
+        for each in (url, f"{url},localhost:{port}"):
+            async with asynclock.connect(each, **options) as locks:
                 async with locks.lock("tls", ttl=2) as lease:
                     assert lease.token > 0
         # The name checked against the certificate can differ from the address dialled.
-        async with asynclock.connect(
-            f"etcd://127.0.0.1:{port}", tls_server_name="localhost", **options
-        ):
+        async with asynclock.connect(url, tls_server_name="localhost", **options):
             pass
-        with pytest.raises(asynclock.BackendUnavailable):
-            async with asynclock.connect(
-                f"etcd://127.0.0.1:{port}",
-                tls_server_name="elsewhere.test",
-                op_timeout=2,
-                **options,
-            ):
-                pass
-        # Without a client certificate the server refuses; without TLS nothing is understood.
-        with pytest.raises(asynclock.BackendUnavailable):
-            async with asynclock.connect(
-                f"etcd://127.0.0.1:{port}", ca_cert=str(certs.ca), op_timeout=2
-            ):
-                pass
-        with pytest.raises(asynclock.BackendUnavailable):
-            async with asynclock.connect(f"etcd://127.0.0.1:{port}", op_timeout=2):
-                pass
+        # A name the certificate does not carry; no client certificate; no TLS at all.
+        for refused in ({**options, "tls_server_name": "elsewhere.test"}, {"ca_cert": ca}, {}):
+            with pytest.raises(asynclock.BackendUnavailable):
+                async with asynclock.connect(url, op_timeout=2, **refused):
+                    pass
         with pytest.raises(asynclock.InvalidArgument, match="cannot be read"):
-            async with asynclock.connect(
-                f"etcd://127.0.0.1:{port}", ca_cert=str(tmp_path / "missing.pem")
-            ):
+            async with asynclock.connect(url, ca_cert=str(tmp_path / "missing.pem")):
                 pass

@@ -4,16 +4,13 @@ in its own transaction. Real servers; counts read from etcd's /metrics."""
 
 from __future__ import annotations
 
-import functools
-import random
-
 import anyio
 import pytest
 from aetcd import rpc
 
 import asynclock
 from asynclock.testing import EtcdServer, FaultProxy
-from tests.contract.backend_etcd import key_prefix, metrics, raw, wait_until
+from tests.contract.backend_etcd import Etcd, metrics
 
 pytestmark = pytest.mark.anyio
 
@@ -26,26 +23,30 @@ def watchers(server: EtcdServer) -> tuple[float, float]:
     )
 
 
+async def until_watchers(etcd: Etcd, streams: float | None, watching: float, within: float) -> None:
+    """Until the server counts ``streams`` (None: any) and ``watching``; it counts a stream
+    closed or a watch cancelled a moment after the client did it."""
+    with anyio.fail_after(within):
+        while True:
+            now_streams, now_watching = watchers(etcd.server)
+            if now_watching == watching and streams in (None, now_streams):
+                return
+            await anyio.sleep(0.005)
+
+
 def calls(server: EtcdServer, method: str) -> float:
     return metrics(server, "grpc_server_handled_total", f'grpc_method="{method}"')
 
 
 async def test_waiters_of_one_client_share_one_stream_and_one_watch_and_leave_none(
-    etcd_server: EtcdServer, etcd_prefix: str
+    etcd: Etcd,
 ) -> None:
-    async def quiet() -> bool:
-        # No stream open: the server notices an earlier test's stream closed only a moment
-        # after its client closed, and counted as "before", it hid the one opened here.
-        return watchers(etcd_server) == (0, 0)
-
-    await wait_until(quiet, timeout=5)
+    # No stream open: an earlier test's stream, still counted, would hide the one opened here.
+    await until_watchers(etcd, 0, 0, within=5)
     order: list[int] = []
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        raw(etcd_server.address) as direct,
-    ):
+    async with etcd.connect() as locks, etcd.raw() as direct:
         holder = await locks.acquire("a", ttl=10)
-        base = key_prefix(etcd_prefix, "a")
+        base = etcd.base("a")
 
         async def waiter(index: int) -> None:
             async with locks.lock("a", ttl=10):
@@ -55,37 +56,23 @@ async def test_waiters_of_one_client_share_one_stream_and_one_watch_and_leave_no
             async with anyio.create_task_group() as tg:
                 for index in range(50):
                     tg.start_soon(waiter, index)
-                    await wait_until(functools.partial(direct.count_is, base, index + 2))
+                    await direct.until_count(base, index + 2)
                 await anyio.sleep(0.2)  # every waiter has armed its wait
-                streams, watching = watchers(etcd_server)
+                streams, watching = watchers(etcd.server)
                 # Each waiter is behind a key of this client: one stream, one watch on the name.
                 assert streams == 1
                 assert watching == 1
                 await holder.release()
         assert order == list(range(50))
         # The name's watch outlives its last waiter by a second, then it is cancelled.
-
-        async def cancelled() -> bool:
-            return watchers(etcd_server)[1] == 0
-
-        await wait_until(cancelled, timeout=5)
-
-    async def closed() -> bool:
-        # The server notices the closed stream a moment after the client's channel closes.
-        return watchers(etcd_server) == (0, 0)
-
-    await wait_until(closed, timeout=3)
+        await until_watchers(etcd, None, 0, within=5)
+    await until_watchers(etcd, 0, 0, within=3)
 
 
-async def test_a_hand_over_within_one_client_is_the_release_transaction_alone(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        raw(etcd_server.address) as direct,
-    ):
+async def test_a_hand_over_within_one_client_is_the_release_transaction_alone(etcd: Etcd) -> None:
+    async with etcd.connect() as locks, etcd.raw() as direct:
         holder = await locks.acquire("a", ttl=10)
-        base = key_prefix(etcd_prefix, "a")
+        base = etcd.base("a")
         got = anyio.Event()
         done = anyio.Event()
         tokens: list[int] = []
@@ -98,18 +85,18 @@ async def test_a_hand_over_within_one_client_is_the_release_transaction_alone(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(waiter)
-            await wait_until(functools.partial(direct.count_is, base, 2))
+            await direct.until_count(base, 2)
             await anyio.sleep(0.2)
             # Trying a lock this client holds and queues for needs no request at all.
-            txns, ranges = calls(etcd_server, "Txn"), calls(etcd_server, "Range")
+            txns, ranges = calls(etcd.server, "Txn"), calls(etcd.server, "Range")
             assert await locks.try_acquire("a", ttl=10) is None
-            assert (calls(etcd_server, "Txn"), calls(etcd_server, "Range")) == (txns, ranges)
+            assert (calls(etcd.server, "Txn"), calls(etcd.server, "Range")) == (txns, ranges)
             await holder.release()
             with anyio.fail_after(5):
                 await got.wait()
             # The release's transaction proved the waiter's key the lowest: no read of its own.
-            assert calls(etcd_server, "Txn") - txns == 1
-            assert calls(etcd_server, "Range") == ranges
+            assert calls(etcd.server, "Txn") - txns == 1
+            assert calls(etcd.server, "Range") == ranges
             assert tokens[0] > holder.token
             (left,) = await direct.keys(base)
             assert int(left.create_revision) == tokens[0]
@@ -117,14 +104,11 @@ async def test_a_hand_over_within_one_client_is_the_release_transaction_alone(
 
 
 async def test_an_operator_deleting_the_key_before_a_waiter_of_the_same_client_wakes_it(
-    etcd_server: EtcdServer, etcd_prefix: str
+    etcd: Etcd,
 ) -> None:
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as locks,
-        raw(etcd_server.address) as direct,
-    ):
+    async with etcd.connect() as locks, etcd.raw() as direct:
         holder = await locks.acquire("a", ttl=10)
-        base = key_prefix(etcd_prefix, "a")
+        base = etcd.base("a")
         async with anyio.create_task_group() as tg:
             acquired: list[asynclock.Lease] = []
             woken = anyio.Event()
@@ -134,12 +118,12 @@ async def test_an_operator_deleting_the_key_before_a_waiter_of_the_same_client_w
                 woken.set()
 
             tg.start_soon(waiter)
-            await wait_until(functools.partial(direct.count_is, base, 2))
+            await direct.until_count(base, 2)
             await anyio.sleep(0.2)
             first, second = await direct.keys(base)
             # The waiter's own key deleted: it queues again, at the back (a new key).
             await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=second.key))
-            await wait_until(functools.partial(direct.count_is, base, 2), timeout=3)
+            await direct.until_count(base, 2, 3)
             (_, again) = await direct.keys(base)
             assert again.create_revision > second.create_revision
             assert not acquired
@@ -152,49 +136,14 @@ async def test_an_operator_deleting_the_key_before_a_waiter_of_the_same_client_w
         await holder.release()  # lost already; releasing is still allowed
 
 
-async def test_fifo_and_tokens_across_two_clients_whatever_key_is_before_each_waiter(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
-    rng = random.Random(18)
-    pattern = [rng.randrange(2) for _ in range(60)]
-    order: list[int] = []
-    tokens: list[int] = []
-    async with (
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as first,
-        asynclock.connect(etcd_server.url, prefix=etcd_prefix) as second,
-        raw(etcd_server.address) as direct,
-    ):
-        clients = (first, second)
-
-        async def waiter(index: int) -> None:
-            # Hold briefly: the next waiter's wake-up races with the release.
-            async with clients[pattern[index]].lock("fifo", ttl=10) as lease:
-                order.append(index)
-                tokens.append(lease.token)
-
-        holder = await first.acquire("fifo", ttl=10)
-        base = key_prefix(etcd_prefix, "fifo")
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                for index in range(len(pattern)):
-                    tg.start_soon(waiter, index)
-                    await wait_until(functools.partial(direct.count_is, base, index + 2))
-                await holder.release()
-        assert order == list(range(len(pattern)))
-        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
-        assert await direct.count(base) == 0
-
-
-async def test_a_waiter_whose_answer_is_on_its_way_finds_the_lock_handed_over(
-    etcd_server: EtcdServer, etcd_prefix: str
-) -> None:
-    async with FaultProxy(etcd_server.host, etcd_server.port) as proxy:
-        async with asynclock.connect(f"etcd://{proxy.address}", prefix=etcd_prefix) as locks:
+async def test_a_waiter_whose_answer_is_on_its_way_finds_the_lock_handed_over(etcd: Etcd) -> None:
+    async with FaultProxy(etcd.server.host, etcd.server.port) as proxy:
+        async with etcd.connect(f"etcd://{proxy.address}") as locks:
             holder = await locks.acquire("a", ttl=10)
             # 120 ms round trips: the release goes out while the waiter's request is on its
             # way (and reaches etcd after it, on the same connection).
             proxy.delay(60)
-            txns, ranges = calls(etcd_server, "Txn"), calls(etcd_server, "Range")
+            txns, ranges = calls(etcd.server, "Txn"), calls(etcd.server, "Range")
             acquired: list[asynclock.Lease] = []
 
             async def waiter() -> None:
@@ -207,8 +156,8 @@ async def test_a_waiter_whose_answer_is_on_its_way_finds_the_lock_handed_over(
             # The queueing request and the release, nothing else: the release's transaction
             # read that the waiter's key was the lowest left, and the waiter's answer found
             # the lock handed over.
-            assert calls(etcd_server, "Txn") - txns == 2
-            assert calls(etcd_server, "Range") == ranges
+            assert calls(etcd.server, "Txn") - txns == 2
+            assert calls(etcd.server, "Range") == ranges
             assert acquired[0].token > holder.token
             proxy.pass_through()
             await acquired[0].release()

@@ -152,9 +152,8 @@ async def test_wait_replicas_refuses_takes_on_a_cluster_without_replicas(
 
 
 async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
-    """A master dies; its replica takes its slots over (after ``cluster-node-timeout``). The
-    client finds the new master through the slot map (MOVED, or connection errors and a new
-    look-up), and a lock that reached the replica is still held, renewed there."""
+    """A master dies and its replica takes its slots over: the client finds it through the slot
+    map, and a lock that reached the replica is still held, renewed there."""
     with RedisClusterNodes(3, replicas=1) as cluster:
         # A name on the first node of the URL, which also carries both clients' wake channels:
         # they move to another node with the failover.
@@ -215,11 +214,12 @@ async def test_deadlock_records_share_one_slot(
         assert await registry.scan() == []
 
 
-async def test_kinds_route_by_slot_and_an_election_change_is_pushed_across_nodes(
+async def test_an_election_change_is_pushed_across_nodes(
     redis_cluster_nodes: RedisClusterNodes, name: str
 ) -> None:
-    """(Every key of a name and kind is in one slot: test_redis_waiting.py.) The scripts' PUBLISH
-    of an election's change reaches a watcher subscribed on whichever node its wake channel is."""
+    """(Every key of a name and kind is in one slot: test_redis_waiting.py; shared holds and
+    semaphores on a cluster: the contract.) The scripts' PUBLISH of an election's change reaches
+    a watcher subscribed on whichever node its wake channel is."""
     prefix = f"kinds-{uuid.uuid4().hex[:6]}:"
     async with (
         connect(redis_cluster_nodes, prefix) as locks,
@@ -227,11 +227,6 @@ async def test_kinds_route_by_slot_and_an_election_change_is_pushed_across_nodes
     ):
         backend = watcher._backend
         assert isinstance(backend, RedisClusterBackend)
-        readers = [await locks.acquire(name, ttl=5, shared=True) for _ in range(2)]
-        permits = [await locks.semaphore(name, permits=2).acquire(ttl=5) for _ in range(2)]
-        info = await watcher.inspect(name)
-        assert [holder.shared for holder in info.holders] == [True, True]
-        assert (await watcher.semaphore(name, permits=2).inspect()).permits == 2
         seen = await backend.inspect(name, "election")
 
         async def campaign() -> None:
@@ -244,5 +239,3 @@ async def test_kinds_route_by_slot_and_an_election_change_is_pushed_across_nodes
             started = anyio.current_time()
             await backend.wait_for_change(name, "election", seen, 5)
             assert anyio.current_time() - started < 1.0
-        for lease in (*readers, *permits):
-            await lease.release()

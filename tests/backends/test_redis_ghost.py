@@ -1,12 +1,10 @@
 """redis:// waiting: a hand-over told late, after its waiter queued again, is not taken for a grant.
 
-A waiter stopped in line (SIGSTOP, a stalled loop) may be handed the lock while it cannot run;
-its handed lease expires unrenewed, and on resuming its refresh timer can run before its wake
-channel reads the old ``"g"`` message (after a stop, epoll_wait returns EINTR with its timeout
-passed, and Python then runs the due timers without polling again). Its take then queues it
-again, and the old message must not end the acquire: the lock is another's by then (the grant
-counted from the new take, so the body would run beside that holder), and the new place would
-later be handed the lock with no acquire left to take it (a ghost holder until its ttl ran out).
+A waiter stopped in line (SIGSTOP) may be handed the lock while it cannot run; the handed lease
+expires unrenewed, and on resuming its refresh timer can run before its wake channel reads the
+old ``"g"`` message. Its take queues it again, and the old message must not end the acquire: the
+lock is another's by then, and the new place would later be handed the lock with no acquire left
+to take it (a ghost holder until its ttl ran out).
 """
 
 from __future__ import annotations
@@ -38,10 +36,9 @@ pytestmark = pytest.mark.anyio
 
 
 def stall_waiting(locks: asynclock.LockClient) -> tuple[Callable[[], None], list[bytes]]:
-    """Make ``locks`` behave as a process stopped in line: its wake channel keeps the messages
-    it reads (returned; once resumed, ``_dispatch`` passes them on), and every take of a
-    waiter after the first waits for the function returned, which resumes it: its takes go
-    first, as a resumed process runs its due timers before it reads its sockets."""
+    """Make ``locks`` behave as a process stopped in line: its wake channel keeps what it reads
+    (returned), and every take of a waiter after the first waits for the function returned,
+    which resumes it: its takes go first, as a resumed process runs its due timers first."""
     backend = locks._backend
     assert isinstance(backend, RedisBackend) and backend._wakes is not None
     wakes = backend._wakes
@@ -182,15 +179,10 @@ anyio.run(main, *sys.argv[1:])
 async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_exits(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
-    """The same race for real: the waiter's process is SIGSTOPped in line, handed the lock,
-    and resumed after that lease expired and another client took the lock. On resuming it may
-    read the hand-over before its take runs again (about 1 run in 3 did): an expired grant
-    that must not end the acquire either."""
+    """The same race for real (SIGSTOP in line, handed the lock, resumed after that lease
+    expired and another took it); about 1 run in 3 reads the hand-over before its take runs."""
     raw = raw_redis
-    async with (
-        connect(redis_server, prefix) as first,
-        connect(redis_server, prefix) as third,
-    ):
+    async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as third:
         holder = await first.acquire(name, ttl=30)
         child = subprocess.Popen(  # noqa: ASYNC220 (starting a process does not block for long)
             [sys.executable, "-c", _WAITER, redis_server.url, prefix, name],

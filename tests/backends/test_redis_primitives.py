@@ -1,19 +1,19 @@
 """Shared holds, semaphores, elections and extend() on redis:// as the server stores them:
-per-hold expiry, hand-over to a group of readers, permits kept while anyone holds,
-elections' change channel, a new ttl kept by later renewals. (What every backend must do is in
-tests/contract/test_primitives.py.)"""
+per-hold expiry, hand-over to a group of readers, elections' change channel, a new ttl kept by
+later renewals. (What every backend must do is in tests/contract/test_primitives.py.)"""
 
 from __future__ import annotations
 
 import secrets
 import uuid
+from typing import Any
 
 import anyio
 import pytest
 import redis.asyncio
 
 import asynclock
-from asynclock.abc import Kind, LockRequest, Renewed
+from asynclock.abc import LockRequest, Renewed
 from asynclock.backends.redis import RedisBackend, RedisGrant
 from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import RedisServer
@@ -28,27 +28,10 @@ def backend_of(locks: asynclock.LockClient) -> RedisBackend:
     return backend
 
 
-def request(
-    name: str,
-    ttl: float,
-    *,
-    kind: Kind = "lock",
-    shared: bool = False,
-    permits: int = 1,
-    value: bytes = b"",
-) -> LockRequest:
+def request(name: str, ttl: float, **fields: Any) -> LockRequest:
     """A request made by hand: its grant is never renewed (a holder that died, once its ttl
     runs out)."""
-    return LockRequest(
-        name,
-        ttl,
-        secrets.token_hex(16),
-        lambda _: None,
-        kind=kind,
-        shared=shared,
-        permits=permits,
-        value=value,
-    )
+    return LockRequest(name, ttl, secrets.token_hex(16), lambda _: None, **fields)
 
 
 async def test_a_dead_reader_frees_only_its_own_hold(
@@ -110,32 +93,6 @@ async def test_a_release_hands_over_to_every_reader_up_to_the_next_writer(
     assert order.index("r3 in") > order.index("w out")
 
 
-async def test_semaphore_permits_live_with_the_holds_and_go_with_the_last(
-    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
-) -> None:
-    async with connect(redis_server, prefix) as locks:
-        backend = backend_of(locks)
-        semaphore = locks.semaphore(name, permits=2)
-        dead = await backend.try_acquire(request(name, 0.3, kind="semaphore", permits=2))
-        assert dead is not None
-        kept = await semaphore.acquire(ttl=5)
-        holds_key = lua.holds_key(prefix, name, "semaphore")
-        members = await raw_redis.zrange(holds_key, 0, -1)
-        assert b"#2" in members and len(members) == 3
-        assert await semaphore.try_acquire(ttl=5) is None
-        await anyio.sleep(0.4)
-        # The dead holder's permit is free again, and only it.
-        third = await semaphore.try_acquire(ttl=5)
-        assert third is not None
-        info = await semaphore.inspect()
-        assert info.permits == 2
-        assert [holder.owner for holder in info.holders] == [kept.owner, third.owner]
-        await kept.release()
-        await third.release()
-        assert await raw_redis.exists(holds_key) == 0
-        assert await redis_leftovers(redis_server, prefix, "no such client") == []
-
-
 async def test_extend_sets_the_ttl_that_later_renewals_keep(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
@@ -170,10 +127,14 @@ async def test_extend_sets_the_ttl_that_later_renewals_keep(
             await lease.release()
 
 
-async def test_a_change_of_leader_is_pushed_and_the_channel_left_after(
+async def test_a_change_of_leader_is_pushed_also_after_the_wake_connection_was_killed(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
-    async with connect(redis_server, prefix) as locks, connect(redis_server, prefix) as watcher:
+    client_name = f"watch-{uuid.uuid4().hex[:6]}"
+    async with (
+        connect(redis_server, prefix) as locks,
+        connect(redis_server, prefix, client_name=client_name) as watcher,
+    ):
         backend = backend_of(watcher)
         channel = lua.change_channel(prefix, name, "election")
         seen = await backend.inspect(name, "election")
@@ -183,6 +144,20 @@ async def test_a_change_of_leader_is_pushed_and_the_channel_left_after(
         started = anyio.current_time()
         await backend.wait_for_change(name, "election", seen, 0.3)
         assert 0.25 < anyio.current_time() - started < 1.0
+
+        async def kill() -> None:
+            await anyio.sleep(0.2)
+            await kill_connections(raw_redis, client_name)
+
+        # The wake connection killed: the wait returns, and watching resumes on a new one.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill)
+            started = anyio.current_time()
+            await backend.wait_for_change(name, "election", seen, 5)
+            assert anyio.current_time() - started < 1.0
+        with anyio.fail_after(5):
+            while backend._wakes is None or backend._wakes._conn is None:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
 
         async def campaign() -> None:
             await anyio.sleep(0.2)
@@ -240,37 +215,3 @@ async def test_a_try_with_other_permits_raises_while_a_task_of_the_same_client_w
 async def _hold_until_cancelled(semaphore: asynclock.Semaphore) -> None:
     async with semaphore.lock(ttl=5, timeout=10):
         await anyio.sleep_forever()
-
-
-async def test_a_watch_returns_when_the_wake_connection_is_killed(
-    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
-) -> None:
-    client_name = f"watch-{uuid.uuid4().hex[:6]}"
-    async with connect(redis_server, prefix, client_name=client_name) as watcher:
-        backend = backend_of(watcher)
-        seen = await backend.inspect(name, "election")
-
-        async def kill() -> None:
-            await anyio.sleep(0.2)
-            await kill_connections(raw_redis, client_name)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(kill)
-            started = anyio.current_time()
-            await backend.wait_for_change(name, "election", seen, 5)
-            assert anyio.current_time() - started < 1.0
-        # And watching works again on the new connection.
-        with anyio.fail_after(5):
-            while backend._wakes is None or backend._wakes._conn is None:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
-        async with anyio.create_task_group() as tg:
-
-            async def campaign() -> None:
-                await anyio.sleep(0.2)
-                async with watcher.election(name).campaign(b"x", ttl=5, timeout=5):
-                    pass
-
-            tg.start_soon(campaign)
-            started = anyio.current_time()
-            await backend.wait_for_change(name, "election", seen, 5)
-            assert anyio.current_time() - started < 1.0

@@ -7,6 +7,7 @@ each leaves it as it found it: a master, a replica in sync, three sentinels that
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,9 +17,11 @@ import redis.asyncio
 
 import asynclock
 from asynclock.backends import _redis_scripts as lua
+from asynclock.backends._kit import HostPort
 from asynclock.backends.redis.sentinel import RedisSentinelBackend
 from asynclock.testing import free_port
 from asynclock.testing._redis_topologies import SERVICE, RedisNode, RedisSentinelGroup
+from tests.contract.backend_redis import kill_connections
 
 pytestmark = pytest.mark.anyio
 
@@ -122,15 +125,31 @@ async def test_a_dead_sentinel_is_passed_over(
         assert backend.extra_info()["master"] == group.master().address
 
 
+async def test_a_replica_taken_for_the_master_is_refused_and_the_sentinels_asked_again(
+    group: RedisSentinelGroup, prefix: str, name: str
+) -> None:
+    """As after a failover this client has not heard of yet: a new connection to the address
+    it knows finds a replica (ROLE), and the call goes on to the master the sentinels name."""
+    client_name = f"stale-{uuid.uuid4().hex[:6]}"
+    async with connect(group, prefix, client_name=client_name) as locks:
+        backend = locks._backend
+        assert isinstance(backend, RedisSentinelBackend)
+        replica = group.replicas()[0]
+        backend.locator._master = HostPort(replica.host, replica.port)
+        await kill_connections(group.master(), client_name)  # the next call connects anew
+        async with locks.lock(name, ttl=2.0) as lease:
+            assert lease.token > 0
+        assert backend.extra_info()["master"] == group.master().address
+
+
 # -- failover ---------------------------------------------------------------------------------
 
 
 async def test_replicated_holds_of_every_kind_survive_the_masters_death(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
-    """A lock, a shared hold, a permit and a term whose keys reached the replica go through a
-    failover: the new master has them, so they renew there, exclude the others, and the next
-    holds' tokens are higher."""
+    """Holds of every kind that reached the replica renew on the new master, exclude the others,
+    and the next holds' tokens are higher."""
     async with connect(group, prefix) as locks, connect(group, prefix) as other:
         # A ttl well above the failover's ~2 s: renewals fail until it is over.
         leases = [
@@ -174,9 +193,8 @@ async def test_replicated_holds_of_every_kind_survive_the_masters_death(
 async def test_an_unreplicated_lock_is_granted_again_with_a_higher_token_and_reported_lost(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
-    """The documented caveat: a lock the master acknowledged and did not replicate before it
-    failed is free on the new master. The old holder is told (its lease is lost), and the new
-    holder's token is higher, so a fenced resource refuses the old one."""
+    """The documented caveat: a lock not replicated before the master failed is free on the new
+    master; its holder is told, and the new holder's token is higher."""
     async with connect(group, prefix) as locks, connect(group, prefix) as other:
         lease = await locks.acquire(name, ttl=3.0)
         key = lua.lock_key(prefix, name)
@@ -201,11 +219,9 @@ async def test_an_unreplicated_lock_is_granted_again_with_a_higher_token_and_rep
 async def test_a_demoted_master_is_left_for_the_new_one(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
-    """SENTINEL FAILOVER promotes the replica and demotes the master a moment later, while
-    our connections to it stay open. In between there are two masters (Redis's split brain:
-    renewals may go to the old one and the lease be lost on the new one, which is the
-    documented caveat); afterwards every call goes to the new master (a write on the old one
-    gets READONLY, and the sentinels name the new one)."""
+    """SENTINEL FAILOVER demotes the master a moment after promoting the replica, our
+    connections to it open: the lease is held or told lost (the split brain caveat), and then
+    every call goes to the new master."""
     async with connect(group, prefix) as locks, connect(group, prefix) as other:
         lease = await locks.acquire(name, ttl=2.0)
         await on_replica(group, lua.lock_key(prefix, name))
@@ -231,9 +247,8 @@ async def test_a_demoted_master_is_left_for_the_new_one(
 async def test_a_frozen_master_is_left_for_the_new_one(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
-    """The master freezes (SIGSTOP: a stall, a partition): calls to it time out, a new
-    connection's handshake to it times out too, which sends the client to the sentinels, and
-    the replicated lease renews on the promoted replica. The old master, thawed, is demoted."""
+    """A frozen master's calls and handshakes time out, which sends the client to the
+    sentinels; the replicated lease renews on the promoted replica."""
     async with connect(group, prefix) as locks, connect(group, prefix) as other:
         # A ttl that outlasts a failover on a loaded host (5 s did not, in a CI run); what is
         # checked is a renewal on the promoted replica after it, not how soon one comes.

@@ -49,9 +49,8 @@ def test_every_key_of_a_name_is_in_one_cluster_slot(name: str) -> None:
 async def test_a_release_hands_the_lock_over_with_its_token_in_one_script_call(
     own_redis_server: RedisServer, prefix: str, name: str, waiter_in: str
 ) -> None:
-    """To a waiter of another client the hand-over is told on that client's wake channel; to
-    one of the releasing client, by the release's reply (and the waiter runs before the
-    releasing task goes on)."""
+    """Told on the other client's wake channel, or by the release's reply to a waiter of the
+    releasing client (which runs before the releasing task goes on)."""
     async with (
         redis.asyncio.Redis(host=own_redis_server.host, port=own_redis_server.port) as raw,
         connect(own_redis_server, prefix) as first,
@@ -131,8 +130,7 @@ async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections_i
 async def test_a_waiter_cancelled_as_the_lock_is_handed_to_it_passes_it_on(
     redis_server: RedisServer, prefix: str, name: str
 ) -> None:
-    """The release hands the lock to the first waiter while its task is being cancelled: its
-    clean-up gives the lock to the next in line, whichever of the two came first."""
+    """Handed the lock while its task is cancelled, a waiter's clean-up passes it on."""
     rng = random.Random(7)
     async with (
         redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
@@ -163,8 +161,8 @@ async def test_a_waiter_cancelled_as_the_lock_is_handed_to_it_passes_it_on(
 async def test_a_wake_lost_while_the_wake_channel_reconnects_is_found_by_a_take(
     redis_server: RedisServer, prefix: str, name: str
 ) -> None:
-    """Pub/Sub keeps nothing for a connection that is down: the waiter looks again when its
-    client's wake channel is back, and finds the lock handed to it meanwhile."""
+    """Pub/Sub keeps nothing for a connection that is down: the waiter looks again when the
+    wake channel is back."""
     client_name = f"wake-{uuid.uuid4().hex[:6]}"
     async with (
         redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw,
@@ -202,9 +200,8 @@ async def test_a_user_without_the_wake_channel_is_refused_at_connect_naming_the_
 async def test_a_hand_over_across_clients_starts_a_short_lease_from_a_recent_moment(
     redis_server: RedisServer, prefix: str, name: str
 ) -> None:
-    """The waiter's last take was long ago (it waited 0.5 s); its lease must count from a moment
-    close to the hand-over (its channel's last answered ping), or a short ttl would be half
-    spent when it gets the lock."""
+    """The lease counts from the channel's last answered ping, not the waiter's take 0.5 s ago
+    (a short ttl would be half spent)."""
     async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
         holder = await first.acquire(name, ttl=5)
         got: list[asynclock.Lease] = []

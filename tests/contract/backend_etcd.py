@@ -7,7 +7,7 @@ import http.client
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -17,6 +17,7 @@ import grpc
 import pytest
 from aetcd import rpc
 
+import asynclock
 from asynclock.testing import EtcdServer
 from tests.contract.harness import BackendUnderTest
 
@@ -56,8 +57,11 @@ class Raw:
         )
         return int(reply.count)
 
-    async def count_is(self, prefix: bytes, expected: int) -> bool:
-        return await self.count(prefix) == expected
+    async def until_count(self, prefix: bytes, expected: int, timeout: float = 10.0) -> None:
+        """Until ``expected`` keys are under ``prefix`` (the queue lives on the server)."""
+        with anyio.fail_after(timeout):
+            while await self.count(prefix) != expected:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
 
     async def lease_ids(self) -> set[int]:
         reply = await self.leases.LeaseLeases(rpc.LeaseLeasesRequest())
@@ -107,10 +111,27 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 
             await anyio.sleep(0.005)
 
 
+@dataclass
+class Etcd:
+    """The shared server and a key prefix of the test's own on it."""
+
+    server: EtcdServer
+    prefix: str
+
+    def connect(self, url: str | None = None, **options: Any) -> asynclock.LockClient:
+        return asynclock.connect(url or self.server.url, prefix=self.prefix, **options)
+
+    def raw(self) -> AbstractAsyncContextManager[Raw]:
+        return raw(self.server.address)
+
+    def base(self, name: str) -> bytes:
+        """Where the queue of the lock ``name`` lives."""
+        return key_prefix(self.prefix, name)
+
+
 @pytest.fixture
-def etcd_prefix() -> str:
-    """A key prefix of the test's own on the shared server."""
-    return f"/asynclock-test/{uuid.uuid4().hex[:12]}/"
+def etcd(etcd_server: EtcdServer) -> Etcd:
+    return Etcd(etcd_server, f"/asynclock-test/{uuid.uuid4().hex[:12]}/")
 
 
 @pytest.fixture
