@@ -128,7 +128,7 @@ async def _again_in_own_task(cleanup: Cleanup, deadline: float, what: str) -> bo
             except asyncio.CancelledError:
                 continue  # the caller's cancellation is re-raised by finish()
         if task.done():
-            return True
+            return task.result()
         task.cancel()
         # Owned to the end: wait (briefly, still absorbing cancellations) for it to stop.
         for _ in range(3):
@@ -143,11 +143,15 @@ async def _again_in_own_task(cleanup: Cleanup, deadline: float, what: str) -> bo
             task.result()
 
 
-async def _swallow_errors(cleanup: Cleanup, what: str) -> None:
+async def _swallow_errors(cleanup: Cleanup, what: str) -> bool:
+    """Whether ``cleanup`` succeeded; its error is logged, and the caller treats it as
+    unfinished (a release is then retried in the background, as one that timed out is)."""
     try:
         await cleanup()
     except Exception as exc:
         logger.warning("asynclock: %s failed: %r", what, exc)
+        return False
+    return True
 
 
 def on_asyncio() -> bool:

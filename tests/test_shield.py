@@ -123,6 +123,36 @@ async def test_errors_of_the_cleanup_propagate() -> None:
         await finish(broken, timeout=1, what="broken")
 
 
+@pytest.mark.expect_log(r"asynclock: failing release failed: OSError\('a failover is under way'\)")
+@pytest.mark.parametrize("cancels", [1, 3])
+async def test_a_rerun_that_fails_after_a_native_cancel_is_unfinished_not_done(
+    cancels: int,
+) -> None:
+    """Interrupted by Task.cancel(), the cleanup runs again in its own task; if that run
+    fails, the work is not done: ``unfinished`` hands it on (a release is retried in the
+    background), where it was reported done and the lock stayed held until its ttl."""
+    runs: list[str] = []
+
+    async def failing() -> None:
+        runs.append("run")
+        await asyncio.sleep(0.05)
+        raise OSError("a failover is under way")
+
+    unfinished: list[bool] = []
+    task = asyncio.create_task(
+        finish(
+            failing, timeout=5, what="failing release", unfinished=lambda: unfinished.append(True)
+        )
+    )
+    for _ in range(cancels):
+        await asyncio.sleep(0.01)
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert runs == ["run", "run"]
+    assert unfinished == [True]
+
+
 async def test_a_cleanup_that_never_suspends_finishes_inline_and_keeps_a_pending_cancel() -> None:
     calls: list[str] = []
 
