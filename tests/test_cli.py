@@ -31,6 +31,13 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
+def wait_exists(path: Path, what: str = "the command never started") -> None:
+    deadline = time.monotonic() + 20
+    while not path.exists() or not path.read_text().strip():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def test_run_exports_the_token_and_returns_the_commands_exit_code(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     script = 'echo "$ASYNCLOCK_NAME $ASYNCLOCK_TOKEN"; exit 7'
@@ -62,29 +69,13 @@ def test_run_kills_the_whole_process_group_when_the_lease_is_revoked(tmp_path: P
     pidfile = tmp_path / "grandchild.pid"
     # The command starts a grandchild and waits: both must die when the lease is lost.
     script = f"sleep 60 & echo $! > {pidfile}; wait"
+    options = ["--url", f"sqlite://{db}", "--ttl", "1.5", "--grace", "1"]
     with subprocess.Popen(
-        [
-            *ASYNCLOCK,
-            "run",
-            "job",
-            "--url",
-            f"sqlite://{db}",
-            "--ttl",
-            "1.5",
-            "--grace",
-            "1",
-            "--",
-            "sh",
-            "-c",
-            script,
-        ],
+        [*ASYNCLOCK, "run", "job", *options, "--", "sh", "-c", script],
         stderr=subprocess.PIPE,
         text=True,
     ) as process:
-        deadline = time.monotonic() + 20
-        while not pidfile.exists() or not pidfile.read_text().strip():
-            assert time.monotonic() < deadline, "the command never started"
-            time.sleep(0.05)
+        wait_exists(pidfile)
         grandchild = int(pidfile.read_text())
         with closing(sqlite3.connect(db)) as connection, connection:
             connection.execute("DELETE FROM asynclock_locks WHERE name = 'job'")
@@ -122,13 +113,10 @@ def test_status_shows_the_holder_and_its_token(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     ready = tmp_path / "ready"
     with subprocess.Popen(
-        [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", f"touch {ready}; sleep 30"]
+        [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", f"echo up > {ready}; sleep 30"]
     ) as holder:
         try:
-            deadline = time.monotonic() + 20
-            while not ready.exists():
-                assert time.monotonic() < deadline, "the command never started"
-                time.sleep(0.05)
+            wait_exists(ready)
             result = run("status", "job", "other", "--url", url)
         finally:
             holder.kill()
@@ -170,20 +158,10 @@ def start_family(
     script = tmp_path / "family.py"
     script.write_text(FAMILY)
     pids = tmp_path / "pids"
+    url = f"sqlite://{tmp_path}/locks.db"
+    command = [sys.executable, str(script), str(pids), mode]
     supervisor = subprocess.Popen(
-        [
-            *ASYNCLOCK,
-            "run",
-            "job",
-            "--url",
-            f"sqlite://{tmp_path}/locks.db",
-            *options,
-            "--",
-            sys.executable,
-            str(script),
-            str(pids),
-            mode,
-        ],
+        [*ASYNCLOCK, "run", "job", "--url", url, *options, "--", *command],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -267,12 +245,6 @@ def test_run_command_is_ended_at_the_lease_deadline_when_its_supervisor_is_stopp
     assert_lock_free(tmp_path)
 
 
-def test_run_command_under_a_running_supervisor_runs_for_many_ttls(tmp_path: Path) -> None:
-    url = f"sqlite://{tmp_path}/locks.db"
-    result = run("run", "job", "--url", url, "--ttl", "1", "--", "sleep", "4")
-    assert (result.returncode, result.stderr) == (0, "")
-
-
 def test_run_command_dies_with_its_guard_and_the_lock_is_released(tmp_path: Path) -> None:
     supervisor, family = start_family(tmp_path, "--ttl", "30")
     guard = os.getpgid(family[0])  # the leader of the command's group, the command's parent
@@ -287,11 +259,12 @@ def test_run_command_dies_with_its_guard_and_the_lock_is_released(tmp_path: Path
     assert_lock_free(tmp_path)
 
 
-def test_run_ends_what_the_command_leaves_running_before_releasing(tmp_path: Path) -> None:
+def test_run_lasts_many_ttls_and_ends_what_the_command_leaves_running(tmp_path: Path) -> None:
     pidfile = tmp_path / "background.pid"
     url = f"sqlite://{tmp_path}/locks.db"
-    result = run("run", "job", "--url", url, "--", "sh", "-c", f"sleep 60 & echo $! > {pidfile}")
-    assert result.returncode == 0, result.stderr
+    script = f"sleep 60 & echo $! > {pidfile}; sleep 4"
+    result = run("run", "job", "--url", url, "--ttl", "1", "--", "sh", "-c", script)
+    assert (result.returncode, result.stderr) == (0, "")
     assert process_gone(int(pidfile.read_text()))
 
 
@@ -302,7 +275,6 @@ def test_run_reports_a_missing_or_not_executable_command_with_127_or_126(
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho ran\n")
     script.chmod(0o644)
-    # The whole message when not found; the reason follows when not executable.
     for command, code, message in [
         ("no-such-command-asynclock", EXIT_NOT_FOUND, "command not found: {}\n"),
         (str(tmp_path / "no" / "such"), EXIT_NOT_FOUND, "command not found: {}\n"),
@@ -328,14 +300,11 @@ def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho ran\n")
     script.chmod(0o755)
-    hold = f"touch {ready}; while [ ! -e {go} ]; do sleep 0.02; done"
+    hold = f"echo up > {ready}; while [ ! -e {go} ]; do sleep 0.02; done"
     with subprocess.Popen(
         [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", hold]
     ) as holder:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert time.monotonic() < deadline, "the holder never started"
-            time.sleep(0.02)
+        wait_exists(ready, "the holder never started")
         with subprocess.Popen(
             [*ASYNCLOCK, "run", "job", "--url", url, "--", str(script)],
             stdout=subprocess.PIPE,
