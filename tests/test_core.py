@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -190,11 +191,16 @@ async def test_a_loss_the_server_proves_cancels_at_once(
     assert anyio.current_time() - started < within
 
 
-@pytest.mark.expect_log(LOST.format("[ab]", REMOVED))
-@pytest.mark.expect_log(AFTER_COMPLETION.format("a"))
-async def test_a_body_that_swallows_the_cancellation_and_returns_is_reported_not_raised(
+@pytest.mark.expect_log(LOST.format("[abc]", REMOVED))
+@pytest.mark.expect_log(AFTER_COMPLETION.format("[ac]"))
+async def test_a_body_that_swallows_the_cancellation_or_never_checks_is_reported_not_raised(
     locks: asynclock.LockClient,
 ) -> None:
+    # Loss signalled without a later checkpoint: the body's result stands.
+    async with locks.lock("c", ttl=30.0) as lease:
+        memory(locks).expire("c", notify=True)
+    assert lease.lost
+    assert lease.lost_reason == "the lock was removed on the server"
     async with locks.lock("a", ttl=30.0) as lease:
         memory(locks).expire("a", notify=True)
         try:
@@ -212,20 +218,11 @@ async def test_a_body_that_swallows_the_cancellation_and_returns_is_reported_not
             await anyio.sleep(10)
 
 
-@pytest.mark.expect_log(LOST.format("a", REMOVED))
-@pytest.mark.expect_log(AFTER_COMPLETION.format("a"))
-async def test_loss_signalled_without_a_later_checkpoint_keeps_the_result(
-    locks: asynclock.LockClient,
-) -> None:
-    async with locks.lock("a", ttl=30.0) as lease:
-        memory(locks).expire("a", notify=True)
-    assert lease.lost
-    assert lease.lost_reason == "the lock was removed on the server"
-
-
 @pytest.mark.expect_log(LOST.format("a", DEADLINE))
 @pytest.mark.expect_log(AFTER_COMPLETION.format("a"))
-async def test_a_body_that_finished_before_its_loss_was_known_keeps_its_result(
+@pytest.mark.expect_log(LOST.format("job/3", DEADLINE))
+@pytest.mark.expect_log(AFTER_COMPLETION.format("job/3"))
+async def test_a_body_or_locked_call_that_finished_before_its_loss_was_known_keeps_its_result(
     locks: asynclock.LockClient,
 ) -> None:
     # As if this process were paused past the ttl at the body's last step: the deadline passes
@@ -236,12 +233,6 @@ async def test_a_body_that_finished_before_its_loss_was_known_keeps_its_result(
     assert "local deadline" in (lease.lost_reason or "")
     assert await locks.try_acquire("a") is not None
 
-
-@pytest.mark.expect_log(LOST.format("job/3", DEADLINE))
-@pytest.mark.expect_log(AFTER_COMPLETION.format("job/3"))
-async def test_locked_keeps_the_result_of_a_call_that_finished_before_its_loss_was_known(
-    locks: asynclock.LockClient,
-) -> None:
     @asynclock.locked("job/{n}", client=locks, ttl=0.3)
     async def job(n: int) -> int:
         time.sleep(0.35)  # noqa: ASYNC251 - a pause at the call's last step
@@ -281,26 +272,31 @@ async def test_acquire_tracks_current_token_and_remaining_until_release(
     assert 8.0 < lease.remaining <= 10.0
     with pytest.raises(asynclock.NotHeld, match="'tracked'"):
         asynclock.current_token("other")
+    # The server's expiry is never before the local deadline.
+    holder = memory(locks)._store.get("tracked").holder
+    assert holder is not None
+    assert lease.deadline < holder.expires_at
     await lease.release()
     assert lease.remaining == 0.0
     with pytest.raises(asynclock.NotHeld, match="no lock is held"):
         asynclock.current_token()
 
 
-async def test_server_expiry_is_never_before_the_local_deadline(
-    locks: asynclock.LockClient,
-) -> None:
-    lease = await locks.acquire("expiry", ttl=2.0)
-    holder = memory(locks)._store.get("expiry").holder
-    assert holder is not None
-    assert lease.deadline < holder.expires_at
-    await lease.release()
-
-
-async def test_unreachable_backend_is_a_named_error() -> None:
+async def test_an_unreachable_or_silent_backend_is_a_named_error() -> None:
     client = asynclock.connect("memory://unreachable")
     memory(client).faults.unreachable = True
     with pytest.raises(asynclock.BackendUnavailable, match="unreachable"):
+        async with client:
+            pass
+
+    class Hanging(MemoryBackend):
+        async def open(self) -> None:
+            await anyio.sleep_forever()
+
+    client = asynclock.LockClient(
+        Hanging("hang"), drift=0.01, margin=None, connect_timeout=0.2, release_timeout=5
+    )
+    with pytest.raises(asynclock.BackendTimeout, match=r"did not answer within 0\.2 s"):
         async with client:
             pass
 
@@ -309,76 +305,56 @@ async def test_unreachable_backend_is_a_named_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("bad_name", "message"),
+    ("name", "options", "message"),
     [
-        ("", "must not be empty"),
-        ("x" * 10_000, "10000 bytes long"),
-        ("a\x00b", "control character"),
-        ("a\nb", "control character"),
-        ("\ud800", "not valid Unicode"),
-        (42, "must be a str"),
+        ("", {}, "must not be empty"),
+        ("x" * 10_000, {}, "10000 bytes long"),
+        ("a\x00b", {}, "control character"),
+        ("a\nb", {}, "control character"),
+        ("\ud800", {}, "not valid Unicode"),
+        (42, {}, "must be a str"),
+        ("a", {"ttl": 0}, "> 0"),
+        ("a", {"ttl": -1}, "> 0"),
+        ("a", {"ttl": float("nan")}, "finite"),
+        ("a", {"ttl": float("inf")}, "finite"),
+        ("a", {"ttl": "1"}, "number"),
+        ("a", {"timeout": -1}, ">= 0"),
+        ("a", {"timeout": float("nan")}, "finite"),
+        ("a", {"on_lost": "ignore"}, "on_lost"),
     ],
 )
-async def test_bad_names_are_refused_with_the_reason(
-    locks: asynclock.LockClient, bad_name: object, message: str
+async def test_bad_names_and_options_are_refused_with_the_reason(
+    locks: asynclock.LockClient, name: object, options: dict[str, object], message: str
 ) -> None:
-    with pytest.raises(asynclock.InvalidArgument, match=message) as info:
-        await locks.acquire(bad_name)  # type: ignore[arg-type]
-    assert isinstance(info.value, ValueError)
+    with pytest.raises(ValueError, match=message) as info:
+        await locks.acquire(name, **options)  # type: ignore[arg-type]
+    assert isinstance(info.value, asynclock.InvalidArgument)
+
+
+REDLOCK = "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
 
 
 @pytest.mark.parametrize(
-    ("option", "value", "message"),
+    ("url", "options", "error", "message"),
     [
-        ("ttl", 0, "> 0"),
-        ("ttl", -1, "> 0"),
-        ("ttl", float("nan"), "finite"),
-        ("ttl", float("inf"), "finite"),
-        ("ttl", "1", "number"),
-        ("timeout", -1, ">= 0"),
-        ("timeout", float("nan"), "finite"),
-        ("on_lost", "ignore", "on_lost"),
+        ("", {}, asynclock.InvalidURL, "not a lock URL"),
+        ("127.0.0.1:6379", {}, asynclock.InvalidURL, "not a lock URL"),
+        ("mysql://127.0.0.1", {}, asynclock.InvalidURL, "unknown lock backend 'mysql'"),
+        ("memory://x?a=1&a=2", {}, asynclock.InvalidURL, "given twice"),
+        ("sqlite://", {}, asynclock.InvalidURL, "needs a database file"),
+        ("sqlite:///tmp/x.db?synchronous=maybe", {}, asynclock.InvalidURL, "synchronous"),
+        ("memory://x", {"bogus": 1}, asynclock.InvalidArgument, "bogus"),
+        ("memory://x?bogus=1", {}, asynclock.InvalidArgument, "bogus"),
+        ("memory://x", {"require": ["quorum"]}, asynclock.UnsupportedFeature, "quorum"),
+        ("memory://x", {"require": ["magic"]}, asynclock.InvalidArgument, "unknown capabilities"),
+        (REDLOCK, {"require": ["semaphores"]}, asynclock.UnsupportedFeature, "semaphores"),
     ],
 )
-async def test_bad_options_are_refused(
-    locks: asynclock.LockClient, option: str, value: object, message: str
+def test_bad_urls_options_and_requirements_are_refused_with_the_reason(
+    url: str, options: dict[str, Any], error: type[Exception], message: str
 ) -> None:
-    with pytest.raises(asynclock.InvalidArgument, match=message):
-        await locks.acquire("a", **{option: value})  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("url", "message"),
-    [
-        ("", "not a lock URL"),
-        ("127.0.0.1:6379", "not a lock URL"),
-        ("mysql://127.0.0.1", "unknown lock backend 'mysql'"),
-        ("memory://x?a=1&a=2", "given twice"),
-        ("sqlite://", "needs a database file"),
-        ("sqlite:///tmp/x.db?synchronous=maybe", "synchronous"),
-    ],
-)
-def test_bad_urls_are_refused_with_the_reason(url: str, message: str) -> None:
-    with pytest.raises(asynclock.InvalidURL, match=message):
-        asynclock.connect(url)
-
-
-def test_unknown_options_are_refused() -> None:
-    with pytest.raises(asynclock.InvalidArgument, match="bogus"):
-        asynclock.connect("memory://x", bogus=1)
-    with pytest.raises(asynclock.InvalidArgument, match="bogus"):
-        asynclock.connect("memory://x?bogus=1")
-
-
-def test_require_refuses_a_backend_without_the_capability() -> None:
-    with pytest.raises(asynclock.UnsupportedFeature, match="quorum"):
-        asynclock.connect("memory://x", require=["quorum"])
-    with pytest.raises(asynclock.InvalidArgument, match="unknown capabilities"):
-        asynclock.connect("memory://x", require=["magic"])
-    # The primitives are capabilities too.
-    asynclock.connect("memory://x", require=["shared_locks", "semaphores", "elections"])
-    with pytest.raises(asynclock.UnsupportedFeature, match="semaphores"):
-        asynclock.connect("redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", require=["semaphores"])
+    with pytest.raises(error, match=message):
+        asynclock.connect(url, **options)
 
 
 async def test_a_margin_that_leaves_no_room_to_renew_is_refused() -> None:
@@ -403,7 +379,7 @@ def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 
 def test_public_names_match_all() -> None:
-    # ("@py_..." names come from pytest's assertion rewriting of the installed plugin's package.)
+    # "@py_..." names: pytest's assertion rewriting of the installed plugin's package.
     public = {name for name in dir(asynclock) if not name.startswith(("_", "@"))}
     modules = {"abc", "backends", "extras", "fencing", "integrations", "otel"}
     assert isinstance(asynclock.__all__, tuple)
@@ -435,21 +411,20 @@ async def test_exceptions_from_the_body_and_the_client_block_propagate_unwrapped
         "memory://x",
         "sqlite:///tmp/x.db",
         "redis://127.0.0.1:1/0",
-        "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0",
+        f"{REDLOCK}/0",
         "etcd://127.0.0.1:1",
         "zookeeper://127.0.0.1:1/chroot",
         "postgresql://u@127.0.0.1:1/db",
     ],
 )
 def test_clients_can_be_made_without_an_event_loop(url: str) -> None:
-    """Made at import time or in sync set-up code; nothing connects until `async with`."""
     client = asynclock.connect(url)
     assert client.capabilities is not None
+    # The primitives are capabilities too.
+    asynclock.connect("memory://x", require=["shared_locks", "semaphores", "elections"])
 
 
 class _BackendWithTasks(MemoryBackend):
-    """A backend that enters a task group in open() and leaves it in aclose()."""
-
     async def open(self) -> None:
         self._group = anyio.create_task_group()
         await self._group.__aenter__()
@@ -468,21 +443,8 @@ async def test_a_backend_may_own_a_task_group_from_open_to_aclose() -> None:
         pass
 
 
-async def test_a_backend_that_never_answers_times_out_with_a_named_error() -> None:
-    class Hanging(MemoryBackend):
-        async def open(self) -> None:
-            await anyio.sleep_forever()
-
-    client = asynclock.LockClient(
-        Hanging("hang"), drift=0.01, margin=None, connect_timeout=0.2, release_timeout=5
-    )
-    with pytest.raises(asynclock.BackendTimeout, match=r"did not answer within 0\.2 s"):
-        async with client:
-            pass
-
-
 @pytest.mark.expect_log(RELEASE_DEFERRED)
-async def test_a_release_the_server_does_not_answer_goes_on_in_the_background() -> None:
+async def test_an_unanswered_release_goes_on_in_the_background_until_the_client_closes() -> None:
     namespace = f"memory://core-{uuid.uuid4().hex[:8]}"
     async with (
         asynclock.connect(namespace, release_timeout=0.2) as locks,
@@ -499,11 +461,6 @@ async def test_a_release_the_server_does_not_answer_goes_on_in_the_background() 
             while (probe := await other.try_acquire("a", ttl=5.0)) is None:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         await probe.release()
-
-
-@pytest.mark.expect_log(RELEASE_DEFERRED)
-async def test_closing_the_client_stops_background_releases_after_release_timeout() -> None:
-    namespace = f"memory://core-{uuid.uuid4().hex[:8]}"
     started = anyio.current_time()
     async with asynclock.connect(namespace, release_timeout=0.2) as locks:
         lease = await locks.acquire("a", ttl=5.0)
