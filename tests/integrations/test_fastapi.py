@@ -1,6 +1,5 @@
-"""What only ``asynclock.integrations.fastapi`` does, on a real FastAPI app served by uvicorn and
-called by httpx: its endpoint parameters, its dependency, its middleware, its lifespan, its route
-order. What it does like the aiohttp integration is in test_web.py."""
+"""What only the FastAPI integration does (endpoint parameters, dependency, middleware, lifespan,
+route order), served by uvicorn and called by httpx; what it shares with aiohttp is in test_web.py."""
 
 from __future__ import annotations
 
@@ -132,16 +131,6 @@ def no_client() -> asynclock.LockClient:
     raise AssertionError("the lock client is only needed when a request comes in")
 
 
-def test_a_template_field_that_is_no_parameter_is_reported_when_the_endpoint_is_defined() -> None:
-    with pytest.raises(asynclock.InvalidArgument, match="order_id, which is not a parameter"):
-
-        @locked("orders/{order_id}", client=no_client)
-        async def typo(orderid: int) -> None: ...
-
-    with pytest.raises(asynclock.InvalidArgument, match="retry_after must be whole seconds"):
-        lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[arg-type]
-
-
 async def test_the_dependency_refuses_a_sync_endpoint(locks: asynclock.LockClient) -> None:
     app = FastAPI()
 
@@ -159,16 +148,12 @@ async def test_the_dependency_refuses_a_sync_endpoint(locks: asynclock.LockClien
             await http.get("/sync/1")
 
 
-# -- a body that completed keeps its response -------------------------------------------------------
-
-
 @pytest.mark.expect_log(r"lease on 'orders/5' (was )?lost")
 @pytest.mark.parametrize(("path", "status"), [("response", 201), ("own", 200)])
 async def test_a_completed_body_keeps_the_response_it_made_and_reports_the_loss(
     locks: asynclock.LockClient, path: str, status: int
 ) -> None:
-    """Each endpoint blocks the event loop past its 0.2 s ttl, then returns: no checkpoint in
-    between, so the loss is only known once the body has completed (a paused process)."""
+    # Each endpoint blocks the loop past its ttl (a paused process), then returns unchecked.
     app = FastAPI()
     app.add_middleware(LeaseLossHeaders)
 
@@ -214,10 +199,14 @@ async def test_the_dependency_reports_the_loss_only_through_the_middleware(
     assert LEASE_LOST_HEADER not in answer.headers  # FastAPI built the response already
 
 
-# -- @locked in the wrong order --------------------------------------------------------------------
+def test_a_typo_or_locked_above_the_route_decorator_fails_at_import() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="order_id, which is not a parameter"):
 
+        @locked("orders/{order_id}", client=no_client)
+        async def typo(orderid: int) -> None: ...
 
-def test_locked_above_the_route_decorator_fails_at_import() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="retry_after must be whole seconds"):
+        lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[arg-type]
     locks = no_client
     app = FastAPI()
     router = APIRouter()
