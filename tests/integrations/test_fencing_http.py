@@ -1,8 +1,5 @@
-"""Fencing tokens across services: header parsing, the outgoing hooks and the checking middlewares.
-
-End to end on real servers: uvicorn (ASGI ``FencingMiddleware``) and aiohttp
-(``aiohttp_fencing_middleware``), called through httpx and aiohttp clients.
-"""
+"""Fencing tokens across services: header parsing, the outgoing hooks and the checking middlewares
+(ASGI on uvicorn, aiohttp), end to end through httpx and aiohttp clients."""
 
 from __future__ import annotations
 
@@ -51,21 +48,15 @@ def test_parse_token_accepts_decimal_integers(value: str, token: int) -> None:
     assert parse_token(value) == token
 
 
+# "\u0663" (ARABIC-INDIC DIGIT THREE) and "\uff11" (FULLWIDTH ONE) are isdigit(), not ASCII.
+NOT_DECIMAL = ["-1", "+1", " 1", "1 ", "1.0", "1e3", "0x10", "1_000", "\u0663", "\uff11", "abc"]
+
+
 @pytest.mark.parametrize(
     ("value", "why"),
     [
         ("", "empty"),
-        ("-1", "not a decimal integer"),
-        ("+1", "not a decimal integer"),
-        (" 1", "not a decimal integer"),
-        ("1 ", "not a decimal integer"),
-        ("1.0", "not a decimal integer"),
-        ("1e3", "not a decimal integer"),
-        ("0x10", "not a decimal integer"),
-        ("1_000", "not a decimal integer"),
-        ("\u0663", "not a decimal integer"),  # ARABIC-INDIC DIGIT THREE: isdigit(), not ASCII
-        ("\uff11", "not a decimal integer"),  # FULLWIDTH DIGIT ONE
-        ("abc", "not a decimal integer"),
+        *[(value, "not a decimal integer") for value in NOT_DECIMAL],
         ("1,2", "several values"),
         ("1, 2", "several values"),
         (str(2**63), "larger than 2\\*\\*63-1"),
@@ -77,22 +68,24 @@ def test_parse_token_refuses_everything_else(value: str, why: str) -> None:
         parse_token(value)
 
 
-def test_lock_names_survive_the_header_round_trip() -> None:
+def test_lock_names_survive_the_header_round_trip_and_header_names_are_checked() -> None:
     for name in ["orders/42", "ünïcödé/✓", "a b,c;d%e", "100%", "x" * 512]:
         encoded = fencing.encode_lock_name(name)
         assert encoded.isascii()
         assert "/" not in encoded and "," not in encoded and " " not in encoded
         assert parse_lock_name(encoded) == name
+    with pytest.raises(asynclock.InvalidArgument, match="HTTP header name"):
+        httpx_request_hook(header="Fencing Token")
+    with pytest.raises(asynclock.InvalidArgument, match="HTTP header name"):
+        aiohttp_client_middleware(lock_header="")
 
 
 @pytest.mark.parametrize(
     ("value", "why"),
     [
         ("", "empty"),
-        ("%zz", "not percent-encoded"),
-        ("50%", "not percent-encoded"),
-        ("caf\u00e9", "not percent-encoded"),  # raw non-ASCII (latin-1 decoded header bytes)
-        ("a b", "not percent-encoded"),
+        # "caf\u00e9": raw non-ASCII (latin-1 decoded header bytes)
+        *[(value, "not percent-encoded") for value in ["%zz", "50%", "caf\u00e9", "a b"]],
         ("%FF%FE", "UTF-8"),
         ("%0A", "control character"),
         ("x" * 513, "bytes long"),
@@ -101,13 +94,6 @@ def test_lock_names_survive_the_header_round_trip() -> None:
 def test_parse_lock_name_refuses_bad_values(value: str, why: str) -> None:
     with pytest.raises(asynclock.InvalidArgument, match=why):
         parse_lock_name(value)
-
-
-def test_header_names_are_checked() -> None:
-    with pytest.raises(asynclock.InvalidArgument, match="HTTP header name"):
-        httpx_request_hook(header="Fencing Token")
-    with pytest.raises(asynclock.InvalidArgument, match="HTTP header name"):
-        aiohttp_client_middleware(lock_header="")
 
 
 # -- the outgoing side ---------------------------------------------------------------------------
@@ -135,9 +121,7 @@ async def test_fencing_headers_follow_the_lock_held_in_this_context(
     assert fencing.fencing_headers() == {}
 
 
-class NoTokenBackend(MemoryBackend):
-    """A memory backend that says it has no sound tokens, as Redlock does."""
-
+class NoTokenBackend(MemoryBackend):  # no sound tokens, as Redlock
     capabilities = Capabilities(
         fencing=False, fifo=True, loss_detection=True, quorum=True, cross_process=False
     )
@@ -236,8 +220,6 @@ ServiceMaker = Callable[..., AbstractAsyncContextManager[Service]]
 
 @pytest.fixture(params=["uvicorn", "aiohttp"])
 def service(request: pytest.FixtureRequest) -> ServiceMaker:
-    """A service with a fencing middleware, on uvicorn (ASGI) or aiohttp."""
-
     @asynccontextmanager
     async def start(guard: fencing.Guard | None, **options: Any) -> AsyncIterator[Service]:
         seen: list[Seen] = []
@@ -256,7 +238,6 @@ Post = Callable[..., Awaitable[tuple[int, Any]]]
 
 @pytest.fixture(params=["httpx", "aiohttp"])
 async def post(request: pytest.FixtureRequest) -> AsyncIterator[Post]:
-    """POST with an httpx client (request hook) or an aiohttp session (client middleware)."""
     if request.param == "httpx":
         async with httpx.AsyncClient(event_hooks={"request": [httpx_request_hook()]}) as http:
 
@@ -313,7 +294,7 @@ async def test_a_stale_token_from_a_paused_holder_is_refused_after_a_newer_one(
 async def test_service_a_holds_the_lock_and_service_b_sees_its_token(
     locks: asynclock.LockClient, service: ServiceMaker
 ) -> None:
-    """A (FastAPI + @locked, calling B with httpx) and B (the fencing service) on real servers."""
+    # A: FastAPI + @locked, calling B (the fencing service) with httpx.
     async with (
         service(MemoryGuard()) as b,
         httpx.AsyncClient(event_hooks={"request": [httpx_request_hook()]}) as http,
@@ -378,8 +359,7 @@ async def test_custom_headers_resource_and_no_guard(service: ServiceMaker) -> No
     assert [answer.json()["token"] for answer in unchecked] == [9, 2]
 
 
-def _tenant_of(request: Any) -> str:
-    """The resource from an X-Tenant header, for an ASGI scope or an aiohttp request."""
+def _tenant_of(request: Any) -> str:  # an ASGI scope or an aiohttp request
     if isinstance(request, web.BaseRequest):
         return "tenant/" + request.headers["X-Tenant"]
     headers = dict(request["headers"])
@@ -389,18 +369,13 @@ def _tenant_of(request: Any) -> str:
 @pytest.mark.parametrize(
     "headers",
     [
-        [("Fencing-Token", "abc")],
-        [("Fencing-Token", "-1")],
-        [("Fencing-Token", "+1")],
-        [("Fencing-Token", "1.5")],
-        [("Fencing-Token", str(2**63))],
-        [("Fencing-Token", "9" * 400)],
-        [("Fencing-Token", "")],
-        [("Fencing-Token", "1, 2")],
+        *[
+            [("Fencing-Token", token)]
+            for token in ["abc", "-1", "+1", "1.5", str(2**63), "9" * 400]
+        ],
+        *[[("Fencing-Token", token)] for token in ["", "1, 2"]],
         [("Fencing-Token", "1"), ("Fencing-Token", "2")],
-        [("Fencing-Token", "1"), ("Fencing-Lock", "%zz")],
-        [("Fencing-Token", "1"), ("Fencing-Lock", "%FF")],
-        [("Fencing-Token", "1"), ("Fencing-Lock", "")],
+        *[[("Fencing-Token", "1"), ("Fencing-Lock", name)] for name in ["%zz", "%FF", ""]],
         [("Fencing-Token", "1"), ("Fencing-Lock", "a"), ("Fencing-Lock", "b")],
     ],
     ids=lambda headers: "+".join(f"{key}={value[:12]!r}" for key, value in headers),
@@ -419,20 +394,16 @@ async def test_bad_headers_are_a_400_not_a_crash(
     assert guard.highest("/x") == 1
 
 
-async def test_raw_non_ascii_header_bytes_are_a_400(service: ServiceMaker) -> None:
+async def test_raw_non_ascii_is_a_400_and_the_token_does_not_leak_past_the_request(
+    service: ServiceMaker,
+) -> None:
+    assert incoming_token() is None
     async with service(MemoryGuard()) as b, httpx.AsyncClient() as http:
         digits = await http.post(f"{b.url}/x", headers=[(b"Fencing-Token", "\u0661".encode())])
         name = await http.post(
             f"{b.url}/x", headers=[(b"Fencing-Token", b"1"), (b"Fencing-Lock", "é".encode())]
         )
-    assert digits.status_code == 400
-    assert name.status_code == 400
-    assert b.seen == []
-
-
-async def test_the_token_does_not_leak_past_the_request(service: ServiceMaker) -> None:
-    assert incoming_token() is None
-    async with service(MemoryGuard()) as b, httpx.AsyncClient() as http:
+        assert (digits.status_code, name.status_code, b.seen) == (400, 400, [])
         await http.post(f"{b.url}/x", headers={"Fencing-Token": "4"})
         await http.post(f"{b.url}/x")
     assert [record.token for record in b.seen] == [4, None]
