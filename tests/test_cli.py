@@ -268,9 +268,7 @@ def test_run_lasts_many_ttls_and_ends_what_the_command_leaves_running(tmp_path: 
     assert process_gone(int(pidfile.read_text()))
 
 
-def test_run_reports_a_missing_or_not_executable_command_with_127_or_126(
-    tmp_path: Path,
-) -> None:
+def test_run_reports_a_missing_or_not_executable_command_with_127_or_126(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho ran\n")

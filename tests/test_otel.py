@@ -222,14 +222,10 @@ async def test_failed_renewals_and_the_connection_states_they_cause(
         {"asynclock.backend": "memory", "asynclock.outcome": "failed"}
     ]
     suspended = telemetry.point(
-        "asynclock.connection.state_changes",
-        state="suspended",
-        previous="connected",
+        "asynclock.connection.state_changes", state="suspended", previous="connected"
     )
     reconnected = telemetry.point(
-        "asynclock.connection.state_changes",
-        state="reconnected",
-        previous="suspended",
+        "asynclock.connection.state_changes", state="reconnected", previous="suspended"
     )
     assert suspended.value == reconnected.value == 1
     assert not telemetry.points("asynclock.leases.lost")

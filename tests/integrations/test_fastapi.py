@@ -41,9 +41,7 @@ async def test_fastapi_still_sees_the_endpoint_parameters(locks: asynclock.LockC
     @app.post("/shops/{shop_id}/pay")
     @locked("shops/{shop_id}/{payment.account}/{currency}", client=locks, busy_status=409)
     async def pay(
-        shop_id: int,
-        payment: Payment,
-        currency: Annotated[str, Query(max_length=3)] = "EUR",
+        shop_id: int, payment: Payment, currency: Annotated[str, Query(max_length=3)] = "EUR"
     ) -> dict[str, Any]:
         seen.append(asynclock.current_lease().name)
         return {"shop": shop_id, "amount": payment.amount, "currency": currency}
