@@ -1,8 +1,5 @@
-"""Smoke test of the benchmark harness (issue #9): its shortest run, on the embedded backend.
-
-A benchmark is not a timed test: nothing here checks how fast anything is, only that every
-measurement ran and produced a well-formed, sane record.
-"""
+"""The benchmark harness (issues #9, #18): nothing here checks how fast anything is, only that
+every measurement ran and produced a well-formed, sane record."""
 
 from __future__ import annotations
 
@@ -49,8 +46,10 @@ def check_summary(summary: dict[str, Any]) -> None:
     assert summary["max_ms"] < 60_000
 
 
-def test_the_run_records_where_and_with_what_it_ran(results: tuple[dict[str, Any], Path]) -> None:
-    data, _ = results
+def test_the_smoke_run_records_sane_numbers_and_a_report(
+    results: tuple[dict[str, Any], Path],
+) -> None:
+    data, out = results
     assert data["schema"] == 1
     assert data["settings"]["mode"] == "smoke"
     assert positive(data["machine"]["cpus"])
@@ -61,11 +60,7 @@ def test_the_run_records_where_and_with_what_it_ran(results: tuple[dict[str, Any
     assert list(data["backends"]) == ["sqlite"]
     assert data["peers"] == {}
 
-
-def test_every_phase_of_the_embedded_backend_produced_sane_numbers(
-    results: tuple[dict[str, Any], Path],
-) -> None:
-    entry = results[0]["backends"]["sqlite"]
+    entry = data["backends"]["sqlite"]
     assert entry["status"] == "measured"
     assert entry["capabilities"]["cross_process"] is True
     for key in ("floor", "pair", "uncontended"):
@@ -99,9 +94,6 @@ def test_every_phase_of_the_embedded_backend_produced_sane_numbers(
     assert positive(memory["bytes_per_held_lock"])
     assert positive(memory["bytes_per_waiter"])
 
-
-def test_the_report_has_the_tables_and_the_targets(results: tuple[dict[str, Any], Path]) -> None:
-    data, out = results
     report = (out / "latest.md").read_text()
     for heading in ("## Uncontended", "## Contention: tasks", "## Renewal", "## Targets"):
         assert heading in report
@@ -111,8 +103,16 @@ def test_the_report_has_the_tables_and_the_targets(results: tuple[dict[str, Any]
     assert all(row["met"] is None for row in data["targets"])
 
 
-def test_the_targets_say_met_missed_by_how_much_or_why_not_measured() -> None:
+def test_the_targets_say_met_missed_by_how_much_or_why_not_measured_and_cells_their_n() -> None:
     from benchmarks._goals import evaluate
+    from benchmarks._screen import percentile_cell
+
+    summary = {"n": 40, "p50_ms": 1.25, "p99_ms": 9.5}
+    assert percentile_cell(summary, "p99_ms") == "p99 n/a (n=40)"
+    assert percentile_cell(summary, "p50_ms") == "1.25"
+    assert percentile_cell({"n": 4, "p50_ms": 1.0}, "p50_ms") == "p50 n/a (n=4)"
+    assert percentile_cell({**summary, "n": 100}, "p99_ms") == "9.5"
+    assert percentile_cell({"skipped": "no time"}, "p50_ms") == "skipped"
 
     def contention(contenders: int, per_second: float, p50: float, p99: float) -> dict[str, Any]:
         return {
@@ -161,14 +161,12 @@ def test_the_targets_say_met_missed_by_how_much_or_why_not_measured() -> None:
 
 
 # -- the main job's quick run: every backend within a small budget (issue #18) ---------------
-
-#: The seven backends, in the order the run measures them and the table lists them.
 SEVEN = ["memory", "sqlite", "redis", "redlock", "etcd", "zookeeper", "postgres"]
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
-    """``bench --quick`` as scripts/main runs it, with a budget a fifth of the main job's."""
+    # As scripts/main runs it, with a budget a fifth of the main job's.
     out = tmp_path_factory.mktemp("quick")
     command = [sys.executable, "-m", "asynclock", "bench", "--quick", "--budget", "10"]
     completed = subprocess.run(
@@ -185,7 +183,6 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
-    """The summary table's rows on stdout, by their first cell (header and rule left out)."""
     lines = [line for line in stdout.splitlines() if line.startswith("| ")]
     cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
     return {row[0]: row for row in cells}
@@ -219,14 +216,3 @@ def test_the_quick_run_lists_all_seven_backends_in_one_table(
     # Every server the run started says how long it took to start.
     assert set(data["servers"]["started"]) <= {"redis", "redlock", "etcd", "zookeeper", "postgres"}
     assert all(positive(seconds) for seconds in data["servers"]["started"].values())
-
-
-def test_a_cell_with_too_few_samples_says_so() -> None:
-    from benchmarks._screen import percentile_cell
-
-    summary = {"n": 40, "p50_ms": 1.25, "p99_ms": 9.5}
-    assert percentile_cell(summary, "p99_ms") == "p99 n/a (n=40)"
-    assert percentile_cell(summary, "p50_ms") == "1.25"
-    assert percentile_cell({"n": 4, "p50_ms": 1.0}, "p50_ms") == "p50 n/a (n=4)"
-    assert percentile_cell({**summary, "n": 100}, "p99_ms") == "9.5"
-    assert percentile_cell({"skipped": "no time"}, "p50_ms") == "skipped"

@@ -92,7 +92,7 @@ def test_a_missing_server_names_the_apt_package_and_fails_only_on_ci(
     assert ("CI is set" in done.stdout) == bool(ci)
 
 
-def test_plugin_import_is_cheap() -> None:
+def test_plugin_import_is_cheap_and_public_names_are_documented() -> None:
     drivers = ("redis", "aetcd", "aiozk", "asyncpg", "grpc")
     code = (
         "import sys, asynclock.testing._plugin\n"
@@ -102,9 +102,6 @@ def test_plugin_import_is_cheap() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
-
-
-def test_public_names() -> None:
     assert isinstance(asynclock.testing.__all__, tuple)
     assert sorted(asynclock.testing.__all__) == list(asynclock.testing.__all__)
     for name in asynclock.testing.__all__:

@@ -23,9 +23,7 @@ NO_REPLY = 0.3
 
 
 @dataclass
-class Echo:
-    """A TCP echo server that records what reached it."""
-
+class Echo:  # a TCP echo server that records what reached it
     port: int = 0
     received: bytearray = field(default_factory=bytearray)
     accepted: int = 0
@@ -213,7 +211,7 @@ async def test_a_real_client_times_out_on_blackhole_and_drop_replies_and_fails_o
             assert await client.ping()
 
 
-async def test_drop_replies_with_echo_server() -> None:
+async def test_drop_replies_delivers_requests_and_loses_replies() -> None:
     async with proxied_echo() as (echo, proxy):
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             proxy.drop_replies()
@@ -225,7 +223,7 @@ async def test_drop_replies_with_echo_server() -> None:
             await round_trip(stream, b"next")
 
 
-async def test_cut_heals_after_the_given_time() -> None:
+async def test_cut_heals_after_the_given_time_to_the_previous_mode_unless_changed() -> None:
     async with proxied_echo() as (_, proxy):
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             await round_trip(stream)
@@ -235,10 +233,6 @@ async def test_cut_heals_after_the_given_time() -> None:
                 took = await round_trip(stream)
             assert 0.95 <= took < 2.0
             assert mode_of(proxy) == "pass_through"
-
-
-async def test_cut_restores_the_previous_mode_unless_changed_meanwhile() -> None:
-    async with proxied_echo() as (_, proxy):
         proxy.delay(10)
         proxy.cut(0.1)
         await wait_until(lambda: mode_of(proxy) == "delay", timeout=2)

@@ -44,8 +44,6 @@ PAUSED_WAIT = 0.4
 
 @dataclass
 class Store:
-    """One client of a server: it writes and reads one value, and shows a frozen server."""
-
     put: Callable[[str, bytes], Awaitable[object]]
     get: Callable[[str], Awaitable[bytes | None]]
     frozen: type[BaseException] = TimeoutError  # what a call to a paused server raises
@@ -201,7 +199,7 @@ async def test_redis_fake_clock_jumps_at_run_time() -> None:
             assert abs(seconds - (time.time() - 3540)) < 2
 
 
-def test_redis_fake_clock_and_pause_argument_checks() -> None:
+def test_redis_start_offset_units_a_jump_before_start_and_argument_checks() -> None:
     with pytest.raises(ValueError, match="relative offset"):
         RedisServer(faketime="@2020-01-01 00:00:00")
     server = RedisServer()
@@ -210,19 +208,14 @@ def test_redis_fake_clock_and_pause_argument_checks() -> None:
     with pytest.raises(RuntimeError, match="not running"):
         server.pause()
     server.stop()
-
-
-def test_redis_start_offset_units_and_a_jump_before_start() -> None:
     server = RedisServer(faketime="-1.5h")
     assert server.clock_offset == -5400
     server.jump_clock(60)
     with server:
         assert server.clock_offset == -5340
+        cli = find_binary("redis-cli", "redis-tools")
         answer = subprocess.run(
-            [find_binary("redis-cli", "redis-tools"), "-p", str(server.port), "TIME"],
-            capture_output=True,
-            text=True,
-            check=True,
+            [cli, "-p", str(server.port), "TIME"], capture_output=True, text=True, check=True
         )
         assert abs(int(answer.stdout.split()[0]) - (time.time() - 5340)) < 2
 
@@ -245,16 +238,13 @@ class _Crashing(SingleServer):
         return False
 
 
-def test_start_error_carries_the_log_and_leaves_nothing() -> None:
+def test_a_start_error_or_timeout_carries_the_log_and_leaves_nothing() -> None:
     server = _Crashing("echo 'fatal: boom-marker' >&2; exit 3")
     with pytest.raises(ServerStartError, match="status 3") as caught:
         server.start()
     assert "boom-marker" in str(caught.value)
     assert server._resources.directory is None
     assert not server.is_running
-
-
-def test_start_timeout_kills_the_process() -> None:
     server = _Crashing("echo still-starting; exec sleep 60", start_timeout=0.3)
     start = time.monotonic()
     with pytest.raises(ServerStartError, match=r"did not serve within 0\.3 s") as caught:
@@ -275,14 +265,13 @@ def test_first_start_moves_to_another_port_when_its_port_is_taken() -> None:
             assert server.is_running
 
 
-def test_find_binary_names_the_apt_package() -> None:
+def test_find_binary_names_the_apt_package_and_prefers_the_newest_versioned_dir(
+    tmp_path: Path,
+) -> None:
     with pytest.raises(ServerNotInstalled, match="apt-get install some-package") as caught:
         find_binary("asynclock-no-such-binary", "some-package")
     assert caught.value.apt_package == "some-package"
     assert find_binary("sh", "dash").endswith("/sh")
-
-
-def test_find_binary_prefers_the_newest_versioned_dir(tmp_path: Path) -> None:
     # Like /usr/lib/postgresql/<major>/bin, which Debian keeps out of PATH.
     for version in ("9.6", "15", "13"):
         program = tmp_path / version / "bin" / "asynclock-fake-initdb"
