@@ -39,11 +39,8 @@ async def test_memory_guard_refuses_older_tokens_and_keeps_the_value_strict_each
     await strict.check("r", 3)
     with pytest.raises(StaleToken):
         await strict.check("r", 3)
-
-
-async def test_a_read_through_the_guard_fences_a_read_modify_write() -> None:
-    """DESIGN §5: B (token 6) is paused; C (token 7) reads; B's late write must be refused."""
-    guard = MemoryGuard()
+    # DESIGN §5, a read through the guard fences a read-modify-write: B (token 6) is paused,
+    # C (token 7) reads, B's late write is refused.
     await guard.write("balance", 100, token=5)
     value = await guard.read("balance", token=7)  # C reads with the newer token
     with pytest.raises(StaleToken):
@@ -143,7 +140,9 @@ def test_postgres_guards_refuse_unsafe_identifiers_and_bad_permits() -> None:
 # -- Redis -------------------------------------------------------------------------------------
 
 
-async def test_redis_guard_runs_the_command_only_for_a_fresh_token(redis_client: Any) -> None:
+async def test_redis_guard_runs_the_command_only_for_a_fresh_token_beyond_float_precision(
+    redis_client: Any,
+) -> None:
     prefix = f"test:{uuid.uuid4().hex[:8]}:"
     guard = RedisGuard(redis_client, prefix=prefix)
     key = prefix + "value"
@@ -153,18 +152,12 @@ async def test_redis_guard_runs_the_command_only_for_a_fresh_token(redis_client:
     assert (info.value.token, info.value.highest) == (4, 5)
     assert await redis_client.get(key) == b"by 5"
     assert await guard.call("r", "GET", key, token=5) == b"by 5"
-    await redis_client.delete(key, prefix + "r")
-
-
-async def test_redis_guard_compares_tokens_beyond_float_precision(redis_client: Any) -> None:
-    prefix = f"test:{uuid.uuid4().hex[:8]}:"
-    guard = RedisGuard(redis_client, prefix=prefix)
     big = 2**60 + 1
-    await guard.check("r", big)
+    await guard.check("big", big)
     with pytest.raises(StaleToken):
-        await guard.check("r", big - 1)  # equal as doubles, but older
-    await guard.check("r", big)
+        await guard.check("big", big - 1)  # equal as doubles, but older
+    await guard.check("big", big)
     strict = RedisGuard(redis_client, prefix=prefix, strict=True)
     with pytest.raises(StaleToken):
-        await strict.check("r", big)
-    await redis_client.delete(prefix + "r")
+        await strict.check("big", big)
+    await redis_client.delete(key, prefix + "r", prefix + "big")

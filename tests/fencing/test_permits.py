@@ -36,9 +36,7 @@ async def test_admits_up_to_n_tokens_and_evicts_the_oldest_for_a_newer_one() -> 
     assert guard.rejected == 1
     await guard.check("other", 1)  # resources are independent
     assert (guard.admitted("other"), guard.admitted("r")) == ((1,), (2, 3, 4))
-
-
-async def test_a_token_older_than_every_admitted_one_is_refused_when_full() -> None:
+    # A token older than every admitted one is refused when full.
     guard = MemorySemaphoreGuard(2)
     await guard.check("r", 5)
     await guard.check("r", 6)
@@ -60,9 +58,7 @@ async def test_leaving_frees_the_slot_and_the_token_never_comes_back() -> None:
     await guard.leave("r", 1)
     await guard.leave("r", 1)  # idempotent
     assert guard.admitted("r") == ()
-
-
-async def test_a_slot_is_freed_even_when_the_block_is_cancelled() -> None:
+    # A slot is freed even when the block is cancelled.
     guard = MemorySemaphoreGuard(1)
     with anyio.move_on_after(0.01):
         async with guard.entered("r", 1):
@@ -110,14 +106,6 @@ def test_departed_tokens_stay_bounded_and_spare_a_long_holder() -> None:
     assert slots.admit(1) is None
 
 
-async def test_takes_the_token_of_the_lease_in_this_context() -> None:
-    guard = MemorySemaphoreGuard(2)
-    async with asynclock.connect("memory://permits-guard") as locks:
-        async with locks.lock("job") as lease:
-            assert await guard.check("out") == lease.token
-            await guard.leave("out")
-
-
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5])
 def test_permits_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(asynclock.InvalidArgument):
@@ -151,6 +139,9 @@ async def test_postgres_semaphore_guard_admits_n_and_evicts_the_oldest(pg: Any) 
 async def test_with_a_real_semaphore_a_holder_that_never_left_is_evicted_by_a_newer_one() -> None:
     guard = MemorySemaphoreGuard(2)
     async with asynclock.connect("memory://permits-guard-sem") as locks:
+        async with locks.lock("job") as lease:  # the token of the lease in this context
+            assert await guard.check("job-out") == lease.token
+            await guard.leave("job-out")
         sem = locks.semaphore("renderers", permits=2)
         crashed = await sem.acquire(ttl=5)
         await guard.check("out", crashed.token)
