@@ -16,9 +16,6 @@ from ._servers import memory
 pytestmark = pytest.mark.anyio
 
 
-# -- the queue integrations' decorators, called as their workers call them -----------------------
-
-
 async def hold_elsewhere(locks: asynclock.LockClient, name: str) -> asynclock.Lease:
     lease = await locks.try_acquire(name)
     assert lease is not None
@@ -51,6 +48,18 @@ async def test_arq_defers_a_busy_job_with_retry_and_jitter(locks: asynclock.Lock
     await holder.release()
     assert await charge({"job_try": 2, "asynclock": locks}, 7) == 7
 
+    # A timeout from the job's own lock is its error, not a deferral.
+    @arq.locked("outer-{n}")
+    async def job(ctx: dict[str, Any], n: int) -> None:
+        async with locks.lock("inner", timeout=0):
+            pass
+
+    holder = await hold_elsewhere(locks, "inner")
+    with pytest.raises(asynclock.AcquireTimeout) as inner:
+        await job({"job_try": 1, "asynclock": locks}, 1)
+    assert inner.value.name == "inner"
+    await holder.release()
+
 
 async def test_arq_waits_for_the_lock_on_the_last_try_instead_of_failing(
     locks: asynclock.LockClient,
@@ -73,23 +82,6 @@ async def test_arq_waits_for_the_lock_on_the_last_try_instead_of_failing(
         assert result == []  # waiting, not deferred (arq would fail a 4th try)
         await holder.release()
     assert result == ["charged 8"]
-
-
-async def test_a_timeout_from_the_jobs_own_lock_is_its_error_not_a_deferral(
-    locks: asynclock.LockClient,
-) -> None:
-    from asynclock.integrations import arq
-
-    @arq.locked("outer-{n}")
-    async def job(ctx: dict[str, Any], n: int) -> None:
-        async with locks.lock("inner", timeout=0):
-            pass
-
-    holder = await hold_elsewhere(locks, "inner")
-    with pytest.raises(asynclock.AcquireTimeout) as caught:
-        await job({"job_try": 1, "asynclock": locks}, 1)
-    assert caught.value.name == "inner"
-    await holder.release()
 
 
 @pytest.mark.expect_log(r"lease on 'slow-1' (was )?lost")
@@ -209,7 +201,9 @@ async def test_taskiq_requeues_a_busy_task_until_it_gets_the_lock(
     assert int(result.labels["X-Taskiq-requeue"]) > 1
 
 
-async def test_decorator_mistakes_fail_at_import(locks: asynclock.LockClient) -> None:
+async def test_decorator_mistakes_fail_at_import_and_a_missing_client_says_where_to_open_one(
+    locks: asynclock.LockClient,
+) -> None:
     from taskiq import InMemoryBroker
 
     from asynclock.integrations import arq, taskiq
@@ -228,12 +222,8 @@ async def test_decorator_mistakes_fail_at_import(locks: asynclock.LockClient) ->
     with pytest.raises(asynclock.InvalidArgument, match="jitter"):
         arq.locked("x", jitter=2)
 
-
-async def test_a_job_without_a_client_says_where_to_open_one() -> None:
-    from asynclock.integrations import arq
-
     @arq.locked("x-{n}")
     async def job(ctx: dict[str, Any], n: int) -> None: ...
 
-    with pytest.raises(RuntimeError, match="WorkerLocks"):
+    with pytest.raises(RuntimeError, match="WorkerLocks"):  # no client in ctx
         await job({"job_try": 1}, 1)
