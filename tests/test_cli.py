@@ -50,20 +50,6 @@ def test_run_exports_the_token_and_returns_the_commands_exit_code(tmp_path: Path
     assert run("run", "job", "--url", url, "--", "sh", "-c", "kill -9 $$").returncode == 128 + 9
 
 
-def test_run_times_out_with_its_own_exit_code(tmp_path: Path) -> None:
-    url = f"sqlite://{tmp_path}/locks.db"
-    with subprocess.Popen([*ASYNCLOCK, "run", "job", "--url", url, "--", "sleep", "5"]) as holder:
-        try:
-            time.sleep(1.0)
-            started = time.monotonic()
-            result = run("run", "job", "--url", url, "--timeout", "0.5", "--", "true")
-            assert result.returncode == EXIT_TIMEOUT
-            assert "not acquired within 0.5 s" in result.stderr
-            assert time.monotonic() - started < 5
-        finally:
-            holder.kill()
-
-
 def test_run_kills_the_whole_process_group_when_the_lease_is_revoked(tmp_path: Path) -> None:
     db = tmp_path / "locks.db"
     pidfile = tmp_path / "grandchild.pid"
@@ -91,7 +77,7 @@ def test_run_kills_the_whole_process_group_when_the_lease_is_revoked(tmp_path: P
             time.sleep(0.05)
 
 
-def test_run_refuses_bad_arguments_with_a_usage_code(tmp_path: Path) -> None:
+def test_run_refuses_bad_arguments_with_a_usage_code_and_the_demo_runs(tmp_path: Path) -> None:
     result = run("run", "job", "--url", f"sqlite://{tmp_path}/l.db", "--ttl", "0", "--", "true")
     assert result.returncode == EXIT_USAGE
     assert "ttl must be > 0" in result.stderr
@@ -101,15 +87,13 @@ def test_run_refuses_bad_arguments_with_a_usage_code(tmp_path: Path) -> None:
     result = run("run", "job")
     assert result.returncode == 2
     assert "run needs a command" in result.stderr
-
-
-def test_demo_shows_exclusive_holds_with_increasing_tokens() -> None:
+    # And the demo: exclusive holds with increasing tokens.
     result = run("demo", "--workers", "3", "--rounds", "3", "--hold", "0.02")
     assert result.returncode == 0, result.stderr
     assert "9 holds, 0 overlapping, tokens strictly increasing: yes" in result.stdout
 
 
-def test_status_shows_the_holder_and_its_token(tmp_path: Path) -> None:
+def test_status_shows_the_holder_and_its_token_and_run_times_out_behind_it(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     ready = tmp_path / "ready"
     with subprocess.Popen(
@@ -118,6 +102,9 @@ def test_status_shows_the_holder_and_its_token(tmp_path: Path) -> None:
         try:
             wait_exists(ready)
             result = run("status", "job", "other", "--url", url)
+            started = time.monotonic()
+            timed_out = run("run", "job", "--url", url, "--timeout", "0.5", "--", "true")
+            assert time.monotonic() - started < 5
         finally:
             holder.kill()
     assert result.returncode == 0, result.stderr
@@ -125,6 +112,8 @@ def test_status_shows_the_holder_and_its_token(tmp_path: Path) -> None:
     assert job.startswith("job: held by ")
     assert "token 1" in job
     assert other in ("other: free", "other: free, 0 waiting")
+    assert timed_out.returncode == EXIT_TIMEOUT
+    assert "not acquired within 0.5 s" in timed_out.stderr
 
 
 # A command with a child of its own; it writes "its pid, its child's pid" once both run.

@@ -200,7 +200,7 @@ async def test_waiters_timeouts_and_busy_answers(
     }
 
 
-async def test_failed_renewals_and_the_connection_states_they_cause(
+async def test_a_renewal_blip_suspends_and_reconnects_without_a_loss_and_is_measured(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
     telemetry.instrument(locks)
@@ -209,9 +209,12 @@ async def test_failed_renewals_and_the_connection_states_they_cause(
         memory(locks).faults.renew = "fail"
         with anyio.fail_after(1):
             assert (await anext(changes)).state is asynclock.ConnectionState.SUSPENDED
+        assert not locks.state.connected
         memory(locks).faults.renew = "ok"
         with anyio.fail_after(1):
             assert (await anext(changes)).state is asynclock.ConnectionState.RECONNECTED
+        await anyio.sleep(1.0)  # renewed again past the ttl
+        assert lease.remaining > 0.3
     assert not lease.lost
 
     failures = telemetry.point("asynclock.renewal.failures", outcome="failed").value

@@ -95,7 +95,7 @@ async def redis_via(proxy: FaultProxy, timeout: float = 5.0) -> AsyncIterator[Re
         await client.aclose()
 
 
-async def test_pass_through_relays_and_counts_connections() -> None:
+async def test_pass_through_relays_and_counts_connections_and_reset_sends_rst() -> None:
     async with proxied_echo() as (echo, proxy):
         assert proxy.host == "127.0.0.1"
         assert proxy.address == f"127.0.0.1:{proxy.port}"
@@ -109,6 +109,18 @@ async def test_pass_through_relays_and_counts_connections() -> None:
                 assert proxy.connections == 2
         await wait_until(lambda: proxy.connections == 0)
         assert bytes(echo.received) == b"helloping"
+        # reset sends RST and keeps accepting.
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream)
+            proxy.reset()
+            await wait_until(lambda: proxy.connections == 0)
+            # RST, not FIN: the client's next read fails instead of returning end-of-stream.
+            with pytest.raises(anyio.BrokenResourceError) as caught:
+                await stream.receive()
+            assert isinstance(caught.value.__cause__, ConnectionResetError)
+        assert proxy.mode == "pass_through"
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream)
 
 
 async def test_delay_adds_latency_in_both_directions() -> None:
@@ -157,21 +169,6 @@ async def test_blackhole_holds_traffic_and_keeps_connections_open() -> None:
                     assert await stream.receive() == b"b"
                     await round_trip(late)
                 assert echo.accepted == 2
-
-
-async def test_reset_sends_rst_and_keeps_accepting() -> None:
-    async with proxied_echo() as (_, proxy):
-        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            await round_trip(stream)
-            proxy.reset()
-            await wait_until(lambda: proxy.connections == 0)
-            # RST, not FIN: the client's next read fails instead of returning end-of-stream.
-            with pytest.raises(anyio.BrokenResourceError) as caught:
-                await stream.receive()
-            assert isinstance(caught.value.__cause__, ConnectionResetError)
-        assert proxy.mode == "pass_through"
-        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            await round_trip(stream)
 
 
 async def test_a_real_client_times_out_on_blackhole_and_drop_replies_and_fails_on_reset() -> None:
@@ -243,15 +240,12 @@ async def test_cut_heals_after_the_given_time_to_the_previous_mode_unless_change
         assert mode_of(proxy) == "drop_replies"
 
 
-async def test_unreachable_target_resets_the_client() -> None:
+async def test_an_unreachable_target_resets_the_client_and_a_server_close_is_relayed() -> None:
     async with FaultProxy("127.0.0.1", free_port()) as proxy:
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             with pytest.raises(anyio.BrokenResourceError), anyio.fail_after(5):
                 await stream.receive()
         await wait_until(lambda: proxy.connections == 0)
-
-
-async def test_server_closing_is_relayed_as_end_of_stream() -> None:
     with RedisServer() as server:
         async with FaultProxy(server.host, server.port) as proxy:
             async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:

@@ -254,17 +254,6 @@ def test_a_start_error_or_timeout_carries_the_log_and_leaves_nothing() -> None:
     assert not server.is_running
 
 
-def test_first_start_moves_to_another_port_when_its_port_is_taken() -> None:
-    server = RedisServer()
-    taken = server.port
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", taken))
-        squatter.listen()
-        with server:
-            assert server.port != taken
-            assert server.is_running
-
-
 def test_find_binary_names_the_apt_package_and_prefers_the_newest_versioned_dir(
     tmp_path: Path,
 ) -> None:
@@ -296,7 +285,7 @@ def test_servers_left_running_are_killed_at_interpreter_exit() -> None:
     assert_cleaned_up(int(postgres_pid), Path(postgres_dir))
 
 
-def test_server_is_a_context_manager_and_stop_is_idempotent() -> None:
+def test_server_is_a_context_manager_stop_is_idempotent_and_a_taken_port_is_left() -> None:
     server = RedisServer()
     assert not server.is_running
     assert server.pid is None
@@ -316,6 +305,15 @@ def test_server_is_a_context_manager_and_stop_is_idempotent() -> None:
     server.stop()
     assert_cleaned_up(pid, data_dir)
     assert "stopped" in repr(server)
+    # A first start moves to another port when its port is taken.
+    server = RedisServer()
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with server:
+            assert server.port != taken
+            assert server.is_running
 
 
 def test_stop_is_bounded_when_the_server_ignores_the_shutdown_signal() -> None:
