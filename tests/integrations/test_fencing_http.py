@@ -121,6 +121,17 @@ async def test_fencing_headers_follow_the_lock_held_in_this_context(
     assert fencing.fencing_headers() == {}
 
 
+def recording_client(seen: list[httpx.Headers], **hook: Any) -> httpx.AsyncClient:
+    """An httpx client with the request hook, whose requests' headers land in ``seen``."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers)
+        return httpx.Response(200)
+
+    hooks = {"request": [httpx_request_hook(**hook)]}
+    return httpx.AsyncClient(transport=httpx.MockTransport(answer), event_hooks=hooks)
+
+
 class NoTokenBackend(MemoryBackend):  # no sound tokens, as Redlock
     capabilities = Capabilities(
         fencing=False, fifo=True, loss_detection=True, quorum=True, cross_process=False
@@ -129,20 +140,10 @@ class NoTokenBackend(MemoryBackend):  # no sound tokens, as Redlock
 
 async def test_a_lease_without_a_token_sends_nothing_and_does_not_crash() -> None:
     seen: list[httpx.Headers] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        seen.append(request.headers)
-        return httpx.Response(200)
-
     client = asynclock.LockClient(
         NoTokenBackend("no-token"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
     )
-    async with (
-        client as locks,
-        httpx.AsyncClient(
-            transport=httpx.MockTransport(answer), event_hooks={"request": [httpx_request_hook()]}
-        ) as http,
-    ):
+    async with client as locks, recording_client(seen) as http:
         async with locks.lock("redlock-ish"):
             with pytest.raises(asynclock.UnsupportedFeature):
                 asynclock.current_token()
@@ -155,15 +156,7 @@ async def test_httpx_hook_adds_headers_only_while_a_lock_is_held(
     locks: asynclock.LockClient,
 ) -> None:
     seen: list[httpx.Headers] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        seen.append(request.headers)
-        return httpx.Response(200)
-
-    async with httpx.AsyncClient(
-        transport=httpx.MockTransport(answer),
-        event_hooks={"request": [httpx_request_hook(header="X-Fence", lock_header="X-Lock")]},
-    ) as http:
+    async with recording_client(seen, header="X-Fence", lock_header="X-Lock") as http:
         await http.get("http://service/")
         async with locks.lock("a/b") as lease:
             await http.get("http://service/")

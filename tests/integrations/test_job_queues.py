@@ -368,6 +368,17 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
 # LeaseLost, and in every run of this file alone it did. Unexplained so far.
 
 
+@asynccontextmanager
+async def life_locks(
+    redis_server: RedisServer, queue: str
+) -> AsyncIterator[tuple[str, str, redis.asyncio.Redis]]:
+    async with (
+        lock_server(redis_server, f"{queue}-life") as (lock_url, prefix),
+        raw_redis(redis_server.port, LOCK_DB) as lock_db,
+    ):
+        yield lock_url, prefix, lock_db
+
+
 async def lose_the_lease(lock_db: redis.asyncio.Redis, prefix: str, n: int) -> str:
     await lock_db.delete(f"{prefix}lock:{{life/{n}}}")  # as if it had expired on the server
     await asyncio.sleep(5)
@@ -393,10 +404,7 @@ async def test_arq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
     settings = RedisSettings(host="127.0.0.1", port=redis_server.port, database=QUEUE_DBS["arq"])
     hooks_ran_in: dict[str, asyncio.Task[Any] | None] = {}
-    async with (
-        lock_server(redis_server, "arq-life") as (lock_url, prefix),
-        raw_redis(redis_server.port, LOCK_DB) as lock_db,
-    ):
+    async with life_locks(redis_server, "arq") as (lock_url, prefix, lock_db):
         worker_locks = WorkerLocks(lock_url)
 
         async def on_startup(ctx: dict[str, Any]) -> None:
@@ -459,10 +467,7 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
     from asynclock.integrations.saq import WorkerLocks, locked
 
-    async with (
-        lock_server(redis_server, "saq-life") as (lock_url, prefix),
-        raw_redis(redis_server.port, LOCK_DB) as lock_db,
-    ):
+    async with life_locks(redis_server, "saq") as (lock_url, prefix, lock_db):
         worker_locks = WorkerLocks(lock_url)
 
         @locked("life/{n}")
@@ -515,10 +520,7 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
 
     from asynclock.integrations.taskiq import WorkerLocks, locked
 
-    async with (
-        lock_server(redis_server, "taskiq-life") as (lock_url, prefix),
-        raw_redis(redis_server.port, LOCK_DB) as lock_db,
-    ):
+    async with life_locks(redis_server, "taskiq") as (lock_url, prefix, lock_db):
         broker = InMemoryBroker()
         worker_locks = WorkerLocks(lock_url).install(broker)
 

@@ -65,10 +65,6 @@ class Config:
                 f"web_worker_app needs the environment variable {exc.args[0]}"
             ) from None
 
-    @property
-    def bookings_key(self) -> str:
-        return f"{self.prefix}bookings"
-
 
 class Journal:
     """One JSON line per step, written with plain ``os.write`` (no await): a cancellation cannot
@@ -89,7 +85,7 @@ class Journal:
 
 class Bookings:
     def __init__(self, config: Config, client: redis.asyncio.Redis, journal: Journal) -> None:
-        self._key = config.bookings_key
+        self._key = f"{config.prefix}bookings"
         self._guard = RedisGuard(client, prefix=f"{config.prefix}fence:", strict=True)
         self._journal = journal
 

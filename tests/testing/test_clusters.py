@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import aetcd
 import aetcd.exceptions
 import anyio
@@ -76,6 +79,19 @@ async def test_etcd_cluster_survives_the_loss_of_its_leader_a_pause_and_a_restar
     assert not any(d.exists() for d in data_dirs)
 
 
+@asynccontextmanager
+async def zookeeper_client(address: str) -> AsyncIterator[ZKClient]:
+    client = ZKClient(address, session_timeout=5)
+    try:
+        with anyio.fail_after(20):
+            await client.start()
+        with anyio.fail_after(20):
+            yield client
+    finally:
+        with anyio.fail_after(10):
+            await client.close()
+
+
 @pytest.mark.anyio
 async def test_zookeeper_ensemble_survives_the_loss_of_its_leader() -> None:
     with ZooKeeperEnsemble(size=3) as ensemble:
@@ -97,25 +113,12 @@ async def test_zookeeper_ensemble_survives_the_loss_of_its_leader() -> None:
         assert new_leader.mode() == "leader"
 
         survivors = [m for m in members if m is not killed]
-        client = ZKClient(",".join(m.address for m in survivors), session_timeout=5)
-        try:
-            with anyio.fail_after(20):
-                await client.start()
-                await client.create("/after-leader-loss", data=b"1")
-        finally:
-            with anyio.fail_after(10):
-                await client.close()
-
+        async with zookeeper_client(",".join(m.address for m in survivors)) as client:
+            await client.create("/after-leader-loss", data=b"1")
         killed.restart()
         assert killed.mode() == "follower"
-        client = ZKClient(killed.address, session_timeout=5)
-        try:
-            with anyio.fail_after(20):
-                await client.start()
-                assert await client.get_data("/after-leader-loss") == b"1"
-        finally:
-            with anyio.fail_after(10):
-                await client.close()
+        async with zookeeper_client(killed.address) as client:
+            assert await client.get_data("/after-leader-loss") == b"1"
 
 
 def test_cluster_members_and_leader_types() -> None:
