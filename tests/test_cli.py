@@ -314,27 +314,15 @@ def test_status_lines_show_readers_permits_and_the_leader() -> None:
     from asynclock import HolderInfo, LockInfo
     from asynclock._cli._status import describe
 
-    readers = LockInfo(
-        "catalog",
-        held=True,
-        owner="a1",
-        token=4,
-        waiters=1,
-        holders=(HolderInfo("a1", 4, 9.5, True), HolderInfo("b2", 5, 9.9, True)),
-    )
+    holders = (HolderInfo("a1", 4, 9.5, True), HolderInfo("b2", 5, 9.9, True))
+    readers = LockInfo("catalog", held=True, owner="a1", token=4, waiters=1, holders=holders)
     assert describe("catalog", readers).splitlines() == [
         "catalog: 2 shared holds, 1 waiting",
         "  a1, token 4, expires in 9.5 s, shared",
         "  b2, token 5, expires in 9.9 s, shared",
     ]
-    permits = LockInfo(
-        "renderers",
-        held=True,
-        kind="semaphore",
-        permits=3,
-        waiters=0,
-        holders=(HolderInfo("c3", 7, 2.0),),
-    )
+    one = (HolderInfo("c3", 7, 2.0),)
+    permits = LockInfo("renderers", held=True, kind="semaphore", permits=3, waiters=0, holders=one)
     assert describe("renderers", permits).splitlines() == [
         "renderers (3 permits): 1 in use, 0 waiting",
         "  c3, token 7, expires in 2.0 s",
