@@ -309,8 +309,8 @@ async def test_service_a_holds_the_lock_and_service_b_sees_its_token(
     assert b.seen[0].state == first["mine"]  # scope["state"] / request[...] carry it as well
 
 
-async def test_requests_without_a_token_pass_or_get_428(
-    locks: asynclock.LockClient, service: ServiceMaker
+async def test_requests_without_a_token_pass_or_get_428_and_custom_headers_resource_no_guard(
+    service: ServiceMaker,
 ) -> None:
     async with httpx.AsyncClient() as http:
         async with service(MemoryGuard()) as optional:
@@ -323,9 +323,6 @@ async def test_requests_without_a_token_pass_or_get_428(
             answer = await http.post(f"{required.url}/x", headers={"Fencing-Token": "3"})
             assert answer.status_code == 200
     assert required.seen == [Seen(3, 3, "/x")]  # the path is the resource without Fencing-Lock
-
-
-async def test_custom_headers_resource_and_no_guard(service: ServiceMaker) -> None:
     guard = MemoryGuard()
     async with httpx.AsyncClient() as http:
         async with service(guard, header="X-Fence", lock_header=None) as custom:

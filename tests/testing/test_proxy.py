@@ -146,7 +146,7 @@ async def test_delay_adds_latency_in_both_directions() -> None:
             assert min([await round_trip(stream) for _ in range(3)]) < 0.05
 
 
-async def test_blackhole_holds_traffic_and_keeps_connections_open() -> None:
+async def test_blackhole_holds_traffic_and_drop_replies_loses_only_replies() -> None:
     async with proxied_echo() as (echo, proxy):
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             await round_trip(stream, b"a")
@@ -169,6 +169,16 @@ async def test_blackhole_holds_traffic_and_keeps_connections_open() -> None:
                     assert await stream.receive() == b"b"
                     await round_trip(late)
                 assert echo.accepted == 2
+    # drop_replies delivers requests and loses the replies.
+    async with proxied_echo() as (echo, proxy):
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            proxy.drop_replies()
+            await stream.send(b"lost-reply")
+            await wait_until(lambda: bytes(echo.received) == b"lost-reply")
+            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
+                await stream.receive()
+            proxy.pass_through()
+            await round_trip(stream, b"next")
 
 
 async def test_a_real_client_times_out_on_blackhole_and_drop_replies_and_fails_on_reset() -> None:
@@ -206,18 +216,6 @@ async def test_a_real_client_times_out_on_blackhole_and_drop_replies_and_fails_o
                 await connection.disconnect()
             # A new connection goes through the proxy, which still accepts.
             assert await client.ping()
-
-
-async def test_drop_replies_delivers_requests_and_loses_replies() -> None:
-    async with proxied_echo() as (echo, proxy):
-        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            proxy.drop_replies()
-            await stream.send(b"lost-reply")
-            await wait_until(lambda: bytes(echo.received) == b"lost-reply")
-            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
-                await stream.receive()
-            proxy.pass_through()
-            await round_trip(stream, b"next")
 
 
 async def test_cut_heals_after_the_given_time_to_the_previous_mode_unless_changed() -> None:

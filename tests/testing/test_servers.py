@@ -238,7 +238,7 @@ class _Crashing(SingleServer):
         return False
 
 
-def test_a_start_error_or_timeout_carries_the_log_and_leaves_nothing() -> None:
+def test_a_start_error_or_timeout_carries_the_log_and_a_stop_is_bounded() -> None:
     server = _Crashing("echo 'fatal: boom-marker' >&2; exit 3")
     with pytest.raises(ServerStartError, match="status 3") as caught:
         server.start()
@@ -252,6 +252,18 @@ def test_a_start_error_or_timeout_carries_the_log_and_leaves_nothing() -> None:
     assert time.monotonic() - start < 5
     assert "still-starting" in str(caught.value)
     assert not server.is_running
+    # A stop is bounded when the server ignores the shutdown signal.
+    server = _Crashing("trap '' TERM; echo up; while :; do sleep 0.05; done")
+    server.stop_timeout = 0.3
+    server._begin_start()  # it never becomes ready; launch only
+    pid = server.pid
+    assert pid is not None
+    # Signalled before the shell ran "trap", it would just die.
+    assert wait_for(lambda: b"up" in server._output_path.read_bytes())
+    start = time.monotonic()
+    server.stop()
+    assert 0.25 < time.monotonic() - start < 5
+    assert wait_for(lambda: process_gone(pid))
 
 
 def test_find_binary_names_the_apt_package_and_prefers_the_newest_versioned_dir(
@@ -285,7 +297,7 @@ def test_servers_left_running_are_killed_at_interpreter_exit() -> None:
     assert_cleaned_up(int(postgres_pid), Path(postgres_dir))
 
 
-def test_server_is_a_context_manager_stop_is_idempotent_and_a_taken_port_is_left() -> None:
+def test_server_context_stop_taken_port_and_a_paused_server_reported_by_wait_ready() -> None:
     server = RedisServer()
     assert not server.is_running
     assert server.pid is None
@@ -314,23 +326,7 @@ def test_server_is_a_context_manager_stop_is_idempotent_and_a_taken_port_is_left
         with server:
             assert server.port != taken
             assert server.is_running
-
-
-def test_stop_is_bounded_when_the_server_ignores_the_shutdown_signal() -> None:
-    server = _Crashing("trap '' TERM; echo up; while :; do sleep 0.05; done")
-    server.stop_timeout = 0.3
-    server._begin_start()  # it never becomes ready; launch only
-    pid = server.pid
-    assert pid is not None
-    # Signalled before the shell ran "trap", it would just die.
-    assert wait_for(lambda: b"up" in server._output_path.read_bytes())
-    start = time.monotonic()
-    server.stop()
-    assert 0.25 < time.monotonic() - start < 5
-    assert wait_for(lambda: process_gone(pid))
-
-
-def test_a_paused_server_is_reported_by_wait_ready_and_still_stops() -> None:
+    # A paused server is reported by wait_ready, and still stops.
     with RedisServer() as server:
         pid = server.pid
         assert pid is not None
