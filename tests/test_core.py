@@ -270,7 +270,7 @@ async def test_acquire_tracks_current_token_and_remaining_until_release(
         asynclock.current_token()
 
 
-async def test_an_unreachable_or_silent_backend_is_a_named_error() -> None:
+async def test_backend_open_errors_are_named_and_a_backend_may_own_a_task_group() -> None:
     client = asynclock.connect("memory://unreachable")
     memory(client).faults.unreachable = True
     with pytest.raises(asynclock.BackendUnavailable, match="unreachable"):
@@ -287,6 +287,12 @@ async def test_an_unreachable_or_silent_backend_is_a_named_error() -> None:
     with pytest.raises(asynclock.BackendTimeout, match=r"did not answer within 0\.2 s"):
         async with client:
             pass
+    # A backend may own a task group from open() to aclose().
+    client = asynclock.LockClient(
+        _BackendWithTasks("tasks"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
+    )
+    async with client as locks, locks.lock("a"):
+        pass
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -420,14 +426,6 @@ class _BackendWithTasks(MemoryBackend):
     async def aclose(self) -> None:
         self._group.cancel_scope.cancel()
         await self._group.__aexit__(None, None, None)
-
-
-async def test_a_backend_may_own_a_task_group_from_open_to_aclose() -> None:
-    client = asynclock.LockClient(
-        _BackendWithTasks("tasks"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
-    )
-    async with client as locks, locks.lock("a"):
-        pass
 
 
 @pytest.mark.expect_log(RELEASE_DEFERRED)

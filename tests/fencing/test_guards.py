@@ -72,7 +72,9 @@ async def test_bad_tokens_are_refused(bad: Any) -> None:
 # -- PostgreSQL -------------------------------------------------------------------------------
 
 
-async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back(pg: Any) -> None:
+async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back_and_unsafe_identifiers(
+    pg: Any,
+) -> None:
     connection, table = pg
     guard = PostgresGuard(table=table)
     await guard.create_table(connection)
@@ -89,6 +91,13 @@ async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back(pg: Any) -
     assert (info.value.token, info.value.highest) == (9, 10)
     assert await connection.fetchval("SELECT v FROM resource WHERE id = 1") == "by 10"
     assert await guard.highest(connection, "orders/1") == 10
+    # Unsafe identifiers and bad permits are refused.
+    with pytest.raises(asynclock.InvalidArgument, match="identifier"):
+        PostgresGuard(table="fences; DROP TABLE x")
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(2, table="x; drop")
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(0)
 
 
 @pytest.mark.parametrize("kind", ["guard", "semaphore guard of 1"])
@@ -126,15 +135,6 @@ async def test_postgres_guards_serialize_transactions_in_flight(
             await guard.check(connection, "r", 6)
     finally:
         await other.close()
-
-
-def test_postgres_guards_refuse_unsafe_identifiers_and_bad_permits() -> None:
-    with pytest.raises(asynclock.InvalidArgument, match="identifier"):
-        PostgresGuard(table="fences; DROP TABLE x")
-    with pytest.raises(asynclock.InvalidArgument):
-        PostgresSemaphoreGuard(2, table="x; drop")
-    with pytest.raises(asynclock.InvalidArgument):
-        PostgresSemaphoreGuard(0)
 
 
 # -- Redis -------------------------------------------------------------------------------------

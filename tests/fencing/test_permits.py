@@ -67,7 +67,7 @@ async def test_leaving_frees_the_slot_and_the_token_never_comes_back() -> None:
     assert guard.admitted("r") == (2,)
 
 
-def test_an_evicted_or_departed_token_is_never_admitted_again_randomised() -> None:
+def test_an_evicted_or_departed_token_is_never_admitted_again_and_departed_stay_bounded() -> None:
     """The invariant the safety runs rely on: the tokens whose accesses were accepted around
     any moment are at most N (a token admitted twice was admitted in between)."""
     rng = random.Random(7)
@@ -93,9 +93,7 @@ def test_an_evicted_or_departed_token_is_never_admitted_again_randomised() -> No
         for step in range(200):
             live = [t for t in first_ok if first_ok[t] <= step <= last_ok[t]]
             assert len(live) <= permits
-
-
-def test_departed_tokens_stay_bounded_and_spare_a_long_holder() -> None:
+    # Departed tokens stay bounded and spare a long holder.
     slots = PermitSlots(2)
     assert slots.admit(1) is None
     for token in range(2, 20_000):

@@ -84,23 +84,9 @@ async def test_arq_waits_for_the_lock_on_the_last_try_instead_of_failing(
     assert result == ["charged 8"]
 
 
-@pytest.mark.expect_log(r"lease on 'slow-1' (was )?lost")
-async def test_a_job_that_returned_before_its_loss_was_known_keeps_its_result(
-    locks: asynclock.LockClient,
-) -> None:
-    from asynclock.integrations import arq
-
-    @arq.locked("slow-{n}", ttl=0.3)
-    async def job(ctx: dict[str, Any], n: int) -> str:
-        time.sleep(0.35)  # noqa: ASYNC251 - a paused process: the deadline passes unseen
-        return "done"
-
-    # Returned, not raised (LeaseLost would make arq record a failure; Retry would redo it).
-    assert await job({"job_try": 1, "asynclock": locks}, 1) == "done"
-
-
 @pytest.mark.expect_log(r"lease on 'doomed-1' lost: the lock was removed on the server")
-async def test_a_job_whose_lease_is_lost_while_it_runs_fails_with_lease_lost(
+@pytest.mark.expect_log(r"lease on 'slow-1' (was )?lost")
+async def test_a_job_whose_lease_is_lost_fails_unless_it_returned_before_the_loss_was_known(
     locks: asynclock.LockClient,
 ) -> None:
     from asynclock.integrations import arq
@@ -126,6 +112,15 @@ async def test_a_job_whose_lease_is_lost_while_it_runs_fails_with_lease_lost(
         await started.wait()
         memory(locks).expire("doomed-1", notify=True)
     assert [type(exc) for exc in failures] == [asynclock.LeaseLost]
+
+    # A job that returned before its loss was known keeps its result.
+    @arq.locked("slow-{n}", ttl=0.3)
+    async def paused(ctx: dict[str, Any], n: int) -> str:
+        time.sleep(0.35)  # noqa: ASYNC251 - a paused process: the deadline passes unseen
+        return "done"
+
+    # Returned, not raised (LeaseLost would make arq record a failure; Retry would redo it).
+    assert await paused({"job_try": 1, "asynclock": locks}, 1) == "done"
 
 
 async def test_saq_defers_with_one_more_retry_and_restores_the_jobs_own_settings(

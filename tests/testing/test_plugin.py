@@ -60,16 +60,14 @@ def run_pytest(
     )
 
 
-def test_fixtures_and_default_selection(tmp_path: Path) -> None:
+def test_fixtures_default_selection_and_the_backends_option(tmp_path: Path) -> None:
     done = run_pytest(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "6 passed" in done.stdout
     selected = done.stdout.split("SELECTED=")[1].split()[0].split(",")
     assert {"redis", "redlock", "etcd", "zookeeper", "postgres", "memory"} <= set(selected)
     assert "asynclock backends: all" in done.stdout
-
-
-def test_backends_option_selects_and_skips(tmp_path: Path) -> None:
+    # --backends selects and skips.
     done = run_pytest(
         tmp_path, "--backends", " etcd, PostgreSQL ", "-k", "selected or redis or postgres"
     )
