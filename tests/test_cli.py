@@ -248,16 +248,9 @@ def test_run_command_dies_with_its_guard_and_the_lock_is_released(tmp_path: Path
     assert_lock_free(tmp_path)
 
 
-def test_run_lasts_many_ttls_and_ends_what_the_command_leaves_running(tmp_path: Path) -> None:
-    pidfile = tmp_path / "background.pid"
-    url = f"sqlite://{tmp_path}/locks.db"
-    script = f"sleep 60 & echo $! > {pidfile}; sleep 4"
-    result = run("run", "job", "--url", url, "--ttl", "1", "--", "sh", "-c", script)
-    assert (result.returncode, result.stderr) == (0, "")
-    assert process_gone(int(pidfile.read_text()))
-
-
-def test_run_reports_a_missing_or_not_executable_command_with_127_or_126(tmp_path: Path) -> None:
+def test_run_reports_a_missing_or_unexecutable_command_lasts_and_ends_leftovers(
+    tmp_path: Path,
+) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho ran\n")
@@ -277,6 +270,12 @@ def test_run_reports_a_missing_or_not_executable_command_with_127_or_126(tmp_pat
         assert time.monotonic() - started < 10
     assert (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE) == (127, 126)
     assert_lock_free(tmp_path)
+    # run lasts many ttls and ends what the command leaves running.
+    pidfile = tmp_path / "background.pid"
+    leaves = f"sleep 60 & echo $! > {pidfile}; sleep 4"
+    result = run("run", "job", "--url", url, "--ttl", "1", "--", "sh", "-c", leaves)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert process_gone(int(pidfile.read_text()))
 
 
 def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(

@@ -42,7 +42,7 @@ def memory(locks: asynclock.LockClient) -> MemoryBackend:
     return backend
 
 
-async def test_a_client_is_used_inside_async_with_or_start_and_started_once() -> None:
+async def test_a_client_is_used_inside_async_with_or_start_once_and_lets_errors_through() -> None:
     with pytest.raises(RuntimeError, match=r"async with asynclock\.connect"):
         await asynclock.connect("memory://unentered").acquire("a")
     locks = await asynclock.connect(f"memory://core-{uuid.uuid4().hex[:8]}").start()
@@ -55,6 +55,21 @@ async def test_a_client_is_used_inside_async_with_or_start_and_started_once() ->
         await locks.aclose()
     with pytest.raises(RuntimeError, match="once"):
         await locks.start()
+    # Exceptions from the body and the client block propagate unwrapped.
+    with pytest.raises(KeyError):
+        async with asynclock.connect("memory://unwrapped"):
+            raise KeyError("x")
+    async with asynclock.connect("memory://unwrapped") as locks:
+        with pytest.raises(KeyError):
+            async with locks.lock("a", ttl=30.0):
+                raise KeyError("x")
+        lease = await locks.try_acquire("a")  # released on the way out
+        assert lease is not None
+    with pytest.raises(asynclock.AcquireTimeout):
+        async with asynclock.connect("memory://unwrapped") as locks:
+            await locks.acquire("a")
+            async with locks.lock("a", timeout=0):
+                pass
 
 
 @pytest.mark.parametrize("cancels", [1, 3])
@@ -103,7 +118,8 @@ def test_a_started_client_left_open_is_closed_when_the_loop_ends(
 
 
 @pytest.mark.expect_log(LOST.format("a", DEADLINE))
-async def test_a_hung_renewal_cancels_the_body_before_the_server_expiry(
+@pytest.mark.expect_log(LOST.format("short", DEADLINE))
+async def test_a_hung_renewal_cancels_each_body_at_its_own_deadline_before_the_server_expiry(
     locks: asynclock.LockClient,
 ) -> None:
     memory(locks).faults.renew = "hang"
@@ -118,12 +134,7 @@ async def test_a_hung_renewal_cancels_the_body_before_the_server_expiry(
     # ... and not long before: the deadline is ttl * (1 - drift) - margin.
     assert cancelled_at >= acquired_at + ttl * 0.99 - 0.1 - 0.01
     assert "a" in info.value.reason or "deadline" in info.value.reason
-
-
-@pytest.mark.expect_log(LOST.format("short", DEADLINE))
-async def test_a_lease_taken_while_a_renewal_hangs_is_cancelled_at_its_own_deadline(
-    locks: asynclock.LockClient,
-) -> None:
+    # A lease taken while a renewal hangs is cancelled at its own deadline.
     # The renewal loop is stuck in a renewal of "long" (bounded by long's deadline only), so it
     # cannot end "short" in time; the client's deadline task, asleep until long's deadline,
     # must be woken for short's earlier one.
@@ -181,7 +192,8 @@ async def test_a_loss_a_renewal_proves_cancels_at_once(locks: asynclock.LockClie
 
 @pytest.mark.expect_log(LOST.format("[abc]", REMOVED))
 @pytest.mark.expect_log(AFTER_COMPLETION.format("[ac]"))
-async def test_a_body_that_swallows_the_cancellation_or_never_checks_is_reported_not_raised(
+@pytest.mark.expect_log(LOST.format("a", REMOVED))
+async def test_a_loss_is_reported_not_raised_when_swallowed_or_unchecked_and_yields_to_outer(
     locks: asynclock.LockClient,
 ) -> None:
     # Loss signalled without a later checkpoint: the body's result stands.
@@ -204,6 +216,13 @@ async def test_a_body_that_swallows_the_cancellation_or_never_checks_is_reported
             with contextlib.suppress(anyio.get_cancelled_exc_class()):
                 await anyio.sleep(10)
             await anyio.sleep(10)
+    # Outer cancellation wins over a simultaneous loss.
+    with anyio.CancelScope() as outer:
+        async with locks.lock("a", ttl=30.0):
+            memory(locks).expire("a", notify=True)
+            outer.cancel()
+            await anyio.sleep(10)
+    assert outer.cancelled_caught
 
 
 @pytest.mark.expect_log(LOST.format("a", DEADLINE))
@@ -227,18 +246,6 @@ async def test_a_body_or_locked_call_that_finished_before_its_loss_was_known_kee
         return n * 2
 
     assert await job(3) == 6
-
-
-@pytest.mark.expect_log(LOST.format("a", REMOVED))
-async def test_outer_cancellation_wins_over_a_simultaneous_loss(
-    locks: asynclock.LockClient,
-) -> None:
-    with anyio.CancelScope() as outer:
-        async with locks.lock("a", ttl=30.0):
-            memory(locks).expire("a", notify=True)
-            outer.cancel()
-            await anyio.sleep(10)
-    assert outer.cancelled_caught
 
 
 async def test_renewals_of_many_leases_are_batched(locks: asynclock.LockClient) -> None:
@@ -356,7 +363,9 @@ async def test_a_margin_that_leaves_no_room_to_renew_is_refused() -> None:
             await locks.acquire("a", ttl=6.0)
 
 
-def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_missing_driver_names_the_extra_and_public_names_match_all(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # A backend module whose driver is not installed, registered under a scheme of its own.
     (tmp_path / "asynclock_fake_backend.py").write_text("import not_installed_driver\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -369,9 +378,7 @@ def test_missing_driver_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_pat
     )
     with pytest.raises(asynclock.MissingDependency, match=r"pip install 'asynclock\[fake\]'"):
         asynclock.connect("fake://127.0.0.1")
-
-
-def test_public_names_match_all() -> None:
+    # The public names match __all__.
     # "@py_..." names: pytest's assertion rewriting of the installed plugin's package.
     public = {name for name in dir(asynclock) if not name.startswith(("_", "@"))}
     modules = {"abc", "backends", "extras", "fencing", "integrations", "otel"}
@@ -379,23 +386,6 @@ def test_public_names_match_all() -> None:
     assert public - modules - {"testing"} == set(asynclock.__all__)
     for name in asynclock.__all__:
         assert getattr(asynclock, name).__module__ in ("asynclock", "asynclock.abc")
-
-
-async def test_exceptions_from_the_body_and_the_client_block_propagate_unwrapped() -> None:
-    with pytest.raises(KeyError):
-        async with asynclock.connect("memory://unwrapped"):
-            raise KeyError("x")
-    async with asynclock.connect("memory://unwrapped") as locks:
-        with pytest.raises(KeyError):
-            async with locks.lock("a", ttl=30.0):
-                raise KeyError("x")
-        lease = await locks.try_acquire("a")  # released on the way out
-        assert lease is not None
-    with pytest.raises(asynclock.AcquireTimeout):
-        async with asynclock.connect("memory://unwrapped") as locks:
-            await locks.acquire("a")
-            async with locks.lock("a", timeout=0):
-                pass
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.anyio
 # -- the in-memory guard ----------------------------------------------------------------------
 
 
-async def test_memory_guard_refuses_older_tokens_and_keeps_the_value_strict_each_once() -> None:
+async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one() -> None:
     guard = MemoryGuard()
     await guard.write("r", "from 7", token=7)
     await guard.write("r", "from 7 again", token=7)  # the same holder may write again
@@ -47,11 +46,9 @@ async def test_memory_guard_refuses_older_tokens_and_keeps_the_value_strict_each
         await guard.write("balance", 0, token=6)  # B wakes up and writes: refused
     await guard.write("balance", value + 1, token=7)
     assert await guard.read("balance", token=7) == 101
-
-
-async def test_guards_take_the_token_of_the_lock_held_in_this_context(tmp_path: Path) -> None:
+    # Guards take the token of the lock held in this context.
     guard = MemoryGuard()
-    async with asynclock.connect(f"sqlite://{tmp_path}/locks.db") as locks:
+    async with asynclock.connect(f"memory://guards-{uuid.uuid4().hex[:8]}") as locks:
         stale = await locks.acquire("job")  # token 1, then lost behind its back
         await stale.release()
         async with locks.lock("job") as lease:  # token 2

@@ -155,7 +155,7 @@ async def test_with_a_real_semaphore_a_holder_that_never_left_is_evicted_by_a_ne
 # -- Redis ------------------------------------------------------------------------------------
 
 
-async def test_redis_semaphore_guard_admits_n_runs_the_command_and_evicts_the_oldest(
+async def test_redis_semaphore_guard_admits_n_evicts_the_oldest_and_follows_permit_slots(
     redis_client: Any,
 ) -> None:
     prefix = f"permits-{uuid.uuid4().hex[:8]}:"
@@ -176,9 +176,7 @@ async def test_redis_semaphore_guard_admits_n_runs_the_command_and_evicts_the_ol
     await guard.check("r", big)
     with pytest.raises(StaleToken):
         await guard.check("r", big - 2)
-
-
-async def test_redis_semaphore_guard_follows_the_rule_of_permit_slots(redis_client: Any) -> None:
+    # Random checks and leaves, small memory: the script decides as PermitSlots does.
     """Random checks and leaves, small memory: the script decides as PermitSlots does."""
     rng = random.Random(11)
     for round_ in range(6):

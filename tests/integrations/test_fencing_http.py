@@ -99,7 +99,7 @@ def test_parse_lock_name_refuses_bad_values(value: str, why: str) -> None:
 # -- the outgoing side ---------------------------------------------------------------------------
 
 
-async def test_fencing_headers_follow_the_lock_held_in_this_context(
+async def test_fencing_headers_and_the_httpx_hook_follow_the_lock_held_in_this_context(
     locks: asynclock.LockClient,
 ) -> None:
     assert fencing.fencing_headers() == {}
@@ -119,6 +119,18 @@ async def test_fencing_headers_follow_the_lock_held_in_this_context(
     assert fencing.fencing_headers()["Fencing-Token"] == str(lease.token)
     await lease.release()
     assert fencing.fencing_headers() == {}
+    # The httpx hook adds headers only while a lock is held.
+    seen: list[httpx.Headers] = []
+    async with recording_client(seen, header="X-Fence", lock_header="X-Lock") as http:
+        await http.get("http://service/")
+        async with locks.lock("a/b") as lease:
+            await http.get("http://service/")
+            await http.get("http://service/", headers={"X-Fence": "99"})  # explicit one wins
+    assert "x-fence" not in seen[0]
+    assert seen[1]["x-fence"] == str(lease.token)
+    assert seen[1]["x-lock"] == "a%2Fb"
+    assert seen[2].get_list("x-fence") == ["99"]
+    assert "x-lock" not in seen[2]
 
 
 def recording_client(seen: list[httpx.Headers], **hook: Any) -> httpx.AsyncClient:
@@ -150,22 +162,6 @@ async def test_a_lease_without_a_token_sends_nothing_and_does_not_crash() -> Non
             await http.get("http://service/")
     assert "fencing-token" not in seen[0]
     assert "fencing-lock" not in seen[0]
-
-
-async def test_httpx_hook_adds_headers_only_while_a_lock_is_held(
-    locks: asynclock.LockClient,
-) -> None:
-    seen: list[httpx.Headers] = []
-    async with recording_client(seen, header="X-Fence", lock_header="X-Lock") as http:
-        await http.get("http://service/")
-        async with locks.lock("a/b") as lease:
-            await http.get("http://service/")
-            await http.get("http://service/", headers={"X-Fence": "99"})  # explicit one wins
-    assert "x-fence" not in seen[0]
-    assert seen[1]["x-fence"] == str(lease.token)
-    assert seen[1]["x-lock"] == "a%2Fb"
-    assert seen[2].get_list("x-fence") == ["99"]
-    assert "x-lock" not in seen[2]
 
 
 # -- the receiving side, end to end --------------------------------------------------------------

@@ -93,7 +93,7 @@ async def zookeeper_client(address: str) -> AsyncIterator[ZKClient]:
 
 
 @pytest.mark.anyio
-async def test_zookeeper_ensemble_survives_the_loss_of_its_leader() -> None:
+async def test_zookeeper_ensemble_survives_the_loss_of_its_leader_and_member_types() -> None:
     with ZooKeeperEnsemble(size=3) as ensemble:
         members = ensemble.members
         assert ensemble.url == "zookeeper://" + ",".join(f"127.0.0.1:{m.port}" for m in members)
@@ -119,9 +119,7 @@ async def test_zookeeper_ensemble_survives_the_loss_of_its_leader() -> None:
         assert killed.mode() == "follower"
         async with zookeeper_client(killed.address) as client:
             assert await client.get_data("/after-leader-loss") == b"1"
-
-
-def test_cluster_members_and_leader_types() -> None:
+    # Member and leader types; a one-member ensemble.
     with ZooKeeperEnsemble(size=1) as ensemble:
         (only,) = ensemble.members
         assert isinstance(only, ZooKeeperMember)
