@@ -34,7 +34,9 @@ class Payment(BaseModel):
     amount: int
 
 
-async def test_fastapi_still_sees_the_endpoint_parameters(locks: asynclock.LockClient) -> None:
+async def test_fastapi_sees_the_endpoint_parameters_and_a_lock_name_they_make_invalid_is_a_400(
+    locks: asynclock.LockClient,
+) -> None:
     app = FastAPI()
     seen: list[str] = []
 
@@ -45,6 +47,19 @@ async def test_fastapi_still_sees_the_endpoint_parameters(locks: asynclock.LockC
     ) -> dict[str, Any]:
         seen.append(asynclock.current_lease().name)
         return {"shop": shop_id, "amount": payment.amount, "currency": currency}
+
+    # A lock name made invalid by the request is a 400.
+    @app.get("/files")
+    @locked("files/{path}", client=locks)
+    async def read(path: str) -> str:
+        return path
+
+    @app.get("/dep/files")
+    async def read_with_dependency(
+        path: str,
+        lease: asynclock.Lease = lock_dependency("files/{path}", client=locks),  # noqa: B008
+    ) -> str:
+        return lease.name
 
     assert pay.__name__ == "pay"
     operation = app.openapi()["paths"]["/shops/{shop_id}/pay"]["post"]
@@ -65,36 +80,16 @@ async def test_fastapi_still_sees_the_endpoint_parameters(locks: asynclock.LockC
         )
         async with locks.lock("shops/5/ab/EUR"):
             busy = await http.post("/shops/5/pay", json={"account": "ab", "amount": 3})
+        bad = await http.get("/files", params={"path": "a\nb"})
+        bad_dependency = await http.get("/dep/files", params={"path": "x" * 600})
+        missing = await http.get("/dep/files")  # the dependency runs before validation
+        good = await http.get("/dep/files", params={"path": "a/b"})
     assert ok.status_code == 200
     assert ok.json() == {"shop": 5, "amount": 3, "currency": "USD"}
     assert seen == ["shops/5/ab/USD"]
     assert invalid_path.status_code == 422  # FastAPI validated before the lock was touched
     assert invalid_query.status_code == 422
     assert busy.status_code == 409  # busy_status is configurable
-
-
-async def test_a_lock_name_made_invalid_by_the_request_is_a_400(
-    locks: asynclock.LockClient,
-) -> None:
-    app = FastAPI()
-
-    @app.get("/files")
-    @locked("files/{path}", client=locks)
-    async def read(path: str) -> str:
-        return path
-
-    @app.get("/dep/files")
-    async def read_with_dependency(
-        path: str,
-        lease: asynclock.Lease = lock_dependency("files/{path}", client=locks),  # noqa: B008
-    ) -> str:
-        return lease.name
-
-    async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url) as http:
-        bad = await http.get("/files", params={"path": "a\nb"})
-        bad_dependency = await http.get("/dep/files", params={"path": "x" * 600})
-        missing = await http.get("/dep/files")  # the dependency runs before validation
-        good = await http.get("/dep/files", params={"path": "a/b"})
     assert bad.status_code == 400
     assert bad.json()["detail"]["error"] == "invalid_lock_name"
     assert bad_dependency.status_code == 400
@@ -103,7 +98,9 @@ async def test_a_lock_name_made_invalid_by_the_request_is_a_400(
     assert good.json() == "files/a/b"
 
 
-async def test_lock_client_can_come_from_the_app_lifespan() -> None:
+async def test_lock_client_can_come_from_the_app_lifespan_and_the_dependency_refuses_sync(
+    locks: asynclock.LockClient,
+) -> None:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with asynclock.connect("memory://fastapi-lifespan") as locks:
@@ -123,13 +120,7 @@ async def test_lock_client_can_come_from_the_app_lifespan() -> None:
         ) as http:
             answers = [(await http.get("/items/a")).json() for _ in range(2)]
     assert answers == [1, 2]
-
-
-def no_client() -> asynclock.LockClient:
-    raise AssertionError("the lock client is only needed when a request comes in")
-
-
-async def test_the_dependency_refuses_a_sync_endpoint(locks: asynclock.LockClient) -> None:
+    # The dependency refuses a sync endpoint.
     app = FastAPI()
 
     @app.get("/sync/{x}")
@@ -144,6 +135,10 @@ async def test_the_dependency_refuses_a_sync_endpoint(locks: asynclock.LockClien
     ) as http:
         with pytest.raises(TypeError, match="async def"):
             await http.get("/sync/1")
+
+
+def no_client() -> asynclock.LockClient:
+    raise AssertionError("the lock client is only needed when a request comes in")
 
 
 @pytest.mark.expect_log(r"lease on 'orders/5' (was )?lost")

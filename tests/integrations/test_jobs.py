@@ -22,7 +22,9 @@ async def hold_elsewhere(locks: asynclock.LockClient, name: str) -> asynclock.Le
     return lease
 
 
-async def test_arq_defers_a_busy_job_with_retry_and_jitter(locks: asynclock.LockClient) -> None:
+async def test_arq_defers_a_busy_job_with_retry_and_jitter_but_waits_on_the_last_try(
+    locks: asynclock.LockClient,
+) -> None:
     from arq import Retry
 
     from asynclock.integrations import arq
@@ -60,28 +62,23 @@ async def test_arq_defers_a_busy_job_with_retry_and_jitter(locks: asynclock.Lock
     assert inner.value.name == "inner"
     await holder.release()
 
-
-async def test_arq_waits_for_the_lock_on_the_last_try_instead_of_failing(
-    locks: asynclock.LockClient,
-) -> None:
-    from asynclock.integrations import arq
-
+    # arq waits for the lock on the last try instead of failing.
     @arq.locked("invoice-{invoice_id}", max_tries=3)
-    async def charge(ctx: dict[str, Any], invoice_id: int) -> str:
+    async def charge_last(ctx: dict[str, Any], invoice_id: int) -> str:
         return f"charged {invoice_id}"
 
     holder = await hold_elsewhere(locks, "invoice-8")
-    result: list[str] = []
+    last: list[str] = []
 
     async def last_try() -> None:
-        result.append(await charge({"job_try": 3, "asynclock": locks}, 8))
+        last.append(await charge_last({"job_try": 3, "asynclock": locks}, 8))
 
     async with anyio.create_task_group() as task_group:
         task_group.start_soon(last_try)
         await anyio.sleep(0.05)
-        assert result == []  # waiting, not deferred (arq would fail a 4th try)
+        assert last == []  # waiting, not deferred (arq would fail a 4th try)
         await holder.release()
-    assert result == ["charged 8"]
+    assert last == ["charged 8"]
 
 
 @pytest.mark.expect_log(r"lease on 'doomed-1' lost: the lock was removed on the server")
