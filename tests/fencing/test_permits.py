@@ -177,7 +177,6 @@ async def test_redis_semaphore_guard_admits_n_evicts_the_oldest_and_follows_perm
     with pytest.raises(StaleToken):
         await guard.check("r", big - 2)
     # Random checks and leaves, small memory: the script decides as PermitSlots does.
-    """Random checks and leaves, small memory: the script decides as PermitSlots does."""
     rng = random.Random(11)
     for round_ in range(6):
         prefix = f"permits-{uuid.uuid4().hex[:8]}:"

@@ -240,9 +240,8 @@ def raw_redis(port: int, db: int) -> redis.asyncio.Redis:
     return redis.asyncio.Redis(host="127.0.0.1", port=port, db=db)  # closed by its async with
 
 
-def tail(log: Path, size: int | None = None) -> str:
-    text = log.read_text()
-    return text if size is None else text[-size:]
+def tail(log: Path, size: int = 0) -> str:
+    return log.read_text()[-size:]
 
 
 def overlaps(records: list[dict[str, Any]]) -> list[str]:
