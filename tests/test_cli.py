@@ -38,7 +38,9 @@ def wait_exists(path: Path, what: str = "the command never started") -> None:
         time.sleep(0.02)
 
 
-def test_run_exports_the_token_and_returns_the_commands_exit_code(tmp_path: Path) -> None:
+def test_run_exports_the_token_returns_the_exit_code_and_kills_the_group_when_revoked(
+    tmp_path: Path,
+) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     script = 'echo "$ASYNCLOCK_NAME $ASYNCLOCK_TOKEN"; exit 7'
     first = run("run", "job", "--url", url, "--", "sh", "-c", script)
@@ -48,9 +50,7 @@ def test_run_exports_the_token_and_returns_the_commands_exit_code(tmp_path: Path
     assert second.stdout.split() == ["job", "2"]
     # A command killed by signal n: 128 + n, as a shell says.
     assert run("run", "job", "--url", url, "--", "sh", "-c", "kill -9 $$").returncode == 128 + 9
-
-
-def test_run_kills_the_whole_process_group_when_the_lease_is_revoked(tmp_path: Path) -> None:
+    # run kills the whole process group when the lease is revoked.
     db = tmp_path / "locks.db"
     pidfile = tmp_path / "grandchild.pid"
     # The command starts a grandchild and waits: both must die when the lease is lost.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.anyio
 # -- the in-memory guard ----------------------------------------------------------------------
 
 
-async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one() -> None:
+async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_path: Path) -> None:
     guard = MemoryGuard()
     await guard.write("r", "from 7", token=7)
     await guard.write("r", "from 7 again", token=7)  # the same holder may write again
@@ -48,7 +49,7 @@ async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one() -> 
     assert await guard.read("balance", token=7) == 101
     # Guards take the token of the lock held in this context.
     guard = MemoryGuard()
-    async with asynclock.connect(f"memory://guards-{uuid.uuid4().hex[:8]}") as locks:
+    async with asynclock.connect(f"sqlite://{tmp_path}/locks.db") as locks:
         stale = await locks.acquire("job")  # token 1, then lost behind its back
         await stale.release()
         async with locks.lock("job") as lease:  # token 2

@@ -123,7 +123,7 @@ async def test_pass_through_relays_and_counts_connections_and_reset_sends_rst() 
             await round_trip(stream)
 
 
-async def test_delay_adds_latency_in_both_directions() -> None:
+async def test_delay_adds_latency_both_ways_and_cut_heals_to_the_previous_mode() -> None:
     async with proxied_echo() as (_, proxy):
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             baseline = min([await round_trip(stream) for _ in range(5)])
@@ -144,6 +144,24 @@ async def test_delay_adds_latency_in_both_directions() -> None:
             assert 0.099 <= anyio.current_time() - start < 0.5
             proxy.pass_through()
             assert min([await round_trip(stream) for _ in range(3)]) < 0.05
+    # cut heals after the given time, to the previous mode unless changed meanwhile.
+    async with proxied_echo() as (_, proxy):
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream)
+            proxy.cut(1)
+            assert proxy.mode == "blackhole"
+            with anyio.fail_after(3):
+                took = await round_trip(stream)
+            assert 0.95 <= took < 2.0
+            assert mode_of(proxy) == "pass_through"
+        proxy.delay(10)
+        proxy.cut(0.1)
+        await wait_until(lambda: mode_of(proxy) == "delay", timeout=2)
+
+        proxy.cut(0.1)
+        proxy.drop_replies()  # a newer decision wins over the cut's timer
+        await anyio.sleep(0.3)
+        assert mode_of(proxy) == "drop_replies"
 
 
 async def test_blackhole_holds_traffic_and_drop_replies_loses_only_replies() -> None:
@@ -218,44 +236,7 @@ async def test_a_real_client_times_out_on_blackhole_and_drop_replies_and_fails_o
             assert await client.ping()
 
 
-async def test_cut_heals_after_the_given_time_to_the_previous_mode_unless_changed() -> None:
-    async with proxied_echo() as (_, proxy):
-        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            await round_trip(stream)
-            proxy.cut(1)
-            assert proxy.mode == "blackhole"
-            with anyio.fail_after(3):
-                took = await round_trip(stream)
-            assert 0.95 <= took < 2.0
-            assert mode_of(proxy) == "pass_through"
-        proxy.delay(10)
-        proxy.cut(0.1)
-        await wait_until(lambda: mode_of(proxy) == "delay", timeout=2)
-
-        proxy.cut(0.1)
-        proxy.drop_replies()  # a newer decision wins over the cut's timer
-        await anyio.sleep(0.3)
-        assert mode_of(proxy) == "drop_replies"
-
-
-async def test_an_unreachable_target_resets_the_client_and_a_server_close_is_relayed() -> None:
-    async with FaultProxy("127.0.0.1", free_port()) as proxy:
-        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            with pytest.raises(anyio.BrokenResourceError), anyio.fail_after(5):
-                await stream.receive()
-        await wait_until(lambda: proxy.connections == 0)
-    with RedisServer() as server:
-        async with FaultProxy(server.host, server.port) as proxy:
-            async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-                await stream.send(b"QUIT\r\n")
-                with anyio.fail_after(5):
-                    assert await stream.receive() == b"+OK\r\n"
-                    with pytest.raises(anyio.EndOfStream):
-                        await stream.receive()
-            await wait_until(lambda: proxy.connections == 0)
-
-
-async def test_aclose_closes_everything_is_idempotent_and_ends_a_failing_body() -> None:
+async def test_aclose_closes_everything_once_and_resets_and_closes_are_relayed() -> None:
     async with echo_server() as echo:
         proxy = FaultProxy("127.0.0.1", echo.port)
         with pytest.raises(RuntimeError, match="not started"):
@@ -288,3 +269,18 @@ async def test_aclose_closes_everything_is_idempotent_and_ends_a_failing_body() 
                 raise LookupError
         with pytest.raises(OSError):
             await anyio.connect_tcp("127.0.0.1", port)
+    # An unreachable target resets the client, and a server's close is relayed.
+    async with FaultProxy("127.0.0.1", free_port()) as proxy:
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            with pytest.raises(anyio.BrokenResourceError), anyio.fail_after(5):
+                await stream.receive()
+        await wait_until(lambda: proxy.connections == 0)
+    with RedisServer() as server:
+        async with FaultProxy(server.host, server.port) as proxy:
+            async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+                await stream.send(b"QUIT\r\n")
+                with anyio.fail_after(5):
+                    assert await stream.receive() == b"+OK\r\n"
+                    with pytest.raises(anyio.EndOfStream):
+                        await stream.receive()
+            await wait_until(lambda: proxy.connections == 0)

@@ -167,7 +167,7 @@ async def test_a_server_serves_pauses_resumes_and_restarts(
 
 
 @pytest.mark.anyio
-async def test_redis_fake_clock_jumps_at_run_time() -> None:
+async def test_redis_fake_clock_jumps_at_run_time_and_start_offsets_have_units() -> None:
     with RedisServer(faketime="+0") as server:
         assert server.faketime
         async with Redis(host=server.host, port=server.port) as client:
@@ -197,9 +197,7 @@ async def test_redis_fake_clock_jumps_at_run_time() -> None:
         async with Redis(host=server.host, port=server.port) as client:
             seconds, _ = await client.time()
             assert abs(seconds - (time.time() - 3540)) < 2
-
-
-def test_redis_start_offset_units_a_jump_before_start_and_argument_checks() -> None:
+    # Start offsets have units, a jump may come before the start, and arguments are checked.
     with pytest.raises(ValueError, match="relative offset"):
         RedisServer(faketime="@2020-01-01 00:00:00")
     server = RedisServer()
@@ -213,11 +211,9 @@ def test_redis_start_offset_units_a_jump_before_start_and_argument_checks() -> N
     server.jump_clock(60)
     with server:
         assert server.clock_offset == -5340
-        cli = find_binary("redis-cli", "redis-tools")
-        answer = subprocess.run(
-            [cli, "-p", str(server.port), "TIME"], capture_output=True, text=True, check=True
-        )
-        assert abs(int(answer.stdout.split()[0]) - (time.time() - 5340)) < 2
+        async with Redis(host=server.host, port=server.port) as client:
+            seconds, _ = await client.time()
+        assert abs(seconds - (time.time() - 5340)) < 2
 
 
 class _Crashing(SingleServer):
@@ -266,7 +262,7 @@ def test_a_start_error_or_timeout_carries_the_log_and_a_stop_is_bounded() -> Non
     assert wait_for(lambda: process_gone(pid))
 
 
-def test_find_binary_names_the_apt_package_and_prefers_the_newest_versioned_dir(
+def test_find_binary_and_servers_left_running_are_killed_at_interpreter_exit(
     tmp_path: Path,
 ) -> None:
     with pytest.raises(ServerNotInstalled, match="apt-get install some-package") as caught:
@@ -281,9 +277,7 @@ def test_find_binary_names_the_apt_package_and_prefers_the_newest_versioned_dir(
         program.chmod(0o755)
     found = find_binary("asynclock-fake-initdb", "postgresql", extra_dirs=[f"{tmp_path}/*/bin"])
     assert found == str(tmp_path / "15" / "bin" / "asynclock-fake-initdb")
-
-
-def test_servers_left_running_are_killed_at_interpreter_exit() -> None:
+    # Servers left running are killed at interpreter exit.
     script = (
         "from asynclock.testing import RedisServer, PostgresServer\n"
         "r = RedisServer().start(); p = PostgresServer().start()\n"
