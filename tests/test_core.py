@@ -302,9 +302,6 @@ async def test_backend_open_errors_are_named_and_a_backend_may_own_a_task_group(
         pass
 
 
-# -- bad input ------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [

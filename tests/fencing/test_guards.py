@@ -23,9 +23,6 @@ from asynclock.testing import PostgresServer
 pytestmark = pytest.mark.anyio
 
 
-# -- the in-memory guard ----------------------------------------------------------------------
-
-
 async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_path: Path) -> None:
     guard = MemoryGuard()
     await guard.write("r", "from 7", token=7)
@@ -65,9 +62,6 @@ async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_p
 async def test_bad_tokens_are_refused(bad: Any) -> None:
     with pytest.raises(asynclock.InvalidArgument):
         await MemoryGuard().check("r", bad)
-
-
-# -- PostgreSQL -------------------------------------------------------------------------------
 
 
 async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back_and_unsafe_identifiers(
@@ -133,9 +127,6 @@ async def test_postgres_guards_serialize_transactions_in_flight(
             await guard.check(connection, "r", 6)
     finally:
         await other.close()
-
-
-# -- Redis -------------------------------------------------------------------------------------
 
 
 async def test_redis_guard_runs_the_command_only_for_a_fresh_token_beyond_float_precision(

@@ -110,9 +110,6 @@ def test_permits_must_be_a_positive_int(bad: object) -> None:
         MemorySemaphoreGuard(bad)  # type: ignore[arg-type]
 
 
-# -- PostgreSQL -------------------------------------------------------------------------------
-
-
 async def test_postgres_semaphore_guard_admits_n_and_evicts_the_oldest(pg: Any) -> None:
     connection, table = pg
     guard = PostgresSemaphoreGuard(2, table=table)
@@ -150,9 +147,6 @@ async def test_with_a_real_semaphore_a_holder_that_never_left_is_evicted_by_a_ne
                 assert guard.admitted("out") == (second.token, third.token)
                 with pytest.raises(StaleToken):
                     await guard.write("out", "late", token=crashed.token)
-
-
-# -- Redis ------------------------------------------------------------------------------------
 
 
 async def test_redis_semaphore_guard_admits_n_evicts_the_oldest_and_follows_permit_slots(

@@ -37,8 +37,6 @@ from ._servers import memory, serve_aiohttp, serve_asgi
 
 pytestmark = pytest.mark.anyio
 
-# -- the header format ---------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize(
     ("value", "token"),
@@ -94,9 +92,6 @@ def test_lock_names_survive_the_header_round_trip_and_header_names_are_checked()
 def test_parse_lock_name_refuses_bad_values(value: str, why: str) -> None:
     with pytest.raises(asynclock.InvalidArgument, match=why):
         parse_lock_name(value)
-
-
-# -- the outgoing side ---------------------------------------------------------------------------
 
 
 async def test_fencing_headers_and_the_httpx_hook_follow_the_lock_held_in_this_context(
@@ -162,9 +157,6 @@ async def test_a_lease_without_a_token_sends_nothing_and_does_not_crash() -> Non
             await http.get("http://service/")
     assert "fencing-token" not in seen[0]
     assert "fencing-lock" not in seen[0]
-
-
-# -- the receiving side, end to end --------------------------------------------------------------
 
 
 @dataclass
