@@ -168,7 +168,10 @@ def test_owner_secrets_are_unique_and_a_forked_child_draws_its_own() -> None:
 
 
 @pytest.mark.expect_log(LOST.format("a", DEADLINE))
-async def test_failing_renewals_do_not_move_the_deadline(locks: asynclock.LockClient) -> None:
+@pytest.mark.expect_log(LOST.format("a", "injected: the server says the lock is gone"))
+async def test_failing_renewals_do_not_move_the_deadline_and_a_proven_loss_cancels_at_once(
+    locks: asynclock.LockClient,
+) -> None:
     memory(locks).faults.renew = "fail"
     async with locks.lock("a", ttl=1.0, on_lost="flag") as lease:
         first_deadline = lease.deadline
@@ -177,10 +180,7 @@ async def test_failing_renewals_do_not_move_the_deadline(locks: asynclock.LockCl
         assert locks.renew_calls >= 2  # it retried after the first failure
         reason = await lease.wait_lost()
     assert "deadline" in reason
-
-
-@pytest.mark.expect_log(LOST.format("a", "injected: the server says the lock is gone"))
-async def test_a_loss_a_renewal_proves_cancels_at_once(locks: asynclock.LockClient) -> None:
+    # A loss a renewal proves cancels at once.
     with pytest.raises(asynclock.LeaseLost, match="injected: the server says the lock is gone"):
         async with locks.lock("a", ttl=3.0):
             started = anyio.current_time()
@@ -248,17 +248,7 @@ async def test_a_body_or_locked_call_that_finished_before_its_loss_was_known_kee
     assert await job(3) == 6
 
 
-async def test_renewals_of_many_leases_are_batched(locks: asynclock.LockClient) -> None:
-    leases = [await locks.acquire(f"batch/{index}", ttl=0.9) for index in range(100)]
-    await anyio.sleep(0.95)
-    assert all(not lease.lost for lease in leases)
-    # 100 leases renewed ~3 times each: a handful of round trips, not 300.
-    assert 2 <= locks.renew_calls <= 8
-    for lease in leases:
-        await lease.release()
-
-
-async def test_acquire_tracks_current_token_and_remaining_until_release(
+async def test_acquire_tracks_the_current_token_and_remaining_and_renewals_are_batched(
     locks: asynclock.LockClient,
 ) -> None:
     lease = await locks.acquire("tracked", ttl=10.0)
@@ -275,6 +265,14 @@ async def test_acquire_tracks_current_token_and_remaining_until_release(
     assert lease.remaining == 0.0
     with pytest.raises(asynclock.NotHeld, match="no lock is held"):
         asynclock.current_token()
+    # Renewals of many leases are batched.
+    leases = [await locks.acquire(f"batch/{index}", ttl=0.9) for index in range(100)]
+    await anyio.sleep(0.95)
+    assert all(not lease.lost for lease in leases)
+    # 100 leases renewed ~3 times each: a handful of round trips, not 300.
+    assert 2 <= locks.renew_calls <= 8
+    for lease in leases:
+        await lease.release()
 
 
 async def test_backend_open_errors_are_named_and_a_backend_may_own_a_task_group() -> None:

@@ -94,7 +94,7 @@ def test_parse_lock_name_refuses_bad_values(value: str, why: str) -> None:
         parse_lock_name(value)
 
 
-async def test_fencing_headers_and_the_httpx_hook_follow_the_lock_held_in_this_context(
+async def test_fencing_headers_and_the_httpx_hook_follow_the_lock_held_if_it_has_a_token(
     locks: asynclock.LockClient,
 ) -> None:
     assert fencing.fencing_headers() == {}
@@ -126,6 +126,17 @@ async def test_fencing_headers_and_the_httpx_hook_follow_the_lock_held_in_this_c
     assert seen[1]["x-lock"] == "a%2Fb"
     assert seen[2].get_list("x-fence") == ["99"]
     assert "x-lock" not in seen[2]
+    # A lease without a token sends nothing and does not crash.
+    client = asynclock.LockClient(
+        NoTokenBackend("no-token"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
+    )
+    async with client as no_tokens, recording_client(seen) as http:
+        async with no_tokens.lock("redlock-ish"):
+            with pytest.raises(asynclock.UnsupportedFeature):
+                asynclock.current_token()
+            await http.get("http://service/")
+    assert "fencing-token" not in seen[3]
+    assert "fencing-lock" not in seen[3]
 
 
 def recording_client(seen: list[httpx.Headers], **hook: Any) -> httpx.AsyncClient:
@@ -143,20 +154,6 @@ class NoTokenBackend(MemoryBackend):  # no sound tokens, as Redlock
     capabilities = Capabilities(
         fencing=False, fifo=True, loss_detection=True, quorum=True, cross_process=False
     )
-
-
-async def test_a_lease_without_a_token_sends_nothing_and_does_not_crash() -> None:
-    seen: list[httpx.Headers] = []
-    client = asynclock.LockClient(
-        NoTokenBackend("no-token"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
-    )
-    async with client as locks, recording_client(seen) as http:
-        async with locks.lock("redlock-ish"):
-            with pytest.raises(asynclock.UnsupportedFeature):
-                asynclock.current_token()
-            await http.get("http://service/")
-    assert "fencing-token" not in seen[0]
-    assert "fencing-lock" not in seen[0]
 
 
 @dataclass
