@@ -16,21 +16,20 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
+def bench(out: Path, *args: str, timeout: float) -> tuple[dict[str, Any], Any]:
+    """`asynclock bench` as a user runs it from a checkout: its JSON record, and the process."""
+    command = [sys.executable, "-m", "asynclock", "bench", *args, "--no-chart", "--output-dir"]
+    done = subprocess.run(
+        [*command, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "latest.json").read_text()), done
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("bench")
-    # Through the `asynclock bench` hook, as a user runs it from a checkout.
-    command = [sys.executable, "-m", "asynclock", "bench", "--smoke", "--backends", "sqlite"]
-    completed = subprocess.run(
-        [*command, "--no-chart", "--quiet", "--output-dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    data: dict[str, Any] = json.loads((out / "latest.json").read_text())
+    data, _ = bench(out, "--smoke", "--backends", "sqlite", "--quiet", timeout=100)
     return data, out
 
 
@@ -156,19 +155,8 @@ SEVEN = ["memory", "sqlite", "redis", "redlock", "etcd", "zookeeper", "postgres"
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
     # As scripts/main runs it, with a budget a fifth of the main job's.
-    out = tmp_path_factory.mktemp("quick")
-    command = [sys.executable, "-m", "asynclock", "bench", "--quick", "--budget", "10"]
-    completed = subprocess.run(
-        [*command, "--no-chart", "--output-dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    data: dict[str, Any] = json.loads((out / "latest.json").read_text())
-    return data, completed.stdout, completed.stderr
+    data, done = bench(tmp_path_factory.mktemp("quick"), "--quick", "--budget", "10", timeout=120)
+    return data, done.stdout, done.stderr
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:

@@ -18,6 +18,7 @@ import pytest
 import asynclock
 from asynclock import _registry
 from asynclock.backends.memory import MemoryBackend
+from tests.integrations._servers import memory, memory_locks
 from tests.loud import ExpectedLogs
 
 pytestmark = pytest.mark.anyio
@@ -32,14 +33,8 @@ RELEASE_DEFERRED = r"releasing 'a' on memory://core-\w+ did not complete in 0\.2
 
 @pytest.fixture
 async def locks() -> AsyncIterator[asynclock.LockClient]:
-    async with asynclock.connect(f"memory://core-{uuid.uuid4().hex[:8]}") as client:
+    async with memory_locks() as client:
         yield client
-
-
-def memory(locks: asynclock.LockClient) -> MemoryBackend:
-    backend = locks._backend
-    assert isinstance(backend, MemoryBackend)
-    return backend
 
 
 async def test_a_client_is_used_inside_async_with_or_start_once_and_lets_errors_through() -> None:

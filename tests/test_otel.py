@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import asynclock
-from asynclock.backends.memory import MemoryBackend
+from tests.integrations._servers import memory, memory_locks
 
 if TYPE_CHECKING:
     from asynclock.otel import Instrumentation
@@ -105,14 +105,8 @@ def telemetry() -> Iterator[Telemetry]:
 
 @pytest.fixture
 async def locks() -> AsyncIterator[asynclock.LockClient]:
-    async with asynclock.connect(f"memory://otel-{uuid.uuid4().hex[:8]}") as client:
+    async with memory_locks() as client:
         yield client
-
-
-def memory(locks: asynclock.LockClient) -> MemoryBackend:
-    backend = locks._backend
-    assert isinstance(backend, MemoryBackend)
-    return backend
 
 
 async def test_acquire_and_hold_are_measured_and_the_body_span_is_the_parent_of_its_work(
