@@ -243,7 +243,7 @@ async def test_a_body_or_locked_call_that_finished_before_its_loss_was_known_kee
     assert await job(3) == 6
 
 
-async def test_acquire_tracks_the_current_token_and_remaining_and_renewals_are_batched(
+async def test_acquire_tracks_the_token_and_remaining_renewals_are_batched_and_need_room(
     locks: asynclock.LockClient,
 ) -> None:
     lease = await locks.acquire("tracked", ttl=10.0)
@@ -268,6 +268,10 @@ async def test_acquire_tracks_the_current_token_and_remaining_and_renewals_are_b
     assert 2 <= locks.renew_calls <= 8
     for lease in leases:
         await lease.release()
+    # A margin that leaves no room to renew is refused.
+    async with asynclock.connect("memory://m", margin=5.0) as locks:
+        with pytest.raises(asynclock.InvalidArgument, match="margin"):
+            await locks.acquire("a", ttl=6.0)
 
 
 async def test_backend_open_errors_are_named_and_a_backend_may_own_a_task_group() -> None:
@@ -345,12 +349,6 @@ def test_bad_urls_options_and_requirements_are_refused_with_the_reason(
 ) -> None:
     with pytest.raises(error, match=message):
         asynclock.connect(url, **options)
-
-
-async def test_a_margin_that_leaves_no_room_to_renew_is_refused() -> None:
-    async with asynclock.connect("memory://m", margin=5.0) as locks:
-        with pytest.raises(asynclock.InvalidArgument, match="margin"):
-            await locks.acquire("a", ttl=6.0)
 
 
 def test_missing_driver_names_the_extra_and_public_names_match_all(

@@ -56,12 +56,9 @@ async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_p
             await guard.write("out", "old", token=stale.token)
         with pytest.raises(asynclock.NotHeld):
             await guard.write("out", "nobody")
-
-
-@pytest.mark.parametrize("bad", [-1, MAX_TOKEN + 1, True, "5"])
-async def test_bad_tokens_are_refused(bad: Any) -> None:
-    with pytest.raises(asynclock.InvalidArgument):
-        await MemoryGuard().check("r", bad)
+    for bad in [-1, MAX_TOKEN + 1, True, "5"]:
+        with pytest.raises(asynclock.InvalidArgument):
+            await MemoryGuard().check("r", bad)  # type: ignore[arg-type]
 
 
 async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back_and_unsafe_identifiers(

@@ -36,6 +36,9 @@ async def test_admits_up_to_n_tokens_and_evicts_the_oldest_for_a_newer_one() -> 
     assert guard.rejected == 1
     await guard.check("other", 1)  # resources are independent
     assert (guard.admitted("other"), guard.admitted("r")) == ((1,), (2, 3, 4))
+    for bad in [0, -1, True, 1.5]:  # permits must be a positive int
+        with pytest.raises(asynclock.InvalidArgument):
+            MemorySemaphoreGuard(bad)  # type: ignore[arg-type]
     # A token older than every admitted one is refused when full.
     guard = MemorySemaphoreGuard(2)
     await guard.check("r", 5)
@@ -102,12 +105,6 @@ def test_an_evicted_or_departed_token_is_never_admitted_again_and_departed_stay_
     assert len(slots.departed) <= 4096
     assert slots.admitted == [1]  # the long-running holder kept its slot
     assert slots.admit(1) is None
-
-
-@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
-def test_permits_must_be_a_positive_int(bad: object) -> None:
-    with pytest.raises(asynclock.InvalidArgument):
-        MemorySemaphoreGuard(bad)  # type: ignore[arg-type]
 
 
 async def test_postgres_semaphore_guard_admits_n_and_evicts_the_oldest(pg: Any) -> None:

@@ -98,7 +98,8 @@ async def test_fastapi_sees_the_endpoint_parameters_and_a_lock_name_they_make_in
     assert good.json() == "files/a/b"
 
 
-async def test_lock_client_can_come_from_the_app_lifespan_and_the_dependency_refuses_sync(
+@pytest.mark.expect_log(r"lease on 'orders/6' (was )?lost")
+async def test_the_client_from_the_lifespan_and_the_dependency_refusing_sync_and_reporting_loss(
     locks: asynclock.LockClient,
 ) -> None:
     @asynccontextmanager
@@ -135,6 +136,21 @@ async def test_lock_client_can_come_from_the_app_lifespan_and_the_dependency_ref
     ) as http:
         with pytest.raises(TypeError, match="async def"):
             await http.get("/sync/1")
+    # The dependency reports the loss only through the middleware.
+    app = FastAPI()
+
+    @app.post("/dep/{order_id}")
+    async def dependency(
+        order_id: int,
+        lease: asynclock.Lease = lock_dependency("orders/{order_id}", client=locks, ttl=0.2),  # noqa: B008
+    ) -> int:
+        time.sleep(0.4)  # noqa: ASYNC251 - a paused process
+        return order_id
+
+    async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
+        answer = await http.post("/dep/6")
+    assert answer.status_code == 200
+    assert LEASE_LOST_HEADER not in answer.headers  # FastAPI built the response already
 
 
 def no_client() -> asynclock.LockClient:
@@ -170,26 +186,6 @@ async def test_a_completed_body_keeps_the_response_it_made_and_reports_the_loss(
     assert "no successful renewal" in unquote(answer.headers[LEASE_LOST_HEADER])
     if path == "own":
         assert answer.headers["x-own"] == "kept"
-
-
-@pytest.mark.expect_log(r"lease on 'orders/6' (was )?lost")
-async def test_the_dependency_reports_the_loss_only_through_the_middleware(
-    locks: asynclock.LockClient,
-) -> None:
-    app = FastAPI()
-
-    @app.post("/dep/{order_id}")
-    async def dependency(
-        order_id: int,
-        lease: asynclock.Lease = lock_dependency("orders/{order_id}", client=locks, ttl=0.2),  # noqa: B008
-    ) -> int:
-        time.sleep(0.4)  # noqa: ASYNC251 - a paused process
-        return order_id
-
-    async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
-        answer = await http.post("/dep/6")
-    assert answer.status_code == 200
-    assert LEASE_LOST_HEADER not in answer.headers  # FastAPI built the response already
 
 
 def test_a_typo_or_locked_above_the_route_decorator_fails_at_import() -> None:
