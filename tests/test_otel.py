@@ -194,7 +194,8 @@ async def test_waiters_timeouts_and_busy_answers(
     }
 
 
-async def test_a_renewal_blip_suspends_and_reconnects_without_a_loss_and_is_measured(
+@pytest.mark.expect_log("lease on 'a' lost: no successful renewal before the local deadline")
+async def test_a_renewal_blip_is_measured_without_a_loss_and_a_hang_until_the_deadline(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
     telemetry.instrument(locks)
@@ -226,6 +227,17 @@ async def test_a_renewal_blip_suspends_and_reconnects_without_a_loss_and_is_meas
     )
     assert suspended.value == reconnected.value == 1
     assert not telemetry.points("asynclock.leases.lost")
+    # A hung renewal is lost at the deadline, and the state goes lost.
+    telemetry.exporter.clear()
+    memory(locks).faults.renew = "hang"
+    with pytest.raises(asynclock.LeaseLost):
+        async with locks.lock("a", ttl=1.0):
+            await anyio.sleep(5)
+    assert telemetry.point("asynclock.leases.lost", loss_kind="deadline").value == 1
+    assert telemetry.point("asynclock.connection.state_changes", state="lost").value == 1
+    (span,) = telemetry.spans("asynclock.hold")
+    assert span.status.status_code is StatusCode.ERROR
+    assert "deadline" in (span.status.description or "")
 
 
 @pytest.mark.expect_log("lease on 'order:9' lost: the lock was removed on the server")
@@ -260,22 +272,6 @@ async def test_a_loss_marks_the_body_span_as_an_error_unless_the_body_had_finish
     assert span.status.status_code is StatusCode.UNSET  # its result was kept
     assert (span.attributes or {})["asynclock.lease.lost_after_completion"] is True
     assert "asynclock.lease.finished_after_loss" in [event.name for event in span.events]
-
-
-@pytest.mark.expect_log("lease on 'a' lost: no successful renewal before the local deadline")
-async def test_a_hung_renewal_is_lost_at_the_deadline_and_the_state_goes_lost(
-    telemetry: Telemetry, locks: asynclock.LockClient
-) -> None:
-    telemetry.instrument(locks)
-    memory(locks).faults.renew = "hang"
-    with pytest.raises(asynclock.LeaseLost):
-        async with locks.lock("a", ttl=1.0):
-            await anyio.sleep(5)
-    assert telemetry.point("asynclock.leases.lost", loss_kind="deadline").value == 1
-    assert telemetry.point("asynclock.connection.state_changes", state="lost").value == 1
-    (span,) = telemetry.spans("asynclock.hold")
-    assert span.status.status_code is StatusCode.ERROR
-    assert "deadline" in (span.status.description or "")
 
 
 async def test_the_default_and_a_custom_template(
