@@ -264,33 +264,8 @@ async def test_a_stale_token_from_a_paused_holder_is_refused_after_a_newer_one(
     assert [record.token for record in b.seen] == [old, newer.token]  # the app never saw the 409
 
 
-async def test_service_a_holds_the_lock_and_service_b_sees_its_token(
+async def test_tokens_from_a_locked_service_pass_missing_ones_get_428_and_options_apply(
     locks: asynclock.LockClient, service: ServiceMaker
-) -> None:
-    # A: FastAPI + @locked, calling B (the fencing service) with httpx.
-    async with (
-        service(MemoryGuard()) as b,
-        httpx.AsyncClient(event_hooks={"request": [httpx_request_hook()]}) as http,
-    ):
-        a = FastAPI()
-
-        @a.post("/invoices/{invoice_id}")
-        @locked("invoices/{invoice_id}", client=locks)
-        async def bill(invoice_id: int) -> dict[str, Any]:
-            answer = await http.post(f"{b.url}/ledger/{invoice_id}")
-            return {"mine": asynclock.current_token(), "b": answer.json()}
-
-        async with serve_asgi(a) as a_url, httpx.AsyncClient(base_url=a_url) as outside:
-            first = (await outside.post("/invoices/5")).json()
-            second = (await outside.post("/invoices/5")).json()
-    assert first["b"] == {"token": first["mine"], "resource": "invoices/5"}
-    assert second["b"] == {"token": second["mine"], "resource": "invoices/5"}
-    assert second["mine"] > first["mine"]
-    assert b.seen[0].state == first["mine"]  # scope["state"] / request[...] carry it as well
-
-
-async def test_requests_without_a_token_pass_or_get_428_and_custom_headers_resource_no_guard(
-    service: ServiceMaker,
 ) -> None:
     async with httpx.AsyncClient() as http:
         async with service(MemoryGuard()) as optional:
@@ -327,6 +302,26 @@ async def test_requests_without_a_token_pass_or_get_428_and_custom_headers_resou
     assert tenant.json() == {"token": 1, "resource": "tenant/t1"}
     # With guard=None the app checks in its own transaction: both reach it, with their tokens.
     assert [answer.json()["token"] for answer in unchecked] == [9, 2]
+    # Service A (FastAPI + @locked, calling B with httpx) holds the lock; B sees its token.
+    async with (
+        service(MemoryGuard()) as b,
+        httpx.AsyncClient(event_hooks={"request": [httpx_request_hook()]}) as http,
+    ):
+        a = FastAPI()
+
+        @a.post("/invoices/{invoice_id}")
+        @locked("invoices/{invoice_id}", client=locks)
+        async def bill(invoice_id: int) -> dict[str, Any]:
+            answer = await http.post(f"{b.url}/ledger/{invoice_id}")
+            return {"mine": asynclock.current_token(), "b": answer.json()}
+
+        async with serve_asgi(a) as a_url, httpx.AsyncClient(base_url=a_url) as outside:
+            first = (await outside.post("/invoices/5")).json()
+            second = (await outside.post("/invoices/5")).json()
+    assert first["b"] == {"token": first["mine"], "resource": "invoices/5"}
+    assert second["b"] == {"token": second["mine"], "resource": "invoices/5"}
+    assert second["mine"] > first["mine"]
+    assert b.seen[0].state == first["mine"]  # scope["state"] / request[...] carry it as well
 
 
 def _tenant_of(request: Any) -> str:  # an ASGI scope or an aiohttp request
