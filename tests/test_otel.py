@@ -295,21 +295,7 @@ async def test_the_default_and_a_custom_template(
     assert telemetry.point("asynclock.acquire.duration", lock_name="user").count == 2
 
 
-async def test_lock_all_measures_each_acquire_and_makes_one_hold_span(
-    telemetry: Telemetry, locks: asynclock.LockClient
-) -> None:
-    telemetry.instrument(locks)
-    async with locks.lock_all(["transfer:2", "transfer:1"], ttl=5) as leases:
-        pass
-    assert telemetry.point("asynclock.acquire.duration", lock_name="transfer:{}").count == 2
-    assert telemetry.point("asynclock.hold.duration", lock_name="transfer:{}").count == 2
-    assert len(telemetry.spans("asynclock.acquire")) == 2
-    # One body, so one span: it carries the first lock's token (canonical order).
-    (span,) = telemetry.spans("asynclock.hold")
-    assert (span.attributes or {})["asynclock.token"] == leases[0].token
-
-
-async def test_an_acquire_that_began_before_instrument_is_not_measured_from_zero(
+async def test_an_acquire_begun_before_instrument_is_left_out_and_lock_all_makes_one_span(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
     # With nobody subscribed the core does not time an acquire: one that began before
@@ -325,6 +311,16 @@ async def test_an_acquire_that_began_before_instrument_is_not_measured_from_zero
     (point,) = [point for _, point in telemetry.points("asynclock.acquire.duration")]
     assert point.count == 1 and point.sum < 1.0  # only "b"
     assert len(telemetry.spans("asynclock.acquire")) == 1
+    # lock_all measures each acquire and makes one hold span.
+    telemetry.exporter.clear()
+    async with locks.lock_all(["transfer:2", "transfer:1"], ttl=5) as leases:
+        pass
+    assert telemetry.point("asynclock.acquire.duration", lock_name="transfer:{}").count == 2
+    assert telemetry.point("asynclock.hold.duration", lock_name="transfer:{}").count == 2
+    assert len(telemetry.spans("asynclock.acquire")) == 2
+    # One body, so one span: it carries the first lock's token (canonical order).
+    (span,) = telemetry.spans("asynclock.hold")
+    assert (span.attributes or {})["asynclock.token"] == leases[0].token
 
 
 async def test_an_error_of_the_body_marks_its_span_and_uninstrument_stops_recording(
