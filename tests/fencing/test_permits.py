@@ -21,7 +21,7 @@ from asynclock.fencing import (
 pytestmark = pytest.mark.anyio
 
 
-async def test_admits_up_to_n_tokens_and_evicts_the_oldest_for_a_newer_one() -> None:
+async def test_admits_up_to_n_tokens_evicts_the_oldest_and_a_leaver_never_comes_back() -> None:
     guard = MemorySemaphoreGuard(3)
     for token in (1, 2, 3):
         await guard.write("r", token, token=token)
@@ -47,9 +47,7 @@ async def test_admits_up_to_n_tokens_and_evicts_the_oldest_for_a_newer_one() -> 
         await guard.check("r", 4)
     assert info.value.highest == 5
     assert guard.admitted("r") == (5, 6)
-
-
-async def test_leaving_frees_the_slot_and_the_token_never_comes_back() -> None:
+    # Leaving frees the slot, and the token never comes back.
     guard = MemorySemaphoreGuard(2)
     await guard.check("r", 1)  # a long-running holder
     for token in range(2, 50):  # short holders come and go beside it
