@@ -77,7 +77,9 @@ def test_run_exports_the_token_returns_the_exit_code_and_kills_the_group_when_re
             time.sleep(0.05)
 
 
-def test_run_refuses_bad_arguments_with_a_usage_code_and_the_demo_runs(tmp_path: Path) -> None:
+def test_usage_errors_the_demo_and_status_lines_of_readers_permits_and_leaders(
+    tmp_path: Path,
+) -> None:
     result = run("run", "job", "--url", f"sqlite://{tmp_path}/l.db", "--ttl", "0", "--", "true")
     assert result.returncode == EXIT_USAGE
     assert "ttl must be > 0" in result.stderr
@@ -91,6 +93,29 @@ def test_run_refuses_bad_arguments_with_a_usage_code_and_the_demo_runs(tmp_path:
     result = run("demo", "--workers", "3", "--rounds", "3", "--hold", "0.02")
     assert result.returncode == 0, result.stderr
     assert "9 holds, 0 overlapping, tokens strictly increasing: yes" in result.stdout
+    # Status lines show readers, permits and the leader.
+    from asynclock import HolderInfo, LockInfo
+    from asynclock._cli._status import describe
+
+    holders = (HolderInfo("a1", 4, 9.5, True), HolderInfo("b2", 5, 9.9, True))
+    readers = LockInfo("catalog", held=True, owner="a1", token=4, waiters=1, holders=holders)
+    assert describe("catalog", readers).splitlines() == [
+        "catalog: 2 shared holds, 1 waiting",
+        "  a1, token 4, expires in 9.5 s, shared",
+        "  b2, token 5, expires in 9.9 s, shared",
+    ]
+    one = (HolderInfo("c3", 7, 2.0),)
+    permits = LockInfo("renderers", held=True, kind="semaphore", permits=3, waiters=0, holders=one)
+    assert describe("renderers", permits).splitlines() == [
+        "renderers (3 permits): 1 in use, 0 waiting",
+        "  c3, token 7, expires in 2.0 s",
+    ]
+    leader = LockInfo(
+        "scheduler", held=True, kind="election", owner="d4", token=9, value=b"host-a:80"
+    )
+    assert describe("scheduler", leader) == "scheduler: led by 'host-a:80' by d4, token 9"
+    idle = LockInfo("renderers", held=False, kind="semaphore", waiters=0)
+    assert describe("renderers", idle) == "renderers: free, 0 waiting"
 
 
 def test_status_shows_the_holder_and_its_token_and_run_times_out_behind_it(tmp_path: Path) -> None:
@@ -307,28 +332,3 @@ def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
     assert f"command not found: {script}" in stderr
     assert "ran" not in stdout
     assert_lock_free(tmp_path)
-
-
-def test_status_lines_show_readers_permits_and_the_leader() -> None:
-    from asynclock import HolderInfo, LockInfo
-    from asynclock._cli._status import describe
-
-    holders = (HolderInfo("a1", 4, 9.5, True), HolderInfo("b2", 5, 9.9, True))
-    readers = LockInfo("catalog", held=True, owner="a1", token=4, waiters=1, holders=holders)
-    assert describe("catalog", readers).splitlines() == [
-        "catalog: 2 shared holds, 1 waiting",
-        "  a1, token 4, expires in 9.5 s, shared",
-        "  b2, token 5, expires in 9.9 s, shared",
-    ]
-    one = (HolderInfo("c3", 7, 2.0),)
-    permits = LockInfo("renderers", held=True, kind="semaphore", permits=3, waiters=0, holders=one)
-    assert describe("renderers", permits).splitlines() == [
-        "renderers (3 permits): 1 in use, 0 waiting",
-        "  c3, token 7, expires in 2.0 s",
-    ]
-    leader = LockInfo(
-        "scheduler", held=True, kind="election", owner="d4", token=9, value=b"host-a:80"
-    )
-    assert describe("scheduler", leader) == "scheduler: led by 'host-a:80' by d4, token 9"
-    idle = LockInfo("renderers", held=False, kind="semaphore", waiters=0)
-    assert describe("renderers", idle) == "renderers: free, 0 waiting"

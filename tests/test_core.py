@@ -144,24 +144,6 @@ async def test_a_hung_renewal_cancels_each_body_at_its_own_deadline_before_the_s
         assert not long_lease.lost
 
 
-def test_owner_secrets_are_unique_and_a_forked_child_draws_its_own() -> None:
-    from asynclock._lease import new_owner
-
-    drawn = {new_owner() for _ in range(1000)}
-    assert len(drawn) == 1000
-    assert all(len(secret) == 32 and int(secret, 16) >= 0 for secret in drawn)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its first secret must not be the parent's next one
-        os.write(write_end, new_owner().encode())
-        os._exit(0)
-    os.waitpid(pid, 0)
-    child = os.read(read_end, 64).decode()
-    os.close(read_end)
-    os.close(write_end)
-    assert child != new_owner()
-
-
 @pytest.mark.expect_log(LOST.format("a", DEADLINE))
 @pytest.mark.expect_log(LOST.format("a", "injected: the server says the lock is gone"))
 async def test_failing_renewals_do_not_move_the_deadline_and_a_proven_loss_cancels_at_once(
@@ -351,7 +333,7 @@ def test_bad_urls_options_and_requirements_are_refused_with_the_reason(
         asynclock.connect(url, **options)
 
 
-def test_missing_driver_names_the_extra_and_public_names_match_all(
+def test_missing_driver_names_the_extra_public_names_match_all_and_owners_are_unique(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # A backend module whose driver is not installed, registered under a scheme of its own.
@@ -374,6 +356,22 @@ def test_missing_driver_names_the_extra_and_public_names_match_all(
     assert public - modules - {"testing"} == set(asynclock.__all__)
     for name in asynclock.__all__:
         assert getattr(asynclock, name).__module__ in ("asynclock", "asynclock.abc")
+    # Owner secrets are unique, and a forked child draws its own.
+    from asynclock._lease import new_owner
+
+    drawn = {new_owner() for _ in range(1000)}
+    assert len(drawn) == 1000
+    assert all(len(secret) == 32 and int(secret, 16) >= 0 for secret in drawn)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first secret must not be the parent's next one
+        os.write(write_end, new_owner().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read_end, 64).decode()
+    os.close(read_end)
+    os.close(write_end)
+    assert child != new_owner()
 
 
 @pytest.mark.parametrize(

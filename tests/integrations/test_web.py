@@ -219,8 +219,7 @@ def no_client() -> asynclock.LockClient:
     raise AssertionError("the lock client is only needed when a request comes in")
 
 
-@pytest.mark.parametrize("locked", [fastapi_locks.locked, aiohttp_locks.locked])
-def test_mistakes_are_reported_when_the_handler_is_defined(locked: Callable[..., Any]) -> None:
+def test_mistakes_are_reported_when_the_handler_is_defined() -> None:
     cases: list[tuple[str, dict[str, Any], str]] = [
         ("orders/{}", {}, "positional field"),
         ("orders/{id", {}, "malformed"),
@@ -230,11 +229,13 @@ def test_mistakes_are_reported_when_the_handler_is_defined(locked: Callable[...,
         ("a", {"busy_status": 200}, "busy_status must be an HTTP error"),
         ("a", {"retry_after": 0.5}, "retry_after must be whole seconds"),
     ]
-    for template, options, message in cases:
-        with pytest.raises(asynclock.InvalidArgument, match=message):
-            locked(template, client=no_client, **options)
 
     def sync(id: str) -> None: ...
 
-    with pytest.raises(TypeError, match="async def"):
-        locked("orders/{id}", client=no_client)(sync)
+    decorators: list[Callable[..., Any]] = [fastapi_locks.locked, aiohttp_locks.locked]
+    for locked in decorators:
+        for template, options, message in cases:
+            with pytest.raises(asynclock.InvalidArgument, match=message):
+                locked(template, client=no_client, **options)
+        with pytest.raises(TypeError, match="async def"):
+            locked("orders/{id}", client=no_client)(sync)
