@@ -127,8 +127,6 @@ async def test_fencing_headers_and_the_httpx_hook_follow_the_lock_held_if_it_has
 
 
 def recording_client(seen: list[httpx.Headers], **hook: Any) -> httpx.AsyncClient:
-    """An httpx client with the request hook, whose requests' headers land in ``seen``."""
-
     def answer(request: httpx.Request) -> httpx.Response:
         seen.append(request.headers)
         return httpx.Response(200)

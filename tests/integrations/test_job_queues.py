@@ -49,8 +49,6 @@ def job_list(seed: int) -> list[tuple[str, int]]:
 
 
 class JobQueue(ABC):
-    """One queue under test: how to start its worker, submit jobs and read their outcomes."""
-
     name: str
 
     def __init__(self, port: int) -> None:

@@ -17,7 +17,6 @@ from ._helpers import process_gone
 
 
 async def etcd_put_until_it_works(member: EtcdMember, key: bytes, value: bytes) -> float:
-    """Write through ``member`` until the cluster accepts it; return how long that took."""
     start = anyio.current_time()
     # gRPC deadlines instead of anyio.fail_after around each call: see test_servers.py.
     async with aetcd.Client(host=member.host, port=member.port, timeout=0.5) as client:
