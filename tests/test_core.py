@@ -27,6 +27,7 @@ pytestmark = pytest.mark.anyio
 LOST = r"lease on '{}' lost: {}"
 DEADLINE = "no successful renewal before the local deadline"
 REMOVED = "the lock was removed on the server"
+INJECTED = "injected: the server says the lock is gone"
 AFTER_COMPLETION = r"lease on '{}' was lost after its body had run to completion"
 RELEASE_DEFERRED = r"releasing 'a' on memory://core-\w+ did not complete in 0\.2 s; retrying"
 
@@ -145,7 +146,8 @@ async def test_a_hung_renewal_cancels_each_body_at_its_own_deadline_before_the_s
 
 
 @pytest.mark.expect_log(LOST.format("a", DEADLINE))
-@pytest.mark.expect_log(LOST.format("a", "injected: the server says the lock is gone"))
+@pytest.mark.expect_log(LOST.format("a", INJECTED))
+@pytest.mark.expect_log(LOST.format("a", REMOVED))
 async def test_failing_renewals_do_not_move_the_deadline_and_a_proven_loss_cancels_at_once(
     locks: asynclock.LockClient,
 ) -> None:
@@ -157,14 +159,18 @@ async def test_failing_renewals_do_not_move_the_deadline_and_a_proven_loss_cance
         assert locks.renew_calls >= 2  # it retried after the first failure
         reason = await lease.wait_lost()
     assert "deadline" in reason
-    # A loss a renewal proves cancels at once.
-    with pytest.raises(asynclock.LeaseLost, match="injected: the server says the lock is gone"):
-        async with locks.lock("a", ttl=3.0):
-            started = anyio.current_time()
-            memory(locks).faults.renew = "lost"
-            await anyio.sleep(10)
-    # Found on the first renewal, at ttl / 3, far before the 3 s deadline.
-    assert anyio.current_time() - started < 1.5
+    # A loss the server proves cancels at once: pushed, or found on the first renewal (at ttl / 3,
+    # far before the 3 s deadline).
+    for how, reason, within in [("push", REMOVED, 0.1), ("renewal", INJECTED, 1.5)]:
+        with pytest.raises(asynclock.LeaseLost, match=reason):
+            async with locks.lock("a", ttl=3.0):
+                started = anyio.current_time()
+                if how == "push":
+                    memory(locks).expire("a", notify=True)
+                else:
+                    memory(locks).faults.renew = "lost"
+                await anyio.sleep(10)
+        assert anyio.current_time() - started < within
 
 
 @pytest.mark.expect_log(LOST.format("[abc]", REMOVED))
