@@ -1,8 +1,5 @@
-"""Smoke test of the benchmark harness (issue #9): its shortest run, on the embedded backend.
-
-A benchmark is not a timed test: nothing here checks how fast anything is, only that every
-measurement ran and produced a well-formed, sane record.
-"""
+"""The benchmark harness (issues #9, #18): nothing here checks how fast anything is, only that
+every measurement ran and produced a well-formed, sane record."""
 
 from __future__ import annotations
 
@@ -19,21 +16,20 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
+def bench(out: Path, *args: str, timeout: float) -> tuple[dict[str, Any], Any]:
+    """`asynclock bench` as a user runs it from a checkout: its JSON record, and the process."""
+    command = [sys.executable, "-m", "asynclock", "bench", *args, "--no-chart", "--output-dir"]
+    done = subprocess.run(
+        [*command, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "latest.json").read_text()), done
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("bench")
-    # Through the `asynclock bench` hook, as a user runs it from a checkout.
-    command = [sys.executable, "-m", "asynclock", "bench", "--smoke", "--backends", "sqlite"]
-    completed = subprocess.run(
-        [*command, "--no-chart", "--quiet", "--output-dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    data: dict[str, Any] = json.loads((out / "latest.json").read_text())
+    data, _ = bench(out, "--smoke", "--backends", "sqlite", "--quiet", timeout=100)
     return data, out
 
 
@@ -49,8 +45,10 @@ def check_summary(summary: dict[str, Any]) -> None:
     assert summary["max_ms"] < 60_000
 
 
-def test_the_run_records_where_and_with_what_it_ran(results: tuple[dict[str, Any], Path]) -> None:
-    data, _ = results
+def test_the_smoke_run_records_sane_numbers_and_a_report(
+    results: tuple[dict[str, Any], Path],
+) -> None:
+    data, out = results
     assert data["schema"] == 1
     assert data["settings"]["mode"] == "smoke"
     assert positive(data["machine"]["cpus"])
@@ -61,11 +59,7 @@ def test_the_run_records_where_and_with_what_it_ran(results: tuple[dict[str, Any
     assert list(data["backends"]) == ["sqlite"]
     assert data["peers"] == {}
 
-
-def test_every_phase_of_the_embedded_backend_produced_sane_numbers(
-    results: tuple[dict[str, Any], Path],
-) -> None:
-    entry = results[0]["backends"]["sqlite"]
+    entry = data["backends"]["sqlite"]
     assert entry["status"] == "measured"
     assert entry["capabilities"]["cross_process"] is True
     for key in ("floor", "pair", "uncontended"):
@@ -99,9 +93,6 @@ def test_every_phase_of_the_embedded_backend_produced_sane_numbers(
     assert positive(memory["bytes_per_held_lock"])
     assert positive(memory["bytes_per_waiter"])
 
-
-def test_the_report_has_the_tables_and_the_targets(results: tuple[dict[str, Any], Path]) -> None:
-    data, out = results
     report = (out / "latest.md").read_text()
     for heading in ("## Uncontended", "## Contention: tasks", "## Renewal", "## Targets"):
         assert heading in report
@@ -111,47 +102,44 @@ def test_the_report_has_the_tables_and_the_targets(results: tuple[dict[str, Any]
     assert all(row["met"] is None for row in data["targets"])
 
 
-def test_the_targets_say_met_missed_by_how_much_or_why_not_measured() -> None:
+def test_the_targets_say_met_missed_by_how_much_or_why_not_measured_and_cells_their_n() -> None:
     from benchmarks._goals import evaluate
+    from benchmarks._screen import percentile_cell
 
-    def contention(contenders: int, per_second: float, p50: float, p99: float) -> dict[str, Any]:
-        return {
-            "contenders": contenders,
-            "hold_ms": 0.0,
-            "per_second": per_second,
-            "acquisitions": int(per_second),
-            "handoff": {"p50_ms": p50, "p99_ms": p99},
-            "retaken_share": 0.01,
-            "min_per_worker": int(per_second / contenders * 0.9),
-        }
+    summary = {"n": 40, "p50_ms": 1.25, "p99_ms": 9.5}
+    assert percentile_cell(summary, "p99_ms") == "p99 n/a (n=40)"
+    assert percentile_cell(summary, "p50_ms") == "1.25"
+    assert percentile_cell({"n": 4, "p50_ms": 1.0}, "p50_ms") == "p50 n/a (n=4)"
+    assert percentile_cell({**summary, "n": 100}, "p99_ms") == "9.5"
+    assert percentile_cell({"skipped": "no time"}, "p50_ms") == "skipped"
 
+    def contention(per_second: float, p50: float, p99: float) -> dict[str, Any]:
+        handoff = {"p50_ms": p50, "p99_ms": p99}
+        return dict(contenders=8, hold_ms=0.0, per_second=per_second, handoff=handoff,
+                    acquisitions=int(per_second), retaken_share=0.01,
+                    min_per_worker=int(per_second / 8 * 0.9))  # fmt: skip
+
+    measured = "measured"
+    memory = {"status": measured, "uncontended": {"p50_ms": 0.018}, "pair": {"p50_ms": 0.006}}
+    redis = {"status": measured, "floor": {"p50_ms": 0.1}, "uncontended": {"p50_ms": 0.3}}
     data: dict[str, Any] = {
         "backends": {
-            "memory": {
-                "status": "measured",
-                "uncontended": {"p50_ms": 0.018},
-                "pair": {"p50_ms": 0.006},
-            },
-            "redis": {
-                "status": "measured",
-                "floor": {"p50_ms": 0.1},
-                "uncontended": {"p50_ms": 0.3},
-                "contention_tasks": [contention(8, 1000.0, 0.25, 1.0)],
-            },
+            "memory": memory,
+            "redis": {**redis, "contention_tasks": [contention(1000.0, 0.25, 1.0)]},
             "etcd": {"status": "unavailable", "reason": "etcd is not installed"},
         },
         "peers": {
             "python-redis-lock": {
-                "status": "measured",
-                "contention_tasks": [contention(8, 1250.0, 0.2, 1.5)],
+                "status": measured,
+                "contention_tasks": [contention(1250, 0.2, 1.5)],
             }
         },
     }
     rows = {(row["backend"], row["target"]): row for row in evaluate(data)}
     core = rows[("memory", "uncontended p50 <= 3x anyio.Lock")]
     assert core["met"] is True
-    redis = rows[("redis", "8-task acquisitions/s >= python-redis-lock's")]
-    assert redis["met"] is False and "missed by 20%" in redis["measured"]
+    row = rows[("redis", "8-task acquisitions/s >= python-redis-lock's")]
+    assert row["met"] is False and "missed by 20%" in row["measured"]
     assert rows[("redis", "8-task hand-over p50 <= 2 x PING")]["met"] is False
     assert rows[("redis", "8-task fairness: retaken <= 5 %")]["met"] is True
     etcd = rows[("etcd", "8-task acquisitions/s >= aetcd Lock's")]
@@ -161,31 +149,17 @@ def test_the_targets_say_met_missed_by_how_much_or_why_not_measured() -> None:
 
 
 # -- the main job's quick run: every backend within a small budget (issue #18) ---------------
-
-#: The seven backends, in the order the run measures them and the table lists them.
 SEVEN = ["memory", "sqlite", "redis", "redlock", "etcd", "zookeeper", "postgres"]
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
-    """``bench --quick`` as scripts/main runs it, with a budget a fifth of the main job's."""
-    out = tmp_path_factory.mktemp("quick")
-    command = [sys.executable, "-m", "asynclock", "bench", "--quick", "--budget", "10"]
-    completed = subprocess.run(
-        [*command, "--no-chart", "--output-dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    data: dict[str, Any] = json.loads((out / "latest.json").read_text())
-    return data, completed.stdout, completed.stderr
+    # As scripts/main runs it, with a budget a fifth of the main job's.
+    data, done = bench(tmp_path_factory.mktemp("quick"), "--quick", "--budget", "10", timeout=120)
+    return data, done.stdout, done.stderr
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
-    """The summary table's rows on stdout, by their first cell (header and rule left out)."""
     lines = [line for line in stdout.splitlines() if line.startswith("| ")]
     cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
     return {row[0]: row for row in cells}
@@ -219,14 +193,3 @@ def test_the_quick_run_lists_all_seven_backends_in_one_table(
     # Every server the run started says how long it took to start.
     assert set(data["servers"]["started"]) <= {"redis", "redlock", "etcd", "zookeeper", "postgres"}
     assert all(positive(seconds) for seconds in data["servers"]["started"].values())
-
-
-def test_a_cell_with_too_few_samples_says_so() -> None:
-    from benchmarks._screen import percentile_cell
-
-    summary = {"n": 40, "p50_ms": 1.25, "p99_ms": 9.5}
-    assert percentile_cell(summary, "p99_ms") == "p99 n/a (n=40)"
-    assert percentile_cell(summary, "p50_ms") == "1.25"
-    assert percentile_cell({"n": 4, "p50_ms": 1.0}, "p50_ms") == "p50 n/a (n=4)"
-    assert percentile_cell({**summary, "n": 100}, "p99_ms") == "9.5"
-    assert percentile_cell({"skipped": "no time"}, "p50_ms") == "skipped"

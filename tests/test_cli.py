@@ -31,7 +31,16 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_run_exports_the_token_and_returns_the_commands_exit_code(tmp_path: Path) -> None:
+def wait_exists(path: Path, what: str = "the command never started") -> None:
+    deadline = time.monotonic() + 20
+    while not path.exists() or not path.read_text().strip():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_run_exports_the_token_returns_the_exit_code_and_kills_the_group_when_revoked(
+    tmp_path: Path,
+) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     script = 'echo "$ASYNCLOCK_NAME $ASYNCLOCK_TOKEN"; exit 7'
     first = run("run", "job", "--url", url, "--", "sh", "-c", script)
@@ -41,50 +50,18 @@ def test_run_exports_the_token_and_returns_the_commands_exit_code(tmp_path: Path
     assert second.stdout.split() == ["job", "2"]
     # A command killed by signal n: 128 + n, as a shell says.
     assert run("run", "job", "--url", url, "--", "sh", "-c", "kill -9 $$").returncode == 128 + 9
-
-
-def test_run_times_out_with_its_own_exit_code(tmp_path: Path) -> None:
-    url = f"sqlite://{tmp_path}/locks.db"
-    with subprocess.Popen([*ASYNCLOCK, "run", "job", "--url", url, "--", "sleep", "5"]) as holder:
-        try:
-            time.sleep(1.0)
-            started = time.monotonic()
-            result = run("run", "job", "--url", url, "--timeout", "0.5", "--", "true")
-            assert result.returncode == EXIT_TIMEOUT
-            assert "not acquired within 0.5 s" in result.stderr
-            assert time.monotonic() - started < 5
-        finally:
-            holder.kill()
-
-
-def test_run_kills_the_whole_process_group_when_the_lease_is_revoked(tmp_path: Path) -> None:
+    # run kills the whole process group when the lease is revoked.
     db = tmp_path / "locks.db"
     pidfile = tmp_path / "grandchild.pid"
     # The command starts a grandchild and waits: both must die when the lease is lost.
     script = f"sleep 60 & echo $! > {pidfile}; wait"
+    options = ["--url", f"sqlite://{db}", "--ttl", "1.5", "--grace", "1"]
     with subprocess.Popen(
-        [
-            *ASYNCLOCK,
-            "run",
-            "job",
-            "--url",
-            f"sqlite://{db}",
-            "--ttl",
-            "1.5",
-            "--grace",
-            "1",
-            "--",
-            "sh",
-            "-c",
-            script,
-        ],
+        [*ASYNCLOCK, "run", "job", *options, "--", "sh", "-c", script],
         stderr=subprocess.PIPE,
         text=True,
     ) as process:
-        deadline = time.monotonic() + 20
-        while not pidfile.exists() or not pidfile.read_text().strip():
-            assert time.monotonic() < deadline, "the command never started"
-            time.sleep(0.05)
+        wait_exists(pidfile)
         grandchild = int(pidfile.read_text())
         with closing(sqlite3.connect(db)) as connection, connection:
             connection.execute("DELETE FROM asynclock_locks WHERE name = 'job'")
@@ -100,7 +77,9 @@ def test_run_kills_the_whole_process_group_when_the_lease_is_revoked(tmp_path: P
             time.sleep(0.05)
 
 
-def test_run_refuses_bad_arguments_with_a_usage_code(tmp_path: Path) -> None:
+def test_usage_errors_the_demo_and_status_lines_of_readers_permits_and_leaders(
+    tmp_path: Path,
+) -> None:
     result = run("run", "job", "--url", f"sqlite://{tmp_path}/l.db", "--ttl", "0", "--", "true")
     assert result.returncode == EXIT_USAGE
     assert "ttl must be > 0" in result.stderr
@@ -110,26 +89,47 @@ def test_run_refuses_bad_arguments_with_a_usage_code(tmp_path: Path) -> None:
     result = run("run", "job")
     assert result.returncode == 2
     assert "run needs a command" in result.stderr
-
-
-def test_demo_shows_exclusive_holds_with_increasing_tokens() -> None:
+    # And the demo: exclusive holds with increasing tokens.
     result = run("demo", "--workers", "3", "--rounds", "3", "--hold", "0.02")
     assert result.returncode == 0, result.stderr
     assert "9 holds, 0 overlapping, tokens strictly increasing: yes" in result.stdout
+    # Status lines show readers, permits and the leader.
+    from asynclock import HolderInfo, LockInfo
+    from asynclock._cli._status import describe
+
+    holders = (HolderInfo("a1", 4, 9.5, True), HolderInfo("b2", 5, 9.9, True))
+    readers = LockInfo("catalog", held=True, owner="a1", token=4, waiters=1, holders=holders)
+    assert describe("catalog", readers).splitlines() == [
+        "catalog: 2 shared holds, 1 waiting",
+        "  a1, token 4, expires in 9.5 s, shared",
+        "  b2, token 5, expires in 9.9 s, shared",
+    ]
+    one = (HolderInfo("c3", 7, 2.0),)
+    permits = LockInfo("renderers", held=True, kind="semaphore", permits=3, waiters=0, holders=one)
+    assert describe("renderers", permits).splitlines() == [
+        "renderers (3 permits): 1 in use, 0 waiting",
+        "  c3, token 7, expires in 2.0 s",
+    ]
+    leader = LockInfo(
+        "scheduler", held=True, kind="election", owner="d4", token=9, value=b"host-a:80"
+    )
+    assert describe("scheduler", leader) == "scheduler: led by 'host-a:80' by d4, token 9"
+    idle = LockInfo("renderers", held=False, kind="semaphore", waiters=0)
+    assert describe("renderers", idle) == "renderers: free, 0 waiting"
 
 
-def test_status_shows_the_holder_and_its_token(tmp_path: Path) -> None:
+def test_status_shows_the_holder_and_its_token_and_run_times_out_behind_it(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     ready = tmp_path / "ready"
     with subprocess.Popen(
-        [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", f"touch {ready}; sleep 30"]
+        [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", f"echo up > {ready}; sleep 30"]
     ) as holder:
         try:
-            deadline = time.monotonic() + 20
-            while not ready.exists():
-                assert time.monotonic() < deadline, "the command never started"
-                time.sleep(0.05)
+            wait_exists(ready)
             result = run("status", "job", "other", "--url", url)
+            started = time.monotonic()
+            timed_out = run("run", "job", "--url", url, "--timeout", "0.5", "--", "true")
+            assert time.monotonic() - started < 5
         finally:
             holder.kill()
     assert result.returncode == 0, result.stderr
@@ -137,6 +137,8 @@ def test_status_shows_the_holder_and_its_token(tmp_path: Path) -> None:
     assert job.startswith("job: held by ")
     assert "token 1" in job
     assert other in ("other: free", "other: free, 0 waiting")
+    assert timed_out.returncode == EXIT_TIMEOUT
+    assert "not acquired within 0.5 s" in timed_out.stderr
 
 
 # A command with a child of its own; it writes "its pid, its child's pid" once both run.
@@ -170,20 +172,10 @@ def start_family(
     script = tmp_path / "family.py"
     script.write_text(FAMILY)
     pids = tmp_path / "pids"
+    url = f"sqlite://{tmp_path}/locks.db"
+    command = [sys.executable, str(script), str(pids), mode]
     supervisor = subprocess.Popen(
-        [
-            *ASYNCLOCK,
-            "run",
-            "job",
-            "--url",
-            f"sqlite://{tmp_path}/locks.db",
-            *options,
-            "--",
-            sys.executable,
-            str(script),
-            str(pids),
-            mode,
-        ],
+        [*ASYNCLOCK, "run", "job", "--url", url, *options, "--", *command],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -267,12 +259,6 @@ def test_run_command_is_ended_at_the_lease_deadline_when_its_supervisor_is_stopp
     assert_lock_free(tmp_path)
 
 
-def test_run_command_under_a_running_supervisor_runs_for_many_ttls(tmp_path: Path) -> None:
-    url = f"sqlite://{tmp_path}/locks.db"
-    result = run("run", "job", "--url", url, "--ttl", "1", "--", "sleep", "4")
-    assert (result.returncode, result.stderr) == (0, "")
-
-
 def test_run_command_dies_with_its_guard_and_the_lock_is_released(tmp_path: Path) -> None:
     supervisor, family = start_family(tmp_path, "--ttl", "30")
     guard = os.getpgid(family[0])  # the leader of the command's group, the command's parent
@@ -287,22 +273,13 @@ def test_run_command_dies_with_its_guard_and_the_lock_is_released(tmp_path: Path
     assert_lock_free(tmp_path)
 
 
-def test_run_ends_what_the_command_leaves_running_before_releasing(tmp_path: Path) -> None:
-    pidfile = tmp_path / "background.pid"
-    url = f"sqlite://{tmp_path}/locks.db"
-    result = run("run", "job", "--url", url, "--", "sh", "-c", f"sleep 60 & echo $! > {pidfile}")
-    assert result.returncode == 0, result.stderr
-    assert process_gone(int(pidfile.read_text()))
-
-
-def test_run_reports_a_missing_or_not_executable_command_with_127_or_126(
+def test_run_reports_a_missing_or_unexecutable_command_lasts_and_ends_leftovers(
     tmp_path: Path,
 ) -> None:
     url = f"sqlite://{tmp_path}/locks.db"
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho ran\n")
     script.chmod(0o644)
-    # The whole message when not found; the reason follows when not executable.
     for command, code, message in [
         ("no-such-command-asynclock", EXIT_NOT_FOUND, "command not found: {}\n"),
         (str(tmp_path / "no" / "such"), EXIT_NOT_FOUND, "command not found: {}\n"),
@@ -318,6 +295,12 @@ def test_run_reports_a_missing_or_not_executable_command_with_127_or_126(
         assert time.monotonic() - started < 10
     assert (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE) == (127, 126)
     assert_lock_free(tmp_path)
+    # run lasts many ttls and ends what the command leaves running.
+    pidfile = tmp_path / "background.pid"
+    leaves = f"sleep 60 & echo $! > {pidfile}; sleep 4"
+    result = run("run", "job", "--url", url, "--ttl", "1", "--", "sh", "-c", leaves)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert process_gone(int(pidfile.read_text()))
 
 
 def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
@@ -328,14 +311,11 @@ def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho ran\n")
     script.chmod(0o755)
-    hold = f"touch {ready}; while [ ! -e {go} ]; do sleep 0.02; done"
+    hold = f"echo up > {ready}; while [ ! -e {go} ]; do sleep 0.02; done"
     with subprocess.Popen(
         [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", hold]
     ) as holder:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert time.monotonic() < deadline, "the holder never started"
-            time.sleep(0.02)
+        wait_exists(ready, "the holder never started")
         with subprocess.Popen(
             [*ASYNCLOCK, "run", "job", "--url", url, "--", str(script)],
             stdout=subprocess.PIPE,
@@ -352,40 +332,3 @@ def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
     assert f"command not found: {script}" in stderr
     assert "ran" not in stdout
     assert_lock_free(tmp_path)
-
-
-def test_status_lines_show_readers_permits_and_the_leader() -> None:
-    from asynclock import HolderInfo, LockInfo
-    from asynclock._cli._status import describe
-
-    readers = LockInfo(
-        "catalog",
-        held=True,
-        owner="a1",
-        token=4,
-        waiters=1,
-        holders=(HolderInfo("a1", 4, 9.5, True), HolderInfo("b2", 5, 9.9, True)),
-    )
-    assert describe("catalog", readers).splitlines() == [
-        "catalog: 2 shared holds, 1 waiting",
-        "  a1, token 4, expires in 9.5 s, shared",
-        "  b2, token 5, expires in 9.9 s, shared",
-    ]
-    permits = LockInfo(
-        "renderers",
-        held=True,
-        kind="semaphore",
-        permits=3,
-        waiters=0,
-        holders=(HolderInfo("c3", 7, 2.0),),
-    )
-    assert describe("renderers", permits).splitlines() == [
-        "renderers (3 permits): 1 in use, 0 waiting",
-        "  c3, token 7, expires in 2.0 s",
-    ]
-    leader = LockInfo(
-        "scheduler", held=True, kind="election", owner="d4", token=9, value=b"host-a:80"
-    )
-    assert describe("scheduler", leader) == "scheduler: led by 'host-a:80' by d4, token 9"
-    idle = LockInfo("renderers", held=False, kind="semaphore", waiters=0)
-    assert describe("renderers", idle) == "renderers: free, 0 waiting"

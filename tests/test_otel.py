@@ -1,9 +1,6 @@
-"""asynclock.otel: the metrics and spans recorded, read back from the SDK's in-memory reader and
-exporter, with providers passed explicitly (the global ones are never set).
-
-asynclock.otel is imported inside the tests, not here: importing it adds ``otel`` to
-``dir(asynclock)``, which test_core's check of the public names reads at collection time.
-"""
+"""asynclock.otel's metrics and spans, read back from the SDK's in-memory reader and exporter
+(providers passed explicitly). asynclock.otel is imported inside the tests: importing it here adds
+``otel`` to ``dir(asynclock)``, which test_core's check of the public names reads."""
 
 from __future__ import annotations
 
@@ -27,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import asynclock
-from asynclock.backends.memory import MemoryBackend
+from tests.integrations._servers import memory, memory_locks
 
 if TYPE_CHECKING:
     from asynclock.otel import Instrumentation
@@ -69,7 +66,6 @@ class Telemetry:
         )
 
     def points(self, name: str) -> list[tuple[dict[str, Any], Any]]:
-        """Each data point of metric ``name``: its attributes, and the point."""
         data = self.reader.get_metrics_data()
         found: list[tuple[dict[str, Any], Any]] = []
         for resource in data.resource_metrics if data else ():
@@ -81,8 +77,7 @@ class Telemetry:
         return found
 
     def point(self, name: str, **attributes: Any) -> Any:
-        """The one point of ``name`` whose attributes include ``attributes`` (short keys:
-        ``lock_name`` is ``asynclock.lock.name``, see SHORT)."""
+        """The one point of ``name`` whose attributes include ``attributes`` (keys of SHORT)."""
         wanted = {SHORT[key]: value for key, value in attributes.items()}
         matching = [
             point
@@ -110,25 +105,8 @@ def telemetry() -> Iterator[Telemetry]:
 
 @pytest.fixture
 async def locks() -> AsyncIterator[asynclock.LockClient]:
-    async with asynclock.connect(f"memory://otel-{uuid.uuid4().hex[:8]}") as client:
+    async with memory_locks() as client:
         yield client
-
-
-def memory(locks: asynclock.LockClient) -> MemoryBackend:
-    backend = locks._backend
-    assert isinstance(backend, MemoryBackend)
-    return backend
-
-
-def test_the_default_template_hides_what_varies_per_instance() -> None:
-    from asynclock.otel import default_name_template
-
-    assert default_name_template("account:12345") == "account:{}"
-    assert default_name_template("user-42-orders") == "user-{}-orders"
-    assert default_name_template(f"job/{uuid.uuid4()}/step-2") == "job/{}/step-{}"
-    assert default_name_template(f"blob:{uuid.uuid4().hex}") == "blob:{}"
-    assert default_name_template("deadline-cafe") == "deadline-cafe"  # words, not hex ids
-    assert default_name_template("migrations") == "migrations"
 
 
 async def test_acquire_and_hold_are_measured_and_the_body_span_is_the_parent_of_its_work(
@@ -190,6 +168,9 @@ async def test_waiters_timeouts_and_busy_answers(
         assert telemetry.point("asynclock.waiters", lock_name="queue:{}").value == 1
         await waited.wait()
     assert telemetry.point("asynclock.waiters", lock_name="queue:{}").value == 0
+    with anyio.move_on_after(0.1):
+        await locks.acquire("queue:7", ttl=5)
+    assert telemetry.point("asynclock.waiters").value == 0  # the cancelled wait left none
     other = await locks.try_acquire("queue:8")  # another name: free
     assert other is not None
     await other.release()
@@ -200,6 +181,7 @@ async def test_waiters_timeouts_and_busy_answers(
     assert timeout.count == 1 and 0.3 <= timeout.sum < 1.0
     assert telemetry.point("asynclock.acquire.duration", outcome="busy").count == 1
     assert telemetry.point("asynclock.acquire.duration", outcome="acquired").count == 2
+    assert telemetry.point("asynclock.acquire.duration", outcome="cancelled").count == 1
     statuses = {
         (span.attributes or {})["asynclock.outcome"]: span.status.status_code
         for span in telemetry.spans("asynclock.acquire")
@@ -208,28 +190,12 @@ async def test_waiters_timeouts_and_busy_answers(
         "acquired": StatusCode.UNSET,
         "busy": StatusCode.UNSET,  # try_acquire's expected answer, not an error
         "timeout": StatusCode.ERROR,
+        "cancelled": StatusCode.UNSET,  # the caller's decision, not a failure
     }
 
 
-async def test_a_cancelled_wait_is_counted_as_cancelled_and_leaves_no_waiter(
-    telemetry: Telemetry, locks: asynclock.LockClient
-) -> None:
-    telemetry.instrument(locks)
-    holder = await locks.acquire("a", ttl=5)
-    with anyio.move_on_after(0.1):
-        await locks.acquire("a", ttl=5)
-    await holder.release()
-    assert telemetry.point("asynclock.acquire.duration", outcome="cancelled").count == 1
-    assert telemetry.point("asynclock.waiters").value == 0
-    (span,) = [
-        span
-        for span in telemetry.spans("asynclock.acquire")
-        if (span.attributes or {})["asynclock.outcome"] == "cancelled"
-    ]
-    assert span.status.status_code is StatusCode.UNSET  # the caller's decision, not a failure
-
-
-async def test_failed_renewals_and_the_connection_states_they_cause(
+@pytest.mark.expect_log("lease on 'a' lost: no successful renewal before the local deadline")
+async def test_a_renewal_blip_is_measured_without_a_loss_and_a_hang_until_the_deadline(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
     telemetry.instrument(locks)
@@ -238,9 +204,12 @@ async def test_failed_renewals_and_the_connection_states_they_cause(
         memory(locks).faults.renew = "fail"
         with anyio.fail_after(1):
             assert (await anext(changes)).state is asynclock.ConnectionState.SUSPENDED
+        assert not locks.state.connected
         memory(locks).faults.renew = "ok"
         with anyio.fail_after(1):
             assert (await anext(changes)).state is asynclock.ConnectionState.RECONNECTED
+        await anyio.sleep(1.0)  # renewed again past the ttl
+        assert lease.remaining > 0.3
     assert not lease.lost
 
     failures = telemetry.point("asynclock.renewal.failures", outcome="failed").value
@@ -251,21 +220,30 @@ async def test_failed_renewals_and_the_connection_states_they_cause(
         {"asynclock.backend": "memory", "asynclock.outcome": "failed"}
     ]
     suspended = telemetry.point(
-        "asynclock.connection.state_changes",
-        state="suspended",
-        previous="connected",
+        "asynclock.connection.state_changes", state="suspended", previous="connected"
     )
     reconnected = telemetry.point(
-        "asynclock.connection.state_changes",
-        state="reconnected",
-        previous="suspended",
+        "asynclock.connection.state_changes", state="reconnected", previous="suspended"
     )
     assert suspended.value == reconnected.value == 1
     assert not telemetry.points("asynclock.leases.lost")
+    # A hung renewal is lost at the deadline, and the state goes lost.
+    telemetry.exporter.clear()
+    memory(locks).faults.renew = "hang"
+    with pytest.raises(asynclock.LeaseLost):
+        async with locks.lock("a", ttl=1.0):
+            await anyio.sleep(5)
+    assert telemetry.point("asynclock.leases.lost", loss_kind="deadline").value == 1
+    assert telemetry.point("asynclock.connection.state_changes", state="lost").value == 1
+    (span,) = telemetry.spans("asynclock.hold")
+    assert span.status.status_code is StatusCode.ERROR
+    assert "deadline" in (span.status.description or "")
 
 
 @pytest.mark.expect_log("lease on 'order:9' lost: the lock was removed on the server")
-async def test_a_loss_the_server_proves_marks_the_body_span_as_an_error(
+@pytest.mark.expect_log("lease on 'a' lost: no successful renewal before the local deadline")
+@pytest.mark.expect_log("lease on 'a' was lost after its body had run to completion")
+async def test_a_loss_marks_the_body_span_as_an_error_unless_the_body_had_finished(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
     telemetry.instrument(locks)
@@ -284,30 +262,8 @@ async def test_a_loss_the_server_proves_marks_the_body_span_as_an_error(
     events = {event.name: event for event in span.events}
     assert (events["asynclock.lease.lost"].attributes or {})["asynclock.loss.kind"] == "server"
     assert str((events["exception"].attributes or {})["exception.type"]).endswith("LeaseLost")
-
-
-@pytest.mark.expect_log("lease on 'a' lost: no successful renewal before the local deadline")
-async def test_a_hung_renewal_is_lost_at_the_deadline_and_the_state_goes_lost(
-    telemetry: Telemetry, locks: asynclock.LockClient
-) -> None:
-    telemetry.instrument(locks)
-    memory(locks).faults.renew = "hang"
-    with pytest.raises(asynclock.LeaseLost):
-        async with locks.lock("a", ttl=1.0):
-            await anyio.sleep(5)
-    assert telemetry.point("asynclock.leases.lost", loss_kind="deadline").value == 1
-    assert telemetry.point("asynclock.connection.state_changes", state="lost").value == 1
-    (span,) = telemetry.spans("asynclock.hold")
-    assert span.status.status_code is StatusCode.ERROR
-    assert "deadline" in (span.status.description or "")
-
-
-@pytest.mark.expect_log("lease on 'a' lost: no successful renewal before the local deadline")
-@pytest.mark.expect_log("lease on 'a' was lost after its body had run to completion")
-async def test_a_body_that_finished_before_its_loss_was_known_is_counted_not_an_error(
-    telemetry: Telemetry, locks: asynclock.LockClient
-) -> None:
-    telemetry.instrument(locks)
+    # A body that finished before its loss was known is counted, not an error.
+    telemetry.exporter.clear()
     async with locks.lock("a", ttl=0.3):
         time.sleep(0.35)  # noqa: ASYNC251 - blocking the loop is the point: a pause
     assert telemetry.point("asynclock.leases.finished_after_loss").value == 1
@@ -318,7 +274,18 @@ async def test_a_body_that_finished_before_its_loss_was_known_is_counted_not_an_
     assert "asynclock.lease.finished_after_loss" in [event.name for event in span.events]
 
 
-async def test_a_custom_template(telemetry: Telemetry, locks: asynclock.LockClient) -> None:
+async def test_the_default_and_a_custom_template(
+    telemetry: Telemetry, locks: asynclock.LockClient
+) -> None:
+    from asynclock.otel import default_name_template
+
+    # The default hides what varies per instance.
+    assert default_name_template("account:12345") == "account:{}"
+    assert default_name_template("user-42-orders") == "user-{}-orders"
+    assert default_name_template(f"job/{uuid.uuid4()}/step-2") == "job/{}/step-{}"
+    assert default_name_template(f"blob:{uuid.uuid4().hex}") == "blob:{}"
+    assert default_name_template("deadline-cafe") == "deadline-cafe"  # words, not hex ids
+    assert default_name_template("migrations") == "migrations"
     telemetry.instrument(locks, name_template=lambda name: name.partition(":")[0])
     async with locks.lock("user:alice", ttl=5):
         pass
@@ -328,33 +295,7 @@ async def test_a_custom_template(telemetry: Telemetry, locks: asynclock.LockClie
     assert telemetry.point("asynclock.acquire.duration", lock_name="user").count == 2
 
 
-async def test_an_error_raised_by_the_body_marks_its_span(
-    telemetry: Telemetry, locks: asynclock.LockClient
-) -> None:
-    telemetry.instrument(locks)
-    with pytest.raises(KeyError):
-        async with locks.lock("a", ttl=5):
-            raise KeyError("x")
-    (span,) = telemetry.spans("asynclock.hold")
-    assert span.status.status_code is StatusCode.ERROR
-    assert span.status.description == "KeyError: 'x'"
-
-
-async def test_lock_all_measures_each_acquire_and_makes_one_hold_span(
-    telemetry: Telemetry, locks: asynclock.LockClient
-) -> None:
-    telemetry.instrument(locks)
-    async with locks.lock_all(["transfer:2", "transfer:1"], ttl=5) as leases:
-        pass
-    assert telemetry.point("asynclock.acquire.duration", lock_name="transfer:{}").count == 2
-    assert telemetry.point("asynclock.hold.duration", lock_name="transfer:{}").count == 2
-    assert len(telemetry.spans("asynclock.acquire")) == 2
-    # One body, so one span: it carries the first lock's token (canonical order).
-    (span,) = telemetry.spans("asynclock.hold")
-    assert (span.attributes or {})["asynclock.token"] == leases[0].token
-
-
-async def test_an_acquire_that_began_before_instrument_is_not_measured_from_zero(
+async def test_an_acquire_begun_before_instrument_is_left_out_and_lock_all_makes_one_span(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
     # With nobody subscribed the core does not time an acquire: one that began before
@@ -370,14 +311,28 @@ async def test_an_acquire_that_began_before_instrument_is_not_measured_from_zero
     (point,) = [point for _, point in telemetry.points("asynclock.acquire.duration")]
     assert point.count == 1 and point.sum < 1.0  # only "b"
     assert len(telemetry.spans("asynclock.acquire")) == 1
+    # lock_all measures each acquire and makes one hold span.
+    telemetry.exporter.clear()
+    async with locks.lock_all(["transfer:2", "transfer:1"], ttl=5) as leases:
+        pass
+    assert telemetry.point("asynclock.acquire.duration", lock_name="transfer:{}").count == 2
+    assert telemetry.point("asynclock.hold.duration", lock_name="transfer:{}").count == 2
+    assert len(telemetry.spans("asynclock.acquire")) == 2
+    # One body, so one span: it carries the first lock's token (canonical order).
+    (span,) = telemetry.spans("asynclock.hold")
+    assert (span.attributes or {})["asynclock.token"] == leases[0].token
 
 
-async def test_uninstrument_stops_recording(
+async def test_an_error_of_the_body_marks_its_span_and_uninstrument_stops_recording(
     telemetry: Telemetry, locks: asynclock.LockClient
 ) -> None:
     instrumentation = telemetry.instrument(locks)
-    async with locks.lock("a", ttl=5):
-        pass
+    with pytest.raises(KeyError):
+        async with locks.lock("a", ttl=5):
+            raise KeyError("x")
+    (span,) = telemetry.spans("asynclock.hold")
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == "KeyError: 'x'"
     instrumentation.uninstrument()
     instrumentation.uninstrument()  # idempotent
     assert not locks._events
@@ -407,20 +362,13 @@ async def test_acquire_and_hold_on_a_real_redis(
     assert (span.attributes or {})["asynclock.token"] == lease.token
 
 
-def test_the_example_runs_and_prints_its_metrics() -> None:
+def test_the_example_runs_and_asynclock_never_imports_opentelemetry_itself() -> None:
     done = subprocess.run(
-        [sys.executable, "-W", "error", str(EXAMPLE)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        [sys.executable, "-W", "error", str(EXAMPLE)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "asynclock.acquire.duration" in done.stdout
     assert "as expected" in done.stdout
-
-
-def test_asynclock_never_imports_opentelemetry_and_says_which_extra_is_missing() -> None:
     script = """
 import sys
 import asynclock, asynclock.integrations, asynclock.testing

@@ -23,10 +23,7 @@ from asynclock.testing import PostgresServer
 pytestmark = pytest.mark.anyio
 
 
-# -- the in-memory guard ----------------------------------------------------------------------
-
-
-async def test_memory_guard_refuses_older_tokens_and_keeps_the_value_strict_each_once() -> None:
+async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_path: Path) -> None:
     guard = MemoryGuard()
     await guard.write("r", "from 7", token=7)
     await guard.write("r", "from 7 again", token=7)  # the same holder may write again
@@ -39,20 +36,15 @@ async def test_memory_guard_refuses_older_tokens_and_keeps_the_value_strict_each
     await strict.check("r", 3)
     with pytest.raises(StaleToken):
         await strict.check("r", 3)
-
-
-async def test_a_read_through_the_guard_fences_a_read_modify_write() -> None:
-    """DESIGN §5: B (token 6) is paused; C (token 7) reads; B's late write must be refused."""
-    guard = MemoryGuard()
+    # DESIGN §5, a read through the guard fences a read-modify-write: B (token 6) is paused,
+    # C (token 7) reads, B's late write is refused.
     await guard.write("balance", 100, token=5)
     value = await guard.read("balance", token=7)  # C reads with the newer token
     with pytest.raises(StaleToken):
         await guard.write("balance", 0, token=6)  # B wakes up and writes: refused
     await guard.write("balance", value + 1, token=7)
     assert await guard.read("balance", token=7) == 101
-
-
-async def test_guards_take_the_token_of_the_lock_held_in_this_context(tmp_path: Path) -> None:
+    # Guards take the token of the lock held in this context.
     guard = MemoryGuard()
     async with asynclock.connect(f"sqlite://{tmp_path}/locks.db") as locks:
         stale = await locks.acquire("job")  # token 1, then lost behind its back
@@ -64,18 +56,14 @@ async def test_guards_take_the_token_of_the_lock_held_in_this_context(tmp_path: 
             await guard.write("out", "old", token=stale.token)
         with pytest.raises(asynclock.NotHeld):
             await guard.write("out", "nobody")
+    for bad in [-1, MAX_TOKEN + 1, True, "5"]:
+        with pytest.raises(asynclock.InvalidArgument):
+            await MemoryGuard().check("r", bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [-1, MAX_TOKEN + 1, True, "5"])
-async def test_bad_tokens_are_refused(bad: Any) -> None:
-    with pytest.raises(asynclock.InvalidArgument):
-        await MemoryGuard().check("r", bad)
-
-
-# -- PostgreSQL -------------------------------------------------------------------------------
-
-
-async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back(pg: Any) -> None:
+async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back_and_unsafe_identifiers(
+    pg: Any,
+) -> None:
     connection, table = pg
     guard = PostgresGuard(table=table)
     await guard.create_table(connection)
@@ -92,6 +80,13 @@ async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back(pg: Any) -
     assert (info.value.token, info.value.highest) == (9, 10)
     assert await connection.fetchval("SELECT v FROM resource WHERE id = 1") == "by 10"
     assert await guard.highest(connection, "orders/1") == 10
+    # Unsafe identifiers and bad permits are refused.
+    with pytest.raises(asynclock.InvalidArgument, match="identifier"):
+        PostgresGuard(table="fences; DROP TABLE x")
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(2, table="x; drop")
+    with pytest.raises(asynclock.InvalidArgument):
+        PostgresSemaphoreGuard(0)
 
 
 @pytest.mark.parametrize("kind", ["guard", "semaphore guard of 1"])
@@ -131,19 +126,9 @@ async def test_postgres_guards_serialize_transactions_in_flight(
         await other.close()
 
 
-def test_postgres_guards_refuse_unsafe_identifiers_and_bad_permits() -> None:
-    with pytest.raises(asynclock.InvalidArgument, match="identifier"):
-        PostgresGuard(table="fences; DROP TABLE x")
-    with pytest.raises(asynclock.InvalidArgument):
-        PostgresSemaphoreGuard(2, table="x; drop")
-    with pytest.raises(asynclock.InvalidArgument):
-        PostgresSemaphoreGuard(0)
-
-
-# -- Redis -------------------------------------------------------------------------------------
-
-
-async def test_redis_guard_runs_the_command_only_for_a_fresh_token(redis_client: Any) -> None:
+async def test_redis_guard_runs_the_command_only_for_a_fresh_token_beyond_float_precision(
+    redis_client: Any,
+) -> None:
     prefix = f"test:{uuid.uuid4().hex[:8]}:"
     guard = RedisGuard(redis_client, prefix=prefix)
     key = prefix + "value"
@@ -153,18 +138,12 @@ async def test_redis_guard_runs_the_command_only_for_a_fresh_token(redis_client:
     assert (info.value.token, info.value.highest) == (4, 5)
     assert await redis_client.get(key) == b"by 5"
     assert await guard.call("r", "GET", key, token=5) == b"by 5"
-    await redis_client.delete(key, prefix + "r")
-
-
-async def test_redis_guard_compares_tokens_beyond_float_precision(redis_client: Any) -> None:
-    prefix = f"test:{uuid.uuid4().hex[:8]}:"
-    guard = RedisGuard(redis_client, prefix=prefix)
     big = 2**60 + 1
-    await guard.check("r", big)
+    await guard.check("big", big)
     with pytest.raises(StaleToken):
-        await guard.check("r", big - 1)  # equal as doubles, but older
-    await guard.check("r", big)
+        await guard.check("big", big - 1)  # equal as doubles, but older
+    await guard.check("big", big)
     strict = RedisGuard(redis_client, prefix=prefix, strict=True)
     with pytest.raises(StaleToken):
-        await strict.check("r", big)
-    await redis_client.delete(prefix + "r")
+        await strict.check("big", big)
+    await redis_client.delete(key, prefix + "r", prefix + "big")

@@ -21,7 +21,7 @@ from asynclock.fencing import (
 pytestmark = pytest.mark.anyio
 
 
-async def test_admits_up_to_n_tokens_and_evicts_the_oldest_for_a_newer_one() -> None:
+async def test_admits_up_to_n_tokens_evicts_the_oldest_and_a_leaver_never_comes_back() -> None:
     guard = MemorySemaphoreGuard(3)
     for token in (1, 2, 3):
         await guard.write("r", token, token=token)
@@ -36,9 +36,10 @@ async def test_admits_up_to_n_tokens_and_evicts_the_oldest_for_a_newer_one() -> 
     assert guard.rejected == 1
     await guard.check("other", 1)  # resources are independent
     assert (guard.admitted("other"), guard.admitted("r")) == ((1,), (2, 3, 4))
-
-
-async def test_a_token_older_than_every_admitted_one_is_refused_when_full() -> None:
+    for bad in [0, -1, True, 1.5]:  # permits must be a positive int
+        with pytest.raises(asynclock.InvalidArgument):
+            MemorySemaphoreGuard(bad)  # type: ignore[arg-type]
+    # A token older than every admitted one is refused when full.
     guard = MemorySemaphoreGuard(2)
     await guard.check("r", 5)
     await guard.check("r", 6)
@@ -46,9 +47,7 @@ async def test_a_token_older_than_every_admitted_one_is_refused_when_full() -> N
         await guard.check("r", 4)
     assert info.value.highest == 5
     assert guard.admitted("r") == (5, 6)
-
-
-async def test_leaving_frees_the_slot_and_the_token_never_comes_back() -> None:
+    # Leaving frees the slot, and the token never comes back.
     guard = MemorySemaphoreGuard(2)
     await guard.check("r", 1)  # a long-running holder
     for token in range(2, 50):  # short holders come and go beside it
@@ -60,9 +59,7 @@ async def test_leaving_frees_the_slot_and_the_token_never_comes_back() -> None:
     await guard.leave("r", 1)
     await guard.leave("r", 1)  # idempotent
     assert guard.admitted("r") == ()
-
-
-async def test_a_slot_is_freed_even_when_the_block_is_cancelled() -> None:
+    # A slot is freed even when the block is cancelled.
     guard = MemorySemaphoreGuard(1)
     with anyio.move_on_after(0.01):
         async with guard.entered("r", 1):
@@ -71,7 +68,7 @@ async def test_a_slot_is_freed_even_when_the_block_is_cancelled() -> None:
     assert guard.admitted("r") == (2,)
 
 
-def test_an_evicted_or_departed_token_is_never_admitted_again_randomised() -> None:
+def test_an_evicted_or_departed_token_is_never_admitted_again_and_departed_stay_bounded() -> None:
     """The invariant the safety runs rely on: the tokens whose accesses were accepted around
     any moment are at most N (a token admitted twice was admitted in between)."""
     rng = random.Random(7)
@@ -97,9 +94,7 @@ def test_an_evicted_or_departed_token_is_never_admitted_again_randomised() -> No
         for step in range(200):
             live = [t for t in first_ok if first_ok[t] <= step <= last_ok[t]]
             assert len(live) <= permits
-
-
-def test_departed_tokens_stay_bounded_and_spare_a_long_holder() -> None:
+    # Departed tokens stay bounded and spare a long holder.
     slots = PermitSlots(2)
     assert slots.admit(1) is None
     for token in range(2, 20_000):
@@ -108,23 +103,6 @@ def test_departed_tokens_stay_bounded_and_spare_a_long_holder() -> None:
     assert len(slots.departed) <= 4096
     assert slots.admitted == [1]  # the long-running holder kept its slot
     assert slots.admit(1) is None
-
-
-async def test_takes_the_token_of_the_lease_in_this_context() -> None:
-    guard = MemorySemaphoreGuard(2)
-    async with asynclock.connect("memory://permits-guard") as locks:
-        async with locks.lock("job") as lease:
-            assert await guard.check("out") == lease.token
-            await guard.leave("out")
-
-
-@pytest.mark.parametrize("bad", [0, -1, True, 1.5])
-def test_permits_must_be_a_positive_int(bad: object) -> None:
-    with pytest.raises(asynclock.InvalidArgument):
-        MemorySemaphoreGuard(bad)  # type: ignore[arg-type]
-
-
-# -- PostgreSQL -------------------------------------------------------------------------------
 
 
 async def test_postgres_semaphore_guard_admits_n_and_evicts_the_oldest(pg: Any) -> None:
@@ -151,6 +129,9 @@ async def test_postgres_semaphore_guard_admits_n_and_evicts_the_oldest(pg: Any) 
 async def test_with_a_real_semaphore_a_holder_that_never_left_is_evicted_by_a_newer_one() -> None:
     guard = MemorySemaphoreGuard(2)
     async with asynclock.connect("memory://permits-guard-sem") as locks:
+        async with locks.lock("job") as lease:  # the token of the lease in this context
+            assert await guard.check("job-out") == lease.token
+            await guard.leave("job-out")
         sem = locks.semaphore("renderers", permits=2)
         crashed = await sem.acquire(ttl=5)
         await guard.check("out", crashed.token)
@@ -163,10 +144,7 @@ async def test_with_a_real_semaphore_a_holder_that_never_left_is_evicted_by_a_ne
                     await guard.write("out", "late", token=crashed.token)
 
 
-# -- Redis ------------------------------------------------------------------------------------
-
-
-async def test_redis_semaphore_guard_admits_n_runs_the_command_and_evicts_the_oldest(
+async def test_redis_semaphore_guard_admits_n_evicts_the_oldest_and_follows_permit_slots(
     redis_client: Any,
 ) -> None:
     prefix = f"permits-{uuid.uuid4().hex[:8]}:"
@@ -187,10 +165,7 @@ async def test_redis_semaphore_guard_admits_n_runs_the_command_and_evicts_the_ol
     await guard.check("r", big)
     with pytest.raises(StaleToken):
         await guard.check("r", big - 2)
-
-
-async def test_redis_semaphore_guard_follows_the_rule_of_permit_slots(redis_client: Any) -> None:
-    """Random checks and leaves, small memory: the script decides as PermitSlots does."""
+    # Random checks and leaves, small memory: the script decides as PermitSlots does.
     rng = random.Random(11)
     for round_ in range(6):
         prefix = f"permits-{uuid.uuid4().hex[:8]}:"

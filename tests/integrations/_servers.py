@@ -1,5 +1,4 @@
-"""Real servers for the integration tests (uvicorn and aiohttp on 127.0.0.1, in the test's task),
-lock clients, and the apps that the web tests run on each framework."""
+"""Real uvicorn and aiohttp servers (in the test's task), lock clients, and the web tests' apps."""
 
 from __future__ import annotations
 
@@ -24,20 +23,15 @@ from asynclock.integrations import fastapi as fastapi_locks
 
 @asynccontextmanager
 async def serve_asgi(app: Any) -> AsyncIterator[str]:
-    """Serve ``app`` with uvicorn on a free port; yield its base URL; shut it down cleanly."""
     # Idle connections stay open for the whole test, as aiohttp's do (75 s): uvicorn's 5 s
     # default closes them, and a request sent on one as it closes gets no answer (httpx's
     # ReadError, seen after a handler blocked the loop), an HTTP race, not the locks'.
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=0,
-        log_level="warning",
-        ws="none",
-        lifespan="off",
-        timeout_keep_alive=120,
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", ws="none", lifespan="off",
+            timeout_keep_alive=120,
+        )
+    )  # fmt: skip
     async with anyio.create_task_group() as task_group:
         task_group.start_soon(server.serve)
         with anyio.fail_after(10):
@@ -54,7 +48,6 @@ async def serve_asgi(app: Any) -> AsyncIterator[str]:
 
 @asynccontextmanager
 async def serve_aiohttp(app: web.Application) -> AsyncIterator[str]:
-    """Serve ``app`` with aiohttp on a free port; yield its base URL; clean up."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     try:
@@ -79,25 +72,22 @@ def memory(locks: asynclock.LockClient) -> MemoryBackend:
 
 
 class FailingMemory(MemoryBackend):
-    """The memory backend, except that every acquire raises ``fail()`` while it is set.
-
-    Stands for a lock server that is down (``BackendUnavailable``), hangs (``BackendTimeout``),
-    or for anything else an acquire can raise, so each answer of the integrations is reached
-    through the real client.
-    """
+    """The memory backend whose acquires raise ``fail()`` while it is set: a lock server that is
+    down, hangs, or answers anything else an acquire can raise, reached through the real client."""
 
     fail: Callable[[], asynclock.LockError] | None = None
 
-    async def try_acquire(self, request: LockRequest) -> Grant | None:
+    async def _check(self) -> None:
         await anyio.lowlevel.checkpoint()
         if self.fail is not None:
             raise self.fail()
+
+    async def try_acquire(self, request: LockRequest) -> Grant | None:
+        await self._check()
         return await super().try_acquire(request)
 
     async def acquire(self, request: LockRequest) -> Grant:
-        await anyio.lowlevel.checkpoint()
-        if self.fail is not None:
-            raise self.fail()
+        await self._check()
         return await super().acquire(request)
 
 
@@ -130,8 +120,7 @@ class Gate:
         self.finished.append(who)
 
 
-#: The work of a handler under test, given the order id of ``POST /orders/{order_id}``; what it
-#: returns is the JSON answer.
+#: A handler's work, given the order id of ``POST /orders/{order_id}``; it returns the JSON answer.
 Body = Callable[[str], Awaitable[Any]]
 
 
@@ -170,25 +159,23 @@ def _aiohttp(locks: asynclock.LockClient, body: Body, **options: Any) -> web.App
     return app
 
 
-def _answers_in_detail(answer: httpx.Response) -> dict[str, str]:
-    detail: dict[str, str] = answer.json()["detail"]
-    return detail
-
-
 @dataclass(frozen=True)
 class Web:
-    """One way to lock a handler: FastAPI's decorator or dependency, or aiohttp's decorator.
-    ``serve(app(locks, body, **options))`` serves ``POST /orders/{order_id}`` under the lock
-    ``orders/{order_id}``; ``error(answer)`` is the error an answer carries."""
+    """One way to lock a handler: ``serve(app(locks, body, **options))`` serves
+    ``POST /orders/{order_id}`` under the lock ``orders/{order_id}``."""
 
     name: str
     app: Callable[..., Any]
     serve: Callable[[Any], AbstractAsyncContextManager[str]]
-    error: Callable[[httpx.Response], dict[str, str]]
+
+    def error(self, answer: httpx.Response) -> dict[str, str]:
+        """The error an answer carries (FastAPI puts it in ``detail``)."""
+        body: dict[str, Any] = answer.json()
+        return body if self.serve is serve_aiohttp else body["detail"]
 
 
 WEBS = [
-    Web("fastapi", _fastapi_decorated, serve_asgi, _answers_in_detail),
-    Web("fastapi-dependency", _fastapi_dependency, serve_asgi, _answers_in_detail),
-    Web("aiohttp", _aiohttp, serve_aiohttp, httpx.Response.json),
+    Web("fastapi", _fastapi_decorated, serve_asgi),
+    Web("fastapi-dependency", _fastapi_dependency, serve_asgi),
+    Web("aiohttp", _aiohttp, serve_aiohttp),
 ]

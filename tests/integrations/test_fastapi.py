@@ -1,6 +1,5 @@
-"""What only ``asynclock.integrations.fastapi`` does, on a real FastAPI app served by uvicorn and
-called by httpx: its endpoint parameters, its dependency, its middleware, its lifespan, its route
-order. What it does like the aiohttp integration is in test_web.py."""
+"""What only the FastAPI integration does (endpoint parameters, dependency, middleware, lifespan,
+route order), served by uvicorn and called by httpx; what it shares with aiohttp is in test_web.py."""
 
 from __future__ import annotations
 
@@ -35,19 +34,32 @@ class Payment(BaseModel):
     amount: int
 
 
-async def test_fastapi_still_sees_the_endpoint_parameters(locks: asynclock.LockClient) -> None:
+async def test_fastapi_sees_the_endpoint_parameters_and_a_lock_name_they_make_invalid_is_a_400(
+    locks: asynclock.LockClient,
+) -> None:
     app = FastAPI()
     seen: list[str] = []
 
     @app.post("/shops/{shop_id}/pay")
     @locked("shops/{shop_id}/{payment.account}/{currency}", client=locks, busy_status=409)
     async def pay(
-        shop_id: int,
-        payment: Payment,
-        currency: Annotated[str, Query(max_length=3)] = "EUR",
+        shop_id: int, payment: Payment, currency: Annotated[str, Query(max_length=3)] = "EUR"
     ) -> dict[str, Any]:
         seen.append(asynclock.current_lease().name)
         return {"shop": shop_id, "amount": payment.amount, "currency": currency}
+
+    # A lock name made invalid by the request is a 400.
+    @app.get("/files")
+    @locked("files/{path}", client=locks)
+    async def read(path: str) -> str:
+        return path
+
+    @app.get("/dep/files")
+    async def read_with_dependency(
+        path: str,
+        lease: asynclock.Lease = lock_dependency("files/{path}", client=locks),  # noqa: B008
+    ) -> str:
+        return lease.name
 
     assert pay.__name__ == "pay"
     operation = app.openapi()["paths"]["/shops/{shop_id}/pay"]["post"]
@@ -68,36 +80,16 @@ async def test_fastapi_still_sees_the_endpoint_parameters(locks: asynclock.LockC
         )
         async with locks.lock("shops/5/ab/EUR"):
             busy = await http.post("/shops/5/pay", json={"account": "ab", "amount": 3})
+        bad = await http.get("/files", params={"path": "a\nb"})
+        bad_dependency = await http.get("/dep/files", params={"path": "x" * 600})
+        missing = await http.get("/dep/files")  # the dependency runs before validation
+        good = await http.get("/dep/files", params={"path": "a/b"})
     assert ok.status_code == 200
     assert ok.json() == {"shop": 5, "amount": 3, "currency": "USD"}
     assert seen == ["shops/5/ab/USD"]
     assert invalid_path.status_code == 422  # FastAPI validated before the lock was touched
     assert invalid_query.status_code == 422
     assert busy.status_code == 409  # busy_status is configurable
-
-
-async def test_a_lock_name_made_invalid_by_the_request_is_a_400(
-    locks: asynclock.LockClient,
-) -> None:
-    app = FastAPI()
-
-    @app.get("/files")
-    @locked("files/{path}", client=locks)
-    async def read(path: str) -> str:
-        return path
-
-    @app.get("/dep/files")
-    async def read_with_dependency(
-        path: str,
-        lease: asynclock.Lease = lock_dependency("files/{path}", client=locks),  # noqa: B008
-    ) -> str:
-        return lease.name
-
-    async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url) as http:
-        bad = await http.get("/files", params={"path": "a\nb"})
-        bad_dependency = await http.get("/dep/files", params={"path": "x" * 600})
-        missing = await http.get("/dep/files")  # the dependency runs before validation
-        good = await http.get("/dep/files", params={"path": "a/b"})
     assert bad.status_code == 400
     assert bad.json()["detail"]["error"] == "invalid_lock_name"
     assert bad_dependency.status_code == 400
@@ -106,7 +98,10 @@ async def test_a_lock_name_made_invalid_by_the_request_is_a_400(
     assert good.json() == "files/a/b"
 
 
-async def test_lock_client_can_come_from_the_app_lifespan() -> None:
+@pytest.mark.expect_log(r"lease on 'orders/6' (was )?lost")
+async def test_the_client_from_the_lifespan_and_the_dependency_refusing_sync_and_reporting_loss(
+    locks: asynclock.LockClient,
+) -> None:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with asynclock.connect("memory://fastapi-lifespan") as locks:
@@ -126,23 +121,7 @@ async def test_lock_client_can_come_from_the_app_lifespan() -> None:
         ) as http:
             answers = [(await http.get("/items/a")).json() for _ in range(2)]
     assert answers == [1, 2]
-
-
-def no_client() -> asynclock.LockClient:
-    raise AssertionError("the lock client is only needed when a request comes in")
-
-
-def test_a_template_field_that_is_no_parameter_is_reported_when_the_endpoint_is_defined() -> None:
-    with pytest.raises(asynclock.InvalidArgument, match="order_id, which is not a parameter"):
-
-        @locked("orders/{order_id}", client=no_client)
-        async def typo(orderid: int) -> None: ...
-
-    with pytest.raises(asynclock.InvalidArgument, match="retry_after must be whole seconds"):
-        lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[arg-type]
-
-
-async def test_the_dependency_refuses_a_sync_endpoint(locks: asynclock.LockClient) -> None:
+    # The dependency refuses a sync endpoint.
     app = FastAPI()
 
     @app.get("/sync/{x}")
@@ -157,9 +136,25 @@ async def test_the_dependency_refuses_a_sync_endpoint(locks: asynclock.LockClien
     ) as http:
         with pytest.raises(TypeError, match="async def"):
             await http.get("/sync/1")
+    # The dependency reports the loss only through the middleware.
+    app = FastAPI()
+
+    @app.post("/dep/{order_id}")
+    async def dependency(
+        order_id: int,
+        lease: asynclock.Lease = lock_dependency("orders/{order_id}", client=locks, ttl=0.2),  # noqa: B008
+    ) -> int:
+        time.sleep(0.4)  # noqa: ASYNC251 - a paused process
+        return order_id
+
+    async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
+        answer = await http.post("/dep/6")
+    assert answer.status_code == 200
+    assert LEASE_LOST_HEADER not in answer.headers  # FastAPI built the response already
 
 
-# -- a body that completed keeps its response -------------------------------------------------------
+def no_client() -> asynclock.LockClient:
+    raise AssertionError("the lock client is only needed when a request comes in")
 
 
 @pytest.mark.expect_log(r"lease on 'orders/5' (was )?lost")
@@ -167,8 +162,7 @@ async def test_the_dependency_refuses_a_sync_endpoint(locks: asynclock.LockClien
 async def test_a_completed_body_keeps_the_response_it_made_and_reports_the_loss(
     locks: asynclock.LockClient, path: str, status: int
 ) -> None:
-    """Each endpoint blocks the event loop past its 0.2 s ttl, then returns: no checkpoint in
-    between, so the loss is only known once the body has completed (a paused process)."""
+    # Each endpoint blocks the loop past its ttl (a paused process), then returns unchecked.
     app = FastAPI()
     app.add_middleware(LeaseLossHeaders)
 
@@ -194,30 +188,14 @@ async def test_a_completed_body_keeps_the_response_it_made_and_reports_the_loss(
         assert answer.headers["x-own"] == "kept"
 
 
-@pytest.mark.expect_log(r"lease on 'orders/6' (was )?lost")
-async def test_the_dependency_reports_the_loss_only_through_the_middleware(
-    locks: asynclock.LockClient,
-) -> None:
-    app = FastAPI()
+def test_a_typo_or_locked_above_the_route_decorator_fails_at_import() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="order_id, which is not a parameter"):
 
-    @app.post("/dep/{order_id}")
-    async def dependency(
-        order_id: int,
-        lease: asynclock.Lease = lock_dependency("orders/{order_id}", client=locks, ttl=0.2),  # noqa: B008
-    ) -> int:
-        time.sleep(0.4)  # noqa: ASYNC251 - a paused process
-        return order_id
+        @locked("orders/{order_id}", client=no_client)
+        async def typo(orderid: int) -> None: ...
 
-    async with serve_asgi(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
-        answer = await http.post("/dep/6")
-    assert answer.status_code == 200
-    assert LEASE_LOST_HEADER not in answer.headers  # FastAPI built the response already
-
-
-# -- @locked in the wrong order --------------------------------------------------------------------
-
-
-def test_locked_above_the_route_decorator_fails_at_import() -> None:
+    with pytest.raises(asynclock.InvalidArgument, match="retry_after must be whole seconds"):
+        lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[arg-type]
     locks = no_client
     app = FastAPI()
     router = APIRouter()

@@ -1,8 +1,5 @@
-"""Fencing tokens across services: header parsing, the outgoing hooks and the checking middlewares.
-
-End to end on real servers: uvicorn (ASGI ``FencingMiddleware``) and aiohttp
-(``aiohttp_fencing_middleware``), called through httpx and aiohttp clients.
-"""
+"""Fencing tokens across services: header parsing, the outgoing hooks and the checking middlewares
+(ASGI on uvicorn, aiohttp), end to end through httpx and aiohttp clients."""
 
 from __future__ import annotations
 
@@ -40,80 +37,51 @@ from ._servers import memory, serve_aiohttp, serve_asgi
 
 pytestmark = pytest.mark.anyio
 
-# -- the header format ---------------------------------------------------------------------------
+
+# "\u0663" (ARABIC-INDIC DIGIT THREE) and "\uff11" (FULLWIDTH ONE) are isdigit(), not ASCII.
+NOT_DECIMAL = ["-1", "+1", " 1", "1 ", "1.0", "1e3", "0x10", "1_000", "\u0663", "\uff11", "abc"]
 
 
 @pytest.mark.parametrize(
-    ("value", "token"),
-    [("0", 0), ("7", 7), ("007", 7), (str(2**63 - 1), 2**63 - 1), ("0" * 30 + "5", 5)],
-)
-def test_parse_token_accepts_decimal_integers(value: str, token: int) -> None:
-    assert parse_token(value) == token
-
-
-@pytest.mark.parametrize(
-    ("value", "why"),
+    ("parse", "value", "why"),
     [
-        ("", "empty"),
-        ("-1", "not a decimal integer"),
-        ("+1", "not a decimal integer"),
-        (" 1", "not a decimal integer"),
-        ("1 ", "not a decimal integer"),
-        ("1.0", "not a decimal integer"),
-        ("1e3", "not a decimal integer"),
-        ("0x10", "not a decimal integer"),
-        ("1_000", "not a decimal integer"),
-        ("\u0663", "not a decimal integer"),  # ARABIC-INDIC DIGIT THREE: isdigit(), not ASCII
-        ("\uff11", "not a decimal integer"),  # FULLWIDTH DIGIT ONE
-        ("abc", "not a decimal integer"),
-        ("1,2", "several values"),
-        ("1, 2", "several values"),
-        (str(2**63), "larger than 2\\*\\*63-1"),
-        ("9" * 5000, "larger than 2\\*\\*63-1"),  # longer than int() would even parse
+        (parse_token, "", "empty"),
+        *[(parse_token, value, "not a decimal integer") for value in NOT_DECIMAL],
+        (parse_token, "1,2", "several values"),
+        (parse_token, "1, 2", "several values"),
+        (parse_token, str(2**63), "larger than 2\\*\\*63-1"),
+        (parse_token, "9" * 5000, "larger than 2\\*\\*63-1"),  # longer than int() would parse
+        (parse_lock_name, "", "empty"),
+        # "caf\u00e9": raw non-ASCII (latin-1 decoded header bytes)
+        *[(parse_lock_name, v, "not percent-encoded") for v in ["%zz", "50%", "caf\u00e9", "a b"]],
+        (parse_lock_name, "%FF%FE", "UTF-8"),
+        (parse_lock_name, "%0A", "control character"),
+        (parse_lock_name, "x" * 513, "bytes long"),
     ],
 )
-def test_parse_token_refuses_everything_else(value: str, why: str) -> None:
+def test_bad_tokens_and_lock_names_are_refused(
+    parse: Callable[[str], object], value: str, why: str
+) -> None:
     with pytest.raises(asynclock.InvalidArgument, match=why):
-        parse_token(value)
+        parse(value)
 
 
-def test_lock_names_survive_the_header_round_trip() -> None:
+def test_tokens_and_lock_names_survive_the_header_round_trip_and_names_are_checked() -> None:
+    for value, token in [("7", 7), ("007", 7), (str(2**63 - 1), 2**63 - 1), ("0" * 30 + "5", 5)]:
+        assert parse_token(value) == token
+    assert parse_token("0") == 0
     for name in ["orders/42", "ünïcödé/✓", "a b,c;d%e", "100%", "x" * 512]:
         encoded = fencing.encode_lock_name(name)
         assert encoded.isascii()
         assert "/" not in encoded and "," not in encoded and " " not in encoded
         assert parse_lock_name(encoded) == name
-
-
-@pytest.mark.parametrize(
-    ("value", "why"),
-    [
-        ("", "empty"),
-        ("%zz", "not percent-encoded"),
-        ("50%", "not percent-encoded"),
-        ("caf\u00e9", "not percent-encoded"),  # raw non-ASCII (latin-1 decoded header bytes)
-        ("a b", "not percent-encoded"),
-        ("%FF%FE", "UTF-8"),
-        ("%0A", "control character"),
-        ("x" * 513, "bytes long"),
-    ],
-)
-def test_parse_lock_name_refuses_bad_values(value: str, why: str) -> None:
-    with pytest.raises(asynclock.InvalidArgument, match=why):
-        parse_lock_name(value)
-
-
-def test_header_names_are_checked() -> None:
     with pytest.raises(asynclock.InvalidArgument, match="HTTP header name"):
         httpx_request_hook(header="Fencing Token")
     with pytest.raises(asynclock.InvalidArgument, match="HTTP header name"):
         aiohttp_client_middleware(lock_header="")
 
 
-# -- the outgoing side ---------------------------------------------------------------------------
-
-
-async def test_fencing_headers_follow_the_lock_held_in_this_context(
+async def test_fencing_headers_and_the_httpx_hook_follow_the_lock_held_if_it_has_a_token(
     locks: asynclock.LockClient,
 ) -> None:
     assert fencing.fencing_headers() == {}
@@ -133,53 +101,9 @@ async def test_fencing_headers_follow_the_lock_held_in_this_context(
     assert fencing.fencing_headers()["Fencing-Token"] == str(lease.token)
     await lease.release()
     assert fencing.fencing_headers() == {}
-
-
-class NoTokenBackend(MemoryBackend):
-    """A memory backend that says it has no sound tokens, as Redlock does."""
-
-    capabilities = Capabilities(
-        fencing=False, fifo=True, loss_detection=True, quorum=True, cross_process=False
-    )
-
-
-async def test_a_lease_without_a_token_sends_nothing_and_does_not_crash() -> None:
+    # The httpx hook adds headers only while a lock is held.
     seen: list[httpx.Headers] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        seen.append(request.headers)
-        return httpx.Response(200)
-
-    client = asynclock.LockClient(
-        NoTokenBackend("no-token"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
-    )
-    async with (
-        client as locks,
-        httpx.AsyncClient(
-            transport=httpx.MockTransport(answer), event_hooks={"request": [httpx_request_hook()]}
-        ) as http,
-    ):
-        async with locks.lock("redlock-ish"):
-            with pytest.raises(asynclock.UnsupportedFeature):
-                asynclock.current_token()
-            await http.get("http://service/")
-    assert "fencing-token" not in seen[0]
-    assert "fencing-lock" not in seen[0]
-
-
-async def test_httpx_hook_adds_headers_only_while_a_lock_is_held(
-    locks: asynclock.LockClient,
-) -> None:
-    seen: list[httpx.Headers] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        seen.append(request.headers)
-        return httpx.Response(200)
-
-    async with httpx.AsyncClient(
-        transport=httpx.MockTransport(answer),
-        event_hooks={"request": [httpx_request_hook(header="X-Fence", lock_header="X-Lock")]},
-    ) as http:
+    async with recording_client(seen, header="X-Fence", lock_header="X-Lock") as http:
         await http.get("http://service/")
         async with locks.lock("a/b") as lease:
             await http.get("http://service/")
@@ -189,9 +113,32 @@ async def test_httpx_hook_adds_headers_only_while_a_lock_is_held(
     assert seen[1]["x-lock"] == "a%2Fb"
     assert seen[2].get_list("x-fence") == ["99"]
     assert "x-lock" not in seen[2]
+    # A lease without a token sends nothing and does not crash.
+    client = asynclock.LockClient(
+        NoTokenBackend("no-token"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
+    )
+    async with client as no_tokens, recording_client(seen) as http:
+        async with no_tokens.lock("redlock-ish"):
+            with pytest.raises(asynclock.UnsupportedFeature):
+                asynclock.current_token()
+            await http.get("http://service/")
+    assert "fencing-token" not in seen[3]
+    assert "fencing-lock" not in seen[3]
 
 
-# -- the receiving side, end to end --------------------------------------------------------------
+def recording_client(seen: list[httpx.Headers], **hook: Any) -> httpx.AsyncClient:
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers)
+        return httpx.Response(200)
+
+    hooks = {"request": [httpx_request_hook(**hook)]}
+    return httpx.AsyncClient(transport=httpx.MockTransport(answer), event_hooks=hooks)
+
+
+class NoTokenBackend(MemoryBackend):  # no sound tokens, as Redlock
+    capabilities = Capabilities(
+        fencing=False, fifo=True, loss_detection=True, quorum=True, cross_process=False
+    )
 
 
 @dataclass
@@ -236,8 +183,6 @@ ServiceMaker = Callable[..., AbstractAsyncContextManager[Service]]
 
 @pytest.fixture(params=["uvicorn", "aiohttp"])
 def service(request: pytest.FixtureRequest) -> ServiceMaker:
-    """A service with a fencing middleware, on uvicorn (ASGI) or aiohttp."""
-
     @asynccontextmanager
     async def start(guard: fencing.Guard | None, **options: Any) -> AsyncIterator[Service]:
         seen: list[Seen] = []
@@ -256,7 +201,6 @@ Post = Callable[..., Awaitable[tuple[int, Any]]]
 
 @pytest.fixture(params=["httpx", "aiohttp"])
 async def post(request: pytest.FixtureRequest) -> AsyncIterator[Post]:
-    """POST with an httpx client (request hook) or an aiohttp session (client middleware)."""
     if request.param == "httpx":
         async with httpx.AsyncClient(event_hooks={"request": [httpx_request_hook()]}) as http:
 
@@ -310,32 +254,7 @@ async def test_a_stale_token_from_a_paused_holder_is_refused_after_a_newer_one(
     assert [record.token for record in b.seen] == [old, newer.token]  # the app never saw the 409
 
 
-async def test_service_a_holds_the_lock_and_service_b_sees_its_token(
-    locks: asynclock.LockClient, service: ServiceMaker
-) -> None:
-    """A (FastAPI + @locked, calling B with httpx) and B (the fencing service) on real servers."""
-    async with (
-        service(MemoryGuard()) as b,
-        httpx.AsyncClient(event_hooks={"request": [httpx_request_hook()]}) as http,
-    ):
-        a = FastAPI()
-
-        @a.post("/invoices/{invoice_id}")
-        @locked("invoices/{invoice_id}", client=locks)
-        async def bill(invoice_id: int) -> dict[str, Any]:
-            answer = await http.post(f"{b.url}/ledger/{invoice_id}")
-            return {"mine": asynclock.current_token(), "b": answer.json()}
-
-        async with serve_asgi(a) as a_url, httpx.AsyncClient(base_url=a_url) as outside:
-            first = (await outside.post("/invoices/5")).json()
-            second = (await outside.post("/invoices/5")).json()
-    assert first["b"] == {"token": first["mine"], "resource": "invoices/5"}
-    assert second["b"] == {"token": second["mine"], "resource": "invoices/5"}
-    assert second["mine"] > first["mine"]
-    assert b.seen[0].state == first["mine"]  # scope["state"] / request[...] carry it as well
-
-
-async def test_requests_without_a_token_pass_or_get_428(
+async def test_tokens_from_a_locked_service_pass_missing_ones_get_428_and_options_apply(
     locks: asynclock.LockClient, service: ServiceMaker
 ) -> None:
     async with httpx.AsyncClient() as http:
@@ -349,9 +268,6 @@ async def test_requests_without_a_token_pass_or_get_428(
             answer = await http.post(f"{required.url}/x", headers={"Fencing-Token": "3"})
             assert answer.status_code == 200
     assert required.seen == [Seen(3, 3, "/x")]  # the path is the resource without Fencing-Lock
-
-
-async def test_custom_headers_resource_and_no_guard(service: ServiceMaker) -> None:
     guard = MemoryGuard()
     async with httpx.AsyncClient() as http:
         async with service(guard, header="X-Fence", lock_header=None) as custom:
@@ -376,10 +292,29 @@ async def test_custom_headers_resource_and_no_guard(service: ServiceMaker) -> No
     assert tenant.json() == {"token": 1, "resource": "tenant/t1"}
     # With guard=None the app checks in its own transaction: both reach it, with their tokens.
     assert [answer.json()["token"] for answer in unchecked] == [9, 2]
+    # Service A (FastAPI + @locked, calling B with httpx) holds the lock; B sees its token.
+    async with (
+        service(MemoryGuard()) as b,
+        httpx.AsyncClient(event_hooks={"request": [httpx_request_hook()]}) as http,
+    ):
+        a = FastAPI()
+
+        @a.post("/invoices/{invoice_id}")
+        @locked("invoices/{invoice_id}", client=locks)
+        async def bill(invoice_id: int) -> dict[str, Any]:
+            answer = await http.post(f"{b.url}/ledger/{invoice_id}")
+            return {"mine": asynclock.current_token(), "b": answer.json()}
+
+        async with serve_asgi(a) as a_url, httpx.AsyncClient(base_url=a_url) as outside:
+            first = (await outside.post("/invoices/5")).json()
+            second = (await outside.post("/invoices/5")).json()
+    assert first["b"] == {"token": first["mine"], "resource": "invoices/5"}
+    assert second["b"] == {"token": second["mine"], "resource": "invoices/5"}
+    assert second["mine"] > first["mine"]
+    assert b.seen[0].state == first["mine"]  # scope["state"] / request[...] carry it as well
 
 
-def _tenant_of(request: Any) -> str:
-    """The resource from an X-Tenant header, for an ASGI scope or an aiohttp request."""
+def _tenant_of(request: Any) -> str:  # an ASGI scope or an aiohttp request
     if isinstance(request, web.BaseRequest):
         return "tenant/" + request.headers["X-Tenant"]
     headers = dict(request["headers"])
@@ -389,18 +324,13 @@ def _tenant_of(request: Any) -> str:
 @pytest.mark.parametrize(
     "headers",
     [
-        [("Fencing-Token", "abc")],
-        [("Fencing-Token", "-1")],
-        [("Fencing-Token", "+1")],
-        [("Fencing-Token", "1.5")],
-        [("Fencing-Token", str(2**63))],
-        [("Fencing-Token", "9" * 400)],
-        [("Fencing-Token", "")],
-        [("Fencing-Token", "1, 2")],
+        *[
+            [("Fencing-Token", token)]
+            for token in ["abc", "-1", "+1", "1.5", str(2**63), "9" * 400]
+        ],
+        *[[("Fencing-Token", token)] for token in ["", "1, 2"]],
         [("Fencing-Token", "1"), ("Fencing-Token", "2")],
-        [("Fencing-Token", "1"), ("Fencing-Lock", "%zz")],
-        [("Fencing-Token", "1"), ("Fencing-Lock", "%FF")],
-        [("Fencing-Token", "1"), ("Fencing-Lock", "")],
+        *[[("Fencing-Token", "1"), ("Fencing-Lock", name)] for name in ["%zz", "%FF", ""]],
         [("Fencing-Token", "1"), ("Fencing-Lock", "a"), ("Fencing-Lock", "b")],
     ],
     ids=lambda headers: "+".join(f"{key}={value[:12]!r}" for key, value in headers),
@@ -419,20 +349,16 @@ async def test_bad_headers_are_a_400_not_a_crash(
     assert guard.highest("/x") == 1
 
 
-async def test_raw_non_ascii_header_bytes_are_a_400(service: ServiceMaker) -> None:
+async def test_raw_non_ascii_is_a_400_and_the_token_does_not_leak_past_the_request(
+    service: ServiceMaker,
+) -> None:
+    assert incoming_token() is None
     async with service(MemoryGuard()) as b, httpx.AsyncClient() as http:
         digits = await http.post(f"{b.url}/x", headers=[(b"Fencing-Token", "\u0661".encode())])
         name = await http.post(
             f"{b.url}/x", headers=[(b"Fencing-Token", b"1"), (b"Fencing-Lock", "é".encode())]
         )
-    assert digits.status_code == 400
-    assert name.status_code == 400
-    assert b.seen == []
-
-
-async def test_the_token_does_not_leak_past_the_request(service: ServiceMaker) -> None:
-    assert incoming_token() is None
-    async with service(MemoryGuard()) as b, httpx.AsyncClient() as http:
+        assert (digits.status_code, name.status_code, b.seen) == (400, 400, [])
         await http.post(f"{b.url}/x", headers={"Fencing-Token": "4"})
         await http.post(f"{b.url}/x")
     assert [record.token for record in b.seen] == [4, None]

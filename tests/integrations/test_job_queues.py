@@ -1,11 +1,6 @@
-"""arq, saq and taskiq with their real workers: 2 worker processes each, 500 jobs over 10 accounts,
-against the session's real Redis (the queue and the locks), once deferring busy jobs at once
-(``timeout=0``) and once waiting for the lock.
-
-The jobs (tests/integrations/jobqueue_workers.py) record their start and end in Redis while they hold
-their lock; the tests check that no two jobs of one account overlapped, that every job ran exactly
-once and that the queue reports every job as succeeded.
-"""
+"""arq, saq and taskiq with their real workers (2 processes each) on the session's Redis: 500 jobs
+over 10 accounts, deferring busy jobs at once and waiting for the lock. The jobs
+(jobqueue_workers.py) record their start and end in Redis while they hold their lock."""
 
 from __future__ import annotations
 
@@ -48,15 +43,12 @@ BATCH_TIMEOUT = 40.0
 
 
 def job_list(seed: int) -> list[tuple[str, int]]:
-    """500 jobs over 10 accounts in a shuffled order, so that busy locks are common."""
     jobs = [(ACCOUNTS[number % len(ACCOUNTS)], number) for number in range(JOBS)]
     random.Random(seed).shuffle(jobs)
     return jobs
 
 
 class JobQueue(ABC):
-    """One queue under test: how to start its worker, submit jobs and read their outcomes."""
-
     name: str
 
     def __init__(self, port: int) -> None:
@@ -65,30 +57,25 @@ class JobQueue(ABC):
         self.url = f"redis://127.0.0.1:{port}/{self.db}"
 
     @abstractmethod
-    def worker_command(self) -> list[str]:
-        """The queue's own worker, as a user starts it."""
+    def worker_command(self) -> list[str]: ...
 
     @abstractmethod
-    async def open(self) -> None:
-        """Connect to the queue, as the application that enqueues does."""
+    async def open(self) -> None: ...
 
     async def settled(self) -> None:  # noqa: B027 - most queues have nothing to wait for
         """Wait until the started workers have done what they do once at start-up."""
 
     @abstractmethod
-    async def submit(self, mode: str, account: str, job_id: int) -> Any:
-        """Enqueue one job for the job function ``mode``; returns its handle."""
+    async def submit(self, mode: str, account: str, job_id: int) -> Any: ...
 
     @abstractmethod
     async def outcome(self, handle: Any) -> tuple[str | None, int]:
         """Why the job did not succeed (``None`` if it did), and how often it was deferred."""
 
     @abstractmethod
-    async def aclose(self) -> None:
-        """Disconnect."""
+    async def aclose(self) -> None: ...
 
     async def outcomes(self, handles: list[Any]) -> tuple[list[str], int]:
-        """The jobs that did not succeed (with why), and how many deferrals the queue saw."""
         failed: list[str] = []
         deferrals = 0
         for handle in handles:
@@ -209,11 +196,7 @@ class Taskiq(JobQueue):
         await self.broker.shutdown()
 
 
-QUEUES: dict[str, type[Arq] | type[Saq] | type[Taskiq]] = {
-    "arq": Arq,
-    "saq": Saq,
-    "taskiq": Taskiq,
-}
+QUEUES: dict[str, type[Arq] | type[Saq] | type[Taskiq]] = {"arq": Arq, "saq": Saq, "taskiq": Taskiq}
 
 
 @contextmanager
@@ -251,23 +234,15 @@ def workers(command: list[str], env: dict[str, str], log: Path, count: int) -> I
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-@asynccontextmanager
-async def raw_redis(port: int, db: int) -> AsyncIterator[redis.asyncio.Redis]:
-    client = redis.asyncio.Redis(host="127.0.0.1", port=port, db=db)
-    try:
-        yield client
-    finally:
-        await client.aclose()
+def raw_redis(port: int, db: int) -> redis.asyncio.Redis:
+    return redis.asyncio.Redis(host="127.0.0.1", port=port, db=db)  # closed by its async with
 
 
-def tail(log: Path, size: int | None = None) -> str:
-    """The workers' log (its last ``size`` characters), for failure messages."""
-    text = log.read_text()
-    return text if size is None else text[-size:]
+def tail(log: Path, size: int = 0) -> str:
+    return log.read_text()[-size:]
 
 
 def overlaps(records: list[dict[str, Any]]) -> list[str]:
-    """Pairs of jobs of one account whose held intervals intersect."""
     by_account: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
         by_account[record["account"]].append(record)
@@ -324,7 +299,6 @@ async def run_batch(
     workers: list[Any],
     log: Path,
 ) -> None:
-    """500 jobs of one kind through the running workers; checks what the jobs recorded."""
     jobs = job_list(seed)
     handles = [await queue.submit(mode, *job) for job in jobs]
     await wait_for(
@@ -386,15 +360,29 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
 
 
 # -- the lifecycle helpers, with each queue's own worker in this process ---------------------------
-
-
-# The lifecycle tests below allow their lease-loss warning instead of expecting it: in two whole
+# These tests allow their lease-loss warning instead of expecting it: in two whole
 # runs (this directory with tests/contract, -n 2) it never came although the job failed with
 # LeaseLost, and in every run of this file alone it did. Unexplained so far.
 
 
+@asynccontextmanager
+async def life_locks(
+    redis_server: RedisServer, queue: str
+) -> AsyncIterator[tuple[str, str, redis.asyncio.Redis]]:
+    async with (
+        lock_server(redis_server, f"{queue}-life") as (lock_url, prefix),
+        raw_redis(redis_server.port, LOCK_DB) as lock_db,
+    ):
+        yield lock_url, prefix, lock_db
+
+
+async def lose_the_lease(lock_db: redis.asyncio.Redis, prefix: str, n: int) -> str:
+    await lock_db.delete(f"{prefix}lock:{{life/{n}}}")  # as if it had expired on the server
+    await asyncio.sleep(5)
+    return "not reached"
+
+
 def assert_closed(worker_locks: Any, before: set[asyncio.Task[Any]]) -> None:
-    """The worker's shutdown closed its lock client, and nothing of it runs on."""
     with pytest.raises(RuntimeError, match="not open"):
         worker_locks.client  # noqa: B018
     assert [task for task in asyncio.all_tasks() - before if not task.done()] == []
@@ -413,10 +401,7 @@ async def test_arq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
     settings = RedisSettings(host="127.0.0.1", port=redis_server.port, database=QUEUE_DBS["arq"])
     hooks_ran_in: dict[str, asyncio.Task[Any] | None] = {}
-    async with (
-        lock_server(redis_server, "arq-life") as (lock_url, prefix),
-        raw_redis(redis_server.port, LOCK_DB) as lock_db,
-    ):
+    async with life_locks(redis_server, "arq") as (lock_url, prefix, lock_db):
         worker_locks = WorkerLocks(lock_url)
 
         async def on_startup(ctx: dict[str, Any]) -> None:
@@ -429,10 +414,7 @@ async def test_arq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
         @locked("life/{n}", ttl=1)
         async def lose(ctx: dict[str, Any], n: int) -> str:
-            # As if the lock had expired on the server: the next renewal finds it gone.
-            await lock_db.delete(f"{prefix}lock:{{life/{n}}}")
-            await asyncio.sleep(5)
-            return "not reached"
+            return await lose_the_lease(lock_db, prefix, n)
 
         @locked("life/{n}")
         async def keep(ctx: dict[str, Any], n: int) -> int:
@@ -482,10 +464,7 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
     from asynclock.integrations.saq import WorkerLocks, locked
 
-    async with (
-        lock_server(redis_server, "saq-life") as (lock_url, prefix),
-        raw_redis(redis_server.port, LOCK_DB) as lock_db,
-    ):
+    async with life_locks(redis_server, "saq") as (lock_url, prefix, lock_db):
         worker_locks = WorkerLocks(lock_url)
 
         @locked("life/{n}")
@@ -495,9 +474,7 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
         @locked("life/{n}", ttl=1)
         async def lose(ctx: Any, *, n: int) -> str:
-            await lock_db.delete(f"{prefix}lock:{{life/{n}}}")  # as if it had expired
-            await asyncio.sleep(5)
-            return "not reached"
+            return await lose_the_lease(lock_db, prefix, n)
 
         before = asyncio.all_tasks()
         queue = Queue.from_url(f"redis://127.0.0.1:{redis_server.port}/{QUEUE_DBS['saq']}")
@@ -540,10 +517,7 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
 
     from asynclock.integrations.taskiq import WorkerLocks, locked
 
-    async with (
-        lock_server(redis_server, "taskiq-life") as (lock_url, prefix),
-        raw_redis(redis_server.port, LOCK_DB) as lock_db,
-    ):
+    async with life_locks(redis_server, "taskiq") as (lock_url, prefix, lock_db):
         broker = InMemoryBroker()
         worker_locks = WorkerLocks(lock_url).install(broker)
 
@@ -555,9 +529,7 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
         @broker.task
         @locked("life/{n}", ttl=1)
         async def lose(n: int) -> str:
-            await lock_db.delete(f"{prefix}lock:{{life/{n}}}")  # as if it had expired
-            await asyncio.sleep(5)
-            return "not reached"
+            return await lose_the_lease(lock_db, prefix, n)
 
         before = asyncio.all_tasks()
         # WORKER_STARTUP and WORKER_SHUTDOWN in different tasks.

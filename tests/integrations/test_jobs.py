@@ -16,16 +16,15 @@ from ._servers import memory
 pytestmark = pytest.mark.anyio
 
 
-# -- the queue integrations' decorators, called as their workers call them -----------------------
-
-
 async def hold_elsewhere(locks: asynclock.LockClient, name: str) -> asynclock.Lease:
     lease = await locks.try_acquire(name)
     assert lease is not None
     return lease
 
 
-async def test_arq_defers_a_busy_job_with_retry_and_jitter(locks: asynclock.LockClient) -> None:
+async def test_arq_defers_a_busy_job_with_retry_and_jitter_but_waits_on_the_last_try(
+    locks: asynclock.LockClient,
+) -> None:
     from arq import Retry
 
     from asynclock.integrations import arq
@@ -51,64 +50,40 @@ async def test_arq_defers_a_busy_job_with_retry_and_jitter(locks: asynclock.Lock
     await holder.release()
     assert await charge({"job_try": 2, "asynclock": locks}, 7) == 7
 
-
-async def test_arq_waits_for_the_lock_on_the_last_try_instead_of_failing(
-    locks: asynclock.LockClient,
-) -> None:
-    from asynclock.integrations import arq
-
-    @arq.locked("invoice-{invoice_id}", max_tries=3)
-    async def charge(ctx: dict[str, Any], invoice_id: int) -> str:
-        return f"charged {invoice_id}"
-
-    holder = await hold_elsewhere(locks, "invoice-8")
-    result: list[str] = []
-
-    async def last_try() -> None:
-        result.append(await charge({"job_try": 3, "asynclock": locks}, 8))
-
-    async with anyio.create_task_group() as task_group:
-        task_group.start_soon(last_try)
-        await anyio.sleep(0.05)
-        assert result == []  # waiting, not deferred (arq would fail a 4th try)
-        await holder.release()
-    assert result == ["charged 8"]
-
-
-async def test_a_timeout_from_the_jobs_own_lock_is_its_error_not_a_deferral(
-    locks: asynclock.LockClient,
-) -> None:
-    from asynclock.integrations import arq
-
+    # A timeout from the job's own lock is its error, not a deferral.
     @arq.locked("outer-{n}")
     async def job(ctx: dict[str, Any], n: int) -> None:
         async with locks.lock("inner", timeout=0):
             pass
 
     holder = await hold_elsewhere(locks, "inner")
-    with pytest.raises(asynclock.AcquireTimeout) as caught:
+    with pytest.raises(asynclock.AcquireTimeout) as inner:
         await job({"job_try": 1, "asynclock": locks}, 1)
-    assert caught.value.name == "inner"
+    assert inner.value.name == "inner"
     await holder.release()
 
+    # arq waits for the lock on the last try instead of failing.
+    @arq.locked("invoice-{invoice_id}", max_tries=3)
+    async def charge_last(ctx: dict[str, Any], invoice_id: int) -> str:
+        return f"charged {invoice_id}"
 
-@pytest.mark.expect_log(r"lease on 'slow-1' (was )?lost")
-async def test_a_job_that_returned_before_its_loss_was_known_keeps_its_result(
-    locks: asynclock.LockClient,
-) -> None:
-    from asynclock.integrations import arq
+    holder = await hold_elsewhere(locks, "invoice-8")
+    last: list[str] = []
 
-    @arq.locked("slow-{n}", ttl=0.3)
-    async def job(ctx: dict[str, Any], n: int) -> str:
-        time.sleep(0.35)  # noqa: ASYNC251 - a paused process: the deadline passes unseen
-        return "done"
+    async def last_try() -> None:
+        last.append(await charge_last({"job_try": 3, "asynclock": locks}, 8))
 
-    # Returned, not raised (LeaseLost would make arq record a failure; Retry would redo it).
-    assert await job({"job_try": 1, "asynclock": locks}, 1) == "done"
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(last_try)
+        await anyio.sleep(0.05)
+        assert last == []  # waiting, not deferred (arq would fail a 4th try)
+        await holder.release()
+    assert last == ["charged 8"]
 
 
 @pytest.mark.expect_log(r"lease on 'doomed-1' lost: the lock was removed on the server")
-async def test_a_job_whose_lease_is_lost_while_it_runs_fails_with_lease_lost(
+@pytest.mark.expect_log(r"lease on 'slow-1' (was )?lost")
+async def test_a_job_whose_lease_is_lost_fails_unless_it_returned_before_the_loss_was_known(
     locks: asynclock.LockClient,
 ) -> None:
     from asynclock.integrations import arq
@@ -134,6 +109,15 @@ async def test_a_job_whose_lease_is_lost_while_it_runs_fails_with_lease_lost(
         await started.wait()
         memory(locks).expire("doomed-1", notify=True)
     assert [type(exc) for exc in failures] == [asynclock.LeaseLost]
+
+    # A job that returned before its loss was known keeps its result.
+    @arq.locked("slow-{n}", ttl=0.3)
+    async def paused(ctx: dict[str, Any], n: int) -> str:
+        time.sleep(0.35)  # noqa: ASYNC251 - a paused process: the deadline passes unseen
+        return "done"
+
+    # Returned, not raised (LeaseLost would make arq record a failure; Retry would redo it).
+    assert await paused({"job_try": 1, "asynclock": locks}, 1) == "done"
 
 
 async def test_saq_defers_with_one_more_retry_and_restores_the_jobs_own_settings(
@@ -209,7 +193,9 @@ async def test_taskiq_requeues_a_busy_task_until_it_gets_the_lock(
     assert int(result.labels["X-Taskiq-requeue"]) > 1
 
 
-async def test_decorator_mistakes_fail_at_import(locks: asynclock.LockClient) -> None:
+async def test_decorator_mistakes_fail_at_import_and_a_missing_client_says_where_to_open_one(
+    locks: asynclock.LockClient,
+) -> None:
     from taskiq import InMemoryBroker
 
     from asynclock.integrations import arq, taskiq
@@ -228,12 +214,8 @@ async def test_decorator_mistakes_fail_at_import(locks: asynclock.LockClient) ->
     with pytest.raises(asynclock.InvalidArgument, match="jitter"):
         arq.locked("x", jitter=2)
 
-
-async def test_a_job_without_a_client_says_where_to_open_one() -> None:
-    from asynclock.integrations import arq
-
     @arq.locked("x-{n}")
     async def job(ctx: dict[str, Any], n: int) -> None: ...
 
-    with pytest.raises(RuntimeError, match="WorkerLocks"):
+    with pytest.raises(RuntimeError, match="WorkerLocks"):  # no client in ctx
         await job({"job_try": 1}, 1)

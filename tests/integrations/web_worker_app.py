@@ -1,31 +1,14 @@
-"""The web scenario's worker: a FastAPI or an aiohttp app that books orders under a lock.
+"""The worker of test_web_processes.py: a FastAPI or aiohttp app that books orders under a lock,
+one process per worker (``python -m tests.integrations.web_worker_app fastapi|aiohttp --fd N``,
+N a listening socket the parent made). Settings come from ``ASYNCLOCK_WEB_*``: LOCKS (the lock
+URL), RESOURCE (the Redis of the bookings), PREFIX (of its keys), CLIENT_NAME (of its connection),
+JOURNAL (a directory where each worker appends what its bodies did to ``<pid>.jsonl``).
 
-Run one process per worker, as a deployment would (``tests/integrations/test_web_processes.py``
-starts three per framework)::
-
-    python -m tests.integrations.web_worker_app fastapi --fd 3
-    python -m tests.integrations.web_worker_app aiohttp --fd 3
-
-``--fd`` is a listening TCP socket the parent made and passed down (so the port is known before
-the worker starts, with no race for a free port). The rest comes from the environment:
-
-* ``ASYNCLOCK_WEB_LOCKS``: the lock client's URL (in the test: Redis through a ``FaultProxy``);
-* ``ASYNCLOCK_WEB_RESOURCE``: the Redis that holds the bookings (in the test: reached directly,
-  so that cutting the lock server's link leaves the resource reachable);
-* ``ASYNCLOCK_WEB_PREFIX``: the prefix of the resource's keys;
-* ``ASYNCLOCK_WEB_CLIENT_NAME``: the resource connection's name (so leftovers can be found);
-* ``ASYNCLOCK_WEB_JOURNAL``: a directory; each worker appends what its bodies did to
-  ``<pid>.jsonl`` there.
-
-``POST /orders/{order}`` (header ``request-id``) holds ``orders/{order}`` (ttl 1 s, waits up to
-0.3 s) and books the order with one fenced Redis script (:class:`asynclock.fencing.RedisGuard`,
-``strict``: each token is accepted once, and only if it is newer than every token the order has
-seen): ``RPUSH <prefix>bookings {"request_id", "order", "token", "pid"}``. So the bookings list is
-the resource's own record, in the order the writes were accepted, and a holder whose lease
-expired while it was stopped cannot book after a newer holder did. Optional headers make a body
-hold its lock longer: ``work`` (seconds awaited, so a lost lease cancels it there), ``block``
-and ``after`` (seconds of synchronous work before / after the write, during which the test stops
-the process).
+``POST /orders/{order}`` (header ``request-id``) holds ``orders/{order}`` and books the order with
+one fenced, strict ``RPUSH <prefix>bookings`` (:class:`asynclock.fencing.RedisGuard`): a holder
+whose lease expired while it was stopped cannot book after a newer one did. Headers ``work``
+(seconds awaited), ``block`` and ``after`` (seconds of synchronous work before / after the write,
+during which the test stops the process) make a body hold its lock longer.
 """
 
 from __future__ import annotations
@@ -52,21 +35,15 @@ from asynclock.fencing import RedisGuard
 from asynclock.integrations import aiohttp as aiohttp_locks
 from asynclock.integrations import fastapi as fastapi_locks
 
-#: Lease time to live: short, so that a stopped worker loses its leases within the scenario.
-TTL = 1.0
-#: How long a request waits for a busy order before it is answered 423.
-WAIT = 0.3
-#: The default body's work before it books: long enough that outages find bodies in flight.
-WORK = 0.01
+TTL = 1.0  # short: a stopped worker loses its leases within the scenario
+WAIT = 0.3  # for a busy order, before a 423
+WORK = 0.01  # the default body's work before it books: outages find bodies in flight
 FRAMEWORKS = ("fastapi", "aiohttp")
-#: Seconds an idle HTTP connection stays open: longer than any scenario.
-KEEP_ALIVE = 120
+KEEP_ALIVE = 120  # seconds an idle HTTP connection stays open: longer than any scenario
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """The worker's settings, from ``ASYNCLOCK_WEB_*``."""
-
     lock_url: str
     resource_url: str
     prefix: str
@@ -88,17 +65,10 @@ class Config:
                 f"web_worker_app needs the environment variable {exc.args[0]}"
             ) from None
 
-    @property
-    def bookings_key(self) -> str:
-        return f"{self.prefix}bookings"
-
 
 class Journal:
-    """What this worker's bodies did, one JSON line per step, in ``<directory>/<pid>.jsonl``.
-
-    Written with plain ``os.write`` (no await), so a cancellation cannot lose or split a line:
-    the test reads it to tell a body that returned from one that was stopped part way.
-    """
+    """One JSON line per step, written with plain ``os.write`` (no await): a cancellation cannot
+    lose or split a line, so the test tells a body that returned from one stopped part way."""
 
     def __init__(self, directory: Path) -> None:
         self.path = directory / f"{os.getpid()}.jsonl"
@@ -114,10 +84,8 @@ class Journal:
 
 
 class Bookings:
-    """The fenced resource: the bookings list on Redis, written through a strict guard."""
-
     def __init__(self, config: Config, client: redis.asyncio.Redis, journal: Journal) -> None:
-        self._key = config.bookings_key
+        self._key = f"{config.prefix}bookings"
         self._guard = RedisGuard(client, prefix=f"{config.prefix}fence:", strict=True)
         self._journal = journal
 
@@ -143,7 +111,6 @@ class Bookings:
         block: float = 0.0,
         after: float = 0.0,
     ) -> dict[str, Any]:
-        """The body of ``POST /orders/{order}``, run while ``orders/{order}`` is held."""
         token = asynclock.current_token()
         self._journal.record("holding", request_id, order=order, token=token)
         try:
@@ -178,8 +145,6 @@ class Bookings:
 
 
 def fastapi_app(config: Config) -> FastAPI:
-    """The FastAPI worker: lock client and resource opened in the lifespan."""
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The lock client closes first, so the journal's "closed" comes after both.
@@ -214,7 +179,6 @@ BOOKINGS = web.AppKey("bookings", Bookings)
 
 
 def aiohttp_app(config: Config) -> web.Application:
-    """The aiohttp worker: lock client and resource opened in ``cleanup_ctx``."""
     app = web.Application()
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -253,10 +217,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = Config.from_env()
     sock = socket.socket(fileno=args.fd)  # family and type are read from the descriptor
     if args.framework == "fastapi":
-        # SIGTERM makes uvicorn finish its requests, then run the lifespan's exit. Idle
-        # connections stay open for the whole scenario (aiohttp's default keeps them 75 s):
-        # uvicorn closes them after 5 s, and a request sent on one as it closes gets no answer
-        # (httpx's ReadError), an HTTP race that says nothing about the locks.
+        # Idle connections stay open, as aiohttp's do (75 s): uvicorn's 5 s default closes them,
+        # and a request sent on one as it closes gets no answer, an HTTP race, not the locks'.
         server = uvicorn.Server(
             uvicorn.Config(
                 fastapi_app(config),

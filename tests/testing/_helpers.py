@@ -8,11 +8,8 @@ from pathlib import Path
 
 
 def process_gone(pid: int) -> bool:
-    """True when ``pid`` has exited.
-
-    A zombie counts as gone: on machines whose PID 1 never reaps, an orphaned server that was
-    killed stays a zombie, though it holds no port, memory or file.
-    """
+    """True when ``pid`` has exited. A zombie counts as gone: where PID 1 never reaps, a killed
+    orphan stays a zombie, though it holds no port, memory or file."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):

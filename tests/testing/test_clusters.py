@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import aetcd
 import aetcd.exceptions
 import anyio
@@ -14,7 +17,6 @@ from ._helpers import process_gone
 
 
 async def etcd_put_until_it_works(member: EtcdMember, key: bytes, value: bytes) -> float:
-    """Write through ``member`` until the cluster accepts it; return how long that took."""
     start = anyio.current_time()
     # gRPC deadlines instead of anyio.fail_after around each call: see test_servers.py.
     async with aetcd.Client(host=member.host, port=member.port, timeout=0.5) as client:
@@ -76,8 +78,21 @@ async def test_etcd_cluster_survives_the_loss_of_its_leader_a_pause_and_a_restar
     assert not any(d.exists() for d in data_dirs)
 
 
+@asynccontextmanager
+async def zookeeper_client(address: str) -> AsyncIterator[ZKClient]:
+    client = ZKClient(address, session_timeout=5)
+    try:
+        with anyio.fail_after(20):
+            await client.start()
+        with anyio.fail_after(20):
+            yield client
+    finally:
+        with anyio.fail_after(10):
+            await client.close()
+
+
 @pytest.mark.anyio
-async def test_zookeeper_ensemble_survives_the_loss_of_its_leader() -> None:
+async def test_zookeeper_ensemble_survives_the_loss_of_its_leader_and_member_types() -> None:
     with ZooKeeperEnsemble(size=3) as ensemble:
         members = ensemble.members
         assert ensemble.url == "zookeeper://" + ",".join(f"127.0.0.1:{m.port}" for m in members)
@@ -97,28 +112,13 @@ async def test_zookeeper_ensemble_survives_the_loss_of_its_leader() -> None:
         assert new_leader.mode() == "leader"
 
         survivors = [m for m in members if m is not killed]
-        client = ZKClient(",".join(m.address for m in survivors), session_timeout=5)
-        try:
-            with anyio.fail_after(20):
-                await client.start()
-                await client.create("/after-leader-loss", data=b"1")
-        finally:
-            with anyio.fail_after(10):
-                await client.close()
-
+        async with zookeeper_client(",".join(m.address for m in survivors)) as client:
+            await client.create("/after-leader-loss", data=b"1")
         killed.restart()
         assert killed.mode() == "follower"
-        client = ZKClient(killed.address, session_timeout=5)
-        try:
-            with anyio.fail_after(20):
-                await client.start()
-                assert await client.get_data("/after-leader-loss") == b"1"
-        finally:
-            with anyio.fail_after(10):
-                await client.close()
-
-
-def test_cluster_members_and_leader_types() -> None:
+        async with zookeeper_client(killed.address) as client:
+            assert await client.get_data("/after-leader-loss") == b"1"
+    # Member and leader types; a one-member ensemble.
     with ZooKeeperEnsemble(size=1) as ensemble:
         (only,) = ensemble.members
         assert isinstance(only, ZooKeeperMember)

@@ -60,16 +60,14 @@ def run_pytest(
     )
 
 
-def test_fixtures_and_default_selection(tmp_path: Path) -> None:
+def test_fixtures_default_selection_and_the_backends_option(tmp_path: Path) -> None:
     done = run_pytest(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "6 passed" in done.stdout
     selected = done.stdout.split("SELECTED=")[1].split()[0].split(",")
     assert {"redis", "redlock", "etcd", "zookeeper", "postgres", "memory"} <= set(selected)
     assert "asynclock backends: all" in done.stdout
-
-
-def test_backends_option_selects_and_skips(tmp_path: Path) -> None:
+    # --backends selects and skips.
     done = run_pytest(
         tmp_path, "--backends", " etcd, PostgreSQL ", "-k", "selected or redis or postgres"
     )
@@ -92,7 +90,7 @@ def test_a_missing_server_names_the_apt_package_and_fails_only_on_ci(
     assert ("CI is set" in done.stdout) == bool(ci)
 
 
-def test_plugin_import_is_cheap() -> None:
+def test_plugin_import_is_cheap_and_public_names_are_documented() -> None:
     drivers = ("redis", "aetcd", "aiozk", "asyncpg", "grpc")
     code = (
         "import sys, asynclock.testing._plugin\n"
@@ -102,9 +100,6 @@ def test_plugin_import_is_cheap() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
-
-
-def test_public_names() -> None:
     assert isinstance(asynclock.testing.__all__, tuple)
     assert sorted(asynclock.testing.__all__) == list(asynclock.testing.__all__)
     for name in asynclock.testing.__all__:

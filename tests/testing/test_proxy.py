@@ -23,9 +23,7 @@ NO_REPLY = 0.3
 
 
 @dataclass
-class Echo:
-    """A TCP echo server that records what reached it."""
-
+class Echo:  # a TCP echo server that records what reached it
     port: int = 0
     received: bytearray = field(default_factory=bytearray)
     accepted: int = 0
@@ -97,7 +95,7 @@ async def redis_via(proxy: FaultProxy, timeout: float = 5.0) -> AsyncIterator[Re
         await client.aclose()
 
 
-async def test_pass_through_relays_and_counts_connections() -> None:
+async def test_pass_through_relays_and_counts_connections_and_reset_sends_rst() -> None:
     async with proxied_echo() as (echo, proxy):
         assert proxy.host == "127.0.0.1"
         assert proxy.address == f"127.0.0.1:{proxy.port}"
@@ -111,9 +109,21 @@ async def test_pass_through_relays_and_counts_connections() -> None:
                 assert proxy.connections == 2
         await wait_until(lambda: proxy.connections == 0)
         assert bytes(echo.received) == b"helloping"
+        # reset sends RST and keeps accepting.
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream)
+            proxy.reset()
+            await wait_until(lambda: proxy.connections == 0)
+            # RST, not FIN: the client's next read fails instead of returning end-of-stream.
+            with pytest.raises(anyio.BrokenResourceError) as caught:
+                await stream.receive()
+            assert isinstance(caught.value.__cause__, ConnectionResetError)
+        assert proxy.mode == "pass_through"
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream)
 
 
-async def test_delay_adds_latency_in_both_directions() -> None:
+async def test_delay_adds_latency_both_ways_and_cut_heals_to_the_previous_mode() -> None:
     async with proxied_echo() as (_, proxy):
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             baseline = min([await round_trip(stream) for _ in range(5)])
@@ -134,9 +144,27 @@ async def test_delay_adds_latency_in_both_directions() -> None:
             assert 0.099 <= anyio.current_time() - start < 0.5
             proxy.pass_through()
             assert min([await round_trip(stream) for _ in range(3)]) < 0.05
+    # cut heals after the given time, to the previous mode unless changed meanwhile.
+    async with proxied_echo() as (_, proxy):
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            await round_trip(stream)
+            proxy.cut(1)
+            assert proxy.mode == "blackhole"
+            with anyio.fail_after(3):
+                took = await round_trip(stream)
+            assert 0.95 <= took < 2.0
+            assert mode_of(proxy) == "pass_through"
+        proxy.delay(10)
+        proxy.cut(0.1)
+        await wait_until(lambda: mode_of(proxy) == "delay", timeout=2)
+
+        proxy.cut(0.1)
+        proxy.drop_replies()  # a newer decision wins over the cut's timer
+        await anyio.sleep(0.3)
+        assert mode_of(proxy) == "drop_replies"
 
 
-async def test_blackhole_holds_traffic_and_keeps_connections_open() -> None:
+async def test_blackhole_holds_traffic_and_drop_replies_loses_only_replies() -> None:
     async with proxied_echo() as (echo, proxy):
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             await round_trip(stream, b"a")
@@ -159,21 +187,16 @@ async def test_blackhole_holds_traffic_and_keeps_connections_open() -> None:
                     assert await stream.receive() == b"b"
                     await round_trip(late)
                 assert echo.accepted == 2
-
-
-async def test_reset_sends_rst_and_keeps_accepting() -> None:
-    async with proxied_echo() as (_, proxy):
+    # drop_replies delivers requests and loses the replies.
+    async with proxied_echo() as (echo, proxy):
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            await round_trip(stream)
-            proxy.reset()
-            await wait_until(lambda: proxy.connections == 0)
-            # RST, not FIN: the client's next read fails instead of returning end-of-stream.
-            with pytest.raises(anyio.BrokenResourceError) as caught:
+            proxy.drop_replies()
+            await stream.send(b"lost-reply")
+            await wait_until(lambda: bytes(echo.received) == b"lost-reply")
+            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
                 await stream.receive()
-            assert isinstance(caught.value.__cause__, ConnectionResetError)
-        assert proxy.mode == "pass_through"
-        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            await round_trip(stream)
+            proxy.pass_through()
+            await round_trip(stream, b"next")
 
 
 async def test_a_real_client_times_out_on_blackhole_and_drop_replies_and_fails_on_reset() -> None:
@@ -211,54 +234,7 @@ async def test_a_real_client_times_out_on_blackhole_and_drop_replies_and_fails_o
                 await connection.disconnect()
             # A new connection goes through the proxy, which still accepts.
             assert await client.ping()
-
-
-async def test_drop_replies_with_echo_server() -> None:
-    async with proxied_echo() as (echo, proxy):
-        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            proxy.drop_replies()
-            await stream.send(b"lost-reply")
-            await wait_until(lambda: bytes(echo.received) == b"lost-reply")
-            with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
-                await stream.receive()
-            proxy.pass_through()
-            await round_trip(stream, b"next")
-
-
-async def test_cut_heals_after_the_given_time() -> None:
-    async with proxied_echo() as (_, proxy):
-        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            await round_trip(stream)
-            proxy.cut(1)
-            assert proxy.mode == "blackhole"
-            with anyio.fail_after(3):
-                took = await round_trip(stream)
-            assert 0.95 <= took < 2.0
-            assert mode_of(proxy) == "pass_through"
-
-
-async def test_cut_restores_the_previous_mode_unless_changed_meanwhile() -> None:
-    async with proxied_echo() as (_, proxy):
-        proxy.delay(10)
-        proxy.cut(0.1)
-        await wait_until(lambda: mode_of(proxy) == "delay", timeout=2)
-
-        proxy.cut(0.1)
-        proxy.drop_replies()  # a newer decision wins over the cut's timer
-        await anyio.sleep(0.3)
-        assert mode_of(proxy) == "drop_replies"
-
-
-async def test_unreachable_target_resets_the_client() -> None:
-    async with FaultProxy("127.0.0.1", free_port()) as proxy:
-        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
-            with pytest.raises(anyio.BrokenResourceError), anyio.fail_after(5):
-                await stream.receive()
-        await wait_until(lambda: proxy.connections == 0)
-
-
-async def test_server_closing_is_relayed_as_end_of_stream() -> None:
-    with RedisServer() as server:
+        # A server's close is relayed as end of stream.
         async with FaultProxy(server.host, server.port) as proxy:
             async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
                 await stream.send(b"QUIT\r\n")
@@ -269,7 +245,7 @@ async def test_server_closing_is_relayed_as_end_of_stream() -> None:
             await wait_until(lambda: proxy.connections == 0)
 
 
-async def test_aclose_closes_everything_is_idempotent_and_ends_a_failing_body() -> None:
+async def test_aclose_closes_everything_once_and_an_unreachable_target_resets() -> None:
     async with echo_server() as echo:
         proxy = FaultProxy("127.0.0.1", echo.port)
         with pytest.raises(RuntimeError, match="not started"):
@@ -302,3 +278,9 @@ async def test_aclose_closes_everything_is_idempotent_and_ends_a_failing_body() 
                 raise LookupError
         with pytest.raises(OSError):
             await anyio.connect_tcp("127.0.0.1", port)
+    # An unreachable target resets the client.
+    async with FaultProxy("127.0.0.1", free_port()) as proxy:
+        async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
+            with pytest.raises(anyio.BrokenResourceError), anyio.fail_after(5):
+                await stream.receive()
+        await wait_until(lambda: proxy.connections == 0)

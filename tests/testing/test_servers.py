@@ -44,8 +44,6 @@ PAUSED_WAIT = 0.4
 
 @dataclass
 class Store:
-    """One client of a server: it writes and reads one value, and shows a frozen server."""
-
     put: Callable[[str, bytes], Awaitable[object]]
     get: Callable[[str], Awaitable[bytes | None]]
     frozen: type[BaseException] = TimeoutError  # what a call to a paused server raises
@@ -169,7 +167,7 @@ async def test_a_server_serves_pauses_resumes_and_restarts(
 
 
 @pytest.mark.anyio
-async def test_redis_fake_clock_jumps_at_run_time() -> None:
+async def test_redis_fake_clock_jumps_at_run_time_and_start_offsets_have_units() -> None:
     with RedisServer(faketime="+0") as server:
         assert server.faketime
         async with Redis(host=server.host, port=server.port) as client:
@@ -199,9 +197,7 @@ async def test_redis_fake_clock_jumps_at_run_time() -> None:
         async with Redis(host=server.host, port=server.port) as client:
             seconds, _ = await client.time()
             assert abs(seconds - (time.time() - 3540)) < 2
-
-
-def test_redis_fake_clock_and_pause_argument_checks() -> None:
+    # Start offsets have units, a jump may come before the start, and arguments are checked.
     with pytest.raises(ValueError, match="relative offset"):
         RedisServer(faketime="@2020-01-01 00:00:00")
     server = RedisServer()
@@ -210,21 +206,14 @@ def test_redis_fake_clock_and_pause_argument_checks() -> None:
     with pytest.raises(RuntimeError, match="not running"):
         server.pause()
     server.stop()
-
-
-def test_redis_start_offset_units_and_a_jump_before_start() -> None:
     server = RedisServer(faketime="-1.5h")
     assert server.clock_offset == -5400
     server.jump_clock(60)
     with server:
         assert server.clock_offset == -5340
-        answer = subprocess.run(
-            [find_binary("redis-cli", "redis-tools"), "-p", str(server.port), "TIME"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        assert abs(int(answer.stdout.split()[0]) - (time.time() - 5340)) < 2
+        async with Redis(host=server.host, port=server.port) as client:
+            seconds, _ = await client.time()
+        assert abs(seconds - (time.time() - 5340)) < 2
 
 
 class _Crashing(SingleServer):
@@ -245,16 +234,13 @@ class _Crashing(SingleServer):
         return False
 
 
-def test_start_error_carries_the_log_and_leaves_nothing() -> None:
+def test_a_start_error_or_timeout_carries_the_log_and_a_stop_is_bounded() -> None:
     server = _Crashing("echo 'fatal: boom-marker' >&2; exit 3")
     with pytest.raises(ServerStartError, match="status 3") as caught:
         server.start()
     assert "boom-marker" in str(caught.value)
     assert server._resources.directory is None
     assert not server.is_running
-
-
-def test_start_timeout_kills_the_process() -> None:
     server = _Crashing("echo still-starting; exec sleep 60", start_timeout=0.3)
     start = time.monotonic()
     with pytest.raises(ServerStartError, match=r"did not serve within 0\.3 s") as caught:
@@ -262,27 +248,27 @@ def test_start_timeout_kills_the_process() -> None:
     assert time.monotonic() - start < 5
     assert "still-starting" in str(caught.value)
     assert not server.is_running
+    # A stop is bounded when the server ignores the shutdown signal.
+    server = _Crashing("trap '' TERM; echo up; while :; do sleep 0.05; done")
+    server.stop_timeout = 0.3
+    server._begin_start()  # it never becomes ready; launch only
+    pid = server.pid
+    assert pid is not None
+    # Signalled before the shell ran "trap", it would just die.
+    assert wait_for(lambda: b"up" in server._output_path.read_bytes())
+    start = time.monotonic()
+    server.stop()
+    assert 0.25 < time.monotonic() - start < 5
+    assert wait_for(lambda: process_gone(pid))
 
 
-def test_first_start_moves_to_another_port_when_its_port_is_taken() -> None:
-    server = RedisServer()
-    taken = server.port
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", taken))
-        squatter.listen()
-        with server:
-            assert server.port != taken
-            assert server.is_running
-
-
-def test_find_binary_names_the_apt_package() -> None:
+def test_find_binary_and_servers_left_running_are_killed_at_interpreter_exit(
+    tmp_path: Path,
+) -> None:
     with pytest.raises(ServerNotInstalled, match="apt-get install some-package") as caught:
         find_binary("asynclock-no-such-binary", "some-package")
     assert caught.value.apt_package == "some-package"
     assert find_binary("sh", "dash").endswith("/sh")
-
-
-def test_find_binary_prefers_the_newest_versioned_dir(tmp_path: Path) -> None:
     # Like /usr/lib/postgresql/<major>/bin, which Debian keeps out of PATH.
     for version in ("9.6", "15", "13"):
         program = tmp_path / version / "bin" / "asynclock-fake-initdb"
@@ -291,9 +277,7 @@ def test_find_binary_prefers_the_newest_versioned_dir(tmp_path: Path) -> None:
         program.chmod(0o755)
     found = find_binary("asynclock-fake-initdb", "postgresql", extra_dirs=[f"{tmp_path}/*/bin"])
     assert found == str(tmp_path / "15" / "bin" / "asynclock-fake-initdb")
-
-
-def test_servers_left_running_are_killed_at_interpreter_exit() -> None:
+    # Servers left running are killed at interpreter exit.
     script = (
         "from asynclock.testing import RedisServer, PostgresServer\n"
         "r = RedisServer().start(); p = PostgresServer().start()\n"
@@ -307,7 +291,7 @@ def test_servers_left_running_are_killed_at_interpreter_exit() -> None:
     assert_cleaned_up(int(postgres_pid), Path(postgres_dir))
 
 
-def test_server_is_a_context_manager_and_stop_is_idempotent() -> None:
+def test_server_context_stop_taken_port_and_a_paused_server_reported_by_wait_ready() -> None:
     server = RedisServer()
     assert not server.is_running
     assert server.pid is None
@@ -327,23 +311,16 @@ def test_server_is_a_context_manager_and_stop_is_idempotent() -> None:
     server.stop()
     assert_cleaned_up(pid, data_dir)
     assert "stopped" in repr(server)
-
-
-def test_stop_is_bounded_when_the_server_ignores_the_shutdown_signal() -> None:
-    server = _Crashing("trap '' TERM; echo up; while :; do sleep 0.05; done")
-    server.stop_timeout = 0.3
-    server._begin_start()  # it never becomes ready; launch only
-    pid = server.pid
-    assert pid is not None
-    # Signalled before the shell ran "trap", it would just die.
-    assert wait_for(lambda: b"up" in server._output_path.read_bytes())
-    start = time.monotonic()
-    server.stop()
-    assert 0.25 < time.monotonic() - start < 5
-    assert wait_for(lambda: process_gone(pid))
-
-
-def test_a_paused_server_is_reported_by_wait_ready_and_still_stops() -> None:
+    # A first start moves to another port when its port is taken.
+    server = RedisServer()
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with server:
+            assert server.port != taken
+            assert server.is_running
+    # A paused server is reported by wait_ready, and still stops.
     with RedisServer() as server:
         pid = server.pid
         assert pid is not None

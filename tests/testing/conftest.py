@@ -1,8 +1,0 @@
-from __future__ import annotations
-
-import pytest
-
-
-@pytest.fixture(scope="session")
-def anyio_backend() -> str:
-    return "asyncio"
