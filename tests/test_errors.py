@@ -225,7 +225,10 @@ def test_lock_error_is_the_base_of_asynclocks_own() -> None:
 def test_a_driver_error_without_a_message_still_says_what_it_was() -> None:
     from asynclock.backends._kit import Translator, translate
 
-    table: Translator = {TimeoutError: asynclock.BackendTimeout, OSError: asynclock.BackendUnavailable}
+    table: Translator = {
+        TimeoutError: asynclock.BackendTimeout,
+        OSError: asynclock.BackendUnavailable,
+    }
     with pytest.raises(asynclock.BackendTimeout) as timed_out, translate(table, "checking"):
         raise TimeoutError  # anyio.fail_after's, with no text
     assert str(timed_out.value) == "checking: TimeoutError (the server did not answer in time)"
