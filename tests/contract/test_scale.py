@@ -156,19 +156,19 @@ async def test_1000_waiters_get_the_lock_in_fifo_order_in_linear_time(
         backend.connect(**backend.long_waits) as locks,
     ):
         started = anyio.current_time()
-        # The first small run also warms up what runs once (a JIT, a cache of statements):
-        # the least of three small runs is the per-waiter cost the large run is held to.
-        fews = [
-            await pass_all(backend, holder, locks, f"{name}/few{run}", FEW, ttl) for run in range(3)
-        ]
+        # Small and large runs alternate (small, large, small, large, small), so that both see
+        # the same load of the other workers: a loaded suite inflates a thread's CPU time too
+        # (caches, switches), by up to 2x for a few seconds, and three small runs followed by
+        # two large ones let a busier spell fall on the large ones only (SQLite: ratio 20.0
+        # against 8-12 alone). The least of each counts; the first small run also warms up
+        # what runs once (a JIT, a cache of statements).
+        fews, larges = [], []
+        for run in range(3):
+            fews.append(await pass_all(backend, holder, locks, f"{name}/few{run}", FEW, ttl))
+            if run < 2:
+                many_name = f"{name}/many{run}"
+                larges.append(await pass_all(backend, holder, locks, many_name, many, ttl))
         few, few_servers = min(fews)
-        # Two large runs, the lesser counts, as the least of the small ones does: the other
-        # workers' load inflates a thread's CPU time too (caches, switches), by up to 2.5x in
-        # one run of a loaded suite (SQLite: 21.2 against 8.5 alone), not the same in every run.
-        larges = [
-            await pass_all(backend, holder, locks, f"{name}/many{run}", many, ttl)
-            for run in range(2)
-        ]
         large, large_servers = min(larges)
         spent = anyio.current_time() - started
     assert _tasks() == before, "tasks left running after the clients closed"

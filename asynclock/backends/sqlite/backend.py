@@ -160,20 +160,19 @@ class _LocalQueue:
         self.released.set()
         self.released = anyio.Event()
 
-    def places(self) -> Callable[[float], Sequence[str]]:
-        """The waiters whose rows a take refreshes, decided in its transaction at its time:
-        all of them a few times per ``WAITER_TTL`` (at every poll, 1,000 waiters would cost
-        1,000 writes a poll). Decided there, not when the take is asked for, so that a take
-        that waited (for the file, the disk, or this process, stopped) keeps them all."""
-        owners = tuple(self._turns)
-
-        def due(now: float) -> Sequence[str]:
-            if self._refreshed > now - WAITER_TTL / 4:
-                return ()
-            self._refreshed = now  # in the worker thread: one float, the GIL keeps it whole
-            return owners
-
-        return due
+    def due(self, now: float) -> Sequence[str]:
+        """The waiters whose rows a take refreshes, asked in the worker thread by the take's
+        transaction at its time: all of them a few times per ``WAITER_TTL`` (at every poll,
+        1,000 waiters would cost 1,000 writes a poll). Asked there, not when the take is
+        queued, so that a take that waited (for the file, the disk, or this process,
+        stopped) keeps them all; and read only when due, so that a poll costs the same with
+        1,000 waiters as with one."""
+        if self._refreshed > now - WAITER_TTL / 4:
+            return ()
+        self._refreshed = now  # one float: the GIL keeps it whole
+        # One C-level copy, which the GIL keeps whole against the event loop thread's joins
+        # and leaves.
+        return tuple(self._turns)
 
     def _notify(self) -> None:
         first = self.first()
@@ -310,7 +309,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         try:
             while True:
                 if not queued or local.first() == request.owner:
-                    grant, retry_at = await self._take(request, wait=True, keep=local.places())
+                    grant, retry_at = await self._take(request, wait=True, keep=local.due)
                     if isinstance(grant, SQLiteGrant):
                         return grant
                     if grant and queued:
