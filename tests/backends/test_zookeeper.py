@@ -470,10 +470,20 @@ async def test_a_client_closed_right_after_a_connection_reset_still_deletes_its_
 ) -> None:
     """aclose() deletes the lock parents this client used once its session is connected again,
     not only if it is at that moment (else they stay until the server's container check)."""
-    async with zk.proxied() as (proxy, locks):
-        await (await locks.acquire("p", ttl=5)).release()
-        proxy.reset()  # every session reconnects
-        await until(lambda: backend_of(locks)._connected() is None, 2)
+
+    async def reconnect_during_the_close(proxy: FaultProxy) -> None:
+        await anyio.sleep(0.3)
+        proxy.pass_through()
+
+    async with anyio.create_task_group() as tg:
+        async with zk.proxied() as (proxy, locks):
+            await (await locks.acquire("p", ttl=5)).release()
+            # Reconnects go into the blackhole until the close has begun: polled for, a
+            # disconnection shorter than a poll (a quick reconnect on a busy loop) was missed.
+            proxy.blackhole()
+            proxy.reset()
+            await until(lambda: backend_of(locks)._connected() is None, 2)
+            tg.start_soon(reconnect_during_the_close, proxy)
     assert await zk.tree() == []
 
 
