@@ -377,11 +377,6 @@ class PostgresBackend(Backend[PostgresGrant]):
         if grant.released:
             return
         grant.released = True
-        if grant.leaving is not None:
-            # Its queue place goes first (a statement already queued on a lane; its error, if
-            # any, was dropped: a place of a dead session expires). Waited for, not awaited:
-            # a cancelled release must not cancel the statement.
-            await asyncio.wait((grant.leaving.future,))
         if grant.lane is not None:
             await self._lanes.release(grant, grant.lane)
             gone = grant.lane.dead is not None
@@ -392,6 +387,12 @@ class PostgresBackend(Backend[PostgresGrant]):
             # The session ended without deleting the hold's row: once it has (inspect never
             # shows the row meanwhile), so does this.
             await self._inspector.sweep(grant.kept_key, grant.pid)
+        if grant.leaving is not None:
+            # The queue place it came through is gone too when this returns (a statement
+            # already queued on a lane; its error, if any, was dropped: a place of a dead
+            # session expires). Last, after the unlock was queued: a native cancel here
+            # costs no unlock. Waited for, not awaited: it must not cancel the statement.
+            await asyncio.wait((grant.leaving.future,))
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         return await self._inspector.inspect(name, kind)
