@@ -432,6 +432,24 @@ async def test_connections_reset_before_and_during_holds_raise_nothing(etcd: Etc
         assert await direct.count(etcd.prefix.encode()) == 0
 
 
+async def test_a_close_waits_for_grpcs_status_reader_of_a_stream_it_cut_short(etcd: Etcd) -> None:
+    """gRPC reads a streaming call's status in a task of its own, which its poller thread ends
+    a few loop turns after the call is cancelled. An event loop closed before that leaves the
+    task pending, and gRPC's poller then fails inside the next loop ("Event loop is closed",
+    grpc/grpc#34139): the close waits for it."""
+    async with etcd.connect() as locks:
+        # A stream open when the client closes, as a keepalive in flight or the watches are.
+        stream = locks._backend._wire.watch.Watch()
+        await stream.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(key=b"x")))
+        await stream.read()
+    readers = [
+        task
+        for task in asyncio.all_tasks()
+        if task.get_coro().__qualname__ == "_AioCall._handle_status_once_received"  # type: ignore[union-attr]
+    ]
+    assert readers == []
+
+
 async def test_a_take_whose_answer_was_lost_is_sent_again_and_finds_its_own_key(etcd: Etcd) -> None:
     """The take reached etcd, its answer did not (connection reset): sent again, it must not
     say "held by someone else" about our own key, nor leave a second one."""

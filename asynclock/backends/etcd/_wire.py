@@ -18,6 +18,7 @@ gRPC errors become asynclock's at one boundary, :meth:`Wire.call`, through one t
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import math
 import socket
@@ -73,6 +74,31 @@ _CHANNEL_OPTIONS: Final = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
 )
+
+
+def _status_readers_of_finished_calls() -> list[asyncio.Task[Any]]:
+    """gRPC's tasks still reading the status of a call that is already done (cancelled).
+
+    gRPC gives no handle on these tasks: each is found by its coroutine's name, and its call by
+    the coroutine's references (the call is the ``self`` of its Cython closure). A call not done
+    yet (another channel's open stream) is not waited for. Anything unlike that finds nothing.
+    """
+    found = []
+    for task in asyncio.all_tasks():
+        coroutine = task.get_coro()
+        if getattr(coroutine, "__qualname__", "") != "_AioCall._handle_status_once_received":
+            continue
+        for scope in gc.get_referents(coroutine):
+            calls = [each for each in gc.get_referents(scope) if _is_done_call(each)]
+            if calls:
+                found.append(task)
+                break
+    return found
+
+
+def _is_done_call(candidate: object) -> bool:
+    done = getattr(candidate, "done", None)
+    return type(candidate).__name__ == "_AioCall" and callable(done) and done() is True
 
 
 class Keep(Protocol):
@@ -161,6 +187,14 @@ class Wire:
         channel, self.channel = self.channel, None
         if channel is not None:
             await channel.close()
+            # gRPC reads the status of each streaming call (watch, keepalive) in a task of its
+            # own, which ends a few loop turns after the call is cancelled, when gRPC's poller
+            # thread hands the status over. An event loop that closes before that leaves the
+            # task pending, and the poller then fails on the closed loop inside whatever loop
+            # runs gRPC next (grpc/grpc#34139: "Event loop is closed").
+            finishing = _status_readers_of_finished_calls()
+            if finishing:
+                await asyncio.wait(finishing, timeout=1.0)
 
     async def _credentials(self) -> Any:
         settings = self.settings
