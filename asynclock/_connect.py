@@ -52,6 +52,11 @@ def connect(
     local deadline so that the body is cancelled before the server can expire the lock, even if
     the two clocks run at slightly different rates.
 
+    ``connect_timeout`` bounds entering the client: a server that accepts connections but is
+    slow to answer (many clients starting at once, a loaded host) is waited for until then,
+    while one that refuses them fails at once. Once connected, each call is bounded by the
+    backend's ``op_timeout``.
+
     Nothing connects until the client is entered, and bad input is refused at once:
 
     >>> asynclock.connect("mysql://db.internal/locks")

@@ -488,3 +488,32 @@ async def test_a_started_client_closed_or_started_under_native_cancellation_leav
     await asyncio.sleep(0.01)
     assert {task for task in asyncio.all_tasks() - before if not task.done()} == set()
     report("started_client_cancelled", backend, free_after=[round(each, 4) for each in freed])
+
+
+@_THROUGH_A_PROXY
+async def test_connecting_waits_for_a_slow_server_within_connect_timeout_not_op_timeout(
+    backend: BackendUnderTest, name: str
+) -> None:
+    """A server too busy to answer within ``op_timeout`` while the client connects (many
+    replicas of a service starting at once, a loaded host) is waited for; one that never
+    answers fails the connect at ``connect_timeout``, with the option named."""
+    async with AsyncExitStack() as stack:
+        proxies = [
+            await stack.enter_async_context(FaultProxy(server.host, server.port))
+            for server in backend.servers
+        ]
+        addresses = [proxy.address for proxy in proxies]
+        for proxy in proxies:
+            proxy.cut(1.2)
+        started = anyio.current_time()
+        async with backend.connect_via(addresses, op_timeout=0.4, connect_timeout=10) as locks:
+            assert anyio.current_time() - started >= 1.0
+            async with locks.lock(name, ttl=backend.ttl):
+                pass
+        for proxy in proxies:
+            proxy.blackhole()
+        started = anyio.current_time()
+        with pytest.raises(asynclock.BackendTimeout, match="connect_timeout"):
+            async with backend.connect_via(addresses, op_timeout=0.4, connect_timeout=1.0):
+                pytest.fail("connected through a proxy that relays nothing")
+        assert anyio.current_time() - started < 2.0

@@ -46,8 +46,8 @@ __all__ = ("SLOW_CALL", "TERM_POLL", "Keep", "Metadata", "Wire")
 
 T = TypeVar("T")
 Metadata = tuple[tuple[str, str], ...]
-#: ``call(metadata, timeout)``: a unary gRPC call, or a coroutine.
-Call = Callable[[Metadata, float], Any]
+#: ``call(metadata, timeout)``: a unary gRPC call, or a coroutine (timeout None: no deadline).
+Call = Callable[[Metadata, float | None], Any]
 
 #: A call not answered within this long makes the client ask etcd whether a new leader was
 #: elected since it was sent (then it is sent again); etcd answers a healthy call in
@@ -129,6 +129,9 @@ class Wire:
         self._leader_term = 0
         self._probed_at = -math.inf
         self._probing: anyio.Event | None = None
+        #: While the backend opens: calls go on for as long as the client's ``connect_timeout``
+        #: lets them (the caller's scope), not ``op_timeout``.
+        self.connecting = False
         self.errors = etcd_errors(
             op_timeout=settings.op_timeout,
             prefix=settings.prefix,
@@ -162,6 +165,9 @@ class Wire:
         self.watch = rpc.WatchStub(self.channel)
         self._auth = rpc.AuthStub(self.channel)
         self._maintenance = rpc.MaintenanceStub(self.channel)
+        # A server slow to answer now (many clients starting at once, a loaded host) is waited
+        # for until connect_timeout; nothing listening still fails within a second.
+        self.connecting = True
         if self.settings.user is not None:
             await self.authenticate()
         status = await self.call(
@@ -182,6 +188,7 @@ class Wire:
                 metadata=md,
             ),
         )
+        self.connecting = False
 
     async def close(self) -> None:
         channel, self.channel = self.channel, None
@@ -245,7 +252,7 @@ class Wire:
                 reply = await self._await_unary(
                     self._auth.Authenticate(
                         rpc.AuthenticateRequest(name=user, password=self.settings.password),
-                        timeout=self.settings.op_timeout,
+                        timeout=None if self.connecting else self.settings.op_timeout,
                     )
                 )
             except grpc.aio.AioRpcError as exc:
@@ -290,14 +297,15 @@ class Wire:
 
     async def _send(self, call: Call, keep: Keep | None, retry: bool) -> Any:
         """:meth:`call` without the translation: raises gRPC's own errors."""
-        deadline = anyio.current_time() + self.settings.op_timeout
+        deadline = math.inf if self.connecting else anyio.current_time() + self.settings.op_timeout
         reauthenticated = False
         unreachable_since: float | None = None
         pauses = _RESEND.backoff()
         while True:
             term = self.term
             try:
-                pending = call(self.metadata, max(0.001, deadline - anyio.current_time()))
+                left = None if deadline == math.inf else max(0.001, deadline - anyio.current_time())
+                pending = call(self.metadata, left)
                 if isinstance(pending, grpc.aio.Call):
                     reply = await self._await_unary(pending, keep, term if retry else None)
                 else:

@@ -166,6 +166,9 @@ class Lane:
         #: :class:`Wait` behind every call of these scripts (by sha). Set by backends that
         #: offer ``wait_replicas``; empty: no WAIT.
         self.wait_for: dict[str, Wait] = {}
+        #: While the backend opens: calls and handshakes wait for as long as the client's
+        #: ``connect_timeout`` lets them (the caller's scope), not ``op_timeout``.
+        self.connecting = False
 
     @property
     def connections(self) -> int:
@@ -195,7 +198,8 @@ class Lane:
     async def _open(self, conn: AbstractConnection) -> None:
         # The handshake (AUTH, CLIENT SETNAME, SELECT) reads replies with no socket timeout of
         # its own: bound it, or a frozen server would hold us for ever.
-        with anyio.CancelScope(deadline=anyio.current_time() + self._op_timeout) as scope:
+        limit = math.inf if self.connecting else self._op_timeout
+        with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
             await conn.connect()  # type: ignore[no-untyped-call]
             return
         late = anyio.current_time() - scope.deadline > LATE_TIMER or _received(conn)
@@ -278,6 +282,8 @@ class Lane:
         if self._closed:  # closed while this call waited for its turn
             raise redis.exceptions.ConnectionError("the lock backend is closed")
         limit = self._op_timeout if timeout is None else timeout
+        if self.connecting:
+            limit = math.inf
         packed = pack(args)
         if wait is not None:
             packed += pack(("WAIT", wait.replicas, wait.timeout_ms))

@@ -10,7 +10,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+import anyio
+
 from .._kit import (
+    BackendTimeout,
     BackendUnavailable,
     InvalidArgument,
     LockInfo,
@@ -26,6 +29,8 @@ logger = logging.getLogger("asynclock")
 EXAMPLE: Final = "redlock://127.0.0.1:6379,127.0.0.1:6380,127.0.0.1:6381/0"
 #: Fewer masters than this are refused (see :func:`check_master_count`).
 MIN_MASTERS: Final = 3
+#: The pause before masters too slow to answer while the client connects are asked again.
+_ASK_AGAIN: Final = 0.05
 
 
 def round_decided(results: list[Any], *, count: int, quorum: int) -> bool:
@@ -200,10 +205,22 @@ def majority_view(name: str, results: list[Any], quorum: int, where: str) -> Loc
 async def check_majority(
     masters: Sequence[Master], timeout: float, quorum: int, where: str, grace: float
 ) -> None:
-    """PING every master; raise unless a majority answers (warn about the others)."""
-    futures = [master.submit(("PING",)) for master in masters]
+    """PING every master; raise unless a majority answers (warn about the others).
+
+    Masters that only answered too late are asked again, for as long as the caller's scope
+    (the client's ``connect_timeout``) lets them: many clients starting at once, or a loaded
+    host, make a healthy server slow. Masters that refuse or fail end it at once.
+    """
     decided = functools.partial(majority_answered, quorum=quorum)
-    results = await gather(futures, timeout, decided, grace=grace)
+    while True:
+        futures = [master.submit(("PING",)) for master in masters]
+        results = await gather(futures, timeout, decided, grace=grace)
+        failed = [result for result in results if isinstance(result, Failed)]
+        if len(masters) - len(failed) >= quorum or not all(
+            isinstance(result.error, BackendTimeout) for result in failed
+        ):
+            break
+        await anyio.sleep(_ASK_AGAIN)
     down = [
         f"{master.address} ({reason(result)})"
         for master, result in zip(masters, results, strict=True)

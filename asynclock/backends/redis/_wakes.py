@@ -375,11 +375,12 @@ class WakeChannel:
 
     # -- the connection ----------------------------------------------------------------------
 
-    async def connect(self) -> AbstractConnection:
-        """Connect, learn the run id and subscribe; returns the connection, ready to read."""
+    async def connect(self, timeout: float | None = None) -> AbstractConnection:
+        """Connect, learn the run id and subscribe, within ``timeout`` (``op_timeout`` by
+        default); returns the connection, ready to read."""
         conn: AbstractConnection = self._pool.make_connection()  # type: ignore[no-untyped-call]
         try:
-            with anyio.fail_after(self._op_timeout):
+            with anyio.fail_after(self._op_timeout if timeout is None else timeout):
                 await conn.connect()  # type: ignore[no-untyped-call]
                 write_now(conn, pack(("INFO", "server")))
                 try:

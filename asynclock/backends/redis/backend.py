@@ -209,6 +209,10 @@ class RedisBackend(holds.HoldingBackend):
                 f"cannot reach {self.describe()} (is redis-server running there, and are the "
                 "host, port, user and password right?)",
             ):
+                # A server slow to answer now (many clients starting at once, a loaded
+                # host) is waited for until connect_timeout, the caller's bound; a refused
+                # connection still fails at once.
+                lane.connecting = True
                 await lane.call("PING")
                 run_id, self._server_info = await check_server(
                     lane, self.describe(), durability_warning=self.durability_warning
@@ -224,7 +228,8 @@ class RedisBackend(holds.HoldingBackend):
                     self._report_lost_after_restart,
                 )
                 wakes.run_id = run_id
-                conn = await wakes.connect()
+                conn = await wakes.connect(timeout=math.inf)
+                lane.connecting = False
         except BaseException:
             # Not under a shield: the host's task group was entered above, at this level.
             await self.aclose()

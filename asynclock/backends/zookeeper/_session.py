@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,9 +131,11 @@ class Session:
         """Drop a connection that has not answered for this long (also bounds a stuck reply)."""
         return min(self.timeout * 2.0 / 3.0, self._settings.op_timeout)
 
-    async def start(self) -> None:
-        """Create the session on one of the servers, or raise ``BackendUnavailable``."""
-        deadline = anyio.current_time() + self._settings.op_timeout
+    async def start(self, *, connecting: bool = False) -> None:
+        """Create the session on one of the servers, or raise ``BackendUnavailable``: within
+        ``op_timeout``, or while the client connects, for as long as the caller's scope
+        (``connect_timeout``) lets it while servers accept connections."""
+        deadline = math.inf if connecting else anyio.current_time() + self._settings.op_timeout
         try:
             conn = await self._connect(deadline, first=True)
         except BaseException:

@@ -105,7 +105,9 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         self._session_lock = anyio.Lock()
         await self._host.open()
         try:
-            session = await self._new_session(_ms(self._settings.session_timeout))
+            # A server slow to answer now (many clients starting at once, a loaded host) is
+            # waited for until connect_timeout; servers that all refuse still fail at once.
+            session = await self._new_session(_ms(self._settings.session_timeout), connecting=True)
             session.default = True
             self._sessions[round(session.timeout * 1000)] = session
             await self._tree.ensure_chroot(session)
@@ -137,10 +139,10 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     def _connected(self) -> LockSession | None:
         return next((s for s in self._sessions.values() if s.state == "connected"), None)
 
-    async def _new_session(self, timeout_ms: int) -> LockSession:
+    async def _new_session(self, timeout_ms: int, *, connecting: bool = False) -> LockSession:
         session = LockSession(self._context, timeout_ms, self._tree.touch)
         with translate(zk_errors, "opening a ZooKeeper session"):
-            await session.start()
+            await session.start(connecting=connecting)
         negotiated = round(session.timeout * 1000)
         if negotiated > timeout_ms:
             self._min_ms = negotiated
