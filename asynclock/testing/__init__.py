@@ -26,6 +26,7 @@ from ._host import ServerNotInstalled as ServerNotInstalled
 from ._host import ServerStartError as ServerStartError
 from ._host import find_binary as find_binary
 from ._host import free_port as free_port
+from ._pgbouncer import PgBouncerServer as PgBouncerServer
 from ._postgres import PostgresServer as PostgresServer
 from ._process import Server as Server
 from ._proxy import FaultProxy as FaultProxy
@@ -46,6 +47,7 @@ __all__ = (
     "EtcdMember",
     "EtcdServer",
     "FaultProxy",
+    "PgBouncerServer",
     "PostgresServer",
     "ProxyMode",
     "RedisClusterNodes",

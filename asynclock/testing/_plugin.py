@@ -27,7 +27,7 @@ _SERVER_BACKENDS: dict[str, frozenset[str]] = {
     "redis-cluster": frozenset({"cluster", "redis+cluster"}),
     "etcd": frozenset({"etcd"}),
     "zookeeper": frozenset({"zookeeper"}),
-    "postgres": frozenset({"postgres", "postgresql"}),
+    "postgres": frozenset({"postgres", "postgresql", "pgbouncer"}),
 }
 #: Backends that need no server; listed so that the default selection includes them even when
 #: asynclock's registry cannot be imported.

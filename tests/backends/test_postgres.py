@@ -28,7 +28,7 @@ from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, lock_key
 from asynclock.backends.postgres._kinds import kind_key, permits_class
 from asynclock.extras.postgres import TransactionLock, transaction_lock
-from asynclock.testing import FaultProxy, PostgresServer, free_port
+from asynclock.testing import FaultProxy, PgBouncerServer, PostgresServer, free_port
 from tests.contract.backend_postgres import Pg, start_holder, terminate_holder
 
 pytestmark = pytest.mark.anyio
@@ -75,6 +75,8 @@ def test_url_options_reach_the_driver_and_our_own_are_applied() -> None:
             "connect_timeout": 2,
             "max_idle": "0",
             "max_waiting": "3",
+            "pooler": "session",
+            "statement_cache_size": "0",
         },
     )
     assert backend._dsn == (
@@ -86,6 +88,7 @@ def test_url_options_reach_the_driver_and_our_own_are_applied() -> None:
     assert backend.sequence == '"locks"."asynclock_token_seq"'
     assert (backend.op_timeout, backend.connect_timeout, backend.max_idle) == (1.5, 2.0, 0)
     assert backend.max_waiting == 3
+    assert backend.pooler == "session" and backend._sessions._settings.statement_cache_size == 0
     assert backend.queue == '"locks"."asynclock_waiters"'
     # The password never shows in messages.
     assert backend.describe() == "postgresql://alice:***@db.example:6543/orders"
@@ -108,6 +111,8 @@ def test_malformed_urls_options_and_ttls_are_refused_by_name() -> None:
         ("", {"op_timeout": 0}, "op_timeout"),
         ("?max_idle=-1", {}, "max_idle"),
         ("?max_waiting=many", {}, "max_waiting"),
+        ("?pooler=transaction", {}, "not safe through transaction or statement pooling"),
+        ("?statement_cache_size=-1", {}, "statement_cache_size"),
         ("", {"application_name": "naïve"}, "application_name"),
         ("", {"schema": ""}, "schema"),
         ("", {"ssl": "yes"}, r"ssl\.SSLContext"),
@@ -396,6 +401,60 @@ async def test_a_silent_client_loses_the_lock_ttl_after_its_last_message(pg: Pg)
         # Pushed by the connection closing, once (nothing renewed it, so nothing else could).
         assert len(lost) == 1 and "closed" in lost[0]
         await backend.release(grant)
+
+
+# -- behind a connection pooler ---------------------------------------------------------------
+
+
+async def test_a_pooler_is_found_and_only_session_pooling_is_accepted(pg: Pg) -> None:
+    """Session locks through transaction or statement pooling exclude nobody, silently (#26): a
+    pooler is refused unless the URL says it pools sessions, and a pool that shares server
+    sessions between client connections is refused whatever the URL says."""
+    async with (
+        asynclock.connect(pg.url) as direct,
+        FaultProxy(pg.server.host, pg.server.port) as proxy,
+    ):
+        assert direct._backend.extra_info()["pooler_found"] is False
+        # A TCP proxy (port forward, NAT, Kubernetes service) is not a pooler.
+        async with asynclock.connect(f"postgresql://postgres@{proxy.address}/postgres") as via:
+            assert via._backend.extra_info()["pooler_found"] is False
+    for mode in ("session", "transaction", "statement"):
+        # Stock PgBouncer (no ignore_startup_parameters): our settings go as SQL.
+        with PgBouncerServer(pg.server, pool_mode=mode, pool_size=5) as pooler:
+            with pytest.raises(asynclock.UnsupportedFeature, match=r"\?pooler=session"):
+                async with asynclock.connect(pooler.url):
+                    pytest.fail("connected through a pooler the URL did not mention")
+            if mode == "session":
+                continue  # the contract suite runs through this one (backend_pgbouncer.py)
+            with pytest.raises(asynclock.UnsupportedFeature, match="transaction or statement"):
+                async with asynclock.connect(f"{pooler.url}?pooler=session"):
+                    pytest.fail(f"connected through {mode} pooling")
+    assert await pg.admin.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGSTOP, signal.SIGKILL])
+async def test_a_stopped_or_killed_holder_behind_session_pooling_frees_the_lock_in_time(
+    pg: Pg, pgbouncer_server: PgBouncerServer, signal_number: int
+) -> None:
+    """Its settings reach the server through the pooler: a stopped holder's lock is free at
+    ttl (the server's idle_session_timeout), a killed one's at once (PgBouncer's DISCARD ALL)."""
+    ttl = 1.0
+    url = f"{pgbouncer_server.url}?pooler=session"
+    holder, _ = await start_holder(url, pg.name, ttl=ttl)
+    try:
+        os.kill(holder.pid, signal_number)
+        stopped = anyio.current_time()
+        async with asynclock.connect(url) as locks:
+            with anyio.fail_after(ttl + 2):
+                while (lease := await locks.try_acquire(pg.name, ttl=ttl)) is None:  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+            freed = anyio.current_time() - stopped
+            await lease.release()
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(holder.pid, signal.SIGKILL)
+        await holder.wait()
+    assert freed < (ttl + 1 if signal_number == signal.SIGSTOP else 0.5)
 
 
 # -- waiting ----------------------------------------------------------------------------------

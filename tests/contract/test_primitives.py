@@ -20,6 +20,7 @@ EXPECTED = {
     "memory": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "sqlite": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "postgres": {"shared_locks", "semaphores", "elections"},
+    "pgbouncer": {"shared_locks", "semaphores", "elections"},
     "redis": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "sentinel": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "cluster": {"shared_locks", "semaphores", "elections", "ttl_change"},

@@ -227,14 +227,13 @@ class Lane:
 
     async def run(self, connect: Callable[[int], Any]) -> None:
         try:
-            self.connection = await connect(self.ttl_ms)
+            self.connection, self.pid = await connect(self.ttl_ms)
         except Exception as exc:
             self.die(exc)
             return
         except BaseException:
             self.die(BackendUnavailable(f"the lock client for {self._lanes.server} is closed"))
             raise
-        self.pid = self.connection.get_server_pid()
         self._lanes.by_connection[self.connection] = self
         if self.dead is not None:  # closed by aclose() meanwhile
             self.connection.terminate()

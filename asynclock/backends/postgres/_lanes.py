@@ -39,7 +39,7 @@ class Lanes:
         sequence: str,
         op_timeout: float,
         *,
-        connect: Callable[[int], Awaitable[Any]],
+        connect: Callable[[int], Awaitable[tuple[Any, int]]],
         close: Callable[[Any], Awaitable[None]],
     ) -> None:
         self.host = host

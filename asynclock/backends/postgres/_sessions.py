@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,8 +21,16 @@ from typing import Any
 import anyio
 import asyncpg
 
-from .._kit import BackendUnavailable, IdlePool, RetryPolicy, TaskHost, finish, translate
-from ._sql import END_SESSION
+from .._kit import (
+    BackendUnavailable,
+    IdlePool,
+    RetryPolicy,
+    TaskHost,
+    UnsupportedFeature,
+    finish,
+    translate,
+)
+from ._sql import END_SESSION, MARK, SETUP
 from ._translate import CONNECTING, Errors
 from ._urls import Settings
 
@@ -100,8 +109,12 @@ class Sessions:
             keep=settings.max_idle,
         )
         self.all: set[Any] = set()
-        #: The server process of each connection (asyncpg forgets it once it aborted one).
+        #: The server process of each connection, as the server reports it: a pooler reports
+        #: another number at connect (asyncpg's ``get_server_pid()``).
         self._pids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        #: Whether a connection pooler stands between us and the server (known once a
+        #: connection was made).
+        self.pooled = False
         self._connecting: set[_Connect] = set()
         self._connects = 0
         self.open = False
@@ -138,12 +151,35 @@ class Sessions:
             except Exception:
                 connection.terminate()
 
+    async def check_pooler(self, pooler: str | None) -> None:
+        """Refuse a connection pooler unless the URL says it runs in session mode; then look for
+        evidence that it does not (which a client can find, but not rule out)."""
+        if not self.pooled:
+            return
+        if pooler is None:
+            raise UnsupportedFeature(
+                f"{self._errors.server} is a connection pooler, not PostgreSQL itself (the server "
+                "process id it gave at connect is not pg_backend_pid()). A session lock is "
+                "only safe when every client connection keeps a server session of its own: "
+                "with PgBouncer's pool_mode = session, add ?pooler=session to the URL (the "
+                "pool then needs a server connection for each of the client's connections: "
+                "one per ttl in use, one per waiter up to max_waiting, up to max_idle idle "
+                "ones). Transaction and statement pooling are not supported yet: connect to "
+                "PostgreSQL directly for those clients"
+            )
+        # In transaction or statement pooling a second connection, made while the first is
+        # idle, reaches the first one's server session, and finds its mark (Sessions).
+        second, _ = await self.take()
+        self.give_back(second)
+
     # -- connecting --------------------------------------------------------------------------
 
-    async def connect_lane(self, ttl_ms: int) -> Any:
+    async def connect_lane(self, ttl_ms: int) -> tuple[Any, int]:
         """A new holding connection whose server session ends ``ttl_ms`` after its last
-        message (``idle_session_timeout``): a lane (``_lanes.py``)."""
-        return await self._connect({**self.server_settings, "idle_session_timeout": str(ttl_ms)})
+        message (``idle_session_timeout``): a lane (``_lanes.py``); and its server process."""
+        settings = {**self.server_settings, "idle_session_timeout": str(ttl_ms)}
+        connection = await self._connect(settings)
+        return connection, self._pids[connection]
 
     async def _connect(self, settings: dict[str, str] | None = None) -> Any:
         """A new dedicated connection, bounded by ``connect_timeout``.
@@ -189,14 +225,20 @@ class Sessions:
             with translate(self._errors, CONNECTING):
                 # asyncpg's own timeout bounds each attempt; ours bounds the whole call.
                 with anyio.fail_after(self._settings.connect_timeout + 1.0):
-                    pending.connection = await asyncpg.connect(
+                    connection = pending.connection = await asyncpg.connect(
                         self._settings.dsn,
                         ssl=self._settings.ssl_context,
                         timeout=self._settings.connect_timeout,
-                        statement_cache_size=16,
-                        server_settings=settings,
+                        statement_cache_size=self._settings.statement_cache_size,
+                        # The only startup parameter every pooler passes on; the others go
+                        # as SQL (SETUP).
+                        server_settings={"application_name": settings["application_name"]},
                     )
+                    await self._set_up(connection, settings)
         except Exception as exc:
+            if pending.connection is not None:
+                pending.connection.terminate()
+                pending.connection = None
             pending.error = exc
         finally:
             self._connecting.discard(pending)
@@ -204,9 +246,28 @@ class Sessions:
             if pending.abandoned:
                 self._adopt_abandoned(pending)
 
+    async def _set_up(self, connection: Any, settings: dict[str, str]) -> None:
+        """Apply ``settings`` to a new connection's session, learn its server process, and
+        refuse a server session that another connection of ours set up before (``SETUP``)."""
+        names = [name for name in settings if name != "application_name"]
+        values = [settings[name] for name in names]
+        pid, mark, _ = await connection.fetchrow(
+            SETUP, [*names, MARK], [*values, secrets.token_hex(8)]
+        )
+        self._pids[connection] = pid
+        self.pooled = self.pooled or connection.get_server_pid() != pid
+        if mark:
+            raise UnsupportedFeature(
+                f"{self._errors.server}: a new connection reached a server session (process "
+                f"{pid}) that another client connection had set up, not reset by the pooler: "
+                "a connection pooler in transaction or statement pooling mode, where a "
+                "session lock is held for whoever gets that session next. Use pool_mode = "
+                "session (with its default server_reset_query, DISCARD ALL), or connect to "
+                "PostgreSQL directly"
+            )
+
     def _adopt(self, connection: Any) -> None:
         self.all.add(connection)
-        self._pids[connection] = connection.get_server_pid()
         connection.add_termination_listener(self._closed_by_driver)
 
     def _adopt_abandoned(self, pending: _Connect) -> None:

@@ -17,6 +17,23 @@ MAX_TIMEOUT_MS = 2**31 - 1
 # A lane's release: only its key (the others on the connection stay held).
 UNLOCK = "SELECT pg_advisory_unlock($1)"
 RENEW = "SELECT pg_backend_pid()"
+#: Run once on every new connection: its session settings (``$1`` names, ``$2`` values, sent
+#: as SQL, not as startup parameters, which connection poolers refuse or drop), and the server
+#: process it reached, and the mark a connection of ours left on that server session before
+#: (read before this one's own mark is set, in ``$1``/``$2`` too): a mark there means the
+#: session's state came from another client connection, which only a pooler that does not
+#: reset sessions (transaction or statement pooling) does.
+SETUP = """
+WITH session AS MATERIALIZED (
+    SELECT pg_backend_pid() AS pid, current_setting('asynclock.connection', true) AS mark
+)
+SELECT pid, mark, (
+    SELECT count(set_config(name, value, false))
+    FROM unnest($1::text[], $2::text[]) AS setting(name, value)
+) FROM session
+"""
+#: The custom setting that marks a server session as one of our connections' (``SETUP``).
+MARK = "asynclock.connection"
 # The connection is dedicated, so "all" is exactly our lock (with any re-entrant count).
 RELEASE = "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
 CREATE = "CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint NO CYCLE CACHE 1"

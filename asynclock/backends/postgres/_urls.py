@@ -46,7 +46,11 @@ OWN_OPTIONS = (
     "max_idle",
     "max_waiting",
     "ssl",
+    "pooler",
+    "statement_cache_size",
 )
+#: ``?pooler=``: the pool modes a connection pooler may run in front of the server.
+POOLER_MODES = ("session",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,12 @@ class Settings:
     #: Waiters a client keeps in the server's queue, each on a connection; the others wait in
     #: the queue table without one.
     max_waiting: int = 8
+    #: The pool mode of the connection pooler in front of the server, as the user states it
+    #: (None: no pooler is expected, and one that is found is refused).
+    pooler: str | None = None
+    #: asyncpg's prepared statements per connection (0: none, for poolers that do not keep
+    #: them, such as PgBouncer before 1.21 in transaction pooling).
+    statement_cache_size: int = 16
 
 
 def read_url(url: str, options: Mapping[str, object]) -> Settings:
@@ -127,6 +137,14 @@ def _own_options(opts: Options) -> Settings:
             "option 'ssl' of postgresql:// must be an ssl.SSLContext (or put sslmode=... "
             f"and sslrootcert=... in the URL), got {type(ssl_context).__name__}"
         )
+    pooler = opts.optional_text("pooler")
+    if pooler is not None and pooler not in POOLER_MODES:
+        raise InvalidArgument(
+            f"option 'pooler' of postgresql:// must be 'session' (a pooler that gives each "
+            f"client connection a server session of its own, such as PgBouncer's pool_mode = "
+            f"session), got {pooler!r}: session locks are not safe through transaction or "
+            "statement pooling, which asynclock does not support yet"
+        )
     return Settings(
         dsn="",
         schema=schema,
@@ -136,4 +154,6 @@ def _own_options(opts: Options) -> Settings:
         max_idle=opts.whole("max_idle", 4, minimum=0),
         ssl_context=ssl_context,
         max_waiting=opts.whole("max_waiting", 8, minimum=0),
+        pooler=pooler,
+        statement_cache_size=opts.whole("statement_cache_size", 16, minimum=0),
     )

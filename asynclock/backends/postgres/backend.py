@@ -107,6 +107,8 @@ class PostgresBackend(Backend[PostgresGrant]):
         max_idle: int = 4,
         ssl_context: ssl.SSLContext | None = None,
         max_waiting: int = 8,
+        pooler: str | None = None,
+        statement_cache_size: int = 16,
     ) -> None:
         self._dsn = dsn
         self.schema = schema
@@ -115,6 +117,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
         self.max_waiting = max_waiting
+        self.pooler = pooler
         self._ssl = ssl_context
         self.sequence = sequence_name(schema)
         self._described = redact(dsn.split("?", 1)[0])
@@ -138,41 +141,17 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._host = TaskHost()
         self._renewals = Renewals(self._host, self._described, op_timeout)
         settings = Settings(
-            dsn, schema, application_name, op_timeout, connect_timeout, max_idle, ssl_context
-        )
-        self._sessions = Sessions(
-            settings,
-            self._server_settings,
-            self._translator,
-            self._host,
-            on_closed=self._connection_closed,
-            busy=self._renewing,
-        )
-        self._lanes = Lanes(
-            self._host,
-            self._translator,
-            self.sequence,
+            dsn,
+            schema,
+            application_name,
             op_timeout,
-            connect=self._sessions.connect_lane,
-            close=self._sessions.close,
+            connect_timeout,
+            max_idle,
+            ssl_context,
+            pooler=pooler,
+            statement_cache_size=statement_cache_size,
         )
-        self._waits = Waits(
-            self._sessions,
-            self._translator,
-            self.sequence,
-            op_timeout,
-            self._held,
-            on_closed=self._connection_closed,
-        )
-        self._queue = Queue(
-            host=self._host,
-            sessions=self._sessions,
-            lanes=self._lanes,
-            errors=self._translator,
-            sequence=self.sequence,
-            queue=self.queue,
-            channel=self._channel,
-        )
+        self._sessions, self._lanes, self._waits, self._queue = _connection_parts(self, settings)
         self._semaphores, self._inspector = _kind_parts(self, schema)
         self._state = "new"
 
@@ -190,6 +169,8 @@ class PostgresBackend(Backend[PostgresGrant]):
             max_idle=settings.max_idle,
             ssl_context=settings.ssl_context,
             max_waiting=settings.max_waiting,
+            pooler=settings.pooler,
+            statement_cache_size=settings.statement_cache_size,
         )
 
     def describe(self) -> str:
@@ -204,6 +185,8 @@ class PostgresBackend(Backend[PostgresGrant]):
             "op_timeout": self.op_timeout,
             "max_idle": self.max_idle,
             "max_waiting": self.max_waiting,
+            "pooler": self.pooler,
+            "pooler_found": self._sessions.pooled,
             "waiting_in_queue_table": self._queue.waiting,
             "connections": len(self._sessions.all),
             "holding_connections": len(self._lanes.by_ttl),
@@ -228,6 +211,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         try:
             connection, _ = await self._sessions.take()
             try:
+                await self._sessions.check_pooler(self.pooler)
                 with self._errors(CHECKING), anyio.fail_after(self.op_timeout):
                     self._server_version = check_version(connection, self._described)
                     await ensure_sequence(
@@ -417,6 +401,47 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     def _errors(self, what: str) -> AbstractContextManager[None]:
         return translate(self._translator, what)
+
+
+def _connection_parts(
+    backend: PostgresBackend, settings: Settings
+) -> tuple[Sessions, Lanes, Waits, Queue]:
+    """The connections: the idle pool and connecting, the holding lanes, the waits in the
+    server's queue, and the queue table."""
+    sessions = Sessions(
+        settings,
+        backend._server_settings,
+        backend._translator,
+        backend._host,
+        on_closed=backend._connection_closed,
+        busy=backend._renewing,
+    )
+    lanes = Lanes(
+        backend._host,
+        backend._translator,
+        backend.sequence,
+        backend.op_timeout,
+        connect=sessions.connect_lane,
+        close=sessions.close,
+    )
+    waits = Waits(
+        sessions,
+        backend._translator,
+        backend.sequence,
+        backend.op_timeout,
+        backend._held,
+        on_closed=backend._connection_closed,
+    )
+    queue = Queue(
+        host=backend._host,
+        sessions=sessions,
+        lanes=lanes,
+        errors=backend._translator,
+        sequence=backend.sequence,
+        queue=backend.queue,
+        channel=backend._channel,
+    )
+    return sessions, lanes, waits, queue
 
 
 def _kind_parts(backend: PostgresBackend, schema: str) -> tuple[Semaphores, Inspector]:

@@ -1,0 +1,114 @@
+"""A throwaway PgBouncer in front of a :class:`PostgresServer`."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+from collections.abc import Mapping
+from typing import Final, Literal
+
+from ._host import ServerStartError, find_binary
+from ._postgres import _PG_BIN_DIRS, PostgresServer
+from ._process import SingleServer
+
+_OS_USER: Final = "postgres"
+
+
+class PgBouncerServer(SingleServer):
+    """PgBouncer on 127.0.0.1 in front of ``backend``, as Debian ships it (no
+    ``ignore_startup_parameters``), in one ``pool_mode`` with ``pool_size`` server connections
+    per database and user. ``settings`` adds lines to its ``[pgbouncer]`` section.
+
+    When run as root it runs as the ``postgres`` OS user (PgBouncer refuses root). One process:
+    :meth:`pause` and :meth:`kill` act on the whole pooler.
+    """
+
+    kind = "pgbouncer"
+    # SIGINT: shut down once the clients are gone; the base class SIGKILLs after stop_timeout.
+    stop_signal = signal.SIGINT
+
+    def __init__(
+        self,
+        backend: PostgresServer,
+        *,
+        pool_mode: Literal["session", "transaction", "statement"] = "session",
+        pool_size: int = 20,
+        settings: Mapping[str, str] | None = None,
+        start_timeout: float = 30.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        # Debian installs it in /usr/sbin, which is not on every user's PATH.
+        self._pgbouncer = find_binary("pgbouncer", "pgbouncer", extra_dirs=("/usr/sbin",))
+        self._pg_isready = find_binary("pg_isready", "postgresql", extra_dirs=_PG_BIN_DIRS)
+        self.backend = backend
+        self.pool_mode = pool_mode
+        self.pool_size = pool_size
+        self.settings = dict(settings or {})
+        self._os_user: str | None = None
+        if os.geteuid() == 0:
+            try:
+                pwd.getpwnam(_OS_USER)
+            except KeyError:
+                raise ServerStartError(
+                    "PgBouncer refuses to run as root and there is no 'postgres' OS user "
+                    "(the postgresql package creates it)"
+                ) from None
+            self._os_user = _OS_USER
+        super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@{self.address}/postgres"
+
+    def _user(self) -> str | None:
+        return self._os_user
+
+    def _prepare(self) -> None:
+        if self._os_user is not None:
+            shutil.chown(self.data_dir, self._os_user, self._os_user)
+        (self.data_dir / "users.txt").write_text('"postgres" ""\n')
+        lines = [
+            "[databases]",
+            f"* = host={self.backend.host} port={self.backend.port} user=postgres",
+            "[pgbouncer]",
+            f"listen_addr = {self.host}",
+            f"listen_port = {self.port}",
+            # TCP only: no socket file to go stale after kill().
+            "unix_socket_dir =",
+            "auth_type = trust",
+            f"auth_file = {self.data_dir / 'users.txt'}",
+            f"pool_mode = {self.pool_mode}",
+            f"default_pool_size = {self.pool_size}",
+            "max_client_conn = 1000",
+            *(f"{key} = {value}" for key, value in self.settings.items()),
+        ]
+        (self.data_dir / "pgbouncer.ini").write_text("\n".join(lines) + "\n")
+
+    def _launch(self) -> None:
+        super()._launch()
+        if self._os_user is not None:
+            shutil.chown(self._output_path, self._os_user, self._os_user)
+
+    def _command(self) -> list[str]:
+        return [self._pgbouncer, str(self.data_dir / "pgbouncer.ini")]
+
+    def _probe(self, timeout: float) -> bool:
+        command = [
+            self._pg_isready,
+            "-h", self.host,
+            "-p", str(self.port),
+            "-U", "postgres",
+            "-d", "postgres",
+            "-t", str(max(1, round(timeout))),
+        ]  # fmt: skip
+        result = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout + 5,
+            check=False,
+        )
+        return result.returncode == 0
