@@ -19,6 +19,7 @@ from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning, RedisGrant
 from asynclock.testing import FaultProxy, RedisServer
 from tests.contract.backend_redis import (
+    RedisServerWith,
     acl_user,
     connect,
     kill_connections,
@@ -123,7 +124,7 @@ async def test_a_waiter_whose_server_dies_gets_backend_unavailable(
         assert holder.released
 
 
-async def test_acl_users_a_wrong_password_and_users_that_may_not_run_config_or_client(
+async def test_acl_users_a_wrong_password_and_users_without_config_client_or_the_wake_channel(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str
 ) -> None:
     # A user that may not run CONFIG, as on many managed services.
@@ -145,6 +146,11 @@ async def test_acl_users_a_wrong_password_and_users_that_may_not_run_config_or_c
         async with connect(url, prefix, client_name="") as locks:
             async with locks.lock("plain", ttl=5) as lease:
                 assert lease.token >= 1
+    # One without the wake channel's Pub/Sub pattern cannot wait: refused at connect, by name.
+    async with acl_user(raw_redis, redis_server, channels=[], reset_channels=True) as url:
+        with pytest.raises(asynclock.BackendUnavailable, match=rf"'&{prefix}wake:\*'"):
+            async with connect(url, prefix):
+                pytest.fail("connected without the permission to wait")
 
 
 async def test_durability_warning_without_an_append_only_file_on_eviction_and_none_if_durable(
@@ -177,19 +183,25 @@ async def test_durability_warning_without_an_append_only_file_on_eviction_and_no
         await admin.config_set("appendonly", "no")  # else stopping the server waits for AOF
 
 
-@pytest.mark.parametrize("tls_ports", [1], indirect=True)
-async def test_rediss_locks_over_tls_and_refuses_an_unknown_certificate(
-    tls_ports: tuple[list[int], Path], prefix: str
+@pytest.mark.parametrize(
+    ("tls_ports", "scheme", "options"),
+    [(1, "rediss", {"durability_warning": False}), (3, "redlock", {"tls": True})],
+    indirect=["tls_ports"],
+)
+async def test_tls_with_our_ca_or_unverified_and_an_unknown_certificate_is_refused(
+    tls_ports: tuple[list[int], Path], scheme: str, options: dict[str, Any], prefix: str, name: str
 ) -> None:
-    (port,), ca = tls_ports
-    url = f"rediss://127.0.0.1:{port}/0"
-    async with connect(url, prefix, ssl_ca_certs=str(ca)) as locks:
-        assert locks._backend.describe() == url
-        async with locks.lock("tls", ttl=5) as lease:
-            assert lease.token >= 1
+    ports, ca = tls_ports
+    url = f"{scheme}://" + ",".join(f"127.0.0.1:{port}" for port in ports) + "/0"
+    # ssl_cert_reqs=none: encrypted, not verified.
+    for trust in ({"ssl_ca_certs": str(ca)}, {"ssl_cert_reqs": "none"}):
+        async with asynclock.connect(url, prefix=prefix, **options, **trust) as locks:
+            assert locks._backend.describe() == url
+            async with locks.lock(name, ttl=2) as lease:
+                assert lease.held
     # Without our CA the server's certificate cannot be verified.
     with pytest.raises(asynclock.BackendUnavailable, match="certificate"):
-        async with connect(url, prefix):
+        async with asynclock.connect(url, prefix=prefix, **options):
             pytest.fail("trusted a certificate from an unknown CA")
 
 
@@ -375,19 +387,11 @@ async def test_a_restart_without_persistence_ends_every_hold_at_once_and_tokens_
             await lease.release()  # already gone: quietly nothing
 
 
-class _DurableRedisServer(RedisServer):
-    """A test server with an append-only file fsynced on every write."""
-
-    def _command(self) -> list[str]:
-        command = super()._command()
-        command[command.index("--appendonly") + 1] = "yes"
-        return [*command, "--appendfsync", "always"]
-
-
 async def test_a_restart_with_persistence_keeps_the_leases_whose_keys_survived(
     prefix: str, name: str
 ) -> None:
-    with _DurableRedisServer() as server:
+    # An append-only file fsynced on every write.
+    with RedisServerWith("--appendonly", "yes", "--appendfsync", "always") as server:
         async with connect(server, prefix) as locks:
             lease = await locks.acquire(name, ttl=30)
             backend = locks._backend
@@ -594,40 +598,6 @@ async def test_cancelling_a_take_in_flight_leaves_nothing(
         proxy.pass_through()
         await anyio.sleep(0.1)
         assert await raw_redis.exists(lua.lock_key(prefix, name)) == 0
-
-
-async def test_a_deadlock_between_two_clients_is_found_and_broken_once(
-    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
-) -> None:
-    outcomes: list[str] = []
-    both = anyio.Event()
-    held = 0
-
-    async def member(locks: asynclock.LockClient, mine: str, theirs: str) -> None:
-        nonlocal held
-        async with locks.lock(mine, ttl=30):
-            held += 1
-            if held == 2:
-                both.set()
-            await both.wait()
-            try:
-                async with locks.lock(theirs, ttl=30, timeout=10):
-                    outcomes.append("done")
-            except asynclock.DeadlockDetected:
-                outcomes.append("deadlock")
-
-    options: dict[str, Any] = {"deadlock_detection": True, "deadlock_interval": 0.1}
-    async with (
-        connect(redis_server, prefix, **options) as a,
-        connect(redis_server, prefix, **options) as b,
-    ):
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(member, a, f"{name}/1", f"{name}/2")
-                tg.start_soon(member, b, f"{name}/2", f"{name}/1")
-    assert sorted(outcomes) == ["deadlock", "done"]
-    # The wait-for records were withdrawn.
-    assert [key async for key in raw_redis.scan_iter(match=f"{prefix}deadlock:*")] == []
 
 
 @pytest.mark.parametrize(("waiter_ttl", "ttl"), [(1.0, 30.0), (5.0, 1.0)])

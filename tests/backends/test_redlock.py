@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -510,23 +509,6 @@ async def test_password_user_and_database_reach_every_master(prefix: str, name: 
         with pytest.raises(asynclock.BackendUnavailable, match="refused AUTH"):
             async with asynclock.connect(f"redlock://locker:wrong@{hosts}/0", prefix=prefix):
                 pytest.fail("connected with a wrong password")
-
-
-async def test_tls_to_every_master_and_an_unknown_certificate_is_refused(
-    tls_ports: tuple[list[int], Path], prefix: str, name: str
-) -> None:
-    ports, ca = tls_ports
-    url = url_of([f"127.0.0.1:{port}" for port in ports])
-    async with asynclock.connect(url, prefix=prefix, tls=True, ssl_ca_certs=str(ca)) as locks:
-        async with locks.lock(name, ttl=2):
-            pass
-    with pytest.raises(asynclock.BackendUnavailable, match="certificate"):
-        async with asynclock.connect(url, prefix=prefix, tls=True):
-            pytest.fail("trusted a certificate from an unknown CA")
-    # ssl_cert_reqs=none: encrypted, not verified.
-    async with asynclock.connect(url, prefix=prefix, tls=True, ssl_cert_reqs="none") as locks:
-        async with locks.lock(name, ttl=2):
-            pass
 
 
 async def test_a_hung_masters_connection_is_closed_after_op_timeout_and_replaced(
