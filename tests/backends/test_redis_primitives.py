@@ -14,18 +14,19 @@ import redis.asyncio
 
 import asynclock
 from asynclock.abc import LockRequest, Renewed
-from asynclock.backends.redis import RedisBackend, RedisGrant
+from asynclock.backends.redis import RedisGrant
 from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import RedisServer
-from tests.contract.backend_redis import connect, kill_connections, redis_leftovers, wait_for_queue
+from tests.contract.backend_redis import (
+    backend_of,
+    connect,
+    kill_connections,
+    redis_leftovers,
+    wait_for_queue,
+)
+from tests.contract.harness import hold_until_cancelled
 
 pytestmark = pytest.mark.anyio
-
-
-def backend_of(locks: asynclock.LockClient) -> RedisBackend:
-    backend = locks._backend
-    assert isinstance(backend, RedisBackend)
-    return backend
 
 
 def request(name: str, ttl: float, **fields: Any) -> LockRequest:
@@ -201,7 +202,9 @@ async def test_a_try_with_other_permits_raises_while_a_task_of_the_same_client_w
     async with connect(redis_server, prefix) as locks:
         held = await locks.semaphore(name, permits=1).acquire(ttl=5)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_hold_until_cancelled, locks.semaphore(name, permits=1))
+            tg.start_soon(
+                hold_until_cancelled, locks.semaphore(name, permits=1).lock(ttl=5, timeout=10)
+            )
             with anyio.fail_after(5):
                 while not backend_of(locks)._wakes.waits_for(f"semaphore {name}"):  # type: ignore[union-attr]  # noqa: ASYNC110
                     await anyio.sleep(0.005)
@@ -210,8 +213,3 @@ async def test_a_try_with_other_permits_raises_while_a_task_of_the_same_client_w
                 await locks.semaphore(name, permits=2).try_acquire(ttl=5)
             tg.cancel_scope.cancel()
         await held.release()
-
-
-async def _hold_until_cancelled(semaphore: asynclock.Semaphore) -> None:
-    async with semaphore.lock(ttl=5, timeout=10):
-        await anyio.sleep_forever()
