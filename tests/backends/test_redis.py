@@ -195,7 +195,7 @@ async def test_tls_with_our_ca_or_unverified_and_an_unknown_certificate_is_refus
     url = f"{scheme}://" + ",".join(f"127.0.0.1:{port}" for port in ports) + "/0"
     # ssl_cert_reqs=none: encrypted, not verified.
     for trust in ({"ssl_ca_certs": str(ca)}, {"ssl_cert_reqs": "none"}):
-        async with asynclock.connect(url, prefix=prefix, **options, **trust) as locks:
+        async with asynclock.connect(url, prefix=prefix, **options | trust) as locks:
             assert locks._backend.describe() == url
             async with locks.lock(name, ttl=2) as lease:
                 assert lease.held

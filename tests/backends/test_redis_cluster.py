@@ -6,7 +6,6 @@ batched per master, WAIT.
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from typing import Any, cast
 
@@ -20,14 +19,14 @@ from asynclock.backends.redis._cluster import ClusterLane
 from asynclock.backends.redis.backend import RedisGrant
 from asynclock.backends.redis.cluster import RedisClusterBackend
 from asynclock.testing._redis_topologies import RedisClusterNodes
+from tests.contract.backend_redis import connect as redis_client
+from tests.contract.backend_redis import replicated
 
 pytestmark = pytest.mark.anyio
 
 
 def connect(cluster: RedisClusterNodes, prefix: str, **options: Any) -> asynclock.LockClient:
-    options.setdefault("durability_warning", False)
-    options.setdefault("op_timeout", 1.0)
-    return asynclock.connect(cluster.url, prefix=prefix, **options)
+    return redis_client(cluster, prefix, **{"op_timeout": 1.0, **options})
 
 
 def routing(locks: asynclock.LockClient) -> ClusterLane:
@@ -92,8 +91,7 @@ async def test_renewals_are_one_call_per_master(
         leases = [await locks.acquire(name, ttl=5.0) for name in names]
         grants = [cast(RedisGrant, lease.grant) for lease in leases]
         backend = locks._backend
-        assert isinstance(backend, RedisClusterBackend)
-        lane = backend.cluster
+        lane = routing(locks)
         calls: Counter[str] = Counter()
         for address in lane.masters:
             node_lane = lane._lane(address)
@@ -170,14 +168,8 @@ async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
             key = lua.lock_key(prefix, name)
             slot = key_slot(key.encode())
             old = cluster.node_for_slot(slot)
-            # The replica has the key before the crash (KEYS: a replica redirects GET).
             (replica,) = cluster.replicas_of(old)
-            for _ in range(500):
-                if replica.call("KEYS", key):
-                    break
-                await anyio.sleep(0.01)
-            else:
-                raise AssertionError(f"{key} did not reach {replica!r}")
+            await replicated(replica, key)  # before the crash
             old.kill()
             new = await anyio.to_thread.run_sync(cluster.wait_for_failover, slot, old)
             assert new is not old
@@ -215,12 +207,11 @@ async def test_deadlock_records_share_one_slot(
 
 
 async def test_an_election_change_is_pushed_across_nodes(
-    redis_cluster_nodes: RedisClusterNodes, name: str
+    redis_cluster_nodes: RedisClusterNodes, prefix: str, name: str
 ) -> None:
     """(Every key of a name and kind is in one slot: test_redis_waiting.py; shared holds and
     semaphores on a cluster: the contract.) The scripts' PUBLISH of an election's change reaches
     a watcher subscribed on whichever node its wake channel is."""
-    prefix = f"kinds-{uuid.uuid4().hex[:6]}:"
     async with (
         connect(redis_cluster_nodes, prefix) as locks,
         connect(redis_cluster_nodes, prefix) as watcher,

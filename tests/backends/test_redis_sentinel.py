@@ -13,15 +13,15 @@ from typing import Any
 
 import anyio
 import pytest
-import redis.asyncio
 
 import asynclock
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends._kit import HostPort
 from asynclock.backends.redis.sentinel import RedisSentinelBackend
 from asynclock.testing import free_port
-from asynclock.testing._redis_topologies import SERVICE, RedisNode, RedisSentinelGroup
-from tests.contract.backend_redis import kill_connections
+from asynclock.testing._redis_topologies import SERVICE, RedisSentinelGroup
+from tests.contract.backend_redis import connect as redis_client
+from tests.contract.backend_redis import kill_connections, replicated
 
 pytestmark = pytest.mark.anyio
 
@@ -32,25 +32,8 @@ def group() -> Iterator[RedisSentinelGroup]:
         yield own
 
 
-def connect(group: RedisSentinelGroup, prefix: str, **options: Any) -> asynclock.LockClient:
-    options.setdefault("durability_warning", False)
-    options.setdefault("op_timeout", 0.5)
-    return asynclock.connect(group.url, prefix=prefix, **options)
-
-
-async def restore(group: RedisSentinelGroup, node: RedisNode) -> None:
-    await anyio.to_thread.run_sync(group.restore, node)
-
-
-async def on_replica(group: RedisSentinelGroup, key: str) -> None:
-    """Wait until the replica has ``key`` (replication is asynchronous)."""
-    replica = group.replicas()[0]
-    async with redis.asyncio.Redis(host=replica.host, port=replica.port) as raw:
-        for _ in range(500):
-            if await raw.exists(key):
-                return
-            await anyio.sleep(0.01)
-    raise AssertionError(f"{key} did not reach the replica within 5 s")
+def connect(group: RedisSentinelGroup | str, prefix: str, **options: Any) -> asynclock.LockClient:
+    return redis_client(group, prefix, **{"op_timeout": 0.5, **options})
 
 
 # -- URL forms ---------------------------------------------------------------------------------
@@ -99,23 +82,15 @@ def test_bad_urls_and_options_are_refused_by_name(
         asynclock.connect(url, **options)
 
 
-async def test_a_service_no_sentinel_monitors_is_refused_by_name(
-    group: RedisSentinelGroup, prefix: str
-) -> None:
-    url = group.url.replace(f"/{SERVICE}/", "/no-such-master/")
-    with pytest.raises(asynclock.BackendUnavailable, match="monitors no master named"):
-        async with asynclock.connect(url, durability_warning=False, op_timeout=0.5):
-            pass
-
-
-async def test_a_dead_sentinel_is_passed_over(
+async def test_a_dead_sentinel_is_passed_over_and_a_service_none_monitors_is_refused(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
+    unknown = group.url.replace(f"/{SERVICE}/", "/no-such-master/")
+    with pytest.raises(asynclock.BackendUnavailable, match="monitors no master named"):
+        async with connect(unknown, prefix):
+            pass
     dead = f"127.0.0.1:{free_port()}"
-    url = group.url.replace("redis+sentinel://", f"redis+sentinel://{dead},")
-    async with asynclock.connect(
-        url, prefix=prefix, durability_warning=False, op_timeout=0.5
-    ) as locks:
+    async with connect(group.url.replace("//", f"//{dead},", 1), prefix) as locks:
         async with locks.lock(name, ttl=2) as lease:
             assert lease.token > 0
         backend = locks._backend
@@ -160,9 +135,9 @@ async def test_replicated_holds_of_every_kind_survive_the_masters_death(
         campaign = locks.election(name).campaign(b"old-master-era", ttl=5.0)
         leases.append(await campaign.__aenter__())
         try:
-            await on_replica(group, lua.lock_key(prefix, name))
+            await replicated(group.replicas()[0], lua.lock_key(prefix, name))
             for each, kind in ((f"{name}/r", "lock"), (name, "semaphore"), (name, "election")):
-                await on_replica(group, lua.holds_key(prefix, each, kind))
+                await replicated(group.replicas()[0], lua.holds_key(prefix, each, kind))
             old = group.kill_master()
             try:
                 new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
@@ -175,7 +150,7 @@ async def test_replicated_holds_of_every_kind_survive_the_masters_death(
                 await anyio.sleep(2.0)  # renewed on the new master meanwhile
                 assert all(lease.held for lease in leases), [each.lost_reason for each in leases]
             finally:
-                await restore(group, old)
+                await anyio.to_thread.run_sync(group.restore, old)
         finally:
             await campaign.__aexit__(None, None, None)
         for lease in leases[:3]:
@@ -198,7 +173,7 @@ async def test_an_unreplicated_lock_is_granted_again_with_a_higher_token_and_rep
     async with connect(group, prefix) as locks, connect(group, prefix) as other:
         lease = await locks.acquire(name, ttl=3.0)
         key = lua.lock_key(prefix, name)
-        await on_replica(group, key)
+        await replicated(group.replicas()[0], key)
         # Stand-in for "not replicated yet": the replica forgets the key just before the crash.
         group.forget_on_replicas(key)
         old = group.kill_master()
@@ -213,7 +188,7 @@ async def test_an_unreplicated_lock_is_granted_again_with_a_higher_token_and_rep
             assert lease.lost and reason == lease.lost_reason
             await second.release()
         finally:
-            await restore(group, old)
+            await anyio.to_thread.run_sync(group.restore, old)
 
 
 async def test_a_demoted_master_is_left_for_the_new_one(
@@ -224,7 +199,7 @@ async def test_a_demoted_master_is_left_for_the_new_one(
     every call goes to the new master."""
     async with connect(group, prefix) as locks, connect(group, prefix) as other:
         lease = await locks.acquire(name, ttl=2.0)
-        await on_replica(group, lua.lock_key(prefix, name))
+        await replicated(group.replicas()[0], lua.lock_key(prefix, name))
         old, new = await anyio.to_thread.run_sync(group.fail_over)
         # Held (renewed on the new master) or told lost; never held by two without a word.
         await anyio.sleep(1.0)
@@ -241,7 +216,7 @@ async def test_a_demoted_master_is_left_for_the_new_one(
         backend = locks._backend
         assert isinstance(backend, RedisSentinelBackend)
         assert backend.extra_info()["master"] == new.address
-        await restore(group, old)
+        await anyio.to_thread.run_sync(group.restore, old)
 
 
 async def test_a_frozen_master_is_left_for_the_new_one(
@@ -253,7 +228,7 @@ async def test_a_frozen_master_is_left_for_the_new_one(
         # A ttl that outlasts a failover on a loaded host (5 s did not, in a CI run); what is
         # checked is a renewal on the promoted replica after it, not how soon one comes.
         lease = await locks.acquire(name, ttl=12.0)
-        await on_replica(group, lua.lock_key(prefix, name))
+        await replicated(group.replicas()[0], lua.lock_key(prefix, name))
         old = group.pause_master()
         try:
             new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
@@ -270,7 +245,7 @@ async def test_a_frozen_master_is_left_for_the_new_one(
             assert isinstance(backend, RedisSentinelBackend)
             assert backend.extra_info()["master"] == new.address
         finally:
-            await restore(group, old)
+            await anyio.to_thread.run_sync(group.restore, old)
         await lease.release()
 
 

@@ -21,20 +21,15 @@ from asynclock.backends.redlock import RedlockBackend, RedlockGrant
 from asynclock.testing import FaultProxy, RedisServer, free_port
 from asynclock.testing._redis_topologies import command
 from tests.contract.backend_redis import connections_named, kill_connections
-from tests.contract.backend_redlock import redlock_leftovers
+from tests.contract.backend_redlock import redlock_leftovers, redlock_url
 
 pytestmark = pytest.mark.anyio
-
-
-def url_of(addresses: Sequence[str]) -> str:
-    return "redlock://" + ",".join(addresses) + "/0"
 
 
 def connect(
     masters: Sequence[str | RedisServer], prefix: str, **options: Any
 ) -> asynclock.LockClient:
-    addresses = [each if isinstance(each, str) else each.address for each in masters]
-    return asynclock.connect(url_of(addresses), prefix=prefix, **options)
+    return asynclock.connect(redlock_url(masters), prefix=prefix, **options)
 
 
 @asynccontextmanager
@@ -44,11 +39,6 @@ async def proxies(servers: Sequence[RedisServer]) -> AsyncIterator[list[FaultPro
             await stack.enter_async_context(FaultProxy(server.host, server.port))
             for server in servers
         ]
-
-
-async def named_connections(servers: Sequence[RedisServer], client_name: str) -> list[int]:
-    """How many connections named ``client_name`` each master has now."""
-    return [await connections_named(server, client_name) for server in servers]
 
 
 def holders(servers: Sequence[RedisServer], key: str) -> list[str | None]:
@@ -97,7 +87,7 @@ def test_bad_urls_and_options_are_refused(
 
 @pytest.mark.parametrize("count", [1, 2])
 def test_fewer_than_three_masters_are_refused_with_the_reason(count: int) -> None:
-    url = url_of([f"127.0.0.1:{7000 + index}" for index in range(count)])
+    url = redlock_url([f"127.0.0.1:{7000 + index}" for index in range(count)])
     with pytest.raises(asynclock.InvalidArgument) as info:
         asynclock.connect(url)
     message = str(info.value)
@@ -105,14 +95,14 @@ def test_fewer_than_three_masters_are_refused_with_the_reason(count: int) -> Non
     assert "tolerate no failure" in message
     assert "use redis://host:port for a single Redis server" in message
     # The constructor refuses it too, for code that builds the backend itself.
-    backend = RedlockBackend.from_url(url_of(["a:1", "b:2", "c:3"]), {})
+    backend = RedlockBackend.from_url(redlock_url(["a:1", "b:2", "c:3"]), {})
     with pytest.raises(asynclock.InvalidArgument, match="at least 3"):
         RedlockBackend(backend.addresses[:count], backend.settings)
 
 
 def test_requiring_fencing_is_refused_before_connecting() -> None:
     # Nothing listens on these ports: the refusal must come before any I/O.
-    url = url_of([f"127.0.0.1:{free_port()}" for _ in range(3)])
+    url = redlock_url([f"127.0.0.1:{free_port()}" for _ in range(3)])
     with pytest.raises(asynclock.UnsupportedFeature, match="fencing"):
         asynclock.connect(url, require=["fencing"])
     capabilities = RedlockBackend.capabilities
@@ -323,7 +313,7 @@ async def test_many_waiters_all_pass_quickly_over_one_connection_per_master(
 
     async def sample_connections(stop: anyio.Event) -> None:
         while not stop.is_set():
-            counts = await named_connections(redis_servers, client_name)
+            counts = [await connections_named(s, client_name) for s in redis_servers]
             for index, count in enumerate(counts):
                 peaks[index] = max(peaks[index], count)
             await anyio.sleep(0.02)
@@ -463,7 +453,7 @@ async def test_a_killed_connection_between_holds_does_not_fail_the_next_acquire(
             made[1] + 1,
             made[2] + 1,
         ]
-        assert await named_connections(redis_servers, client_name) == [1, 1, 1]
+        assert [await connections_named(s, client_name) for s in redis_servers] == [1, 1, 1]
     assert await redlock_leftovers(redis_servers, prefix, client_name) == []
 
 
@@ -535,7 +525,7 @@ async def test_a_hung_masters_connection_is_closed_after_op_timeout_and_replaced
                     break
                 await anyio.sleep(0.05)
         await anyio.sleep(1.1)  # a take buffered on the closed connection expires with its ttl
-        assert await named_connections(servers, client_name) == [1, 1, 1]
+        assert [await connections_named(s, client_name) for s in servers] == [1, 1, 1]
     assert await redlock_leftovers(servers, prefix, client_name) == []
 
 

@@ -20,7 +20,7 @@ from asynclock.abc import Kind
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend
 from asynclock.testing import RedisServer, free_port
-from asynclock.testing._redis_topologies import RedisClusterNodes, RedisSentinelGroup
+from asynclock.testing._redis_topologies import RedisClusterNodes, RedisNode, RedisSentinelGroup
 from tests.contract.harness import BackendUnderTest
 
 
@@ -157,6 +157,14 @@ async def wait_for_queue(
         while await raw.zcard(key) != length:  # noqa: ASYNC110
             await anyio.sleep(0.005)
     return [member.decode().split(" ")[4] for member in await raw.zrange(key, 0, -1)]
+
+
+async def replicated(replica: RedisNode, key: str) -> None:
+    """Until ``replica`` has ``key`` (replication is asynchronous; KEYS, as a cluster's
+    replica redirects GET)."""
+    with anyio.fail_after(5):
+        while not replica.call("KEYS", key):  # noqa: ASYNC110 (polls the replica)
+            await anyio.sleep(0.01)
 
 
 async def kill_connections(server: RedisServer | redis.asyncio.Redis, client_name: str) -> int:
