@@ -64,34 +64,23 @@ def test_url_names_the_nodes_and_refuses_a_database() -> None:
         asynclock.connect("redis+cluster:///")
 
 
-async def test_a_lock_and_its_counter_and_queue_live_on_the_master_of_their_slot(
-    redis_cluster_nodes: RedisClusterNodes, prefix: str
-) -> None:
-    cluster = redis_cluster_nodes
-    names = names_on_every_master(cluster, prefix, 2)
-    async with connect(cluster, prefix) as locks:
-        leases = [await locks.acquire(name, ttl=2.0) for name in names]
-        for lease in leases:
-            keys = [lua.lock_key(prefix, lease.name), lua.token_key(prefix, lease.name)]
-            assert len({key_slot(key.encode()) for key in keys}) == 1
-            node = cluster.node_for_slot(key_slot(keys[0].encode()))
-            assert node.call("GET", keys[0]) is not None
-            assert int(node.call("GET", keys[1])) == lease.token
-        for lease in leases:
-            await lease.release()
-        assert len(routing(locks).masters) == 3
-
-
-async def test_renewals_are_one_call_per_master(
+async def test_locks_live_on_the_master_of_their_slot_and_renewals_are_one_call_per_master(
     redis_cluster_nodes: RedisClusterNodes, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cluster = redis_cluster_nodes
     names = names_on_every_master(cluster, prefix, 5)
     async with connect(cluster, prefix) as locks:
         leases = [await locks.acquire(name, ttl=5.0) for name in names]
+        for lease in leases:
+            keys = [lua.lock_key(prefix, lease.name), lua.token_key(prefix, lease.name)]
+            assert len({key_slot(key.encode()) for key in keys}) == 1
+            node = cluster.node_for_slot(key_slot(keys[0].encode()))
+            assert node.call("GET", keys[0]) is not None
+            assert int(node.call("GET", keys[1])) == lease.token
         grants = [cast(RedisGrant, lease.grant) for lease in leases]
         backend = locks._backend
         lane = routing(locks)
+        assert len(lane.masters) == 3
         calls: Counter[str] = Counter()
         for address in lane.masters:
             node_lane = lane._lane(address)

@@ -82,15 +82,20 @@ def test_bad_urls_and_options_are_refused_by_name(
         asynclock.connect(url, **options)
 
 
-async def test_a_dead_sentinel_is_passed_over_and_a_service_none_monitors_is_refused(
+async def test_discovery_refuses_an_unknown_service_and_passes_over_dead_sentinels_and_replicas(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
+    """A replica taken for the master is as after a failover this client has not heard of yet:
+    a new connection to the address it knows finds a replica (ROLE), and the call goes on to
+    the master the sentinels name."""
     unknown = group.url.replace(f"/{SERVICE}/", "/no-such-master/")
     with pytest.raises(asynclock.BackendUnavailable, match="monitors no master named"):
         async with connect(unknown, prefix):
             pass
     dead = f"127.0.0.1:{free_port()}"
-    async with connect(group.url.replace("//", f"//{dead},", 1), prefix) as locks:
+    client_name = f"stale-{uuid.uuid4().hex[:6]}"
+    url = group.url.replace("//", f"//{dead},", 1)
+    async with connect(url, prefix, client_name=client_name) as locks:
         async with locks.lock(name, ttl=2) as lease:
             assert lease.token > 0
         backend = locks._backend
@@ -98,17 +103,6 @@ async def test_a_dead_sentinel_is_passed_over_and_a_service_none_monitors_is_ref
         # The sentinel that answered is asked first from now on.
         assert str(backend.locator.sentinels[0]) != dead
         assert backend.extra_info()["master"] == group.master().address
-
-
-async def test_a_replica_taken_for_the_master_is_refused_and_the_sentinels_asked_again(
-    group: RedisSentinelGroup, prefix: str, name: str
-) -> None:
-    """As after a failover this client has not heard of yet: a new connection to the address
-    it knows finds a replica (ROLE), and the call goes on to the master the sentinels name."""
-    client_name = f"stale-{uuid.uuid4().hex[:6]}"
-    async with connect(group, prefix, client_name=client_name) as locks:
-        backend = locks._backend
-        assert isinstance(backend, RedisSentinelBackend)
         replica = group.replicas()[0]
         backend.locator._master = HostPort(replica.host, replica.port)
         await kill_connections(group.master(), client_name)  # the next call connects anew
