@@ -114,11 +114,16 @@ async def test_discovery_refuses_an_unknown_service_and_passes_over_dead_sentine
 # -- failover ---------------------------------------------------------------------------------
 
 
-async def test_replicated_holds_of_every_kind_survive_the_masters_death(
+# The unreplicated lock: told by the restart watcher, a renewal or the local deadline,
+# whichever comes first.
+@pytest.mark.expect_log(r"lease on '.*/u' lost: ")
+async def test_replicated_holds_survive_the_masters_death_and_an_unreplicated_lock_is_lost(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:
     """Holds of every kind that reached the replica renew on the new master, exclude the others,
-    and the next holds' tokens are higher."""
+    and the next holds' tokens are higher. The documented caveat: a lock not replicated before
+    the master failed is free on the new master; its holder is told, and the new holder's token
+    is higher."""
     async with connect(group, prefix) as locks, connect(group, prefix) as other:
         # A ttl well above the failover's ~2 s: renewals fail until it is over.
         leases = [
@@ -128,14 +133,24 @@ async def test_replicated_holds_of_every_kind_survive_the_masters_death(
         ]
         campaign = locks.election(name).campaign(b"old-master-era", ttl=5.0)
         leases.append(await campaign.__aenter__())
+        unreplicated = await locks.acquire(f"{name}/u", ttl=5.0)
         try:
-            await replicated(group.replicas()[0], lua.lock_key(prefix, name))
+            for each in (name, f"{name}/u"):
+                await replicated(group.replicas()[0], lua.lock_key(prefix, each))
             for each, kind in ((f"{name}/r", "lock"), (name, "semaphore"), (name, "election")):
                 await replicated(group.replicas()[0], lua.holds_key(prefix, each, kind))
+            # Stand-in for "not replicated yet": the replica forgets the key just before the crash.
+            group.forget_on_replicas(lua.lock_key(prefix, f"{name}/u"))
             old = group.kill_master()
             try:
                 new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
                 assert new is not old
+                with anyio.fail_after(5):
+                    second = await other.acquire(f"{name}/u", ttl=2.0)
+                    reason = await unreplicated.wait_lost()
+                assert second.token > unreplicated.token
+                assert unreplicated.lost and reason == unreplicated.lost_reason
+                await second.release()
                 assert await other.try_acquire(name, ttl=1.0) is None
                 assert await other.try_acquire(f"{name}/r", ttl=1.0) is None  # the reader holds
                 assert await other.semaphore(name, permits=1).try_acquire(ttl=1.0) is None
@@ -147,7 +162,7 @@ async def test_replicated_holds_of_every_kind_survive_the_masters_death(
                 await anyio.to_thread.run_sync(group.restore, old)
         finally:
             await campaign.__aexit__(None, None, None)
-        for lease in leases[:3]:
+        for lease in [*leases[:3], unreplicated]:
             await lease.release()
         async with other.lock(name, ttl=1.0) as writer:
             assert writer.token > leases[0].token
@@ -155,34 +170,6 @@ async def test_replicated_holds_of_every_kind_survive_the_masters_death(
             assert writer.token > leases[1].token
         async with other.semaphore(name, permits=1).lock(ttl=1.0) as permit:
             assert permit.token > leases[2].token
-
-
-# Told by the restart watcher, a renewal or the local deadline, whichever comes first.
-@pytest.mark.expect_log(r"lease on .* lost: ")
-async def test_an_unreplicated_lock_is_granted_again_with_a_higher_token_and_reported_lost(
-    group: RedisSentinelGroup, prefix: str, name: str
-) -> None:
-    """The documented caveat: a lock not replicated before the master failed is free on the new
-    master; its holder is told, and the new holder's token is higher."""
-    async with connect(group, prefix) as locks, connect(group, prefix) as other:
-        lease = await locks.acquire(name, ttl=3.0)
-        key = lua.lock_key(prefix, name)
-        await replicated(group.replicas()[0], key)
-        # Stand-in for "not replicated yet": the replica forgets the key just before the crash.
-        group.forget_on_replicas(key)
-        old = group.kill_master()
-        try:
-            await anyio.to_thread.run_sync(group.wait_for_failover, old)
-            with anyio.fail_after(5):
-                second = await other.acquire(name, ttl=2.0)
-                reason = await lease.wait_lost()
-            assert second.token > lease.token
-            # Told by the restart watcher (the new master has another run id), by a renewal,
-            # or, when the failover outlasts the ttl, by the local deadline: whichever first.
-            assert lease.lost and reason == lease.lost_reason
-            await second.release()
-        finally:
-            await anyio.to_thread.run_sync(group.restore, old)
 
 
 async def test_a_demoted_master_is_left_for_the_new_one(
