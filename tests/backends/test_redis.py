@@ -446,12 +446,20 @@ async def test_a_reply_that_came_while_the_event_loop_stalled_is_read_not_timed_
         await taken.release()
 
 
-async def test_a_release_that_finds_the_lock_gone_sends_the_clients_waiter_to_take_it(
+async def test_a_waiter_takes_a_lock_whose_key_ran_out_or_that_a_release_finds_gone_at_once(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
-    """The lock expired (here: deleted) while a task of the same client waited: the release,
-    finding nothing to hand over, has that waiter take it at once, not at its next refresh."""
+    """At once: not at the waiter's next refresh (waiter_ttl / 3 = 1.7 s)."""
     async with connect(redis_server, prefix) as locks:
+        # A holder that died without releasing: its key simply runs out.
+        await raw_redis.set(lua.lock_key(prefix, name), "dead-holder", px=400)
+        started = anyio.current_time()
+        async with locks.lock(name, ttl=5, timeout=5):
+            waited = anyio.current_time() - started
+        # It slept until the key's expiry.
+        assert 0.35 < waited < 0.8
+        # The lock expired (here: deleted) while a task of the same client waited: the release,
+        # finding nothing to hand over, has that waiter take it.
         holder = await locks.acquire(name, ttl=30)
         waiter = asyncio.ensure_future(locks.acquire(name, ttl=30, timeout=10))
         await wait_for_queue(raw_redis, prefix, name, 1)
@@ -501,60 +509,6 @@ async def test_a_take_given_up_on_a_frozen_server_is_undone_when_the_server_wake
 # -- waiting: notification, fairness, dead waiters --------------------------------------------
 
 
-async def test_the_first_waiter_takes_the_lock_when_a_dead_holders_key_expires(
-    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
-) -> None:
-    async with connect(redis_server, prefix) as locks:
-        # A holder that died without releasing: its key simply runs out.
-        await raw_redis.set(lua.lock_key(prefix, name), "dead-holder", px=400)
-        started = anyio.current_time()
-        async with locks.lock(name, ttl=5, timeout=5):
-            waited = anyio.current_time() - started
-    # It slept until the key's expiry, not until its next refresh (waiter_ttl / 3 = 1.7 s).
-    assert 0.35 < waited < 0.8
-
-
-@pytest.mark.expect_log(r"lost: no successful renewal before the local deadline")
-async def test_the_next_waiter_takes_over_from_a_stalled_holder_after_a_handoff(
-    redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
-) -> None:
-    """A waiter that becomes first when the lock is handed on learns the new holder's expiry at
-    once, not at its next refresh (the safety runs found a paused holder never overtaken)."""
-    ttl = 0.6
-    async with FaultProxy(redis_server.host, redis_server.port) as proxy:
-        async with (
-            connect(redis_server, prefix) as first,
-            connect(f"redis://{proxy.address}/0", prefix) as stalling,
-            connect(redis_server, prefix) as third,
-        ):
-            holder = await first.acquire(name, ttl=5)
-            taken_at: list[float] = []
-
-            async def stall() -> None:
-                async with stalling.lock(name, ttl=ttl, timeout=5, on_lost="flag"):
-                    taken_at.append(anyio.current_time())
-                    proxy.blackhole()  # no renewal reaches the server from now on
-                    await anyio.sleep(2 * ttl + 1)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stall)
-                await wait_for_queue(raw_redis, prefix, name, 1)
-                async with anyio.create_task_group() as waiters:
-
-                    async def wait_behind() -> None:
-                        async with third.lock(name, ttl=5, timeout=5):
-                            taken_at.append(anyio.current_time())
-
-                    waiters.start_soon(wait_behind)
-                    await anyio.sleep(0.2)
-                    await holder.release()  # hands the lock on to the stalling client
-                proxy.pass_through()
-                tg.cancel_scope.cancel()
-    assert len(taken_at) == 2
-    # The third client took over about ttl after the stalled one took the lock.
-    assert taken_at[1] - taken_at[0] < ttl + 0.5
-
-
 @pytest.mark.parametrize("then", ["read both replies", "close the client"])
 async def test_cancelling_a_take_in_flight_leaves_nothing(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str, then: str
@@ -576,6 +530,7 @@ async def test_cancelling_a_take_in_flight_leaves_nothing(
         assert await raw_redis.exists(lua.lock_key(prefix, name)) == 0
 
 
+@pytest.mark.parametrize("behind", ["comes later", "waits behind it"])
 @pytest.mark.parametrize(("waiter_ttl", "ttl"), [(1.0, 30.0), (5.0, 1.0)])
 async def test_a_waiter_cut_off_first_in_line_holds_up_a_free_lock_as_long_as_its_place(
     redis_server: RedisServer,
@@ -584,15 +539,18 @@ async def test_a_waiter_cut_off_first_in_line_holds_up_a_free_lock_as_long_as_it
     name: str,
     waiter_ttl: float,
     ttl: float,
+    behind: str,
 ) -> None:
     """A waiter cut off first in line keeps a free lock from everyone behind it until its place
-    expires (``waiter_ttl``, or its ttl when shorter), and not before."""
+    expires (``waiter_ttl``, or its ttl when shorter), and not before. One that waits behind it
+    learns the expiry of the lock handed on at once, not at its next refresh (the safety runs
+    found a paused holder never overtaken)."""
     place = min(waiter_ttl, ttl)
     async with (
         FaultProxy(redis_server.host, redis_server.port) as proxy,
         connect(f"redis://{proxy.address}/0", prefix, waiter_ttl=waiter_ttl) as stalled,
         connect(redis_server, prefix) as holder,
-        connect(redis_server, prefix) as behind,
+        connect(redis_server, prefix) as later,
         anyio.create_task_group() as tg,
     ):
         lease = await holder.acquire(name, ttl=5)
@@ -603,10 +561,14 @@ async def test_a_waiter_cut_off_first_in_line_holds_up_a_free_lock_as_long_as_it
 
         tg.start_soon(wait_in_line)
         await wait_for_queue(raw_redis, prefix, name, 1)
+        taking = None
+        if behind == "waits behind it":
+            taking = asyncio.ensure_future(later.acquire(name, ttl=1, timeout=place + 3))
+            await wait_for_queue(raw_redis, prefix, name, 2)
         proxy.blackhole()
         cut_at = anyio.current_time()
         await lease.release()  # hands the lock to the first in line, who never hears of it
-        taken = await behind.acquire(name, ttl=1, timeout=place + 3)
+        taken = await (taking or later.acquire(name, ttl=1, timeout=place + 3))
         waited = anyio.current_time() - cut_at
         await taken.release()
         tg.cancel_scope.cancel()
