@@ -316,7 +316,7 @@ async def test_pooled_connections_killed_between_holds_cost_the_next_acquire_not
                         tg.start_soon(hold)
                 assert lane_of(locks).connections >= 3
                 if kill == "CLIENT KILL":
-                    assert await kill_connections(raw_redis, client_name) >= 3
+                    assert await kill_connections(redis_server, client_name) >= 3
                 else:
                     proxy.reset()
                 await anyio.sleep(settle)

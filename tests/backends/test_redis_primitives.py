@@ -148,7 +148,7 @@ async def test_a_change_of_leader_is_pushed_also_after_the_wake_connection_was_k
 
         async def kill() -> None:
             await anyio.sleep(0.2)
-            await kill_connections(raw_redis, client_name)
+            await kill_connections(redis_server, client_name)
 
         # The wake connection killed: the wait returns, and watching resumes on a new one.
         async with anyio.create_task_group() as tg:

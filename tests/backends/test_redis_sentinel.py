@@ -226,9 +226,6 @@ async def test_a_frozen_master_is_left_for_the_new_one(
         await lease.release()
 
 
-# -- WAIT ---------------------------------------------------------------------------------------
-
-
 async def test_wait_replicas_takes_once_the_replica_has_the_lock_and_undoes_a_take_it_lacks(
     group: RedisSentinelGroup, prefix: str, name: str
 ) -> None:

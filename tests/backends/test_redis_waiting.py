@@ -112,9 +112,9 @@ async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections_i
                 queued = await wait_for_queue(raw_redis, prefix, name, count, within=60)
                 # Every task waits, and the client holds its lane (at most MAX_BUSY calls in
                 # flight) and its one wake channel.
-                assert await connections_named(raw_redis, client_name) <= MAX_BUSY + 1
+                assert await connections_named(redis_server, client_name) <= MAX_BUSY + 1
                 await holder.release()
-        assert await connections_named(raw_redis, client_name) <= MAX_BUSY + 1
+        assert await connections_named(redis_server, client_name) <= MAX_BUSY + 1
     assert len(order) == count
     assert order == queued  # in the order they joined the queue
 
@@ -170,7 +170,7 @@ async def test_a_wake_lost_while_the_wake_channel_reconnects_is_found_by_a_take(
             tg.start_soon(wait)
             await wait_for_queue(raw_redis, prefix, name, 1)
             # Only the wake channel is open now (the take's connection is idle: kill it too).
-            assert await kill_connections(raw_redis, client_name) >= 1
+            assert await kill_connections(redis_server, client_name) >= 1
             await holder.release()  # published to nobody
             released = anyio.current_time()
         assert got[0] - released < 1.0  # the reconnect's poke, not the place's refresh (1.7 s)

@@ -127,12 +127,10 @@ async def acl_user(
         await raw.acl_deluser(user)
 
 
-async def connections_named(raw: redis.asyncio.Redis | RedisServer, client_name: str) -> int:
+async def connections_named(server: RedisServer, client_name: str) -> int:
     """How many connections named ``client_name`` the server has now (``CLIENT LIST``)."""
-    if isinstance(raw, RedisServer):
-        async with redis.asyncio.Redis(host=raw.host, port=raw.port) as client:
-            return await connections_named(client, client_name)
-    return sum(1 for entry in await raw.client_list() if entry.get("name") == client_name)
+    async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
+        return sum(1 for entry in await raw.client_list() if entry.get("name") == client_name)
 
 
 def lane_of(locks: asynclock.LockClient) -> lua.Lane:
@@ -167,16 +165,11 @@ async def replicated(replica: RedisNode, key: str) -> None:
             await anyio.sleep(0.01)
 
 
-async def kill_connections(server: RedisServer | redis.asyncio.Redis, client_name: str) -> int:
+async def kill_connections(server: RedisServer, client_name: str) -> int:
     """``CLIENT KILL`` every connection named ``client_name``; how many there were."""
-    if isinstance(server, RedisServer):
-        async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
-            return await kill_connections(raw, client_name)
-    killed = 0
-    for entry in await server.client_list():
-        if entry.get("name") == client_name:
-            killed += int(await server.client_kill_filter(_id=entry["id"]))
-    return killed
+    async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
+        entries = [entry for entry in await raw.client_list() if entry.get("name") == client_name]
+        return sum([int(await raw.client_kill_filter(_id=entry["id"])) for entry in entries])
 
 
 class RedisServerWith(RedisServer):
