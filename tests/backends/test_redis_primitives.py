@@ -35,10 +35,10 @@ def request(name: str, ttl: float, **fields: Any) -> LockRequest:
     return LockRequest(name, ttl, secrets.token_hex(16), lambda _: None, **fields)
 
 
-async def test_a_dead_reader_frees_only_its_own_hold(
+async def test_a_dead_hold_expires_alone_a_readers_beside_a_live_one_and_a_leaders_for_observers(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
-    async with connect(redis_server, prefix) as locks:
+    async with connect(redis_server, prefix) as locks, connect(redis_server, prefix) as watcher:
         backend = backend_of(locks)
         dead = await backend.try_acquire(request(name, 0.3, shared=True))
         assert dead is not None
@@ -58,6 +58,16 @@ async def test_a_dead_reader_frees_only_its_own_hold(
         assert writer is not None and writer.token > alive.token > dead.token
         await writer.release()
         assert await redis_leftovers(redis_server, prefix, "no such client") == []
+        # A dead leader's term ends for observers when its hold expires.
+        term = await backend.try_acquire(request(name, 0.5, kind="election", value=b"gone"))
+        assert term is not None
+        seen: list[asynclock.Leader | None] = []
+        with anyio.fail_after(3):
+            async for leader in watcher.election(name).observe():
+                seen.append(leader)
+                if leader is None:
+                    break
+        assert [leader.value if leader else None for leader in seen] == [b"gone", None]
 
 
 async def test_a_release_hands_over_to_every_reader_up_to_the_next_writer(
@@ -178,22 +188,6 @@ async def test_a_change_of_leader_is_pushed_also_after_the_wake_connection_was_k
             await backend.wait_for_change(name, "election", info, 5)
             assert anyio.current_time() - started < 1.0  # the resignation is pushed too
         assert not (await backend.inspect(name, "election")).held
-
-
-async def test_a_dead_leaders_term_ends_for_observers_when_its_hold_expires(
-    redis_server: RedisServer, prefix: str, name: str
-) -> None:
-    async with connect(redis_server, prefix) as locks, connect(redis_server, prefix) as watcher:
-        backend = backend_of(locks)
-        dead = await backend.try_acquire(request(name, 0.5, kind="election", value=b"gone"))
-        assert dead is not None
-        seen: list[asynclock.Leader | None] = []
-        with anyio.fail_after(3):
-            async for leader in watcher.election(name).observe():
-                seen.append(leader)
-                if leader is None:
-                    break
-        assert [leader.value if leader else None for leader in seen] == [b"gone", None]
 
 
 async def test_a_try_with_other_permits_raises_while_a_task_of_the_same_client_waits(

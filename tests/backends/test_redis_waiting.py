@@ -122,7 +122,6 @@ async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections_i
 async def test_a_waiter_cancelled_as_the_lock_is_handed_to_it_passes_it_on(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
-    """Handed the lock while its task is cancelled, a waiter's clean-up passes it on."""
     rng = random.Random(7)
     async with (
         connect(redis_server, prefix) as first,
