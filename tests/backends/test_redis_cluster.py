@@ -181,10 +181,12 @@ async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
                 await lease.release()
 
 
-async def test_deadlock_records_share_one_slot(
-    redis_cluster_nodes: RedisClusterNodes, prefix: str
+# (A cycle of processes broken once on redis://: tests/test_deadlock.py.)
+@pytest.mark.parametrize("store", ["redis_server", "redis_cluster_nodes"])
+async def test_deadlock_records_are_published_scanned_and_withdrawn(
+    store: str, request: pytest.FixtureRequest, prefix: str
 ) -> None:
-    async with connect(redis_cluster_nodes, prefix) as locks:
+    async with redis_client(request.getfixturevalue(store), prefix) as locks:
         registry = locks._backend.waiter_registry()
         assert registry is not None
         await registry.publish("a", "record-a", 2.0)
