@@ -6,7 +6,6 @@ batched per master, WAIT.
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from typing import Any, cast
 
@@ -20,14 +19,14 @@ from asynclock.backends.redis._cluster import ClusterLane
 from asynclock.backends.redis.backend import RedisGrant
 from asynclock.backends.redis.cluster import RedisClusterBackend
 from asynclock.testing._redis_topologies import RedisClusterNodes
+from tests.contract.backend_redis import connect as redis_client
+from tests.contract.backend_redis import replicated
 
 pytestmark = pytest.mark.anyio
 
 
 def connect(cluster: RedisClusterNodes, prefix: str, **options: Any) -> asynclock.LockClient:
-    options.setdefault("durability_warning", False)
-    options.setdefault("op_timeout", 1.0)
-    return asynclock.connect(cluster.url, prefix=prefix, **options)
+    return redis_client(cluster, prefix, **{"op_timeout": 1.0, **options})
 
 
 def routing(locks: asynclock.LockClient) -> ClusterLane:
@@ -65,35 +64,23 @@ def test_url_names_the_nodes_and_refuses_a_database() -> None:
         asynclock.connect("redis+cluster:///")
 
 
-async def test_a_lock_and_its_counter_and_queue_live_on_the_master_of_their_slot(
-    redis_cluster_nodes: RedisClusterNodes, prefix: str
-) -> None:
-    cluster = redis_cluster_nodes
-    names = names_on_every_master(cluster, prefix, 2)
-    async with connect(cluster, prefix) as locks:
-        leases = [await locks.acquire(name, ttl=2.0) for name in names]
-        for lease in leases:
-            keys = [lua.lock_key(prefix, lease.name), lua.token_key(prefix, lease.name)]
-            assert len({key_slot(key.encode()) for key in keys}) == 1
-            node = cluster.node_for_slot(key_slot(keys[0].encode()))
-            assert node.call("GET", keys[0]) is not None
-            assert int(node.call("GET", keys[1])) == lease.token
-        for lease in leases:
-            await lease.release()
-        assert len(routing(locks).masters) == 3
-
-
-async def test_renewals_are_one_call_per_master(
+async def test_locks_live_on_the_master_of_their_slot_and_renewals_are_one_call_per_master(
     redis_cluster_nodes: RedisClusterNodes, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cluster = redis_cluster_nodes
     names = names_on_every_master(cluster, prefix, 5)
     async with connect(cluster, prefix) as locks:
         leases = [await locks.acquire(name, ttl=5.0) for name in names]
+        for lease in leases:
+            keys = [lua.lock_key(prefix, lease.name), lua.token_key(prefix, lease.name)]
+            assert len({key_slot(key.encode()) for key in keys}) == 1
+            node = cluster.node_for_slot(key_slot(keys[0].encode()))
+            assert node.call("GET", keys[0]) is not None
+            assert int(node.call("GET", keys[1])) == lease.token
         grants = [cast(RedisGrant, lease.grant) for lease in leases]
         backend = locks._backend
-        assert isinstance(backend, RedisClusterBackend)
-        lane = backend.cluster
+        lane = routing(locks)
+        assert len(lane.masters) == 3
         calls: Counter[str] = Counter()
         for address in lane.masters:
             node_lane = lane._lane(address)
@@ -170,14 +157,8 @@ async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
             key = lua.lock_key(prefix, name)
             slot = key_slot(key.encode())
             old = cluster.node_for_slot(slot)
-            # The replica has the key before the crash (KEYS: a replica redirects GET).
             (replica,) = cluster.replicas_of(old)
-            for _ in range(500):
-                if replica.call("KEYS", key):
-                    break
-                await anyio.sleep(0.01)
-            else:
-                raise AssertionError(f"{key} did not reach {replica!r}")
+            await replicated(replica, key)  # before the crash
             old.kill()
             new = await anyio.to_thread.run_sync(cluster.wait_for_failover, slot, old)
             assert new is not old
@@ -200,10 +181,12 @@ async def test_a_masters_failover_is_followed(prefix: str, name: str) -> None:
                 await lease.release()
 
 
-async def test_deadlock_records_share_one_slot(
-    redis_cluster_nodes: RedisClusterNodes, prefix: str
+# (A cycle of processes broken once on redis://: tests/test_deadlock.py.)
+@pytest.mark.parametrize("store", ["redis_server", "redis_cluster_nodes"])
+async def test_deadlock_records_are_published_scanned_and_withdrawn(
+    store: str, request: pytest.FixtureRequest, prefix: str
 ) -> None:
-    async with connect(redis_cluster_nodes, prefix) as locks:
+    async with redis_client(request.getfixturevalue(store), prefix) as locks:
         registry = locks._backend.waiter_registry()
         assert registry is not None
         await registry.publish("a", "record-a", 2.0)
@@ -215,18 +198,16 @@ async def test_deadlock_records_share_one_slot(
 
 
 async def test_an_election_change_is_pushed_across_nodes(
-    redis_cluster_nodes: RedisClusterNodes, name: str
+    redis_cluster_nodes: RedisClusterNodes, prefix: str, name: str
 ) -> None:
     """(Every key of a name and kind is in one slot: test_redis_waiting.py; shared holds and
     semaphores on a cluster: the contract.) The scripts' PUBLISH of an election's change reaches
     a watcher subscribed on whichever node its wake channel is."""
-    prefix = f"kinds-{uuid.uuid4().hex[:6]}:"
     async with (
         connect(redis_cluster_nodes, prefix) as locks,
         connect(redis_cluster_nodes, prefix) as watcher,
     ):
         backend = watcher._backend
-        assert isinstance(backend, RedisClusterBackend)
         seen = await backend.inspect(name, "election")
 
         async def campaign() -> None:

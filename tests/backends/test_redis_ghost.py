@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,43 +83,33 @@ async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_no
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str, hold: str
 ) -> None:
     kind: Kind = "semaphore" if hold == "semaphore" else "lock"
-    raw = raw_redis
     async with (
         connect(redis_server, prefix) as first,
         # Its place lasts 0.6 s, and so does a lock handed to it while it cannot hear of it.
         connect(redis_server, prefix, waiter_ttl=0.6) as stopped,
         connect(redis_server, prefix) as third,
     ):
-
-        async def take(client: asynclock.LockClient, ttl: float) -> asynclock.Lease:
+        # A shared hold waits behind an exclusive one: the waiters ask for shared holds.
+        async def take(client: asynclock.LockClient, shared: bool) -> asynclock.Lease:
+            # A ttl of 30 s: the lock it finally gets, renewed at once, outlasts a busy machine.
             if hold == "semaphore":
-                return await client.semaphore(name, permits=1).acquire(ttl=ttl, timeout=10)
-            # A shared hold waits behind an exclusive one: the waiters ask for shared holds.
-            shared = hold == "shared"
-            return await client.acquire(name, ttl=ttl, timeout=10, shared=shared)
+                return await client.semaphore(name, permits=1).acquire(ttl=30, timeout=10)
+            return await client.acquire(name, ttl=30, timeout=10, shared=shared)
 
-        if hold == "shared":
-            holder = await first.acquire(name, ttl=30)
-        else:
-            holder = await take(first, 30)
+        async def wait(client: asynclock.LockClient, into: list[Any], shared: bool) -> None:
+            into.append(await take(client, shared))
+
+        holder = await take(first, shared=False)
         resume, kept = stall_waiting(stopped)
         got: list[asynclock.Lease] = []
         later: list[asynclock.Lease] = []
-
-        async def wait(client: asynclock.LockClient, ttl: float, into: list[Any]) -> None:
-            into.append(await take(client, ttl))
-
         async with anyio.create_task_group() as tg:
-            # A ttl of 30 s: the lock it finally gets, renewed at once, outlasts a busy machine.
-            tg.start_soon(wait, stopped, 30, got)
-            (stopped_owner,) = await wait_for_queue(raw, prefix, name, 1, kind)
-            if hold == "shared":
-                # An exclusive waiter behind it, so the stopped one queues again on resuming.
-                later_task = first.acquire(name, ttl=30, timeout=10)
-                tg.start_soon(lambda: wait_into(later_task, later))
-            else:
-                tg.start_soon(wait, third, 30, later)
-            await wait_for_queue(raw, prefix, name, 2, kind)
+            tg.start_soon(wait, stopped, got, hold == "shared")
+            (stopped_owner,) = await wait_for_queue(raw_redis, prefix, name, 1, kind)
+            # For shared holds an exclusive waiter behind it, so that the stopped one queues
+            # again on resuming.
+            tg.start_soon(wait, first if hold == "shared" else third, later, False)
+            await wait_for_queue(raw_redis, prefix, name, 2, kind)
             await holder.release()
             # Handed to the stopped waiter, which neither hears of it nor renews it: it
             # expires, and the next in line takes the lock.
@@ -132,7 +122,7 @@ async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_no
             # then does it read the hand-over told while it was stopped. (Read before its take,
             # the hand-over has expired: the next test shows that order, for real.)
             resume()
-            assert await wait_for_queue(raw, prefix, name, 1, kind) == [stopped_owner]
+            assert await wait_for_queue(raw_redis, prefix, name, 1, kind) == [stopped_owner]
             await anyio.sleep(0.05)
             wakes = stopped._backend._wakes  # type: ignore[attr-defined]
             for data in kept:
@@ -151,10 +141,6 @@ async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_no
         await got[0].release()
         # Nothing of the name is left: no lock held for an acquire that is over, no place.
         assert await redis_leftovers(redis_server, prefix, "no such client") == []
-
-
-async def wait_into(acquiring: Awaitable[asynclock.Lease], into: list[Any]) -> None:
-    into.append(await acquiring)
 
 
 #: A client process that waits for the lock once, holds it for a moment and says what it saw.
@@ -181,7 +167,6 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
 ) -> None:
     """The same race for real (SIGSTOP in line, handed the lock, resumed after that lease
     expired and another took it); about 1 run in 3 reads the hand-over before its take runs."""
-    raw = raw_redis
     async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as third:
         holder = await first.acquire(name, ttl=30)
         child = subprocess.Popen(  # noqa: ASYNC220 (starting a process does not block for long)
@@ -194,7 +179,7 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
             assert child.stdout is not None
             line = await anyio.to_thread.run_sync(child.stdout.readline)
             assert line.strip() == "ready", line
-            (stopped_owner,) = await wait_for_queue(raw, prefix, name, 1)
+            (stopped_owner,) = await wait_for_queue(raw_redis, prefix, name, 1)
             later: list[asynclock.Lease] = []
 
             async def wait() -> None:
@@ -202,7 +187,7 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(wait)
-                await wait_for_queue(raw, prefix, name, 2)
+                await wait_for_queue(raw_redis, prefix, name, 2)
                 os.kill(child.pid, signal.SIGSTOP)
                 await holder.release()
                 assert await holder_of(third, name, "lock") == stopped_owner
@@ -211,7 +196,7 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
                         await anyio.sleep(0.01)
                 os.kill(child.pid, signal.SIGCONT)
                 # Resumed: it queues again behind the third client's hold, and waits.
-                assert await wait_for_queue(raw, prefix, name, 1) == [stopped_owner]
+                assert await wait_for_queue(raw_redis, prefix, name, 1) == [stopped_owner]
                 await anyio.sleep(0.3)
                 assert await holder_of(third, name, "lock") == later[0].grant.owner
                 released = time.time()

@@ -14,18 +14,19 @@ import redis.asyncio
 
 import asynclock
 from asynclock.abc import LockRequest, Renewed
-from asynclock.backends.redis import RedisBackend, RedisGrant
+from asynclock.backends.redis import RedisGrant
 from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import RedisServer
-from tests.contract.backend_redis import connect, kill_connections, redis_leftovers, wait_for_queue
+from tests.contract.backend_redis import (
+    backend_of,
+    connect,
+    kill_connections,
+    redis_leftovers,
+    wait_for_queue,
+)
+from tests.contract.harness import hold_until_cancelled
 
 pytestmark = pytest.mark.anyio
-
-
-def backend_of(locks: asynclock.LockClient) -> RedisBackend:
-    backend = locks._backend
-    assert isinstance(backend, RedisBackend)
-    return backend
 
 
 def request(name: str, ttl: float, **fields: Any) -> LockRequest:
@@ -34,10 +35,10 @@ def request(name: str, ttl: float, **fields: Any) -> LockRequest:
     return LockRequest(name, ttl, secrets.token_hex(16), lambda _: None, **fields)
 
 
-async def test_a_dead_reader_frees_only_its_own_hold(
+async def test_a_dead_hold_expires_alone_a_readers_beside_a_live_one_and_a_leaders_for_observers(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
-    async with connect(redis_server, prefix) as locks:
+    async with connect(redis_server, prefix) as locks, connect(redis_server, prefix) as watcher:
         backend = backend_of(locks)
         dead = await backend.try_acquire(request(name, 0.3, shared=True))
         assert dead is not None
@@ -57,6 +58,16 @@ async def test_a_dead_reader_frees_only_its_own_hold(
         assert writer is not None and writer.token > alive.token > dead.token
         await writer.release()
         assert await redis_leftovers(redis_server, prefix, "no such client") == []
+        # A dead leader's term ends for observers when its hold expires.
+        term = await backend.try_acquire(request(name, 0.5, kind="election", value=b"gone"))
+        assert term is not None
+        seen: list[asynclock.Leader | None] = []
+        with anyio.fail_after(3):
+            async for leader in watcher.election(name).observe():
+                seen.append(leader)
+                if leader is None:
+                    break
+        assert [leader.value if leader else None for leader in seen] == [b"gone", None]
 
 
 async def test_a_release_hands_over_to_every_reader_up_to_the_next_writer(
@@ -147,7 +158,7 @@ async def test_a_change_of_leader_is_pushed_also_after_the_wake_connection_was_k
 
         async def kill() -> None:
             await anyio.sleep(0.2)
-            await kill_connections(raw_redis, client_name)
+            await kill_connections(redis_server, client_name)
 
         # The wake connection killed: the wait returns, and watching resumes on a new one.
         async with anyio.create_task_group() as tg:
@@ -179,29 +190,15 @@ async def test_a_change_of_leader_is_pushed_also_after_the_wake_connection_was_k
         assert not (await backend.inspect(name, "election")).held
 
 
-async def test_a_dead_leaders_term_ends_for_observers_when_its_hold_expires(
-    redis_server: RedisServer, prefix: str, name: str
-) -> None:
-    async with connect(redis_server, prefix) as locks, connect(redis_server, prefix) as watcher:
-        backend = backend_of(locks)
-        dead = await backend.try_acquire(request(name, 0.5, kind="election", value=b"gone"))
-        assert dead is not None
-        seen: list[asynclock.Leader | None] = []
-        with anyio.fail_after(3):
-            async for leader in watcher.election(name).observe():
-                seen.append(leader)
-                if leader is None:
-                    break
-        assert [leader.value if leader else None for leader in seen] == [b"gone", None]
-
-
 async def test_a_try_with_other_permits_raises_while_a_task_of_the_same_client_waits(
     redis_server: RedisServer, prefix: str, name: str
 ) -> None:
     async with connect(redis_server, prefix) as locks:
         held = await locks.semaphore(name, permits=1).acquire(ttl=5)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_hold_until_cancelled, locks.semaphore(name, permits=1))
+            tg.start_soon(
+                hold_until_cancelled, locks.semaphore(name, permits=1).lock(ttl=5, timeout=10)
+            )
             with anyio.fail_after(5):
                 while not backend_of(locks)._wakes.waits_for(f"semaphore {name}"):  # type: ignore[union-attr]  # noqa: ASYNC110
                     await anyio.sleep(0.005)
@@ -210,8 +207,3 @@ async def test_a_try_with_other_permits_raises_while_a_task_of_the_same_client_w
                 await locks.semaphore(name, permits=2).try_acquire(ttl=5)
             tg.cancel_scope.cancel()
         await held.release()
-
-
-async def _hold_until_cancelled(semaphore: asynclock.Semaphore) -> None:
-    async with semaphore.lock(ttl=5, timeout=10):
-        await anyio.sleep_forever()

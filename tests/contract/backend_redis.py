@@ -4,12 +4,10 @@ Sentinel, Cluster and Redlock test files share (this module is a plugin: see tes
 
 from __future__ import annotations
 
-import shlex
 import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from asynclock.abc import Kind
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend
 from asynclock.testing import RedisServer, free_port
+from asynclock.testing._redis_topologies import RedisClusterNodes, RedisNode, RedisSentinelGroup
 from tests.contract.harness import BackendUnderTest
 
 
@@ -97,11 +96,20 @@ async def raw_redis(redis_server: RedisServer) -> AsyncIterator[redis.asyncio.Re
         yield client
 
 
-def connect(server: RedisServer | str, prefix: str, **options: Any) -> asynclock.LockClient:
-    """A redis:// client (the test servers have no append-only file: no durability warning)."""
+def connect(
+    server: RedisServer | RedisSentinelGroup | RedisClusterNodes | str, prefix: str, **options: Any
+) -> asynclock.LockClient:
+    """A client of the Redis family (the test servers have no append-only file: no durability
+    warning)."""
     url = server if isinstance(server, str) else server.url
     options.setdefault("durability_warning", False)
     return asynclock.connect(url, prefix=prefix, **options)
+
+
+def backend_of(locks: asynclock.LockClient) -> RedisBackend:
+    backend = locks._backend
+    assert isinstance(backend, RedisBackend)
+    return backend
 
 
 @asynccontextmanager
@@ -119,19 +127,16 @@ async def acl_user(
         await raw.acl_deluser(user)
 
 
-async def connections_named(raw: redis.asyncio.Redis | RedisServer, client_name: str) -> int:
+async def connections_named(server: RedisServer, client_name: str) -> int:
     """How many connections named ``client_name`` the server has now (``CLIENT LIST``)."""
-    if isinstance(raw, RedisServer):
-        async with redis.asyncio.Redis(host=raw.host, port=raw.port) as client:
-            return await connections_named(client, client_name)
-    return sum(1 for entry in await raw.client_list() if entry.get("name") == client_name)
+    async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
+        return sum(1 for entry in await raw.client_list() if entry.get("name") == client_name)
 
 
 def lane_of(locks: asynclock.LockClient) -> lua.Lane:
-    backend = locks._backend
-    assert isinstance(backend, RedisBackend)
-    assert backend._lane is not None
-    return backend._lane
+    lane = backend_of(locks)._lane
+    assert lane is not None
+    return lane
 
 
 async def wait_for_queue(
@@ -152,57 +157,48 @@ async def wait_for_queue(
     return [member.decode().split(" ")[4] for member in await raw.zrange(key, 0, -1)]
 
 
-async def kill_connections(server: RedisServer | redis.asyncio.Redis, client_name: str) -> int:
+async def replicated(replica: RedisNode, key: str) -> None:
+    """Until ``replica`` has ``key`` (replication is asynchronous; KEYS, as a cluster's
+    replica redirects GET)."""
+    with anyio.fail_after(5):
+        while not replica.call("KEYS", key):  # noqa: ASYNC110 (polls the replica)
+            await anyio.sleep(0.01)
+
+
+async def kill_connections(server: RedisServer, client_name: str) -> int:
     """``CLIENT KILL`` every connection named ``client_name``; how many there were."""
-    if isinstance(server, RedisServer):
-        async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
-            return await kill_connections(raw, client_name)
-    killed = 0
-    for entry in await server.client_list():
-        if entry.get("name") == client_name:
-            killed += int(await server.client_kill_filter(_id=entry["id"]))
-    return killed
+    async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
+        entries = [entry for entry in await raw.client_list() if entry.get("name") == client_name]
+        return sum([int(await raw.client_kill_filter(_id=entry["id"])) for entry in entries])
+
+
+class RedisServerWith(RedisServer):
+    """A test server with more ``redis-server`` arguments (a later one overrides an earlier)."""
+
+    def __init__(self, *arguments: str) -> None:
+        self.arguments = arguments
+        super().__init__()
+
+    def _command(self) -> list[str]:
+        return [*super()._command(), *self.arguments]
 
 
 @pytest.fixture
 def tls_ports(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[list[int], Path]]:
-    """redis-servers that speak only TLS, with a certificate from a throwaway CA: their ports
-    and the CA's file. Three, or as many as an indirect parametrisation of ``tls_ports`` says."""
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
-
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-            "-subj", "/CN=asynclock test CA")  # fmt: skip
-    openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
-    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "san.ext")  # fmt: skip
+    """redis-servers that also speak TLS, with a self-signed certificate for 127.0.0.1: their
+    TLS ports and the certificate, which is its own CA. Three, or as many as an indirect
+    parametrisation of ``tls_ports`` says."""
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", "server.key", "-out", "server.pem", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        cwd=tmp_path, check=True, capture_output=True,
+    )  # fmt: skip
     ports = [free_port() for _ in range(getattr(request, "param", 3))]
-    common = shlex.split(
-        "--port 0 --bind 127.0.0.1 --tls-cert-file server.pem --tls-key-file server.key"
-        " --tls-ca-cert-file ca.pem --tls-auth-clients no --save '' --appendonly no --dir ."
-        " --unixsocket ''"
-    )
-    processes = [
-        subprocess.Popen(
-            ["redis-server", *common, *f"--tls-port {port} --logfile {port}.log".split()],
-            cwd=tmp_path,
-            stdin=subprocess.DEVNULL,
-        )
-        for port in ports
-    ]
-    try:
-        deadline = time.monotonic() + 10
-        for port, process in zip(ports, processes, strict=True):
-            log = tmp_path / f"{port}.log"
-            while "Ready to accept connections" not in (log.read_text() if log.exists() else ""):
-                assert process.poll() is None, log.read_text() if log.exists() else ""
-                assert time.monotonic() < deadline, "a TLS redis-server did not start"
-                time.sleep(0.01)
-        yield ports, tmp_path / "ca.pem"
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
+    tls = ["--tls-auth-clients", "no", "--tls-ca-cert-file", str(tmp_path / "server.pem")]
+    tls += ["--tls-cert-file", str(tmp_path / "server.pem")]
+    tls += ["--tls-key-file", str(tmp_path / "server.key")]
+    with ExitStack() as stack:
+        for port in ports:
+            stack.enter_context(RedisServerWith("--tls-port", str(port), *tls))
+        yield ports, tmp_path / "server.pem"

@@ -25,8 +25,9 @@ async def redlock_leftovers(
     return found
 
 
-def redlock_url(servers: list[RedisServer]) -> str:
-    return "redlock://" + ",".join(server.address for server in servers) + "/0"
+def redlock_url(masters: Sequence[str | RedisServer]) -> str:
+    addresses = [each if isinstance(each, str) else each.address for each in masters]
+    return "redlock://" + ",".join(addresses) + "/0"
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def redlock_backend(redis_servers: list[RedisServer]) -> BackendUnderTest:
         leftovers,
         options={"prefix": prefix, "client_name": client_name},
         servers=list(redis_servers),
-        url_via=lambda addresses: "redlock://" + ",".join(addresses) + "/0",
+        url_via=redlock_url,
         # Three masters are the minimum: the entry under test plus two more.
         url_for_hosts=lambda hosts: f"redlock://{hosts},127.0.0.1:1,127.0.0.1:2/0",
         many_hosts=True,

@@ -97,7 +97,9 @@ class Settings:
                 "ssl_certfile": self.ssl_certfile,
                 "ssl_keyfile": self.ssl_keyfile,
                 "ssl_cert_reqs": self.ssl_cert_reqs,
-                "ssl_check_hostname": self.ssl_check_hostname,
+                # An unverified certificate names no host to check (as in ssl_context(); else
+                # redis-py's context refuses CERT_NONE with check_hostname on, at every connect).
+                "ssl_check_hostname": self.ssl_check_hostname and self.ssl_cert_reqs != "none",
             }
         return redis.asyncio.ConnectionPool(
             connection_class=connection_class,
