@@ -432,6 +432,20 @@ async def test_a_pooler_is_found_and_only_session_pooling_is_accepted(pg: Pg) ->
     assert await pg.admin.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
 
 
+async def test_a_full_pool_behind_the_pooler_is_a_timeout_that_says_so(pg: Pg) -> None:
+    """PgBouncer answers the login itself and queues statements until a server connection is
+    free: a pool too small for a client is a timeout, which names the pool and the options."""
+    with PgBouncerServer(pg.server, pool_mode="session", pool_size=2) as pooler:
+        url = f"{pooler.url}?pooler=session&max_idle=0&connect_timeout=0.5&op_timeout=0.5"
+        async with asynclock.connect(url) as locks:
+            # One server connection per ttl in use: the third ttl finds the pool full.
+            async with locks.lock(pg.name, ttl=5), locks.lock(f"{pg.name}/2", ttl=6):
+                with pytest.raises(
+                    asynclock.BackendTimeout, match="lower max_waiting and max_idle"
+                ):
+                    await locks.acquire(f"{pg.name}/3", ttl=7)
+
+
 @pytest.mark.parametrize("signal_number", [signal.SIGSTOP, signal.SIGKILL])
 async def test_a_stopped_or_killed_holder_behind_session_pooling_frees_the_lock_in_time(
     pg: Pg, pgbouncer_server: PgBouncerServer, signal_number: int

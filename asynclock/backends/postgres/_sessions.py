@@ -255,7 +255,8 @@ class Sessions:
             SETUP, [*names, MARK], [*values, secrets.token_hex(8)]
         )
         self._pids[connection] = pid
-        self.pooled = self.pooled or connection.get_server_pid() != pid
+        if connection.get_server_pid() != pid:
+            self.pooled = self._errors.pooled = True
         if mark:
             raise UnsupportedFeature(
                 f"{self._errors.server}: a new connection reached a server session (process "

@@ -38,7 +38,8 @@ _TABLE: tuple[tuple[str, tuple[type[BaseException], ...], type[LockError], str],
         (TimeoutError,),
         BackendTimeout,
         "cannot connect to {server} within {connect_timeout:g} s: check that PostgreSQL runs "
-        "and is reachable there, or raise ?connect_timeout=",
+        "and is reachable there (behind a connection pooler: that its pool has a server "
+        "connection free), or raise ?connect_timeout=",
     ),
     (
         CONNECTING,
@@ -101,7 +102,7 @@ _TABLE: tuple[tuple[str, tuple[type[BaseException], ...], type[LockError], str],
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Errors:
     """The translator of one backend (it knows the server and the options to name)."""
 
@@ -110,6 +111,8 @@ class Errors:
     schema: str
     sequence: str
     create: str
+    #: A connection pooler was found in front of the server (``Sessions``).
+    pooled: bool = False
 
     def __call__(self, error: Exception, context: str) -> LockError | None:
         for kind, sources, target, message in _TABLE:
@@ -124,11 +127,30 @@ class Errors:
                         sequence=self.sequence,
                         create=self.create,
                     )
+                    + self._pool_hint(target)
                 )
         if not isinstance(error, DRIVER_ERRORS):
             return None
-        target = BackendTimeout if isinstance(error, TimeoutError) else BackendUnavailable
-        return target(f"{context} on {self.server}: {type(error).__name__}: {error}")
+        if not isinstance(error, TimeoutError):
+            return BackendUnavailable(
+                f"{context} on {self.server}: {type(error).__name__}: {error}"
+            )
+        detail = str(error) or "the server did not answer in time"
+        return BackendTimeout(
+            f"{context} on {self.server}: TimeoutError ({detail})" + self._pool_hint(BackendTimeout)
+        )
+
+    def _pool_hint(self, target: type[LockError]) -> str:
+        if not (self.pooled and issubclass(target, BackendTimeout)):
+            return ""
+        # PgBouncer answers the login itself and queues the statements of a client for whom
+        # no server connection is free: a full pool is a timeout, not a refusal.
+        return (
+            "; through a connection pooler this is also what a full pool looks like: a client "
+            "needs a server connection per ttl in use, per waiter up to max_waiting, per lock "
+            "held after a wait, per semaphore permit, and up to max_idle idle ones: raise the "
+            "pool size, or lower max_waiting and max_idle"
+        )
 
 
 def unmapped(error: BaseException) -> BaseException:
