@@ -5,15 +5,10 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import random
-import signal
 import ssl
 import subprocess
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import aetcd
@@ -27,7 +22,7 @@ from asynclock.abc import Renewed
 from asynclock.backends.etcd import EtcdBackend, EtcdGrant
 from asynclock.fencing import fence_compare, fenced_txn
 from asynclock.testing import EtcdCluster, EtcdServer, FaultProxy, find_binary, free_port
-from tests.contract.backend_etcd import Etcd, metrics, raw, wait_until
+from tests.contract.backend_etcd import Etcd, lease_ids, metrics, raw, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -36,38 +31,29 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.mark.parametrize(
-    ("url", "message"),
+    ("url", "options", "message"),
     [
-        ("etcd://", "names no host"),
-        ("etcd://127.0.0.1:2379/locks", "take no path"),
+        ("etcd://", {}, "names no host"),
+        ("etcd://127.0.0.1:2379/locks", {}, "take no path"),
         # Ports, brackets and empty entries: the contract's test_boundary (the kit's words).
-        ("etcd://bad host:2379", "is not a host name or address"),
-        ("etcd://127.0.0.1:2379,[::1]:2379", "mixes IPv4 and IPv6"),
-        ("etcd://root@127.0.0.1:2379", "user:password@host"),
+        ("etcd://bad host:2379", {}, "is not a host name or address"),
+        ("etcd://127.0.0.1:2379,[::1]:2379", {}, "mixes IPv4 and IPv6"),
+        ("etcd://root@127.0.0.1:2379", {}, "user:password@host"),
+        ("etcd://h", {"op_timeout": "soon"}, "'op_timeout'"),
+        ("etcd://h", {"op_timeout": "0"}, "'op_timeout'"),
+        ("etcd://h", {"prefix": "/no/slash"}, "must end with '/'"),
+        ("etcd://h", {"user": "root"}, "both 'user' and 'password'"),
+        ("etcd://h", {"cert_cert": "/tmp/c.pem"}, "'cert_key'"),
+        ("etcd://h", {"tls": "maybe"}, "'tls'"),
     ],
 )
-def test_malformed_urls_are_refused_with_an_example(url: str, message: str) -> None:
-    with pytest.raises(asynclock.InvalidURL) as info:
-        asynclock.connect(url)
+def test_malformed_urls_and_bad_options_are_refused_by_name(
+    url: str, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(asynclock.InvalidURL if not options else asynclock.InvalidArgument) as info:
+        asynclock.connect(url, **options)
     assert message in str(info.value)
-    assert "etcd://" in str(info.value)
-
-
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"op_timeout": "soon"}, "'op_timeout'"),
-        ({"op_timeout": "0"}, "'op_timeout'"),
-        ({"prefix": "/no/slash"}, "must end with '/'"),
-        ({"user": "root"}, "both 'user' and 'password'"),
-        ({"cert_cert": "/tmp/c.pem"}, "'cert_key'"),
-        ({"tls": "maybe"}, "'tls'"),
-    ],
-)
-def test_bad_options_are_refused_by_name(options: dict[str, Any], message: str) -> None:
-    with pytest.raises(asynclock.InvalidArgument) as info:
-        asynclock.connect("etcd://127.0.0.1:2379", **options)
-    assert message in str(info.value)
+    assert options or "etcd://" in str(info.value), "the message shows a well-formed URL"
 
 
 def test_url_forms_and_a_password_free_description() -> None:
@@ -122,9 +108,9 @@ async def test_one_lease_per_ttl_and_one_keepalive_per_lease_for_any_number_of_l
         assert set(info["leases"]) == {30, 60} and info["server_version"].startswith("3.")
         grants = [lease.grant for lease in short + long]
         assert all(isinstance(grant, EtcdGrant) for grant in grants)
-        lease_ids = {grant.lease_id for grant in grants if isinstance(grant, EtcdGrant)}
-        assert len(lease_ids) == 2
-        for lease_id in lease_ids:
+        ids = {grant.lease_id for grant in grants if isinstance(grant, EtcdGrant)}
+        assert len(ids) == 2
+        for lease_id in ids:
             info = await direct.leases.LeaseTimeToLive(
                 rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True)
             )
@@ -137,10 +123,8 @@ async def test_one_lease_per_ttl_and_one_keepalive_per_lease_for_any_number_of_l
         for lease in short + long:
             await lease.release()
         assert await direct.count(etcd.prefix.encode()) == 0
-        ours = lease_ids & await direct.lease_ids()
-        assert ours == lease_ids  # kept for the next acquisitions ...
-    async with etcd.raw() as direct:
-        assert not lease_ids & await direct.lease_ids()  # ... and revoked on close
+        assert ids <= lease_ids(etcd.server)  # kept for the next acquisitions ...
+    assert not ids & lease_ids(etcd.server)  # ... and revoked on close
 
 
 async def test_a_lease_with_held_locks_and_waiters_is_kept_alive_on_one_schedule(
@@ -205,17 +189,13 @@ async def test_revoking_the_lease_cancels_every_body_on_it_and_the_client_recove
 
 
 async def test_an_idle_lease_that_expired_is_replaced(etcd: Etcd) -> None:
-    async with etcd.connect() as locks, etcd.raw() as direct:
+    async with etcd.connect() as locks:
         first = await locks.acquire("a", ttl=2)
         await first.release()
         assert isinstance(first.grant, EtcdGrant)
         old = first.grant.lease_id
-
-        async def expired() -> bool:
-            return old not in await direct.lease_ids()
-
         # Nothing uses the lease, so nothing renews it: etcd expires it.
-        await wait_until(expired, timeout=5)
+        await wait_until(lambda: old not in lease_ids(etcd.server), timeout=5)
         second = await locks.acquire("a", ttl=2)
         assert isinstance(second.grant, EtcdGrant) and second.grant.lease_id != old
         assert second.token > first.token
@@ -315,7 +295,7 @@ async def test_a_waiter_whose_lease_was_revoked_queues_again_on_a_live_lease(etc
         (key,) = await direct.keys(base)
         assert isinstance(won.grant, EtcdGrant)
         assert won.grant.key == bytes(key.key) and won.token == key.create_revision
-        assert key.lease != queued.lease and key.lease in await direct.lease_ids()
+        assert key.lease != queued.lease and key.lease in lease_ids(etcd.server)
         assert won.token > queued.create_revision
         await won.release()
 
@@ -522,30 +502,26 @@ async def test_fenced_txn_commits_only_while_our_key_has_our_create_revision(etc
 # -- authentication ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def auth_server() -> Iterator[EtcdServer]:
-    with EtcdServer() as server:
-        _enable_auth(server)
-        yield server
-
-
 def etcdctl(server: EtcdServer, *args: str) -> None:
     command = [find_binary("etcdctl", "etcd-client"), f"--endpoints={server.address}", *args]
     subprocess.run(command, check=True, capture_output=True, timeout=10)
 
 
-def _enable_auth(server: EtcdServer) -> None:
-    """Add root (password "rootpw") and alice (read-write on /alice/ only), then enable auth."""
-    for args in (
-        "user add root --new-user-password=rootpw",
-        "user grant-role root root",
-        "role add locks",
-        "role grant-permission locks --prefix=true readwrite /alice/",
-        "user add alice --new-user-password=alicepw",
-        "user grant-role alice locks",
-        "auth enable",
-    ):
-        etcdctl(server, *args.split())
+@pytest.fixture(scope="module")
+def auth_server() -> Iterator[EtcdServer]:
+    """root (password "rootpw") and alice (read-write on /alice/ only), then auth enabled."""
+    with EtcdServer() as server:
+        for args in (
+            "user add root --new-user-password=rootpw",
+            "user grant-role root root",
+            "role add locks",
+            "role grant-permission locks --prefix=true readwrite /alice/",
+            "user add alice --new-user-password=alicepw",
+            "user grant-role alice locks",
+            "auth enable",
+        ):
+            etcdctl(server, *args.split())
+        yield server
 
 
 async def test_user_and_password(auth_server: EtcdServer) -> None:
@@ -583,77 +559,54 @@ async def test_user_and_password(auth_server: EtcdServer) -> None:
 # -- TLS ---------------------------------------------------------------------------------------
 
 
-def make_certificates(directory: Path) -> None:
-    """ca.pem, and server.pem and client.pem (with their .key) signed by it, in ``directory``."""
+class TlsEtcdServer(EtcdServer):
+    """An etcd that serves clients over TLS only and requires a client certificate; ca.pem,
+    and server.pem and client.pem (with their .key) signed by it, are in its data dir."""
 
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+    @property
+    def client_url(self) -> str:
+        return f"https://{self.address}"
 
-    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-            "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
-    for name in ("server", "client"):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                "-keyout", f"{name}.key", "-out", f"{name}.csr")  # fmt: skip
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.pem")  # fmt: skip
+    def _prepare(self) -> None:
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], cwd=self.data_dir, check=True, capture_output=True)
 
+        (self.data_dir / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+                "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
+        for name in ("server", "client"):
+            openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                    "-keyout", f"{name}.key", "-out", f"{name}.csr")  # fmt: skip
+            openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                    "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.pem")  # fmt: skip
 
-@contextmanager
-def tls_etcd(directory: Path) -> Iterator[int]:
-    """An etcd that serves clients over TLS and requires a client certificate: its port."""
-    make_certificates(directory)
-    port, peer = free_port(), free_port()
-    command = [
-        find_binary("etcd", "etcd-server"),
-        "--name", "tls", "--data-dir", str(directory / "data"),
-        "--listen-client-urls", f"https://127.0.0.1:{port}",
-        "--advertise-client-urls", f"https://127.0.0.1:{port}",
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"tls=http://127.0.0.1:{peer}",
-        "--cert-file", "server.pem", "--key-file", "server.key",
-        "--trusted-ca-file", "ca.pem", "--client-cert-auth",
-        "--logger", "zap", "--log-outputs", "stderr", "--log-level", "error",
-    ]  # fmt: skip
-    log = (directory / "etcd.log").open("wb")
-    process = subprocess.Popen(
-        command, cwd=directory, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        context = ssl.create_default_context(cafile=str(directory / "ca.pem"))
-        context.load_cert_chain(str(directory / "client.pem"), str(directory / "client.key"))
-        deadline = time.monotonic() + 20
-        while True:
-            assert process.poll() is None, (directory / "etcd.log").read_text()
-            connection = http.client.HTTPSConnection("127.0.0.1", port, timeout=1, context=context)
-            try:
-                connection.request("GET", "/health")
-                if json.loads(connection.getresponse().read()).get("health") == "true":
-                    break
-            except OSError:
-                pass
-            finally:
-                connection.close()
-            assert time.monotonic() < deadline, "etcd with TLS did not start"
-            time.sleep(0.05)
-        yield port
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        log.close()
+    def _command(self) -> list[str]:
+        tls = "--cert-file server.pem --key-file server.key --trusted-ca-file ca.pem"
+        return [*super()._command(), *tls.split(), "--client-cert-auth"]
+
+    def _probe(self, timeout: float) -> bool:
+        context = ssl.create_default_context(cafile=self.data_dir / "ca.pem")
+        context.load_cert_chain(self.data_dir / "client.pem", self.data_dir / "client.key")
+        connection = http.client.HTTPSConnection(
+            self.host, self.port, timeout=timeout, context=context
+        )
+        try:
+            connection.request("GET", "/health")
+            return bool(json.loads(connection.getresponse().read()).get("health") == "true")
+        finally:
+            connection.close()
 
 
-async def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
-    with tls_etcd(tmp_path) as port:
-        url = f"etcd://127.0.0.1:{port}"
-        ca = str(tmp_path / "ca.pem")
+async def test_tls_with_a_client_certificate() -> None:
+    with TlsEtcdServer() as server:
+        url, files = server.url, server.data_dir
+        ca = str(files / "ca.pem")
         options: dict[str, Any] = {
             "ca_cert": ca,
-            "cert_cert": str(tmp_path / "client.pem"),
-            "cert_key": str(tmp_path / "client.key"),
+            "cert_cert": str(files / "client.pem"),
+            "cert_key": str(files / "client.key"),
         }
-        for each in (url, f"{url},localhost:{port}"):
+        for each in (url, f"{url},localhost:{server.port}"):
             async with asynclock.connect(each, **options) as locks:
                 async with locks.lock("tls", ttl=2) as lease:
                     assert lease.token > 0
@@ -666,5 +619,5 @@ async def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
                 async with asynclock.connect(url, op_timeout=2, **refused):
                     pass
         with pytest.raises(asynclock.InvalidArgument, match="cannot be read"):
-            async with asynclock.connect(url, ca_cert=str(tmp_path / "missing.pem")):
+            async with asynclock.connect(url, ca_cert=str(files / "missing.pem")):
                 pass

@@ -11,7 +11,7 @@ import pytest
 from aetcd import rpc
 
 from asynclock import InvalidArgument
-from asynclock.abc import Kind, LockInfo, LockRequest, Lost, Renewed
+from asynclock.abc import Kind, LockRequest, Lost, Renewed
 from asynclock.backends.etcd import EtcdBackend, EtcdGrant
 from tests.contract.backend_etcd import Etcd, wait_until
 
@@ -25,33 +25,6 @@ def backend(etcd: Etcd) -> EtcdBackend:
 def request(name: str, *, ttl: float = 5.0, **fields: Any) -> LockRequest:
     """A request as the core makes it (a fresh owner secret each time)."""
     return LockRequest(name, ttl, secrets.token_hex(16), on_lost=lambda reason: None, **fields)
-
-
-async def keys_under(etcd: Etcd) -> list[Any]:
-    async with etcd.raw() as direct:
-        return await direct.keys(etcd.prefix.encode())
-
-
-async def started(tg: Any, store: EtcdBackend, req: LockRequest, into: list[EtcdGrant]) -> None:
-    """Start an acquire in ``tg`` and return once its key is on the server."""
-
-    async def run() -> None:
-        into.append(await store.acquire(req))
-
-    before = len(store._keys.local)
-    tg.start_soon(run)
-
-    async def placed() -> bool:
-        return len(store._keys.local) > before and not store._keys.unsettled
-
-    await wait_until(placed, timeout=5)
-
-
-async def granted_one(granted: list[EtcdGrant]) -> None:
-    async def some() -> bool:
-        return bool(granted)
-
-    await wait_until(some, timeout=5)
 
 
 async def test_a_try_for_a_reader_is_not_refused_for_the_clients_own_reader(etcd: Etcd) -> None:
@@ -69,14 +42,14 @@ async def test_a_try_for_a_reader_is_not_refused_for_the_clients_own_reader(etcd
 
 
 async def test_semaphore_inspect_and_a_permits_mismatch_that_leaves_no_key(etcd: Etcd) -> None:
-    async with backend(etcd) as store:
+    async with backend(etcd) as store, etcd.raw() as direct:
         assert (await store.inspect("s", "semaphore")).permits is None
         held = [await store.acquire(request("s", kind="semaphore", permits=2)) for _ in range(2)]
         assert await store.try_acquire(request("s", kind="semaphore", permits=2)) is None
         for call in (store.try_acquire, store.acquire):
             with pytest.raises(InvalidArgument, match=r"has 2 permits.*asked for 3"):
                 await call(request("s", kind="semaphore", permits=3))
-        assert len(await keys_under(etcd)) == 2
+        assert await direct.count(etcd.prefix.encode()) == 2
         info = await store.inspect("s", "semaphore")
         assert info.permits == 2 and info.kind == "semaphore" and info.waiters == 0
         assert [h.token for h in info.holders] == [g.token for g in held]
@@ -97,78 +70,39 @@ async def test_permits_are_granted_in_queue_order_even_to_a_waiter_that_stalls(e
         assert not info.held and info.waiters == 1 and info.permits == 2
         assert await store.try_acquire(request("s", kind="semaphore", permits=2)) is None
         granted: list[EtcdGrant] = []
+
+        async def take() -> None:
+            granted.append(await store.acquire(request("s", kind="semaphore", permits=2)))
+
         async with anyio.create_task_group() as tg:
-            await started(tg, store, request("s", kind="semaphore", permits=2), granted)
+            tg.start_soon(take)
+            await direct.until_count(base, 2)
             await anyio.sleep(0.3)
             assert not granted  # a permit is free, but the older key is not granted yet
             await direct.leases.LeaseRevoke(rpc.LeaseRevokeRequest(ID=stalled.ID))
-            await granted_one(granted)
+            await wait_until(lambda: bool(granted), 5)
         (key,) = await direct.keys(base)
         assert key.value == b"2;" and key.create_revision == granted[0].token
         await store.release(granted[0])
 
 
-# -- elections ---------------------------------------------------------------------------------
-
-
-async def test_an_election_shows_its_leader_and_pushes_each_change(etcd: Etcd) -> None:
-    async with backend(etcd) as store:
-        idle = await store.inspect("e", "election")
-        assert not idle.held and idle.kind == "election"
-        first = await store.acquire(request("e", kind="election", value=b"one"))
-        info = await store.inspect("e", "election")
-        assert info.value == b"one" and info.token == first.token
-        assert info.holders[0].value == b"one"
-        # Nothing changes: waits out the timeout.
-        started_at = anyio.current_time()
-        await store.wait_for_change("e", "election", info, 0.3)
-        assert anyio.current_time() - started_at >= 0.29
-        granted: list[EtcdGrant] = []
-        async with anyio.create_task_group() as tg:
-            await started(tg, store, request("e", kind="election", value=b"two"), granted)
-            # A candidate queueing is no change of leader.
-            await store.wait_for_change("e", "election", info, 0.3)
-            assert (await store.inspect("e", "election")).value == b"one"
-
-            async def resign() -> None:
-                await anyio.sleep(0.1)
-                await store.release(first)
-
-            tg.start_soon(resign)
-            with anyio.fail_after(3):
-                await store.wait_for_change("e", "election", info, 10)
-        now = await store.inspect("e", "election")
-        assert now.value == b"two" and now.token == granted[0].token
-        assert now.token is not None and info.token is not None and now.token > info.token
-        # A change already made before the call: returns at once.
-        await store.release(granted[0])
-        with anyio.fail_after(1):
-            await store.wait_for_change("e", "election", now, 10)
-        assert not await keys_under(etcd)
-
-
 # -- extend ------------------------------------------------------------------------------------
-
-
-async def lease_ttl(etcd: Etcd, lease_id: int) -> int:
-    async with etcd.raw() as direct:
-        reply = await direct.leases.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id))
-        return int(reply.grantedTTL)
 
 
 @pytest.mark.parametrize("kind", ["lock", "semaphore", "election"])
 async def test_extend_moves_the_key_to_a_lease_of_the_new_ttl_keeping_its_token(
     etcd: Etcd, kind: Kind
 ) -> None:
-    async with backend(etcd) as store:
+    async with backend(etcd) as store, etcd.raw() as direct:
         grant = await store.acquire(request("x", ttl=3, kind=kind, value=b"v"))
         token, before = grant.token, grant.lease_id
         outcome = await store.extend(grant, 20)
         assert isinstance(outcome, Renewed) and outcome.ttl == 20
         assert grant.lease_id != before and grant.ttl == 20 and grant.token == token
-        (key,) = await keys_under(etcd)
+        (key,) = await direct.keys(etcd.prefix.encode())
         assert key.lease == grant.lease_id and key.create_revision == token
-        assert await lease_ttl(etcd, grant.lease_id) == 20
+        lease = await direct.leases.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=grant.lease_id))
+        assert lease.grantedTTL == 20
         expires_in = (await store.inspect("x", kind)).expires_in
         assert expires_in is not None and 10 < expires_in <= 20
         if kind == "election":
@@ -178,15 +112,17 @@ async def test_extend_moves_the_key_to_a_lease_of_the_new_ttl_keeping_its_token(
         # Shorter again, and the same ttl only renews.
         assert isinstance(await store.extend(grant, 2), Renewed) and grant.ttl == 2
         assert isinstance(await store.extend(grant, 2), Renewed)
-        async with etcd.raw() as direct:
-            await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=grant.key))
+        await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=grant.key))
         assert isinstance(await store.extend(grant, 10), Lost)
         await store.release(grant)
 
 
-async def test_wait_for_change_leaves_no_watch(etcd: Etcd) -> None:
+async def test_wait_for_change_waits_out_its_timeout_and_leaves_no_watch(etcd: Etcd) -> None:
     async with backend(etcd) as store:
-        seen = LockInfo("w", held=False)
+        seen = await store.inspect("w", "election")
+        started_at = anyio.current_time()
+        await store.wait_for_change("w", "election", seen, 0.3)  # nothing changes
+        assert anyio.current_time() - started_at >= 0.29
         for _ in range(3):
             with anyio.move_on_after(0.05):
                 await store.wait_for_change("w", "election", seen, 10)
