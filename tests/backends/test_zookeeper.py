@@ -220,7 +220,10 @@ async def test_ttl_is_the_negotiated_session_timeout_and_others_are_refused(zk: 
         assert sorted(backend_of(fresh).extra_info()["sessions"]) == [10000]
 
 
-async def test_locks_with_one_ttl_share_one_session_and_renew_in_one_call(zk: Zk) -> None:
+async def test_locks_of_one_ttl_share_a_session_renewed_in_one_call_and_closed_once_unused(
+    zk: Zk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("asynclock.backends.zookeeper._session.IDLE_SESSION", 0.5)
     async with zk.connect(session_timeout=3) as locks:
         leases = [await locks.acquire(f"n{index}", ttl=3) for index in range(20)]
         other = await locks.acquire("other", ttl=2)
@@ -232,23 +235,14 @@ async def test_locks_with_one_ttl_share_one_session_and_renew_in_one_call(zk: Zk
         assert all(not lease.lost for lease in [*leases, other])
         # 21 leases in two sessions: renewed in a handful of batched calls, not 21 per round.
         assert 1 <= locks.renew_calls - before <= 4
+        # Held, the 2 s session outlives the idle time; unused, it is closed (on the server
+        # too), while the session of connect() stays; and it is opened again when needed.
+        assert sorted(backend_of(locks).extra_info()["sessions"]) == [2000, 3000]
         for lease in [*leases, other]:
             await lease.release()
-
-
-async def test_a_session_nobody_uses_is_closed_after_a_while(
-    zk: Zk, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("asynclock.backends.zookeeper._session.IDLE_SESSION", 0.5)
-    async with zk.connect(session_timeout=3) as locks:
-        lease = await locks.acquire("idle", ttl=1)
-        await anyio.sleep(1.0)  # held: the 1 s session stays
-        assert sorted(backend_of(locks).extra_info()["sessions"]) == [1000, 3000]
-        await lease.release()
-        # Unused now: closed (on the server too), while the session of connect() stays.
         await until(lambda: sorted(backend_of(locks).extra_info()["sessions"]) == [3000], 3)
-        async with locks.lock("idle", ttl=1) as again:  # and opened again when needed
-            assert again.ttl == 1
+        async with locks.lock("other", ttl=2) as again:
+            assert again.ttl == 2
 
 
 # -- loss ------------------------------------------------------------------------------------
@@ -325,31 +319,6 @@ async def test_a_create_whose_reply_was_lost_is_found_and_reused(zk: Zk) -> None
         assert await zk.children("lost-reply") == [created]  # no duplicate
         _, stat = await zk.admin.get(f"{parent}/{created}")
         assert lease.token == stat.created_zxid
-        await lease.release()
-
-
-async def test_while_disconnected_renew_is_unknown_at_once_and_acquire_fails_in_op_timeout(
-    zk: Zk,
-) -> None:
-    async with zk.proxied(session_timeout=5, op_timeout=0.5) as (proxy, locks):
-        lease = await locks.acquire("r", ttl=5, on_lost="flag")
-        session = grant_of(lease).session
-        assert session is not None
-        proxy.blackhole()
-        await until(lambda: session.state != "connected", 3)
-        started = anyio.current_time()
-        (outcome,) = await backend_of(locks).renew([grant_of(lease)])
-        assert isinstance(outcome, asynclock.abc.Unknown)
-        assert anyio.current_time() - started < 0.05
-        started = anyio.current_time()
-        with pytest.raises(asynclock.BackendTimeout, match="not connected"):
-            await locks.acquire("other", ttl=5)
-        assert 0.4 < anyio.current_time() - started < 1.5
-        proxy.reset()
-        proxy.pass_through()
-        await until(lambda: session.state == "connected")
-        (outcome,) = await backend_of(locks).renew([grant_of(lease)])
-        assert isinstance(outcome, asynclock.abc.Renewed)
         await lease.release()
 
 
@@ -451,10 +420,11 @@ async def test_a_client_closed_right_after_a_connection_reset_still_deletes_its_
     assert await zk.tree() == []
 
 
-async def test_cancelled_waiter_and_release_while_disconnected_are_cleaned_after_reconnect(
+async def test_while_disconnected_nothing_waits_and_what_was_not_deleted_is_after_reconnect(
     zk: Zk,
 ) -> None:
-    """What could not be deleted while disconnected is deleted once the session is back."""
+    """What could not be deleted while disconnected (a cancelled waiter's node, a released
+    one) is deleted once the session is back; meanwhile calls fail at once or in op_timeout."""
     async with (
         zk.connect() as holder,
         zk.proxied(session_timeout=5, op_timeout=0.5) as (proxy, flaky),
@@ -479,10 +449,19 @@ async def test_cancelled_waiter_and_release_while_disconnected_are_cleaned_after
         assert session.session_id == session_id and session.state == "connected"
         await first.release()
 
-        # Now a release that cannot reach the server.
+        # Now a release that cannot reach the server. Meanwhile a renewal says Unknown at
+        # once, and an acquire fails in op_timeout.
         lease = await flaky.acquire("orphan", ttl=5, on_lost="flag")
         proxy.blackhole()
         await until(lambda: session.state != "connected", 3)
+        started = anyio.current_time()
+        (outcome,) = await backend_of(flaky).renew([grant_of(lease)])
+        assert isinstance(outcome, asynclock.abc.Unknown)
+        assert anyio.current_time() - started < 0.05
+        started = anyio.current_time()
+        with pytest.raises(asynclock.BackendTimeout, match="not connected"):
+            await flaky.acquire("other", ttl=5)
+        assert 0.4 < anyio.current_time() - started < 1.5
         await lease.release()  # logs a warning; the janitor finishes it
         proxy.reset()
         proxy.pass_through()
