@@ -586,11 +586,8 @@ async def test_tls_with_a_client_certificate() -> None:
     with TlsEtcdServer() as server:
         url, files = server.url, server.data_dir
         ca = str(files / "ca.pem")
-        options: dict[str, Any] = {
-            "ca_cert": ca,
-            "cert_cert": str(files / "client.pem"),
-            "cert_key": str(files / "client.key"),
-        }
+        client = {"cert_cert": f"{files}/client.pem", "cert_key": f"{files}/client.key"}
+        options: dict[str, Any] = {"ca_cert": ca, **client}
         for each in (url, f"{url},localhost:{server.port}"):
             async with asynclock.connect(each, **options) as locks:
                 async with locks.lock("tls", ttl=2) as lease:
@@ -608,9 +605,7 @@ async def test_tls_with_a_client_certificate() -> None:
                 pass
 
 
-# -- the queue's hand-over: one watch stream per client, one watch per lock name for the waiters
-# -- behind the client's own keys, a release that hands over in its own transaction (counts
-# -- read from etcd's /metrics) -----------------------------------------------------------------
+# -- the queue's hand-over: one watch stream and one watch per name, one transaction ----------
 
 
 def watchers(server: EtcdServer) -> tuple[float, float]:
@@ -760,8 +755,7 @@ async def test_a_waiter_whose_answer_is_on_its_way_finds_the_lock_handed_over(et
             await acquired[0].release()
 
 
-# -- semaphores, extend() and the election feed, through the backend's own calls (the contract
-# -- runs them through the client) ---------------------------------------------------------------
+# -- semaphores, extend() and the election feed, through the backend's own calls -------------
 
 
 def backend(etcd: Etcd) -> EtcdBackend:

@@ -53,10 +53,7 @@ class Raw:
         return list(reply.kvs)
 
     async def count(self, prefix: bytes) -> int:
-        reply = await self.kv.Range(
-            rpc.RangeRequest(key=prefix, range_end=end(prefix), count_only=True)
-        )
-        return int(reply.count)
+        return len(await self.keys(prefix))
 
     async def until_count(self, prefix: bytes, expected: int, timeout: float = 10.0) -> None:
         """Until ``expected`` keys are under ``prefix`` (the queue lives on the server)."""

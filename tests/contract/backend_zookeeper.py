@@ -131,12 +131,8 @@ class Zk:
     admin: ZKClient
     chroot: str
 
-    @property
-    def url(self) -> str:
-        return f"{self.server.url}{self.chroot}"
-
     def connect(self, **options: Any) -> asynclock.LockClient:
-        return asynclock.connect(self.url, **options)
+        return asynclock.connect(f"{self.server.url}{self.chroot}", **options)
 
     @asynccontextmanager
     async def backend(self, **options: Any) -> AsyncIterator[ZooKeeperBackend]:
