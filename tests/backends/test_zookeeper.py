@@ -1,11 +1,15 @@
-"""ZooKeeper backend: what the contract suite cannot see (sessions, faults, ACLs, order, RW)."""
+"""ZooKeeper backend: what the contract suite cannot see (sessions, faults, ACLs, order, RW,
+the tree of each kind of hold)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 import unicodedata
+import uuid
+from typing import Any
 from urllib.parse import unquote
 
 import anyio
@@ -14,7 +18,8 @@ import pytest
 from aiozk import exc, protocol
 
 import asynclock
-from asynclock.backends.zookeeper import ZooKeeperBackend, encode_name
+from asynclock.abc import LockInfo, LockRequest
+from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
 from asynclock.backends.zookeeper._queue import MARK_AFTER
 from asynclock.extras.zookeeper import ReadWriteLock
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble
@@ -49,9 +54,6 @@ def test_url_with_servers_chroot_credentials_and_options() -> None:
     described = backend.describe()
     assert "p@ss" not in described and "p%40ss" not in described
     assert described == "zookeeper://app:***@10.0.0.1:2281,10.0.0.2:2181,[::1]:2182/locks/ünï"
-    # Without a path the locks live under /asynclock, never at the root of the tree.
-    assert ZooKeeperBackend.from_url("zookeeper://h", {})._settings.chroot == "/asynclock"
-    assert ZooKeeperBackend.from_url("zookeeper://h/", {})._settings.chroot == "/asynclock"
 
 
 @pytest.mark.parametrize(
@@ -84,6 +86,7 @@ def test_malformed_urls_are_refused_with_an_example(url: str, message: str) -> N
 @pytest.mark.parametrize(
     ("path", "chroot"),
     [
+        # Without a path the locks live under /asynclock, never at the root of the tree.
         ("", "/asynclock"),
         ("/", "/asynclock"),
         ("/x", "/x"),
@@ -128,50 +131,22 @@ TRICKY_NAMES = [
 ]
 
 
-def _zookeeper_accepts(component: str) -> bool:
-    """ZooKeeper's PathUtils.validatePath for one path component, on UTF-16 code units."""
-    if not component or component in (".", "..") or "/" in component:
-        return False
-    units = component.encode("utf-16-be")
-    for index in range(0, len(units), 2):
-        unit = int.from_bytes(units[index : index + 2], "big")
-        if (
-            unit == 0
-            or 0 < unit <= 0x1F
-            or 0x7F <= unit <= 0x9F
-            or 0xD800 < unit < 0xF8FF
-            or 0xFFF0 < unit < 0xFFFF
-        ):
-            return False
-    return True
-
-
-def test_encoding_is_injective_reversible_and_acceptable_to_zookeeper() -> None:
+async def test_names_encode_injectively_and_reversibly_into_znode_names_zookeeper_accepts(
+    zk: Zk,
+) -> None:
     # The core refuses C0 controls and DEL in names; the encoding copes with them anyway.
     names = [*TRICKY_NAMES, "del \x7f", "nul \x00", "tab\t"]
     encoded = [encode_name(name) for name in names]
     assert len(set(encoded)) == len(names)
+    await zk.admin.create(zk.chroot)
     for name, component in zip(names, encoded, strict=True):
         assert unquote(component) == name
-        assert _zookeeper_accepts(component), (name, component)
         assert component != "zookeeper"
+        # The server checks every path it is asked to create (PathUtils.validatePath).
+        await zk.admin.create(f"{zk.chroot}/{component}")
     # Plain names stay readable.
     assert encode_name("orders-42") == "orders-42"
     assert encode_name("ünï") == unicodedata.normalize("NFC", "ünï")
-
-
-async def test_tricky_names_are_distinct_locks_on_the_server(zk: Zk) -> None:
-    async with zk.connect() as locks, zk.connect() as other:
-        leases = [await locks.acquire(name, ttl=5) for name in TRICKY_NAMES]
-        assert len({grant_of(lease).path for lease in leases}) == len(TRICKY_NAMES)
-        for name in TRICKY_NAMES:
-            assert await other.try_acquire(name, ttl=5) is None
-        for lease in leases:
-            await lease.release()
-        free = [await other.try_acquire(name, ttl=5) for name in TRICKY_NAMES]
-        for maybe in free:
-            assert maybe is not None
-            await maybe.release()
 
 
 def test_one_translator_turns_session_outcomes_and_server_errors_into_the_hierarchy() -> None:
@@ -228,10 +203,9 @@ async def test_ttl_is_the_negotiated_session_timeout_and_others_are_refused(zk: 
             r"server's minSessionTimeout to at most 500 ms",
         ):
             await locks.acquire("t", ttl=0.5)
-        with pytest.raises(asynclock.InvalidArgument, match="from 1 to 60 s; pass ttl=1 or more"):
-            locks.lock("t", ttl=0.2)
-        with pytest.raises(asynclock.InvalidArgument, match="from 1 to 60 s; pass ttl=60 or less"):
-            locks.lock("t", ttl=90)
+        for ttl, advice in ((0.2, "ttl=1 or more"), (90, "ttl=60 or less")):
+            with pytest.raises(asynclock.InvalidArgument, match=f"from 1 to 60 s; pass {advice}"):
+                locks.lock("t", ttl=ttl)
         sessions = backend_of(locks).extra_info()["sessions"]
         assert sorted(sessions) == [1000, 2500, 10000, 30000]  # the refused ones were closed
     async with zk.connect() as fresh:
@@ -246,7 +220,10 @@ async def test_ttl_is_the_negotiated_session_timeout_and_others_are_refused(zk: 
         assert sorted(backend_of(fresh).extra_info()["sessions"]) == [10000]
 
 
-async def test_locks_with_one_ttl_share_one_session_and_renew_in_one_call(zk: Zk) -> None:
+async def test_locks_of_one_ttl_share_a_session_renewed_in_one_call_and_closed_once_unused(
+    zk: Zk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("asynclock.backends.zookeeper._session.IDLE_SESSION", 0.5)
     async with zk.connect(session_timeout=3) as locks:
         leases = [await locks.acquire(f"n{index}", ttl=3) for index in range(20)]
         other = await locks.acquire("other", ttl=2)
@@ -258,23 +235,14 @@ async def test_locks_with_one_ttl_share_one_session_and_renew_in_one_call(zk: Zk
         assert all(not lease.lost for lease in [*leases, other])
         # 21 leases in two sessions: renewed in a handful of batched calls, not 21 per round.
         assert 1 <= locks.renew_calls - before <= 4
+        # Held, the 2 s session outlives the idle time; unused, it is closed (on the server
+        # too), while the session of connect() stays; and it is opened again when needed.
+        assert sorted(backend_of(locks).extra_info()["sessions"]) == [2000, 3000]
         for lease in [*leases, other]:
             await lease.release()
-
-
-async def test_a_session_nobody_uses_is_closed_after_a_while(
-    zk: Zk, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("asynclock.backends.zookeeper._session.IDLE_SESSION", 0.5)
-    async with zk.connect(session_timeout=3) as locks:
-        lease = await locks.acquire("idle", ttl=1)
-        await anyio.sleep(1.0)  # held: the 1 s session stays
-        assert sorted(backend_of(locks).extra_info()["sessions"]) == [1000, 3000]
-        await lease.release()
-        # Unused now: closed (on the server too), while the session of connect() stays.
         await until(lambda: sorted(backend_of(locks).extra_info()["sessions"]) == [3000], 3)
-        async with locks.lock("idle", ttl=1) as again:  # and opened again when needed
-            assert again.ttl == 1
+        async with locks.lock("other", ttl=2) as again:
+            assert again.ttl == 2
 
 
 # -- loss ------------------------------------------------------------------------------------
@@ -354,31 +322,6 @@ async def test_a_create_whose_reply_was_lost_is_found_and_reused(zk: Zk) -> None
         await lease.release()
 
 
-async def test_while_disconnected_renew_is_unknown_at_once_and_acquire_fails_in_op_timeout(
-    zk: Zk,
-) -> None:
-    async with zk.proxied(session_timeout=5, op_timeout=0.5) as (proxy, locks):
-        lease = await locks.acquire("r", ttl=5, on_lost="flag")
-        session = grant_of(lease).session
-        assert session is not None
-        proxy.blackhole()
-        await until(lambda: session.state != "connected", 3)
-        started = anyio.current_time()
-        (outcome,) = await backend_of(locks).renew([grant_of(lease)])
-        assert isinstance(outcome, asynclock.abc.Unknown)
-        assert anyio.current_time() - started < 0.05
-        started = anyio.current_time()
-        with pytest.raises(asynclock.BackendTimeout, match="not connected"):
-            await locks.acquire("other", ttl=5)
-        assert 0.4 < anyio.current_time() - started < 1.5
-        proxy.reset()
-        proxy.pass_through()
-        await until(lambda: session.state == "connected")
-        (outcome,) = await backend_of(locks).renew([grant_of(lease)])
-        assert isinstance(outcome, asynclock.abc.Renewed)
-        await lease.release()
-
-
 async def test_connections_reset_between_holds_keep_the_session_and_fail_nothing(zk: Zk) -> None:
     # The contract resets between holds; here also between a take and its release, and the
     # session (with a lease held throughout) survives every reset.
@@ -416,9 +359,6 @@ async def test_inspect_gives_the_holders_owner_secret_to_the_core_which_shows_it
 ) -> None:
     parent = f"{zk.chroot}/seen"
     async with zk.connect() as locks, zk.connect() as other:
-        assert await backend_of(other).inspect("seen") == asynclock.abc.LockInfo(
-            "seen", held=False, waiters=0
-        )
         lease = await locks.acquire("seen", ttl=5)
         # Nodes that are not ours take no part (and are not taken for the holder).
         await zk.admin.create(f"{parent}/a-stranger-0000000000")
@@ -477,10 +417,11 @@ async def test_a_client_closed_right_after_a_connection_reset_still_deletes_its_
     assert await zk.tree() == []
 
 
-async def test_cancelled_waiter_and_release_while_disconnected_are_cleaned_after_reconnect(
+async def test_while_disconnected_nothing_waits_and_what_was_not_deleted_is_after_reconnect(
     zk: Zk,
 ) -> None:
-    """What could not be deleted while disconnected is deleted once the session is back."""
+    """What could not be deleted while disconnected (a cancelled waiter's node, a released
+    one) is deleted once the session is back; meanwhile calls fail at once or in op_timeout."""
     async with (
         zk.connect() as holder,
         zk.proxied(session_timeout=5, op_timeout=0.5) as (proxy, flaky),
@@ -505,10 +446,19 @@ async def test_cancelled_waiter_and_release_while_disconnected_are_cleaned_after
         assert session.session_id == session_id and session.state == "connected"
         await first.release()
 
-        # Now a release that cannot reach the server.
+        # Now a release that cannot reach the server. Meanwhile a renewal says Unknown at
+        # once, and an acquire fails in op_timeout.
         lease = await flaky.acquire("orphan", ttl=5, on_lost="flag")
         proxy.blackhole()
         await until(lambda: session.state != "connected", 3)
+        started = anyio.current_time()
+        (outcome,) = await backend_of(flaky).renew([grant_of(lease)])
+        assert isinstance(outcome, asynclock.abc.Unknown)
+        assert anyio.current_time() - started < 0.05
+        started = anyio.current_time()
+        with pytest.raises(asynclock.BackendTimeout, match="not connected"):
+            await flaky.acquire("other", ttl=5)
+        assert 0.4 < anyio.current_time() - started < 1.5
         await lease.release()  # logs a warning; the janitor finishes it
         proxy.reset()
         proxy.pass_through()
@@ -551,76 +501,61 @@ async def test_state_does_not_grow_over_200_acquisitions(zk: Zk) -> None:
 # -- native cancellation (asyncio's Task.cancel(), which goes through anyio's shields) -------
 
 
-async def free_for(client: asynclock.LockClient, name: str, within: float = 0.1) -> None:
-    """Take and release ``name`` with ``client`` as soon as it is free, within ``within`` s."""
+async def free_for(client: asynclock.LockClient, name: str) -> None:
+    """Take and release ``name`` with ``client`` as soon as it is free, within 100 ms."""
     started = anyio.current_time()
     while (lease := await client.try_acquire(name, ttl=10)) is None:
-        waited = anyio.current_time() - started
-        assert waited < within, f"{name!r} still held {waited * 1000:.0f} ms after the task ended"
+        assert anyio.current_time() - started < 0.1, f"{name!r} still held after the task ended"
         await anyio.sleep(0.002)
     await lease.release()
 
 
-async def test_a_waiter_cancelled_natively_again_while_it_deletes_its_node_leaves_nothing(
-    zk: Zk,
+@pytest.mark.parametrize("waiting", [True, False], ids=["waiter", "holder"])
+async def test_native_cancels_landing_on_the_delete_of_the_tasks_node_leave_nothing(
+    zk: Zk, waiting: bool
 ) -> None:
-    """The first cancel starts the delete of the waiter's node; the second (and third) cancel
-    lands while that delete is in flight, and used to leave the node in a live session."""
+    """The first cancel starts the delete of the task's node (a waiter's; a holder's, as it
+    ends the body); the later ones land while that delete is in flight (80 ms round trips).
+    A waiter's node used to be left in a live session."""
     async with (
         zk.connect() as holder,
         zk.connect() as other,
         zk.proxied(op_timeout=3) as (proxy, victim),
     ):
-        for cancels in (2, 3):
-            first = await holder.acquire("waiter", ttl=10)
-            task = asyncio.create_task(victim.acquire("waiter", ttl=10))
-            await zk.wait_for_children("waiter", 2)
-            proxy.delay(40)  # the delete takes an 80 ms round trip
-            task.cancel()
-            for _ in range(cancels - 1):
-                await asyncio.sleep(0.03)
-                task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            # Deleted before the cancelled task ended, not later.
-            assert len(await zk.children("waiter")) == 1
-            proxy.pass_through()
-            await first.release()
-            await free_for(other, "waiter")
-            assert_session_state_clean(victim)
-
-
-async def test_a_release_cancelled_natively_two_and_three_times_still_deletes_the_node(
-    zk: Zk,
-) -> None:
-    async with zk.connect() as other, zk.proxied(op_timeout=3) as (proxy, victim):
-        for cancels, use_with in ((1, True), (2, True), (3, True), (2, False), (3, False)):
+        for cancels, use_with in itertools.product((1, 2, 3), (True, False)):
+            first = await holder.acquire("n", ttl=10) if waiting else None
             entered = asyncio.Event()
 
-            async def hold(use_with: bool = use_with, entered: asyncio.Event = entered) -> None:
+            async def take(use_with: bool = use_with, entered: asyncio.Event = entered) -> None:
                 if use_with:
-                    async with victim.lock("release", ttl=10):
+                    async with victim.lock("n", ttl=10):
                         entered.set()
                         await asyncio.sleep(3600)
-                lease = await victim.acquire("release", ttl=10)
+                lease = await victim.acquire("n", ttl=10)
                 try:
                     entered.set()
                     await asyncio.sleep(3600)
                 finally:
                     await lease.release()
 
-            task = asyncio.create_task(hold())
-            await entered.wait()
+            task = asyncio.create_task(take())
+            if waiting:
+                await zk.wait_for_children("n", 2)
+            else:
+                await entered.wait()
             proxy.delay(40)
-            task.cancel()  # ends the body: the release starts, its delete is in flight
-            for _ in range(cancels - 1):
-                await asyncio.sleep(0.03)
+            for index in range(cancels):
+                if index:
+                    await asyncio.sleep(0.03)
                 task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert await zk.children("release") == []
+            # Deleted before the cancelled task ended, not later.
+            assert len(await zk.children("n")) == (1 if waiting else 0)
             proxy.pass_through()
-            await free_for(other, "release")
+            if first is not None:
+                await first.release()
+            await free_for(other, "n")
             assert not victim.held
             assert_session_state_clean(victim)
 
@@ -814,3 +749,172 @@ async def test_the_deprecated_read_write_lock_takes_shared_and_exclusive_holds(z
         async with rw.write(ttl=5) as writer:
             assert not writer.shared and writer.token > reader.token
             assert await locks.try_acquire("rw", ttl=5, shared=True) is None
+
+
+# -- shared holds, semaphores and elections in the tree, through the backend's own calls -----
+
+
+def ask(name: str, *, ttl: float = 5.0, **fields: Any) -> LockRequest:
+    """A request as the core makes it (a fresh owner secret each time)."""
+    return LockRequest(name, ttl, uuid.uuid4().hex, on_lost=lambda reason: None, **fields)
+
+
+def token(grant: ZooKeeperGrant | LockInfo) -> int:
+    assert grant.token is not None
+    return grant.token
+
+
+async def test_the_three_kinds_of_one_name_are_three_parents(zk: Zk) -> None:
+    async with zk.backend() as one:
+        lock = await one.acquire(ask("a"))
+        permit = await one.acquire(ask("a", kind="semaphore", permits=2))
+        term = await one.acquire(ask("a", kind="election", value=b"me:8080"))
+        assert token(lock) < token(permit) < token(term)
+        tree = {path.rpartition("/")[0] for path in await zk.tree()}
+        assert tree == {
+            zk.chroot,
+            f"{zk.chroot}/a",
+            f"{zk.chroot}/%semaphore-a",
+            f"{zk.chroot}/%election-a",
+        }
+        assert "-sem2-" in permit.path and "-lock-" in term.path
+        assert await zk.admin.get_data(term.path) == b"me:8080"
+        # A lock named like another kind's parent is still the lock of that name.
+        odd = await one.try_acquire(ask("%semaphore-a"))
+        assert odd is not None and odd.path.startswith(f"{zk.chroot}/%25semaphore-a/")
+        for grant in (lock, permit, term, odd):
+            await one.release(grant)
+    assert await zk.tree() == []
+
+
+async def test_semaphore_waiters_watch_the_n_nodes_ahead_and_enter_in_order(zk: Zk) -> None:
+    parent = f"{zk.chroot}/%semaphore-pool"
+    async with zk.backend() as one, zk.backend() as other:
+        holders = [await one.acquire(ask("pool", kind="semaphore", permits=3)) for _ in range(3)]
+        assert await other.try_acquire(ask("pool", kind="semaphore", permits=3)) is None
+        entered: list[int] = []
+        grants: dict[int, ZooKeeperGrant] = {}
+
+        async def wait(index: int) -> None:
+            grant = await (one, other)[index % 2].acquire(ask("pool", kind="semaphore", permits=3))
+            grants[index] = grant
+            entered.append(index)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(6):
+                tg.start_soon(wait, index)
+                await zk.wait_for_children("%semaphore-pool", 4 + index)
+            # Nobody watches the queue; each waiter watches the 3 nodes just ahead of it.
+            queue = [f"{parent}/{child}" for child in await zk.children("%semaphore-pool")]
+            watched = watched_paths(zk.server)
+            assert parent not in watched
+            for position in range(3, 9):
+                for ahead in queue[position - 3 : position]:
+                    assert ahead in watched
+            assert queue[-1] not in watched
+            info = await one.inspect("pool", "semaphore")
+            assert (info.permits, info.waiters) == (3, 6)
+            assert [h.token for h in info.holders] == [g.token for g in holders]
+            # A holder in the middle leaves: the first waiter, and only it, gets in.
+            await one.release(holders[1])
+            await until(lambda: entered == [0])
+            await anyio.sleep(0.1)
+            assert entered == [0]
+            for grant in (holders[0], holders[2]):
+                await one.release(grant)
+            await until(lambda: entered == [0, 1, 2])
+            for index in (0, 1, 2):
+                await (one, other)[index % 2].release(grants[index])
+        assert entered == list(range(6))
+        for index in (3, 4, 5):
+            await (one, other)[index % 2].release(grants[index])
+
+
+async def test_an_election_feed_is_pushed_when_a_leader_comes_or_goes_not_when_one_queues(
+    zk: Zk,
+) -> None:
+    """Pushed, not found by observe()'s look every second (what inspect() shows of a term, and
+    its rising tokens, are the contract's)."""
+    woke: list[float] = []
+    async with zk.backend() as one, zk.backend() as other:
+
+        async def watch(seen: LockInfo, timeout: float) -> None:
+            started = anyio.current_time()
+            await other.wait_for_change("boss", "election", seen, timeout)
+            woke.append(anyio.current_time() - started)
+
+        idle = await other.inspect("boss", "election")
+        # Nothing there yet (no parent even): a candidate appearing is a change.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, idle, 5.0)
+            await anyio.sleep(0.2)
+            leader = await one.acquire(ask("boss", kind="election", value=b"a"))
+        assert woke.pop() < 1.0
+        info = await other.inspect("boss", "election")
+        next_up: list[ZooKeeperGrant] = []
+
+        async def campaign() -> None:
+            next_up.append(await other.acquire(ask("boss", kind="election", value=b"b")))
+
+        async with anyio.create_task_group() as tg:
+            # A candidate joining the queue is not a change of leader: nobody wakes...
+            async with anyio.create_task_group() as feed:
+                feed.start_soon(watch, info, 0.5)
+                await anyio.sleep(0.1)
+                tg.start_soon(campaign)
+                await zk.wait_for_children("%election-boss", 2)
+            assert woke.pop() >= 0.45
+            # ...the leader leaving is.
+            async with anyio.create_task_group() as feed:
+                feed.start_soon(watch, info, 5.0)
+                await anyio.sleep(0.2)
+                await one.release(leader)
+            assert woke.pop() < 1.0
+        now = await one.inspect("boss", "election")
+        assert (now.value, now.token) == (b"b", next_up[0].token)
+        # A stale view returns at once.
+        started = anyio.current_time()
+        await one.wait_for_change("boss", "election", info, 5.0)
+        assert anyio.current_time() - started < 0.5
+        await other.release(next_up[0])
+        # The feed leaves no watch callbacks behind.
+        for client in (one, other):
+            assert all(s["watches"] == 0 for s in client.extra_info()["sessions"].values())
+
+
+async def test_a_change_feed_on_a_semaphore_or_lock_watches_the_parents_children(zk: Zk) -> None:
+    async with zk.backend() as one, zk.backend() as other:
+        permit = await one.acquire(ask("pool", kind="semaphore", permits=2))
+        seen = await other.inspect("pool", "semaphore")
+        started = anyio.current_time()
+        await other.wait_for_change("pool", "semaphore", seen, 0.3)  # nothing changes
+        assert anyio.current_time() - started >= 0.25
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other.wait_for_change, "pool", "semaphore", seen, 5.0)
+            await anyio.sleep(0.1)
+            second = await one.acquire(ask("pool", kind="semaphore", permits=2))
+        assert anyio.current_time() - started < 2.0
+        # A stale view returns at once; so does one of a lock that is gone.
+        with anyio.fail_after(1):
+            await other.wait_for_change("pool", "semaphore", seen, 5.0)
+            lock = await one.acquire(ask("rw", shared=True))
+            held = await other.inspect("rw")
+            await one.release(lock)
+            await other.wait_for_change("rw", "lock", held, 5.0)
+        for grant in (permit, second):
+            await one.release(grant)
+        assert all(s["watches"] == 0 for s in other.extra_info()["sessions"].values())
+
+
+async def test_a_change_feed_ends_quietly_when_its_client_closes_during_a_request(zk: Zk) -> None:
+    """The client closing under a watch's request (the session ends first) is the end of the
+    feed, not an error: Election.observe() ends when its client closes."""
+    async with zk.proxied() as (proxy, locks):
+        one = backend_of(locks)
+        seen = await one.inspect("boss", "election")
+        proxy.delay(100)  # the watch's first request is on its way when the client closes
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one.wait_for_change, "boss", "election", seen, 10.0)
+            await anyio.sleep(0.05)
+            with anyio.fail_after(5):
+                await locks.aclose()

@@ -4,6 +4,7 @@ tests in tests/backends/: direct gRPC access beside the backend under test, /met
 from __future__ import annotations
 
 import http.client
+import inspect
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -52,20 +53,13 @@ class Raw:
         return list(reply.kvs)
 
     async def count(self, prefix: bytes) -> int:
-        reply = await self.kv.Range(
-            rpc.RangeRequest(key=prefix, range_end=end(prefix), count_only=True)
-        )
-        return int(reply.count)
+        return len(await self.keys(prefix))
 
     async def until_count(self, prefix: bytes, expected: int, timeout: float = 10.0) -> None:
         """Until ``expected`` keys are under ``prefix`` (the queue lives on the server)."""
         with anyio.fail_after(timeout):
             while await self.count(prefix) != expected:  # noqa: ASYNC110
                 await anyio.sleep(0.005)
-
-    async def lease_ids(self) -> set[int]:
-        reply = await self.leases.LeaseLeases(rpc.LeaseLeasesRequest())
-        return {int(item.ID) for item in reply.leases}
 
 
 @asynccontextmanager
@@ -105,9 +99,15 @@ def metrics(server: EtcdServer, name: str, labels: str = "") -> float:
     return total
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+async def wait_until(
+    predicate: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout: float = 10.0
+) -> None:
+    """Poll ``predicate`` (a function or a coroutine function) until it is true."""
     with anyio.fail_after(timeout):
-        while not await predicate():  # noqa: ASYNC110 (polls the server)
+        while True:
+            result = predicate()
+            if await result if inspect.isawaitable(result) else result:
+                return
             await anyio.sleep(0.005)
 
 
@@ -157,7 +157,7 @@ def etcd_backend(etcd_server: EtcdServer) -> BackendUnderTest:
             found = [
                 f"key {bytes(item.key).decode()}" for item in await direct.keys(prefix.encode())
             ]
-            found += [f"lease {id_:016x}" for id_ in await direct.lease_ids() if id_ not in before]
+        found += [f"lease {id_:016x}" for id_ in lease_ids(etcd_server) if id_ not in before]
         return sorted(found)
 
     return BackendUnderTest(

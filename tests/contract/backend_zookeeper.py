@@ -56,16 +56,6 @@ async def delete_tree(client: ZKClient, path: str) -> None:
             await client.delete(node, force=True)
 
 
-async def revoke_lock(address: str, chroot: str, name: str) -> None:
-    """Delete the znode of the current holder of ``name`` (the lowest sequence number)."""
-    parent = f"{chroot}/{encode_name(name)}"
-    async with admin_client(address) as client:
-        children = await client.get_children(parent)
-        assert children, f"nobody holds {name!r}"
-        holder = min(children, key=lambda child: int(child.rpartition("-")[2]))
-        await client.delete(f"{parent}/{holder}", force=True)
-
-
 def alive_connections(server: ZooKeeperServer) -> int:
     for line in server.four_letter_word("mntr").splitlines():
         key, _, value = line.partition("\t")
@@ -81,11 +71,17 @@ def zookeeper_backend(zookeeper_server: ZooKeeperServer) -> BackendUnderTest:
     baseline = alive_connections(zookeeper_server)
 
     async def revoke(name: str) -> None:
+        """Delete the znode of the current holder of ``name`` (the lowest sequence number)."""
         # The backend watches its own node, so the holder's body can be cancelled while this
         # delete is still closing its connection; the operator's delete itself always completes
         # (the body sees the cancellation at its next await).
+        parent = f"{chroot}/{encode_name(name)}"
         with anyio.CancelScope(shield=True):
-            await revoke_lock(address, chroot, name)
+            async with admin_client(address) as client:
+                children = await client.get_children(parent)
+                assert children, f"nobody holds {name!r}"
+                holder = min(children, key=lambda child: int(child.rpartition("-")[2]))
+                await client.delete(f"{parent}/{holder}", force=True)
 
     async def leftovers() -> list[str]:
         async with admin_client(address) as client:
@@ -135,12 +131,8 @@ class Zk:
     admin: ZKClient
     chroot: str
 
-    @property
-    def url(self) -> str:
-        return f"{self.server.url}{self.chroot}"
-
     def connect(self, **options: Any) -> asynclock.LockClient:
-        return asynclock.connect(self.url, **options)
+        return asynclock.connect(f"{self.server.url}{self.chroot}", **options)
 
     @asynccontextmanager
     async def backend(self, **options: Any) -> AsyncIterator[ZooKeeperBackend]:
