@@ -484,11 +484,13 @@ async def test_state_does_not_grow_over_200_acquisitions(zk: Zk) -> None:
                     lease = await locks.acquire(f"grow/{index}", ttl=5)
                     await lease.release()
         info = backend_of(locks).extra_info()
-        assert_session_state_clean(locks)
         assert len(info["sessions"]) == 1
         # Parents are remembered for a moment only (the janitor deletes them once unused).
         assert info["known_parents"] <= 52
         await until(lambda: not backend_of(locks).extra_info()["known_parents"], 6)
+        # Checked once the janitor is done: its pipelined deletes of a few dozen parents may be
+        # in flight before (19 waiting calls in a loaded run).
+        assert_session_state_clean(locks)
 
         async def tree_empty() -> bool:
             return not await zk.tree()
