@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import pwd
 import shutil
 import signal
-import subprocess
 from collections.abc import Mapping
-from typing import Final, Literal
+from typing import Literal
 
-from ._host import ServerStartError, find_binary
-from ._postgres import _PG_BIN_DIRS, PostgresServer
+from ._host import find_binary
+from ._postgres import _PG_BIN_DIRS, PostgresServer, os_user, pg_isready
 from ._process import SingleServer
-
-_OS_USER: Final = "postgres"
 
 
 class PgBouncerServer(SingleServer):
@@ -47,16 +42,7 @@ class PgBouncerServer(SingleServer):
         self.pool_mode = pool_mode
         self.pool_size = pool_size
         self.settings = dict(settings or {})
-        self._os_user: str | None = None
-        if os.geteuid() == 0:
-            try:
-                pwd.getpwnam(_OS_USER)
-            except KeyError:
-                raise ServerStartError(
-                    "PgBouncer refuses to run as root and there is no 'postgres' OS user "
-                    "(the postgresql package creates it)"
-                ) from None
-            self._os_user = _OS_USER
+        self._os_user = os_user("PgBouncer")
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
 
     @property
@@ -96,19 +82,4 @@ class PgBouncerServer(SingleServer):
         return [self._pgbouncer, str(self.data_dir / "pgbouncer.ini")]
 
     def _probe(self, timeout: float) -> bool:
-        command = [
-            self._pg_isready,
-            "-h", self.host,
-            "-p", str(self.port),
-            "-U", "postgres",
-            "-d", "postgres",
-            "-t", str(max(1, round(timeout))),
-        ]  # fmt: skip
-        result = subprocess.run(
-            command,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=timeout + 5,
-            check=False,
-        )
-        return result.returncode == 0
+        return pg_isready(self._pg_isready, self.host, self.port, timeout)

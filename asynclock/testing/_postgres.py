@@ -41,16 +41,7 @@ class PostgresServer(SingleServer):
         self._initdb = find_binary("initdb", "postgresql", extra_dirs=_PG_BIN_DIRS)
         self._pg_isready = find_binary("pg_isready", "postgresql", extra_dirs=_PG_BIN_DIRS)
         self.max_connections = max_connections
-        self._os_user: str | None = None
-        if os.geteuid() == 0:
-            try:
-                pwd.getpwnam(_OS_USER)
-            except KeyError:
-                raise ServerStartError(
-                    "PostgreSQL refuses to run as root and there is no 'postgres' OS user "
-                    "(the postgresql package creates it)"
-                ) from None
-            self._os_user = _OS_USER
+        self._os_user = os_user("PostgreSQL")
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
 
     @property
@@ -105,19 +96,36 @@ class PostgresServer(SingleServer):
         ]  # fmt: skip
 
     def _probe(self, timeout: float) -> bool:
-        command = [
-            self._pg_isready,
-            "-h", self.host,
-            "-p", str(self.port),
-            "-U", "postgres",
-            "-d", "postgres",
-            "-t", str(max(1, round(timeout))),
-        ]  # fmt: skip
-        result = subprocess.run(
-            command,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=timeout + 5,
-            check=False,
-        )
-        return result.returncode == 0
+        return pg_isready(self._pg_isready, self.host, self.port, timeout)
+
+
+def os_user(server: str) -> str | None:
+    """The OS user to run ``server`` as: ``postgres`` when we are root (PostgreSQL and PgBouncer
+    refuse root), else ourselves (None)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(_OS_USER)
+    except KeyError:
+        raise ServerStartError(
+            f"{server} refuses to run as root and there is no 'postgres' OS user (the "
+            "postgresql package creates it)"
+        ) from None
+    return _OS_USER
+
+
+def pg_isready(binary: str, host: str, port: int, timeout: float) -> bool:
+    """Whether a PostgreSQL server (or a pooler in front of one) at ``host:port`` accepts
+    connections, by ``pg_isready``."""
+    command = [
+        binary,
+        "-h", host,
+        "-p", str(port),
+        "-U", "postgres",
+        "-d", "postgres",
+        "-t", str(max(1, round(timeout))),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout + 5, check=False
+    )
+    return result.returncode == 0
