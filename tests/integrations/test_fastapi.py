@@ -24,7 +24,7 @@ from asynclock.integrations.fastapi import (
     locked,
 )
 
-from ._servers import serve_asgi
+from ._servers import no_client, serve_asgi
 
 pytestmark = pytest.mark.anyio
 
@@ -151,10 +151,6 @@ async def test_the_client_from_the_lifespan_and_the_dependency_refusing_sync_and
         answer = await http.post("/dep/6")
     assert answer.status_code == 200
     assert LEASE_LOST_HEADER not in answer.headers  # FastAPI built the response already
-
-
-def no_client() -> asynclock.LockClient:
-    raise AssertionError("the lock client is only needed when a request comes in")
 
 
 @pytest.mark.expect_log(r"lease on 'orders/5' (was )?lost")

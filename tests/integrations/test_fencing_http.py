@@ -33,7 +33,8 @@ from asynclock.fencing import (
 from asynclock.integrations.aiohttp import FENCING_RESOURCE, FENCING_TOKEN
 from asynclock.integrations.fastapi import locked
 
-from ._servers import memory, serve_aiohttp, serve_asgi
+from ._memory import memory
+from ._servers import serve_aiohttp, serve_asgi
 
 pytestmark = pytest.mark.anyio
 

@@ -33,9 +33,8 @@ from asynclock.integrations import aiohttp as aiohttp_locks
 from asynclock.integrations import fastapi as fastapi_locks
 from asynclock.integrations.fastapi import LEASE_LOST_HEADER
 from asynclock.testing import FaultProxy, RedisServer
-from tests.contract.backend_redis import redis_leftovers
 
-from ._servers import serve_aiohttp, serve_asgi
+from ._servers import Answer, answer_of, assert_no_leftovers, serve_aiohttp, serve_asgi
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -127,31 +126,6 @@ class Faults:
     ended: float = 0.0
 
 
-@dataclass(frozen=True)
-class Answer:
-    request_id: str
-    status: int
-    error: str | None
-    retry_after: str | None
-    lease_lost: str | None
-    sent: float
-
-
-def answer_of(request_id: str, response: httpx.Response, sent: float) -> Answer:
-    error = None
-    if response.status_code != 200:
-        body = response.json()
-        error = (body.get("detail") if isinstance(body.get("detail"), dict) else body)["error"]
-    return Answer(
-        request_id,
-        response.status_code,
-        error,
-        response.headers.get("retry-after"),
-        response.headers.get("asynclock-lease-lost"),
-        sent,
-    )
-
-
 Serve = Callable[[Any], AbstractAsyncContextManager[str]]
 
 
@@ -191,7 +165,7 @@ async def run_scenario(
             response = await http[instance].post(
                 f"/orders/{order}", headers={"request-id": request_id}
             )
-            answers.append(answer_of(request_id, response, sent))
+            answers.append(answer_of(request_id, instance, sent, response))
 
         async def long_body(instance: int, order: str) -> None:
             """Start a long body and return once it holds its lease. Its take may be answered
@@ -256,11 +230,7 @@ async def run_scenario(
                 task_group.start_soon(run_faults)
                 for _ in range(CLIENTS):
                     task_group.start_soon(client)
-    # Nothing left behind: every lock key released or expired, every connection closed.
-    with anyio.fail_after(5):
-        while leftovers := await redis_leftovers(redis_server, prefix, client_name):  # noqa: ASYNC110
-            await anyio.sleep(0.1)
-    assert leftovers == []
+    await assert_no_leftovers(redis_server, prefix, client_name)
     return answers, ledger, longs, faults
 
 

@@ -52,8 +52,8 @@ import redis.asyncio
 from anyio.abc import TaskGroup
 
 from asynclock.testing import FaultProxy, RedisServer
-from tests.contract.backend_redis import redis_leftovers
 
+from ._servers import Answer, answer_of, assert_no_leftovers
 from .web_worker_app import FRAMEWORKS, TTL
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -92,38 +92,6 @@ DOCUMENTED = {
 }
 #: The answers that promise "nothing was done, retry later".
 RETRY_AFTER = {"lock_busy", "deadlock", "lock_unavailable"}
-
-
-@dataclass(frozen=True)
-class Answer:
-    request_id: str
-    worker: int
-    status: int | None  # None: no answer (the client's error is in ``failure``)
-    error: str | None = None
-    retry_after: str | None = None
-    lease_lost: str | None = None
-    body: dict[str, Any] | None = None
-    failure: str | None = None
-    sent: float = 0.0
-
-
-def answer_of(request_id: str, worker: int, sent: float, response: httpx.Response) -> Answer:
-    body = response.json()
-    error = None
-    if response.status_code != 200:
-        # FastAPI puts the answer under "detail" (an HTTPException); aiohttp at the top.
-        detail = body.get("detail")
-        error = (detail if isinstance(detail, dict) else body).get("error")
-    return Answer(
-        request_id,
-        worker,
-        response.status_code,
-        error,
-        response.headers.get("retry-after"),
-        response.headers.get("asynclock-lease-lost"),
-        body if response.status_code == 200 else None,
-        sent=sent,
-    )
 
 
 @dataclass
@@ -293,11 +261,7 @@ async def scenario(redis_server: RedisServer, framework: str, directory: Path) -
         # redis-py types its commands as "awaitable or not"; on the asyncio client they await.
         items: list[bytes] = await raw.lrange(f"{resource}bookings", 0, -1)  # type: ignore[misc]
         run.bookings = [json.loads(item) for item in items]
-        # Every lock key released or expired, every connection named client_name closed.
-        with anyio.move_on_after(5):
-            while leftovers := await redis_leftovers(redis_server, prefix, client_name):  # noqa: ASYNC110
-                await anyio.sleep(0.1)
-        assert leftovers == []
+        await assert_no_leftovers(redis_server, prefix, client_name)
         # What stays by design (token counters, fences, the bookings) belongs to this test.
         ours = [key async for key in raw.scan_iter(match=f"web-procs-{tag}*", count=1000)]
         if ours:
