@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import uuid
-from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
@@ -48,7 +47,11 @@ def job_list(seed: int) -> list[tuple[str, int]]:
     return jobs
 
 
-class JobQueue(ABC):
+class JobQueue:
+    """What the three queues share; each also has ``worker_command()``, ``open()``,
+    ``submit(mode, account, job_id)`` (a handle), ``outcome(handle)`` (why the job did not
+    succeed, ``None`` if it did, and how often it was deferred) and ``aclose()``."""
+
     name: str
 
     def __init__(self, port: int) -> None:
@@ -56,34 +59,8 @@ class JobQueue(ABC):
         self.db = QUEUE_DBS[self.name]
         self.url = f"redis://127.0.0.1:{port}/{self.db}"
 
-    @abstractmethod
-    def worker_command(self) -> list[str]: ...
-
-    @abstractmethod
-    async def open(self) -> None: ...
-
-    async def settled(self) -> None:  # noqa: B027 - most queues have nothing to wait for
+    async def settled(self) -> None:
         """Wait until the started workers have done what they do once at start-up."""
-
-    @abstractmethod
-    async def submit(self, mode: str, account: str, job_id: int) -> Any: ...
-
-    @abstractmethod
-    async def outcome(self, handle: Any) -> tuple[str | None, int]:
-        """Why the job did not succeed (``None`` if it did), and how often it was deferred."""
-
-    @abstractmethod
-    async def aclose(self) -> None: ...
-
-    async def outcomes(self, handles: list[Any]) -> tuple[list[str], int]:
-        failed: list[str] = []
-        deferrals = 0
-        for handle in handles:
-            error, deferred = await self.outcome(handle)
-            if error is not None:
-                failed.append(error)
-            deferrals += deferred
-        return failed, deferrals
 
 
 class Arq(JobQueue):
@@ -196,7 +173,19 @@ class Taskiq(JobQueue):
         await self.broker.shutdown()
 
 
-QUEUES: dict[str, type[Arq] | type[Saq] | type[Taskiq]] = {"arq": Arq, "saq": Saq, "taskiq": Taskiq}
+Queue = Arq | Saq | Taskiq
+QUEUES: dict[str, type[Queue]] = {"arq": Arq, "saq": Saq, "taskiq": Taskiq}
+
+
+async def outcomes(queue: Queue, handles: list[Any]) -> tuple[list[str], int]:
+    failed: list[str] = []
+    deferrals = 0
+    for handle in handles:
+        error, deferred = await queue.outcome(handle)
+        if error is not None:
+            failed.append(error)
+        deferrals += deferred
+    return failed, deferrals
 
 
 @contextmanager
@@ -292,7 +281,7 @@ async def wait_for(
 
 
 async def run_batch(
-    queue: JobQueue,
+    queue: Queue,
     mode: str,
     seed: int,
     records_db: redis.asyncio.Redis,
@@ -315,11 +304,11 @@ async def run_batch(
     assert overlaps(records) == [], mode
     assert len({record["pid"] for record in records}) == 2, mode  # both processes worked
     # The queue writes a job's outcome just after the job's record.
-    failed, deferrals = await queue.outcomes(handles)
+    failed, deferrals = await outcomes(queue, handles)
     with anyio.move_on_after(10):
         while failed:
             await anyio.sleep(0.1)
-            failed, deferrals = await queue.outcomes(handles)
+            failed, deferrals = await outcomes(queue, handles)
     assert failed == [], mode
     if mode == "deferring":
         assert deferrals > 0  # busy locks did defer jobs

@@ -39,7 +39,7 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,13 +100,9 @@ class Worker:
     url: str
     log: Path
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     def signal(self, signum: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signum)  # its own process group (start_new_session)
+            os.killpg(self.process.pid, signum)  # its own process group (start_new_session)
 
 
 def spawn(framework: str, env: dict[str, str], log: Path) -> Worker:
@@ -173,12 +169,6 @@ async def ready(probe: httpx.AsyncClient, worker: Worker) -> None:
                 if (await probe.get(f"{worker.url}/health")).status_code == 200:
                     return
             await anyio.sleep(0.05)
-
-
-def journal(directory: Path) -> Iterator[dict[str, Any]]:
-    for path in sorted(directory.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            yield json.loads(line)
 
 
 @dataclass
@@ -253,10 +243,11 @@ async def scenario(redis_server: RedisServer, framework: str, directory: Path) -
         await stack.aclose()
     run.exits = [worker.process.returncode for worker in workers]
     run.logs = [worker.log.read_text() for worker in workers]
-    for path in journal_dir.glob("*.jsonl"):
-        run.closed += json.loads(path.read_text().splitlines()[-1])["event"] == "closed"
-    for step in journal(journal_dir):
-        run.steps[step["request_id"]].append(step)
+    for path in sorted(journal_dir.glob("*.jsonl")):
+        steps = [json.loads(line) for line in path.read_text().splitlines()]
+        run.closed += steps[-1]["event"] == "closed"
+        for step in steps:
+            run.steps[step["request_id"]].append(step)
     async with redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw:
         # redis-py types its commands as "awaitable or not"; on the asyncio client they await.
         items: list[bytes] = await raw.lrange(f"{resource}bookings", 0, -1)  # type: ignore[misc]
@@ -293,7 +284,7 @@ async def drive(
 
     def journaled(worker: int, event: str, request_id: str) -> bool:
         # The journal's lines begin with the event and the request id (json.dumps keeps order).
-        path = journal_dir / f"{workers[worker].pid}.jsonl"
+        path = journal_dir / f"{workers[worker].process.pid}.jsonl"
         needle = json.dumps({"event": event, "request_id": request_id})[:-1] + ","
         return path.exists() and needle in path.read_text()
 
