@@ -208,6 +208,34 @@ def answer_of(request_id: str, worker: int, sent: float, response: httpx.Respons
     )
 
 
+#: A locked handler's documented answers (status, error).
+DOCUMENTED = {(200, None), (423, "lock_busy"), (409, "deadlock")} | {
+    (503, error) for error in ("lease_lost", "lock_unavailable")
+}
+#: The answers that promise "nothing was done, retry later".
+RETRY_AFTER = {"lock_busy", "deadlock", "lock_unavailable"}
+
+
+def check_answers(answers: list[Answer], faults_began: float, faults_ended: float) -> None:
+    """What every web scenario's answers show: each request answered, only documented answers
+    (never a 500), ``Retry-After`` with each that promises nothing was done and never with
+    ``lease_lost`` (the body was stopped part way: its effects may be partial), the outage
+    felt, and orders booked before the faults and again after them."""
+    failures = [answer for answer in answers if answer.status is None]
+    assert failures == [], failures
+    undocumented = [a for a in answers if (a.status, a.error) not in DOCUMENTED]
+    assert undocumented == [], undocumented
+    for answer in answers:
+        if answer.error in RETRY_AFTER:
+            assert answer.retry_after == "1", answer
+        elif answer.error == "lease_lost":
+            assert answer.retry_after is None, answer
+    assert any(answer.error == "lock_unavailable" for answer in answers)
+    ok = [answer.sent for answer in answers if answer.status == 200]
+    assert any(sent < faults_began for sent in ok), "no order booked before the faults"
+    assert any(sent > faults_ended for sent in ok), "no order booked after the faults"
+
+
 async def assert_no_leftovers(redis_server: RedisServer, prefix: str, client_name: str) -> None:
     """Within 5 s, every lock key under ``prefix`` released or expired and every connection
     named ``client_name`` closed."""
