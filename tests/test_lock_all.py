@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -16,13 +16,10 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(params=["memory", "sqlite"])
-async def url(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[str]:
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "memory":
-        yield f"memory://lock-all-{uuid.uuid4().hex[:8]}"
-    else:
-        yield f"sqlite://{tmp_path_factory.mktemp('lock_all')}/locks.db"
+        return f"memory://lock-all-{uuid.uuid4().hex[:8]}"
+    return f"sqlite://{tmp_path}/locks.db"
 
 
 async def test_opposite_orders_cannot_deadlock(url: str) -> None:

@@ -85,7 +85,7 @@ async def test_a_cancelled_extend_to_a_shorter_ttl_keeps_the_shorter_deadline(
 
 @pytest.mark.expect_log("lease on 'e' lost: the lock was removed on the server")
 async def test_a_leader_dropped_on_the_server_is_cancelled_and_observers_see_it() -> None:
-    async with memory_locks() as locks, memory_locks() as _:
+    async with memory_locks() as locks:
         seen: list[asynclock.Leader | None] = []
 
         async def observe() -> None:

@@ -52,18 +52,14 @@ class Config:
 
     @classmethod
     def from_env(cls) -> Config:
-        try:
-            return cls(
-                os.environ["ASYNCLOCK_WEB_LOCKS"],
-                os.environ["ASYNCLOCK_WEB_RESOURCE"],
-                os.environ["ASYNCLOCK_WEB_PREFIX"],
-                os.environ["ASYNCLOCK_WEB_CLIENT_NAME"],
-                Path(os.environ["ASYNCLOCK_WEB_JOURNAL"]),
-            )
-        except KeyError as exc:
-            raise SystemExit(
-                f"web_worker_app needs the environment variable {exc.args[0]}"
-            ) from None
+        env = os.environ
+        return cls(
+            env["ASYNCLOCK_WEB_LOCKS"],
+            env["ASYNCLOCK_WEB_RESOURCE"],
+            env["ASYNCLOCK_WEB_PREFIX"],
+            env["ASYNCLOCK_WEB_CLIENT_NAME"],
+            Path(env["ASYNCLOCK_WEB_JOURNAL"]),
+        )
 
 
 class Journal:
