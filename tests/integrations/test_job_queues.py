@@ -250,16 +250,18 @@ def overlaps(records: list[dict[str, Any]]) -> list[str]:
 
 
 @asynccontextmanager
-async def lock_server(redis_server: RedisServer, label: str) -> AsyncIterator[tuple[str, str]]:
-    """A lock URL with a prefix of its own; afterwards, no key of it may be left but the fencing
-    counters (which stay by design), and those are cleaned up."""
+async def lock_server(
+    redis_server: RedisServer, label: str
+) -> AsyncIterator[tuple[str, str, redis.asyncio.Redis]]:
+    """A lock URL with a prefix of its own, the prefix, and a client of its database; afterwards,
+    no key of it may be left but the fencing counters (which stay by design), cleaned up then."""
     prefix = f"jq-{label}-{uuid.uuid4().hex[:6]}:"
     url = (
         f"redis://127.0.0.1:{redis_server.port}/{LOCK_DB}?prefix={prefix}&durability_warning=false"
     )
     async with raw_redis(redis_server.port, LOCK_DB) as lock_db:
         try:
-            yield url, prefix
+            yield url, prefix, lock_db
             keys = [key.decode() async for key in lock_db.scan_iter(match=f"{prefix}*")]
             assert [key for key in keys if not key.startswith(f"{prefix}token:")] == []
         finally:
@@ -322,7 +324,7 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
     queue = QUEUES[queue_name](redis_server.port)
     log = tmp_path / f"{queue_name}-workers.log"
     async with (
-        lock_server(redis_server, queue_name) as (lock_url, _),
+        lock_server(redis_server, queue_name) as (lock_url, _, _),
         raw_redis(redis_server.port, queue.db) as records_db,
     ):
         env = dict(os.environ)
@@ -354,17 +356,6 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
 # LeaseLost, and in every run of this file alone it did. Unexplained so far.
 
 
-@asynccontextmanager
-async def life_locks(
-    redis_server: RedisServer, queue: str
-) -> AsyncIterator[tuple[str, str, redis.asyncio.Redis]]:
-    async with (
-        lock_server(redis_server, f"{queue}-life") as (lock_url, prefix),
-        raw_redis(redis_server.port, LOCK_DB) as lock_db,
-    ):
-        yield lock_url, prefix, lock_db
-
-
 async def lose_the_lease(lock_db: redis.asyncio.Redis, prefix: str, n: int) -> str:
     await lock_db.delete(f"{prefix}lock:{{life/{n}}}")  # as if it had expired on the server
     await asyncio.sleep(5)
@@ -390,7 +381,7 @@ async def test_arq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
     settings = RedisSettings(host="127.0.0.1", port=redis_server.port, database=QUEUE_DBS["arq"])
     hooks_ran_in: dict[str, asyncio.Task[Any] | None] = {}
-    async with life_locks(redis_server, "arq") as (lock_url, prefix, lock_db):
+    async with lock_server(redis_server, "arq-life") as (lock_url, prefix, lock_db):
         worker_locks = WorkerLocks(lock_url)
 
         async def on_startup(ctx: dict[str, Any]) -> None:
@@ -453,7 +444,7 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
     from asynclock.integrations.saq import WorkerLocks, locked
 
-    async with life_locks(redis_server, "saq") as (lock_url, prefix, lock_db):
+    async with lock_server(redis_server, "saq-life") as (lock_url, prefix, lock_db):
         worker_locks = WorkerLocks(lock_url)
 
         @locked("life/{n}")
@@ -506,7 +497,7 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
 
     from asynclock.integrations.taskiq import WorkerLocks, locked
 
-    async with life_locks(redis_server, "taskiq") as (lock_url, prefix, lock_db):
+    async with lock_server(redis_server, "taskiq-life") as (lock_url, prefix, lock_db):
         broker = InMemoryBroker()
         worker_locks = WorkerLocks(lock_url).install(broker)
 

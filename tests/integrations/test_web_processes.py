@@ -59,6 +59,7 @@ from .web_worker_app import FRAMEWORKS, TTL
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 ROOT = Path(__file__).resolve().parents[2]
+WORKER = [sys.executable, "-m", "tests.integrations.web_worker_app"]
 WORKERS = 3
 ORDERS = 10
 #: Concurrent clients, each waiting PACE after every answer before its next request, so that
@@ -102,14 +103,7 @@ def spawn(framework: str, env: dict[str, str], log: Path) -> Worker:
         port = listener.getsockname()[1]
         with log.open("wb") as output:
             process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.integrations.web_worker_app",
-                    framework,
-                    "--fd",
-                    str(listener.fileno()),
-                ],
+                [*WORKER, framework, "--fd", str(listener.fileno())],
                 pass_fds=[listener.fileno()],
                 env=env,
                 cwd=ROOT,
