@@ -83,6 +83,16 @@ async def test_a_cancelled_extend_to_a_shorter_ttl_keeps_the_shorter_deadline(
         await lease.release()
 
 
+@pytest.mark.expect_log("lease on 'job' lost: the lock is no longer held by this lease")
+async def test_extend_of_a_lease_the_server_dropped_raises_and_cancels_its_body() -> None:
+    async with memory_locks() as locks:
+        with pytest.raises(asynclock.LeaseLost):
+            async with locks.lock("job", ttl=5.0) as lease:
+                memory(locks).expire("job")
+                await lease.extend(5.0)
+                pytest.fail("extend() of a dropped lease returned")
+
+
 @pytest.mark.expect_log("lease on 'e' lost: the lock was removed on the server")
 async def test_a_leader_dropped_on_the_server_is_cancelled_and_observers_see_it() -> None:
     async with memory_locks() as locks:

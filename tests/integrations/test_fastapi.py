@@ -192,19 +192,18 @@ def test_a_typo_or_locked_above_the_route_decorator_fails_at_import() -> None:
 
     with pytest.raises(asynclock.InvalidArgument, match="retry_after must be whole seconds"):
         lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[arg-type]
-    locks = no_client
     app = FastAPI()
     router = APIRouter()
     with pytest.raises(asynclock.InvalidArgument, match=r"below\* the route decorator") as info:
 
-        @locked("orders/{order_id}", client=locks)
+        @locked("orders/{order_id}", client=no_client)
         @app.post("/orders/{order_id}")
         async def pay(order_id: int) -> None: ...
 
     assert "POST /orders/{order_id}" in str(info.value)
     with pytest.raises(asynclock.InvalidArgument, match=re.escape("GET /items/{item}")):
 
-        @locked("items/{item}", client=locks)
+        @locked("items/{item}", client=no_client)
         @router.get("/items/{item}")
         async def item(item: str) -> None: ...
 
@@ -212,4 +211,4 @@ def test_a_typo_or_locked_above_the_route_decorator_fails_at_import() -> None:
 
     app.add_api_route("/later/{order_id}", registered, methods=["PUT"])
     with pytest.raises(asynclock.InvalidArgument, match=re.escape("PUT /later/{order_id}")):
-        locked("orders/{order_id}", client=locks)(registered)
+        locked("orders/{order_id}", client=no_client)(registered)

@@ -139,11 +139,8 @@ class Taskiq(JobQueue):
     def worker_command(self) -> list[str]:
         # One taskiq worker command with its own process manager and 2 worker processes.
         return [
-            sys.executable, "-m", "taskiq", "worker",
-            "tests.integrations.jobqueue_workers:broker",
-            "--workers", "2",
-            "--max-async-tasks", "5",
-            "--shutdown-timeout", "10",
+            sys.executable, "-m", "taskiq", "worker", "tests.integrations.jobqueue_workers:broker",
+            "--workers", "2", "--max-async-tasks", "5", "--shutdown-timeout", "10",
         ]  # fmt: skip
 
     async def open(self) -> None:

@@ -215,16 +215,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.framework == "fastapi":
         # Idle connections stay open, as aiohttp's do (75 s): uvicorn's 5 s default closes them,
         # and a request sent on one as it closes gets no answer, an HTTP race, not the locks'.
-        server = uvicorn.Server(
+        app = fastapi_app(config)
+        uvicorn.Server(
             uvicorn.Config(
-                fastapi_app(config),
-                log_level="warning",
-                ws="none",
-                lifespan="on",
-                timeout_keep_alive=KEEP_ALIVE,
+                app, log_level="warning", ws="none", lifespan="on", timeout_keep_alive=KEEP_ALIVE
             )
-        )
-        server.run(sockets=[sock])
+        ).run(sockets=[sock])
     else:
         # run_app turns SIGTERM into a graceful exit that runs cleanup_ctx.
         web.run_app(aiohttp_app(config), sock=sock, print=None, access_log=None)
