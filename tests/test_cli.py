@@ -31,9 +31,14 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_exists(path: Path, what: str = "the command never started") -> None:
+def wait_exists(
+    path: Path,
+    what: str = "the command never started",
+    process: subprocess.Popen[str] | None = None,
+) -> None:
     deadline = time.monotonic() + 20
     while not path.exists() or not path.read_text().strip():
+        assert process is None or process.poll() is None, process and process.communicate()[1]
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
 
@@ -180,11 +185,7 @@ def start_family(
         text=True,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 20
-    while not pids.exists():
-        assert supervisor.poll() is None, supervisor.communicate()[1]
-        assert time.monotonic() < deadline, "the command never started"
-        time.sleep(0.02)
+    wait_exists(pids, process=supervisor)  # written by a rename: whole once it exists
     return supervisor, [int(pid) for pid in pids.read_text().split()]
 
 
@@ -197,9 +198,9 @@ def server_expiry(tmp_path: Path) -> float:
     return float(expires_at)
 
 
-def assert_lock_free(tmp_path: Path) -> None:
+def assert_lock_free(tmp_path: Path, timeout: str = "0") -> None:
     url = f"sqlite://{tmp_path}/locks.db"
-    result = run("run", "job", "--url", url, "--timeout", "0", "--", "true")
+    result = run("run", "job", "--url", url, "--timeout", timeout, "--", "true")
     assert result.returncode == 0, result.stderr
 
 
@@ -219,9 +220,7 @@ def test_run_command_dies_with_its_supervisor_killed_by_sigkill(
         assert time.monotonic() < server_expiry(tmp_path)
     print(f"command gone {elapsed * 1000:.1f} ms after the supervisor's SIGKILL")
     # And the lock comes back once the dead supervisor's lease has expired.
-    url = f"sqlite://{tmp_path}/locks.db"
-    result = run("run", "job", "--url", url, "--timeout", "10", "--", "true")
-    assert result.returncode == 0, result.stderr
+    assert_lock_free(tmp_path, timeout="10")
 
 
 def test_run_command_that_ignores_sigterm_is_killed_before_the_lease_could_expire(

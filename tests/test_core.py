@@ -18,7 +18,7 @@ import pytest
 import asynclock
 from asynclock import _registry
 from asynclock.backends.memory import MemoryBackend
-from tests.integrations._servers import memory, memory_locks
+from tests.integrations._memory import memory, memory_locks
 from tests.loud import ExpectedLogs
 
 pytestmark = pytest.mark.anyio

@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
 
 import asynclock
-from asynclock.backends.memory import MemoryBackend
+from tests.integrations._memory import memory, memory_locks
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(params=["memory", "sqlite"])
-async def url(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[str]:
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "memory":
-        yield f"memory://lock-all-{uuid.uuid4().hex[:8]}"
-    else:
-        yield f"sqlite://{tmp_path_factory.mktemp('lock_all')}/locks.db"
+        return f"memory://lock-all-{uuid.uuid4().hex[:8]}"
+    return f"sqlite://{tmp_path}/locks.db"
 
 
 async def test_opposite_orders_cannot_deadlock(url: str) -> None:
@@ -54,25 +51,19 @@ async def test_opposite_orders_cannot_deadlock(url: str) -> None:
     assert done == 10
 
 
-async def test_timeout_releases_what_was_taken(url: str) -> None:
+@pytest.mark.parametrize("how", ["timeout", "cancellation"])
+async def test_a_timeout_or_cancellation_releases_what_was_taken(url: str, how: str) -> None:
     async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
         blocker = await other.acquire("b")
-        with pytest.raises(asynclock.AcquireTimeout, match="'b'"):
-            async with locks.lock_all(["c", "b", "a"], timeout=0.3):
-                pytest.fail("entered without every lock")
-        # "a" was taken before "b" timed out, and must be free again.
-        probe = await other.try_acquire("a")
-        assert probe is not None
-        await probe.release()
-        await blocker.release()
-
-
-async def test_cancellation_releases_what_was_taken(url: str) -> None:
-    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
-        blocker = await other.acquire("b")
-        with anyio.move_on_after(0.2):
-            async with locks.lock_all(["a", "b"]):
-                pytest.fail("entered without every lock")
+        if how == "timeout":
+            with pytest.raises(asynclock.AcquireTimeout, match="'b'"):
+                async with locks.lock_all(["c", "b", "a"], timeout=0.3):
+                    pytest.fail("entered without every lock")
+        else:
+            with anyio.move_on_after(0.2):
+                async with locks.lock_all(["a", "b"]):
+                    pytest.fail("entered without every lock")
+        # "a" was taken before "b" timed out or the wait was cancelled, and must be free again.
         probe = await other.try_acquire("a")
         assert probe is not None
         await probe.release()
@@ -81,14 +72,12 @@ async def test_cancellation_releases_what_was_taken(url: str) -> None:
 
 @pytest.mark.expect_log("lease on 'y' lost: the lock was removed on the server")
 async def test_every_token_is_visible_and_loss_of_one_cancels_the_body() -> None:
-    async with asynclock.connect(f"memory://lock-all-{uuid.uuid4().hex[:8]}") as locks:
-        backend = locks._backend
-        assert isinstance(backend, MemoryBackend)
+    async with memory_locks() as locks:
         with pytest.raises(asynclock.LeaseLost) as info:
             async with locks.lock_all(["x", "y"], ttl=30) as (x, y):
                 assert asynclock.current_token("x") == x.token
                 assert asynclock.current_token("y") == y.token
-                backend.expire("y", notify=True)
+                memory(locks).expire("y", notify=True)
                 await anyio.sleep(10)
         assert info.value.name == "y"
         assert x.released

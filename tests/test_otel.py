@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import asynclock
-from tests.integrations._servers import memory, memory_locks
+from tests.integrations._memory import memory, memory_locks
 
 if TYPE_CHECKING:
     from asynclock.otel import Instrumentation

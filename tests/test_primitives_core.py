@@ -4,70 +4,49 @@ blocked renewal, extend() beside a renewal in flight, shorter ttls, cancellation
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import anyio
 import pytest
 
 import asynclock
-from asynclock.backends.memory import MemoryBackend
+from tests.integrations._memory import memory, memory_locks
 
 pytestmark = pytest.mark.anyio
 
 
-def _client() -> asynclock.LockClient:
-    return asynclock.connect(f"memory://primitives-{uuid.uuid4().hex[:8]}")
-
-
-def _backend(locks: asynclock.LockClient) -> MemoryBackend:
-    backend = locks._backend
-    assert isinstance(backend, MemoryBackend)
-    return backend
-
-
 async def test_extend_keeps_the_lock_through_a_body_longer_than_the_first_ttl() -> None:
-    async with _client() as locks:
+    async with memory_locks() as locks:
         async with locks.lock("job", ttl=0.4) as lease:
             await lease.extend(3.0)
-            _backend(locks).faults.renew = "hang"  # no background renewal from here on
+            memory(locks).faults.renew = "hang"  # no background renewal from here on
             await anyio.sleep(1.0)  # 2.5 times the first ttl
             assert lease.held and not lease.lost
-            assert _backend(locks).holder("job") is not None
-            _backend(locks).faults.renew = "ok"
-
-
-@pytest.mark.expect_log("lease on 'job' lost: no successful renewal before the local deadline")
-async def test_without_extend_the_same_body_loses_the_lock() -> None:
-    async with _client() as locks:
-        with pytest.raises(asynclock.LeaseLost):
-            async with locks.lock("job", ttl=0.4):
-                _backend(locks).faults.renew = "hang"
-                await anyio.sleep(1.0)
-        _backend(locks).faults.renew = "ok"
+            assert memory(locks).holder("job") is not None
+            memory(locks).faults.renew = "ok"
 
 
 @pytest.mark.expect_log(
     r"lease on 'job' lost: no successful renewal before the local deadline \(ttl 0\.3 s\)"
 )
 async def test_a_shorter_ttl_moves_the_deadline_earlier_and_the_body_is_cancelled_by_it() -> None:
-    async with _client() as locks:
+    async with memory_locks() as locks:
         started = anyio.current_time()
         with pytest.raises(asynclock.LeaseLost):
             async with locks.lock("job", ttl=5.0) as lease:
                 first_deadline = lease.deadline
                 await lease.extend(0.3)
                 assert lease.deadline < first_deadline
-                _backend(locks).faults.renew = "hang"
+                memory(locks).faults.renew = "hang"
                 await anyio.sleep(5)
         # Cancelled at the new deadline (0.3 s less drift and margin), not the old one.
         assert anyio.current_time() - started < 1.0
-        _backend(locks).faults.renew = "ok"
+        memory(locks).faults.renew = "ok"
 
 
 async def test_extend_waits_for_a_renewal_in_flight_and_is_never_beside_it() -> None:
-    async with _client() as locks:
+    async with memory_locks() as locks:
         lease = await locks.acquire("job", ttl=0.6)
-        backend = _backend(locks)
+        backend = memory(locks)
         backend.faults.paused = True  # the renewal, when due, waits in the "server"
         with anyio.fail_after(2):
             while not lease.busy:  # noqa: ASYNC110 (the renewal loop sets it)
@@ -85,9 +64,9 @@ async def test_extend_waits_for_a_renewal_in_flight_and_is_never_beside_it() -> 
 async def test_a_cancelled_extend_to_a_shorter_ttl_keeps_the_shorter_deadline(
     cancels: int,
 ) -> None:
-    async with _client() as locks:
+    async with memory_locks() as locks:
         lease = await locks.acquire("job", ttl=10.0)
-        backend = _backend(locks)
+        backend = memory(locks)
         backend.faults.paused = True  # the extend reaches the "server" and waits there
         sent = anyio.current_time()
         task = asyncio.create_task(lease.extend(1.0))
@@ -106,17 +85,17 @@ async def test_a_cancelled_extend_to_a_shorter_ttl_keeps_the_shorter_deadline(
 
 @pytest.mark.expect_log("lease on 'job' lost: the lock is no longer held by this lease")
 async def test_extend_of_a_lease_the_server_dropped_raises_and_cancels_its_body() -> None:
-    async with _client() as locks:
+    async with memory_locks() as locks:
         with pytest.raises(asynclock.LeaseLost):
             async with locks.lock("job", ttl=5.0) as lease:
-                _backend(locks).expire("job")
+                memory(locks).expire("job")
                 await lease.extend(5.0)
                 pytest.fail("extend() of a dropped lease returned")
 
 
 @pytest.mark.expect_log("lease on 'e' lost: the lock was removed on the server")
 async def test_a_leader_dropped_on_the_server_is_cancelled_and_observers_see_it() -> None:
-    async with _client() as locks, _client() as _:
+    async with memory_locks() as locks:
         seen: list[asynclock.Leader | None] = []
 
         async def observe() -> None:
@@ -133,7 +112,7 @@ async def test_a_leader_dropped_on_the_server_is_cancelled_and_observers_see_it(
                     with anyio.fail_after(2):
                         while not seen or seen[-1] is None:  # noqa: ASYNC110
                             await anyio.sleep(0.01)
-                    _backend(locks).expire("e", notify=True, kind="election")
+                    memory(locks).expire("e", notify=True, kind="election")
                     await anyio.sleep(5)
             with anyio.fail_after(2):
                 while seen[-1] is not None:  # noqa: ASYNC110 (pushed, not polled)
@@ -143,7 +122,7 @@ async def test_a_leader_dropped_on_the_server_is_cancelled_and_observers_see_it(
 
 
 async def test_semaphore_permits_validate() -> None:
-    async with _client() as locks:
+    async with memory_locks() as locks:
         for bad in (0, -1, 10_001):
             with pytest.raises(asynclock.InvalidArgument, match="between 1 and"):
                 locks.semaphore("s", permits=bad)
@@ -154,7 +133,7 @@ async def test_semaphore_permits_validate() -> None:
 
 
 async def test_inspect_shows_readers_permits_and_the_leader_by_public_owner() -> None:
-    async with _client() as locks:
+    async with memory_locks() as locks:
         readers = [await locks.acquire("r", ttl=5, shared=True) for _ in range(2)]
         info = await locks.inspect("r")
         assert [holder.owner for holder in info.holders] == [reader.owner for reader in readers]

@@ -1,4 +1,5 @@
-"""Real uvicorn and aiohttp servers (in the test's task), lock clients, and the web tests' apps."""
+"""Real uvicorn and aiohttp servers (in the test's task), lock clients, the web tests' apps, and
+what the web scenarios read from each HTTP answer."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from asynclock.abc import Grant, LockRequest
 from asynclock.backends.memory import MemoryBackend
 from asynclock.integrations import aiohttp as aiohttp_locks
 from asynclock.integrations import fastapi as fastapi_locks
+from asynclock.testing import RedisServer
+from tests.contract.backend_redis import redis_leftovers
 
 
 @asynccontextmanager
@@ -57,18 +60,6 @@ async def serve_aiohttp(app: web.Application) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
-
-
-@asynccontextmanager
-async def memory_locks() -> AsyncIterator[asynclock.LockClient]:
-    async with asynclock.connect(f"memory://integrations-{uuid.uuid4().hex[:8]}") as locks:
-        yield locks
-
-
-def memory(locks: asynclock.LockClient) -> MemoryBackend:
-    backend = locks._backend
-    assert isinstance(backend, MemoryBackend)
-    return backend
 
 
 class FailingMemory(MemoryBackend):
@@ -168,14 +159,87 @@ class Web:
     app: Callable[..., Any]
     serve: Callable[[Any], AbstractAsyncContextManager[str]]
 
-    def error(self, answer: httpx.Response) -> dict[str, str]:
-        """The error an answer carries (FastAPI puts it in ``detail``)."""
-        body: dict[str, Any] = answer.json()
-        return body if self.serve is serve_aiohttp else body["detail"]
-
 
 WEBS = [
     Web("fastapi", _fastapi_decorated, serve_asgi),
     Web("fastapi-dependency", _fastapi_dependency, serve_asgi),
     Web("aiohttp", _aiohttp, serve_aiohttp),
 ]
+
+
+def no_client() -> asynclock.LockClient:
+    raise AssertionError("the lock client is only needed when a request comes in")
+
+
+def error_body(response: httpx.Response) -> dict[str, Any]:
+    """The error an answer carries: FastAPI puts it under "detail" (an HTTPException), aiohttp
+    at the top."""
+    body: dict[str, Any] = response.json()
+    detail = body.get("detail")
+    return detail if isinstance(detail, dict) else body
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request of a web scenario, as its checks read it."""
+
+    request_id: str
+    worker: int
+    status: int | None  # None: no answer (the client's error is in ``failure``)
+    error: str | None = None
+    retry_after: str | None = None
+    lease_lost: str | None = None
+    body: dict[str, Any] | None = None
+    failure: str | None = None
+    sent: float = 0.0
+
+
+def answer_of(request_id: str, worker: int, sent: float, response: httpx.Response) -> Answer:
+    ok = response.status_code == 200
+    return Answer(
+        request_id,
+        worker,
+        response.status_code,
+        None if ok else error_body(response).get("error"),
+        response.headers.get("retry-after"),
+        response.headers.get("asynclock-lease-lost"),
+        response.json() if ok else None,
+        sent=sent,
+    )
+
+
+#: A locked handler's documented answers (status, error).
+DOCUMENTED = {(200, None), (423, "lock_busy"), (409, "deadlock")} | {
+    (503, error) for error in ("lease_lost", "lock_unavailable")
+}
+#: The answers that promise "nothing was done, retry later".
+RETRY_AFTER = {"lock_busy", "deadlock", "lock_unavailable"}
+
+
+def check_answers(answers: list[Answer], faults_began: float, faults_ended: float) -> None:
+    """What every web scenario's answers show: each request answered, only documented answers
+    (never a 500), ``Retry-After`` with each that promises nothing was done and never with
+    ``lease_lost`` (the body was stopped part way: its effects may be partial), the outage
+    felt, and orders booked before the faults and again after them."""
+    failures = [answer for answer in answers if answer.status is None]
+    assert failures == [], failures
+    undocumented = [a for a in answers if (a.status, a.error) not in DOCUMENTED]
+    assert undocumented == [], undocumented
+    for answer in answers:
+        if answer.error in RETRY_AFTER:
+            assert answer.retry_after == "1", answer
+        elif answer.error == "lease_lost":
+            assert answer.retry_after is None, answer
+    assert any(answer.error == "lock_unavailable" for answer in answers)
+    ok = [answer.sent for answer in answers if answer.status == 200]
+    assert any(sent < faults_began for sent in ok), "no order booked before the faults"
+    assert any(sent > faults_ended for sent in ok), "no order booked after the faults"
+
+
+async def assert_no_leftovers(redis_server: RedisServer, prefix: str, client_name: str) -> None:
+    """Within 5 s, every lock key under ``prefix`` released or expired and every connection
+    named ``client_name`` closed."""
+    with anyio.move_on_after(5):
+        while leftovers := await redis_leftovers(redis_server, prefix, client_name):  # noqa: ASYNC110
+            await anyio.sleep(0.1)
+    assert leftovers == []

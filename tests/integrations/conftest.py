@@ -6,7 +6,7 @@ import pytest
 
 import asynclock
 
-from ._servers import memory_locks
+from ._memory import memory_locks
 
 
 @pytest.fixture

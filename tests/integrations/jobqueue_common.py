@@ -51,10 +51,6 @@ def records_key(mode: str) -> str:
 READY_KEY: Final = "jobqueue:ready"
 
 
-def active_key(account: str) -> str:
-    return f"jobqueue:active:{account}"
-
-
 class Recorder:
     """Records each job's start and end (system-wide monotonic clock, so comparable across
     processes), how many jobs of its key were active with it, and its lease's token."""
@@ -77,11 +73,12 @@ class Recorder:
         assert client is not None, "the worker's start-up did not open the recorder"
         start = time.monotonic()
         # An independent check besides the intervals: more than one job of a key active at once.
-        active = await client.incr(active_key(account))
+        active_key = f"jobqueue:active:{account}"
+        active = await client.incr(active_key)
         try:
             await asyncio.sleep(HOLD)
         finally:
-            await client.decr(active_key(account))
+            await client.decr(active_key)
         end = time.monotonic()
         record = {
             "job": job_id,

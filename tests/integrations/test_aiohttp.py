@@ -15,7 +15,8 @@ from aiohttp import web
 import asynclock
 from asynclock.integrations.aiohttp import LEASE_LOST_HEADER, locked
 
-from ._servers import memory, serve_aiohttp
+from ._memory import memory
+from ._servers import no_client, serve_aiohttp
 
 pytestmark = pytest.mark.anyio
 
@@ -117,9 +118,6 @@ async def test_a_stream_that_completed_keeps_its_answer_and_only_the_log_reports
 
 
 def test_locked_after_registering_the_handler_fails_at_import() -> None:
-    def no_client() -> asynclock.LockClient:
-        raise AssertionError("not needed")
-
     routes = web.RouteTableDef()
     with pytest.raises(asynclock.InvalidArgument, match=r"below\* the route decorator") as info:
 

@@ -19,21 +19,15 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 #: What each example must print, besides "as expected".
 EXPECTED = {
-    "fastapi_app.py": [
-        "5 withdrawals at once: ",
-        "423 lock_busy (Retry-After 1)",
-        "409 fencing token",
-    ],
-    "aiohttp_app.py": [
-        "5 withdrawals at once: ",
-        "423 lock_busy (Retry-After 1)",
-        "409 fencing token",
-    ],
-    "worker_pool.py": ["overlapping jobs on one account: 0"],
-    **{
-        name: ["overlapping jobs on one account: 0; failed jobs: 0"]
-        for name in ("jobs_arq.py", "jobs_saq.py", "jobs_taskiq.py")
-    },
+    **dict.fromkeys(
+        ("fastapi_app.py", "aiohttp_app.py"),
+        ("5 withdrawals at once: ", "423 lock_busy (Retry-After 1)", "409 fencing token"),
+    ),
+    "worker_pool.py": ("overlapping jobs on one account: 0",),
+    **dict.fromkeys(
+        ("jobs_arq.py", "jobs_saq.py", "jobs_taskiq.py"),
+        ("overlapping jobs on one account: 0; failed jobs: 0",),
+    ),
 }
 
 

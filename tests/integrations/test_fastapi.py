@@ -24,7 +24,7 @@ from asynclock.integrations.fastapi import (
     locked,
 )
 
-from ._servers import serve_asgi
+from ._servers import no_client, serve_asgi
 
 pytestmark = pytest.mark.anyio
 
@@ -153,10 +153,6 @@ async def test_the_client_from_the_lifespan_and_the_dependency_refusing_sync_and
     assert LEASE_LOST_HEADER not in answer.headers  # FastAPI built the response already
 
 
-def no_client() -> asynclock.LockClient:
-    raise AssertionError("the lock client is only needed when a request comes in")
-
-
 @pytest.mark.expect_log(r"lease on 'orders/5' (was )?lost")
 @pytest.mark.parametrize(("path", "status"), [("response", 201), ("own", 200)])
 async def test_a_completed_body_keeps_the_response_it_made_and_reports_the_loss(
@@ -196,19 +192,18 @@ def test_a_typo_or_locked_above_the_route_decorator_fails_at_import() -> None:
 
     with pytest.raises(asynclock.InvalidArgument, match="retry_after must be whole seconds"):
         lock_dependency("a", client=no_client, retry_after=0.5)  # type: ignore[arg-type]
-    locks = no_client
     app = FastAPI()
     router = APIRouter()
     with pytest.raises(asynclock.InvalidArgument, match=r"below\* the route decorator") as info:
 
-        @locked("orders/{order_id}", client=locks)
+        @locked("orders/{order_id}", client=no_client)
         @app.post("/orders/{order_id}")
         async def pay(order_id: int) -> None: ...
 
     assert "POST /orders/{order_id}" in str(info.value)
     with pytest.raises(asynclock.InvalidArgument, match=re.escape("GET /items/{item}")):
 
-        @locked("items/{item}", client=locks)
+        @locked("items/{item}", client=no_client)
         @router.get("/items/{item}")
         async def item(item: str) -> None: ...
 
@@ -216,4 +211,4 @@ def test_a_typo_or_locked_above_the_route_decorator_fails_at_import() -> None:
 
     app.add_api_route("/later/{order_id}", registered, methods=["PUT"])
     with pytest.raises(asynclock.InvalidArgument, match=re.escape("PUT /later/{order_id}")):
-        locked("orders/{order_id}", client=locks)(registered)
+        locked("orders/{order_id}", client=no_client)(registered)

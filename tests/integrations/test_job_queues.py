@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import uuid
-from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
@@ -48,7 +47,11 @@ def job_list(seed: int) -> list[tuple[str, int]]:
     return jobs
 
 
-class JobQueue(ABC):
+class JobQueue:
+    """What the three queues share; each also has ``worker_command()``, ``open()``,
+    ``submit(mode, account, job_id)`` (a handle), ``outcome(handle)`` (why the job did not
+    succeed, ``None`` if it did, and how often it was deferred) and ``aclose()``."""
+
     name: str
 
     def __init__(self, port: int) -> None:
@@ -56,34 +59,8 @@ class JobQueue(ABC):
         self.db = QUEUE_DBS[self.name]
         self.url = f"redis://127.0.0.1:{port}/{self.db}"
 
-    @abstractmethod
-    def worker_command(self) -> list[str]: ...
-
-    @abstractmethod
-    async def open(self) -> None: ...
-
-    async def settled(self) -> None:  # noqa: B027 - most queues have nothing to wait for
+    async def settled(self) -> None:
         """Wait until the started workers have done what they do once at start-up."""
-
-    @abstractmethod
-    async def submit(self, mode: str, account: str, job_id: int) -> Any: ...
-
-    @abstractmethod
-    async def outcome(self, handle: Any) -> tuple[str | None, int]:
-        """Why the job did not succeed (``None`` if it did), and how often it was deferred."""
-
-    @abstractmethod
-    async def aclose(self) -> None: ...
-
-    async def outcomes(self, handles: list[Any]) -> tuple[list[str], int]:
-        failed: list[str] = []
-        deferrals = 0
-        for handle in handles:
-            error, deferred = await self.outcome(handle)
-            if error is not None:
-                failed.append(error)
-            deferrals += deferred
-        return failed, deferrals
 
 
 class Arq(JobQueue):
@@ -162,11 +139,8 @@ class Taskiq(JobQueue):
     def worker_command(self) -> list[str]:
         # One taskiq worker command with its own process manager and 2 worker processes.
         return [
-            sys.executable, "-m", "taskiq", "worker",
-            "tests.integrations.jobqueue_workers:broker",
-            "--workers", "2",
-            "--max-async-tasks", "5",
-            "--shutdown-timeout", "10",
+            sys.executable, "-m", "taskiq", "worker", "tests.integrations.jobqueue_workers:broker",
+            "--workers", "2", "--max-async-tasks", "5", "--shutdown-timeout", "10",
         ]  # fmt: skip
 
     async def open(self) -> None:
@@ -196,7 +170,19 @@ class Taskiq(JobQueue):
         await self.broker.shutdown()
 
 
-QUEUES: dict[str, type[Arq] | type[Saq] | type[Taskiq]] = {"arq": Arq, "saq": Saq, "taskiq": Taskiq}
+Queue = Arq | Saq | Taskiq
+QUEUES: dict[str, type[Queue]] = {"arq": Arq, "saq": Saq, "taskiq": Taskiq}
+
+
+async def outcomes(queue: Queue, handles: list[Any]) -> tuple[list[str], int]:
+    failed: list[str] = []
+    deferrals = 0
+    for handle in handles:
+        error, deferred = await queue.outcome(handle)
+        if error is not None:
+            failed.append(error)
+        deferrals += deferred
+    return failed, deferrals
 
 
 @contextmanager
@@ -261,16 +247,18 @@ def overlaps(records: list[dict[str, Any]]) -> list[str]:
 
 
 @asynccontextmanager
-async def lock_server(redis_server: RedisServer, label: str) -> AsyncIterator[tuple[str, str]]:
-    """A lock URL with a prefix of its own; afterwards, no key of it may be left but the fencing
-    counters (which stay by design), and those are cleaned up."""
+async def lock_server(
+    redis_server: RedisServer, label: str
+) -> AsyncIterator[tuple[str, str, redis.asyncio.Redis]]:
+    """A lock URL with a prefix of its own, the prefix, and a client of its database; afterwards,
+    no key of it may be left but the fencing counters (which stay by design), cleaned up then."""
     prefix = f"jq-{label}-{uuid.uuid4().hex[:6]}:"
     url = (
         f"redis://127.0.0.1:{redis_server.port}/{LOCK_DB}?prefix={prefix}&durability_warning=false"
     )
     async with raw_redis(redis_server.port, LOCK_DB) as lock_db:
         try:
-            yield url, prefix
+            yield url, prefix, lock_db
             keys = [key.decode() async for key in lock_db.scan_iter(match=f"{prefix}*")]
             assert [key for key in keys if not key.startswith(f"{prefix}token:")] == []
         finally:
@@ -292,7 +280,7 @@ async def wait_for(
 
 
 async def run_batch(
-    queue: JobQueue,
+    queue: Queue,
     mode: str,
     seed: int,
     records_db: redis.asyncio.Redis,
@@ -315,11 +303,11 @@ async def run_batch(
     assert overlaps(records) == [], mode
     assert len({record["pid"] for record in records}) == 2, mode  # both processes worked
     # The queue writes a job's outcome just after the job's record.
-    failed, deferrals = await queue.outcomes(handles)
+    failed, deferrals = await outcomes(queue, handles)
     with anyio.move_on_after(10):
         while failed:
             await anyio.sleep(0.1)
-            failed, deferrals = await queue.outcomes(handles)
+            failed, deferrals = await outcomes(queue, handles)
     assert failed == [], mode
     if mode == "deferring":
         assert deferrals > 0  # busy locks did defer jobs
@@ -333,7 +321,7 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
     queue = QUEUES[queue_name](redis_server.port)
     log = tmp_path / f"{queue_name}-workers.log"
     async with (
-        lock_server(redis_server, queue_name) as (lock_url, _),
+        lock_server(redis_server, queue_name) as (lock_url, _, _),
         raw_redis(redis_server.port, queue.db) as records_db,
     ):
         env = dict(os.environ)
@@ -365,17 +353,6 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
 # LeaseLost, and in every run of this file alone it did. Unexplained so far.
 
 
-@asynccontextmanager
-async def life_locks(
-    redis_server: RedisServer, queue: str
-) -> AsyncIterator[tuple[str, str, redis.asyncio.Redis]]:
-    async with (
-        lock_server(redis_server, f"{queue}-life") as (lock_url, prefix),
-        raw_redis(redis_server.port, LOCK_DB) as lock_db,
-    ):
-        yield lock_url, prefix, lock_db
-
-
 async def lose_the_lease(lock_db: redis.asyncio.Redis, prefix: str, n: int) -> str:
     await lock_db.delete(f"{prefix}lock:{{life/{n}}}")  # as if it had expired on the server
     await asyncio.sleep(5)
@@ -401,7 +378,7 @@ async def test_arq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
     settings = RedisSettings(host="127.0.0.1", port=redis_server.port, database=QUEUE_DBS["arq"])
     hooks_ran_in: dict[str, asyncio.Task[Any] | None] = {}
-    async with life_locks(redis_server, "arq") as (lock_url, prefix, lock_db):
+    async with lock_server(redis_server, "arq-life") as (lock_url, prefix, lock_db):
         worker_locks = WorkerLocks(lock_url)
 
         async def on_startup(ctx: dict[str, Any]) -> None:
@@ -464,7 +441,7 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown(
 
     from asynclock.integrations.saq import WorkerLocks, locked
 
-    async with life_locks(redis_server, "saq") as (lock_url, prefix, lock_db):
+    async with lock_server(redis_server, "saq-life") as (lock_url, prefix, lock_db):
         worker_locks = WorkerLocks(lock_url)
 
         @locked("life/{n}")
@@ -517,7 +494,7 @@ async def test_taskiq_worker_events_open_and_close_the_client(redis_server: Redi
 
     from asynclock.integrations.taskiq import WorkerLocks, locked
 
-    async with life_locks(redis_server, "taskiq") as (lock_url, prefix, lock_db):
+    async with lock_server(redis_server, "taskiq-life") as (lock_url, prefix, lock_db):
         broker = InMemoryBroker()
         worker_locks = WorkerLocks(lock_url).install(broker)
 

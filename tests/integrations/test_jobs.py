@@ -11,7 +11,7 @@ import pytest
 
 import asynclock
 
-from ._servers import memory
+from ._memory import memory
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,8 @@ from asynclock.integrations import fastapi as fastapi_locks
 from asynclock.integrations.fastapi import LEASE_LOST_HEADER
 from tests.loud import ExpectedLogs
 
-from ._servers import WEBS, Gate, Web, failing_locks, memory
+from ._memory import memory
+from ._servers import WEBS, Gate, Web, error_body, failing_locks, no_client
 
 pytestmark = pytest.mark.anyio
 
@@ -49,8 +50,8 @@ async def test_a_busy_lock_answers_423_at_once_and_the_handlers_own_locks_are_it
     assert missing.status_code == 404
     assert LEASE_LOST_HEADER not in missing.headers
     assert busy.status_code == 423
-    assert web.error(busy)["error"] == "lock_busy"
-    assert web.error(busy)["lock"] == "orders/7"
+    assert error_body(busy)["error"] == "lock_busy"
+    assert error_body(busy)["lock"] == "orders/7"
     assert busy.headers["retry-after"] == "1"  # the default
     assert other.json()["order"] == "8"
     assert free.json()["order"] == "7"
@@ -94,7 +95,7 @@ async def test_a_lost_lease_cancels_the_handler_and_answers_503_without_inviting
         after = await http.post("/orders/3")
     lost = answers[0]
     assert lost.status_code == 503
-    error = web.error(lost)
+    error = error_body(lost)
     assert error["error"] == "lease_lost"
     assert error["lock"] == "orders/3"
     assert "removed on the server" in error["message"]
@@ -176,8 +177,8 @@ async def test_lock_errors_while_acquiring_are_answered_never_500(
             async with locks.lock("orders/1"):
                 busy = await http.post("/orders/1")
     assert refused.status_code == status
-    assert web.error(refused)["error"] == error
-    assert web.error(refused)["lock"] == "orders/1"
+    assert error_body(refused)["error"] == error
+    assert error_body(refused)["lock"] == "orders/1"
     assert refused.headers["retry-after"] == "7"
     assert after.status_code == 200
     assert busy.status_code == 423
@@ -213,10 +214,6 @@ async def test_a_body_that_completed_before_its_loss_landed_keeps_its_response_a
     assert signalled.status_code == 200
     assert signalled.json() == {"booked": "9"}
     assert unquote(signalled.headers[LEASE_LOST_HEADER]) == "the lock was removed on the server"
-
-
-def no_client() -> asynclock.LockClient:
-    raise AssertionError("the lock client is only needed when a request comes in")
 
 
 def test_mistakes_are_reported_when_the_handler_is_defined() -> None:

@@ -39,7 +39,7 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,13 +52,14 @@ import redis.asyncio
 from anyio.abc import TaskGroup
 
 from asynclock.testing import FaultProxy, RedisServer
-from tests.contract.backend_redis import redis_leftovers
 
+from ._servers import Answer, answer_of, assert_no_leftovers, check_answers
 from .web_worker_app import FRAMEWORKS, TTL
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 ROOT = Path(__file__).resolve().parents[2]
+WORKER = [sys.executable, "-m", "tests.integrations.web_worker_app"]
 WORKERS = 3
 ORDERS = 10
 #: Concurrent clients, each waiting PACE after every answer before its next request, so that
@@ -83,47 +84,6 @@ STOPPED, TAKER = 1, 2
 FINISHED_ORDER, FINISHER = "o7", 0
 #: Seconds of synchronous work in the body that is stopped: the window for the SIGSTOP.
 BLOCK = 0.6
-DOCUMENTED = {
-    (200, None),
-    (423, "lock_busy"),
-    (409, "deadlock"),
-    (503, "lease_lost"),
-    (503, "lock_unavailable"),
-}
-#: The answers that promise "nothing was done, retry later".
-RETRY_AFTER = {"lock_busy", "deadlock", "lock_unavailable"}
-
-
-@dataclass(frozen=True)
-class Answer:
-    request_id: str
-    worker: int
-    status: int | None  # None: no answer (the client's error is in ``failure``)
-    error: str | None = None
-    retry_after: str | None = None
-    lease_lost: str | None = None
-    body: dict[str, Any] | None = None
-    failure: str | None = None
-    sent: float = 0.0
-
-
-def answer_of(request_id: str, worker: int, sent: float, response: httpx.Response) -> Answer:
-    body = response.json()
-    error = None
-    if response.status_code != 200:
-        # FastAPI puts the answer under "detail" (an HTTPException); aiohttp at the top.
-        detail = body.get("detail")
-        error = (detail if isinstance(detail, dict) else body).get("error")
-    return Answer(
-        request_id,
-        worker,
-        response.status_code,
-        error,
-        response.headers.get("retry-after"),
-        response.headers.get("asynclock-lease-lost"),
-        body if response.status_code == 200 else None,
-        sent=sent,
-    )
 
 
 @dataclass
@@ -132,13 +92,9 @@ class Worker:
     url: str
     log: Path
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     def signal(self, signum: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signum)  # its own process group (start_new_session)
+            os.killpg(self.process.pid, signum)  # its own process group (start_new_session)
 
 
 def spawn(framework: str, env: dict[str, str], log: Path) -> Worker:
@@ -147,14 +103,7 @@ def spawn(framework: str, env: dict[str, str], log: Path) -> Worker:
         port = listener.getsockname()[1]
         with log.open("wb") as output:
             process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.integrations.web_worker_app",
-                    framework,
-                    "--fd",
-                    str(listener.fileno()),
-                ],
+                [*WORKER, framework, "--fd", str(listener.fileno())],
                 pass_fds=[listener.fileno()],
                 env=env,
                 cwd=ROOT,
@@ -205,12 +154,6 @@ async def ready(probe: httpx.AsyncClient, worker: Worker) -> None:
                 if (await probe.get(f"{worker.url}/health")).status_code == 200:
                     return
             await anyio.sleep(0.05)
-
-
-def journal(directory: Path) -> Iterator[dict[str, Any]]:
-    for path in sorted(directory.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            yield json.loads(line)
 
 
 @dataclass
@@ -285,19 +228,16 @@ async def scenario(redis_server: RedisServer, framework: str, directory: Path) -
         await stack.aclose()
     run.exits = [worker.process.returncode for worker in workers]
     run.logs = [worker.log.read_text() for worker in workers]
-    for path in journal_dir.glob("*.jsonl"):
-        run.closed += json.loads(path.read_text().splitlines()[-1])["event"] == "closed"
-    for step in journal(journal_dir):
-        run.steps[step["request_id"]].append(step)
+    for path in sorted(journal_dir.glob("*.jsonl")):
+        steps = [json.loads(line) for line in path.read_text().splitlines()]
+        run.closed += steps[-1]["event"] == "closed"
+        for step in steps:
+            run.steps[step["request_id"]].append(step)
     async with redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw:
         # redis-py types its commands as "awaitable or not"; on the asyncio client they await.
         items: list[bytes] = await raw.lrange(f"{resource}bookings", 0, -1)  # type: ignore[misc]
         run.bookings = [json.loads(item) for item in items]
-        # Every lock key released or expired, every connection named client_name closed.
-        with anyio.move_on_after(5):
-            while leftovers := await redis_leftovers(redis_server, prefix, client_name):  # noqa: ASYNC110
-                await anyio.sleep(0.1)
-        assert leftovers == []
+        await assert_no_leftovers(redis_server, prefix, client_name)
         # What stays by design (token counters, fences, the bookings) belongs to this test.
         ours = [key async for key in raw.scan_iter(match=f"web-procs-{tag}*", count=1000)]
         if ours:
@@ -329,7 +269,7 @@ async def drive(
 
     def journaled(worker: int, event: str, request_id: str) -> bool:
         # The journal's lines begin with the event and the request id (json.dumps keeps order).
-        path = journal_dir / f"{workers[worker].pid}.jsonl"
+        path = journal_dir / f"{workers[worker].process.pid}.jsonl"
         needle = json.dumps({"event": event, "request_id": request_id})[:-1] + ","
         return path.exists() and needle in path.read_text()
 
@@ -475,17 +415,7 @@ def check(run: Run, framework: str) -> Counter[str]:
         f"{'reached the resource' if run.received else 'was never sent'}"
     )
 
-    # Every request was answered, with a documented status: never a 500.
-    failures = [answer for answer in run.answers if answer.status is None]
-    assert failures == [], failures
-    undocumented = [a for a in run.answers if (a.status, a.error) not in DOCUMENTED]
-    assert undocumented == [], undocumented
-    for answer in run.answers:
-        if answer.error in RETRY_AFTER:
-            assert answer.retry_after == "1", answer
-        elif answer.error == "lease_lost":
-            # The body was stopped part way: its effects may be partial, so no "retry".
-            assert answer.retry_after is None, answer
+    check_answers(run.answers, run.faults_began, run.faults_ended)
 
     # The resource's record: one booking per acquisition, and per order the tokens only rise,
     # so no two holders ever booked an order at once and no expired lease's write got in.
@@ -518,11 +448,6 @@ def check(run: Run, framework: str) -> Counter[str]:
         if steps[-1]["event"] == "returned":
             assert by_id[request_id].status == 200, (by_id[request_id], steps)
 
-    # The outage was felt, and the service worked before the faults and again after them.
-    assert outcomes["503 lock_unavailable"] > 0
-    ok = [answer.sent for answer in run.answers if answer.status == 200]
-    assert any(sent < run.faults_began for sent in ok), "no order booked before the faults"
-    assert any(sent > run.faults_ended for sent in ok), "no order booked after the faults"
     long = by_id[run.long]
     assert (long.status, long.error) == (503, "lease_lost"), (long, run.events(run.long))
     assert run.long not in booked

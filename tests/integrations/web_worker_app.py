@@ -52,18 +52,14 @@ class Config:
 
     @classmethod
     def from_env(cls) -> Config:
-        try:
-            return cls(
-                os.environ["ASYNCLOCK_WEB_LOCKS"],
-                os.environ["ASYNCLOCK_WEB_RESOURCE"],
-                os.environ["ASYNCLOCK_WEB_PREFIX"],
-                os.environ["ASYNCLOCK_WEB_CLIENT_NAME"],
-                Path(os.environ["ASYNCLOCK_WEB_JOURNAL"]),
-            )
-        except KeyError as exc:
-            raise SystemExit(
-                f"web_worker_app needs the environment variable {exc.args[0]}"
-            ) from None
+        env = os.environ
+        return cls(
+            env["ASYNCLOCK_WEB_LOCKS"],
+            env["ASYNCLOCK_WEB_RESOURCE"],
+            env["ASYNCLOCK_WEB_PREFIX"],
+            env["ASYNCLOCK_WEB_CLIENT_NAME"],
+            Path(env["ASYNCLOCK_WEB_JOURNAL"]),
+        )
 
 
 class Journal:
@@ -219,16 +215,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.framework == "fastapi":
         # Idle connections stay open, as aiohttp's do (75 s): uvicorn's 5 s default closes them,
         # and a request sent on one as it closes gets no answer, an HTTP race, not the locks'.
-        server = uvicorn.Server(
+        app = fastapi_app(config)
+        uvicorn.Server(
             uvicorn.Config(
-                fastapi_app(config),
-                log_level="warning",
-                ws="none",
-                lifespan="on",
-                timeout_keep_alive=KEEP_ALIVE,
+                app, log_level="warning", ws="none", lifespan="on", timeout_keep_alive=KEEP_ALIVE
             )
-        )
-        server.run(sockets=[sock])
+        ).run(sockets=[sock])
     else:
         # run_app turns SIGTERM into a graceful exit that runs cleanup_ctx.
         web.run_app(aiohttp_app(config), sock=sock, print=None, access_log=None)
