@@ -3,6 +3,7 @@ one PgBouncer per test process, in front of its PostgreSQL server."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Iterator
 
@@ -34,12 +35,7 @@ def pgbouncer_backend(
 
     # Imported here: backend_postgres is a plugin module loaded after this one (name order), and
     # pytest can only rewrite the asserts of a module it imports itself.
-    from tests.contract.backend_postgres import HOLDER_ROWS, terminate_holder
-
-    async def revoke(name: str) -> None:
-        with anyio.CancelScope(shield=True):
-            holders = await terminate_holder(dsn, name)
-        assert holders, f"nobody holds {name!r} on the server"
+    from tests.contract.backend_postgres import HOLDER_ROWS, revoke
 
     async def leftovers() -> list[str]:
         admin = await asyncpg.connect(dsn)
@@ -66,7 +62,7 @@ def pgbouncer_backend(
         "pgbouncer",
         f"{pgbouncer_server.url}?{query}",
         1.0,
-        revoke,
+        functools.partial(revoke, dsn),
         leftovers,
         servers=[pgbouncer_server],
         url_via=lambda addresses: f"postgresql://postgres@{addresses[0]}/postgres?{query}",

@@ -4,6 +4,7 @@ connection, with what the server shows of them) and holders in processes of thei
 
 from __future__ import annotations
 
+import functools
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -84,6 +85,15 @@ async def terminate_holder(dsn: str, name: str, schema: str = "public") -> list[
     finally:
         await admin.close()
     return pids
+
+
+async def revoke(dsn: str, name: str) -> None:
+    """The contract's ``revoke``: an operator ends the holder's session. The loss it causes is
+    pushed to the client within a millisecond and must cancel the body after this returns, not
+    inside it."""
+    with anyio.CancelScope(shield=True):
+        holders = await terminate_holder(dsn, name)
+    assert holders, f"nobody holds {name!r} on the server"
 
 
 async def sessions_of(admin: asyncpg.Connection, application_name: str) -> list[str]:
@@ -206,13 +216,6 @@ def postgres_backend(postgres_server: PostgresServer) -> BackendUnderTest:
     application_name = f"asynclock-contract-{uuid.uuid4().hex[:8]}"
     dsn = postgres_server.dsn
 
-    async def revoke(name: str) -> None:
-        # An operator's action, not the body's work: the loss it causes is pushed to the client
-        # within a millisecond and must cancel the body after revoke() returns, not inside it.
-        with anyio.CancelScope(shield=True):
-            holders = await terminate_holder(dsn, name)
-        assert holders, f"nobody holds {name!r} on the server"
-
     async def leftovers() -> list[str]:
         admin = await asyncpg.connect(dsn)
         try:
@@ -229,7 +232,7 @@ def postgres_backend(postgres_server: PostgresServer) -> BackendUnderTest:
         "postgres",
         f"{postgres_server.url}?application_name={application_name}",
         1.0,
-        revoke,
+        functools.partial(revoke, dsn),
         leftovers,
         servers=[postgres_server],
         url_via=lambda addresses: (

@@ -171,10 +171,14 @@ def no_client() -> asynclock.LockClient:
     raise AssertionError("the lock client is only needed when a request comes in")
 
 
-def error_body(response: httpx.Response) -> dict[str, Any]:
+def error_body(response: httpx.Response, web: str | None = None) -> dict[str, Any]:
     """The error an answer carries: FastAPI puts it under "detail" (an HTTPException), aiohttp
-    at the top."""
+    at the top; with ``web`` (a :class:`Web`'s name), that it is where that framework puts it."""
     body: dict[str, Any] = response.json()
+    if web is not None:
+        fastapi = web.startswith("fastapi")
+        assert ("detail" in body) is fastapi, body
+        return body["detail"] if fastapi else body
     detail = body.get("detail")
     return detail if isinstance(detail, dict) else body
 

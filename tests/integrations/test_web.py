@@ -50,8 +50,8 @@ async def test_a_busy_lock_answers_423_at_once_and_the_handlers_own_locks_are_it
     assert missing.status_code == 404
     assert LEASE_LOST_HEADER not in missing.headers
     assert busy.status_code == 423
-    assert error_body(busy)["error"] == "lock_busy"
-    assert error_body(busy)["lock"] == "orders/7"
+    assert error_body(busy, web.name)["error"] == "lock_busy"
+    assert error_body(busy, web.name)["lock"] == "orders/7"
     assert busy.headers["retry-after"] == "1"  # the default
     assert other.json()["order"] == "8"
     assert free.json()["order"] == "7"
@@ -95,7 +95,7 @@ async def test_a_lost_lease_cancels_the_handler_and_answers_503_without_inviting
         after = await http.post("/orders/3")
     lost = answers[0]
     assert lost.status_code == 503
-    error = error_body(lost)
+    error = error_body(lost, web.name)
     assert error["error"] == "lease_lost"
     assert error["lock"] == "orders/3"
     assert "removed on the server" in error["message"]
@@ -177,8 +177,8 @@ async def test_lock_errors_while_acquiring_are_answered_never_500(
             async with locks.lock("orders/1"):
                 busy = await http.post("/orders/1")
     assert refused.status_code == status
-    assert error_body(refused)["error"] == error
-    assert error_body(refused)["lock"] == "orders/1"
+    assert error_body(refused, web.name)["error"] == error
+    assert error_body(refused, web.name)["lock"] == "orders/1"
     assert refused.headers["retry-after"] == "7"
     assert after.status_code == 200
     assert busy.status_code == 423
