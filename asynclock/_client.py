@@ -78,23 +78,23 @@ class LockClient:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        await self._host.open()
+        # In a task of the client's own (start()), not in the caller's: a pytest-asyncio
+        # fixture, or a framework's lifespan, enters in one task and exits in another, and a
+        # task group entered in the first cannot be left from the second.
+        await self._host.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         # The caller's exception is not ours to handle: closing is the same either way.
-        try:
-            await self._host.aclose()
-        finally:
-            await self._host.leave()
+        await self._host.aclose()
 
     async def start(self) -> Self:
         """Open the client without ``async with``; close it with :meth:`aclose`, from any task.
 
-        For frameworks whose start-up and shutdown hooks run in different tasks (arq's
-        ``on_startup``/``on_shutdown``, saq, taskiq, a test fixture). The client then keeps a
-        task of its own for its background work, which :meth:`aclose` stops and waits for.
-        Raises as ``async with`` does when the backend cannot be reached.
+        What ``async with`` does, for frameworks whose start-up and shutdown hooks are two
+        calls (arq's ``on_startup``/``on_shutdown``, saq, taskiq). The client keeps a task of
+        its own for its background work, which :meth:`aclose` stops and waits for. Raises as
+        ``async with`` does when the backend cannot be reached.
         """
         await self._host.start()
         return self

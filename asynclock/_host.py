@@ -147,7 +147,9 @@ class BackendHost:
     async def start(self) -> None:
         """Open in a task of the host's own, so that :meth:`aclose` may come from any task."""
         if self.state != "new" or self._own_task is not None:
-            raise RuntimeError("a LockClient can be started once; call asynclock.connect() again")
+            raise RuntimeError(
+                "a LockClient is opened once (async with, or start()); call asynclock.connect() again"
+            )
         check_event_loop(self._backend, self._backend.describe())
         opened = anyio.Event()
         stop = self._stop = anyio.Event()

@@ -108,3 +108,56 @@ def test_plugin_import_is_cheap_and_public_names_are_documented() -> None:
             continue
         assert value.__module__ == "asynclock.testing", name
         assert value.__doc__, f"{name} has no docstring"
+
+
+PYTEST_ASYNCIO = """
+import pytest, pytest_asyncio, asynclock
+
+# As users write them: each client entered in a fixture's set-up task, left in its tear-down.
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def session_locks(postgres_server):
+    async with asynclock.connect(postgres_server.url) as locks:
+        yield locks
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def module_locks(tmp_path_factory):
+    async with asynclock.connect(f"sqlite:///{tmp_path_factory.mktemp('m')}/l.db") as locks:
+        yield locks
+
+@pytest_asyncio.fixture
+async def function_locks():
+    async with asynclock.connect("memory://") as locks:
+        yield locks
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_session_loop(session_locks):
+    async with session_locks.lock("a", ttl=5) as lease:
+        assert lease.token
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_module_loop(module_locks):
+    async with module_locks.lock("a", ttl=5) as lease:
+        assert lease.token
+
+@pytest.mark.asyncio
+async def test_function_loop(function_locks):
+    async with function_locks.lock("a", ttl=5) as lease:
+        assert lease.token
+"""
+
+
+@pytest.mark.parametrize("mode", ["strict", "auto"])
+def test_clients_in_pytest_asyncio_fixtures_of_every_loop_scope(tmp_path: Path, mode: str) -> None:
+    """pytest-asyncio sets a fixture up and tears it down in two tasks: a client's ``async
+    with`` must allow that (it raised "Attempted to exit cancel scope in a different task")."""
+    (tmp_path / "test_users_suite.py").write_text(textwrap.dedent(PYTEST_ASYNCIO))
+    done = run_pytest(
+        tmp_path,
+        "test_users_suite.py",
+        "-p", "asyncio",
+        "-W", "error",
+        "-o", f"asyncio_mode={mode}",
+        "-o", "asyncio_default_fixture_loop_scope=function",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3 passed" in done.stdout
