@@ -20,6 +20,7 @@ from ._errors import LeaseLost as LeaseLost
 from ._errors import LockError as LockError
 from ._errors import MissingDependency as MissingDependency
 from ._errors import NotHeld as NotHeld
+from ._errors import RedisDurabilityWarning as RedisDurabilityWarning
 from ._errors import StaleToken as StaleToken
 from ._errors import UnsupportedFeature as UnsupportedFeature
 from ._errors import Waiter as Waiter
@@ -59,6 +60,7 @@ __all__ = (
     "MissingDependency",
     "MultiLockContext",
     "NotHeld",
+    "RedisDurabilityWarning",
     "Semaphore",
     "StaleToken",
     "StateChange",

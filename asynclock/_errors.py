@@ -127,6 +127,17 @@ class StaleToken(LockError):
         self.highest = highest
 
 
+class RedisDurabilityWarning(UserWarning):
+    """The Redis server may lose held locks (eviction, or no AOF).
+
+    A restart without the append-only file forgets every held lock (their holders are told at
+    once, but another client may take the lock first), and an eviction policy other than
+    ``noeviction`` (with ``maxmemory`` set) may drop locks that are still held. Tokens stay safe
+    either way: no token is below the server's clock in microseconds. Silence it with the option
+    ``durability_warning=false`` once you have decided that this is acceptable.
+    """
+
+
 ExceptionMapping = Mapping[type[BaseException], type[LockError]]
 
 

@@ -15,6 +15,7 @@ import pickle
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -183,8 +184,31 @@ def test_every_exception_crosses_a_process_boundary() -> None:
 
 
 def test_lock_error_is_the_base_of_asynclocks_own() -> None:
-    own = [cls for cls in EXCEPTIONS if not cls.__module__.startswith("asynclock.testing")]
+    own = [
+        cls
+        for cls in EXCEPTIONS
+        if not cls.__module__.startswith("asynclock.testing") and not issubclass(cls, Warning)
+    ]
     assert all(issubclass(cls, LockError) for cls in own)
+
+
+def test_the_warnings_can_be_filtered_by_their_name_in_asynclock(tmp_path: Path) -> None:
+    """pytest's ``-W ignore::asynclock.RedisDurabilityWarning`` (and ``filterwarnings``) name the
+    class at the top of the package; it was only in ``asynclock.backends.redis``."""
+    assert {cls for cls in EXCEPTIONS if issubclass(cls, Warning)} == {
+        asynclock.RedisDurabilityWarning
+    }
+    (tmp_path / "test_filtered.py").write_text("def test_nothing():\n    pass\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:asyncio", "-W", "error", "-W",
+         "ignore::asynclock.RedisDurabilityWarning", "test_filtered.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_a_driver_error_without_a_message_still_says_what_it_was() -> None:

@@ -22,6 +22,7 @@ from ..._errors import (
     InvalidArgument,
     InvalidURL,
     LockError,
+    RedisDurabilityWarning,
     UnsupportedFeature,
 )
 from ..._renewal import RENEWAL, RenewalPolicy
@@ -79,6 +80,7 @@ __all__ = (
     "MayHaveApplied",
     "Options",
     "ProvenGone",
+    "RedisDurabilityWarning",
     "RenewOutcome",
     "RenewalPolicy",
     "Renewed",

@@ -27,7 +27,8 @@ Layout (imports go down this list, never up):
 - :mod:`._scripts`: the other Lua scripts and the key names (one copy of each).
 """
 
-from ._server import RedisDurabilityWarning, durability_problems
+from .._kit import RedisDurabilityWarning
+from ._server import durability_problems
 from .backend import RedisBackend, RedisGrant
 from .redlock import MIN_MASTERS, RedlockBackend, RedlockGrant
 

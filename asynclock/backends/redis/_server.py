@@ -11,7 +11,7 @@ from typing import Final
 import redis.asyncio
 import redis.exceptions
 
-from .._kit import UnsupportedFeature
+from .._kit import RedisDurabilityWarning, UnsupportedFeature
 from ._lane import Lane
 from ._scripts import as_text
 
@@ -19,17 +19,6 @@ logger = logging.getLogger("asynclock")
 
 #: Oldest server with what the scripts need (TIME in scripts, fractional BLPOP timeouts).
 MIN_VERSION: Final = (6, 0)
-
-
-class RedisDurabilityWarning(UserWarning):
-    """The Redis server may lose held locks (eviction, or no AOF).
-
-    A restart without the append-only file forgets every held lock (their holders are told at
-    once, but another client may take the lock first), and an eviction policy other than
-    ``noeviction`` (with ``maxmemory`` set) may drop locks that are still held. Tokens stay safe
-    either way: no token is below the server's clock in microseconds. Silence it with the option
-    ``durability_warning=false`` once you have decided that this is acceptable.
-    """
 
 
 def run_id_of(info: str) -> str | None:
