@@ -7,7 +7,7 @@ from collections.abc import Callable
 import anyio
 
 from ._clock import now
-from ._errors import BackendUnavailable, LeaseLost, LockError
+from ._errors import BackendUnavailable, LeaseLost, LockError, NotHeld
 from ._lease import Lease
 from ._scope import Deadlines
 from ._supervisor import Supervisor
@@ -32,7 +32,12 @@ async def extend(
     margin = margin_for(ttl)
     await lease._wait_idle()  # a background renewal in flight ends first
     if not lease.held:
-        raise LeaseLost(lease.name, lease.lost_reason or "it was released")
+        if lease.lost_reason is None:  # released by its holder: nothing was lost
+            raise NotHeld(
+                f"the lease on lock {lease.name!r} was released: extend() renews a held lease; "
+                "take the lock again"
+            )
+        raise LeaseLost(lease.name, lease.lost_reason)
     lease.busy = True
     shorter = ttl < lease.ttl
     sent_at = now()

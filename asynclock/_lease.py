@@ -264,8 +264,8 @@ class Lease:
         by the same rule as a background renewal: from the moment the request was sent, less
         the drift allowance and the margin. Later renewals keep the new ttl.
 
-        Raises :class:`asynclock.LeaseLost` if the lease is already lost or released (or the
-        server says so now), :class:`asynclock.UnsupportedFeature` for another ttl on a backend
+        Raises :class:`asynclock.LeaseLost` if the lease is already lost (or the server says so
+        now), :class:`asynclock.NotHeld` if it was released, :class:`asynclock.UnsupportedFeature` for another ttl on a backend
         that fixes it (``capabilities.ttl_change``: ZooKeeper's sessions, PostgreSQL's), and
         ``BackendUnavailable`` / ``BackendTimeout`` if the server did not answer, with the
         deadline as it was (or earlier, for a shorter ttl the server may have applied).
