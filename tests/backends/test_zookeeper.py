@@ -829,11 +829,15 @@ async def test_semaphore_waiters_watch_the_n_nodes_ahead_and_enter_in_order(zk: 
             await until(lambda: entered == [0])
             await anyio.sleep(0.1)
             assert entered == [0]
-            for grant in (holders[0], holders[2]):
-                await one.release(grant)
+            # One at a time: two permits freed at once let both waiters in, in whichever order
+            # their clients' watches fire ([0, 2, 1] in a fresh-clone run).
+            await one.release(holders[0])
+            await until(lambda: entered == [0, 1])
+            await one.release(holders[2])
             await until(lambda: entered == [0, 1, 2])
             for index in (0, 1, 2):
                 await (one, other)[index % 2].release(grants[index])
+                await until(lambda index=index: entered == list(range(4 + index)))
         assert entered == list(range(6))
         for index in (3, 4, 5):
             await (one, other)[index % 2].release(grants[index])
