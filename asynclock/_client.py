@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Self
+from typing import NoReturn, Self
+
+import anyio
 
 from . import _fencing, _validate
 from ._acquiring import (
@@ -20,6 +24,7 @@ from ._acquiring import (
     wait_for_grant,
 )
 from ._clock import now
+from ._deadlock import actor_id
 from ._errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -76,6 +81,14 @@ class LockClient:
         self._margins: dict[float, float] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> NoReturn:
+        raise TypeError(
+            "a lock client is opened with `async with asynclock.connect(url) as locks:`, not `with`"
+        )
+
+    def __exit__(self, *exc_info: object) -> None:  # pragma: no cover - __enter__ raised
+        return None
 
     async def __aenter__(self) -> Self:
         # In a task of the client's own (start()), not in the caller's: a pytest-asyncio
@@ -312,6 +325,11 @@ class LockClient:
                 "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
             )
         margin = self._margin_for(ttl)
+        task = None
+        if kind == "lock":
+            task = _task_id()
+            if timeout != 0:
+                self._refuse_waiting_for_own(name, shared, task)
         losses = LossBeforeLease()
         request = (
             LockRequest(name, ttl, new_owner(), losses.report)
@@ -366,11 +384,32 @@ class LockClient:
             hold=None if kind == "lock" and not shared else (kind, shared, value),
             extender=self._extend,
         )
+        if task is not None:
+            lease.holder = (self, task)
         losses.hand_to(lease)
         self._supervisor.add(lease)
         if track_context:
             _fencing.push(lease)
         return lease
+
+    def _refuse_waiting_for_own(self, name: str, shared: bool, task: int) -> None:
+        """A task that waits for a lock it holds itself, through this client, waits for ever:
+        the server sees a holder and a waiter, not a re-entry. Refused at once, as the deadlock
+        of one it is (a task holding a lock it started in this body may wait for it)."""
+        for held in _fencing.held_leases():
+            if (
+                held.holder == (self, task)
+                and held.name == name
+                and held.held
+                and not (shared and held.shared)
+            ):
+                waiter = Waiter(
+                    actor=actor_id(self._settings.label),
+                    holds=(name,),
+                    waits=name,
+                    since=time.time(),
+                )
+                raise DeadlockDetected(name, [waiter])
 
     async def _extend(self, lease: Lease, ttl: float) -> None:
         """``lease.extend(ttl)``: one renewal now, with a new ttl (see :meth:`Lease.extend`)."""
@@ -389,3 +428,11 @@ class LockClient:
             self._state.deadline_passed(lease.name)
         if self._events.active:
             self._events.emit("lost", lease.name, kind, reason)
+
+
+def _task_id() -> int:
+    """The current task's id, as anyio gives it (``id()`` of the task), without its cost."""
+    try:
+        return id(asyncio.current_task())
+    except RuntimeError:  # not on asyncio: trio
+        return anyio.get_current_task().id

@@ -108,6 +108,7 @@ class Lease:
         "_scopes",
         "_state",
         "busy",
+        "holder",
         "next_renewal",
         "on_lost",
     )
@@ -148,6 +149,9 @@ class Lease:
         self._scopes: list[BodyScope] = []
         self._deadline = self._deadline_for(grant.valid_from, grant.ttl)
         self.next_renewal = RENEWAL.next_after(grant.valid_from, grant.ttl)
+        #: (client, task id) of an exclusive or shared lock's holder, for the check that a task
+        #: does not wait for a lock it holds itself (``LockClient``); None for other kinds.
+        self.holder: tuple[object, int] | None = None
 
     # -- what users read ---------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextvars import Token
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 import anyio
 
@@ -116,6 +116,18 @@ class _HeldContext(ABC, Generic[T]):
         "_observed",
         "_on_lost",
     )
+
+    def __await__(self) -> NoReturn:
+        raise TypeError(
+            "a lock is held with `async with locks.lock(name) as lease:`, not awaited; "
+            "`lease = await locks.acquire(name)` takes one without a block"
+        )
+
+    def __enter__(self) -> NoReturn:
+        raise TypeError("a lock is held with `async with`, not `with`")
+
+    def __exit__(self, *exc_info: object) -> None:  # pragma: no cover - __enter__ raised
+        return None
 
     def __init__(
         self,

@@ -453,3 +453,45 @@ async def test_an_observer_that_raises_is_dropped_not_allowed_to_break_a_lock(
     (logged,) = expected_logs.records
     assert logged.exc_info is not None and "observer bug" in str(logged.exc_info[1])
     assert not locks._events.active  # unsubscribed
+
+
+async def test_a_task_that_waits_for_a_lock_it_holds_is_refused_at_once(
+    locks: asynclock.LockClient,
+) -> None:
+    """Without deadlock detection it waited for ever: the server sees a holder and a waiter."""
+    async with locks.lock("a"):
+        with anyio.fail_after(1), pytest.raises(asynclock.DeadlockDetected, match="waits for 'a'"):
+            async with locks.lock("a"):
+                pytest.fail("held twice")
+        with anyio.fail_after(1), pytest.raises(asynclock.DeadlockDetected):
+            await locks.acquire("a", timeout=5)
+        assert await locks.try_acquire("a") is None  # a try does not wait
+    async with locks.lock("r", shared=True):
+        async with locks.lock("r", shared=True):  # two read holds do not exclude each other
+            pass
+        with anyio.fail_after(1), pytest.raises(asynclock.DeadlockDetected):
+            await locks.acquire("r")
+    # Another task, even one started in the body, may wait for it: it gets it after the body.
+    got: list[int] = []
+    async with anyio.create_task_group() as tg:
+        async with locks.lock("c") as lease:
+
+            async def child() -> None:
+                async with locks.lock("c", timeout=5) as later:
+                    got.append(later.token)
+
+            tg.start_soon(child)
+            await anyio.sleep(0.05)
+            assert not got
+    assert got and got[0] > lease.token
+
+
+async def test_misused_lock_contexts_and_clients_say_to_use_async_with(
+    locks: asynclock.LockClient,
+) -> None:
+    with pytest.raises(TypeError, match="async with"):
+        await locks.lock("a")
+    with pytest.raises(TypeError, match="async with"), locks.lock("a"):
+        pass
+    with pytest.raises(TypeError, match="async with"), asynclock.connect("memory://x"):
+        pass
