@@ -7,7 +7,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import NoReturn, Self
+from typing import Self
 
 import anyio
 
@@ -39,7 +39,7 @@ from ._host import BackendHost
 from ._lease import Lease, OnLost, new_owner
 from ._primitives import Election, Semaphore
 from ._renewal import RENEWAL
-from ._scope import LockContext, MultiLockContext
+from ._scope import AsyncOnly, LockContext, MultiLockContext
 from .abc import (
     Backend,
     Capabilities,
@@ -52,13 +52,15 @@ from .abc import (
 logger = logging.getLogger("asynclock")
 
 
-class LockClient:
+class LockClient(AsyncOnly):
     """Locks on one backend. Made by :func:`connect`; enter it (``async with``) or
     ``await client.start()`` it before use.
 
     Leaving the ``async with`` (or :meth:`aclose`) releases every lease still held and closes the
     backend, also when the block is cancelled.
     """
+
+    _misuse = "a lock client is opened with `async with asynclock.connect(url) as locks:`"
 
     def __init__(
         self,
@@ -81,14 +83,6 @@ class LockClient:
         self._margins: dict[float, float] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
-
-    def __enter__(self) -> NoReturn:
-        raise TypeError(
-            "a lock client is opened with `async with asynclock.connect(url) as locks:`, not `with`"
-        )
-
-    def __exit__(self, *exc_info: object) -> None:  # pragma: no cover - __enter__ raised
-        return None
 
     async def __aenter__(self) -> Self:
         # In a task of the client's own (start()), not in the caller's: a pytest-asyncio
@@ -325,11 +319,7 @@ class LockClient:
                 "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
             )
         margin = self._margin_for(ttl)
-        task = None
-        if kind == "lock":
-            task = _task_id()
-            if timeout != 0:
-                self._refuse_waiting_for_own(name, shared, task)
+        task = _waiting_task(self, name, shared, timeout, self._settings.label, kind)
         losses = LossBeforeLease()
         request = (
             LockRequest(name, ttl, new_owner(), losses.report)
@@ -392,25 +382,6 @@ class LockClient:
             _fencing.push(lease)
         return lease
 
-    def _refuse_waiting_for_own(self, name: str, shared: bool, task: int) -> None:
-        """A task that waits for a lock it holds itself, through this client, waits for ever:
-        the server sees a holder and a waiter, not a re-entry. Refused at once, as the deadlock
-        of one it is (a task holding a lock it started in this body may wait for it)."""
-        for held in _fencing.held_leases():
-            if (
-                held.holder == (self, task)
-                and held.name == name
-                and held.held
-                and not (shared and held.shared)
-            ):
-                waiter = Waiter(
-                    actor=actor_id(self._settings.label),
-                    holds=(name,),
-                    waits=name,
-                    since=time.time(),
-                )
-                raise DeadlockDetected(name, [waiter])
-
     async def _extend(self, lease: Lease, ttl: float) -> None:
         """``lease.extend(ttl)``: one renewal now, with a new ttl (see :meth:`Lease.extend`)."""
         _, ttl, _ = self._check(lease.name, ttl, None)
@@ -428,6 +399,35 @@ class LockClient:
             self._state.deadline_passed(lease.name)
         if self._events.active:
             self._events.emit("lost", lease.name, kind, reason)
+
+
+def _waiting_task(
+    client: LockClient,
+    name: str,
+    shared: bool,
+    timeout: float | None,
+    label: str | None,
+    kind: Kind,
+) -> int | None:
+    """The id of the task that takes lock ``name`` (None for other kinds of hold), refusing at
+    once a wait for a lock that this task holds through ``client``: it would wait for ever (the
+    server sees a holder and a waiter, not a re-entry), a deadlock of one. Another task, one
+    started in the body too, may wait for it."""
+    if kind != "lock":
+        return None
+    task = _task_id()
+    if timeout == 0:
+        return task  # a try does not wait
+    for held in _fencing.held_leases():
+        if (
+            held.holder == (client, task)
+            and held.name == name
+            and held.held
+            and not (shared and held.shared)
+        ):
+            waiter = Waiter(actor=actor_id(label), holds=(name,), waits=name, since=time.time())
+            raise DeadlockDetected(name, [waiter])
+    return task
 
 
 def _task_id() -> int:
