@@ -373,9 +373,9 @@ class LockClient(AsyncOnly):
             on_loss=self._on_loss,
             hold=None if kind == "lock" and not shared else (kind, shared, value),
             extender=self._extend,
+            asked_ttl=ttl,
         )
-        if task is not None:
-            lease.holder = (self, task)
+        lease.holder = None if task is None else (self, task)
         losses.hand_to(lease)
         self._supervisor.add(lease)
         if track_context:

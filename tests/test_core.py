@@ -17,6 +17,8 @@ import pytest
 
 import asynclock
 from asynclock import _registry
+from asynclock._clock import now
+from asynclock.abc import Grant
 from asynclock.backends.memory import MemoryBackend
 from tests.integrations._memory import memory, memory_locks
 from tests.loud import ExpectedLogs
@@ -495,3 +497,20 @@ async def test_misused_lock_contexts_and_clients_say_to_use_async_with(
         pass
     with pytest.raises(TypeError, match="async with"), asynclock.connect("memory://x"):
         pass
+
+
+@pytest.mark.expect_log(r"lease on 'p' lost: .*\(ttl 2 s, handed over with 0\.02 s of it left\)")
+async def test_a_lease_lost_after_a_short_hand_over_names_the_ttl_asked_for() -> None:
+    """A lock handed over with 0.02 s left of a waiter's place said "(ttl 0.02 s)" when lost,
+    for a ttl of 2 s (#28 item 6)."""
+
+    async def release(lease: asynclock.Lease) -> None:
+        return None
+
+    grant = Grant("p", "owner", 1, now(), 0.02)
+    lease = asynclock.Lease(
+        grant, on_lost="flag", drift=0.0, margin=0.0, fencing=True, releaser=release, asked_ttl=2
+    )
+    await anyio.sleep(0.05)
+    assert lease.lost
+    assert "(ttl 2 s, handed over with 0.02 s of it left)" in (lease.lost_reason or "")
