@@ -32,6 +32,7 @@ from ._errors import (
     InvalidArgument,
     LockError,
     Waiter,
+    WrongEventLoop,
 )
 from ._events import ConnectionState, LossKind, StateChange
 from ._extend import extend
@@ -410,9 +411,17 @@ def _waiting_task(
     kind: Kind,
 ) -> int | None:
     """The id of the task that takes lock ``name`` (None for other kinds of hold), refusing at
-    once a wait for a lock that this task holds through ``client``: it would wait for ever (the
+    once a client used from another event loop than its own, and a wait for a lock that this
+    task holds through ``client``: it would wait for ever (the
     server sees a holder and a waiter, not a re-entry), a deadlock of one. Another task, one
     started in the body too, may wait for it."""
+    loop = client._host.loop
+    if loop is not None and asyncio.get_running_loop() is not loop:
+        raise WrongEventLoop(
+            f"this lock client of {client._backend.describe()} was opened on another event "
+            "loop than the one running now (a session-scoped client used in a test whose "
+            "loop is the function's, say): open one client per event loop"
+        )
     if kind != "lock":
         return None
     task = _task_id()

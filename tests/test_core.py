@@ -514,3 +514,16 @@ async def test_a_lease_lost_after_a_short_hand_over_names_the_ttl_asked_for() ->
     await anyio.sleep(0.05)
     assert lease.lost
     assert "(ttl 2 s, handed over with 0.02 s of it left)" in (lease.lost_reason or "")
+
+
+def test_a_client_used_from_another_event_loop_says_so_at_once() -> None:
+    """A session-loop client in a function-loop test: it was a BackendUnavailable ("attached to
+    a different loop"), a 503 behind @locked, hiding a programming error (#28 item 2)."""
+    with asyncio.Runner() as own, asyncio.Runner() as other:
+        locks = own.run(asynclock.connect(f"memory://loops-{uuid.uuid4().hex[:8]}").start())
+        try:
+            with pytest.raises(asynclock.WrongEventLoop, match="one client per event loop"):
+                other.run(locks.acquire("a", ttl=5))
+            own.run(locks.acquire("a", ttl=5))  # its own loop still works
+        finally:
+            own.run(locks.aclose())
