@@ -24,6 +24,7 @@ from ._errors import RedisDurabilityWarning as RedisDurabilityWarning
 from ._errors import StaleToken as StaleToken
 from ._errors import UnsupportedFeature as UnsupportedFeature
 from ._errors import Waiter as Waiter
+from ._errors import WrongEventLoop as WrongEventLoop
 from ._events import ConnectionState as ConnectionState
 from ._events import StateChange as StateChange
 from ._fencing import current_lease as current_lease
@@ -66,6 +67,7 @@ __all__ = (
     "StateChange",
     "UnsupportedFeature",
     "Waiter",
+    "WrongEventLoop",
     "connect",
     "current_lease",
     "current_token",

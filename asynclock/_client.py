@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Self
+
+import anyio
 
 from . import _fencing, _validate
 from ._acquiring import (
@@ -20,6 +24,7 @@ from ._acquiring import (
     wait_for_grant,
 )
 from ._clock import now
+from ._deadlock import actor_id
 from ._errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -27,6 +32,7 @@ from ._errors import (
     InvalidArgument,
     LockError,
     Waiter,
+    WrongEventLoop,
 )
 from ._events import ConnectionState, LossKind, StateChange
 from ._extend import extend
@@ -34,7 +40,7 @@ from ._host import BackendHost
 from ._lease import Lease, OnLost, new_owner
 from ._primitives import Election, Semaphore
 from ._renewal import RENEWAL
-from ._scope import LockContext, MultiLockContext
+from ._scope import AsyncOnly, LockContext, MultiLockContext
 from .abc import (
     Backend,
     Capabilities,
@@ -47,13 +53,15 @@ from .abc import (
 logger = logging.getLogger("asynclock")
 
 
-class LockClient:
+class LockClient(AsyncOnly):
     """Locks on one backend. Made by :func:`connect`; enter it (``async with``) or
     ``await client.start()`` it before use.
 
     Leaving the ``async with`` (or :meth:`aclose`) releases every lease still held and closes the
     backend, also when the block is cancelled.
     """
+
+    _misuse = "a lock client is opened with `async with asynclock.connect(url) as locks:`"
 
     def __init__(
         self,
@@ -312,6 +320,7 @@ class LockClient:
                 "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
             )
         margin = self._margin_for(ttl)
+        task = _waiting_task(self, name, shared, timeout, self._settings.label, kind)
         losses = LossBeforeLease()
         request = (
             LockRequest(name, ttl, new_owner(), losses.report)
@@ -365,7 +374,9 @@ class LockClient:
             on_loss=self._on_loss,
             hold=None if kind == "lock" and not shared else (kind, shared, value),
             extender=self._extend,
+            asked_ttl=ttl,
         )
+        lease.holder = None if task is None else (self, task)
         losses.hand_to(lease)
         self._supervisor.add(lease)
         if track_context:
@@ -389,3 +400,48 @@ class LockClient:
             self._state.deadline_passed(lease.name)
         if self._events.active:
             self._events.emit("lost", lease.name, kind, reason)
+
+
+def _waiting_task(
+    client: LockClient,
+    name: str,
+    shared: bool,
+    timeout: float | None,
+    label: str | None,
+    kind: Kind,
+) -> int | None:
+    """The id of the task that takes lock ``name`` (None for other kinds of hold), refusing at
+    once a client used from another event loop than its own, and a wait for a lock that this
+    task holds through ``client``: it would wait for ever (the
+    server sees a holder and a waiter, not a re-entry), a deadlock of one. Another task, one
+    started in the body too, may wait for it."""
+    loop = client._host.loop
+    if loop is not None and asyncio.get_running_loop() is not loop:
+        raise WrongEventLoop(
+            f"this lock client of {client._backend.describe()} was opened on another event "
+            "loop than the one running now (a session-scoped client used in a test whose "
+            "loop is the function's, say): open one client per event loop"
+        )
+    if kind != "lock":
+        return None
+    task = _task_id()
+    if timeout == 0:
+        return task  # a try does not wait
+    for held in _fencing.held_leases():
+        if (
+            held.holder == (client, task)
+            and held.name == name
+            and held.held
+            and not (shared and held.shared)
+        ):
+            waiter = Waiter(actor=actor_id(label), holds=(name,), waits=name, since=time.time())
+            raise DeadlockDetected(name, [waiter])
+    return task
+
+
+def _task_id() -> int:
+    """The current task's id, as anyio gives it (``id()`` of the task), without its cost."""
+    try:
+        return id(asyncio.current_task())
+    except RuntimeError:  # not on asyncio: trio
+        return anyio.get_current_task().id

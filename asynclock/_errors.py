@@ -59,6 +59,12 @@ class NotHeld(LockError, LookupError):
     """An operation needed a held lock and there is none (for example ``current_token()``)."""
 
 
+class WrongEventLoop(LockError, RuntimeError):
+    """A lock client was used from another event loop than the one it was opened on (a
+    session-scoped client in a test whose loop is the function's, say): a programming error,
+    not an outage. Open one client per event loop."""
+
+
 class BackendUnavailable(LockError, ConnectionError):
     """The lock server could not be reached or did not answer in time."""
 

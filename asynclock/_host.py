@@ -81,6 +81,8 @@ class BackendHost:
         #: With start(): the host's own task, told to stop by ``_stop`` and done at ``_own_done``.
         self._own_task: Any = None
         self._stop: anyio.Event | None = None
+        #: The event loop the client runs on (None under trio, which has one per run).
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._own_done: anyio.Event | None = None
         self._own_failure: BaseException | None = None
 
@@ -151,6 +153,7 @@ class BackendHost:
                 "a LockClient is opened once (async with, or start()); call asynclock.connect() again"
             )
         check_event_loop(self._backend, self._backend.describe())
+        self.loop = asyncio.get_running_loop() if on_asyncio() else None
         opened = anyio.Event()
         stop = self._stop = anyio.Event()
         done = self._own_done = anyio.Event()

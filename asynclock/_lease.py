@@ -93,6 +93,7 @@ class Lease:
     """
 
     __slots__ = (
+        "_asked_ttl",
         "_deadline",
         "_drift",
         "_extender",
@@ -108,6 +109,7 @@ class Lease:
         "_scopes",
         "_state",
         "busy",
+        "holder",
         "next_renewal",
         "on_lost",
     )
@@ -124,8 +126,11 @@ class Lease:
         on_loss: Callable[[Lease, LossKind, str], None] | None = None,
         hold: tuple[Kind, bool, bytes] | None = None,
         extender: Callable[[Lease, float], Awaitable[None]] | None = None,
+        asked_ttl: float | None = None,
     ) -> None:
         self._grant = grant
+        #: The ttl asked for: a lock handed over may start with less of it (``grant.ttl``).
+        self._asked_ttl = grant.ttl if asked_ttl is None else asked_ttl
         #: (kind, shared, value) of any hold but a plain exclusive lock. Not the request: its
         #: on_lost refers back to this lease, and that cycle left every lease to the garbage
         #: collector (3 us more per cycle on memory://).
@@ -148,6 +153,9 @@ class Lease:
         self._scopes: list[BodyScope] = []
         self._deadline = self._deadline_for(grant.valid_from, grant.ttl)
         self.next_renewal = RENEWAL.next_after(grant.valid_from, grant.ttl)
+        #: (client, task id) of an exclusive or shared lock's holder, for the check that a task
+        #: does not wait for a lock it holds itself (``LockClient``); None for other kinds.
+        self.holder: tuple[object, int] | None = None
 
     # -- what users read ---------------------------------------------------------------------
 
@@ -294,9 +302,12 @@ class Lease:
 
     def _check_deadline(self) -> None:
         if self._state is LeaseState.HELD and now() >= self._deadline:
+            ttl = f"ttl {self._asked_ttl:g} s"
+            if self.ttl < self._asked_ttl:
+                ttl += f", handed over with {self.ttl:g} s of it left"
             self._mark_lost(
-                f"no successful renewal before the local deadline (ttl {self.ttl:g} s); "
-                "the server may already have expired it",
+                f"no successful renewal before the local deadline ({ttl}); the server may "
+                "already have expired it",
                 "deadline",
             )
 
@@ -318,7 +329,7 @@ class Lease:
         if self._state is not LeaseState.HELD:
             return
         self._grant.valid_from = valid_from
-        self._grant.ttl = ttl
+        self._grant.ttl = self._asked_ttl = ttl
         self._margin = margin
         self._deadline = self._deadline_for(valid_from, ttl)
         self.next_renewal = RENEWAL.next_after(valid_from, ttl)

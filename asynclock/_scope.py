@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextvars import Token
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, NoReturn, TypeVar
 
 import anyio
 
@@ -105,7 +105,20 @@ class Deadlines:
             self._sleep = None
 
 
-class _HeldContext(ABC, Generic[T]):
+class AsyncOnly:
+    """What is used with ``async with`` only: ``with`` says so, not Python's bare TypeError."""
+
+    __slots__ = ()
+    _misuse: ClassVar[str]
+
+    def __enter__(self) -> NoReturn:
+        raise TypeError(f"{self._misuse}, not `with`")
+
+    def __exit__(self, *exc_info: object) -> None:  # pragma: no cover - __enter__ raised
+        return None
+
+
+class _HeldContext(AsyncOnly, ABC, Generic[T]):
     __slots__ = (
         "_acquire",
         "_body",
@@ -116,6 +129,14 @@ class _HeldContext(ABC, Generic[T]):
         "_observed",
         "_on_lost",
     )
+
+    _misuse = "a lock is held with `async with locks.lock(name) as lease:`"
+
+    def __await__(self) -> NoReturn:
+        raise TypeError(
+            f"{self._misuse}, not awaited; `lease = await locks.acquire(name)` takes one "
+            "without a block"
+        )
 
     def __init__(
         self,

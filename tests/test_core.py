@@ -17,6 +17,8 @@ import pytest
 
 import asynclock
 from asynclock import _registry
+from asynclock._clock import now
+from asynclock.abc import Grant
 from asynclock.backends.memory import MemoryBackend
 from tests.integrations._memory import memory, memory_locks
 from tests.loud import ExpectedLogs
@@ -453,3 +455,75 @@ async def test_an_observer_that_raises_is_dropped_not_allowed_to_break_a_lock(
     (logged,) = expected_logs.records
     assert logged.exc_info is not None and "observer bug" in str(logged.exc_info[1])
     assert not locks._events.active  # unsubscribed
+
+
+async def test_a_task_that_waits_for_a_lock_it_holds_is_refused_at_once(
+    locks: asynclock.LockClient,
+) -> None:
+    """Without deadlock detection it waited for ever: the server sees a holder and a waiter."""
+    async with locks.lock("a"):
+        with anyio.fail_after(1), pytest.raises(asynclock.DeadlockDetected, match="waits for 'a'"):
+            async with locks.lock("a"):
+                pytest.fail("held twice")
+        with anyio.fail_after(1), pytest.raises(asynclock.DeadlockDetected):
+            await locks.acquire("a", timeout=5)
+        assert await locks.try_acquire("a") is None  # a try does not wait
+    async with locks.lock("r", shared=True):
+        async with locks.lock("r", shared=True):  # two read holds do not exclude each other
+            pass
+        with anyio.fail_after(1), pytest.raises(asynclock.DeadlockDetected):
+            await locks.acquire("r")
+    # Another task, even one started in the body, may wait for it: it gets it after the body.
+    got: list[int] = []
+    async with anyio.create_task_group() as tg:
+        async with locks.lock("c") as lease:
+
+            async def child() -> None:
+                async with locks.lock("c", timeout=5) as later:
+                    got.append(later.token)
+
+            tg.start_soon(child)
+            await anyio.sleep(0.05)
+            assert not got
+    assert got and got[0] > lease.token
+
+
+async def test_misused_lock_contexts_and_clients_say_to_use_async_with(
+    locks: asynclock.LockClient,
+) -> None:
+    with pytest.raises(TypeError, match="async with"):
+        await locks.lock("a")
+    with pytest.raises(TypeError, match="async with"), locks.lock("a"):
+        pass
+    with pytest.raises(TypeError, match="async with"), asynclock.connect("memory://x"):
+        pass
+
+
+@pytest.mark.expect_log(r"lease on 'p' lost: .*\(ttl 2 s, handed over with 0\.02 s of it left\)")
+async def test_a_lease_lost_after_a_short_hand_over_names_the_ttl_asked_for() -> None:
+    """A lock handed over with 0.02 s left of a waiter's place said "(ttl 0.02 s)" when lost,
+    for a ttl of 2 s (#28 item 6)."""
+
+    async def release(lease: asynclock.Lease) -> None:
+        return None
+
+    grant = Grant("p", "owner", 1, now(), 0.02)
+    lease = asynclock.Lease(
+        grant, on_lost="flag", drift=0.0, margin=0.0, fencing=True, releaser=release, asked_ttl=2
+    )
+    await anyio.sleep(0.05)
+    assert lease.lost
+    assert "(ttl 2 s, handed over with 0.02 s of it left)" in (lease.lost_reason or "")
+
+
+def test_a_client_used_from_another_event_loop_says_so_at_once() -> None:
+    """A session-loop client in a function-loop test: it was a BackendUnavailable ("attached to
+    a different loop"), a 503 behind @locked, hiding a programming error (#28 item 2)."""
+    with asyncio.Runner() as own, asyncio.Runner() as other:
+        locks = own.run(asynclock.connect(f"memory://loops-{uuid.uuid4().hex[:8]}").start())
+        try:
+            with pytest.raises(asynclock.WrongEventLoop, match="one client per event loop"):
+                other.run(locks.acquire("a", ttl=5))
+            own.run(locks.acquire("a", ttl=5))  # its own loop still works
+        finally:
+            own.run(locks.aclose())

@@ -17,7 +17,7 @@ import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning, RedisGrant
-from asynclock.testing import FaultProxy, RedisServer
+from asynclock.testing import FaultProxy, PostgresServer, RedisServer
 from tests.contract.backend_redis import (
     RedisServerWith,
     acl_user,
@@ -152,6 +152,21 @@ async def test_acl_users_a_wrong_password_and_users_without_config_client_or_the
         with pytest.raises(asynclock.BackendUnavailable, match=rf"'&{prefix}wake:\*'"):
             async with connect(url, prefix):
                 pytest.fail("connected without the permission to wait")
+
+
+async def test_a_missing_database_and_a_server_that_is_not_redis_are_named(
+    redis_server: RedisServer, postgres_server: PostgresServer
+) -> None:
+    """Both said "cannot reach ... (is redis-server running there?)" (#28 item 8)."""
+    url = f"redis://{redis_server.address}/99?durability_warning=false"
+    with pytest.raises(asynclock.InvalidArgument, match=r"has no database 99 .*'databases'"):
+        async with asynclock.connect(url):
+            pytest.fail("connected to database 99")
+
+    # Another service on the port (PostgreSQL's): it closes the connection at the first command.
+    with pytest.raises(asynclock.BackendUnavailable, match="is it a Redis server"):
+        async with asynclock.connect(f"redis://{postgres_server.address}/0"):
+            pytest.fail("connected to a server that is not Redis")
 
 
 async def test_durability_warning_without_an_append_only_file_on_eviction_and_none_if_durable(

@@ -117,3 +117,16 @@ async def test_fencing_imports_no_framework_and_missing_ones_name_the_extra() ->
     assert done.returncode == 0, output
     assert output.count("pip install 'asynclock[aiohttp]'") == 2
     assert output.count("pip install 'asynclock[fastapi]'") == 1
+
+
+def test_the_readmes_smallest_program_runs_as_written() -> None:
+    """What a new user copies first (#28 item 11); and the docs link to nothing made up."""
+    root = EXAMPLES.parent
+    section = (root / "README.md").read_text().split("## Use it in your project")[1]
+    program = section.split("```python\n")[1].split("```")[0]
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("holding nightly-report with fencing token ")
+    assert "example.invalid" not in (root / "mkdocs.yml").read_text()

@@ -92,7 +92,15 @@ from ._holds import RedisGrant
 from ._lane import Lane, Undo
 from ._records import RedisWaiters
 from ._server import check_server
-from ._settings import COMMON_OPTIONS, DEFAULT_PORT, ERRORS, Settings, common_settings, split_url
+from ._settings import (
+    COMMON_OPTIONS,
+    DEFAULT_PORT,
+    ERRORS,
+    Settings,
+    common_settings,
+    opening_errors,
+    split_url,
+)
 from ._wakes import WakeChannel
 
 __all__ = ("RedisBackend", "RedisGrant")
@@ -204,11 +212,7 @@ class RedisBackend(holds.HoldingBackend):
         pool = self.settings.pool(self.address)
         lane = self._lane = self._lane_type(pool, self.settings.op_timeout, self._host)
         try:
-            with translate(
-                ERRORS,
-                f"cannot reach {self.describe()} (is redis-server running there, and are the "
-                "host, port, user and password right?)",
-            ):
+            with translate(opening_errors(self.describe(), self.settings.db), "connecting"):
                 # A server slow to answer now (many clients starting at once, a loaded
                 # host) is waited for until connect_timeout, the caller's bound; a refused
                 # connection still fails at once.
