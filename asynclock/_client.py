@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Self
@@ -411,10 +412,11 @@ def _waiting_task(
     kind: Kind,
 ) -> int | None:
     """The id of the task that takes lock ``name`` (None for other kinds of hold), refusing at
-    once a client used from another event loop than its own, and a wait for a lock that this
-    task holds through ``client``: it would wait for ever (the
-    server sees a holder and a waiter, not a re-entry), a deadlock of one. Another task, one
-    started in the body too, may wait for it."""
+    once a client used from another event loop than its own, and an unbounded wait for a lock
+    that this task holds through ``client``: it would wait for ever (the server sees a holder
+    and a waiter, not a re-entry), a deadlock of one. A wait with a ``timeout`` or inside a
+    cancel scope with a deadline is the caller's to bound; another task, one started in the
+    body too, may wait for it."""
     loop = client._host.loop
     if loop is not None and asyncio.get_running_loop() is not loop:
         raise WrongEventLoop(
@@ -425,14 +427,15 @@ def _waiting_task(
     if kind != "lock":
         return None
     task = _task_id()
-    if timeout == 0:
-        return task  # a try does not wait
+    if timeout is not None:
+        return task  # a try, or a bounded wait
     for held in _fencing.held_leases():
         if (
             held.holder == (client, task)
             and held.name == name
             and held.held
             and not (shared and held.shared)
+            and anyio.current_effective_deadline() == math.inf
         ):
             waiter = Waiter(actor=actor_id(label), holds=(name,), waits=name, since=time.time())
             raise DeadlockDetected(name, [waiter])
