@@ -242,16 +242,16 @@ async def test_a_holding_connection_without_locks_is_closed_before_its_idle_time
     async with pg.connect(max_idle=1) as locks:
         backend = locks._backend
         assert isinstance(backend, PostgresBackend)
-        async with locks.lock(pg.name, ttl=0.4) as lease:
+        async with locks.lock(pg.name, ttl=0.5) as lease:
             holding = lease.grant.pid  # type: ignore[attr-defined]
-        lane = backend._lanes.by_ttl[400]
+        lane = backend._lanes.by_ttl[500]
         with anyio.fail_after(2):
             while holding in {pid for pid, _ in await pg.sessions()}:  # noqa: ASYNC110
                 await anyio.sleep(0.02)
-        assert anyio.current_time() - lease.grant.valid_from >= 0.2
+        assert anyio.current_time() - lease.grant.valid_from >= 0.25
         assert str(lane.dead) == "the lane was closed"  # by the client, not by the server
-        assert 400 not in backend._lanes.by_ttl
-        async with locks.lock(pg.name, ttl=0.4) as again:
+        assert 500 not in backend._lanes.by_ttl
+        async with locks.lock(pg.name, ttl=0.5) as again:
             assert again.grant.pid != holding  # type: ignore[attr-defined]
         assert not lease.lost and not again.lost
 
@@ -911,20 +911,20 @@ async def test_takes_and_a_release_on_a_server_that_stopped_answering_return_in_
 
 
 async def test_a_ttl_below_the_minimum_is_refused_and_the_minimum_holds(pg: Pg) -> None:
-    assert PostgresBackend.min_ttl == 0.1
+    assert PostgresBackend.min_ttl == 0.5
     async with pg.connect() as locks:
         for take in (
             lambda: locks.lock(pg.name, ttl=0.001),
             lambda: locks.lock_all([pg.name], ttl=0.05),
         ):
-            with pytest.raises(asynclock.InvalidArgument, match=r"too short.*minimum is 0\.1 s"):
+            with pytest.raises(asynclock.InvalidArgument, match=r"too short.*minimum is 0\.5 s"):
                 async with take():
                     pytest.fail("held a lock with a ttl below the minimum")
         with pytest.raises(asynclock.InvalidArgument, match=r"ttl 0\.001 s is too short"):
             await locks.acquire(pg.name, ttl=0.001)
-        with pytest.raises(asynclock.InvalidArgument, match=r"minimum is 0\.1 s"):
-            await locks.try_acquire(pg.name, ttl=0.099)
-        # The minimum itself is honoured: renewed every 33 ms, kept for 2 s (20 ttls).
+        with pytest.raises(asynclock.InvalidArgument, match=r"minimum is 0\.5 s"):
+            await locks.try_acquire(pg.name, ttl=0.499)
+        # The minimum itself is honoured: renewed every 167 ms, kept for 2 s (4 ttls).
         async with locks.lock(pg.name, ttl=PostgresBackend.min_ttl) as lease:
             await anyio.sleep(2.0)
         assert not lease.lost
