@@ -1,5 +1,5 @@
-"""The stores behind the guards: a PostgreSQL connection with a table name of its own, and a
-Redis client (the servers are the asynclock.testing plugin's)."""
+"""The PostgreSQL store behind the guards: a connection with a table name of its own (the Redis
+client is tests/contract/backend_redis.py's raw_redis)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from asynclock.testing import PostgresServer, RedisServer
+from asynclock.testing import PostgresServer
 
 
 @pytest.fixture
@@ -21,12 +21,3 @@ async def pg(postgres_server: PostgresServer) -> AsyncIterator[tuple[Any, str]]:
     yield connection, table
     await connection.execute(f"DROP TABLE IF EXISTS {table}")
     await connection.close()
-
-
-@pytest.fixture
-async def redis_client(redis_server: RedisServer) -> AsyncIterator[Any]:
-    import redis.asyncio
-
-    client = redis.asyncio.Redis(host=redis_server.host, port=redis_server.port)
-    yield client
-    await client.aclose()

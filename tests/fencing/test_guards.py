@@ -127,23 +127,23 @@ async def test_postgres_guards_serialize_transactions_in_flight(
 
 
 async def test_redis_guard_runs_the_command_only_for_a_fresh_token_beyond_float_precision(
-    redis_client: Any,
+    raw_redis: Any,
 ) -> None:
     prefix = f"test:{uuid.uuid4().hex[:8]}:"
-    guard = RedisGuard(redis_client, prefix=prefix)
+    guard = RedisGuard(raw_redis, prefix=prefix)
     key = prefix + "value"
     assert await guard.call("r", "SET", key, "by 5", token=5) == b"OK"
     with pytest.raises(StaleToken) as info:
         await guard.call("r", "SET", key, "by 4", token=4)
     assert (info.value.token, info.value.highest) == (4, 5)
-    assert await redis_client.get(key) == b"by 5"
+    assert await raw_redis.get(key) == b"by 5"
     assert await guard.call("r", "GET", key, token=5) == b"by 5"
     big = 2**60 + 1
     await guard.check("big", big)
     with pytest.raises(StaleToken):
         await guard.check("big", big - 1)  # equal as doubles, but older
     await guard.check("big", big)
-    strict = RedisGuard(redis_client, prefix=prefix, strict=True)
+    strict = RedisGuard(raw_redis, prefix=prefix, strict=True)
     with pytest.raises(StaleToken):
         await strict.check("big", big)
-    await redis_client.delete(key, prefix + "r", prefix + "big")
+    await raw_redis.delete(key, prefix + "r", prefix + "big")

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 import aetcd
 import aetcd.exceptions
 import anyio
 import pytest
-from aiozk import ZKClient
 
 from asynclock.testing import EtcdCluster, EtcdMember, ZooKeeperEnsemble, ZooKeeperMember
 
-from ._helpers import process_gone
+from ._helpers import process_gone, zookeeper_client
 
 
 async def etcd_put_until_it_works(member: EtcdMember, key: bytes, value: bytes) -> float:
@@ -78,19 +74,6 @@ async def test_etcd_cluster_survives_the_loss_of_its_leader_a_pause_and_a_restar
     assert not any(d.exists() for d in data_dirs)
 
 
-@asynccontextmanager
-async def zookeeper_client(address: str) -> AsyncIterator[ZKClient]:
-    client = ZKClient(address, session_timeout=5)
-    try:
-        with anyio.fail_after(20):
-            await client.start()
-        with anyio.fail_after(20):
-            yield client
-    finally:
-        with anyio.fail_after(10):
-            await client.close()
-
-
 @pytest.mark.anyio
 async def test_zookeeper_ensemble_survives_the_loss_of_its_leader_and_member_types() -> None:
     with ZooKeeperEnsemble(size=3) as ensemble:
@@ -112,11 +95,11 @@ async def test_zookeeper_ensemble_survives_the_loss_of_its_leader_and_member_typ
         assert new_leader.mode() == "leader"
 
         survivors = [m for m in members if m is not killed]
-        async with zookeeper_client(",".join(m.address for m in survivors)) as client:
+        async with zookeeper_client(",".join(m.address for m in survivors), 20) as client:
             await client.create("/after-leader-loss", data=b"1")
         killed.restart()
         assert killed.mode() == "follower"
-        async with zookeeper_client(killed.address) as client:
+        async with zookeeper_client(killed.address, 20) as client:
             assert await client.get_data("/after-leader-loss") == b"1"
     # Member and leader types; a one-member ensemble.
     with ZooKeeperEnsemble(size=1) as ensemble:
