@@ -1,23 +1,20 @@
-"""The PostgreSQL store behind the guards: a connection with a table name of its own (the Redis
-client is tests/contract/backend_redis.py's raw_redis)."""
+"""The PostgreSQL store behind the guards (the Redis client is tests/contract/backend_redis.py's
+raw_redis)."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
+import asyncpg
 import pytest
 
-from asynclock.testing import PostgresServer
+from tests.contract.backend_postgres import Pg
 
 
 @pytest.fixture
-async def pg(postgres_server: PostgresServer) -> AsyncIterator[tuple[Any, str]]:
-    import asyncpg
-
-    connection = await asyncpg.connect(postgres_server.dsn)
+async def fences(pg: Pg) -> AsyncIterator[tuple[asyncpg.Connection, str]]:
+    """A connection, and a guard table name of the test's own."""
     table = f"fences_{uuid.uuid4().hex[:8]}"
-    yield connection, table
-    await connection.execute(f"DROP TABLE IF EXISTS {table}")
-    await connection.close()
+    yield pg.admin, table
+    await pg.admin.execute(f"DROP TABLE IF EXISTS {table}")

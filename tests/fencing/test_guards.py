@@ -62,9 +62,9 @@ async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_p
 
 
 async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back_and_unsafe_identifiers(
-    pg: Any,
+    fences: Any,
 ) -> None:
-    connection, table = pg
+    connection, table = fences
     guard = PostgresGuard(table=table)
     await guard.create_table(connection)
     await guard.create_table(connection)  # idempotent
@@ -91,13 +91,13 @@ async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back_and_unsafe
 
 @pytest.mark.parametrize("kind", ["guard", "semaphore guard of 1"])
 async def test_postgres_guards_serialize_transactions_in_flight(
-    pg: Any, postgres_server: PostgresServer, kind: str
+    fences: Any, postgres_server: PostgresServer, kind: str
 ) -> None:
     """A newer holder's check waits for the older transaction to commit (the guard's row is
     held until then), so check+write stay atomic; then the older token is refused."""
     import asyncpg
 
-    connection, table = pg
+    connection, table = fences
     guard: PostgresGuard | PostgresSemaphoreGuard = (
         PostgresGuard(table=table) if kind == "guard" else PostgresSemaphoreGuard(1, table=table)
     )
