@@ -164,7 +164,6 @@ async def test_task_host_owns_its_tasks_and_abandons_late_work() -> None:
         return 7
 
     assert await TaskHost.within(0.05, slow, "slow work") is None
-
     assert await TaskHost.within(1, quick, "quick work") == 7
     await host.aclose()
     await host.aclose()  # idempotent

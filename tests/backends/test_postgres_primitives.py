@@ -335,11 +335,10 @@ async def test_a_user_who_may_not_create_the_holders_table_still_locks_exclusive
     async with PostgresBackend.from_url(pg.server.url, {"schema": schema}) as owner:
         assert owner._holders_ready  # made them all (as a superuser)
     await pg.admin.execute(f"DROP TABLE {schema}.asynclock_holders")
-    await pg.admin.execute(f"CREATE ROLE {role} LOGIN")
-    await pg.admin.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
-    await pg.admin.execute(f"GRANT USAGE ON SEQUENCE {schema}.asynclock_token_seq TO {role}")
     await pg.admin.execute(
-        f"GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.asynclock_waiters TO {role}"
+        f"CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA {schema} TO {role};"
+        f" GRANT USAGE ON SEQUENCE {schema}.asynclock_token_seq TO {role};"
+        f" GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.asynclock_waiters TO {role}"
     )
     url = f"postgresql://{role}@{pg.server.address}/postgres"
     async with asynclock.connect(url, schema=schema) as locks:

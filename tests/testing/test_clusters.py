@@ -36,7 +36,6 @@ async def etcd_get(member: EtcdMember, key: bytes) -> bytes | None:
 async def test_etcd_cluster_survives_the_loss_of_its_leader_a_pause_and_a_restart() -> None:
     with EtcdCluster(size=3) as cluster:
         members = cluster.members
-        assert len(members) == 3
         assert cluster.url == "etcd://" + ",".join(f"127.0.0.1:{m.port}" for m in members)
         assert all(m.is_running for m in members)
         assert len({m.port for m in members}) == 3
