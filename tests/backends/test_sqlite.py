@@ -229,9 +229,8 @@ _CONTENDER = textwrap.dedent(
 def test_processes_contending_exclude_writers_and_share_reads(
     path: Path, spawn: Spawn, mode: str
 ) -> None:
-    """3 processes of 4 tasks, 5 holds each, on one file: a writer overlaps no other hold,
-    readers share, and each hold has a token of its own (rising with the writes). Semaphores
-    and elections across processes are the contract's."""
+    """3 processes of 4 tasks, 5 holds each, on one file; tokens rise with the writes.
+    Semaphores and elections across processes are the contract's."""
     started = [spawn(_CONTENDER, f"sqlite://{path}", mode, "4", "5") for _ in range(3)]
     lines = [line.split() for p in started for line in p.communicate(timeout=90)[0].splitlines()]
     assert len(lines) == 3 * 4 * 5 and all(p.returncode == 0 for p in started)
@@ -358,9 +357,7 @@ async def test_an_earlier_versions_file_and_exclusive_row_are_honoured(path: Pat
     assert rows(path) == []
 
 
-async def test_tokens_survive_a_restart_of_every_client_and_a_row_of_another_boot_is_not_held(
-    path: Path,
-) -> None:
+async def test_tokens_survive_restarts_and_a_row_of_another_boot_is_not_held(path: Path) -> None:
     for expected in (1, 2):
         async with asynclock.connect(f"sqlite://{path}") as locks:
             async with locks.lock("t") as lease:

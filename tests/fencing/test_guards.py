@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -13,6 +12,7 @@ import asynclock
 from asynclock.fencing import (
     MAX_TOKEN,
     MemoryGuard,
+    MemorySemaphoreGuard,
     PostgresGuard,
     PostgresSemaphoreGuard,
     RedisGuard,
@@ -23,7 +23,7 @@ from asynclock.testing import PostgresServer
 pytestmark = pytest.mark.anyio
 
 
-async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_path: Path) -> None:
+async def test_memory_guards_refuse_older_tokens_and_take_the_current_one() -> None:
     guard = MemoryGuard()
     await guard.write("r", "from 7", token=7)
     await guard.write("r", "from 7 again", token=7)  # the same holder may write again
@@ -46,7 +46,7 @@ async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_p
     assert await guard.read("balance", token=7) == 101
     # Guards take the token of the lock held in this context.
     guard = MemoryGuard()
-    async with asynclock.connect(f"sqlite://{tmp_path}/locks.db") as locks:
+    async with asynclock.connect("memory://guards-in-context") as locks:
         stale = await locks.acquire("job")  # token 1, then lost behind its back
         await stale.release()
         async with locks.lock("job") as lease:  # token 2
@@ -56,6 +56,18 @@ async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_p
             await guard.write("out", "old", token=stale.token)
         with pytest.raises(asynclock.NotHeld):
             await guard.write("out", "nobody")
+        # A semaphore's holder that never left the guard is evicted by newer permits.
+        permits = MemorySemaphoreGuard(2)
+        sem = locks.semaphore("renderers", permits=2)
+        crashed = await sem.acquire(ttl=5)
+        await permits.check("out", crashed.token)
+        await crashed.release()  # as its ttl would: it never told the guard
+        async with sem.lock(ttl=5) as second, sem.lock(ttl=5) as third:
+            assert crashed.token < second.token < third.token
+            async with permits.entered("out", second.token), permits.entered("out", third.token):
+                assert permits.admitted("out") == (second.token, third.token)
+                with pytest.raises(StaleToken):
+                    await permits.write("out", "late", token=crashed.token)
     for bad in [-1, MAX_TOKEN + 1, True, "5"]:
         with pytest.raises(asynclock.InvalidArgument):
             await MemoryGuard().check("r", bad)  # type: ignore[arg-type]

@@ -49,12 +49,6 @@ async def echo_server() -> AsyncIterator[Echo]:
         tasks.cancel_scope.cancel()
 
 
-@asynccontextmanager
-async def proxied_echo() -> AsyncIterator[tuple[Echo, FaultProxy]]:
-    async with echo_server() as echo, FaultProxy("127.0.0.1", echo.port) as proxy:
-        yield echo, proxy
-
-
 async def round_trip(stream: SocketStream, payload: bytes = b"ping") -> float:
     start = anyio.current_time()
     await stream.send(payload)
@@ -78,7 +72,7 @@ def mode_of(proxy: FaultProxy) -> ProxyMode:
 
 
 async def test_pass_through_relays_and_counts_connections_and_reset_sends_rst() -> None:
-    async with proxied_echo() as (echo, proxy):
+    async with echo_server() as echo, FaultProxy("127.0.0.1", echo.port) as proxy:
         assert proxy.host == "127.0.0.1"
         assert proxy.address == f"127.0.0.1:{proxy.port}"
         assert proxy.mode == "pass_through"
@@ -106,7 +100,7 @@ async def test_pass_through_relays_and_counts_connections_and_reset_sends_rst() 
 
 
 async def test_delay_adds_latency_both_ways_and_cut_heals_to_the_previous_mode() -> None:
-    async with proxied_echo() as (_, proxy):
+    async with echo_server() as echo, FaultProxy("127.0.0.1", echo.port) as proxy:
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             baseline = min([await round_trip(stream) for _ in range(5)])
             proxy.delay(50)
@@ -127,7 +121,7 @@ async def test_delay_adds_latency_both_ways_and_cut_heals_to_the_previous_mode()
             proxy.pass_through()
             assert min([await round_trip(stream) for _ in range(3)]) < 0.05
     # cut heals after the given time, to the previous mode unless changed meanwhile.
-    async with proxied_echo() as (_, proxy):
+    async with echo_server() as echo, FaultProxy("127.0.0.1", echo.port) as proxy:
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             await round_trip(stream)
             proxy.cut(1)
@@ -147,7 +141,7 @@ async def test_delay_adds_latency_both_ways_and_cut_heals_to_the_previous_mode()
 
 
 async def test_blackhole_holds_traffic_and_drop_replies_loses_only_replies() -> None:
-    async with proxied_echo() as (echo, proxy):
+    async with echo_server() as echo, FaultProxy("127.0.0.1", echo.port) as proxy:
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             await round_trip(stream, b"a")
             proxy.blackhole()
@@ -170,7 +164,7 @@ async def test_blackhole_holds_traffic_and_drop_replies_loses_only_replies() -> 
                     await round_trip(late)
                 assert echo.accepted == 2
     # drop_replies delivers requests and loses the replies.
-    async with proxied_echo() as (echo, proxy):
+    async with echo_server() as echo, FaultProxy("127.0.0.1", echo.port) as proxy:
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             proxy.drop_replies()
             await stream.send(b"lost-reply")
