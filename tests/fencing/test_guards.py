@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -13,6 +12,7 @@ import asynclock
 from asynclock.fencing import (
     MAX_TOKEN,
     MemoryGuard,
+    MemorySemaphoreGuard,
     PostgresGuard,
     PostgresSemaphoreGuard,
     RedisGuard,
@@ -23,7 +23,7 @@ from asynclock.testing import PostgresServer
 pytestmark = pytest.mark.anyio
 
 
-async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_path: Path) -> None:
+async def test_memory_guards_refuse_older_tokens_and_take_the_current_one() -> None:
     guard = MemoryGuard()
     await guard.write("r", "from 7", token=7)
     await guard.write("r", "from 7 again", token=7)  # the same holder may write again
@@ -46,7 +46,7 @@ async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_p
     assert await guard.read("balance", token=7) == 101
     # Guards take the token of the lock held in this context.
     guard = MemoryGuard()
-    async with asynclock.connect(f"sqlite://{tmp_path}/locks.db") as locks:
+    async with asynclock.connect("memory://guards-in-context") as locks:
         stale = await locks.acquire("job")  # token 1, then lost behind its back
         await stale.release()
         async with locks.lock("job") as lease:  # token 2
@@ -56,15 +56,27 @@ async def test_memory_guard_refuses_older_tokens_and_takes_the_current_one(tmp_p
             await guard.write("out", "old", token=stale.token)
         with pytest.raises(asynclock.NotHeld):
             await guard.write("out", "nobody")
+        # A semaphore's holder that never left the guard is evicted by newer permits.
+        permits = MemorySemaphoreGuard(2)
+        sem = locks.semaphore("renderers", permits=2)
+        crashed = await sem.acquire(ttl=5)
+        await permits.check("out", crashed.token)
+        await crashed.release()  # as its ttl would: it never told the guard
+        async with sem.lock(ttl=5) as second, sem.lock(ttl=5) as third:
+            assert crashed.token < second.token < third.token
+            async with permits.entered("out", second.token), permits.entered("out", third.token):
+                assert permits.admitted("out") == (second.token, third.token)
+                with pytest.raises(StaleToken):
+                    await permits.write("out", "late", token=crashed.token)
     for bad in [-1, MAX_TOKEN + 1, True, "5"]:
         with pytest.raises(asynclock.InvalidArgument):
             await MemoryGuard().check("r", bad)  # type: ignore[arg-type]
 
 
 async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back_and_unsafe_identifiers(
-    pg: Any,
+    fences: Any,
 ) -> None:
-    connection, table = pg
+    connection, table = fences
     guard = PostgresGuard(table=table)
     await guard.create_table(connection)
     await guard.create_table(connection)  # idempotent
@@ -91,13 +103,13 @@ async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back_and_unsafe
 
 @pytest.mark.parametrize("kind", ["guard", "semaphore guard of 1"])
 async def test_postgres_guards_serialize_transactions_in_flight(
-    pg: Any, postgres_server: PostgresServer, kind: str
+    fences: Any, postgres_server: PostgresServer, kind: str
 ) -> None:
     """A newer holder's check waits for the older transaction to commit (the guard's row is
     held until then), so check+write stay atomic; then the older token is refused."""
     import asyncpg
 
-    connection, table = pg
+    connection, table = fences
     guard: PostgresGuard | PostgresSemaphoreGuard = (
         PostgresGuard(table=table) if kind == "guard" else PostgresSemaphoreGuard(1, table=table)
     )
@@ -127,23 +139,23 @@ async def test_postgres_guards_serialize_transactions_in_flight(
 
 
 async def test_redis_guard_runs_the_command_only_for_a_fresh_token_beyond_float_precision(
-    redis_client: Any,
+    raw_redis: Any,
 ) -> None:
     prefix = f"test:{uuid.uuid4().hex[:8]}:"
-    guard = RedisGuard(redis_client, prefix=prefix)
+    guard = RedisGuard(raw_redis, prefix=prefix)
     key = prefix + "value"
     assert await guard.call("r", "SET", key, "by 5", token=5) == b"OK"
     with pytest.raises(StaleToken) as info:
         await guard.call("r", "SET", key, "by 4", token=4)
     assert (info.value.token, info.value.highest) == (4, 5)
-    assert await redis_client.get(key) == b"by 5"
+    assert await raw_redis.get(key) == b"by 5"
     assert await guard.call("r", "GET", key, token=5) == b"by 5"
     big = 2**60 + 1
     await guard.check("big", big)
     with pytest.raises(StaleToken):
         await guard.check("big", big - 1)  # equal as doubles, but older
     await guard.check("big", big)
-    strict = RedisGuard(redis_client, prefix=prefix, strict=True)
+    strict = RedisGuard(raw_redis, prefix=prefix, strict=True)
     with pytest.raises(StaleToken):
         await strict.check("big", big)
-    await redis_client.delete(key, prefix + "r", prefix + "big")
+    await raw_redis.delete(key, prefix + "r", prefix + "big")

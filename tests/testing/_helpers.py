@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+
+import anyio
+from aiozk import ZKClient
 
 
 def process_gone(pid: int) -> bool:
@@ -25,3 +29,17 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+@asynccontextmanager
+async def zookeeper_client(address: str, timeout: float) -> AsyncIterator[ZKClient]:
+    """A started client of ``address``, its start and use within ``timeout``."""
+    client = ZKClient(address, session_timeout=5)
+    try:
+        with anyio.fail_after(timeout):
+            await client.start()
+        with anyio.fail_after(timeout):
+            yield client
+    finally:
+        with anyio.fail_after(10):
+            await client.close()
