@@ -46,6 +46,7 @@ from asynclock.testing import FaultProxy
 from tests.contract.fault_worker import open_resource, pause_schedule
 from tests.contract.harness import BackendUnderTest, wait_until_free
 from tests.contract.kinds import holds
+from tests.loud import ExpectedLogs
 
 pytestmark = pytest.mark.anyio
 
@@ -492,11 +493,15 @@ async def test_a_started_client_closed_or_started_under_native_cancellation_leav
 
 @_THROUGH_A_PROXY
 async def test_connecting_waits_for_a_slow_server_within_connect_timeout_not_op_timeout(
-    backend: BackendUnderTest, name: str
+    backend: BackendUnderTest, name: str, expected_logs: ExpectedLogs
 ) -> None:
     """A server too busy to answer within ``op_timeout`` while the client connects (many
     replicas of a service starting at once, a loaded host) is waited for; one that never
     answers fails the connect at ``connect_timeout``, with the option named."""
+    # Redlock goes on once a majority of masters answered, and names the ones that had not
+    # within a short grace: each master's connection comes back on its own retry schedule
+    # after the cut, and beside a CPU hog the last one can miss the grace (fresh-clone run 48).
+    expected_logs.allow(r"1 of 3 masters did not answer .*; locking goes on with the majority")
     async with AsyncExitStack() as stack:
         proxies = [
             await stack.enter_async_context(FaultProxy(server.host, server.port))
