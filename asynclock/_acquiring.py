@@ -61,7 +61,7 @@ def require(backend: Backend[Grant], capability: str, what: str) -> None:
     if not getattr(backend.capabilities, capability):
         raise UnsupportedFeature(
             f"{backend.describe()} has no {what} (capabilities.{capability} is false); "
-            "memory, SQLite, PostgreSQL, Redis, etcd and ZooKeeper have them"
+            + (backend.limits or "memory, SQLite, PostgreSQL, Redis, etcd and ZooKeeper have them")
         )
 
 

@@ -250,6 +250,9 @@ class Backend(AsyncResource, Generic[G]):
     """
 
     capabilities: Capabilities
+    #: Why this instance lacks primitives its store has (its configuration), for the error
+    #: that refuses them; empty: it has what its store has.
+    limits: str = ""
     #: The shortest ttl the core accepts: a lease must outlast a renewal round trip plus the
     #: safety margin, or it is lost as soon as it is granted.
     min_ttl: float = 0.1

@@ -27,7 +27,12 @@ CONTRACT_BACKENDS = sorted(
 )
 pytest_plugins = ["tests.loud", *(f"tests.contract.backend_{name}" for name in CONTRACT_BACKENDS)]
 #: The URL scheme of the contract backends whose name is not one (a module name cannot hold "+").
-_SCHEMES = {"sentinel": "redis+sentinel", "cluster": "redis+cluster", "pgbouncer": "postgresql"}
+_SCHEMES = {
+    "sentinel": "redis+sentinel",
+    "cluster": "redis+cluster",
+    "pgbouncer": "postgresql",
+    "pgbouncer_transaction": "postgresql",
+}
 
 
 def contract_scheme(name: str) -> str:

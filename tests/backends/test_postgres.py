@@ -29,6 +29,7 @@ from asynclock.backends.postgres import PostgresBackend, lock_key
 from asynclock.backends.postgres._kinds import kind_key, permits_class
 from asynclock.extras.postgres import TransactionLock, transaction_lock
 from asynclock.testing import FaultProxy, PgBouncerServer, PostgresServer, free_port
+from asynclock.testing._safety import SafetyConfig, run_safety
 from tests.contract.backend_postgres import Pg, start_holder, terminate_holder
 
 pytestmark = pytest.mark.anyio
@@ -111,7 +112,7 @@ def test_malformed_urls_options_and_ttls_are_refused_by_name() -> None:
         ("", {"op_timeout": 0}, "op_timeout"),
         ("?max_idle=-1", {}, "max_idle"),
         ("?max_waiting=many", {}, "max_waiting"),
-        ("?pooler=transaction", {}, "not safe through transaction or statement pooling"),
+        ("?pooler=statement", {}, "statement pooling cannot hold a lock"),
         ("?statement_cache_size=-1", {}, "statement_cache_size"),
         ("", {"application_name": "naïve"}, "application_name"),
         ("", {"schema": ""}, "schema"),
@@ -406,10 +407,11 @@ async def test_a_silent_client_loses_the_lock_ttl_after_its_last_message(pg: Pg)
 # -- behind a connection pooler ---------------------------------------------------------------
 
 
-async def test_a_pooler_is_found_and_only_session_pooling_is_accepted(pg: Pg) -> None:
+async def test_a_pooler_is_found_and_only_the_mode_the_url_names_is_accepted(pg: Pg) -> None:
     """Session locks through transaction or statement pooling exclude nobody, silently (#26): a
-    pooler is refused unless the URL says it pools sessions, and a pool that shares server
-    sessions between client connections is refused whatever the URL says."""
+    pooler is refused unless the URL names its pool mode; a pool that shares server sessions
+    between client connections is refused as ?pooler=session, and statement pooling (which
+    ends every transaction) as ?pooler=transaction."""
     async with (
         asynclock.connect(pg.url) as direct,
         FaultProxy(pg.server.host, pg.server.port) as proxy,
@@ -421,15 +423,62 @@ async def test_a_pooler_is_found_and_only_session_pooling_is_accepted(pg: Pg) ->
     for mode in ("session", "transaction", "statement"):
         # Stock PgBouncer (no ignore_startup_parameters): our settings go as SQL.
         with PgBouncerServer(pg.server, pool_mode=mode, pool_size=5) as pooler:
-            with pytest.raises(asynclock.UnsupportedFeature, match=r"\?pooler=session"):
+            with pytest.raises(asynclock.UnsupportedFeature, match=r"\?pooler=transaction"):
                 async with asynclock.connect(pooler.url):
                     pytest.fail("connected through a pooler the URL did not mention")
-            if mode == "session":
-                continue  # the contract suite runs through this one (backend_pgbouncer.py)
-            with pytest.raises(asynclock.UnsupportedFeature, match="transaction or statement"):
-                async with asynclock.connect(f"{pooler.url}?pooler=session"):
-                    pytest.fail(f"connected through {mode} pooling")
+            if mode != "session":
+                with pytest.raises(asynclock.UnsupportedFeature, match="transaction or statement"):
+                    async with asynclock.connect(f"{pooler.url}?pooler=session"):
+                        pytest.fail(f"connected through {mode} pooling")
+            if mode == "statement":
+                with pytest.raises(asynclock.UnsupportedFeature, match="statement pooling"):
+                    async with asynclock.connect(f"{pooler.url}?pooler=transaction"):
+                        pytest.fail("connected through statement pooling")
+            # Session and transaction pooling: the contract suite runs through both
+            # (backend_pgbouncer*.py).
     assert await pg.admin.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
+
+
+async def test_through_transaction_pooling_other_kinds_are_refused_and_waiters_keep_order(
+    pg: Pg, pgbouncer_transaction_server: PgBouncerServer
+) -> None:
+    """Each hold is a transaction of its own: the kinds that keep a row for others to read are
+    refused by name; waiters queue in the server, granted in the order they asked; nothing of
+    ours stays on the pooler's server sessions."""
+    url = f"{pgbouncer_transaction_server.url}?pooler=transaction&application_name={pg.app}"
+    async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
+        assert locks.capabilities.semaphores is False
+        for refused in (
+            lambda: locks.lock(pg.name, shared=True),
+            lambda: locks.semaphore(pg.name, permits=2),
+            lambda: locks.election(pg.name),
+        ):
+            with pytest.raises(asynclock.UnsupportedFeature, match="transaction pooling"):
+                refused()
+        order: list[int] = []
+        holder = await other.acquire(pg.name, ttl=5)
+
+        async def waiter(index: int) -> None:
+            async with locks.lock(pg.name, ttl=5, timeout=20):
+                order.append(index)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(30):
+                tg.start_soon(waiter, index)
+                await pg.wait_for_waiters(index + 1)
+            await holder.release()
+        assert order == list(range(30))
+        # Every setting is a transaction's own (SET LOCAL): a session a client left shows the
+        # server's defaults.
+        probe = await asyncpg.connect(pgbouncer_transaction_server.url, statement_cache_size=0)
+        try:
+            for _ in range(5):
+                assert await probe.fetchval("SHOW idle_in_transaction_session_timeout") == "0"
+                assert await probe.fetchval(
+                    "SELECT current_setting('asynclock.connection', true)"
+                ) in (None, "")
+        finally:
+            await probe.close()
 
 
 async def test_a_full_pool_behind_the_pooler_is_a_timeout_that_says_so(pg: Pg) -> None:
@@ -446,14 +495,18 @@ async def test_a_full_pool_behind_the_pooler_is_a_timeout_that_says_so(pg: Pg) -
                     await locks.acquire(f"{pg.name}/3", ttl=7)
 
 
+@pytest.mark.parametrize("mode", ["session", "transaction"])
 @pytest.mark.parametrize("signal_number", [signal.SIGSTOP, signal.SIGKILL])
-async def test_a_stopped_or_killed_holder_behind_session_pooling_frees_the_lock_in_time(
-    pg: Pg, pgbouncer_server: PgBouncerServer, signal_number: int
+async def test_a_stopped_or_killed_holder_behind_a_pooler_frees_the_lock_in_time(
+    pg: Pg, request: pytest.FixtureRequest, mode: str, signal_number: int
 ) -> None:
     """Its settings reach the server through the pooler: a stopped holder's lock is free at
-    ttl (the server's idle_session_timeout), a killed one's at once (PgBouncer's DISCARD ALL)."""
+    ttl (the server's idle timer), a killed one's at once (PgBouncer resets or closes the server
+    connection it used)."""
     ttl = 1.0
-    url = f"{pgbouncer_server.url}?pooler=session"
+    fixture = "pgbouncer_server" if mode == "session" else "pgbouncer_transaction_server"
+    pooler: PgBouncerServer = request.getfixturevalue(fixture)
+    url = f"{pooler.url}?pooler={mode}"
     holder, _ = await start_holder(url, pg.name, ttl=ttl)
     try:
         os.kill(holder.pid, signal_number)
@@ -469,6 +522,39 @@ async def test_a_stopped_or_killed_holder_behind_session_pooling_frees_the_lock_
             os.kill(holder.pid, signal.SIGKILL)
         await holder.wait()
     assert freed < (ttl + 1 if signal_number == signal.SIGSTOP else 0.5)
+
+
+@pytest.mark.parametrize("mode", ["session", "transaction"])
+async def test_five_processes_through_a_pooler_exclude_each_other(
+    pg: Pg, request: pytest.FixtureRequest, mode: str
+) -> None:
+    """5 worker processes do a read-then-write of one row under the lock through PgBouncer:
+    without faults no two holds overlap and no update is lost; with holders paused (SIGSTOP)
+    past their ttl, the fenced writes of the stale ones are refused and none is lost."""
+    fixture = "pgbouncer_server" if mode == "session" else "pgbouncer_transaction_server"
+    pooler: PgBouncerServer = request.getfixturevalue(fixture)
+    url = f"{pooler.url}?pooler={mode}"
+    for pauses in (0.0, 0.2):
+        report = await run_safety(
+            SafetyConfig(
+                url=url,
+                resource=pg.server.url,
+                workers=5,
+                duration=3.0,
+                ttl=1.0,
+                pause_probability=pauses,
+                lock=f"{pg.name}/{pauses}",
+            )
+        )
+        described = f"{report.as_dict()} errors={report.errors[:3]}"
+        assert not report.errors and report.safe, described
+        assert report.final_value == report.writes_accepted, described
+        if pauses:
+            assert report.lost_leases > 0, described  # the faults happened
+        else:
+            assert report.holds > 100 and report.overlapping_holds == 0, described
+            assert report.writes_refused == 0, described
+    assert await pg.admin.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
 
 
 # -- waiting ----------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """PostgreSQL through PgBouncer in session pooling (``?pooler=session``) in the contract suite:
-one PgBouncer per test process, in front of its PostgreSQL server."""
+one PgBouncer per test process, in front of its PostgreSQL server (transaction pooling:
+``backend_pgbouncer_transaction.py``)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,16 @@ def pgbouncer_server(postgres_server: PostgresServer) -> Iterator[PgBouncerServe
 def pgbouncer_backend(
     postgres_server: PostgresServer, pgbouncer_server: PgBouncerServer
 ) -> BackendUnderTest:
-    application_name = f"asynclock-pgbouncer-{uuid.uuid4().hex[:8]}"
+    return through_pgbouncer("pgbouncer", "session", postgres_server, pgbouncer_server)
+
+
+def through_pgbouncer(
+    name: str, mode: str, postgres_server: PostgresServer, pgbouncer_server: PgBouncerServer
+) -> BackendUnderTest:
+    """The contract backend ``name``: PostgreSQL through ``pgbouncer_server`` in pool ``mode``."""
+    application_name = f"asynclock-{name}-{uuid.uuid4().hex[:8]}"
     dsn = postgres_server.dsn
-    query = f"pooler=session&application_name={application_name}"
+    query = f"pooler={mode}&application_name={application_name}"
 
     # Imported here: backend_postgres is a plugin module loaded after this one (name order), and
     # pytest can only rewrite the asserts of a module it imports itself.
@@ -59,7 +67,7 @@ def pgbouncer_backend(
         return found
 
     return BackendUnderTest(
-        "pgbouncer",
+        name,
         f"{pgbouncer_server.url}?{query}",
         1.0,
         functools.partial(revoke, dsn),

@@ -7,6 +7,7 @@ import pytest
 
 from asynclock._registry import backend_class
 from asynclock.abc import Capabilities
+from asynclock.backends.postgres._transactions import TRANSACTION_CAPABILITIES
 from tests.conftest import CONTRACT_BACKENDS, contract_scheme
 from tests.contract.harness import BackendUnderTest
 from tests.contract.kinds import KINDS
@@ -46,6 +47,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _capabilities(name: str) -> Capabilities:
+    if name == "pgbouncer_transaction":  # set by the URL's ?pooler=transaction
+        return TRANSACTION_CAPABILITIES
     return backend_class(contract_scheme(name)).capabilities
 
 

@@ -21,6 +21,7 @@ EXPECTED = {
     "sqlite": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "postgres": {"shared_locks", "semaphores", "elections"},
     "pgbouncer": {"shared_locks", "semaphores", "elections"},
+    "pgbouncer_transaction": set(),
     "redis": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "sentinel": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "cluster": {"shared_locks", "semaphores", "elections", "ttl_change"},

@@ -66,8 +66,15 @@ Loss
     reset) is reported at once through asyncpg's termination listener; a renewal that finds the
     connection closed, or talking to another server session, reports it too.
 
+Through a connection pooler
+    ``?pooler=session``: as above, with checks that the pooler keeps sessions apart.
+    ``?pooler=transaction``: every lock a transaction-level advisory lock in a transaction of its
+    own, its lease ``idle_in_transaction_session_timeout``; exclusive locks only
+    (``_transactions.py``).
+
 Files (imports go down this list, never up)
-    ``backend.py`` the Backend class; ``_inspect.py`` inspect() and wait_for_change();
+    ``backend.py`` the Backend class; ``_transactions.py`` holds in transactions of their own
+    (transaction pooling); ``_inspect.py`` inspect() and wait_for_change();
     ``_semaphores.py`` semaphores; ``_queue.py`` the queue table; ``_waits.py`` waits in the
     server's queue, ``_renewals.py`` the renewals of the connections that hold a lock after one;
     ``_lanes.py`` takes, renewals and releases on the holding connections, ``_lane.py`` one of

@@ -12,7 +12,7 @@ import functools
 import hashlib
 from dataclasses import dataclass
 
-from .._kit import Kind
+from .._kit import Kind, LockRequest, UnsupportedFeature
 from ._sql import lock_key, quote_ident
 
 #: Who holds what, for inspect(): a row per shared hold, permit and leader (exclusive locks
@@ -293,3 +293,13 @@ def split(key: int) -> tuple[int, int]:
     """``(classid, objid)`` of a bigint key as ``pg_locks`` shows it."""
     unsigned = key & 0xFFFFFFFFFFFFFFFF
     return unsigned >> 32, unsigned & 0xFFFFFFFF
+
+
+def no_holders_table(request: LockRequest, server: str, holders: str) -> UnsupportedFeature:
+    """The refusal of a kind that needs the holders' table, which open() could not create."""
+    create = " ".join(CREATE_HOLDERS.format(holders=holders).split())
+    return UnsupportedFeature(
+        f"{request.kind} {request.name!r}: shared locks, semaphores and elections on {server} "
+        f"need the table {holders}, which this user may not create: create it once as its "
+        f"owner with {create}, and GRANT SELECT, INSERT, UPDATE, DELETE ON it TO the lock users"
+    )

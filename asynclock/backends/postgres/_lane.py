@@ -76,6 +76,9 @@ class PostgresGrant(Grant):
     #: What releases it on a dedicated connection (the connection holds only this lock).
     release_sql: str = field(default="", repr=False)
     release_args: tuple[object, ...] = field(default=(), repr=False)
+    #: Held in a transaction of its own (transaction pooling, ``_transactions.py``): the
+    #: transaction ending, whatever ended it, ends the lock.
+    in_transaction: bool = False
     #: The DELETE of the queue-table place the hold came through, queued without an await as
     #: it was granted: its release waits for it, so that no place outlives the hold (a later
     #: take counted the permits of a waiter that was gone).

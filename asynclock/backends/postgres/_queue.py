@@ -100,6 +100,9 @@ class Queue:
         #: Who waits for a change of a key (``wait_for_change``); a NOTIFY of it sets theirs.
         self.observers: dict[int, set[anyio.Event]] = {}
         self._listening = False
+        #: Never listen (transaction pooling: a LISTEN stays on a server session that serves
+        #: other clients, and hears nothing once ours left it); wait_for_change polls.
+        self.polls = False
         self._refreshing = False
 
     @property
@@ -228,6 +231,8 @@ class Queue:
 
     async def listen(self) -> bool:
         """Make sure the listener listens (for ``wait_for_change``), and say whether it does."""
+        if self.polls:
+            return False
         if self.listener is None:
             if not self._listening:
                 self._listening = True

@@ -58,6 +58,8 @@ class Renewals:
                     f"({type(renewal.error).__name__}); the lock ends with the session"
                 )
             return Unknown(renewal.error)
+        if grant.in_transaction and not connection.is_in_transaction():
+            return Lost("the transaction holding the advisory lock ended; the lock ended with it")
         if renewal.pid != grant.pid:
             return Lost(
                 f"the connection now reaches server process {renewal.pid}, not {grant.pid} "

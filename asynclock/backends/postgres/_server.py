@@ -92,10 +92,16 @@ async def ensure_holders(
     return True
 
 
-async def probe_check_interval(connection: Any, server_settings: dict[str, str]) -> None:
-    """Add ``client_connection_check_interval`` to the settings if the server has it."""
+async def probe_check_interval(connection: Any, *, local: bool) -> dict[str, str]:
+    """``client_connection_check_interval``, as a setting to add, if the server has it; set on
+    ``connection``'s session too, unless ``local`` (transaction pooling: the session is not
+    ours, so it is set for this statement only)."""
     try:
-        await connection.execute(f"SET client_connection_check_interval = {CHECK_INTERVAL_MS}")
+        await connection.fetchval(
+            "SELECT set_config('client_connection_check_interval', $1, $2)",
+            CHECK_INTERVAL_MS,
+            local,
+        )
     except asyncpg.PostgresError:
-        return  # a server platform without the check: the backstop is simply absent
-    server_settings["client_connection_check_interval"] = CHECK_INTERVAL_MS
+        return {}  # a server platform without the check: the backstop is simply absent
+    return {"client_connection_check_interval": CHECK_INTERVAL_MS}

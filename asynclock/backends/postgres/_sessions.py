@@ -30,8 +30,8 @@ from .._kit import (
     finish,
     translate,
 )
-from ._sql import END_SESSION, MARK, SETUP
-from ._translate import CONNECTING, Errors
+from ._sql import END_SESSION, END_TRANSACTION, MARK, PID, SETUP
+from ._translate import CHECKING, CONNECTING, Errors
 from ._urls import Settings
 
 logger = logging.getLogger("asynclock")
@@ -118,6 +118,9 @@ class Sessions:
         self._connecting: set[_Connect] = set()
         self._connects = 0
         self.open = False
+        #: Every hold is a transaction of its own (``?pooler=transaction``): a connection keeps
+        #: no session state, since the next transaction may run on another server session.
+        self.transactions = settings.pooler == "transaction"
         #: Deletes the holders' rows of an ended session ($1: its pid), once open() found the
         #: table (``_kinds.SWEEP_SESSION``).
         self.sweep_sql: str | None = None
@@ -152,25 +155,53 @@ class Sessions:
                 connection.terminate()
 
     async def check_pooler(self, pooler: str | None) -> None:
-        """Refuse a connection pooler unless the URL says it runs in session mode; then look for
-        evidence that it does not (which a client can find, but not rule out)."""
+        """Refuse a connection pooler unless the URL names its pool mode; then look for
+        evidence that the mode is not what the URL says (which a client can find, but not
+        rule out)."""
+        if pooler == "transaction":
+            await self._check_transactions()
+            return
         if not self.pooled:
             return
         if pooler is None:
             raise UnsupportedFeature(
                 f"{self._errors.server} is a connection pooler, not PostgreSQL itself (the server "
-                "process id it gave at connect is not pg_backend_pid()). A session lock is "
-                "only safe when every client connection keeps a server session of its own: "
-                "with PgBouncer's pool_mode = session, add ?pooler=session to the URL (the "
+                "process id it gave at connect is not pg_backend_pid()), and a session lock is "
+                "only safe when every client connection keeps a server session of its own. "
+                "Say which pool mode it runs in the URL: with PgBouncer's pool_mode = "
+                "transaction, add ?pooler=transaction (each lock is held in a transaction of "
+                "its own; exclusive locks only); with pool_mode = session, ?pooler=session (the "
                 "pool then needs a server connection for each of the client's connections: "
                 "one per ttl in use, one per waiter up to max_waiting, up to max_idle idle "
-                "ones). Transaction and statement pooling are not supported yet: connect to "
-                "PostgreSQL directly for those clients"
+                "ones). Statement pooling cannot hold a lock"
             )
         # In transaction or statement pooling a second connection, made while the first is
         # idle, reaches the first one's server session, and finds its mark (Sessions).
         second, _ = await self.take()
         self.give_back(second)
+
+    async def _check_transactions(self) -> None:
+        """Refuse a pooler that does not keep a transaction on one server session: statement
+        pooling (PgBouncer closes the connection at ``BEGIN``)."""
+        connection, _ = await self.take()
+        try:
+            with translate(self._errors, CHECKING), anyio.fail_after(self._op_timeout):
+                # Two statements: the pooler judges each reply, and only the first leaves a
+                # transaction open.
+                await connection.execute("BEGIN")
+                await connection.execute("ROLLBACK")
+        except BaseException as exc:
+            self.discard(connection)
+            if isinstance(exc, BackendUnavailable) and connection.is_closed():
+                raise UnsupportedFeature(
+                    f"{self._errors.server} closed the connection at BEGIN ({exc.__cause__}): a "
+                    "connection pooler in statement pooling mode, which ends every transaction "
+                    "after one statement, so no lock can be held through it. Use PgBouncer's "
+                    "pool_mode = transaction (?pooler=transaction) or session "
+                    "(?pooler=session), or connect to PostgreSQL directly"
+                ) from exc
+            raise
+        self.give_back(connection)
 
     # -- connecting --------------------------------------------------------------------------
 
@@ -248,7 +279,13 @@ class Sessions:
 
     async def _set_up(self, connection: Any, settings: dict[str, str]) -> None:
         """Apply ``settings`` to a new connection's session, learn its server process, and
-        refuse a server session that another connection of ours set up before (``SETUP``)."""
+        refuse a server session that another connection of ours set up before (``SETUP``).
+        In transaction pooling the session is not ours: only learn whether a pooler is there
+        (each hold sets its settings for its own transaction)."""
+        if self.transactions:
+            if connection.get_server_pid() != await connection.fetchval(PID):
+                self.pooled = self._errors.pooled = True
+            return
         names = [name for name in settings if name != "application_name"]
         values = [settings[name] for name in names]
         pid, mark, _ = await connection.fetchrow(
@@ -292,7 +329,14 @@ class Sessions:
 
     # -- ending the session of an interrupted statement --------------------------------------
 
-    async def end_session(self, connection: Any, name: str, error: BaseException | None) -> None:
+    async def end_session(
+        self,
+        connection: Any,
+        name: str,
+        error: BaseException | None,
+        *,
+        transaction: tuple[int, object] | None = None,
+    ) -> None:
         """Close ``connection`` at once, and make sure its server session has ended too.
 
         The close alone ends a session that is idle or finishing a short statement within
@@ -302,8 +346,15 @@ class Sessions:
         is bounded by ``min(op_timeout, 1 s)``: a server that does not answer gets the close,
         and the check of its connections, instead. Skipped after a timeout (``error``), which
         only a short statement can have.
+
+        In transaction pooling the server session is the pooler's, and may serve another
+        client a moment after ours left it: only the hold's own ``transaction`` (its server
+        process and ``xact_start``) is ended, and none before it is known (the statements
+        before the wait do not block, so the close ends them).
         """
         pid = self._pids.get(connection)
+        if self.transactions:
+            pid = None if transaction is None else transaction[0]
         self.discard(connection)  # no await before: nothing can cancel the close
         if pid is None or isinstance(error, TimeoutError):
             return  # the server did not answer: another connection would wait as long
@@ -317,14 +368,15 @@ class Sessions:
                 name,
             )
 
+        started = None if transaction is None else transaction[1]
         await finish(
-            functools.partial(self._terminate_session, pid, name),
+            functools.partial(self._terminate_session, pid, name, started),
             timeout=min(self._op_timeout, END_TIMEOUT),
             what=f"ending the server session {pid} of an interrupted take of {name!r}",
             unfinished=unfinished,
         )
 
-    async def _terminate_session(self, pid: int, name: str) -> None:
+    async def _terminate_session(self, pid: int, name: str, started: object) -> None:
         # Idempotent (finish() may run it again from the start): ending an ended session is a
         # no-op, and a connection whose statement was interrupted is closed, not reused.
         try:
@@ -333,10 +385,13 @@ class Sessions:
             logger.info("asynclock: cannot end the session %d of %r: %r", pid, name, exc)
             return
         polls = END_POLL.backoff()
+        args: tuple[object, ...]
+        if started is None:
+            sql, args = END_SESSION, (pid, self._settings.application_name)
+        else:
+            sql, args = END_TRANSACTION, (pid, started)
         try:
-            while await helper.fetchval(
-                END_SESSION, pid, self._settings.application_name, timeout=self._op_timeout
-            ):
+            while await helper.fetchval(sql, *args, timeout=self._op_timeout):
                 await polls.pause()
             if self.sweep_sql is not None:
                 # A take whose commit was in flight left the row of a hold that ended with it.

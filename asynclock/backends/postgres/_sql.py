@@ -102,7 +102,17 @@ SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 WHERE pid = $1 AND usename = current_user AND application_name = $2
 """
 
-# -- the transaction-scoped variant (asynclock.extras.postgres) ------------------------------
+#: The server process of a connection's session (asyncpg's ``get_server_pid()`` is the pooler's
+#: number behind a pooler).
+PID = "SELECT pg_backend_pid()"
+# The same, for a hold in a transaction of its own (``_transactions.py``): through transaction
+# pooling the server process serves other clients as soon as our transaction ends, so only the
+# transaction that began at $2 on process $1 is ended (xact_start is the transaction's now()).
+END_TRANSACTION = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE pid = $1 AND xact_start = $2
+"""
+
+# -- the transaction-scoped variant (asynclock.extras.postgres, _transactions.py) -------------
 
 # Wait for the transaction-level lock, then draw the token: the outer SELECT needs the CTE's
 # row, so the lock is granted before nextval runs.
@@ -113,6 +123,12 @@ SELECT nextval($2::regclass) FROM granted
 XACT_TRY = """
 WITH attempt AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($1) AS taken)
 SELECT nextval($2::regclass) FROM attempt WHERE attempt.taken
+"""
+# A hold's try in its transaction: whether it took the lock, the server process and the
+# transaction's start (to end exactly this transaction if a wait is interrupted), the token.
+XACT_TAKE = """
+WITH attempt AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($1) AS taken)
+SELECT taken, pg_backend_pid(), now(), CASE WHEN taken THEN nextval($2::regclass) END FROM attempt
 """
 RESET = "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL; DISCARD TEMP"
 

@@ -113,6 +113,8 @@ class Errors:
     create: str
     #: A connection pooler was found in front of the server (``Sessions``).
     pooled: bool = False
+    #: Every hold is a transaction of its own (``?pooler=transaction``).
+    transactions: bool = False
 
     def __call__(self, error: Exception, context: str) -> LockError | None:
         for kind, sources, target, message in _TABLE:
@@ -145,6 +147,12 @@ class Errors:
             return ""
         # PgBouncer answers the login itself and queues the statements of a client for whom
         # no server connection is free: a full pool is a timeout, not a refusal.
+        if self.transactions:
+            return (
+                "; through a connection pooler this is also what a full pool looks like: in "
+                "transaction pooling each held lock and each waiter keeps a server connection "
+                "for as long as it holds or waits, across all clients: raise the pool size"
+            )
         return (
             "; through a connection pooler this is also what a full pool looks like: a client "
             "needs a server connection per ttl in use, per waiter up to max_waiting, per lock "

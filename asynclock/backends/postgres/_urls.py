@@ -49,8 +49,10 @@ OWN_OPTIONS = (
     "pooler",
     "statement_cache_size",
 )
-#: ``?pooler=``: the pool modes a connection pooler may run in front of the server.
-POOLER_MODES = ("session",)
+#: ``?pooler=``: the pool modes a connection pooler may run in front of the server (``session``:
+#: session locks on the client's own server sessions; ``transaction``: every hold in a
+#: transaction of its own, ``_transactions.py``).
+POOLER_MODES = ("session", "transaction")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,7 @@ class Settings:
     #: (None: no pooler is expected, and one that is found is refused).
     pooler: str | None = None
     #: asyncpg's prepared statements per connection (0: none, for poolers that do not keep
-    #: them, such as PgBouncer before 1.21 in transaction pooling).
+    #: them, such as PgBouncer before 1.21 in transaction pooling: the default there).
     statement_cache_size: int = 16
 
 
@@ -140,10 +142,11 @@ def _own_options(opts: Options) -> Settings:
     pooler = opts.optional_text("pooler")
     if pooler is not None and pooler not in POOLER_MODES:
         raise InvalidArgument(
-            f"option 'pooler' of postgresql:// must be 'session' (a pooler that gives each "
-            f"client connection a server session of its own, such as PgBouncer's pool_mode = "
-            f"session), got {pooler!r}: session locks are not safe through transaction or "
-            "statement pooling, which asynclock does not support yet"
+            f"option 'pooler' of postgresql:// must be 'session' (PgBouncer's pool_mode = "
+            "session: session locks on the client's own server sessions) or 'transaction' "
+            "(pool_mode = transaction: each lock held in a transaction of its own), got "
+            f"{pooler!r}; statement pooling cannot hold a lock: it ends every transaction "
+            "after one statement"
         )
     return Settings(
         dsn="",
@@ -155,5 +158,9 @@ def _own_options(opts: Options) -> Settings:
         ssl_context=ssl_context,
         max_waiting=opts.whole("max_waiting", 8, minimum=0),
         pooler=pooler,
-        statement_cache_size=opts.whole("statement_cache_size", 16, minimum=0),
+        # Transaction pooling hands each transaction any server session, where a prepared
+        # statement of another one is missing (PgBouncer before 1.21 keeps none).
+        statement_cache_size=opts.whole(
+            "statement_cache_size", 0 if pooler == "transaction" else 16, minimum=0
+        ),
     )

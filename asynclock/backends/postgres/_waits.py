@@ -174,6 +174,17 @@ class Waits:
                 if left <= 0 or not await renewal.finished(left):
                     self._sessions.discard(connection)
                     return
+            if grant.in_transaction and not connection.is_in_transaction():
+                # Nothing to roll back: whatever ended the transaction ended the lock, and the
+                # lease should have been reported lost before this. Said, never ignored.
+                logger.warning(
+                    "asynclock: releasing %r on %s: its transaction had ended already, and "
+                    "the lock with it",
+                    grant.name,
+                    self._errors.server,
+                )
+                self._sessions.discard(connection)
+                return
             await connection.execute(
                 grant.release_sql or RELEASE, *grant.release_args, timeout=self.op_timeout
             )

@@ -21,7 +21,6 @@ from .._kit import (
     LockRequest,
     RenewOutcome,
     TaskHost,
-    UnsupportedFeature,
     redact,
     translate,
 )
@@ -33,6 +32,7 @@ from ._kinds import (
     holders_name,
     kind_key,
     modes,
+    no_holders_table,
 )
 from ._lane import PostgresGrant
 from ._lanes import Lanes
@@ -57,6 +57,7 @@ from ._sql import (
     sequence_name,
     timeout_ms,
 )
+from ._transactions import TRANSACTION_CAPABILITIES, TRANSACTION_LIMITS, TransactionHolds
 from ._translate import CHECKING, Errors
 from ._urls import Settings, read_url
 from ._waits import Waits
@@ -153,6 +154,15 @@ class PostgresBackend(Backend[PostgresGrant]):
         )
         self._sessions, self._lanes, self._waits, self._queue = _connection_parts(self, settings)
         self._semaphores, self._inspector = _kind_parts(self, schema)
+        #: Every hold in a transaction of its own (``_transactions.py``), or None: locks on lanes.
+        self._transactions: TransactionHolds | None = None
+        if pooler == "transaction":
+            self.capabilities, self.limits = TRANSACTION_CAPABILITIES, TRANSACTION_LIMITS
+            self._translator.transactions = self._queue.polls = True
+            self._transactions = TransactionHolds(
+                self._sessions, self._translator, self.sequence, op_timeout, self._held
+            )
+            self._transactions.on_closed = self._connection_closed
         self._state = "new"
 
     # -- construction ------------------------------------------------------------------------
@@ -235,9 +245,14 @@ class PostgresBackend(Backend[PostgresGrant]):
                         sweep=SWEEP.format(holders=self.holders),
                         server=self._described,
                     )
-                    if self._holders_ready:
+                    if self._holders_ready and self._transactions is None:
                         self._sessions.sweep_sql = SWEEP_SESSION.format(holders=self.holders)
-                    await probe_check_interval(connection, self._server_settings)
+                    checks = await probe_check_interval(
+                        connection, local=self._transactions is not None
+                    )
+                    self._server_settings.update(checks)
+                    if self._transactions is not None:
+                        self._transactions.add_settings(checks)
             except BaseException:
                 self._sessions.discard(connection)
                 raise
@@ -280,8 +295,12 @@ class PostgresBackend(Backend[PostgresGrant]):
         """Try on the lane of the request's ttl; if the lock is busy and ``wait``, wait for it
         in the server's queue on a dedicated connection (or in the queue table behind it).
         Semaphores take and wait their own way (``_semaphores.py``)."""
+        if self._transactions is not None:
+            # The client refuses the other kinds (transaction_capabilities).
+            key = kind_key(request.name, request.kind, self.schema)
+            return await self._transactions.take(request, key, timeout_ms(request.ttl), wait=wait)
         if (request.shared or request.kind != "lock") and not self._holders_ready:
-            raise _no_holders_table(request, self._described, self.holders)
+            raise no_holders_table(request, self._described, self.holders)
         if request.kind == "semaphore":
             return await self._semaphores.take(request, wait=wait)
         key = kind_key(request.name, request.kind, self.schema)
@@ -469,12 +488,3 @@ def _kind_parts(backend: PostgresBackend, schema: str) -> tuple[Semaphores, Insp
         poll_interval=backend.poll_interval,
     )
     return semaphores, inspector
-
-
-def _no_holders_table(request: LockRequest, server: str, holders: str) -> UnsupportedFeature:
-    create = " ".join(CREATE_HOLDERS.format(holders=holders).split())
-    return UnsupportedFeature(
-        f"{request.kind} {request.name!r}: shared locks, semaphores and elections on {server} "
-        f"need the table {holders}, which this user may not create: create it once as its "
-        f"owner with {create}, and GRANT SELECT, INSERT, UPDATE, DELETE ON it TO the lock users"
-    )
