@@ -32,6 +32,7 @@ _SCHEMES = {
     "cluster": "redis+cluster",
     "pgbouncer": "postgresql",
     "pgbouncer_transaction": "postgresql",
+    "valkey": "redis",
 }
 
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import socket
 from pathlib import Path
 from typing import Final
 
 from ._host import ServerNotInstalled, find_binary
 from ._process import SingleServer
+
+#: The server program when ``RedisServer`` is given none: a path or a name on ``PATH``, such as
+#: ``valkey-server`` (Valkey, the Redis fork); unset: ``redis-server``.
+BINARY_VARIABLE: Final = "ASYNCLOCK_REDIS_SERVER"
 
 _OFFSET = re.compile(r"^([+-]\d+(?:\.\d+)?)([smhdy]?)$")
 _UNIT_SECONDS: Final = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "y": 365 * 86400}
@@ -38,8 +43,27 @@ def _find_library(name: str) -> str | None:
     return None
 
 
+def server_binary(binary: str | os.PathLike[str] | None = None) -> str:
+    """The path of the Redis-compatible server program: ``binary``, else the one
+    :data:`BINARY_VARIABLE` names, else ``redis-server``."""
+    chosen = os.fspath(binary) if binary is not None else os.environ.get(BINARY_VARIABLE)
+    if not chosen:
+        return find_binary("redis-server", "redis-server")
+    found = shutil.which(chosen)
+    if found is None:
+        source = "binary=" if binary is not None else f"${BINARY_VARIABLE}="
+        raise ServerNotInstalled(
+            f"{chosen} ({source}{chosen!r}: not an executable file, nor a program on PATH)",
+            "redis-server",
+        )
+    return found
+
+
 class RedisServer(SingleServer):
-    """A ``redis-server`` without persistence, listening only on 127.0.0.1.
+    """A ``redis-server`` (or another server that speaks its protocol, such as Valkey's
+    ``valkey-server``: ``binary``, or :data:`BINARY_VARIABLE`), listening only on 127.0.0.1,
+    with an append-only file fsynced every second, as the docs recommend for locks (so clients
+    give no ``RedisDurabilityWarning``); ``appendonly=False``: no persistence at all.
 
     With ``faketime`` (a libfaketime relative offset such as ``"+0"`` or ``"-30s"``) the server
     runs under Debian's libfaketime and :meth:`jump_clock` moves its wall clock while it runs,
@@ -53,11 +77,14 @@ class RedisServer(SingleServer):
     def __init__(
         self,
         *,
+        binary: str | os.PathLike[str] | None = None,
+        appendonly: bool = True,
         faketime: str | None = None,
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
     ) -> None:
-        self._binary = find_binary("redis-server", "redis-server")
+        self._binary = server_binary(binary)
+        self._appendonly = appendonly
         self._preload: str | None = None
         self._clock_offset = 0.0
         if faketime is not None:
@@ -137,7 +164,8 @@ class RedisServer(SingleServer):
             "--bind", self.host,
             "--dir", str(directory),
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self._appendonly else "no",
+            "--appendfsync", "everysec",
             "--daemonize", "no",
             "--unixsocket", "",
             "--logfile", str(directory / "redis.log"),

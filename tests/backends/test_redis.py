@@ -173,7 +173,12 @@ async def test_durability_warning_without_an_append_only_file_on_eviction_and_no
     own_redis_server: RedisServer, prefix: str
 ) -> None:
     url = own_redis_server.url
-    # The test servers run with --appendonly no.
+    # The test servers keep an append-only file: no warning (filterwarnings = error) ...
+    async with asynclock.connect(url, prefix=prefix):
+        pass
+    async with redis.asyncio.Redis(host=own_redis_server.host, port=own_redis_server.port) as admin:
+        await admin.config_set("appendonly", "no")
+    # ... and one without it.
     with pytest.warns(RedisDurabilityWarning, match="appendonly") as record:
         async with asynclock.connect(url, prefix=prefix):
             pass
@@ -345,12 +350,16 @@ async def test_pooled_connections_killed_between_holds_cost_the_next_acquire_not
 
 @pytest.mark.expect_log(r"restarted and the key of (lock|semaphore|election) .* is gone")
 async def test_a_restart_without_persistence_ends_every_hold_at_once_and_tokens_keep_rising(
-    own_redis_server: RedisServer, prefix: str, name: str
+    prefix: str, name: str
 ) -> None:
     """A Redis without AOF forgets holds and counters when it restarts: the client notices at
     once (its watching connection ends, the run id changed) and ends every kind of lease then,
     not at its next renewal (10 s here); the counter starts again from the server's clock."""
-    server = own_redis_server
+    with RedisServer(appendonly=False) as server:
+        await _restart_ends_every_hold(server, prefix, name)
+
+
+async def _restart_ends_every_hold(server: RedisServer, prefix: str, name: str) -> None:
     async with connect(server, prefix) as locks, connect(server, prefix) as other:
         leases = [
             await locks.acquire(name, ttl=30),

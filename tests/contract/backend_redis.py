@@ -51,6 +51,12 @@ async def redis_leftovers(server: RedisServer, prefix: str, client_name: str) ->
 
 @pytest.fixture
 def redis_backend(redis_server: RedisServer) -> BackendUnderTest:
+    return single_redis("redis", redis_server)
+
+
+def single_redis(name: str, redis_server: RedisServer) -> BackendUnderTest:
+    """The contract backend ``name``: a single server of the Redis protocol (``redis_server``,
+    which may run Valkey)."""
     tag = uuid.uuid4().hex[:10]
     prefix = f"contract-{tag}:"
     client_name = f"asynclock-contract-{tag}"
@@ -63,18 +69,17 @@ def redis_backend(redis_server: RedisServer) -> BackendUnderTest:
         return await redis_leftovers(redis_server, prefix, client_name)
 
     return BackendUnderTest(
-        "redis",
+        name,
         redis_server.url,
         1.0,
         revoke,
         leftovers,
-        # The test servers run without persistence (--appendonly no), which is what the
-        # durability warning is about; tests/backends/test_redis.py checks that it appears.
-        options={"prefix": prefix, "client_name": client_name, "durability_warning": False},
+        # The test servers keep an append-only file, as the docs recommend: no durability
+        # warning (tests/backends/test_redis.py checks that one appears without it).
+        options={"prefix": prefix, "client_name": client_name},
         servers=[redis_server],
         url_via=lambda addresses: f"redis://{addresses[0]}/0",
         url_for_hosts=lambda hosts: f"redis://{hosts}/0",
-        persistent=False,
         long_waits={"waiter_ttl": 60},
     )
 

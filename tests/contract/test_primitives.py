@@ -23,6 +23,7 @@ EXPECTED = {
     "pgbouncer": {"shared_locks", "semaphores", "elections"},
     "pgbouncer_transaction": set(),
     "redis": {"shared_locks", "semaphores", "elections", "ttl_change"},
+    "valkey": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "sentinel": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "cluster": {"shared_locks", "semaphores", "elections", "ttl_change"},
     "etcd": {"shared_locks", "semaphores", "elections", "ttl_change"},
