@@ -30,6 +30,7 @@ from ._events import StateChange as StateChange
 from ._fencing import current_lease as current_lease
 from ._fencing import current_token as current_token
 from ._fencing import held_leases as held_leases
+from ._leader import LeaderTask as LeaderTask
 from ._lease import Lease as Lease
 from ._primitives import Election as Election
 from ._primitives import Leader as Leader
@@ -52,6 +53,7 @@ __all__ = (
     "InvalidArgument",
     "InvalidURL",
     "Leader",
+    "LeaderTask",
     "Lease",
     "LeaseLost",
     "LockClient",

@@ -64,6 +64,9 @@ class LockOptions(TypedDict, total=False):
     lost_status: int
     #: Seconds sent in ``Retry-After`` with busy, deadlock and lock-unavailable answers. Default 1.
     retry_after: int
+    #: Take a permit of a semaphore of this many permits instead of the lock: up to ``permits``
+    #: requests run the handler at once (busy: all of them are in use). Default None: the lock.
+    permits: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class Settings:
     busy_status: int = 423
     lost_status: int = 503
     retry_after: int = 1
+    permits: int | None = None
 
     @classmethod
     def make(cls, template: str, options: Mapping[str, object]) -> Settings:
@@ -96,6 +100,7 @@ class Settings:
             busy_status=_status(options.get("busy_status", defaults.busy_status), "busy_status"),
             lost_status=_status(options.get("lost_status", defaults.lost_status), "lost_status"),
             retry_after=_retry_after(options.get("retry_after", defaults.retry_after)),
+            permits=_permits(options.get("permits")),
         )
 
 
@@ -109,6 +114,14 @@ def missing(module: str, framework: str, extra: str) -> MissingDependency:
 def _status(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 400 <= value <= 599:
         raise InvalidArgument(f"{what} must be an HTTP error status (400-599), got {value!r}")
+    return value
+
+
+def _permits(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"permits must be a whole number >= 1 (or None), got {value!r}")
     return value
 
 
@@ -193,8 +206,14 @@ async def holding(locks: LockClient, name: str, settings: Settings) -> AsyncIter
     """
     lease: Lease | None = None
     body_error: BaseException | None = None
+    if settings.permits is None:
+        held = locks.lock(name, ttl=settings.ttl, timeout=settings.timeout)
+    else:
+        held = locks.semaphore(name, permits=settings.permits).lock(
+            ttl=settings.ttl, timeout=settings.timeout
+        )
     try:
-        async with locks.lock(name, ttl=settings.ttl, timeout=settings.timeout) as lease:
+        async with held as lease:
             try:
                 yield lease
             except BaseException as exc:
@@ -221,22 +240,24 @@ async def holding(locks: LockClient, name: str, settings: Settings) -> AsyncIter
 def _refusal(exc: LockError, name: str, settings: Settings, *, acquired: bool) -> Refusal | None:
     retry = {"Retry-After": str(settings.retry_after)}
     if isinstance(exc, AcquireTimeout) and not acquired:
+        held_by = (
+            "is held by another request"
+            if settings.permits is None
+            else f"has all its {settings.permits} permits in use by other requests"
+        )
         return Refusal(
-            settings.busy_status,
-            "lock_busy",
-            f"{name!r} is held by another request; try again later",
-            name,
-            retry,
+            settings.busy_status, "lock_busy", f"{name!r} {held_by}; try again later", name, retry
         )
     if isinstance(exc, DeadlockDetected) and not acquired:
         # Chosen as the victim of a wait cycle: the body never ran, so a retry is safe, and the
         # conflict is with other requests (409), not a fault of the server.
         return Refusal(409, "deadlock", f"{exc}; nothing was done, retry later", name, retry)
     if isinstance(exc, LeaseLost):
+        what = "lock" if settings.permits is None else "semaphore permit of"
         return Refusal(
             settings.lost_status,
             "lease_lost",
-            f"the lock {name!r} was lost while the request ran, so it was stopped "
+            f"the {what} {name!r} was lost while the request ran, so it was stopped "
             f"({exc.reason}); its effects may be partial",
             name,
         )

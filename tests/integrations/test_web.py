@@ -236,3 +236,57 @@ def test_mistakes_are_reported_when_the_handler_is_defined() -> None:
                 locked(template, client=no_client, **options)
         with pytest.raises(TypeError, match="async def"):
             locked("orders/{id}", client=no_client)(sync)
+
+
+@pytest.mark.expect_log(r"lease on 'orders/api' lost: the lock was removed on the server")
+async def test_a_semaphore_endpoint_lets_permits_requests_in_and_answers_the_next_423(
+    web: Web, locks: asynclock.LockClient
+) -> None:
+    """``permits=N``: up to N requests run the handler at once; the next is busy (423, with
+    ``Retry-After``) while they do; a lost permit is a 503 ``lease_lost``, as for a lock."""
+    inside = 0
+    most = 0
+    entered = anyio.Event()
+    release = anyio.Event()
+
+    async def call_api(order: str) -> str:
+        nonlocal inside, most
+        inside += 1
+        most = max(most, inside)
+        if inside == 2:
+            entered.set()
+        try:
+            await release.wait()
+        finally:
+            inside -= 1
+        return order
+
+    app = web.app(locks, call_api, permits=2)
+    async with web.serve(app) as url, httpx.AsyncClient(base_url=url) as http:
+        answers: list[httpx.Response] = []
+
+        async def call() -> None:
+            answers.append(await http.post("/orders/api"))
+
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(call)
+            task_group.start_soon(call)
+            with anyio.fail_after(5):
+                await entered.wait()
+            busy = await http.post("/orders/api")
+            held = await locks.semaphore("orders/api", permits=2).inspect()
+            memory(locks).expire("orders/api", notify=True, kind="semaphore")
+        release.set()
+        after = await http.post("/orders/api")
+    assert [answer.status_code for answer in answers] == [503, 503]
+    for lost in answers:
+        assert error_body(lost, web.name)["error"] == "lease_lost"
+        assert "semaphore permit of 'orders/api' was lost" in error_body(lost, web.name)["message"]
+    assert most == 2 and len(held.holders) == 2
+    assert busy.status_code == 423
+    assert error_body(busy, web.name)["error"] == "lock_busy"
+    assert "all its 2 permits in use" in error_body(busy, web.name)["message"]
+    assert busy.headers["retry-after"] == "1"
+    assert after.status_code == 200
+    with pytest.raises(asynclock.InvalidArgument, match="permits"):
+        web.app(locks, call_api, permits=0)

@@ -1,0 +1,153 @@
+"""LeaderTask: a job on one replica at a time, cancelled when its term is lost, campaigning again;
+in one process on memory:// (tests/integrations/test_leader_processes.py runs three processes
+against a real server)."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Awaitable, Callable
+
+import anyio
+import pytest
+
+import asynclock
+from asynclock.backends.memory import MemoryBackend
+from tests.loud import ExpectedLogs
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def store() -> str:
+    return f"memory://leader-{uuid.uuid4().hex[:8]}"
+
+
+class Runs:
+    """What each replica's job did: (replica, token, start, end) of every run that completed."""
+
+    def __init__(self) -> None:
+        self.completed: list[tuple[str, int | None, float, float]] = []
+        self.cancelled: list[str] = []
+
+    def job(
+        self, replica: str, length: float = 0.02
+    ) -> Callable[[asynclock.Lease], Awaitable[None]]:
+        async def run(term: asynclock.Lease) -> None:
+            started = anyio.current_time()
+            try:
+                await anyio.sleep(length)
+            except anyio.get_cancelled_exc_class():
+                self.cancelled.append(replica)
+                raise
+            self.completed.append((replica, term.token, started, anyio.current_time()))
+
+        return run
+
+    def assert_one_at_a_time(self) -> None:
+        ordered = sorted(self.completed, key=lambda run: run[2])
+        for before, after in itertools.pairwise(ordered):
+            if before[0] != after[0]:
+                assert before[3] <= after[2], f"{before} overlaps {after}"
+        tokens = [run[1] for run in ordered if run[1] is not None]
+        assert tokens == sorted(tokens)
+
+
+async def test_one_replica_runs_the_job_and_another_takes_over_when_it_stops(store: str) -> None:
+    runs = Runs()
+    async with asynclock.connect(store) as a, asynclock.connect(store) as b:
+        first = asynclock.LeaderTask(a, "jobs/refresh", runs.job("a"), value=b"a", every=0.01)
+        second = asynclock.LeaderTask(b, "jobs/refresh", runs.job("b"), value=b"b", every=0.01)
+        async with first:
+            with anyio.fail_after(5):
+                while not first.leading:  # noqa: ASYNC110 (state of another task)
+                    await anyio.sleep(0.005)
+            async with second:
+                await anyio.sleep(0.3)
+                assert first.leading and not second.leading
+                assert (await a.election("jobs/refresh").leader()).value == b"a"  # type: ignore[union-attr]
+                await first.aclose()  # resigns: the other replica leads
+                assert not first.leading
+                with anyio.fail_after(5):
+                    while [run[0] for run in runs.completed].count("b") < 3:  # noqa: ASYNC110
+                        await anyio.sleep(0.005)
+            await first.aclose()  # idempotent
+        assert (first.terms, second.terms) == (1, 1)
+        assert await a.election("jobs/refresh").leader() is None  # nothing left behind
+    replicas = [run[0] for run in runs.completed]
+    assert replicas.count("a") > 5 and replicas.count("b") >= 3
+    runs.assert_one_at_a_time()
+
+
+async def test_a_lost_term_cancels_the_job_and_the_replica_campaigns_again(
+    store: str, expected_logs: ExpectedLogs
+) -> None:
+    expected_logs.expect(r"lease on 'jobs/x' lost: the lock was removed on the server")
+    runs = Runs()
+    async with asynclock.connect(store) as locks:
+        backend = locks._backend
+        assert isinstance(backend, MemoryBackend)
+        task = asynclock.LeaderTask(locks, "jobs/x", runs.job("a", 10), retry_after=0.05)
+        async with task:
+            with anyio.fail_after(5):
+                while not task.leading:  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+            first_term = task.term
+            backend.expire("jobs/x", notify=True, kind="election")
+            with anyio.fail_after(5):
+                while task.terms < 2 or not task.leading:  # noqa: ASYNC110
+                    await anyio.sleep(0.005)
+            assert task.term is not first_term
+            assert task.term is not None and first_term is not None
+            assert task.term.token > first_term.token
+    assert runs.cancelled == ["a", "a"]  # by the loss, then by the close
+
+
+async def test_a_job_that_fails_is_logged_and_the_replica_campaigns_again(
+    store: str, expected_logs: ExpectedLogs
+) -> None:
+    expected_logs.expect(r"the job of 'jobs/y' failed; resigned, campaigning again")
+    calls = 0
+
+    async def flaky(term: asynclock.Lease) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ValueError("a bug in one run")
+        await anyio.sleep_forever()
+
+    async with asynclock.connect(store) as locks:
+        task = asynclock.LeaderTask(locks, "jobs/y", flaky, retry_after=0.05)
+        await task.start()
+        with anyio.fail_after(5):
+            while calls < 2:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        assert task.leading and task.terms == 2
+
+        # Stopped from another task than the one that started it (a shutdown hook).
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(task.aclose)
+        assert not task.leading
+        failures = [record.exc_info[1] for record in expected_logs.records if record.exc_info]
+        assert [str(failure) for failure in failures] == ["a bug in one run"]
+
+
+async def test_bad_arguments_are_refused_when_it_is_made(store: str) -> None:
+    async def job(term: asynclock.Lease) -> None:
+        pass
+
+    async with asynclock.connect(store) as locks:
+        for options, match in (
+            ({"every": 0}, "every"),
+            ({"retry_after": -1}, "retry_after"),
+            ({"ttl": 0}, "ttl"),
+        ):
+            with pytest.raises(asynclock.InvalidArgument, match=match):
+                asynclock.LeaderTask(locks, "jobs/z", job, **options)  # type: ignore[arg-type]
+        with pytest.raises(asynclock.InvalidArgument, match="job"):
+            asynclock.LeaderTask(locks, "jobs/z", "not a job")  # type: ignore[arg-type]
+        task = asynclock.LeaderTask(locks, "jobs/z", job)
+        await task.aclose()  # never started: nothing to stop
+        async with task:
+            with pytest.raises(RuntimeError, match="runs already"):
+                await task.start()
