@@ -4,6 +4,7 @@ against a real server)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import uuid
 from collections.abc import Awaitable, Callable
@@ -151,3 +152,32 @@ async def test_bad_arguments_are_refused_when_it_is_made(store: str) -> None:
         async with task:
             with pytest.raises(RuntimeError, match="runs already"):
                 await task.start()
+
+
+@pytest.mark.parametrize("cancels", [1, 3])
+async def test_stopping_survives_native_cancellation_and_leaves_nothing(
+    store: str, cancels: int
+) -> None:
+    """aclose() cancelled by ``Task.cancel()`` (once, or again and again, as a framework's
+    shutdown may) still resigns the term and ends the task: nothing is left running or held."""
+    runs = Runs()
+    async with asynclock.connect(store) as locks:
+        before = asyncio.all_tasks()
+        task = asynclock.LeaderTask(locks, "jobs/c", runs.job("a", 10))
+        await task.start()
+        with anyio.fail_after(5):
+            while not task.leading:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        closing = asyncio.ensure_future(task.aclose())
+        await asyncio.sleep(0)
+        for _ in range(cancels):
+            closing.cancel()
+            await asyncio.sleep(0)
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        with anyio.fail_after(5):
+            while task.leading or await locks.election("jobs/c").leader() is not None:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+            while asyncio.all_tasks() - before - {asyncio.current_task()}:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+    assert runs.cancelled == ["a"]
