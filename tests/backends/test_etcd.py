@@ -598,9 +598,11 @@ async def test_tls_with_a_client_certificate() -> None:
         async with asynclock.connect(url, tls_server_name="localhost", **options):
             pass
         # A name the certificate does not carry; no client certificate; no TLS at all.
+        # gRPC retries a failed handshake until connect_timeout, which is kept short here
+        # (10 s by default: 30 s of this test went into these three waits).
         for refused in ({**options, "tls_server_name": "elsewhere.test"}, {"ca_cert": ca}, {}):
             with pytest.raises(asynclock.BackendUnavailable):
-                async with asynclock.connect(url, op_timeout=2, **refused):
+                async with asynclock.connect(url, op_timeout=1, connect_timeout=1, **refused):
                     pass
         with pytest.raises(asynclock.InvalidArgument, match="cannot be read"):
             async with asynclock.connect(url, ca_cert=str(files / "missing.pem")):

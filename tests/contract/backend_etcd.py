@@ -20,7 +20,7 @@ from aetcd import rpc
 
 import asynclock
 from asynclock.testing import EtcdServer
-from tests.contract.harness import BackendUnderTest
+from tests.contract.harness import BackendUnderTest, WaiterCount
 
 
 def end(prefix: bytes) -> bytes:
@@ -160,6 +160,18 @@ def etcd_backend(etcd_server: EtcdServer) -> BackendUnderTest:
         found += [f"lease {id_:016x}" for id_ in lease_ids(etcd_server) if id_ not in before]
         return sorted(found)
 
+    @asynccontextmanager
+    async def counter() -> AsyncIterator[WaiterCount]:
+        async with raw(etcd_server.address) as direct:
+
+            async def waiting(name: str) -> int:
+                # The queue's keys are its holder's and the waiters' (a count, not a listing).
+                base = key_prefix(prefix, name)
+                request = rpc.RangeRequest(key=base, range_end=end(base), count_only=True)
+                return max(0, int((await direct.kv.Range(request)).count) - 1)
+
+            yield waiting
+
     return BackendUnderTest(
         "etcd",
         etcd_server.url,
@@ -167,6 +179,7 @@ def etcd_backend(etcd_server: EtcdServer) -> BackendUnderTest:
         revoke,
         leftovers,
         options={"prefix": prefix},
+        counter=counter,
         servers=[etcd_server],
         url_via=lambda addresses: f"etcd://{addresses[0]}",
         url_for_hosts=lambda hosts: f"etcd://{hosts}",

@@ -20,7 +20,7 @@ from aiozk import ZKClient, exc, protocol
 import asynclock
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
 from asynclock.testing import FaultProxy, ZooKeeperServer
-from tests.contract.harness import BackendUnderTest
+from tests.contract.harness import BackendUnderTest, WaiterCount
 
 
 @asynccontextmanager
@@ -100,6 +100,18 @@ def zookeeper_backend(zookeeper_server: ZooKeeperServer) -> BackendUnderTest:
 
     # The test server's tickTime is 500 ms, its maxSessionTimeout 60 s: sessions of 1-60 s, which covers the suite's
     # ttl * 1 ... ttl * 10. The session opened at connect serves the ttl * 5 locks.
+    @asynccontextmanager
+    async def counter() -> AsyncIterator[WaiterCount]:
+        async with admin_client(address) as client:
+
+            async def waiting(name: str) -> int:
+                # The lock's children are its holder's node and the waiters' (one round trip).
+                request = protocol.ExistsRequest(path=f"{chroot}/{encode_name(name)}", watch=False)
+                reply = await client.send(request)
+                return max(0, int(reply.stat.num_children) - 1)
+
+            yield waiting
+
     return BackendUnderTest(
         "zookeeper",
         f"{zookeeper_server.url}{chroot}",
@@ -107,6 +119,7 @@ def zookeeper_backend(zookeeper_server: ZooKeeperServer) -> BackendUnderTest:
         revoke,
         leftovers,
         options={"session_timeout": 5.0, "op_timeout": 3.0},
+        counter=counter,
         servers=[zookeeper_server],
         url_via=lambda addresses: f"zookeeper://{addresses[0]}{chroot}",
         url_for_hosts=lambda hosts: f"zookeeper://{hosts}{chroot}",
