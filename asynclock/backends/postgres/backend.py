@@ -296,7 +296,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         in the server's queue on a dedicated connection (or in the queue table behind it).
         Semaphores take and wait their own way (``_semaphores.py``)."""
         if self._transactions is not None:
-            # The client refuses the other kinds (transaction_capabilities).
+            # The client refuses the other kinds (TRANSACTION_CAPABILITIES).
             key = kind_key(request.name, request.kind, self.schema)
             return await self._transactions.take(request, key, timeout_ms(request.ttl), wait=wait)
         if (request.shared or request.kind != "lock") and not self._holders_ready:
