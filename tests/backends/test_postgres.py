@@ -554,7 +554,9 @@ async def test_five_processes_through_a_pooler_exclude_each_other(
         if pauses:
             assert report.lost_leases > 0, described  # the faults happened
         else:
-            assert report.holds > 100 and report.overlapping_holds == 0, described
+            # Enough holds that overlaps could show (not a speed bound: 86 to 150 in 3 s,
+            # depending on the load beside it).
+            assert report.holds >= 20 and report.overlapping_holds == 0, described
             assert report.writes_refused == 0, described
     assert await pg.admin.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
 

@@ -270,7 +270,11 @@ async def test_semaphore_waiters_are_served_in_order(backend: BackendUnderTest, 
         async with anyio.create_task_group() as tg:
             for index in range(4):
                 tg.start_soon(wait, index)
-                await anyio.sleep(0.15)  # each queues after the one before
+                # Each queues after the one before, as the server counts them (a pause of
+                # 0.15 s was not always enough for a take on a loaded machine: PostgreSQL).
+                with anyio.fail_after(10):
+                    while (await first.semaphore(name, permits=2).inspect()).waiters != index + 1:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
             for lease in held:
                 await lease.release()
     assert [index for _, index in sorted(order)] == [0, 1, 2, 3]

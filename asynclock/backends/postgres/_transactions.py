@@ -32,9 +32,9 @@ import anyio
 from .._kit import Capabilities, LockRequest, now, translate
 from ._lane import PostgresGrant
 from ._sessions import Replacements, Sessions
-from ._sql import RENEW, XACT_TAKE, XACT_WAIT, timeout_ms
+from ._sql import RENEW, XACT_TAKE, XACT_WAIT
 from ._translate import Errors, connection_broken, unmapped
-from ._waits import FRESH_WAIT
+from ._waits import FRESH_WAIT, held_grant
 
 logger = logging.getLogger("asynclock")
 
@@ -151,27 +151,15 @@ class TransactionHolds:
                     unmapped(exc),
                 )
                 continue
-            return self._grant(request, key, connection, token, pid, sent_at)
-
-    def _grant(
-        self, request: LockRequest, key: int, connection: Any, token: int, pid: int, sent_at: float
-    ) -> PostgresGrant:
-        grant = PostgresGrant(
-            name=request.name,
-            owner=request.owner,
-            token=int(token),
-            valid_from=sent_at,
-            ttl=timeout_ms(request.ttl) / 1000.0,
-            key=key,
-            pid=int(pid),
-            connection=connection,
-            on_lost=request.on_lost,
-            space=request.kind,
-            release_sql=ROLLBACK,
-            in_transaction=True,
-        )
-        self._held[connection] = grant
-        if connection.is_closed():
-            # Closed between the reply and now: the listener may have run already.
-            self.on_closed(connection)
-        return grant
+            return held_grant(
+                request,
+                key,
+                connection,
+                token=token,
+                pid=pid,
+                sent_at=sent_at,
+                held=self._held,
+                on_closed=self.on_closed,
+                release_sql=ROLLBACK,
+                in_transaction=True,
+            )

@@ -133,28 +133,16 @@ class Waits:
                     unmapped(exc),
                 )
                 continue
-            return self._grant(request, key, connection, row, sent_at)
-
-    def _grant(
-        self, request: LockRequest, key: int, connection: Any, row: Any, sent_at: float
-    ) -> PostgresGrant:
-        grant = PostgresGrant(
-            name=request.name,
-            owner=request.owner,
-            token=int(row[0]),
-            valid_from=sent_at,
-            ttl=timeout_ms(request.ttl) / 1000.0,
-            key=key,
-            pid=int(row[1]),
-            connection=connection,
-            on_lost=request.on_lost,
-            space=request.kind,
-        )
-        self._held[connection] = grant
-        if connection.is_closed():
-            # Closed between the reply and now: the listener may have run already.
-            self._connection_closed(connection)
-        return grant
+            return held_grant(
+                request,
+                key,
+                connection,
+                token=row[0],
+                pid=row[1],
+                sent_at=sent_at,
+                held=self._held,
+                on_closed=self._connection_closed,
+            )
 
     async def release(self, grant: PostgresGrant) -> None:
         """Release a dedicated connection's lock (``PostgresBackend.release``): unlock and keep
@@ -207,3 +195,37 @@ class Waits:
                 )
             return
         self._sessions.give_back(connection)
+
+
+def held_grant(
+    request: LockRequest,
+    key: int,
+    connection: Any,
+    *,
+    token: int,
+    pid: int,
+    sent_at: float,
+    held: dict[Any, PostgresGrant],
+    on_closed: Callable[[Any], None],
+    **more: Any,
+) -> PostgresGrant:
+    """The grant of a lock ``connection`` holds on its own (after a wait in the server's queue,
+    or in a transaction of its own), registered in ``held``; ``more``: PostgresGrant's fields."""
+    grant = PostgresGrant(
+        name=request.name,
+        owner=request.owner,
+        token=int(token),
+        valid_from=sent_at,
+        ttl=timeout_ms(request.ttl) / 1000.0,
+        key=key,
+        pid=int(pid),
+        connection=connection,
+        on_lost=request.on_lost,
+        space=request.kind,
+        **more,
+    )
+    held[connection] = grant
+    if connection.is_closed():
+        # Closed between the reply and now: the listener may have run already.
+        on_closed(connection)
+    return grant
