@@ -19,6 +19,13 @@ from tests.loud import ExpectedLogs
 pytestmark = pytest.mark.anyio
 
 
+async def until(done: Callable[[], bool]) -> None:
+    """Until ``done()`` (state another task changes), for 5 s at most."""
+    with anyio.fail_after(5):
+        while not done():  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+
+
 @pytest.fixture
 def store() -> str:
     return f"memory://leader-{uuid.uuid4().hex[:8]}"
@@ -60,18 +67,14 @@ async def test_one_replica_runs_the_job_and_another_takes_over_when_it_stops(sto
         first = asynclock.LeaderTask(a, "jobs/refresh", runs.job("a"), value=b"a", every=0.01)
         second = asynclock.LeaderTask(b, "jobs/refresh", runs.job("b"), value=b"b", every=0.01)
         async with first:
-            with anyio.fail_after(5):
-                while not first.leading:  # noqa: ASYNC110 (state of another task)
-                    await anyio.sleep(0.005)
+            await until(lambda: first.leading)
             async with second:
                 await anyio.sleep(0.3)
                 assert first.leading and not second.leading
                 assert (await a.election("jobs/refresh").leader()).value == b"a"  # type: ignore[union-attr]
                 await first.aclose()  # resigns: the other replica leads
                 assert not first.leading
-                with anyio.fail_after(5):
-                    while [run[0] for run in runs.completed].count("b") < 3:  # noqa: ASYNC110
-                        await anyio.sleep(0.005)
+                await until(lambda: [run[0] for run in runs.completed].count("b") >= 3)
             await first.aclose()  # idempotent
         assert (first.terms, second.terms) == (1, 1)
         assert await a.election("jobs/refresh").leader() is None  # nothing left behind
@@ -90,14 +93,10 @@ async def test_a_lost_term_cancels_the_job_and_the_replica_campaigns_again(
         assert isinstance(backend, MemoryBackend)
         task = asynclock.LeaderTask(locks, "jobs/x", runs.job("a", 10), retry_after=0.05)
         async with task:
-            with anyio.fail_after(5):
-                while not task.leading:  # noqa: ASYNC110
-                    await anyio.sleep(0.005)
+            await until(lambda: task.leading)
             first_term = task.term
             backend.expire("jobs/x", notify=True, kind="election")
-            with anyio.fail_after(5):
-                while task.terms < 2 or not task.leading:  # noqa: ASYNC110
-                    await anyio.sleep(0.005)
+            await until(lambda: task.terms >= 2 and task.leading)
             assert task.term is not first_term
             assert task.term is not None and first_term is not None
             assert task.term.token > first_term.token
@@ -120,9 +119,7 @@ async def test_a_job_that_fails_is_logged_and_the_replica_campaigns_again(
     async with asynclock.connect(store) as locks:
         task = asynclock.LeaderTask(locks, "jobs/y", flaky, retry_after=0.05)
         await task.start()
-        with anyio.fail_after(5):
-            while calls < 2:  # noqa: ASYNC110
-                await anyio.sleep(0.005)
+        await until(lambda: calls >= 2)
         assert task.leading and task.terms == 2
 
         # Stopped from another task than the one that started it (a shutdown hook).
@@ -165,9 +162,7 @@ async def test_stopping_survives_native_cancellation_and_leaves_nothing(
         before = asyncio.all_tasks()
         task = asynclock.LeaderTask(locks, "jobs/c", runs.job("a", 10))
         await task.start()
-        with anyio.fail_after(5):
-            while not task.leading:  # noqa: ASYNC110
-                await anyio.sleep(0.005)
+        await until(lambda: task.leading)
         closing = asyncio.ensure_future(task.aclose())
         await asyncio.sleep(0)
         for _ in range(cancels):
