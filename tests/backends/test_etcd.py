@@ -662,19 +662,19 @@ async def test_a_hand_over_within_one_client_is_the_release_transaction_alone(
             async def waiter() -> None:
                 acquired.append(await locks.acquire("a", ttl=10))
 
-            async with anyio.create_task_group() as tg:
-                if in_flight:
-                    proxy.delay(60)
-                tg.start_soon(waiter)
-                if in_flight:
-                    await anyio.sleep(0.02)
-                else:
-                    await direct.until_count(etcd.base("a"), 2)
-                    await anyio.sleep(0.2)
-                    # The queueing request is counted already; so are our reads of the queue.
-                    txns, ranges = calls(etcd.server, "Txn") - 1, calls(etcd.server, "Range")
-                    assert await locks.try_acquire("a", ttl=10) is None
-                await holder.release()
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)  # it starts at the next await
+                    if in_flight:
+                        proxy.delay(60)
+                        await anyio.sleep(0.02)
+                    else:
+                        await direct.until_count(etcd.base("a"), 2)
+                        await anyio.sleep(0.2)
+                        # The queueing request is counted already; so are our reads of the queue.
+                        txns, ranges = calls(etcd.server, "Txn") - 1, calls(etcd.server, "Range")
+                        assert await locks.try_acquire("a", ttl=10) is None
+                    await holder.release()
             assert calls(etcd.server, "Txn") - txns == 2
             assert calls(etcd.server, "Range") == ranges
             assert acquired[0].token > holder.token
