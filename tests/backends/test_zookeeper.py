@@ -512,15 +512,6 @@ async def test_state_does_not_grow_over_200_acquisitions(zk: Zk) -> None:
 # -- native cancellation (asyncio's Task.cancel(), which goes through anyio's shields) -------
 
 
-async def free_for(client: asynclock.LockClient, name: str) -> None:
-    """Take and release ``name`` with ``client`` as soon as it is free, within 100 ms."""
-    started = anyio.current_time()
-    while (lease := await client.try_acquire(name, ttl=10)) is None:
-        assert anyio.current_time() - started < 0.1, f"{name!r} still held after the task ended"
-        await anyio.sleep(0.002)
-    await lease.release()
-
-
 @pytest.mark.parametrize("waiting", [True, False], ids=["waiter", "holder"])
 async def test_native_cancels_landing_on_the_delete_of_the_tasks_node_leave_nothing(
     zk: Zk, waiting: bool
@@ -566,7 +557,11 @@ async def test_native_cancels_landing_on_the_delete_of_the_tasks_node_leave_noth
             proxy.pass_through()
             if first is not None:
                 await first.release()
-            await free_for(other, "n")
+            started = anyio.current_time()  # then free within 100 ms
+            while (free := await other.try_acquire("n", ttl=10)) is None:
+                assert anyio.current_time() - started < 0.1, "'n' still held after the task ended"
+                await anyio.sleep(0.002)
+            await free.release()
             assert not victim.held
             assert_session_state_clean(victim)
 
