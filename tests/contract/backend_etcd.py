@@ -4,10 +4,9 @@ tests in tests/backends/: direct gRPC access beside the backend under test, /met
 from __future__ import annotations
 
 import http.client
-import inspect
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -97,18 +96,6 @@ def metrics(server: EtcdServer, name: str, labels: str = "") -> float:
         if (series == name or series.startswith(name + "{")) and labels in series:
             total += float(value)
     return total
-
-
-async def wait_until(
-    predicate: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout: float = 10.0
-) -> None:
-    """Poll ``predicate`` (a function or a coroutine function) until it is true."""
-    with anyio.fail_after(timeout):
-        while True:
-            result = predicate()
-            if await result if inspect.isawaitable(result) else result:
-                return
-            await anyio.sleep(0.005)
 
 
 @dataclass
