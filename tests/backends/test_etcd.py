@@ -24,7 +24,7 @@ from asynclock.backends.etcd import EtcdBackend, EtcdGrant
 from asynclock.fencing import fence_compare, fenced_txn
 from asynclock.testing import EtcdCluster, EtcdServer, FaultProxy, find_binary, free_port
 from tests.contract.backend_etcd import Etcd, lease_ids, metrics, raw
-from tests.contract.backend_zookeeper import until
+from tests.contract.harness import until
 
 pytestmark = pytest.mark.anyio
 

@@ -32,9 +32,9 @@ from tests.contract.backend_zookeeper import (
     delete_tree,
     expire_session,
     grant_of,
-    until,
     watched_paths,
 )
+from tests.contract.harness import until
 
 pytestmark = pytest.mark.anyio
 

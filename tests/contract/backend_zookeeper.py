@@ -5,10 +5,9 @@ queue's znodes, the server's watches, a session expired from outside."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import struct
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from aiozk import ZKClient, exc, protocol
 import asynclock
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
 from asynclock.testing import FaultProxy, ZooKeeperServer
-from tests.contract.harness import BackendUnderTest, WaiterCount
+from tests.contract.harness import BackendUnderTest, WaiterCount, until
 
 
 @asynccontextmanager
@@ -201,18 +200,6 @@ def backend_of(locks: asynclock.LockClient) -> ZooKeeperBackend:
     backend = locks._backend
     assert isinstance(backend, ZooKeeperBackend)
     return backend
-
-
-async def until(
-    check: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout: float = 5.0
-) -> None:
-    """Poll ``check`` until it is true; fail after ``timeout`` seconds."""
-    with anyio.fail_after(timeout):
-        while True:
-            result = check()
-            if await result if inspect.isawaitable(result) else result:
-                return
-            await anyio.sleep(0.005)
 
 
 def watched_paths(server: ZooKeeperServer) -> dict[str, list[str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import sqlite3
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -111,6 +112,18 @@ def sqlite_write_locked(path: str) -> Iterator[None]:
     finally:
         stop.set()
         thread.join(10)
+
+
+async def until(
+    check: Callable[[], bool] | Callable[[], Awaitable[bool]], timeout: float = 5.0
+) -> None:
+    """Poll ``check`` until it is true; fail after ``timeout`` seconds."""
+    with anyio.fail_after(timeout):
+        while True:
+            result = check()
+            if await result if inspect.isawaitable(result) else result:
+                return
+            await anyio.sleep(0.005)
 
 
 async def wait_until_free(
