@@ -14,7 +14,7 @@ import asynclock
 from asynclock.abc import Kind, LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, PostgresGrant
 from asynclock.backends.postgres._kinds import kind_key
-from tests.contract.backend_postgres import Pg, start_holder
+from tests.contract.backend_postgres import Pg, start_holder, until
 
 pytestmark = pytest.mark.anyio
 
@@ -28,9 +28,10 @@ def request(
 
 
 async def until_waiting(backend: PostgresBackend, name: str, kind: Kind, count: int) -> None:
-    with anyio.fail_after(5):
-        while (await backend.inspect(name, kind)).waiters != count:  # noqa: ASYNC110
-            await anyio.sleep(0.01)
+    async def waiting() -> bool:
+        return (await backend.inspect(name, kind)).waiters == count
+
+    await until(waiting, 5)
 
 
 # -- shared holds ---------------------------------------------------------------------------------
@@ -175,9 +176,7 @@ async def test_a_terminated_permit_frees_exactly_that_permit(pg: Pg) -> None:
         assert victim is not None and keeper is not None
         assert victim.key != keeper.key  # each permit is a slot of its own
         await pg.admin.execute("SELECT pg_terminate_backend($1, 5000)", victim.pid)
-        with anyio.fail_after(5):
-            while not lost:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
+        await until(lambda: lost, 5)
         (outcome,) = await one.renew([victim])
         assert isinstance(outcome, Lost)
         (outcome,) = await two.renew([keeper])
@@ -224,9 +223,7 @@ async def test_a_hand_over_to_a_waiting_candidate_is_shown_and_notified(pg: Pg) 
         assert info.value == b"node-2" and info.token == second.token
         await pg.admin.add_listener("asynclock public", lambda *args: heard.append(args[3]))
         await two.release(second)
-        with anyio.fail_after(5):
-            while str(key) not in heard:  # noqa: ASYNC110 (asyncpg calls the listener)
-                await anyio.sleep(0.01)
+        await until(lambda: str(key) in heard, 5)  # asyncpg calls the listener
         assert not (await one.inspect(name, "election")).held
     await pg.nothing_left()
 
@@ -366,9 +363,7 @@ async def test_a_killed_reader_frees_the_lock_at_once_and_its_row_goes_with_the_
         process.kill()
         killed_at = anyio.current_time()
         await process.wait()
-        with anyio.fail_after(2):
-            while await pg.holders():  # noqa: ASYNC110 (polling the server)
-                await anyio.sleep(0.01)
+        await pg.until_free(2)
         assert anyio.current_time() - killed_at < 1.0
         with anyio.fail_after(5):
             while True:
