@@ -172,25 +172,17 @@ async def test_tls_with_sslmode_and_with_an_ssl_context(pg: Pg, tmp_path: Path) 
         shutil.copy(server.data_dir / "tls" / "server.pem", ca)
         admin = await asyncpg.connect(server.dsn, ssl=False)
         try:
-
-            async def over_tls(lease: asynclock.Lease) -> bool:
-                pid = lease.grant.pid  # type: ignore[attr-defined]
-                encrypted: bool = await admin.fetchval(
-                    "SELECT ssl FROM pg_stat_ssl WHERE pid = $1", pid
-                )
-                return encrypted
-
-            verified = f"{server.url}?sslmode=verify-full&sslrootcert={ca}"
-            async with asynclock.connect(verified) as locks:
-                async with locks.lock(pg.name, ttl=5) as lease:
-                    assert await over_tls(lease)
-            context = ssl.create_default_context(cafile=str(ca))
-            async with asynclock.connect(server.url, ssl=context) as locks:
-                async with locks.lock(pg.name, ttl=5) as lease:
-                    assert await over_tls(lease)
-            async with asynclock.connect(f"{server.url}?sslmode=disable") as locks:
-                async with locks.lock(pg.name, ttl=5) as lease:
-                    assert not await over_tls(lease)
+            cases: list[tuple[str, dict[str, Any], bool]] = [
+                (f"{server.url}?sslmode=verify-full&sslrootcert={ca}", {}, True),
+                (server.url, {"ssl": ssl.create_default_context(cafile=str(ca))}, True),
+                (f"{server.url}?sslmode=disable", {}, False),
+            ]
+            for url, options, encrypted in cases:
+                async with asynclock.connect(url, **options) as locks:
+                    async with locks.lock(pg.name, ttl=5) as lease:
+                        pid = lease.grant.pid  # type: ignore[attr-defined]
+                        query = "SELECT ssl FROM pg_stat_ssl WHERE pid = $1"
+                        assert await admin.fetchval(query, pid) is encrypted, url
             # A certificate that the given CA did not sign is refused, and the error says so.
             with pytest.raises(asynclock.BackendUnavailable, match=r"TLS failed.*sslrootcert"):
                 async with asynclock.connect(server.url, ssl=ssl.create_default_context()):
@@ -401,7 +393,9 @@ async def test_a_pooler_is_found_and_only_the_mode_the_url_names_is_accepted(pg:
     """Session locks through transaction or statement pooling exclude nobody, silently (#26): a
     pooler is refused unless the URL names its pool mode; a pool that shares server sessions
     between client connections is refused as ?pooler=session, and statement pooling (which
-    ends every transaction) as ?pooler=transaction."""
+    ends every transaction) as ?pooler=transaction. PgBouncer answers the login itself and
+    queues statements until a server connection is free: a pool too small for a client is a
+    timeout, which names the pool and the options."""
     async with (
         asynclock.connect(pg.url) as direct,
         FaultProxy(pg.server.host, pg.server.port) as proxy,
@@ -412,11 +406,20 @@ async def test_a_pooler_is_found_and_only_the_mode_the_url_names_is_accepted(pg:
             assert via._backend.extra_info()["pooler_found"] is False
     for mode in ("session", "transaction", "statement"):
         # Stock PgBouncer (no ignore_startup_parameters): our settings go as SQL.
-        with PgBouncerServer(pg.server, pool_mode=mode, pool_size=5) as pooler:
+        with PgBouncerServer(pg.server, pool_mode=mode, pool_size=2) as pooler:
             with pytest.raises(asynclock.UnsupportedFeature, match=r"\?pooler=transaction"):
                 async with asynclock.connect(pooler.url):
                     pytest.fail("connected through a pooler the URL did not mention")
-            if mode != "session":
+            if mode == "session":
+                url = f"{pooler.url}?pooler=session&max_idle=0&connect_timeout=0.5&op_timeout=0.5"
+                async with asynclock.connect(url) as locks:
+                    # One server connection per ttl in use: the third ttl finds the pool full.
+                    async with locks.lock(pg.name, ttl=5), locks.lock(f"{pg.name}/2", ttl=6):
+                        with pytest.raises(
+                            asynclock.BackendTimeout, match="lower max_waiting and max_idle"
+                        ):
+                            await locks.acquire(f"{pg.name}/3", ttl=7)
+            else:
                 with pytest.raises(asynclock.UnsupportedFeature, match="transaction or statement"):
                     async with asynclock.connect(f"{pooler.url}?pooler=session"):
                         pytest.fail(f"connected through {mode} pooling")
@@ -469,20 +472,6 @@ async def test_through_transaction_pooling_other_kinds_are_refused_and_waiters_k
                 ) in (None, "")
         finally:
             await probe.close()
-
-
-async def test_a_full_pool_behind_the_pooler_is_a_timeout_that_says_so(pg: Pg) -> None:
-    """PgBouncer answers the login itself and queues statements until a server connection is
-    free: a pool too small for a client is a timeout, which names the pool and the options."""
-    with PgBouncerServer(pg.server, pool_mode="session", pool_size=2) as pooler:
-        url = f"{pooler.url}?pooler=session&max_idle=0&connect_timeout=0.5&op_timeout=0.5"
-        async with asynclock.connect(url) as locks:
-            # One server connection per ttl in use: the third ttl finds the pool full.
-            async with locks.lock(pg.name, ttl=5), locks.lock(f"{pg.name}/2", ttl=6):
-                with pytest.raises(
-                    asynclock.BackendTimeout, match="lower max_waiting and max_idle"
-                ):
-                    await locks.acquire(f"{pg.name}/3", ttl=7)
 
 
 @pytest.mark.parametrize("mode", ["session", "transaction"])
@@ -972,7 +961,7 @@ async def table(pg: Pg) -> AsyncIterator[str]:
         await pg.admin.execute(f"DROP TABLE {table}")
 
 
-async def test_transaction_lock_commits_or_rolls_back_the_body_and_excludes_session_locks(
+async def test_transaction_lock_commits_or_rolls_back_and_excludes_session_locks_on_any_client(
     pg: Pg, table: str
 ) -> None:
     async with pg.connect() as locks, asynclock.connect(pg.server.url) as other:
@@ -1004,11 +993,10 @@ async def test_transaction_lock_commits_or_rolls_back_the_body_and_excludes_sess
         assert await pg.holders() == []
         async with transaction_lock(locks, pg.name, timeout=0) as (_, later):
             assert later > failed
-
-
-async def test_transaction_lock_on_a_url_and_on_an_asyncpg_connection(pg: Pg, table: str) -> None:
+    # On a URL, and on an asyncpg connection of the caller's.
     async with transaction_lock(pg.server.url, pg.name) as (connection, first):
-        await connection.execute(f"INSERT INTO {table} VALUES (1, $1)", first)
+        assert first > later
+        await connection.execute(f"UPDATE {table} SET fence = $1 WHERE id = 1", first)
     own = await asyncpg.connect(pg.server.dsn)
     try:
         async with transaction_lock(own, pg.name, timeout=1) as (connection, second):
