@@ -63,7 +63,7 @@ class TLSPostgresServer(PostgresServer):
 # -- URL and options (no I/O) -----------------------------------------------------------------
 
 
-def test_url_options_reach_the_driver_and_our_own_are_applied() -> None:
+def test_url_options_reach_the_driver_and_keys_depend_on_the_name_and_schema() -> None:
     backend = PostgresBackend.from_url(
         "postgresql://alice:s3cret@db.example:6543/orders",
         {
@@ -101,6 +101,15 @@ def test_url_options_reach_the_driver_and_our_own_are_applied() -> None:
     assert backend_module.TransactionLock is TransactionLock
     with pytest.raises(AttributeError, match="no_such_name"):
         _ = backend_module.no_such_name
+    # Lock keys depend on the full name and the schema.
+    names = ["a", "a/", "a/b", "ü", "u", "x" * 512, "x" * 511, "%2F", "/"]
+    assert len({lock_key(each) for each in names}) == len(names)
+    assert lock_key("a") != lock_key("a", schema="other")
+    assert lock_key("a") == lock_key("a", schema="public")
+    assert all(-(2**63) <= lock_key(each) < 2**63 for each in names)
+    # Every kind has a key space of its own; a semaphore's permits class is an int4.
+    assert len({kind_key("a", kind) for kind in ("lock", "semaphore", "election")}) == 3
+    assert -(2**31) <= permits_class("a") < 2**31
 
 
 def test_malformed_urls_options_and_ttls_are_refused_by_name() -> None:
@@ -128,17 +137,6 @@ def test_malformed_urls_options_and_ttls_are_refused_by_name() -> None:
     for bad in (f"{url}/extra", f"{url}#frag", "postgresql://h:1#x/db"):
         with pytest.raises(asynclock.InvalidURL, match=r"postgresql://user:password@127\.0\.0\.1"):
             PostgresBackend.from_url(bad, {})
-
-
-def test_lock_keys_depend_on_the_full_name_and_the_schema() -> None:
-    names = ["a", "a/", "a/b", "ü", "u", "x" * 512, "x" * 511, "%2F", "/"]
-    assert len({lock_key(each) for each in names}) == len(names)
-    assert lock_key("a") != lock_key("a", schema="other")
-    assert lock_key("a") == lock_key("a", schema="public")
-    assert all(-(2**63) <= lock_key(each) < 2**63 for each in names)
-    # Every kind has a key space of its own; a semaphore's permits class is an int4.
-    assert len({kind_key("a", kind) for kind in ("lock", "semaphore", "election")}) == 3
-    assert -(2**31) <= permits_class("a") < 2**31
 
 
 # -- connecting -------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ async def start_holder(
     shared: bool = False,
     held: bool = True,
 ) -> tuple[Process, BufferedByteReceiveStream]:
-    """A :data:`HOLDER` process, and its output; once it holds, if ``held``."""
+    """A :data:`HOLDER` process and its output (once it holds, if ``held``)."""
     args = [url, name, str(ttl), str(hold), "shared" if shared else "exclusive"]
     process = await anyio.open_process([sys.executable, "-c", HOLDER, *args], cwd=ROOT, stderr=None)
     assert process.stdout is not None
@@ -155,7 +155,6 @@ class Pg:
 
     @property
     def url(self) -> str:
-        """The server's URL, with the test's application_name."""
         return f"{self.server.url}?application_name={self.app}"
 
     def connect(self, **options: Any) -> asynclock.LockClient:
@@ -170,7 +169,6 @@ class Pg:
         return [row[0] for row in await self.admin.fetch(LOCKERS_OF_KEY, *parts, True)]
 
     async def waiters(self) -> list[int]:
-        """The sessions waiting for the lock in the server's queue."""
         parts = key_parts(self.name)
         return [row[0] for row in await self.admin.fetch(LOCKERS_OF_KEY, *parts, False)]
 
@@ -192,7 +190,6 @@ class Pg:
                 await anyio.sleep(0.005)
 
     async def queue_rows(self) -> int:
-        """The places of the lock in the queue table."""
         query = "SELECT count(*) FROM asynclock_waiters WHERE key = $1"
         count: int = await self.admin.fetchval(query, lock_key(self.name))
         return count
