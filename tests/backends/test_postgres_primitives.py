@@ -14,7 +14,7 @@ import asynclock
 from asynclock.abc import Kind, LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, PostgresGrant
 from asynclock.backends.postgres._kinds import kind_key
-from tests.contract.backend_postgres import Pg, start_holder
+from tests.contract.backend_postgres import Pg, start_holder, until
 
 pytestmark = pytest.mark.anyio
 
@@ -28,9 +28,10 @@ def request(
 
 
 async def until_waiting(backend: PostgresBackend, name: str, kind: Kind, count: int) -> None:
-    with anyio.fail_after(5):
-        while (await backend.inspect(name, kind)).waiters != count:  # noqa: ASYNC110
-            await anyio.sleep(0.01)
+    async def waiting() -> bool:
+        return (await backend.inspect(name, kind)).waiters == count
+
+    await until(waiting, 5)
 
 
 # -- shared holds ---------------------------------------------------------------------------------
@@ -107,7 +108,9 @@ async def test_a_waiting_writer_is_not_jumped_by_later_readers_in_the_queue_tabl
 # -- semaphores -----------------------------------------------------------------------------------
 
 
-async def test_another_number_of_permits_is_refused_while_held_or_waited_for(pg: Pg) -> None:
+async def test_other_permits_are_refused_while_held_or_waited_for_and_a_permit_ends_alone(
+    pg: Pg,
+) -> None:
     """The contract checks a held semaphore; here one another client waits for, then holds
     until told (a waiter that let go at once left a free semaphore to the second check)."""
     name = pg.name
@@ -138,6 +141,25 @@ async def test_another_number_of_permits_is_refused_while_held_or_waited_for(pg:
         fresh = await one.try_acquire(request(name, kind="semaphore", permits=5))
         assert fresh is not None
         await one.release(fresh)
+        # A terminated permit frees exactly that permit.
+        lost: list[str] = []
+        victim = await one.try_acquire(request(name, kind="semaphore", permits=2, lost=lost))
+        keeper = await two.try_acquire(request(name, kind="semaphore", permits=2))
+        assert victim is not None and keeper is not None
+        assert victim.key != keeper.key  # each permit is a slot of its own
+        await pg.admin.execute("SELECT pg_terminate_backend($1, 5000)", victim.pid)
+        await until(lambda: lost, 5)
+        (outcome,) = await one.renew([victim])
+        assert isinstance(outcome, Lost)
+        (outcome,) = await two.renew([keeper])
+        assert isinstance(outcome, Renewed)
+        assert len((await two.inspect(name, "semaphore")).holders) == 1
+        again = await one.try_acquire(request(name, kind="semaphore", permits=2))
+        assert again is not None
+        assert await one.try_acquire(request(name, kind="semaphore", permits=2)) is None
+        await one.release(victim)  # already gone: silent
+        await one.release(again)
+        await two.release(keeper)
     await pg.nothing_left()
 
 
@@ -166,36 +188,12 @@ async def test_a_permit_taken_after_other_takes_queued_before_it_starts_its_leas
     await pg.nothing_left()
 
 
-async def test_a_terminated_permit_frees_exactly_that_permit(pg: Pg) -> None:
-    lost: list[str] = []
-    name = pg.name
-    async with pg.backend() as one, pg.backend() as two:
-        victim = await one.try_acquire(request(name, kind="semaphore", permits=2, lost=lost))
-        keeper = await two.try_acquire(request(name, kind="semaphore", permits=2))
-        assert victim is not None and keeper is not None
-        assert victim.key != keeper.key  # each permit is a slot of its own
-        await pg.admin.execute("SELECT pg_terminate_backend($1, 5000)", victim.pid)
-        with anyio.fail_after(5):
-            while not lost:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
-        (outcome,) = await one.renew([victim])
-        assert isinstance(outcome, Lost)
-        (outcome,) = await two.renew([keeper])
-        assert isinstance(outcome, Renewed)
-        assert len((await two.inspect(name, "semaphore")).holders) == 1
-        again = await one.try_acquire(request(name, kind="semaphore", permits=2))
-        assert again is not None
-        assert await one.try_acquire(request(name, kind="semaphore", permits=2)) is None
-        await one.release(victim)  # already gone: silent
-        await one.release(again)
-        await two.release(keeper)
-    await pg.nothing_left()
-
-
 # -- elections ------------------------------------------------------------------------------------
 
 
-async def test_a_hand_over_to_a_waiting_candidate_is_shown_and_notified(pg: Pg) -> None:
+async def test_a_hand_over_is_shown_and_notified_and_a_crashed_leaders_row_never_shown(
+    pg: Pg,
+) -> None:
     """The waiting candidate leads on a connection of its own, whose release NOTIFYs observers
     too: its key is the NOTIFY's only use of the parameter, which asyncpg then typed as text and
     refused an int for (the release failed with a warning, closed the connection, and observers
@@ -224,19 +222,12 @@ async def test_a_hand_over_to_a_waiting_candidate_is_shown_and_notified(pg: Pg) 
         assert info.value == b"node-2" and info.token == second.token
         await pg.admin.add_listener("asynclock public", lambda *args: heard.append(args[3]))
         await two.release(second)
-        with anyio.fail_after(5):
-            while str(key) not in heard:  # noqa: ASYNC110 (asyncpg calls the listener)
-                await anyio.sleep(0.01)
+        await until(lambda: str(key) in heard, 5)  # asyncpg calls the listener
         assert not (await one.inspect(name, "election")).held
-    await pg.nothing_left()
-
-
-async def test_a_crashed_leaders_row_is_never_shown(pg: Pg) -> None:
-    name = pg.name
-    async with pg.backend() as one, pg.backend() as two:
-        term = await one.try_acquire(request(name, kind="election", value=b"gone"))
-        assert term is not None
-        await pg.admin.execute("SELECT pg_terminate_backend($1, 5000)", term.pid)
+        # A crashed leader's row is never shown.
+        crashed = await one.try_acquire(request(name, kind="election", value=b"gone"))
+        assert crashed is not None
+        await pg.admin.execute("SELECT pg_terminate_backend($1, 5000)", crashed.pid)
         with anyio.fail_after(5):
             while (await two.inspect(name, "election")).held:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
@@ -244,13 +235,13 @@ async def test_a_crashed_leaders_row_is_never_shown(pg: Pg) -> None:
         assert info.value is None and info.owner is None
         # The stale row was deleted by the inspect that found no leader.
         assert not await pg.admin.fetchval(
-            "SELECT count(*) FROM asynclock_holders WHERE held = $1", kind_key(name, "election")
+            "SELECT count(*) FROM asynclock_holders WHERE held = $1", key
         )
         nxt = await two.try_acquire(request(name, kind="election", value=b"next"))
         assert nxt is not None
         assert (await one.inspect(name, "election")).value == b"next"
         await two.release(nxt)
-        await one.release(term)
+        await one.release(crashed)
     await pg.nothing_left()
 
 
@@ -366,9 +357,7 @@ async def test_a_killed_reader_frees_the_lock_at_once_and_its_row_goes_with_the_
         process.kill()
         killed_at = anyio.current_time()
         await process.wait()
-        with anyio.fail_after(2):
-            while await pg.holders():  # noqa: ASYNC110 (polling the server)
-                await anyio.sleep(0.01)
+        await pg.until_free(2)
         assert anyio.current_time() - killed_at < 1.0
         with anyio.fail_after(5):
             while True:

@@ -5,9 +5,10 @@ connection, with what the server shows of them) and holders in processes of thei
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,19 @@ async def sessions_of(admin: asyncpg.Connection, application_name: str) -> list[
     )
 
 
+async def until(check: Callable[[], object], within: float, step: float = 0.01) -> None:
+    """Poll ``check`` (sync or async) until it is true; fail after ``within`` seconds."""
+    with anyio.fail_after(within):
+        while not (await result if inspect.isawaitable(result := check()) else result):  # noqa: ASYNC110
+            await anyio.sleep(step)
+
+
+def backend_of(locks: asynclock.LockClient) -> PostgresBackend:
+    backend = locks._backend
+    assert isinstance(backend, PostgresBackend)
+    return backend
+
+
 async def start_holder(
     url: str,
     name: str,
@@ -118,7 +132,7 @@ async def start_holder(
     shared: bool = False,
     held: bool = True,
 ) -> tuple[Process, BufferedByteReceiveStream]:
-    """A :data:`HOLDER` process, and its output; once it holds, if ``held``."""
+    """A :data:`HOLDER` process and its output (once it holds, if ``held``)."""
     args = [url, name, str(ttl), str(hold), "shared" if shared else "exclusive"]
     process = await anyio.open_process([sys.executable, "-c", HOLDER, *args], cwd=ROOT, stderr=None)
     assert process.stdout is not None
@@ -141,7 +155,6 @@ class Pg:
 
     @property
     def url(self) -> str:
-        """The server's URL, with the test's application_name."""
         return f"{self.server.url}?application_name={self.app}"
 
     def connect(self, **options: Any) -> asynclock.LockClient:
@@ -156,17 +169,27 @@ class Pg:
         return [row[0] for row in await self.admin.fetch(LOCKERS_OF_KEY, *parts, True)]
 
     async def waiters(self) -> list[int]:
-        """The sessions waiting for the lock in the server's queue."""
         parts = key_parts(self.name)
         return [row[0] for row in await self.admin.fetch(LOCKERS_OF_KEY, *parts, False)]
 
-    async def wait_for_waiters(self, count: int) -> None:
-        with anyio.fail_after(10):
+    async def wait_for_waiters(self, count: int, within: float = 10) -> None:
+        with anyio.fail_after(within):
             while len(await self.waiters()) != count:  # noqa: ASYNC110 (polling the server)
                 await anyio.sleep(0.002)
 
+    async def until_free(self, within: float, step: float = 0.01) -> None:
+        """Until nobody holds the test's lock; fail after ``within`` seconds."""
+        with anyio.fail_after(within):
+            while await self.holders():  # noqa: ASYNC110 (polling the server)
+                await anyio.sleep(step)
+
+    async def until_queued(self, count: int, within: float) -> None:
+        """Until the lock has ``count`` places in the queue table at least."""
+        with anyio.fail_after(within):
+            while await self.queue_rows() < count:  # noqa: ASYNC110 (polling the server)
+                await anyio.sleep(0.005)
+
     async def queue_rows(self) -> int:
-        """The places of the lock in the queue table."""
         query = "SELECT count(*) FROM asynclock_waiters WHERE key = $1"
         count: int = await self.admin.fetchval(query, lock_key(self.name))
         return count
