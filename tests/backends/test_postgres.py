@@ -518,9 +518,9 @@ async def test_a_stopped_or_killed_holder_behind_a_pooler_frees_the_lock_in_time
 async def test_five_processes_through_a_pooler_exclude_each_other(
     pg: Pg, request: pytest.FixtureRequest, mode: str
 ) -> None:
-    """5 worker processes read then write one row under the lock through PgBouncer, unfenced
-    writes counted: no two holds overlap, no update is lost, nothing stays held. (Holders
-    paused past their ttl: the contract's paused-client test, through both modes.)"""
+    """5 worker processes read then write one row under the lock through PgBouncer: no two
+    holds overlap, no write is refused, no update is lost, nothing stays held. (Holders paused
+    past their ttl: the contract's paused-client test, through both modes.)"""
     fixture = "pgbouncer_server" if mode == "session" else "pgbouncer_transaction_server"
     pooler: PgBouncerServer = request.getfixturevalue(fixture)
     url = f"{pooler.url}?pooler={mode}"
