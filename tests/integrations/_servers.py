@@ -6,14 +6,15 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import httpx
 import uvicorn
 from aiohttp import web
-from fastapi import FastAPI
+from fastapi import FastAPI, Header
 
 import asynclock
 from asynclock.abc import Grant, LockRequest
@@ -113,6 +114,8 @@ class Gate:
 
 #: A handler's work, given the order id of ``POST /orders/{order_id}``; it returns the JSON answer.
 Body = Callable[[str], Awaitable[Any]]
+#: The request's ``request-id`` header, for a body to read (the web scenarios number requests).
+REQUEST_ID: ContextVar[str] = ContextVar("REQUEST_ID")
 
 
 def _fastapi_decorated(locks: asynclock.LockClient, body: Body, **options: Any) -> FastAPI:
@@ -121,7 +124,8 @@ def _fastapi_decorated(locks: asynclock.LockClient, body: Body, **options: Any) 
 
     @app.post("/orders/{order_id}")
     @fastapi_locks.locked("orders/{order_id}", client=locks, **options)
-    async def pay(order_id: str) -> Any:
+    async def pay(order_id: str, request_id: Annotated[str, Header()] = "") -> Any:
+        REQUEST_ID.set(request_id)
         return await body(order_id)
 
     return app
@@ -143,6 +147,7 @@ def _fastapi_dependency(locks: asynclock.LockClient, body: Body, **options: Any)
 def _aiohttp(locks: asynclock.LockClient, body: Body, **options: Any) -> web.Application:
     @aiohttp_locks.locked("orders/{order_id}", client=locks, **options)
     async def pay(request: web.Request) -> web.Response:
+        REQUEST_ID.set(request.headers.get("request-id", ""))
         return web.json_response(await body(request.match_info["order_id"]))
 
     app = web.Application()

@@ -17,30 +17,26 @@ import itertools
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 import anyio
 import httpx
 import pytest
-from aiohttp import web
-from fastapi import FastAPI, Header
 
 import asynclock
-from asynclock.integrations import aiohttp as aiohttp_locks
-from asynclock.integrations import fastapi as fastapi_locks
 from asynclock.integrations.fastapi import LEASE_LOST_HEADER
 from asynclock.testing import FaultProxy, RedisServer
 
 from ._servers import (
+    REQUEST_ID,
+    WEBS,
     Answer,
+    Web,
     answer_of,
     assert_no_leftovers,
     check_answers,
-    serve_aiohttp,
-    serve_asgi,
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -76,7 +72,9 @@ class Ledger:
     overlaps: int = 0
     stale: int = 0
 
-    async def book(self, order: str, token: int, request_id: str) -> None:
+    async def book(self, order: str) -> dict[str, Any]:
+        """The handlers' body."""
+        token, request_id = asynclock.current_token(), REQUEST_ID.get()
         self.active[order] += 1
         self.writing.add(request_id)
         try:
@@ -91,39 +89,9 @@ class Ledger:
             self.booked[request_id] = (order, token)
         finally:
             self.active[order] -= 1
-
-
-def pause_if_asked(request_id: str) -> None:
-    if request_id == PAUSED:
-        time.sleep(TTL * 1.6)  # the process stops past its ttl, after its work is done
-
-
-def fastapi_app(locks: asynclock.LockClient, ledger: Ledger) -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/orders/{order}")
-    @fastapi_locks.locked("orders/{order}", client=locks, ttl=TTL, timeout=0.3)
-    async def book(order: str, request_id: Annotated[str, Header()]) -> dict[str, Any]:
-        token = asynclock.current_token()
-        await ledger.book(order, token, request_id)
-        pause_if_asked(request_id)
+        if request_id == PAUSED:
+            time.sleep(TTL * 1.6)  # noqa: ASYNC251 - a process paused past its ttl, its work done
         return {"token": token}
-
-    return app
-
-
-def aiohttp_app(locks: asynclock.LockClient, ledger: Ledger) -> web.Application:
-    @aiohttp_locks.locked("orders/{order}", client=locks, ttl=TTL, timeout=0.3)
-    async def book(request: web.Request) -> web.Response:
-        token = asynclock.current_token()
-        request_id = request.headers["request-id"]
-        await ledger.book(request.match_info["order"], token, request_id)
-        pause_if_asked(request_id)
-        return web.json_response({"token": token})
-
-    app = web.Application()
-    app.router.add_post("/orders/{order}", book)
-    return app
 
 
 @dataclass
@@ -133,11 +101,8 @@ class Faults:
     ended: float = 0.0
 
 
-Serve = Callable[[Any], AbstractAsyncContextManager[str]]
-
-
 async def run_scenario(
-    redis_server: RedisServer, make_app: Callable[[asynclock.LockClient, Ledger], Any], serve: Serve
+    redis_server: RedisServer, web: Web
 ) -> tuple[list[Answer], Ledger, list[str], Faults]:
     tag = uuid.uuid4().hex[:8]
     prefix, client_name = f"web-outage-{tag}:", f"asynclock-web-{tag}"
@@ -159,7 +124,8 @@ async def run_scenario(
         )
         http: list[httpx.AsyncClient] = []
         for locks in (locks_a, locks_b):
-            url = await stack.enter_async_context(serve(make_app(locks, ledger)))
+            app = web.app(locks, ledger.book, ttl=TTL, timeout=0.3)
+            url = await stack.enter_async_context(web.serve(app))
             limits = httpx.Limits(max_connections=CLIENTS)
             http.append(
                 await stack.enter_async_context(
@@ -282,14 +248,8 @@ def check(answers: list[Answer], ledger: Ledger, longs: list[str], faults: Fault
 @pytest.mark.allow_log(r"answered 503 for the lock 'orders/(long-[ab]|booked-then-paused)': taking")
 @pytest.mark.expect_log(r"lease on 'orders/long-[ab]' lost: no successful renewal")
 @pytest.mark.expect_log(r"lease on 'orders/booked-then-paused' (was )?lost")
-@pytest.mark.parametrize(
-    ("make_app", "serve"),
-    [(fastapi_app, serve_asgi), (aiohttp_app, serve_aiohttp)],
-    ids=["fastapi-uvicorn", "aiohttp"],
-)
+@pytest.mark.parametrize("web", [WEBS[0], WEBS[2]], ids=["fastapi", "aiohttp"])  # the decorators
 async def test_a_web_app_through_a_redis_outage_and_a_paused_process(
-    redis_server: RedisServer,
-    make_app: Callable[[asynclock.LockClient, Ledger], Any],
-    serve: Serve,
+    redis_server: RedisServer, web: Web
 ) -> None:
-    check(*await run_scenario(redis_server, make_app, serve))
+    check(*await run_scenario(redis_server, web))
