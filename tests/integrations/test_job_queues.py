@@ -10,13 +10,11 @@ import itertools
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager, suppress
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,11 +25,11 @@ import redis.asyncio
 import asynclock
 from asynclock.testing import RedisServer
 
+from ._servers import Process, start_process, stop_processes
 from .jobqueue_common import READY_KEY, call, records_key
 
 pytestmark = pytest.mark.anyio
 
-ROOT = Path(__file__).parents[2]
 JOBS = 500
 ACCOUNTS = [f"acct{number}" for number in range(10)]
 #: Redis databases of their own: one per queue, one for the locks (each run has its own prefix).
@@ -185,41 +183,6 @@ async def outcomes(queue: Queue, handles: list[Any]) -> tuple[list[str], int]:
     return failed, deferrals
 
 
-@contextmanager
-def workers(command: list[str], env: dict[str, str], log: Path, count: int) -> Iterator[list[Any]]:
-    """Start ``count`` copies of ``command`` (each in a process group of its own) and stop them
-    however the test ends: SIGTERM (the workers' graceful shutdown), then SIGKILL."""
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
-        with log.open("ab") as output:
-            processes.extend(
-                subprocess.Popen(
-                    command,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=output,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-                for _ in range(count)
-            )
-        yield processes
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        # A manager's children (taskiq) are in its group: nothing of the group may outlive it.
-        for process in processes:
-            with suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-
-
 def raw_redis(port: int, db: int) -> redis.asyncio.Redis:
     return redis.asyncio.Redis(host="127.0.0.1", port=port, db=db)  # closed by its async with
 
@@ -330,17 +293,19 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
         )
         await records_db.flushdb()
         await queue.open()
+        processes: list[Process] = []
         try:
             # taskiq's command starts 2 worker processes itself; arq and saq: 2 commands.
             count = 1 if queue_name == "taskiq" else 2
-            with workers(queue.worker_command(), env, log, count) as processes:
-                ready = functools.partial(call, records_db, "SCARD", READY_KEY)
-                await wait_for(ready, 2, processes, log, 20)
-                assert await ready() == 2, f"workers did not start:\n{tail(log, 3000)}"
-                await queue.settled()
-                for seed, mode in enumerate(["deferring", "waiting"]):
-                    await run_batch(queue, mode, seed, records_db, processes, log)
+            processes.extend(start_process(queue.worker_command(), env, log) for _ in range(count))
+            ready = functools.partial(call, records_db, "SCARD", READY_KEY)
+            await wait_for(ready, 2, processes, log, 20)
+            assert await ready() == 2, f"workers did not start:\n{tail(log, 3000)}"
+            await queue.settled()
+            for seed, mode in enumerate(["deferring", "waiting"]):
+                await run_batch(queue, mode, seed, records_db, processes, log)
         finally:
+            await stop_processes(processes, grace=15)
             await queue.aclose()
             await records_db.flushdb()
         # The workers shut down gracefully: no error, and (lock_server checks) no lock left.
