@@ -101,7 +101,7 @@ def spawn(framework: str, env: dict[str, str], log: Path) -> Worker:
     """Start one worker process on a listening socket made here and passed down."""
     with socket.create_server(("127.0.0.1", 0), backlog=512) as listener:
         port = listener.getsockname()[1]
-        command = [*WORKER, framework, "--fd", str(listener.fileno())]
+        command = [*WORKER, framework, str(listener.fileno())]
         process = start_process(command, env, log, pass_fds=[listener.fileno()])
     return Worker(process, f"http://127.0.0.1:{port}", log)
 
