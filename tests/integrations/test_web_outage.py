@@ -162,7 +162,20 @@ async def run_scenario(redis_server: RedisServer, web: Web) -> Run:
     return run
 
 
-def check(run: Run) -> Counter[str]:
+# The faults decide which of the orders' leases are lost, and which releases wait for Redis.
+@pytest.mark.allow_log(r"lease on 'orders/o\d+' (was )?lost")
+@pytest.mark.allow_log(
+    r"releasing 'orders/(o\d+|long-[ab]|booked-then-paused)' on redis://\S+ did not complete"
+)
+@pytest.mark.expect_log(r"answered 503 for the lock 'orders/o\d+': taking lock")
+@pytest.mark.allow_log(r"answered 503 for the lock 'orders/(long-[ab]|booked-then-paused)': taking")
+@pytest.mark.expect_log(r"lease on 'orders/long-[ab]' lost: no successful renewal")
+@pytest.mark.expect_log(r"lease on 'orders/booked-then-paused' (was )?lost")
+@pytest.mark.parametrize("web", [WEBS[0], WEBS[2]], ids=["fastapi", "aiohttp"])  # the decorators
+async def test_a_web_app_through_a_redis_outage_and_a_paused_process(
+    redis_server: RedisServer, web: Web
+) -> None:
+    run = await run_scenario(redis_server, web)
     answers, ledger = run.answers, run.ledger
     outcomes = Counter(f"{answer.status} {answer.error or 'ok'}" for answer in answers)
     reported = sum(1 for answer in answers if answer.status == 200 and answer.lease_lost)
@@ -192,20 +205,3 @@ def check(run: Run) -> Counter[str]:
     for long in run.longs:
         answer = next(answer for answer in answers if answer.request_id == long)
         assert (answer.status, answer.error) == (503, "lease_lost"), answer
-    return outcomes
-
-
-# The faults decide which of the orders' leases are lost, and which releases wait for Redis.
-@pytest.mark.allow_log(r"lease on 'orders/o\d+' (was )?lost")
-@pytest.mark.allow_log(
-    r"releasing 'orders/(o\d+|long-[ab]|booked-then-paused)' on redis://\S+ did not complete"
-)
-@pytest.mark.expect_log(r"answered 503 for the lock 'orders/o\d+': taking lock")
-@pytest.mark.allow_log(r"answered 503 for the lock 'orders/(long-[ab]|booked-then-paused)': taking")
-@pytest.mark.expect_log(r"lease on 'orders/long-[ab]' lost: no successful renewal")
-@pytest.mark.expect_log(r"lease on 'orders/booked-then-paused' (was )?lost")
-@pytest.mark.parametrize("web", [WEBS[0], WEBS[2]], ids=["fastapi", "aiohttp"])  # the decorators
-async def test_a_web_app_through_a_redis_outage_and_a_paused_process(
-    redis_server: RedisServer, web: Web
-) -> None:
-    check(await run_scenario(redis_server, web))

@@ -97,40 +97,32 @@ class Worker:
     log: Path
 
 
-def spawn(framework: str, env: dict[str, str], log: Path) -> Worker:
-    """Start one worker process on a listening socket made here and passed down."""
-    with socket.create_server(("127.0.0.1", 0), backlog=512) as listener:
-        port = listener.getsockname()[1]
-        command = [*WORKER, framework, str(listener.fileno())]
-        process = start_process(command, env, log, pass_fds=[listener.fileno()])
-    return Worker(process, f"http://127.0.0.1:{port}", log)
-
-
 @asynccontextmanager
 async def running(framework: str, env: dict[str, str], logs: Path) -> AsyncIterator[list[Worker]]:
+    """The workers, each on a listening socket made here and passed down, once each answers
+    (its lifespan has opened the lock client by then)."""
     workers: list[Worker] = []
     try:
         for number in range(WORKERS):
             # One at a time, so that a failed start still stops the ones already running.
-            workers.append(spawn(framework, env, logs / f"worker-{number}.log"))  # noqa: PERF401
+            log = logs / f"worker-{number}.log"
+            with socket.create_server(("127.0.0.1", 0), backlog=512) as listener:
+                url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+                command = [*WORKER, framework, str(listener.fileno())]
+                process = start_process(command, env, log, pass_fds=[listener.fileno()])
+            workers.append(Worker(process, url, log))
         async with httpx.AsyncClient(timeout=1.0) as probe:
             for worker in workers:
-                await ready(probe, worker)
+                with anyio.fail_after(30):
+                    while True:
+                        assert worker.process.poll() is None, f"exited: {worker.log.read_text()}"
+                        with contextlib.suppress(httpx.TransportError):
+                            if (await probe.get(f"{worker.url}/health")).status_code == 200:
+                                break
+                        await anyio.sleep(0.05)
         yield workers
     finally:
         await stop_processes([worker.process for worker in workers], grace=10)
-
-
-async def ready(probe: httpx.AsyncClient, worker: Worker) -> None:
-    """Wait until the worker answers (its lifespan has opened the lock client by then)."""
-    with anyio.fail_after(30):
-        while True:
-            if worker.process.poll() is not None:
-                raise AssertionError(f"worker exited: {worker.log.read_text()}")
-            with contextlib.suppress(httpx.TransportError):
-                if (await probe.get(f"{worker.url}/health")).status_code == 200:
-                    return
-            await anyio.sleep(0.05)
 
 
 @dataclass
