@@ -66,9 +66,7 @@ async def test_a_lost_lease_after_streaming_began_drops_the_response(
                 await answer.read()  # cut short: never mistaken for a complete answer
 
 
-async def test_a_name_from_the_query_string_and_one_missing_a_part(
-    locks: asynclock.LockClient,
-) -> None:
+async def test_names_from_the_query_string_and_a_missing_part(locks: asynclock.LockClient) -> None:
     @locked("reports/{tenant}/{report}", client=locks, busy_status=409)
     async def report(request: web.Request) -> web.Response:
         return web.json_response(asynclock.current_lease().name)
