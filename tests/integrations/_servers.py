@@ -12,7 +12,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,6 +235,12 @@ class Traffic:
     numbers: Iterator[int] = field(default_factory=itertools.count)
     began: float = 0.0
     ended: float = 0.0
+
+    async def reach(self, stack: AsyncExitStack, url: str, clients: int, timeout: float) -> None:
+        """One more instance, at ``url``: an HTTP client with a connection for each client."""
+        limits = httpx.Limits(max_connections=clients)
+        client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
+        self.http.append(await stack.enter_async_context(client))
 
     async def post(self, instance: int, order: str, request_id: str, **headers: str) -> Answer:
         sent = time.monotonic()

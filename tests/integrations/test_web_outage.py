@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 
 import asynclock
@@ -108,13 +107,7 @@ async def run_scenario(redis_server: RedisServer, web: Web) -> Run:
         )
         for locks in (locks_a, locks_b):
             app = web.app(locks, run.ledger.book, ttl=TTL, timeout=0.3)
-            url = await stack.enter_async_context(web.serve(app))
-            limits = httpx.Limits(max_connections=CLIENTS)
-            run.http.append(
-                await stack.enter_async_context(
-                    httpx.AsyncClient(base_url=url, timeout=20, limits=limits)
-                )
-            )
+            await run.reach(stack, await stack.enter_async_context(web.serve(app)), CLIENTS, 20)
 
         async def long_body(instance: int, order: str) -> None:
             writing = run.ledger.writing

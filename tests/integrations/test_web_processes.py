@@ -179,13 +179,8 @@ async def scenario(redis_server: RedisServer, framework: str, directory: Path) -
             ASYNCLOCK_WEB_JOURNAL=str(journal_dir),
         )
         workers = await stack.enter_async_context(running(framework, env, directory))
-        limits = httpx.Limits(max_connections=CLIENTS)
-        run.http = [
-            await stack.enter_async_context(
-                httpx.AsyncClient(base_url=worker.url, timeout=CLIENT_TIMEOUT, limits=limits)
-            )
-            for worker in workers
-        ]
+        for worker in workers:
+            await run.reach(stack, worker.url, CLIENTS, CLIENT_TIMEOUT)
         started = time.monotonic()
         await drive(run, workers, proxy, journal_dir, redis_server)
         print(f"\n{framework}: {len(run.answers)} answers in {time.monotonic() - started:.1f} s")
