@@ -129,8 +129,7 @@ REQUEST_ID: ContextVar[str] = ContextVar("REQUEST_ID")
 
 
 def _fastapi_decorated(locks: asynclock.LockClient, body: Body, **options: Any) -> FastAPI:
-    app = FastAPI()
-    app.add_middleware(fastapi_locks.LeaseLossHeaders)
+    app = FastAPI()  # no LeaseLossHeaders: @locked sets the loss header itself
 
     @app.post("/orders/{order_id}")
     @fastapi_locks.locked("orders/{order_id}", client=locks, **options)
