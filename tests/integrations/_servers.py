@@ -1,19 +1,29 @@
-"""Real uvicorn and aiohttp servers (in the test's task), lock clients, the web tests' apps, and
-what the web scenarios read from each HTTP answer."""
+"""Real uvicorn and aiohttp servers (in the test's task), lock clients, the web tests' apps,
+what the web scenarios read from each HTTP answer, and worker processes."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
+import os
+import signal
+import subprocess
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
 
 import anyio
 import httpx
 import uvicorn
 from aiohttp import web
-from fastapi import FastAPI
+from anyio.abc import TaskGroup
+from fastapi import FastAPI, Header
 
 import asynclock
 from asynclock.abc import Grant, LockRequest
@@ -111,17 +121,20 @@ class Gate:
         self.finished.append(who)
 
 
+Process = subprocess.Popen[bytes]
 #: A handler's work, given the order id of ``POST /orders/{order_id}``; it returns the JSON answer.
 Body = Callable[[str], Awaitable[Any]]
+#: The request's ``request-id`` header, for a body to read (the web scenarios number requests).
+REQUEST_ID: ContextVar[str] = ContextVar("REQUEST_ID")
 
 
 def _fastapi_decorated(locks: asynclock.LockClient, body: Body, **options: Any) -> FastAPI:
-    app = FastAPI()
-    app.add_middleware(fastapi_locks.LeaseLossHeaders)
+    app = FastAPI()  # no LeaseLossHeaders: @locked sets the loss header itself
 
     @app.post("/orders/{order_id}")
     @fastapi_locks.locked("orders/{order_id}", client=locks, **options)
-    async def pay(order_id: str) -> Any:
+    async def pay(order_id: str, request_id: Annotated[str, Header()] = "") -> Any:
+        REQUEST_ID.set(request_id)
         return await body(order_id)
 
     return app
@@ -143,6 +156,7 @@ def _fastapi_dependency(locks: asynclock.LockClient, body: Body, **options: Any)
 def _aiohttp(locks: asynclock.LockClient, body: Body, **options: Any) -> web.Application:
     @aiohttp_locks.locked("orders/{order_id}", client=locks, **options)
     async def pay(request: web.Request) -> web.Response:
+        REQUEST_ID.set(request.headers.get("request-id", ""))
         return web.json_response(await body(request.match_info["order_id"]))
 
     app = web.Application()
@@ -198,20 +212,8 @@ class Answer:
     sent: float = 0.0
 
 
-def answer_of(request_id: str, worker: int, sent: float, response: httpx.Response) -> Answer:
-    ok = response.status_code == 200
-    return Answer(
-        request_id,
-        worker,
-        response.status_code,
-        None if ok else error_body(response).get("error"),
-        response.headers.get("retry-after"),
-        response.headers.get("asynclock-lease-lost"),
-        response.json() if ok else None,
-        sent=sent,
-    )
-
-
+#: The orders the web scenarios' clients book, in turn.
+ORDERS = 10
 #: A locked handler's documented answers (status, error).
 DOCUMENTED = {(200, None), (423, "lock_busy"), (409, "deadlock")} | {
     (503, error) for error in ("lease_lost", "lock_unavailable")
@@ -220,24 +222,92 @@ DOCUMENTED = {(200, None), (423, "lock_busy"), (409, "deadlock")} | {
 RETRY_AFTER = {"lock_busy", "deadlock", "lock_unavailable"}
 
 
-def check_answers(answers: list[Answer], faults_began: float, faults_ended: float) -> None:
-    """What every web scenario's answers show: each request answered, only documented answers
-    (never a 500), ``Retry-After`` with each that promises nothing was done and never with
-    ``lease_lost`` (the body was stopped part way: its effects may be partial), the outage
-    felt, and orders booked before the faults and again after them."""
-    failures = [answer for answer in answers if answer.status is None]
-    assert failures == [], failures
-    undocumented = [a for a in answers if (a.status, a.error) not in DOCUMENTED]
-    assert undocumented == [], undocumented
-    for answer in answers:
-        if answer.error in RETRY_AFTER:
-            assert answer.retry_after == "1", answer
-        elif answer.error == "lease_lost":
-            assert answer.retry_after is None, answer
-    assert any(answer.error == "lock_unavailable" for answer in answers)
-    ok = [answer.sent for answer in answers if answer.status == 200]
-    assert any(sent < faults_began for sent in ok), "no order booked before the faults"
-    assert any(sent > faults_ended for sent in ok), "no order booked after the faults"
+@dataclass
+class Traffic:
+    """A web scenario's requests to the instances ``http`` and their answers: numbered ones from
+    each :meth:`client` (``POST /orders/o<n % ORDERS>``, header ``request-id: <n>``) until ``over``
+    is set, and those its faults send; ``began`` and ``ended`` are when the faults did."""
+
+    http: list[httpx.AsyncClient] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)
+    over: anyio.Event = field(default_factory=anyio.Event)
+    numbers: Iterator[int] = field(default_factory=itertools.count)
+    began: float = 0.0
+    ended: float = 0.0
+
+    async def reach(self, stack: AsyncExitStack, url: str, clients: int, timeout: float) -> None:
+        """One more instance, at ``url``: an HTTP client with a connection for each client."""
+        limits = httpx.Limits(max_connections=clients)
+        client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
+        self.http.append(await stack.enter_async_context(client))
+
+    async def post(self, instance: int, order: str, request_id: str, **headers: str) -> Answer:
+        sent = time.monotonic()
+        try:
+            response = await self.http[instance].post(
+                f"/orders/{order}", headers={"request-id": request_id, **headers}
+            )
+        except httpx.TransportError as exc:
+            answer = Answer(request_id, instance, None, failure=type(exc).__name__, sent=sent)
+        else:
+            ok = response.status_code == 200
+            answer = Answer(
+                request_id, instance, response.status_code,
+                None if ok else error_body(response).get("error"),
+                response.headers.get("retry-after"), response.headers.get("asynclock-lease-lost"),
+                response.json() if ok else None, sent=sent,
+            )  # fmt: skip
+        self.answers.append(answer)
+        return answer
+
+    async def client(self, pace: float) -> None:
+        """Each numbered request to the next instance, ``pace`` seconds after the last answer."""
+        while not self.over.is_set():
+            number = next(self.numbers)
+            await self.post(number % len(self.http), f"o{number % ORDERS}", str(number))
+            await anyio.sleep(pace)
+
+    async def hold_long(
+        self,
+        tasks: TaskGroup,
+        instance: int,
+        order: str,
+        holding: Callable[[str], bool],
+        **headers: str,
+    ) -> str:
+        """Send ``<order>-<attempt>`` requests (their body runs long) until ``holding(request id)``
+        says one's body holds its lease, and return its id. A take may be answered 503 first (a
+        handshake slower than op_timeout on a loaded host): one more answer, and another goes."""
+        for attempt in itertools.count():
+            request_id = f"{order}-{attempt}"
+            tasks.start_soon(functools.partial(self.post, instance, order, request_id, **headers))
+            while not holding(request_id):
+                if any(answer.request_id == request_id for answer in self.answers):
+                    break
+                await anyio.sleep(0.01)
+            else:
+                return request_id
+        raise AssertionError("unreachable")
+
+    def check_answers(self) -> None:
+        """What every web scenario's answers show: each request answered, only documented
+        answers (never a 500), ``Retry-After`` with each that promises nothing was done and never
+        with ``lease_lost`` (the body was stopped part way: its effects may be partial), the
+        outage felt, and orders booked before the faults and again after them."""
+        answers = self.answers
+        failures = [answer for answer in answers if answer.status is None]
+        assert failures == [], failures
+        undocumented = [a for a in answers if (a.status, a.error) not in DOCUMENTED]
+        assert undocumented == [], undocumented
+        for answer in answers:
+            if answer.error in RETRY_AFTER:
+                assert answer.retry_after == "1", answer
+            elif answer.error == "lease_lost":
+                assert answer.retry_after is None, answer
+        assert any(answer.error == "lock_unavailable" for answer in answers)
+        ok = [answer.sent for answer in answers if answer.status == 200]
+        assert any(sent < self.began for sent in ok), "no order booked before the faults"
+        assert any(sent > self.ended for sent in ok), "no order booked after the faults"
 
 
 async def assert_no_leftovers(redis_server: RedisServer, prefix: str, client_name: str) -> None:
@@ -247,3 +317,35 @@ async def assert_no_leftovers(redis_server: RedisServer, prefix: str, client_nam
         while leftovers := await redis_leftovers(redis_server, prefix, client_name):  # noqa: ASYNC110
             await anyio.sleep(0.1)
     assert leftovers == []
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_process(command: list[str], env: dict[str, str], log: Path, **popen: Any) -> Process:
+    """``command`` run from the repository in a process group of its own, output to ``log``."""
+    with log.open("ab") as output:
+        return subprocess.Popen(
+            command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=output,
+            stderr=subprocess.STDOUT, start_new_session=True, **popen,
+        )  # fmt: skip
+
+
+def signal_group(process: Process, signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)
+
+
+async def stop_processes(processes: list[Process], grace: float) -> None:
+    """SIGTERM each process's group (after SIGCONT, in case it is stopped), SIGKILL it after
+    ``grace`` seconds: nothing of a group (taskiq's manager's children) outlives the test."""
+    for process in processes:
+        signal_group(process, signal.SIGCONT)
+        signal_group(process, signal.SIGTERM)
+    # Awaited, not blocking: a worker's lock client may be reaching Redis through this loop.
+    with anyio.move_on_after(grace, shield=True):
+        while any(process.poll() is None for process in processes):  # noqa: ASYNC110
+            await anyio.sleep(0.05)
+    for process in processes:
+        signal_group(process, signal.SIGKILL)
+        process.wait()

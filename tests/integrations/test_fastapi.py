@@ -48,12 +48,6 @@ async def test_fastapi_sees_the_endpoint_parameters_and_a_lock_name_they_make_in
         seen.append(asynclock.current_lease().name)
         return {"shop": shop_id, "amount": payment.amount, "currency": currency}
 
-    # A lock name made invalid by the request is a 400.
-    @app.get("/files")
-    @locked("files/{path}", client=locks)
-    async def read(path: str) -> str:
-        return path
-
     @app.get("/dep/files")
     async def read_with_dependency(
         path: str,
@@ -80,8 +74,6 @@ async def test_fastapi_sees_the_endpoint_parameters_and_a_lock_name_they_make_in
         )
         async with locks.lock("shops/5/ab/EUR"):
             busy = await http.post("/shops/5/pay", json={"account": "ab", "amount": 3})
-        bad = await http.get("/files", params={"path": "a\nb"})
-        bad_dependency = await http.get("/dep/files", params={"path": "x" * 600})
         missing = await http.get("/dep/files")  # the dependency runs before validation
         good = await http.get("/dep/files", params={"path": "a/b"})
     assert ok.status_code == 200
@@ -90,9 +82,6 @@ async def test_fastapi_sees_the_endpoint_parameters_and_a_lock_name_they_make_in
     assert invalid_path.status_code == 422  # FastAPI validated before the lock was touched
     assert invalid_query.status_code == 422
     assert busy.status_code == 409  # busy_status is configurable
-    assert bad.status_code == 400
-    assert bad.json()["detail"]["error"] == "invalid_lock_name"
-    assert bad_dependency.status_code == 400
     assert missing.status_code == 400
     assert missing.json()["detail"]["error"] == "missing_lock_name_part"
     assert good.json() == "files/a/b"

@@ -182,17 +182,18 @@ class Service:
 ServiceMaker = Callable[..., AbstractAsyncContextManager[Service]]
 
 
-@pytest.fixture(params=["uvicorn", "aiohttp"])
+@pytest.fixture(
+    params=[(asgi_service, serve_asgi), (aiohttp_service, serve_aiohttp)],
+    ids=["uvicorn", "aiohttp"],
+)
 def service(request: pytest.FixtureRequest) -> ServiceMaker:
+    make, serve = request.param
+
     @asynccontextmanager
     async def start(guard: fencing.Guard | None, **options: Any) -> AsyncIterator[Service]:
         seen: list[Seen] = []
-        if request.param == "uvicorn":
-            async with serve_asgi(asgi_service(guard, seen, **options)) as url:
-                yield Service(url, seen)
-        else:
-            async with serve_aiohttp(aiohttp_service(guard, seen, **options)) as url:
-                yield Service(url, seen)
+        async with serve(make(guard, seen, **options)) as url:
+            yield Service(url, seen)
 
     return start
 

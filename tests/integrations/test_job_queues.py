@@ -10,13 +10,11 @@ import itertools
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager, suppress
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,11 +25,11 @@ import redis.asyncio
 import asynclock
 from asynclock.testing import RedisServer
 
+from ._servers import Process, start_process, stop_processes
 from .jobqueue_common import READY_KEY, call, records_key
 
 pytestmark = pytest.mark.anyio
 
-ROOT = Path(__file__).parents[2]
 JOBS = 500
 ACCOUNTS = [f"acct{number}" for number in range(10)]
 #: Redis databases of their own: one per queue, one for the locks (each run has its own prefix).
@@ -48,11 +46,13 @@ def job_list(seed: int) -> list[tuple[str, int]]:
 
 
 class JobQueue:
-    """What the three queues share; each also has ``worker_command()``, ``open()``,
+    """What the three queues share; each also has ``open()``,
     ``submit(mode, account, job_id)`` (a handle), ``outcome(handle)`` (why the job did not
     succeed, ``None`` if it did, and how often it was deferred) and ``aclose()``."""
 
     name: str
+    #: The worker's command, after ``python -m``.
+    command: tuple[str, ...]
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -65,9 +65,7 @@ class JobQueue:
 
 class Arq(JobQueue):
     name = "arq"
-
-    def worker_command(self) -> list[str]:
-        return [sys.executable, "-m", "arq", "tests.integrations.jobqueue_workers.ArqSettings"]
+    command = ("arq", "tests.integrations.jobqueue_workers.ArqSettings")
 
     async def open(self) -> None:
         from arq import create_pool
@@ -95,9 +93,7 @@ class Arq(JobQueue):
 
 class Saq(JobQueue):
     name = "saq"
-
-    def worker_command(self) -> list[str]:
-        return [sys.executable, "-m", "saq", "tests.integrations.jobqueue_workers.saq_settings"]
+    command = ("saq", "tests.integrations.jobqueue_workers.saq_settings")
 
     async def open(self) -> None:
         from saq import Queue
@@ -135,13 +131,11 @@ class Saq(JobQueue):
 
 class Taskiq(JobQueue):
     name = "taskiq"
-
-    def worker_command(self) -> list[str]:
-        # One taskiq worker command with its own process manager and 2 worker processes.
-        return [
-            sys.executable, "-m", "taskiq", "worker", "tests.integrations.jobqueue_workers:broker",
-            "--workers", "2", "--max-async-tasks", "5", "--shutdown-timeout", "10",
-        ]  # fmt: skip
+    # One taskiq worker command with its own process manager and 2 worker processes.
+    command = (
+        "taskiq", "worker", "tests.integrations.jobqueue_workers:broker",
+        "--workers", "2", "--max-async-tasks", "5", "--shutdown-timeout", "10",
+    )  # fmt: skip
 
     async def open(self) -> None:
         from .jobqueue_common import RedisListBroker, RedisResultBackend
@@ -175,53 +169,9 @@ QUEUES: dict[str, type[Queue]] = {"arq": Arq, "saq": Saq, "taskiq": Taskiq}
 
 
 async def outcomes(queue: Queue, handles: list[Any]) -> tuple[list[str], int]:
-    failed: list[str] = []
-    deferrals = 0
-    for handle in handles:
-        error, deferred = await queue.outcome(handle)
-        if error is not None:
-            failed.append(error)
-        deferrals += deferred
-    return failed, deferrals
-
-
-@contextmanager
-def workers(command: list[str], env: dict[str, str], log: Path, count: int) -> Iterator[list[Any]]:
-    """Start ``count`` copies of ``command`` (each in a process group of its own) and stop them
-    however the test ends: SIGTERM (the workers' graceful shutdown), then SIGKILL."""
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
-        with log.open("ab") as output:
-            processes.extend(
-                subprocess.Popen(
-                    command,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=output,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-                for _ in range(count)
-            )
-        yield processes
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        # A manager's children (taskiq) are in its group: nothing of the group may outlive it.
-        for process in processes:
-            with suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-
-
-def raw_redis(port: int, db: int) -> redis.asyncio.Redis:
-    return redis.asyncio.Redis(host="127.0.0.1", port=port, db=db)  # closed by its async with
+    """Why each job that did not succeed failed, and how often the jobs were deferred."""
+    found = [await queue.outcome(handle) for handle in handles]
+    return [error for error, _ in found if error is not None], sum(n for _, n in found)
 
 
 def tail(log: Path, size: int = 0) -> str:
@@ -256,7 +206,7 @@ async def lock_server(
     url = (
         f"redis://127.0.0.1:{redis_server.port}/{LOCK_DB}?prefix={prefix}&durability_warning=false"
     )
-    async with raw_redis(redis_server.port, LOCK_DB) as lock_db:
+    async with redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port, db=LOCK_DB) as lock_db:
         try:
             yield url, prefix, lock_db
             keys = [key.decode() async for key in lock_db.scan_iter(match=f"{prefix}*")]
@@ -322,7 +272,7 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
     log = tmp_path / f"{queue_name}-workers.log"
     async with (
         lock_server(redis_server, queue_name) as (lock_url, _, _),
-        raw_redis(redis_server.port, queue.db) as records_db,
+        redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port, db=queue.db) as records_db,
     ):
         env = dict(os.environ)
         env.update(
@@ -330,17 +280,22 @@ async def test_500_jobs_over_10_accounts_on_2_worker_processes(
         )
         await records_db.flushdb()
         await queue.open()
+        processes: list[Process] = []
         try:
             # taskiq's command starts 2 worker processes itself; arq and saq: 2 commands.
             count = 1 if queue_name == "taskiq" else 2
-            with workers(queue.worker_command(), env, log, count) as processes:
-                ready = functools.partial(call, records_db, "SCARD", READY_KEY)
-                await wait_for(ready, 2, processes, log, 20)
-                assert await ready() == 2, f"workers did not start:\n{tail(log, 3000)}"
-                await queue.settled()
-                for seed, mode in enumerate(["deferring", "waiting"]):
-                    await run_batch(queue, mode, seed, records_db, processes, log)
+            processes.extend(
+                start_process([sys.executable, "-m", *queue.command], env, log)
+                for _ in range(count)
+            )
+            ready = functools.partial(call, records_db, "SCARD", READY_KEY)
+            await wait_for(ready, 2, processes, log, 20)
+            assert await ready() == 2, f"workers did not start:\n{tail(log, 3000)}"
+            await queue.settled()
+            for seed, mode in enumerate(["deferring", "waiting"]):
+                await run_batch(queue, mode, seed, records_db, processes, log)
         finally:
+            await stop_processes(processes, grace=15)
             await queue.aclose()
             await records_db.flushdb()
         # The workers shut down gracefully: no error, and (lock_server checks) no lock left.

@@ -45,6 +45,7 @@ async def test_a_busy_lock_answers_423_at_once_and_the_handlers_own_locks_are_it
             other = await http.post("/orders/8")  # another order: not blocked by 7
         free = await http.post("/orders/7")
         missing = await http.post("/nowhere")
+        invalid = await http.post("/orders/a%0Ab")  # a lock name with a control character
     # A lease that held, and a request that took none (a 404), have no loss to report.
     assert LEASE_LOST_HEADER not in free.headers
     assert missing.status_code == 404
@@ -55,6 +56,8 @@ async def test_a_busy_lock_answers_423_at_once_and_the_handlers_own_locks_are_it
     assert busy.headers["retry-after"] == "1"  # the default
     assert other.json()["order"] == "8"
     assert free.json()["order"] == "7"
+    assert invalid.status_code == 400
+    assert error_body(invalid, web.name)["error"] == "invalid_lock_name"
 
     # Errors of locks the handler took itself are not answered as its own.
     async def transfer(order: str) -> str:

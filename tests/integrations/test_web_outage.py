@@ -13,40 +13,25 @@ is 200 exactly when its body completed (so no "lease_lost" for committed work), 
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 import anyio
-import httpx
 import pytest
-from aiohttp import web
-from fastapi import FastAPI, Header
 
 import asynclock
-from asynclock.integrations import aiohttp as aiohttp_locks
-from asynclock.integrations import fastapi as fastapi_locks
 from asynclock.integrations.fastapi import LEASE_LOST_HEADER
 from asynclock.testing import FaultProxy, RedisServer
 
-from ._servers import (
-    Answer,
-    answer_of,
-    assert_no_leftovers,
-    check_answers,
-    serve_aiohttp,
-    serve_asgi,
-)
+from ._servers import REQUEST_ID, WEBS, Traffic, Web, assert_no_leftovers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 TTL = 1.0
-ORDERS = 10
 #: Concurrent clients, each waiting PACE after every answer before its next request, so that
 #: the offered load (at most 40 requests/s) stays well under what this one event loop can
 #: serve: it runs the clients, both apps, both lock clients and the fault proxy. Saturated
@@ -76,7 +61,9 @@ class Ledger:
     overlaps: int = 0
     stale: int = 0
 
-    async def book(self, order: str, token: int, request_id: str) -> None:
+    async def book(self, order: str) -> dict[str, Any]:
+        """The handlers' body."""
+        token, request_id = asynclock.current_token(), REQUEST_ID.get()
         self.active[order] += 1
         self.writing.add(request_id)
         try:
@@ -91,64 +78,25 @@ class Ledger:
             self.booked[request_id] = (order, token)
         finally:
             self.active[order] -= 1
-
-
-def pause_if_asked(request_id: str) -> None:
-    if request_id == PAUSED:
-        time.sleep(TTL * 1.6)  # the process stops past its ttl, after its work is done
-
-
-def fastapi_app(locks: asynclock.LockClient, ledger: Ledger) -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/orders/{order}")
-    @fastapi_locks.locked("orders/{order}", client=locks, ttl=TTL, timeout=0.3)
-    async def book(order: str, request_id: Annotated[str, Header()]) -> dict[str, Any]:
-        token = asynclock.current_token()
-        await ledger.book(order, token, request_id)
-        pause_if_asked(request_id)
+        if request_id == PAUSED:
+            time.sleep(TTL * 1.6)  # noqa: ASYNC251 - a process paused past its ttl, its work done
         return {"token": token}
-
-    return app
-
-
-def aiohttp_app(locks: asynclock.LockClient, ledger: Ledger) -> web.Application:
-    @aiohttp_locks.locked("orders/{order}", client=locks, ttl=TTL, timeout=0.3)
-    async def book(request: web.Request) -> web.Response:
-        token = asynclock.current_token()
-        request_id = request.headers["request-id"]
-        await ledger.book(request.match_info["order"], token, request_id)
-        pause_if_asked(request_id)
-        return web.json_response({"token": token})
-
-    app = web.Application()
-    app.router.add_post("/orders/{order}", book)
-    return app
 
 
 @dataclass
-class Faults:
-    #: When the first fault began and the last one ended.
-    began: float = 0.0
-    ended: float = 0.0
+class Run(Traffic):
+    ledger: Ledger = field(default_factory=Ledger)
+    #: The long requests whose body held its lease when a fault began.
+    longs: list[str] = field(default_factory=list)
 
 
-Serve = Callable[[Any], AbstractAsyncContextManager[str]]
-
-
-async def run_scenario(
-    redis_server: RedisServer, make_app: Callable[[asynclock.LockClient, Ledger], Any], serve: Serve
-) -> tuple[list[Answer], Ledger, list[str], Faults]:
+async def run_scenario(redis_server: RedisServer, web: Web) -> Run:
     tag = uuid.uuid4().hex[:8]
     prefix, client_name = f"web-outage-{tag}:", f"asynclock-web-{tag}"
     options = (
         f"/0?prefix={prefix}&client_name={client_name}&op_timeout=0.3&durability_warning=false"
     )
-    ledger = Ledger()
-    answers: list[Answer] = []
-    #: The long requests whose body held its lease when a fault began.
-    longs: list[str] = []
-    faults = Faults()
+    run = Run()
     async with AsyncExitStack() as stack:
         proxy = await stack.enter_async_context(FaultProxy(redis_server.host, redis_server.port))
         locks_a = await stack.enter_async_context(
@@ -157,57 +105,24 @@ async def run_scenario(
         locks_b = await stack.enter_async_context(
             asynclock.connect(f"redis://{redis_server.host}:{redis_server.port}{options}")
         )
-        http: list[httpx.AsyncClient] = []
         for locks in (locks_a, locks_b):
-            url = await stack.enter_async_context(serve(make_app(locks, ledger)))
-            limits = httpx.Limits(max_connections=CLIENTS)
-            http.append(
-                await stack.enter_async_context(
-                    httpx.AsyncClient(base_url=url, timeout=20, limits=limits)
-                )
-            )
-
-        async def post(instance: int, order: str, request_id: str) -> None:
-            sent = time.monotonic()
-            response = await http[instance].post(
-                f"/orders/{order}", headers={"request-id": request_id}
-            )
-            answers.append(answer_of(request_id, instance, sent, response))
+            app = web.app(locks, run.ledger.book, ttl=TTL, timeout=0.3)
+            await run.reach(stack, await stack.enter_async_context(web.serve(app)), CLIENTS, 20)
 
         async def long_body(instance: int, order: str) -> None:
-            """Start a long body and return once it holds its lease. Its take may be answered
-            503 first (a handshake slower than op_timeout on a loaded host): one more answer,
-            and another long request goes."""
-            for attempt in itertools.count():
-                request_id = f"{LONG}-{order}-{attempt}"
-                task_group.start_soon(post, instance, f"long-{order}", request_id)
-                while request_id not in ledger.writing:
-                    if any(answer.request_id == request_id for answer in answers):
-                        break
-                    await anyio.sleep(0.01)
-                else:
-                    longs.append(request_id)
-                    return
-
-        numbers = itertools.count()
-        over = anyio.Event()
-
-        async def client() -> None:
-            while not over.is_set():
-                number = next(numbers)
-                await post(number % 2, f"o{number % ORDERS}", str(number))
-                await anyio.sleep(PACE)
+            writing = run.ledger.writing
+            run.longs.append(await run.hold_long(task_group, instance, order, writing.__contains__))
 
         async def run_faults() -> None:
             await anyio.sleep(WARMUP)
-            faults.began = time.monotonic()
-            await long_body(0, "a")
+            run.began = time.monotonic()
+            await long_body(0, f"{LONG}-a")
             # Instance A cannot reach Redis; B goes on. A's renewals fail, so the long body's
             # lease reaches its local deadline (at most 0.33 + 0.89 s after the last renewal)
             # within the cut: it is cancelled.
             proxy.cut(1.5)
             await anyio.sleep(1.5)
-            await long_body(1, "b")
+            await long_body(1, f"{LONG}-b")
             redis_server.pause()  # nobody can reach Redis
             try:
                 await anyio.sleep(1.3)
@@ -218,30 +133,43 @@ async def run_scenario(
             # was done, so that answer is dropped and it asks again, as the long requests do:
             # the scenario needs a body that books and is then paused.
             for _ in range(20):
-                await post(0, "booked-then-paused", PAUSED)
-                paused = next(answer for answer in answers if answer.request_id == PAUSED)
-                if PAUSED in ledger.booked or paused.error not in (
+                paused = await run.post(0, "booked-then-paused", PAUSED)
+                if PAUSED in run.ledger.booked or paused.error not in (
                     "lock_unavailable",
                     "lock_busy",
                     "lease_lost",
                 ):
                     break
-                answers.remove(paused)
-            faults.ended = time.monotonic()
+                run.answers.remove(paused)
+            run.ended = time.monotonic()
             await anyio.sleep(TAIL)
-            over.set()
+            run.over.set()
 
         # A guard against a hang, not a bound on speed.
         with anyio.fail_after(45):
             async with anyio.create_task_group() as task_group:
                 task_group.start_soon(run_faults)
                 for _ in range(CLIENTS):
-                    task_group.start_soon(client)
+                    task_group.start_soon(run.client, PACE)
     await assert_no_leftovers(redis_server, prefix, client_name)
-    return answers, ledger, longs, faults
+    return run
 
 
-def check(answers: list[Answer], ledger: Ledger, longs: list[str], faults: Faults) -> Counter[str]:
+# The faults decide which of the orders' leases are lost, and which releases wait for Redis.
+@pytest.mark.allow_log(r"lease on 'orders/o\d+' (was )?lost")
+@pytest.mark.allow_log(
+    r"releasing 'orders/(o\d+|long-[ab]|booked-then-paused)' on redis://\S+ did not complete"
+)
+@pytest.mark.expect_log(r"answered 503 for the lock 'orders/o\d+': taking lock")
+@pytest.mark.allow_log(r"answered 503 for the lock 'orders/(long-[ab]|booked-then-paused)': taking")
+@pytest.mark.expect_log(r"lease on 'orders/long-[ab]' lost: no successful renewal")
+@pytest.mark.expect_log(r"lease on 'orders/booked-then-paused' (was )?lost")
+@pytest.mark.parametrize("web", [WEBS[0], WEBS[2]], ids=["fastapi", "aiohttp"])  # the decorators
+async def test_a_web_app_through_a_redis_outage_and_a_paused_process(
+    redis_server: RedisServer, web: Web
+) -> None:
+    run = await run_scenario(redis_server, web)
+    answers, ledger = run.answers, run.ledger
     outcomes = Counter(f"{answer.status} {answer.error or 'ok'}" for answer in answers)
     reported = sum(1 for answer in answers if answer.status == 200 and answer.lease_lost)
     print(
@@ -252,7 +180,7 @@ def check(answers: list[Answer], ledger: Ledger, longs: list[str], faults: Fault
     numbered = sorted(int(a.request_id) for a in answers if a.request_id.isdigit())
     assert numbered == list(range(len(numbered)))
     assert [a.request_id for a in answers].count(PAUSED) == 1
-    check_answers(answers, faults.began, faults.ended)
+    run.check_answers()
     assert set(outcomes) <= {"200 ok", "423 lock_busy", "503 lease_lost", "503 lock_unavailable"}
     # No double booking: never two holders at once, never an older token after a newer one.
     assert ledger.overlaps == 0
@@ -266,30 +194,7 @@ def check(answers: list[Answer], ledger: Ledger, longs: list[str], faults: Fault
     assert paused.lease_lost is not None
     assert "deadline" in paused.lease_lost
     # The bodies running when each outage began were stopped, and said so.
-    assert len(longs) == 2
-    for long in longs:
+    assert len(run.longs) == 2
+    for long in run.longs:
         answer = next(answer for answer in answers if answer.request_id == long)
         assert (answer.status, answer.error) == (503, "lease_lost"), answer
-    return outcomes
-
-
-# The faults decide which of the orders' leases are lost, and which releases wait for Redis.
-@pytest.mark.allow_log(r"lease on 'orders/o\d+' (was )?lost")
-@pytest.mark.allow_log(
-    r"releasing 'orders/(o\d+|long-[ab]|booked-then-paused)' on redis://\S+ did not complete"
-)
-@pytest.mark.expect_log(r"answered 503 for the lock 'orders/o\d+': taking lock")
-@pytest.mark.allow_log(r"answered 503 for the lock 'orders/(long-[ab]|booked-then-paused)': taking")
-@pytest.mark.expect_log(r"lease on 'orders/long-[ab]' lost: no successful renewal")
-@pytest.mark.expect_log(r"lease on 'orders/booked-then-paused' (was )?lost")
-@pytest.mark.parametrize(
-    ("make_app", "serve"),
-    [(fastapi_app, serve_asgi), (aiohttp_app, serve_aiohttp)],
-    ids=["fastapi-uvicorn", "aiohttp"],
-)
-async def test_a_web_app_through_a_redis_outage_and_a_paused_process(
-    redis_server: RedisServer,
-    make_app: Callable[[asynclock.LockClient, Ledger], Any],
-    serve: Serve,
-) -> None:
-    check(*await run_scenario(redis_server, make_app, serve))

@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -53,15 +51,21 @@ from anyio.abc import TaskGroup
 
 from asynclock.testing import FaultProxy, RedisServer
 
-from ._servers import Answer, answer_of, assert_no_leftovers, check_answers
+from ._servers import (
+    ROOT,
+    Process,
+    Traffic,
+    assert_no_leftovers,
+    signal_group,
+    start_process,
+    stop_processes,
+)
 from .web_worker_app import FRAMEWORKS, TTL
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = [sys.executable, "-m", "tests.integrations.web_worker_app"]
 WORKERS = 3
-ORDERS = 10
 #: Concurrent clients, each waiting PACE after every answer before its next request, so that
 #: the offered load (at most 30 requests/s) stays well under what this process can serve: its
 #: one event loop runs the clients and the fault proxy of every worker's lock client. As fast
@@ -88,88 +92,49 @@ BLOCK = 0.6
 
 @dataclass
 class Worker:
-    process: subprocess.Popen[bytes]
+    process: Process
     url: str
     log: Path
-
-    def signal(self, signum: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signum)  # its own process group (start_new_session)
-
-
-def spawn(framework: str, env: dict[str, str], log: Path) -> Worker:
-    """Start one worker process on a listening socket made here and passed down."""
-    with socket.create_server(("127.0.0.1", 0), backlog=512) as listener:
-        port = listener.getsockname()[1]
-        with log.open("wb") as output:
-            process = subprocess.Popen(
-                [*WORKER, framework, "--fd", str(listener.fileno())],
-                pass_fds=[listener.fileno()],
-                env=env,
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-    return Worker(process, f"http://127.0.0.1:{port}", log)
-
-
-async def stop_all(workers: list[Worker]) -> None:
-    """SIGTERM each worker's group (after SIGCONT, in case it is stopped), SIGKILL if it stays."""
-    for worker in workers:
-        worker.signal(signal.SIGCONT)
-        worker.signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for worker in workers:
-        while worker.process.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
-            await anyio.sleep(0.05)
-        if worker.process.poll() is None:
-            worker.signal(signal.SIGKILL)
-            worker.process.wait()
 
 
 @asynccontextmanager
 async def running(framework: str, env: dict[str, str], logs: Path) -> AsyncIterator[list[Worker]]:
+    """The workers, each on a listening socket made here and passed down, once each answers
+    (its lifespan has opened the lock client by then)."""
     workers: list[Worker] = []
     try:
         for number in range(WORKERS):
             # One at a time, so that a failed start still stops the ones already running.
-            workers.append(spawn(framework, env, logs / f"worker-{number}.log"))  # noqa: PERF401
+            log = logs / f"worker-{number}.log"
+            with socket.create_server(("127.0.0.1", 0), backlog=512) as listener:
+                url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+                command = [*WORKER, framework, str(listener.fileno())]
+                process = start_process(command, env, log, pass_fds=[listener.fileno()])
+            workers.append(Worker(process, url, log))
         async with httpx.AsyncClient(timeout=1.0) as probe:
             for worker in workers:
-                await ready(probe, worker)
+                with anyio.fail_after(30):
+                    while True:
+                        assert worker.process.poll() is None, f"exited: {worker.log.read_text()}"
+                        with contextlib.suppress(httpx.TransportError):
+                            if (await probe.get(f"{worker.url}/health")).status_code == 200:
+                                break
+                        await anyio.sleep(0.05)
         yield workers
     finally:
-        await stop_all(workers)
-
-
-async def ready(probe: httpx.AsyncClient, worker: Worker) -> None:
-    """Wait until the worker answers (its lifespan has opened the lock client by then)."""
-    with anyio.fail_after(30):
-        while True:
-            if worker.process.poll() is not None:
-                raise AssertionError(f"worker exited: {worker.log.read_text()}")
-            with contextlib.suppress(httpx.TransportError):
-                if (await probe.get(f"{worker.url}/health")).status_code == 200:
-                    return
-            await anyio.sleep(0.05)
+        await stop_processes([worker.process for worker in workers], grace=10)
 
 
 @dataclass
-class Run:
+class Run(Traffic):
     """Everything one scenario produced."""
 
-    answers: list[Answer] = field(default_factory=list)
     #: The resource's record, in the order the writes were accepted.
     bookings: list[dict[str, Any]] = field(default_factory=list)
     #: request id -> the journal's events for it, in order.
     steps: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
     #: The request whose body was stopped, and when the stop and the continue were sent.
     paused: str | None = None
-    #: When the first fault began and the last one ended.
-    faults_began: float = 0.0
-    faults_ended: float = 0.0
     stopped_at: float = 0.0
     continued_at: float = 0.0
     takeover: str | None = None
@@ -214,15 +179,10 @@ async def scenario(redis_server: RedisServer, framework: str, directory: Path) -
             ASYNCLOCK_WEB_JOURNAL=str(journal_dir),
         )
         workers = await stack.enter_async_context(running(framework, env, directory))
-        limits = httpx.Limits(max_connections=CLIENTS)
-        http = [
-            await stack.enter_async_context(
-                httpx.AsyncClient(base_url=worker.url, timeout=CLIENT_TIMEOUT, limits=limits)
-            )
-            for worker in workers
-        ]
+        for worker in workers:
+            await run.reach(stack, worker.url, CLIENTS, CLIENT_TIMEOUT)
         started = time.monotonic()
-        await drive(run, workers, http, proxy, journal_dir, redis_server)
+        await drive(run, workers, proxy, journal_dir, redis_server)
         print(f"\n{framework}: {len(run.answers)} answers in {time.monotonic() - started:.1f} s")
         # Shut the workers down (their clients release and close), then nothing may be left.
         await stack.aclose()
@@ -249,54 +209,22 @@ async def scenario(redis_server: RedisServer, framework: str, directory: Path) -
 async def drive(
     run: Run,
     workers: list[Worker],
-    http: list[httpx.AsyncClient],
     proxy: FaultProxy,
     journal_dir: Path,
     redis_server: RedisServer,
 ) -> None:
-    async def post(worker: int, order: str, request_id: str, **headers: str) -> Answer:
-        sent = time.monotonic()
-        try:
-            response = await http[worker].post(
-                f"/orders/{order}", headers={"request-id": request_id, **headers}
-            )
-        except httpx.TransportError as exc:
-            answer = Answer(request_id, worker, None, failure=type(exc).__name__, sent=sent)
-        else:
-            answer = answer_of(request_id, worker, sent, response)
-        run.answers.append(answer)
-        return answer
-
     def journaled(worker: int, event: str, request_id: str) -> bool:
         # The journal's lines begin with the event and the request id (json.dumps keeps order).
         path = journal_dir / f"{workers[worker].process.pid}.jsonl"
         needle = json.dumps({"event": event, "request_id": request_id})[:-1] + ","
         return path.exists() and needle in path.read_text()
 
-    numbers = itertools.count()
-    over = anyio.Event()
-
-    async def client() -> None:
-        while not over.is_set():
-            number = next(numbers)
-            await post(number % WORKERS, f"o{number % ORDERS}", str(number))
-            await anyio.sleep(PACE)
-
     async def cut_the_lock_server(task_group: TaskGroup) -> None:
         # A body holds its lease when the cut begins: its renewals go unanswered, so it is
         # cancelled at its local deadline, within the cut.
-        # Its take may be answered 503 first (op_timeout 0.3 s is short for a loaded host):
-        # that is one more documented answer, and another long request goes.
         with anyio.fail_after(30):
-            for attempt in itertools.count():
-                request_id = run.long = f"long-{attempt}"
-                task_group.start_soon(functools.partial(post, 0, "long", request_id, work="3"))
-                while not journaled(0, "holding", request_id):
-                    if any(answer.request_id == request_id for answer in run.answers):
-                        break
-                    await anyio.sleep(0.01)
-                else:
-                    break
+            holding = functools.partial(journaled, 0, "holding")
+            run.long = await run.hold_long(task_group, 0, "long", holding, work="3")
         proxy.cut(CUT)
         await anyio.sleep(CUT)
 
@@ -329,7 +257,7 @@ async def drive(
             request_id, answered = f"{name}-{attempt}", anyio.Event()
 
             async def send(request_id: str = request_id, answered: anyio.Event = answered) -> None:
-                await post(worker, order, request_id, work="0", **headers)
+                await run.post(worker, order, request_id, work="0", **headers)
                 answered.set()
 
             task_group.start_soon(send)
@@ -337,7 +265,7 @@ async def drive(
                 while not (journaled(worker, event, request_id) or answered.is_set()):  # noqa: ASYNC110
                     await anyio.sleep(0.005)
             if not answered.is_set():
-                workers[worker].signal(signal.SIGSTOP)
+                signal_group(workers[worker].process, signal.SIGSTOP)
                 return request_id, answered
         raise AssertionError(f"no request to worker {worker} got to {event!r} on {order}")
 
@@ -356,13 +284,13 @@ async def drive(
             # Once the stopped holder's key expires on Redis, another worker takes the order.
             with anyio.fail_after(5):
                 for attempt in range(1000):
-                    if (await post(TAKER, PAUSED_ORDER, f"takeover-{attempt}")).status == 200:
+                    if (await run.post(TAKER, PAUSED_ORDER, f"takeover-{attempt}")).status == 200:
                         run.takeover = f"takeover-{attempt}"
                         break
                     await anyio.sleep(0.02)
             await anyio.sleep(max(0.0, run.stopped_at + STOP - time.monotonic()))
         finally:
-            stopped.signal(signal.SIGCONT)
+            signal_group(stopped.process, signal.SIGCONT)
             run.continued_at = time.monotonic()
 
     async def stop_a_finished_body() -> None:
@@ -374,23 +302,23 @@ async def drive(
         try:
             await anyio.sleep(STOP)
         finally:
-            workers[FINISHER].signal(signal.SIGCONT)
+            signal_group(workers[FINISHER].process, signal.SIGCONT)
 
     async def faults() -> None:
         await anyio.sleep(WARMUP)
-        run.faults_began = time.monotonic()
+        run.began = time.monotonic()
         await cut_the_lock_server(task_group)
         await stop_a_holder()
         await stop_a_finished_body()
-        run.faults_ended = time.monotonic()
+        run.ended = time.monotonic()
         await anyio.sleep(TAIL)
-        over.set()
+        run.over.set()
 
     with anyio.fail_after(45):
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(faults)
             for _ in range(CLIENTS):
-                task_group.start_soon(client)
+                task_group.start_soon(run.client, PACE)
 
 
 def check(run: Run, framework: str) -> Counter[str]:
@@ -415,7 +343,7 @@ def check(run: Run, framework: str) -> Counter[str]:
         f"{'reached the resource' if run.received else 'was never sent'}"
     )
 
-    check_answers(run.answers, run.faults_began, run.faults_ended)
+    run.check_answers()
 
     # The resource's record: one booking per acquisition, and per order the tokens only rise,
     # so no two holders ever booked an order at once and no expired lease's write got in.

@@ -1,6 +1,6 @@
 """The worker of test_web_processes.py: a FastAPI or aiohttp app that books orders under a lock,
-one process per worker (``python -m tests.integrations.web_worker_app fastapi|aiohttp --fd N``,
-N a listening socket the parent made). Settings come from ``ASYNCLOCK_WEB_*``: LOCKS (the lock
+one process per worker (``python -m tests.integrations.web_worker_app fastapi|aiohttp FD``, FD
+a listening socket the parent made). Settings come from ``ASYNCLOCK_WEB_*``: LOCKS (the lock
 URL), RESOURCE (the Redis of the bookings), PREFIX (of its keys), CLIENT_NAME (of its connection),
 JOURNAL (a directory where each worker appends what its bodies did to ``<pid>.jsonl``).
 
@@ -13,14 +13,13 @@ during which the test stops the process) make a body hold its lock longer.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
+import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Self
 
@@ -42,24 +41,8 @@ FRAMEWORKS = ("fastapi", "aiohttp")
 KEEP_ALIVE = 120  # seconds an idle HTTP connection stays open: longer than any scenario
 
 
-@dataclass(frozen=True, slots=True)
-class Config:
-    lock_url: str
-    resource_url: str
-    prefix: str
-    client_name: str
-    journal: Path
-
-    @classmethod
-    def from_env(cls) -> Config:
-        env = os.environ
-        return cls(
-            env["ASYNCLOCK_WEB_LOCKS"],
-            env["ASYNCLOCK_WEB_RESOURCE"],
-            env["ASYNCLOCK_WEB_PREFIX"],
-            env["ASYNCLOCK_WEB_CLIENT_NAME"],
-            Path(env["ASYNCLOCK_WEB_JOURNAL"]),
-        )
+def setting(name: str) -> str:
+    return os.environ[f"ASYNCLOCK_WEB_{name}"]
 
 
 class Journal:
@@ -80,18 +63,20 @@ class Journal:
 
 
 class Bookings:
-    def __init__(self, config: Config, client: redis.asyncio.Redis, journal: Journal) -> None:
-        self._key = f"{config.prefix}bookings"
-        self._guard = RedisGuard(client, prefix=f"{config.prefix}fence:", strict=True)
+    def __init__(self, client: redis.asyncio.Redis, journal: Journal) -> None:
+        self._key = f"{setting('PREFIX')}bookings"
+        self._guard = RedisGuard(client, prefix=f"{setting('PREFIX')}fence:", strict=True)
         self._journal = journal
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: Config) -> AsyncIterator[Self]:
-        journal = Journal(config.journal)
-        client = redis.asyncio.Redis.from_url(config.resource_url, client_name=config.client_name)
+    async def open(cls) -> AsyncIterator[Self]:
+        journal = Journal(Path(setting("JOURNAL")))
+        client = redis.asyncio.Redis.from_url(
+            setting("RESOURCE"), client_name=setting("CLIENT_NAME")
+        )
         try:
-            yield cls(config, client, journal)
+            yield cls(client, journal)
         finally:
             await client.aclose()
             # The last line: whatever was opened inside this block is closed by now.
@@ -140,11 +125,11 @@ class Bookings:
             self._journal.record("blocked", request_id, where=where, seconds=elapsed)
 
 
-def fastapi_app(config: Config) -> FastAPI:
+def fastapi_app() -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The lock client closes first, so the journal's "closed" comes after both.
-        async with Bookings.open(config) as bookings, asynclock.connect(config.lock_url) as locks:
+        async with Bookings.open() as bookings, asynclock.connect(setting("LOCKS")) as locks:
             app.state.locks = locks
             app.state.bookings = bookings
             yield
@@ -174,13 +159,13 @@ LOCKS = web.AppKey("locks", asynclock.LockClient)
 BOOKINGS = web.AppKey("bookings", Bookings)
 
 
-def aiohttp_app(config: Config) -> web.Application:
+def aiohttp_app() -> web.Application:
     app = web.Application()
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            app[BOOKINGS] = await stack.enter_async_context(Bookings.open(config))
-            app[LOCKS] = await stack.enter_async_context(asynclock.connect(config.lock_url))
+            app[BOOKINGS] = await stack.enter_async_context(Bookings.open())
+            app[LOCKS] = await stack.enter_async_context(asynclock.connect(setting("LOCKS")))
             yield
 
     app.cleanup_ctx.append(resources)
@@ -205,17 +190,12 @@ def aiohttp_app(config: Config) -> web.Application:
     return app
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="a web worker that books orders under a lock")
-    parser.add_argument("framework", choices=FRAMEWORKS)
-    parser.add_argument("--fd", type=int, required=True, help="a listening TCP socket to serve")
-    args = parser.parse_args(argv)
-    config = Config.from_env()
-    sock = socket.socket(fileno=args.fd)  # family and type are read from the descriptor
-    if args.framework == "fastapi":
+def main(framework: str, fd: int) -> None:
+    sock = socket.socket(fileno=fd)  # a listening TCP socket; family and type from the descriptor
+    if framework == "fastapi":
         # Idle connections stay open, as aiohttp's do (75 s): uvicorn's 5 s default closes them,
         # and a request sent on one as it closes gets no answer, an HTTP race, not the locks'.
-        app = fastapi_app(config)
+        app = fastapi_app()
         uvicorn.Server(
             uvicorn.Config(
                 app, log_level="warning", ws="none", lifespan="on", timeout_keep_alive=KEEP_ALIVE
@@ -223,8 +203,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ).run(sockets=[sock])
     else:
         # run_app turns SIGTERM into a graceful exit that runs cleanup_ctx.
-        web.run_app(aiohttp_app(config), sock=sock, print=None, access_log=None)
+        web.run_app(aiohttp_app(), sock=sock, print=None, access_log=None)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], int(sys.argv[2]))
