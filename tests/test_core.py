@@ -22,6 +22,7 @@ from asynclock.abc import Grant
 from asynclock.backends.memory import MemoryBackend
 from tests.integrations._memory import memory, memory_locks
 from tests.loud import ExpectedLogs
+from tests.testing._helpers import cancel_natively
 
 pytestmark = pytest.mark.anyio
 
@@ -78,11 +79,7 @@ async def test_start_cancelled_natively_while_opening_leaves_nothing_running(can
     before = set(asyncio.all_tasks())
     task = asyncio.ensure_future(locks.start())
     await asyncio.sleep(0.05)
-    for _ in range(cancels):
-        task.cancel()
-        await asyncio.sleep(0)
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_natively(task, cancels)
     assert locks._host.state == "closed"
     assert set(asyncio.all_tasks()) == before
 

@@ -1,8 +1,8 @@
 """Every public exception pickles: job queues store them, multiprocessing sends them back.
 
-The classes are found from the public modules' ``__all__`` (and every subclass of those
-defined in asynclock, the backends' included), so a new exception cannot be left out; an instance of each is built from sample
-values chosen by the name of each ``__init__`` parameter.
+The classes are found from the public modules' ``__all__`` (and every subclass of those defined
+in asynclock, the backends' included), so a new exception cannot be left out; an instance of
+each is built from sample values chosen by the name of each ``__init__`` parameter.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ CYCLE = (
 )
 
 #: A value for each ``__init__`` parameter name that any public exception takes. A new exception
-#: with a parameter not listed here makes test_every_exception_has_sample_arguments fail.
+#: with a parameter not listed here fails its pickling test, which names what to add.
 SAMPLES: dict[str, Any] = {
     "message": "something went wrong on redis://127.0.0.1:6379",
     "name": "orders/42",
@@ -92,8 +92,9 @@ def _parameters(cls: type[BaseException]) -> list[inspect.Parameter]:
 
 
 def sample(cls: type[BaseException]) -> BaseException:
-    args = [SAMPLES[parameter.name] for parameter in _parameters(cls)]
-    exc = cls(*args)
+    missing = [p.name for p in _parameters(cls) if p.name not in SAMPLES]
+    assert not missing, f"add sample values for {cls.__qualname__}({', '.join(missing)})"
+    exc = cls(*[SAMPLES[parameter.name] for parameter in _parameters(cls)])
     exc.add_note("raised while testing pickling")
     return exc
 
@@ -113,15 +114,9 @@ def test_the_public_exceptions_are_found() -> None:
     assert set(expected.split()) <= {cls.__name__ for cls in EXCEPTIONS}
 
 
-@pytest.mark.parametrize("cls", EXCEPTIONS, ids=lambda cls: cls.__qualname__)
-def test_every_exception_has_sample_arguments(cls: type[BaseException]) -> None:
-    missing = [p.name for p in _parameters(cls) if p.name not in SAMPLES]
-    assert not missing, f"add sample values for {cls.__qualname__}({', '.join(missing)})"
-
-
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 @pytest.mark.parametrize("cls", EXCEPTIONS, ids=lambda cls: cls.__qualname__)
-def test_every_exception_pickles_and_copies_with_its_message_and_attributes(
+def test_every_exception_has_samples_and_pickles_and_copies_with_its_message_and_attributes(
     cls: type[BaseException], protocol: int
 ) -> None:
     original = sample(cls)

@@ -9,6 +9,7 @@ import anyio.lowlevel
 import pytest
 
 from asynclock._shield import finish
+from tests.testing._helpers import cancel_natively
 
 pytestmark = pytest.mark.anyio
 
@@ -55,11 +56,7 @@ async def test_native_cancels_do_not_stop_the_cleanup_and_are_raised_after_it(
         finished_at.append(anyio.current_time())
 
     task = asyncio.create_task(run())
-    for _ in range(cancels):
-        await asyncio.sleep(0.01)
-        task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_natively(task, cancels, pause=0.01)
     assert cleanup.finished >= 1  # re-run from the start after the first interruption
     assert finished_at == []  # the caller's cancellation was raised, not swallowed
 
@@ -106,10 +103,7 @@ async def test_given_up_after_a_native_cancel_the_retry_task_is_stopped_too() ->
     task = asyncio.create_task(
         finish(cleanup, timeout=0.2, what="slow", unfinished=lambda: unfinished.append(True))
     )
-    await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_natively(task, 1, pause=0.01)
     assert unfinished == [True]
     await asyncio.sleep(0)
     assert [t for t in asyncio.all_tasks() - tasks_before if not t.done()] == []
@@ -144,11 +138,7 @@ async def test_a_rerun_that_fails_after_a_native_cancel_is_unfinished_not_done(
             failing, timeout=5, what="failing release", unfinished=lambda: unfinished.append(True)
         )
     )
-    for _ in range(cancels):
-        await asyncio.sleep(0.01)
-        task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_natively(task, cancels, pause=0.01)
     assert runs == ["run", "run"]
     assert unfinished == [True]
 
