@@ -379,21 +379,10 @@ def test_missing_driver_names_the_extra_public_names_match_all_and_owners_are_un
     assert child != new_owner()
 
 
-@pytest.mark.parametrize(
-    "url",
-    [
-        "memory://x",
-        "sqlite:///tmp/x.db",
-        "redis://127.0.0.1:1/0",
-        f"{REDLOCK}/0",
-        "etcd://127.0.0.1:1",
-        "zookeeper://127.0.0.1:1/chroot",
-        "postgresql://u@127.0.0.1:1/db",
-    ],
-)
-def test_clients_can_be_made_without_an_event_loop(url: str) -> None:
-    client = asynclock.connect(url)
-    assert client.capabilities is not None
+def test_clients_can_be_made_without_an_event_loop() -> None:
+    # The network backends' clients are made outside a loop by test_trio's refusal test.
+    for url in ("memory://x", "sqlite:///tmp/x.db"):
+        assert asynclock.connect(url).capabilities is not None
     # The primitives are capabilities too.
     asynclock.connect("memory://x", require=["shared_locks", "semaphores", "elections"])
 

@@ -147,32 +147,30 @@ async def test_a_server_serves_pauses_resumes_and_restarts(
         server.restart()
 
 
+async def assert_clock(server: RedisServer, offset: float) -> None:
+    """The server's TIME is this machine's clock moved by ``offset`` seconds."""
+    async with Redis(host=server.host, port=server.port) as client:
+        seconds, _ = await client.time()
+    assert abs(seconds - (time.time() + offset)) < 2
+
+
 @pytest.mark.anyio
 async def test_redis_fake_clock_jumps_at_run_time_and_start_offsets_have_units() -> None:
     with RedisServer(faketime="+0") as server:
         assert server.faketime
+        await assert_clock(server, 0)
+        server.jump_clock(3600)
+        await assert_clock(server, 3600)
+        server.jump_clock(-7200)
+        await assert_clock(server, -3600)
+        assert server.clock_offset == pytest.approx(3600 - 7200)
+        # DEBUG works for local clients, so a test can also stall the server on demand.
         async with Redis(host=server.host, port=server.port) as client:
-            seconds, _ = await client.time()
-            assert abs(seconds - time.time()) < 2
-
-            server.jump_clock(3600)
-            seconds, _ = await client.time()
-            assert abs(seconds - (time.time() + 3600)) < 2
-
-            server.jump_clock(-7200)
-            seconds, _ = await client.time()
-            assert abs(seconds - (time.time() - 3600)) < 2
-            assert server.clock_offset == pytest.approx(3600 - 7200)
-
-            # DEBUG works for local clients, so a test can also stall the server on demand.
             start = time.monotonic()
             await client.execute_command("DEBUG", "SLEEP", "0.2")  # type: ignore[no-untyped-call]
             assert time.monotonic() - start >= 0.19
-
         server.restart()
-        async with Redis(host=server.host, port=server.port) as client:
-            seconds, _ = await client.time()
-            assert abs(seconds - (time.time() - 3600)) < 2
+        await assert_clock(server, -3600)
     # Start offsets have units, a jump may come before the start, and arguments are checked.
     with pytest.raises(ValueError, match="relative offset"):
         RedisServer(faketime="@2020-01-01 00:00:00")
@@ -187,9 +185,7 @@ async def test_redis_fake_clock_jumps_at_run_time_and_start_offsets_have_units()
     server.jump_clock(60)
     with server:
         assert server.clock_offset == -5340
-        async with Redis(host=server.host, port=server.port) as client:
-            seconds, _ = await client.time()
-        assert abs(seconds - (time.time() - 5340)) < 2
+        await assert_clock(server, -5340)
 
 
 class _Crashing(SingleServer):
