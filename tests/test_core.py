@@ -62,8 +62,7 @@ async def test_a_client_is_used_inside_async_with_or_start_once_and_lets_errors_
         with pytest.raises(KeyError):
             async with locks.lock("a", ttl=30.0):
                 raise KeyError("x")
-        lease = await locks.try_acquire("a")  # released on the way out
-        assert lease is not None
+        assert await locks.try_acquire("a") is not None  # released on the way out
     with pytest.raises(asynclock.AcquireTimeout):
         async with asynclock.connect("memory://unwrapped") as locks:
             await locks.acquire("a")
@@ -74,8 +73,7 @@ async def test_a_client_is_used_inside_async_with_or_start_once_and_lets_errors_
 @pytest.mark.parametrize("cancels", [1, 3])
 async def test_start_cancelled_natively_while_opening_leaves_nothing_running(cancels: int) -> None:
     locks = asynclock.connect(f"memory://core-{uuid.uuid4().hex[:8]}")
-    backend = memory(locks)
-    backend.faults.paused = True  # open() waits, as on a server that does not answer
+    memory(locks).faults.paused = True  # open() waits, as on a server that does not answer
     before = set(asyncio.all_tasks())
     task = asyncio.ensure_future(locks.start())
     await asyncio.sleep(0.05)
@@ -119,7 +117,7 @@ async def test_a_hung_renewal_cancels_each_body_at_its_own_deadline_before_the_s
 ) -> None:
     memory(locks).faults.renew = "hang"
     ttl = 1.0
-    with pytest.raises(asynclock.LeaseLost, match="local deadline") as info:
+    with pytest.raises(asynclock.LeaseLost, match="local deadline"):
         async with locks.lock("a", ttl=ttl) as lease:
             acquired_at = lease.grant.valid_from
             await anyio.sleep(10)
@@ -128,7 +126,6 @@ async def test_a_hung_renewal_cancels_each_body_at_its_own_deadline_before_the_s
     assert cancelled_at < acquired_at + ttl
     # ... and not long before: the deadline is ttl * (1 - drift) - margin.
     assert cancelled_at >= acquired_at + ttl * 0.99 - 0.1 - 0.01
-    assert "a" in info.value.reason or "deadline" in info.value.reason
     # A lease taken while a renewal hangs is cancelled at its own deadline.
     # The renewal loop is stuck in a renewal of "long" (bounded by long's deadline only), so it
     # cannot end "short" in time; the client's deadline task, asleep until long's deadline,
@@ -181,8 +178,7 @@ async def test_a_loss_is_reported_not_raised_when_swallowed_or_unchecked_and_yie
     # Loss signalled without a later checkpoint: the body's result stands.
     async with locks.lock("c", ttl=30.0) as lease:
         memory(locks).expire("c", notify=True)
-    assert lease.lost
-    assert lease.lost_reason == "the lock was removed on the server"
+    assert (lease.lost, lease.lost_reason) == (True, REMOVED)
     async with locks.lock("a", ttl=30.0) as lease:
         memory(locks).expire("a", notify=True)
         try:
@@ -412,10 +408,7 @@ async def test_an_unanswered_release_goes_on_in_the_background_until_the_client_
         assert anyio.current_time() - started < 0.5  # returns after release_timeout
         assert await other.try_acquire("a", ttl=5.0) is None  # not released yet
         memory(locks).faults.paused = False
-        with anyio.fail_after(2):
-            while (probe := await other.try_acquire("a", ttl=5.0)) is None:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
-        await probe.release()
+        await (await other.acquire("a", ttl=5.0, timeout=2)).release()
     started = anyio.current_time()
     async with asynclock.connect(namespace, release_timeout=0.2) as locks:
         lease = await locks.acquire("a", ttl=5.0)
