@@ -82,29 +82,23 @@ async def test_anyio_cancellation_waits_for_the_cleanup_inline(kind: type[Cleanu
 
 
 @pytest.mark.expect_log(r"scoped and slow did not finish within 0\.1 s; given up")
-async def test_a_cleanup_past_its_timeout_is_given_up_and_reported() -> None:
-    cleanup = Cleanup(10)
+async def test_a_cleanup_past_its_timeout_is_given_up_reported_and_its_retry_task_stopped() -> None:
     unfinished: list[bool] = []
+
+    def gave_up() -> None:
+        unfinished.append(True)
+
     started = anyio.current_time()
-    done = await finish(
-        cleanup, timeout=0.1, what="slow", unfinished=lambda: unfinished.append(True)
-    )
-    assert not done
+    assert not await finish(Cleanup(10), timeout=0.1, what="slow", unfinished=gave_up)
     assert unfinished == [True]
     assert anyio.current_time() - started < 1
     # Without an ``unfinished`` callback it is logged; a scope of the cleanup's own is bounded too.
     assert await finish(ScopedCleanup(10), timeout=0.1, what="scoped and slow") is False
-
-
-async def test_given_up_after_a_native_cancel_the_retry_task_is_stopped_too() -> None:
-    cleanup = Cleanup(10)
-    unfinished: list[bool] = []
+    # Given up after a native cancel, the retry task is stopped too.
     tasks_before = asyncio.all_tasks()
-    task = asyncio.create_task(
-        finish(cleanup, timeout=0.2, what="slow", unfinished=lambda: unfinished.append(True))
-    )
+    task = asyncio.create_task(finish(Cleanup(10), timeout=0.2, what="slow", unfinished=gave_up))
     await cancel_natively(task, 1, pause=0.01)
-    assert unfinished == [True]
+    assert unfinished == [True, True]
     await asyncio.sleep(0)
     assert [t for t in asyncio.all_tasks() - tasks_before if not t.done()] == []
 
