@@ -31,15 +31,11 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_exists(
-    path: Path,
-    what: str = "the command never started",
-    process: subprocess.Popen[str] | None = None,
-) -> None:
+def wait_exists(path: Path, process: subprocess.Popen[str] | None = None) -> None:
     deadline = time.monotonic() + 20
     while not path.exists() or not path.read_text().strip():
         assert process is None or process.poll() is None, process and process.communicate()[1]
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, f"the command never wrote {path}"
         time.sleep(0.02)
 
 
@@ -51,8 +47,7 @@ def test_run_exports_the_token_returns_the_exit_code_and_kills_the_group_when_re
     first = run("run", "job", "--url", url, "--", "sh", "-c", script)
     second = run("run", "job", "--url", url, "--ttl", "5", "--", "sh", "-c", script)
     assert (first.returncode, second.returncode) == (7, 7)
-    assert first.stdout.split() == ["job", "1"]
-    assert second.stdout.split() == ["job", "2"]
+    assert (first.stdout.split(), second.stdout.split()) == (["job", "1"], ["job", "2"])
     # A command killed by signal n: 128 + n, as a shell says.
     assert run("run", "job", "--url", url, "--", "sh", "-c", "kill -9 $$").returncode == 128 + 9
     # run kills the whole process group when the lease is revoked.
@@ -86,14 +81,11 @@ def test_usage_errors_the_demo_and_status_lines_of_readers_permits_and_leaders(
     tmp_path: Path,
 ) -> None:
     result = run("run", "job", "--url", f"sqlite://{tmp_path}/l.db", "--ttl", "0", "--", "true")
-    assert result.returncode == EXIT_USAGE
-    assert "ttl must be > 0" in result.stderr
+    assert result.returncode == EXIT_USAGE and "ttl must be > 0" in result.stderr
     result = run("run", "job", "--url", "nosuch://x", "--", "true")
-    assert result.returncode == EXIT_USAGE
-    assert "unknown lock backend 'nosuch'" in result.stderr
+    assert result.returncode == EXIT_USAGE and "unknown lock backend 'nosuch'" in result.stderr
     result = run("run", "job")
-    assert result.returncode == 2
-    assert "run needs a command" in result.stderr
+    assert result.returncode == 2 and "run needs a command" in result.stderr
     # And the demo: exclusive holds with increasing tokens.
     result = run("demo", "--workers", "3", "--rounds", "3", "--hold", "0.02")
     assert result.returncode == 0, result.stderr
@@ -314,7 +306,7 @@ def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
     with subprocess.Popen(
         [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", hold]
     ) as holder:
-        wait_exists(ready, "the holder never started")
+        wait_exists(ready)
         with subprocess.Popen(
             [*ASYNCLOCK, "run", "job", "--url", url, "--", str(script)],
             stdout=subprocess.PIPE,
