@@ -376,8 +376,8 @@ def test_missing_driver_names_the_extra_public_names_match_all_and_owners_are_un
 
 
 def test_clients_can_be_made_without_an_event_loop() -> None:
-    # The network backends' clients are made outside a loop by test_trio's refusal test.
-    for url in ("memory://x", "sqlite:///tmp/x.db"):
+    # The other network backends' clients are made outside a loop by test_trio's refusal test.
+    for url in ("memory://x", "sqlite:///tmp/x.db", "zookeeper://127.0.0.1:1/chroot"):
         assert asynclock.connect(url).capabilities is not None
     # The primitives are capabilities too.
     asynclock.connect("memory://x", require=["shared_locks", "semaphores", "elections"])

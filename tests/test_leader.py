@@ -90,7 +90,6 @@ async def test_a_lost_term_cancels_the_job_and_the_replica_campaigns_again(
             first_term = task.term
             memory(locks).expire("jobs/x", notify=True, kind="election")
             await until(lambda: task.terms >= 2 and task.leading)
-            assert task.term is not first_term
             assert task.term is not None and first_term is not None
             assert task.term.token > first_term.token
     assert runs.cancelled == ["a", "a"]  # by the loss, then by the close

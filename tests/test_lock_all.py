@@ -80,8 +80,7 @@ async def test_every_token_is_visible_and_loss_of_one_cancels_the_body() -> None
                 memory(locks).expire("y", notify=True)
                 await anyio.sleep(10)
         assert info.value.name == "y"
-        assert x.released
-        assert y.released
+        assert x.released and y.released
         assert await locks.try_acquire("x") is not None
 
 

@@ -56,7 +56,7 @@ def test_the_in_process_backends_run_on_trio(tmp_path: Path, scheme: str) -> Non
         ("redis://127.0.0.1:1/0", "redis-py"),
         ("redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3/0", "redis-py"),
         ("etcd://127.0.0.1:1", "grpc"),
-        ("zookeeper://127.0.0.1:1/chroot", "aiozk"),
+        ("zookeeper://127.0.0.1:1", "aiozk"),
         ("postgresql://postgres@127.0.0.1:1/postgres", "asyncpg"),
     ],
 )

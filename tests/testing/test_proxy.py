@@ -67,10 +67,8 @@ def mode_of(proxy: FaultProxy) -> ProxyMode:
 
 async def test_pass_through_relays_and_counts_connections_and_reset_sends_rst() -> None:
     async with echo_server() as echo, FaultProxy("127.0.0.1", echo.port) as proxy:
-        assert proxy.host == "127.0.0.1"
-        assert proxy.address == f"127.0.0.1:{proxy.port}"
-        assert proxy.mode == "pass_through"
-        assert proxy.connections == 0
+        assert (proxy.host, proxy.address) == ("127.0.0.1", f"127.0.0.1:{proxy.port}")
+        assert (proxy.mode, proxy.connections) == ("pass_through", 0)
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             await round_trip(stream, b"hello")
             assert proxy.connections == 1

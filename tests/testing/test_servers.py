@@ -265,8 +265,7 @@ def test_find_binary_and_servers_left_running_are_killed_at_interpreter_exit(
 
 def test_server_context_stop_taken_port_and_a_paused_server_reported_by_wait_ready() -> None:
     server = RedisServer()
-    assert not server.is_running
-    assert server.pid is None
+    assert (server.is_running, server.pid) == (False, None)
     with pytest.raises(RuntimeError, match="never started"):
         _ = server.data_dir
     # /dev/shm when it is writable (faster fsync for etcd and ZooKeeper), else the temp dir.
