@@ -41,9 +41,11 @@ async def locks() -> AsyncIterator[asynclock.LockClient]:
         yield client
 
 
-async def test_a_client_is_used_inside_async_with_or_start_once_and_lets_errors_through() -> None:
+async def test_clients_and_locks_need_async_with_start_once_and_let_errors_through() -> None:
     with pytest.raises(RuntimeError, match=r"async with asynclock\.connect"):
         await asynclock.connect("memory://unentered").acquire("a")
+    with pytest.raises(TypeError, match="async with"), asynclock.connect("memory://x"):
+        pass
     locks = await asynclock.connect(f"memory://core-{uuid.uuid4().hex[:8]}").start()
     try:
         with pytest.raises(RuntimeError, match="once"):
@@ -63,6 +65,10 @@ async def test_a_client_is_used_inside_async_with_or_start_once_and_lets_errors_
             async with locks.lock("a", ttl=30.0):
                 raise KeyError("x")
         assert await locks.try_acquire("a") is not None  # released on the way out
+        with pytest.raises(TypeError, match="async with"):
+            await locks.lock("a")
+        with pytest.raises(TypeError, match="async with"), locks.lock("a"):
+            pass
     with pytest.raises(asynclock.AcquireTimeout):
         async with asynclock.connect("memory://unwrapped") as locks:
             await locks.acquire("a")
@@ -237,8 +243,7 @@ async def test_acquire_tracks_the_token_and_remaining_renewals_are_batched_and_n
         asynclock.current_token("other")
     # The server's expiry is never before the local deadline.
     holder = memory(locks)._store.get("tracked").holder
-    assert holder is not None
-    assert lease.deadline < holder.expires_at
+    assert holder is not None and lease.deadline < holder.expires_at
     await lease.release()
     assert lease.remaining == 0.0
     with pytest.raises(asynclock.NotHeld, match="no lock is held"):
@@ -472,17 +477,6 @@ async def test_a_task_that_waits_for_a_lock_it_holds_is_refused_at_once(
             await anyio.sleep(0.05)
             assert not got
     assert got and got[0] > lease.token
-
-
-async def test_misused_lock_contexts_and_clients_say_to_use_async_with(
-    locks: asynclock.LockClient,
-) -> None:
-    with pytest.raises(TypeError, match="async with"):
-        await locks.lock("a")
-    with pytest.raises(TypeError, match="async with"), locks.lock("a"):
-        pass
-    with pytest.raises(TypeError, match="async with"), asynclock.connect("memory://x"):
-        pass
 
 
 @pytest.mark.expect_log(r"lease on 'p' lost: .*\(ttl 2 s, handed over with 0\.02 s of it left\)")

@@ -127,13 +127,9 @@ async def test_bad_arguments_are_refused_when_it_is_made(store: str) -> None:
         pass
 
     async with asynclock.connect(store) as locks:
-        for options, match in (
-            ({"every": 0}, "every"),
-            ({"retry_after": -1}, "retry_after"),
-            ({"ttl": 0}, "ttl"),
-        ):
-            with pytest.raises(asynclock.InvalidArgument, match=match):
-                asynclock.LeaderTask(locks, "jobs/z", job, **options)  # type: ignore[arg-type]
+        for option, value in {"every": 0, "retry_after": -1, "ttl": 0}.items():
+            with pytest.raises(asynclock.InvalidArgument, match=option):
+                asynclock.LeaderTask(locks, "jobs/z", job, **{option: value})  # type: ignore[arg-type]
         with pytest.raises(asynclock.InvalidArgument, match="job"):
             asynclock.LeaderTask(locks, "jobs/z", "not a job")  # type: ignore[arg-type]
         task = asynclock.LeaderTask(locks, "jobs/z", job)

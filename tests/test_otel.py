@@ -35,7 +35,6 @@ pytestmark = pytest.mark.anyio
 EXAMPLE = Path(__file__).parents[1] / "examples" / "otel_metrics.py"
 
 
-#: The attribute keys, by the short names the tests use.
 SHORT = {
     "lock_name": "asynclock.lock.name",
     "outcome": "asynclock.outcome",

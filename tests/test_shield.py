@@ -39,7 +39,6 @@ class ScopedCleanup(Cleanup):
         self.finished += 1
 
 
-#: A plain cleanup, and one with a cancel scope of its own.
 KINDS = [Cleanup, ScopedCleanup]
 
 
