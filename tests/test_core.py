@@ -269,13 +269,8 @@ async def test_backend_open_errors_are_named_and_a_backend_may_own_a_task_group(
         async with client:
             pass
 
-    class Hanging(MemoryBackend):
-        async def open(self) -> None:
-            await anyio.sleep_forever()
-
-    client = asynclock.LockClient(
-        Hanging("hang"), drift=0.01, margin=None, connect_timeout=0.2, release_timeout=5
-    )
+    client = asynclock.connect("memory://hang", connect_timeout=0.2)
+    memory(client).faults.paused = True  # open() waits, as on a server that does not answer
     with pytest.raises(asynclock.BackendTimeout, match=r"did not answer within 0\.2 s"):
         async with client:
             pass

@@ -15,7 +15,10 @@ import asynclock
 from tests.integrations._memory import memory
 
 
-def on_trio(url: str) -> None:
+@pytest.mark.parametrize("scheme", ["memory", "sqlite"])
+def test_the_in_process_backends_run_on_trio(tmp_path: Path, scheme: str) -> None:
+    url = "memory://trio-test" if scheme == "memory" else f"sqlite://{tmp_path / 'locks.db'}"
+
     async def main() -> None:
         async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
             # A clean exit is not a lost lease (trio's scope returns True from __exit__).
@@ -43,11 +46,6 @@ def on_trio(url: str) -> None:
             await again.release()
 
     anyio.run(main, backend="trio")
-
-
-@pytest.mark.parametrize("scheme", ["memory", "sqlite"])
-def test_the_in_process_backends_run_on_trio(tmp_path: Path, scheme: str) -> None:
-    on_trio("memory://trio-test" if scheme == "memory" else f"sqlite://{tmp_path / 'locks.db'}")
 
 
 @pytest.mark.parametrize(

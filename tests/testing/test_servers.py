@@ -131,8 +131,7 @@ async def test_a_server_serves_pauses_resumes_and_restarts(
                 assert await client.get("k") == b"v"
 
         server.kill()
-        assert not server.is_running
-        assert process_gone(pid)
+        assert not server.is_running and process_gone(pid)
         server.restart()
         assert (server.port, server.data_dir) == (port, data_dir)
         assert server.pid != pid
