@@ -214,13 +214,11 @@ async def test_a_renewal_blip_is_measured_without_a_loss_and_a_hang_until_the_de
     assert [attributes for attributes, _ in telemetry.points("asynclock.renewal.failures")] == [
         {"asynclock.backend": "memory", "asynclock.outcome": "failed"}
     ]
-    suspended = telemetry.point(
-        "asynclock.connection.state_changes", state="suspended", previous="connected"
-    )
-    reconnected = telemetry.point(
-        "asynclock.connection.state_changes", state="reconnected", previous="suspended"
-    )
-    assert suspended.value == reconnected.value == 1
+    for state, previous in [("suspended", "connected"), ("reconnected", "suspended")]:
+        point = telemetry.point(
+            "asynclock.connection.state_changes", state=state, previous=previous
+        )
+        assert point.value == 1, state
     assert not telemetry.points("asynclock.leases.lost")
     # A hung renewal is lost at the deadline, and the state goes lost.
     telemetry.exporter.clear()

@@ -111,7 +111,7 @@ async def test_a_leader_dropped_on_the_server_is_cancelled_and_observers_see_it(
         assert [leader.value if leader else None for leader in seen] == [None, b"me", None]
 
 
-async def test_semaphore_permits_validate() -> None:
+async def test_inspect_shows_holders_by_public_owner_and_bad_permits_or_kinds_are_refused() -> None:
     async with memory_locks() as locks:
         for bad in (0, -1, 10_001):
             with pytest.raises(asynclock.InvalidArgument, match="between 1 and"):
@@ -120,10 +120,7 @@ async def test_semaphore_permits_validate() -> None:
             locks.semaphore("s", permits=2.0)  # type: ignore[arg-type]
         with pytest.raises(asynclock.InvalidArgument):
             await locks.inspect("s", "queue")  # type: ignore[arg-type]
-
-
-async def test_inspect_shows_readers_permits_and_the_leader_by_public_owner() -> None:
-    async with memory_locks() as locks:
+        # Readers, permits and the leader, each by its public owner.
         readers = [await locks.acquire("r", ttl=5, shared=True) for _ in range(2)]
         info = await locks.inspect("r")
         assert [holder.owner for holder in info.holders] == [reader.owner for reader in readers]
