@@ -110,7 +110,7 @@ async def test_errors_of_the_cleanup_propagate() -> None:
         await finish(broken, timeout=1, what="broken")
 
 
-@pytest.mark.expect_log(r"asynclock: failing release failed: OSError\('a failover is under way'\)")
+@pytest.mark.expect_log(r"asynclock: release failed: OSError\('a failover is under way'\)")
 @pytest.mark.parametrize("cancels", [1, 3])
 async def test_a_rerun_that_fails_after_a_native_cancel_is_unfinished_not_done(
     cancels: int,
@@ -127,9 +127,7 @@ async def test_a_rerun_that_fails_after_a_native_cancel_is_unfinished_not_done(
 
     unfinished: list[bool] = []
     task = asyncio.create_task(
-        finish(
-            failing, timeout=5, what="failing release", unfinished=lambda: unfinished.append(True)
-        )
+        finish(failing, timeout=5, what="release", unfinished=lambda: unfinished.append(True))
     )
     await cancel_natively(task, cancels, pause=0.01)
     assert runs == ["run", "run"]

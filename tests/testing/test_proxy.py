@@ -187,8 +187,7 @@ async def test_aclose_closes_everything_once_and_an_unreachable_target_resets() 
             _ = proxy.port
         async with proxy:
             port = proxy.port
-            stream = await anyio.connect_tcp(proxy.host, port)
-            async with stream:
+            async with await anyio.connect_tcp(proxy.host, port) as stream:
                 await round_trip(stream)
                 proxy.blackhole()
                 await proxy.aclose()
