@@ -31,15 +31,11 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_exists(
-    path: Path,
-    what: str = "the command never started",
-    process: subprocess.Popen[str] | None = None,
-) -> None:
+def wait_exists(path: Path, process: subprocess.Popen[str] | None = None) -> None:
     deadline = time.monotonic() + 20
     while not path.exists() or not path.read_text().strip():
         assert process is None or process.poll() is None, process and process.communicate()[1]
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, f"the command never wrote {path}"
         time.sleep(0.02)
 
 
@@ -51,8 +47,7 @@ def test_run_exports_the_token_returns_the_exit_code_and_kills_the_group_when_re
     first = run("run", "job", "--url", url, "--", "sh", "-c", script)
     second = run("run", "job", "--url", url, "--ttl", "5", "--", "sh", "-c", script)
     assert (first.returncode, second.returncode) == (7, 7)
-    assert first.stdout.split() == ["job", "1"]
-    assert second.stdout.split() == ["job", "2"]
+    assert (first.stdout.split(), second.stdout.split()) == (["job", "1"], ["job", "2"])
     # A command killed by signal n: 128 + n, as a shell says.
     assert run("run", "job", "--url", url, "--", "sh", "-c", "kill -9 $$").returncode == 128 + 9
     # run kills the whole process group when the lease is revoked.
@@ -72,8 +67,7 @@ def test_run_exports_the_token_returns_the_exit_code_and_kills_the_group_when_re
             connection.execute("DELETE FROM asynclock_locks WHERE name = 'job'")
         revoked_at = time.monotonic()
         _, stderr = process.communicate(timeout=30)
-    assert process.returncode == EXIT_LEASE_LOST
-    assert "lease on lock 'job' was lost" in stderr
+    assert process.returncode == EXIT_LEASE_LOST and "lease on lock 'job' was lost" in stderr
     # Found on the next renewal (ttl / 3), then SIGTERM to the group.
     assert time.monotonic() - revoked_at < 1.5 + 1
     with pytest.raises(ProcessLookupError):
@@ -86,14 +80,11 @@ def test_usage_errors_the_demo_and_status_lines_of_readers_permits_and_leaders(
     tmp_path: Path,
 ) -> None:
     result = run("run", "job", "--url", f"sqlite://{tmp_path}/l.db", "--ttl", "0", "--", "true")
-    assert result.returncode == EXIT_USAGE
-    assert "ttl must be > 0" in result.stderr
+    assert result.returncode == EXIT_USAGE and "ttl must be > 0" in result.stderr
     result = run("run", "job", "--url", "nosuch://x", "--", "true")
-    assert result.returncode == EXIT_USAGE
-    assert "unknown lock backend 'nosuch'" in result.stderr
+    assert result.returncode == EXIT_USAGE and "unknown lock backend 'nosuch'" in result.stderr
     result = run("run", "job")
-    assert result.returncode == 2
-    assert "run needs a command" in result.stderr
+    assert result.returncode == 2 and "run needs a command" in result.stderr
     # And the demo: exclusive holds with increasing tokens.
     result = run("demo", "--workers", "3", "--rounds", "3", "--hold", "0.02")
     assert result.returncode == 0, result.stderr
@@ -142,8 +133,7 @@ def test_status_shows_the_holder_and_its_token_and_run_times_out_behind_it(tmp_p
     assert job.startswith("job: held by ")
     assert "token 1" in job
     assert other in ("other: free", "other: free, 0 waiting")
-    assert timed_out.returncode == EXIT_TIMEOUT
-    assert "not acquired within 0.5 s" in timed_out.stderr
+    assert timed_out.returncode == EXIT_TIMEOUT and "not acquired within 0.5 s" in timed_out.stderr
 
 
 # A command with a child of its own; it writes "its pid, its child's pid" once both run.
@@ -267,8 +257,7 @@ def test_run_command_dies_with_its_guard_and_the_lock_is_released(tmp_path: Path
         # The command gets its parent-death signal, the supervisor kills the rest of the group.
         wait_gone(family, within=2.0)
         _, stderr = supervisor.communicate(timeout=10)
-    assert supervisor.returncode == 128 + signal.SIGKILL
-    assert "guard process was killed by signal 9" in stderr
+    assert supervisor.returncode == 128 + 9 and "guard process was killed by signal 9" in stderr
     assert_lock_free(tmp_path)
 
 
@@ -288,7 +277,7 @@ def test_run_reports_a_missing_or_unexecutable_command_lasts_and_ends_leftovers(
     ]:
         started = time.monotonic()
         result = run("run", "job", "--url", url, "--", command, "arg")
-        assert result.returncode == code
+        assert result.returncode == code, result.stderr
         assert result.stderr.startswith(f"asynclock run: {message.format(command)}")
         assert "ran" not in result.stdout
         assert time.monotonic() - started < 10
@@ -314,7 +303,7 @@ def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
     with subprocess.Popen(
         [*ASYNCLOCK, "run", "job", "--url", url, "--", "sh", "-c", hold]
     ) as holder:
-        wait_exists(ready, "the holder never started")
+        wait_exists(ready)
         with subprocess.Popen(
             [*ASYNCLOCK, "run", "job", "--url", url, "--", str(script)],
             stdout=subprocess.PIPE,
@@ -327,7 +316,6 @@ def test_run_reports_a_command_gone_while_waiting_for_the_lock_and_releases_it(
             go.touch()
             stdout, stderr = waiter.communicate(timeout=30)
         assert holder.wait(timeout=30) == 0
-    assert waiter.returncode == EXIT_NOT_FOUND
-    assert f"command not found: {script}" in stderr
+    assert waiter.returncode == EXIT_NOT_FOUND and f"command not found: {script}" in stderr
     assert "ran" not in stdout
     assert_lock_free(tmp_path)

@@ -74,7 +74,7 @@ async def test_a_cycle_of_tasks_is_broken_once(size: int) -> None:
 
 
 @pytest.fixture(params=["sqlite", "redis"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite://{tmp_path}/locks.db"
     server: RedisServer = request.getfixturevalue("redis_server")
@@ -82,8 +82,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
-def test_a_cycle_of_processes_is_broken_once(tmp_path: Path, size: int, store_url: str) -> None:
-    url = store_url
+def test_a_cycle_of_processes_is_broken_once(tmp_path: Path, size: int, url: str) -> None:
     ready = tmp_path / "ready"
     ready.mkdir()
     workers = [

@@ -13,17 +13,12 @@ import anyio
 import pytest
 
 import asynclock
-from asynclock.backends.memory import MemoryBackend
+from tests.contract.harness import until
+from tests.integrations._memory import memory
 from tests.loud import ExpectedLogs
+from tests.testing._helpers import cancel_natively
 
 pytestmark = pytest.mark.anyio
-
-
-async def until(done: Callable[[], bool]) -> None:
-    """Until ``done()`` (state another task changes), for 5 s at most."""
-    with anyio.fail_after(5):
-        while not done():  # noqa: ASYNC110
-            await anyio.sleep(0.005)
 
 
 @pytest.fixture
@@ -89,15 +84,12 @@ async def test_a_lost_term_cancels_the_job_and_the_replica_campaigns_again(
     expected_logs.expect(r"lease on 'jobs/x' lost: the lock was removed on the server")
     runs = Runs()
     async with asynclock.connect(store) as locks:
-        backend = locks._backend
-        assert isinstance(backend, MemoryBackend)
         task = asynclock.LeaderTask(locks, "jobs/x", runs.job("a", 10), retry_after=0.05)
         async with task:
             await until(lambda: task.leading)
             first_term = task.term
-            backend.expire("jobs/x", notify=True, kind="election")
+            memory(locks).expire("jobs/x", notify=True, kind="election")
             await until(lambda: task.terms >= 2 and task.leading)
-            assert task.term is not first_term
             assert task.term is not None and first_term is not None
             assert task.term.token > first_term.token
     assert runs.cancelled == ["a", "a"]  # by the loss, then by the close
@@ -135,13 +127,9 @@ async def test_bad_arguments_are_refused_when_it_is_made(store: str) -> None:
         pass
 
     async with asynclock.connect(store) as locks:
-        for options, match in (
-            ({"every": 0}, "every"),
-            ({"retry_after": -1}, "retry_after"),
-            ({"ttl": 0}, "ttl"),
-        ):
-            with pytest.raises(asynclock.InvalidArgument, match=match):
-                asynclock.LeaderTask(locks, "jobs/z", job, **options)  # type: ignore[arg-type]
+        for option, value in {"every": 0, "retry_after": -1, "ttl": 0}.items():
+            with pytest.raises(asynclock.InvalidArgument, match=option):
+                asynclock.LeaderTask(locks, "jobs/z", job, **{option: value})  # type: ignore[arg-type]
         with pytest.raises(asynclock.InvalidArgument, match="job"):
             asynclock.LeaderTask(locks, "jobs/z", "not a job")  # type: ignore[arg-type]
         task = asynclock.LeaderTask(locks, "jobs/z", job)
@@ -163,16 +151,8 @@ async def test_stopping_survives_native_cancellation_and_leaves_nothing(
         task = asynclock.LeaderTask(locks, "jobs/c", runs.job("a", 10))
         await task.start()
         await until(lambda: task.leading)
-        closing = asyncio.ensure_future(task.aclose())
-        await asyncio.sleep(0)
-        for _ in range(cancels):
-            closing.cancel()
-            await asyncio.sleep(0)
-        with pytest.raises(asyncio.CancelledError):
-            await closing
-        with anyio.fail_after(5):
-            while task.leading or await locks.election("jobs/c").leader() is not None:  # noqa: ASYNC110
-                await anyio.sleep(0.005)
-            while asyncio.all_tasks() - before - {asyncio.current_task()}:  # noqa: ASYNC110
-                await anyio.sleep(0.005)
+        await cancel_natively(asyncio.ensure_future(task.aclose()), cancels)
+        await until(lambda: not task.leading and not asyncio.all_tasks() - before)
+        # No task of it is left to resign later: the term must be gone now.
+        assert await locks.election("jobs/c").leader() is None
     assert runs.cancelled == ["a"]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,6 @@ pytestmark = pytest.mark.anyio
 EXAMPLE = Path(__file__).parents[1] / "examples" / "otel_metrics.py"
 
 
-#: The attribute keys, by the short names the tests use.
 SHORT = {
     "lock_name": "asynclock.lock.name",
     "outcome": "asynclock.outcome",
@@ -53,16 +52,14 @@ class Telemetry:
     meter_provider: MeterProvider
     tracer_provider: TracerProvider
 
-    def instrument(
-        self, client: asynclock.LockClient, name_template: Callable[[str], str] | None = None
-    ) -> Instrumentation:
-        from asynclock import otel
+    def instrument(self, client: asynclock.LockClient, **options: Any) -> Instrumentation:
+        from asynclock.otel import instrument
 
-        return otel.instrument(
+        return instrument(
             client,
             meter_provider=self.meter_provider,
             tracer_provider=self.tracer_provider,
-            name_template=name_template or otel.default_name_template,
+            **options,
         )
 
     def points(self, name: str) -> list[tuple[dict[str, Any], Any]]:
@@ -120,16 +117,14 @@ async def test_acquire_and_hold_are_measured_and_the_body_span_is_the_parent_of_
                 await anyio.sleep(0.05)
         assert trace.get_current_span() is request  # the body's span is no longer current
 
-    acquire = telemetry.point("asynclock.acquire.duration", lock_name="account:{}")
-    assert acquire.count == 1
+    assert telemetry.point("asynclock.acquire.duration", lock_name="account:{}").count == 1
     assert telemetry.points("asynclock.acquire.duration")[0][0] == {
         "asynclock.backend": "memory",
         "asynclock.lock.name": "account:{}",
         "asynclock.outcome": "acquired",
     }
     hold = telemetry.point("asynclock.hold.duration", lock_name="account:{}", lease_lost=False)
-    assert hold.count == 1
-    assert 0.05 <= hold.sum < 1.0
+    assert hold.count == 1 and 0.05 <= hold.sum < 1.0
 
     (acquire_span,) = telemetry.spans("asynclock.acquire")
     (hold_span,) = telemetry.spans("asynclock.hold")
@@ -219,13 +214,11 @@ async def test_a_renewal_blip_is_measured_without_a_loss_and_a_hang_until_the_de
     assert [attributes for attributes, _ in telemetry.points("asynclock.renewal.failures")] == [
         {"asynclock.backend": "memory", "asynclock.outcome": "failed"}
     ]
-    suspended = telemetry.point(
-        "asynclock.connection.state_changes", state="suspended", previous="connected"
-    )
-    reconnected = telemetry.point(
-        "asynclock.connection.state_changes", state="reconnected", previous="suspended"
-    )
-    assert suspended.value == reconnected.value == 1
+    for state, previous in [("suspended", "connected"), ("reconnected", "suspended")]:
+        point = telemetry.point(
+            "asynclock.connection.state_changes", state=state, previous=previous
+        )
+        assert point.value == 1, state
     assert not telemetry.points("asynclock.leases.lost")
     # A hung renewal is lost at the deadline, and the state goes lost.
     telemetry.exporter.clear()
@@ -252,8 +245,7 @@ async def test_a_loss_marks_the_body_span_as_an_error_unless_the_body_had_finish
             memory(locks).expire("order:9", notify=True)
             await anyio.sleep(5)
 
-    lost = telemetry.point("asynclock.leases.lost", loss_kind="server")
-    assert lost.value == 1
+    assert telemetry.point("asynclock.leases.lost", loss_kind="server").value == 1
     assert telemetry.points("asynclock.leases.lost")[0][0]["asynclock.lock.name"] == "order:{}"
     assert telemetry.point("asynclock.hold.duration", lease_lost=True).count == 1
     (span,) = telemetry.spans("asynclock.hold")
@@ -287,10 +279,9 @@ async def test_the_default_and_a_custom_template(
     assert default_name_template("deadline-cafe") == "deadline-cafe"  # words, not hex ids
     assert default_name_template("migrations") == "migrations"
     telemetry.instrument(locks, name_template=lambda name: name.partition(":")[0])
-    async with locks.lock("user:alice", ttl=5):
-        pass
-    async with locks.lock("user:bob", ttl=5):
-        pass
+    for user in ("alice", "bob"):
+        async with locks.lock(f"user:{user}", ttl=5):
+            pass
     assert telemetry.point("asynclock.hold.duration", lock_name="user").count == 2
     assert telemetry.point("asynclock.acquire.duration", lock_name="user").count == 2
 
@@ -350,10 +341,8 @@ async def test_acquire_and_hold_on_a_real_redis(
         telemetry.instrument(locks)
         async with locks.lock("invoice:1001", ttl=5) as lease:
             await anyio.sleep(0.01)
-    acquired = telemetry.point("asynclock.acquire.duration", outcome="acquired")
-    assert acquired.count == 1
-    attributes = telemetry.points("asynclock.hold.duration")[0][0]
-    assert attributes == {
+    assert telemetry.point("asynclock.acquire.duration", outcome="acquired").count == 1
+    assert telemetry.points("asynclock.hold.duration")[0][0] == {
         "asynclock.backend": "redis",
         "asynclock.lock.name": "invoice:{}",
         "asynclock.lease.lost": False,

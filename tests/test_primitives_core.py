@@ -9,7 +9,9 @@ import anyio
 import pytest
 
 import asynclock
+from tests.contract.harness import until
 from tests.integrations._memory import memory, memory_locks
+from tests.testing._helpers import cancel_natively
 
 pytestmark = pytest.mark.anyio
 
@@ -48,9 +50,7 @@ async def test_extend_waits_for_a_renewal_in_flight_and_is_never_beside_it() -> 
         lease = await locks.acquire("job", ttl=0.6)
         backend = memory(locks)
         backend.faults.paused = True  # the renewal, when due, waits in the "server"
-        with anyio.fail_after(2):
-            while not lease.busy:  # noqa: ASYNC110 (the renewal loop sets it)
-                await anyio.sleep(0.01)
+        await until(lambda: lease.busy, timeout=2)  # the renewal loop sets it
         extended = asyncio.create_task(lease.extend(2.0))
         await anyio.sleep(0.05)
         assert not extended.done()  # waiting for the renewal, not beside it
@@ -71,11 +71,7 @@ async def test_a_cancelled_extend_to_a_shorter_ttl_keeps_the_shorter_deadline(
         sent = anyio.current_time()
         task = asyncio.create_task(lease.extend(1.0))
         await anyio.sleep(0.05)
-        for _ in range(cancels):
-            task.cancel()
-            await asyncio.sleep(0)
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_natively(task, cancels)
         # The server may have applied the shorter ttl: the deadline must not outlast it.
         assert lease.deadline <= sent + 1.0
         assert not lease.busy
@@ -104,24 +100,18 @@ async def test_a_leader_dropped_on_the_server_is_cancelled_and_observers_see_it(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(observe)
-            with anyio.fail_after(2):
-                while not seen:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+            await until(lambda: bool(seen), timeout=2)
             with pytest.raises(asynclock.LeaseLost):
                 async with locks.election("e").campaign(b"me", ttl=5.0):
-                    with anyio.fail_after(2):
-                        while not seen or seen[-1] is None:  # noqa: ASYNC110
-                            await anyio.sleep(0.01)
+                    await until(lambda: bool(seen) and seen[-1] is not None, timeout=2)
                     memory(locks).expire("e", notify=True, kind="election")
                     await anyio.sleep(5)
-            with anyio.fail_after(2):
-                while seen[-1] is not None:  # noqa: ASYNC110 (pushed, not polled)
-                    await anyio.sleep(0.01)
+            await until(lambda: seen[-1] is None, timeout=2)  # pushed, not polled
             tg.cancel_scope.cancel()
         assert [leader.value if leader else None for leader in seen] == [None, b"me", None]
 
 
-async def test_semaphore_permits_validate() -> None:
+async def test_inspect_shows_holders_by_public_owner_and_bad_permits_or_kinds_are_refused() -> None:
     async with memory_locks() as locks:
         for bad in (0, -1, 10_001):
             with pytest.raises(asynclock.InvalidArgument, match="between 1 and"):
@@ -130,10 +120,7 @@ async def test_semaphore_permits_validate() -> None:
             locks.semaphore("s", permits=2.0)  # type: ignore[arg-type]
         with pytest.raises(asynclock.InvalidArgument):
             await locks.inspect("s", "queue")  # type: ignore[arg-type]
-
-
-async def test_inspect_shows_readers_permits_and_the_leader_by_public_owner() -> None:
-    async with memory_locks() as locks:
+        # Readers, permits and the leader, each by its public owner.
         readers = [await locks.acquire("r", ttl=5, shared=True) for _ in range(2)]
         info = await locks.inspect("r")
         assert [holder.owner for holder in info.holders] == [reader.owner for reader in readers]

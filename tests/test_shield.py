@@ -9,6 +9,7 @@ import anyio.lowlevel
 import pytest
 
 from asynclock._shield import finish
+from tests.testing._helpers import cancel_natively
 
 pytestmark = pytest.mark.anyio
 
@@ -38,7 +39,6 @@ class ScopedCleanup(Cleanup):
         self.finished += 1
 
 
-#: A plain cleanup, and one with a cancel scope of its own.
 KINDS = [Cleanup, ScopedCleanup]
 
 
@@ -55,11 +55,7 @@ async def test_native_cancels_do_not_stop_the_cleanup_and_are_raised_after_it(
         finished_at.append(anyio.current_time())
 
     task = asyncio.create_task(run())
-    for _ in range(cancels):
-        await asyncio.sleep(0.01)
-        task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_natively(task, cancels, pause=0.01)
     assert cleanup.finished >= 1  # re-run from the start after the first interruption
     assert finished_at == []  # the caller's cancellation was raised, not swallowed
 
@@ -85,32 +81,23 @@ async def test_anyio_cancellation_waits_for_the_cleanup_inline(kind: type[Cleanu
 
 
 @pytest.mark.expect_log(r"scoped and slow did not finish within 0\.1 s; given up")
-async def test_a_cleanup_past_its_timeout_is_given_up_and_reported() -> None:
-    cleanup = Cleanup(10)
+async def test_a_cleanup_past_its_timeout_is_given_up_reported_and_its_retry_task_stopped() -> None:
     unfinished: list[bool] = []
+
+    def gave_up() -> None:
+        unfinished.append(True)
+
     started = anyio.current_time()
-    done = await finish(
-        cleanup, timeout=0.1, what="slow", unfinished=lambda: unfinished.append(True)
-    )
-    assert not done
+    assert not await finish(Cleanup(10), timeout=0.1, what="slow", unfinished=gave_up)
     assert unfinished == [True]
     assert anyio.current_time() - started < 1
     # Without an ``unfinished`` callback it is logged; a scope of the cleanup's own is bounded too.
     assert await finish(ScopedCleanup(10), timeout=0.1, what="scoped and slow") is False
-
-
-async def test_given_up_after_a_native_cancel_the_retry_task_is_stopped_too() -> None:
-    cleanup = Cleanup(10)
-    unfinished: list[bool] = []
+    # Given up after a native cancel, the retry task is stopped too.
     tasks_before = asyncio.all_tasks()
-    task = asyncio.create_task(
-        finish(cleanup, timeout=0.2, what="slow", unfinished=lambda: unfinished.append(True))
-    )
-    await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert unfinished == [True]
+    task = asyncio.create_task(finish(Cleanup(10), timeout=0.2, what="slow", unfinished=gave_up))
+    await cancel_natively(task, 1, pause=0.01)
+    assert unfinished == [True, True]
     await asyncio.sleep(0)
     assert [t for t in asyncio.all_tasks() - tasks_before if not t.done()] == []
 
@@ -123,7 +110,7 @@ async def test_errors_of_the_cleanup_propagate() -> None:
         await finish(broken, timeout=1, what="broken")
 
 
-@pytest.mark.expect_log(r"asynclock: failing release failed: OSError\('a failover is under way'\)")
+@pytest.mark.expect_log(r"asynclock: release failed: OSError\('a failover is under way'\)")
 @pytest.mark.parametrize("cancels", [1, 3])
 async def test_a_rerun_that_fails_after_a_native_cancel_is_unfinished_not_done(
     cancels: int,
@@ -140,15 +127,9 @@ async def test_a_rerun_that_fails_after_a_native_cancel_is_unfinished_not_done(
 
     unfinished: list[bool] = []
     task = asyncio.create_task(
-        finish(
-            failing, timeout=5, what="failing release", unfinished=lambda: unfinished.append(True)
-        )
+        finish(failing, timeout=5, what="release", unfinished=lambda: unfinished.append(True))
     )
-    for _ in range(cancels):
-        await asyncio.sleep(0.01)
-        task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_natively(task, cancels, pause=0.01)
     assert runs == ["run", "run"]
     assert unfinished == [True]
 

@@ -12,10 +12,13 @@ import anyio
 import pytest
 
 import asynclock
-from asynclock.backends.memory import MemoryBackend
+from tests.integrations._memory import memory
 
 
-def on_trio(url: str) -> None:
+@pytest.mark.parametrize("scheme", ["memory", "sqlite"])
+def test_the_in_process_backends_run_on_trio(tmp_path: Path, scheme: str) -> None:
+    url = "memory://trio-test" if scheme == "memory" else f"sqlite://{tmp_path / 'locks.db'}"
+
     async def main() -> None:
         async with asynclock.connect(url) as locks, asynclock.connect(url) as other:
             # A clean exit is not a lost lease (trio's scope returns True from __exit__).
@@ -45,26 +48,6 @@ def on_trio(url: str) -> None:
     anyio.run(main, backend="trio")
 
 
-@pytest.mark.parametrize("scheme", ["memory", "sqlite"])
-def test_the_in_process_backends_run_on_trio(tmp_path: Path, scheme: str) -> None:
-    on_trio("memory://trio-test" if scheme == "memory" else f"sqlite://{tmp_path / 'locks.db'}")
-
-
-@pytest.mark.expect_log("lease on 'a' lost: the lock was removed on the server")
-def test_a_lost_lease_cancels_the_body_on_trio() -> None:
-    async def main() -> None:
-        async with asynclock.connect("memory://trio-lost") as locks:
-            backend = locks._backend
-            assert isinstance(backend, MemoryBackend)
-            with pytest.raises(asynclock.LeaseLost):
-                async with locks.lock("a", ttl=1.0):
-                    backend.expire("a", notify=True)
-                    await anyio.sleep(5)
-                    pytest.fail("the body ran on after its lease was lost")
-
-    anyio.run(main, backend="trio")
-
-
 @pytest.mark.parametrize(
     ("url", "driver"),
     [
@@ -88,7 +71,8 @@ def test_asyncio_only_backends_are_refused_under_trio_by_name(url: str, driver: 
     anyio.run(main, backend="trio")
 
 
-def test_a_client_started_in_one_task_is_closed_from_another_on_trio() -> None:
+@pytest.mark.expect_log("lease on 'b' lost: the lock was removed on the server")
+def test_on_trio_a_client_started_and_closed_by_other_tasks_cancels_a_lost_body() -> None:
     async def main() -> None:
         locks = asynclock.connect("memory://trio-start")
         async with anyio.create_task_group() as startup:
@@ -96,6 +80,11 @@ def test_a_client_started_in_one_task_is_closed_from_another_on_trio() -> None:
         async with locks.lock("a", ttl=0.5) as lease:
             await anyio.sleep(0.7)  # renewed by the client's own (system) task
             assert not lease.lost
+        with pytest.raises(asynclock.LeaseLost):
+            async with locks.lock("b", ttl=1.0):
+                memory(locks).expire("b", notify=True)
+                await anyio.sleep(5)
+                pytest.fail("the body ran on after its lease was lost")
         async with anyio.create_task_group() as shutdown:
             shutdown.start_soon(locks.aclose)
         assert locks._host.state == "closed"

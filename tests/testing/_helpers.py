@@ -1,13 +1,16 @@
-"""Small helpers shared by the tests of asynclock.testing."""
+"""Small helpers shared by the tests of asynclock.testing and of the core."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
+import pytest
 from aiozk import ZKClient
 
 
@@ -29,6 +32,16 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+async def cancel_natively(task: asyncio.Future[Any], times: int, pause: float = 0) -> None:
+    """``task.cancel()`` ``times`` times, each after ``pause`` s (as a framework's shutdown or a
+    timeout may do again and again); the task must end cancelled."""
+    for _ in range(times):
+        await asyncio.sleep(pause)
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 @asynccontextmanager

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -11,6 +11,7 @@ import pytest
 from anyio.abc import SocketStream
 
 from asynclock.testing import FaultProxy, ProxyMode, RedisServer, free_port
+from tests.contract.harness import until
 
 pytestmark = pytest.mark.anyio
 
@@ -59,13 +60,6 @@ async def round_trip(stream: SocketStream, payload: bytes = b"ping") -> float:
     return anyio.current_time() - start
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        # Polling: the proxy has no event for "connection count changed", nor should it.
-        while not predicate():  # noqa: ASYNC110
-            await anyio.sleep(0.01)
-
-
 def mode_of(proxy: FaultProxy) -> ProxyMode:
     # Read through a function so that mypy does not narrow proxy.mode across mode changes.
     return proxy.mode
@@ -73,23 +67,21 @@ def mode_of(proxy: FaultProxy) -> ProxyMode:
 
 async def test_pass_through_relays_and_counts_connections_and_reset_sends_rst() -> None:
     async with echo_server() as echo, FaultProxy("127.0.0.1", echo.port) as proxy:
-        assert proxy.host == "127.0.0.1"
-        assert proxy.address == f"127.0.0.1:{proxy.port}"
-        assert proxy.mode == "pass_through"
-        assert proxy.connections == 0
+        assert (proxy.host, proxy.address) == ("127.0.0.1", f"127.0.0.1:{proxy.port}")
+        assert (proxy.mode, proxy.connections) == ("pass_through", 0)
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             await round_trip(stream, b"hello")
             assert proxy.connections == 1
             async with await anyio.connect_tcp(proxy.host, proxy.port) as second:
                 await round_trip(second)
                 assert proxy.connections == 2
-        await wait_until(lambda: proxy.connections == 0)
+        await until(lambda: proxy.connections == 0)
         assert bytes(echo.received) == b"helloping"
         # reset sends RST and keeps accepting.
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             await round_trip(stream)
             proxy.reset()
-            await wait_until(lambda: proxy.connections == 0)
+            await until(lambda: proxy.connections == 0)
             # RST, not FIN: the client's next read fails instead of returning end-of-stream.
             with pytest.raises(anyio.BrokenResourceError) as caught:
                 await stream.receive()
@@ -132,7 +124,7 @@ async def test_delay_adds_latency_both_ways_and_cut_heals_to_the_previous_mode()
             assert mode_of(proxy) == "pass_through"
         proxy.delay(10)
         proxy.cut(0.1)
-        await wait_until(lambda: mode_of(proxy) == "delay", timeout=2)
+        await until(lambda: mode_of(proxy) == "delay", timeout=2)
 
         proxy.cut(0.1)
         proxy.drop_replies()  # a newer decision wins over the cut's timer
@@ -168,7 +160,7 @@ async def test_blackhole_holds_traffic_and_drop_replies_loses_only_replies() -> 
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             proxy.drop_replies()
             await stream.send(b"lost-reply")
-            await wait_until(lambda: bytes(echo.received) == b"lost-reply")
+            await until(lambda: bytes(echo.received) == b"lost-reply")
             with pytest.raises(TimeoutError), anyio.fail_after(NO_REPLY):
                 await stream.receive()
             proxy.pass_through()
@@ -185,7 +177,7 @@ async def test_a_servers_close_is_relayed_as_end_of_stream(redis_server: RedisSe
                 assert await stream.receive() == b"+OK\r\n"
                 with pytest.raises(anyio.EndOfStream):
                     await stream.receive()
-        await wait_until(lambda: proxy.connections == 0)
+        await until(lambda: proxy.connections == 0)
 
 
 async def test_aclose_closes_everything_once_and_an_unreachable_target_resets() -> None:
@@ -195,8 +187,7 @@ async def test_aclose_closes_everything_once_and_an_unreachable_target_resets() 
             _ = proxy.port
         async with proxy:
             port = proxy.port
-            stream = await anyio.connect_tcp(proxy.host, port)
-            async with stream:
+            async with await anyio.connect_tcp(proxy.host, port) as stream:
                 await round_trip(stream)
                 proxy.blackhole()
                 await proxy.aclose()
@@ -226,4 +217,4 @@ async def test_aclose_closes_everything_once_and_an_unreachable_target_resets() 
         async with await anyio.connect_tcp(proxy.host, proxy.port) as stream:
             with pytest.raises(anyio.BrokenResourceError), anyio.fail_after(5):
                 await stream.receive()
-        await wait_until(lambda: proxy.connections == 0)
+        await until(lambda: proxy.connections == 0)

@@ -131,8 +131,7 @@ async def test_a_server_serves_pauses_resumes_and_restarts(
                 assert await client.get("k") == b"v"
 
         server.kill()
-        assert not server.is_running
-        assert process_gone(pid)
+        assert not server.is_running and process_gone(pid)
         server.restart()
         assert (server.port, server.data_dir) == (port, data_dir)
         assert server.pid != pid
@@ -147,32 +146,30 @@ async def test_a_server_serves_pauses_resumes_and_restarts(
         server.restart()
 
 
+async def assert_clock(server: RedisServer, offset: float) -> None:
+    """The server's TIME is this machine's clock moved by ``offset`` seconds."""
+    async with Redis(host=server.host, port=server.port) as client:
+        seconds, _ = await client.time()
+    assert abs(seconds - (time.time() + offset)) < 2
+
+
 @pytest.mark.anyio
 async def test_redis_fake_clock_jumps_at_run_time_and_start_offsets_have_units() -> None:
     with RedisServer(faketime="+0") as server:
         assert server.faketime
+        await assert_clock(server, 0)
+        server.jump_clock(3600)
+        await assert_clock(server, 3600)
+        server.jump_clock(-7200)
+        await assert_clock(server, -3600)
+        assert server.clock_offset == pytest.approx(3600 - 7200)
+        # DEBUG works for local clients, so a test can also stall the server on demand.
         async with Redis(host=server.host, port=server.port) as client:
-            seconds, _ = await client.time()
-            assert abs(seconds - time.time()) < 2
-
-            server.jump_clock(3600)
-            seconds, _ = await client.time()
-            assert abs(seconds - (time.time() + 3600)) < 2
-
-            server.jump_clock(-7200)
-            seconds, _ = await client.time()
-            assert abs(seconds - (time.time() - 3600)) < 2
-            assert server.clock_offset == pytest.approx(3600 - 7200)
-
-            # DEBUG works for local clients, so a test can also stall the server on demand.
             start = time.monotonic()
             await client.execute_command("DEBUG", "SLEEP", "0.2")  # type: ignore[no-untyped-call]
             assert time.monotonic() - start >= 0.19
-
         server.restart()
-        async with Redis(host=server.host, port=server.port) as client:
-            seconds, _ = await client.time()
-            assert abs(seconds - (time.time() - 3600)) < 2
+        await assert_clock(server, -3600)
     # Start offsets have units, a jump may come before the start, and arguments are checked.
     with pytest.raises(ValueError, match="relative offset"):
         RedisServer(faketime="@2020-01-01 00:00:00")
@@ -187,9 +184,7 @@ async def test_redis_fake_clock_jumps_at_run_time_and_start_offsets_have_units()
     server.jump_clock(60)
     with server:
         assert server.clock_offset == -5340
-        async with Redis(host=server.host, port=server.port) as client:
-            seconds, _ = await client.time()
-        assert abs(seconds - (time.time() - 5340)) < 2
+        await assert_clock(server, -5340)
 
 
 class _Crashing(SingleServer):
@@ -269,8 +264,7 @@ def test_find_binary_and_servers_left_running_are_killed_at_interpreter_exit(
 
 def test_server_context_stop_taken_port_and_a_paused_server_reported_by_wait_ready() -> None:
     server = RedisServer()
-    assert not server.is_running
-    assert server.pid is None
+    assert (server.is_running, server.pid) == (False, None)
     with pytest.raises(RuntimeError, match="never started"):
         _ = server.data_dir
     # /dev/shm when it is writable (faster fsync for etcd and ZooKeeper), else the temp dir.
