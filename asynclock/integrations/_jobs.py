@@ -2,7 +2,8 @@
 worker opens at start-up and closes at shutdown.
 
 Each queue module adds only what differs: how the job is called, where the worker keeps the
-client, and how a job whose lock is busy is deferred in that queue's own way.
+client, and how a job whose lock is busy, or whose lease was lost while it ran, is run again in
+that queue's own way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .. import _validate
 from .._client import LockClient
 from .._connect import connect
 from .._decorator import ClientSource, lock_name_for, resolve_client
-from .._errors import AcquireTimeout, InvalidArgument, MissingDependency
+from .._errors import AcquireTimeout, InvalidArgument, LeaseLost, MissingDependency
 from . import template_fields
 
 P = ParamSpec("P")
@@ -39,16 +40,21 @@ def requires(queue: str) -> Iterator[None]:
         ) from exc
 
 
-class Busy(Exception):
-    """The job's lock was held elsewhere: the queue module defers the job by ``delay`` seconds.
+class RunAgain(Exception):
+    """The job should run again in ``delay`` seconds: its lock was busy (``error`` is the
+    :class:`AcquireTimeout`), or its lease was lost while it ran (a :class:`LeaseLost`).
 
-    Private: it never leaves the queue modules, which turn it into the queue's own deferral.
+    Private: it never leaves the queue modules, which turn it into the queue's own retry.
     """
 
-    def __init__(self, error: AcquireTimeout, delay: float) -> None:
+    def __init__(self, error: AcquireTimeout | LeaseLost, delay: float) -> None:
         super().__init__(str(error))
         self.error = error
         self.delay = delay
+
+    @property
+    def lost(self) -> bool:
+        return isinstance(self.error, LeaseLost)
 
 
 class JobLock:
@@ -64,6 +70,7 @@ class JobLock:
         defer: float,
         jitter: float,
         queue: str,
+        lost_retries: int = 0,
     ) -> None:
         self.template = template
         self.fields = template_fields(template)
@@ -79,6 +86,12 @@ class JobLock:
                 f"got {jitter!r}"
             )
         self.jitter = float(jitter)
+        if isinstance(lost_retries, bool) or not isinstance(lost_retries, int) or lost_retries < 0:
+            raise InvalidArgument(
+                f"lost_retries is how often a job whose lease was lost runs again, an int >= 0, "
+                f"got {lost_retries!r}"
+            )
+        self.lost_retries = lost_retries
         self.queue = queue
 
     def signature_of(self, func: object, *, skip: int = 0) -> inspect.Signature:
@@ -141,24 +154,32 @@ class JobLock:
         body: Callable[[], Awaitable[R]],
         *,
         wait: bool = False,
+        rerun_lost: bool = False,
     ) -> R:
-        """Run ``body`` holding the lock; :class:`Busy` if it was not free within ``timeout``.
+        """Run ``body`` holding the lock; :class:`RunAgain` if it was not free within ``timeout``.
 
         ``wait`` ignores ``timeout`` and waits as long as it takes (a deferral the queue could
         not honour). An :class:`AcquireTimeout` raised by the body itself (a lock it takes) is
         the body's error and propagates as it is; only this lock's busy answer defers the job.
-        A lease lost before the body finished raises :class:`asynclock.LeaseLost`; one found
-        lost only after the body returned keeps the body's result (the core's rule).
+        A lease lost before the body finished raises :class:`asynclock.LeaseLost`, or
+        :class:`RunAgain` if ``rerun_lost``; one found lost only after the body returned keeps
+        the body's result (the core's rule), so a finished job never runs twice.
         """
-        entered = False
+        lease = None
         try:
-            async with locks.lock(name, ttl=self.ttl, timeout=None if wait else self.timeout):
-                entered = True
+            async with locks.lock(
+                name, ttl=self.ttl, timeout=None if wait else self.timeout
+            ) as lease:
                 return await body()
         except AcquireTimeout as exc:
-            if entered:
+            if lease is not None:
                 raise
-            raise Busy(exc, self.defer_delay()) from exc
+            raise RunAgain(exc, self.defer_delay()) from exc
+        except LeaseLost as exc:
+            # Only this job's own lease: a LeaseLost from a lock the body took is its error.
+            if not rerun_lost or lease is None or not lease.lost:
+                raise
+            raise RunAgain(exc, self.defer_delay()) from exc
 
 
 class WorkerClient:

@@ -13,9 +13,10 @@
         on_shutdown = worker_locks.on_shutdown
 
 When the lock is busy the job raises ``arq.Retry(defer=...)``, so arq runs it again later; it is
-never dropped. Each deferral is one of arq's tries (``ctx["job_try"]``), so on the job's last try
-(``max_tries``, arq's default 5) the job waits for the lock instead of deferring once more: arq
-would fail it with "max retries exceeded" otherwise.
+never dropped. A job whose lease is lost while it runs is cancelled and run again the same way.
+Each deferral and each run again is one of arq's tries (``ctx["job_try"]``), so on the job's last
+try (``max_tries``, arq's default 5) the job waits for the lock instead of deferring once more
+(arq would fail it with "max retries exceeded" otherwise), and a lease lost on that try fails it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Concatenate
 
 from .._decorator import ClientSource
 from .._errors import InvalidArgument
-from ._jobs import CONTEXT_KEY, Busy, JobLock, P, R, WorkerClient, requires
+from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient, requires
 
 with requires("arq"):
     from arq import Retry
@@ -64,9 +65,10 @@ def locked(
     ``arq.func(..., max_tries=)``): on that try the job waits for the lock instead of deferring.
     A smaller number here only makes jobs wait sooner; a larger one lets arq fail deferred jobs.
 
-    A lease lost while the job runs cancels it and fails it with :class:`asynclock.LeaseLost`
-    (arq records the failure; its effects may be partial). A job whose lease is found lost only
-    after it returned keeps its result and is not run again.
+    A lease lost while the job runs cancels it (its effects may be partial: fence them with the
+    lease's token) and arq runs it again after ``defer`` seconds, as one of its tries; on the last
+    try it fails with :class:`asynclock.LeaseLost`. A job whose lease is found lost only after it
+    returned keeps its result and is not run again.
     """
     lock = JobLock(
         template, client=client, ttl=ttl, timeout=timeout, defer=defer, jitter=jitter, queue="arq"
@@ -87,10 +89,14 @@ def locked(
             last_try = int(ctx.get("job_try") or 1) >= max_tries
             try:
                 return await lock.hold(
-                    locks, name, functools.partial(func, ctx, *args, **kwargs), wait=last_try
+                    locks,
+                    name,
+                    functools.partial(func, ctx, *args, **kwargs),
+                    wait=last_try,
+                    rerun_lost=not last_try,
                 )
-            except Busy as busy:
-                raise Retry(defer=busy.delay) from busy.error
+            except RunAgain as again:
+                raise Retry(defer=again.delay) from again.error
 
         return job
 

@@ -17,7 +17,9 @@
 saq has no "run me again later" answer for a job, only its retry of a failed one. So when the
 lock is busy the job gives itself one more retry (``job.retries += 1``: a deferral never uses up
 a retry of the job's own), sets this retry's delay, and fails with the
-:class:`asynclock.AcquireTimeout`; saq then schedules it again (``Job.retry``). The job's own
+:class:`asynclock.AcquireTimeout`; saq then schedules it again (``Job.retry``). A job whose lease
+is lost while it runs is cancelled and run again the same way, up to ``lost_retries`` times; after
+that the :class:`asynclock.LeaseLost` is an ordinary failure, retried if the job has retries left. The job's own
 ``retry_delay`` and ``retry_backoff`` are kept in ``job.meta["asynclock"]`` and put back when it
 runs again, so its real failures are retried as configured. saq's worker checks for due jobs once a
 second (``timers["schedule"]``), so a deferral lasts at least until the next check; ``defer=0``
@@ -32,7 +34,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Concatenate, TypeVar, cast
 
 from .._decorator import ClientSource
-from ._jobs import CONTEXT_KEY, Busy, JobLock, P, R, WorkerClient, requires
+from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient, requires
 
 with requires("saq"):
     from saq.job import Job
@@ -53,6 +55,7 @@ def locked(
     timeout: float | None = 0,
     defer: float = 1.0,
     jitter: float = 0.5,
+    lost_retries: int = 3,
 ) -> Callable[
     [Callable[Concatenate[C, P], Awaitable[R]]], Callable[Concatenate[C, P], Awaitable[R]]
 ]:
@@ -64,12 +67,21 @@ def locked(
     A deferral reschedules the job ``defer`` seconds later, spread by ``jitter`` (0.5: between
     0.5x and 1.5x), without using up one of its ``retries``.
 
-    A lease lost while the job runs cancels it and fails it with :class:`asynclock.LeaseLost`;
-    saq retries it if it has retries left (its effects may be partial). A job whose lease is found
-    lost only after it returned keeps its result and is not run again.
+    A lease lost while the job runs cancels it (its effects may be partial: fence them with the
+    lease's token) and reschedules it like a deferral, up to ``lost_retries`` times per job
+    without using up its ``retries``; after that it fails with :class:`asynclock.LeaseLost`,
+    which saq retries if the job has retries left. A job whose lease is found lost only after it
+    returned keeps its result and is not run again.
     """
     lock = JobLock(
-        template, client=client, ttl=ttl, timeout=timeout, defer=defer, jitter=jitter, queue="saq"
+        template,
+        client=client,
+        ttl=ttl,
+        timeout=timeout,
+        defer=defer,
+        jitter=jitter,
+        queue="saq",
+        lost_retries=lost_retries,
     )
 
     def decorate(
@@ -86,19 +98,21 @@ def locked(
             name = lock.name_for(signature, (ctx, *args), kwargs)
             locks = lock.client_from(context.get(CONTEXT_KEY), "saq's context")
             # Without a saq Job (the function called directly) there is nothing to reschedule.
+            in_queue = isinstance(current, Job)
             try:
                 return await lock.hold(
                     locks,
                     name,
                     functools.partial(func, ctx, *args, **kwargs),
-                    wait=not isinstance(current, Job),
+                    wait=not in_queue,
+                    rerun_lost=in_queue and _counts(current)["lost"] < lock.lost_retries,
                 )
-            except Busy as busy:
+            except RunAgain as again:
                 assert isinstance(current, Job)
-                _defer(current, busy.delay)
-                error = busy.error
-                error.add_note(f"asynclock: deferred; saq runs the job again in {busy.delay:.2g} s")
-                error.asynclock_deferred = True  # type: ignore[attr-defined]  # for QuietDeferrals
+                _defer(current, again.delay, "lost" if again.lost else "deferrals")
+                error = again.error
+                error.add_note(f"asynclock: saq runs the job again in {again.delay:.2g} s")
+                error.asynclock_deferred = True  # type: ignore[union-attr]  # for QuietDeferrals
                 raise error from None
 
         return job
@@ -106,16 +120,21 @@ def locked(
     return decorate
 
 
-def _defer(job: Job, delay: float) -> None:
+def _counts(job: object) -> dict[str, int]:
+    """How often the job was deferred for a busy lock and run again for a lost lease."""
+    saved = job.meta.get(META_KEY) if isinstance(job, Job) else None
+    saved = saved if isinstance(saved, dict) else {}
+    return {key: int(saved.get(key, 0)) for key in ("deferrals", "lost")}
+
+
+def _defer(job: Job, delay: float, why: str) -> None:
     """Make saq's retry of this failure a deferral: one more retry, this delay, no backoff."""
-    saved = job.meta.get(META_KEY)
-    deferrals = 1
-    if isinstance(saved, dict):
-        deferrals += int(saved.get("deferrals", 0))
+    counts = _counts(job)
+    counts[why] += 1
     job.meta[META_KEY] = {
         "retry_delay": job.retry_delay,
         "retry_backoff": job.retry_backoff,
-        "deferrals": deferrals,
+        **counts,
     }
     job.retries += 1
     job.retry_delay = delay
@@ -127,13 +146,14 @@ def _restore_retry_settings(job: Job) -> None:
     if isinstance(saved, dict) and "retry_delay" in saved:
         job.retry_delay = float(saved["retry_delay"])
         job.retry_backoff = saved["retry_backoff"]
-        # The count stays, for whoever wants to see how often the job waited for its lock.
-        job.meta[META_KEY] = {"deferrals": int(saved.get("deferrals", 0))}
+        # The counts stay: they bound the reruns of lost leases, and show how often it waited.
+        job.meta[META_KEY] = _counts(job)
 
 
 class QuietDeferrals(logging.Filter):
     """A logging filter for saq's logger that drops its "Error processing job" records for
-    deferrals (saq logs every failure it retries with a traceback, and a deferral is one):
+    deferrals and for runs again after a lost lease (saq logs every failure it retries with a
+    traceback, and these are failures to saq; asynclock has logged the lost lease itself):
     ``logging.getLogger("saq").addFilter(QuietDeferrals())``. Other errors pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:

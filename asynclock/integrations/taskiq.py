@@ -14,7 +14,9 @@ Put ``@locked`` *below* ``@broker.task``. When the lock is busy the task waits `
 :meth:`taskiq.Context.requeue` (same task id, so ``wait_result()`` gets the result of the run
 that finally holds the lock; the label ``X-Taskiq-requeue`` counts the deferrals) and stores no
 result for this run. It is never dropped and uses up no retry of taskiq's retry middlewares
-(they ignore the ``NoResultError`` a requeue raises). The wait happens in the worker because
+(they ignore the ``NoResultError`` a requeue raises). A task whose lease is lost while it runs is
+cancelled and requeued the same way, up to ``lost_retries`` times (counted in the label
+``asynclock-lost``); after that its :class:`asynclock.LeaseLost` is an ordinary failure. The wait happens in the worker because
 taskiq's Redis brokers have no delayed delivery; it takes one of the worker's
 ``--max-async-tasks`` slots meanwhile, so keep ``defer`` short.
 """
@@ -28,7 +30,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from .._decorator import ClientSource
-from ._jobs import CONTEXT_KEY, Busy, JobLock, P, R, WorkerClient, requires
+from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient, requires
 
 with requires("taskiq"):
     from taskiq import AsyncBroker, Context, TaskiqDepends, TaskiqEvents, TaskiqState
@@ -40,6 +42,9 @@ __all__ = ("WorkerLocks", "locked")
 #: Context (the task's own signature stays as it is for callers and for taskiq's validation).
 _CONTEXT_PARAMETER = "_asynclock_context"
 
+#: The message label that counts how often a task was requeued for a lost lease.
+LOST_LABEL = "asynclock-lost"
+
 
 def locked(
     template: str,
@@ -49,18 +54,18 @@ def locked(
     timeout: float | None = 0,
     defer: float = 0.1,
     jitter: float = 0.5,
+    lost_retries: int = 3,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
     """Hold the lock named by ``template`` (formatted with the task's arguments) while it runs.
 
     ``client`` defaults to the one :class:`WorkerLocks` put in ``broker.state``. ``timeout=0``
-    defers at once when the lock is held; a number waits up to that long first; ``None`` waits as
-    long as it takes (bounded by the task's ``timeout`` label, if any). A deferral waits
-    ``defer`` seconds spread by ``jitter`` (0.5: between 0.5x and 1.5x), then requeues the task.
+    defers at once when the lock is held; a number waits up to that long first; ``None`` as long
+    as it takes. A deferral waits ``defer`` seconds spread by ``jitter``, then requeues the task.
 
-    A lease lost while the task runs cancels it and fails it with :class:`asynclock.LeaseLost`
-    (the result backend stores the error; a retry middleware retries it as configured; its effects
-    may be partial). A task whose lease is found lost only after it returned keeps its result and
-    is not run again.
+    A lease lost while the task runs cancels it (its effects may be partial: fence them) and
+    requeues it like a deferral, up to ``lost_retries`` times; then it fails with
+    :class:`asynclock.LeaseLost`. A task whose lease is found lost only after it returned keeps
+    its result and is not run again.
     """
     lock = JobLock(
         template,
@@ -70,6 +75,7 @@ def locked(
         defer=defer,
         jitter=jitter,
         queue="taskiq",
+        lost_retries=lost_retries,
     )
 
     def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -86,15 +92,22 @@ def locked(
             name = lock.name_for(signature, args, kwargs)
             found = context.state.get(CONTEXT_KEY) if context is not None else None
             locks = lock.client_from(found, "broker.state")
+            lost = int(context.message.labels.get(LOST_LABEL, 0)) if context is not None else 0
             try:
                 return await lock.hold(
-                    locks, name, functools.partial(func, *args, **kwargs), wait=context is None
+                    locks,
+                    name,
+                    functools.partial(func, *args, **kwargs),
+                    wait=context is None,
+                    rerun_lost=context is not None and lost < lock.lost_retries,
                 )
-            except Busy as busy:
+            except RunAgain as again:
                 assert context is not None
-                await anyio.sleep(busy.delay)  # the lock is not held meanwhile
+                if again.lost:
+                    context.message.labels[LOST_LABEL] = str(lost + 1)
+                await anyio.sleep(again.delay)  # the lock is not held meanwhile
                 await context.requeue()  # raises NoResultError: no result for this run
-                raise AssertionError("taskiq's Context.requeue() returned") from busy.error
+                raise AssertionError("taskiq's Context.requeue() returned") from again.error
 
         # The wrapper asks taskiq for its Context with a keyword-only parameter of its own; the
         # task's parameters are otherwise the function's, for taskiq's argument parsing.

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import pickle
+import signal
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Final, TypeVar, cast
@@ -22,6 +23,7 @@ import redis.asyncio
 from taskiq import AsyncBroker, AsyncResultBackend, BrokerMessage, TaskiqResult
 
 import asynclock
+from asynclock.fencing import RedisGuard
 
 PORT: Final = int(os.environ.get("JOBQUEUE_PORT", "6379"))
 DB: Final = int(os.environ.get("JOBQUEUE_DB", "8"))
@@ -49,17 +51,27 @@ def records_key(mode: str) -> str:
 
 #: Each worker process adds its pid here once its start-up hooks have run.
 READY_KEY: Final = "jobqueue:ready"
+#: In the "waiting" batch, the worker that runs this job stops itself (SIGSTOP) while it holds
+#: the job's lock, after writing its pid under PAUSED_KEY; the test resumes it past the ttl.
+PAUSED_JOB: Final = 100
+PAUSED_KEY: Final = "jobqueue:paused"
+
+
+def runs_key(mode: str) -> str:
+    return f"jobqueue:runs:{mode}"
 
 
 class Recorder:
     """Records each job's start and end (system-wide monotonic clock, so comparable across
-    processes), how many jobs of its key were active with it, and its lease's token."""
+    processes), how many jobs of its key were active with it, its lease's token, and how often
+    it ran."""
 
     def __init__(self) -> None:
         self._redis: redis.asyncio.Redis | None = None
 
     async def open(self) -> None:
         self._redis = redis.asyncio.Redis.from_url(QUEUE_URL)
+        self._guard = RedisGuard(self._redis, prefix="jobqueue:fence:")
         await call(self._redis, "SADD", READY_KEY, os.getpid())
 
     async def close(self) -> None:
@@ -72,10 +84,14 @@ class Recorder:
         client = self._redis
         assert client is not None, "the worker's start-up did not open the recorder"
         start = time.monotonic()
+        run = await call(client, "HINCRBY", runs_key(mode), job_id, 1)
         # An independent check besides the intervals: more than one job of a key active at once.
         active_key = f"jobqueue:active:{account}"
         active = await client.incr(active_key)
         try:
+            if (mode, job_id, run) == ("waiting", PAUSED_JOB, 1):
+                await client.set(PAUSED_KEY, os.getpid())
+                os.kill(os.getpid(), signal.SIGSTOP)
             await asyncio.sleep(HOLD)
         finally:
             await client.decr(active_key)
@@ -89,7 +105,9 @@ class Recorder:
             "pid": os.getpid(),
             "token": asynclock.current_token(),
         }
-        await call(client, "RPUSH", records_key(mode), json.dumps(record))
+        # Fenced, and once per job: a holder past its lease is refused (StaleToken, so its job
+        # runs again), and a job whose write went through writes nothing if it runs again.
+        await self._guard.call(account, "HSETNX", records_key(mode), job_id, json.dumps(record))
         return f"job {job_id} done"
 
 

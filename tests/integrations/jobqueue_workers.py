@@ -5,7 +5,8 @@
 * ``taskiq worker tests.integrations.jobqueue_workers:broker``
 
 Each queue has two jobs on the lock per account: "deferring" (``timeout=0``: a busy lock defers
-the job in the queue's own way) and "waiting" (waits up to ``WAIT`` for the lock). A worker opens
+the job in the queue's own way) and "waiting" (waits up to ``WAIT`` for the lock; its batch stops
+a worker past the ttl while it holds one, see ``Recorder``). A worker opens
 its lock client and the recorder at start-up and closes them at shutdown.
 """
 
@@ -36,7 +37,7 @@ from .jobqueue_common import (
 
 recorder = Recorder()
 DEFERRING: dict[str, Any] = {"ttl": 5, "timeout": 0, "defer": HOLD * 10}
-WAITING: dict[str, Any] = {"ttl": 5, "timeout": WAIT}
+WAITING: dict[str, Any] = {"ttl": 1, "timeout": WAIT}  # its batch pauses a holder past the ttl
 
 # -- arq ----------------------------------------------------------------------------------------
 

@@ -188,6 +188,8 @@ async def test_decorator_mistakes_fail_at_import_and_a_missing_client_says_where
         taskiq.locked("invoice-{invoice_id}")(broker.task(task))
     with pytest.raises(asynclock.InvalidArgument, match="jitter"):
         arq.locked("x", jitter=2)
+    with pytest.raises(asynclock.InvalidArgument, match="lost_retries is how often"):
+        taskiq.locked("x", lost_retries=-1)
 
     @arq.locked("x-{n}")
     async def job(ctx: dict[str, Any], n: int) -> None: ...
