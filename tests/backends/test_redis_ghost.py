@@ -9,6 +9,7 @@ to take it (a ghost holder until its ttl ran out).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import signal
@@ -31,6 +32,7 @@ from asynclock.backends.redis._lane import Undo
 from asynclock.backends.redis._scripts import Arg
 from asynclock.testing import RedisServer
 from tests.contract.backend_redis import connect, lane_of, redis_leftovers, wait_for_queue
+from tests.contract.harness import until
 
 pytestmark = pytest.mark.anyio
 
@@ -114,9 +116,7 @@ async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_no
             # Handed to the stopped waiter, which neither hears of it nor renews it: it
             # expires, and the next in line takes the lock.
             assert await holder_of(third, name, kind) == stopped_owner
-            with anyio.fail_after(5):
-                while not later:  # noqa: ASYNC110 (the waiter's task appends)
-                    await anyio.sleep(0.01)
+            await until(lambda: bool(later))
             assert any(data.startswith(b"g ") for data in kept)
             # The stopped waiter resumes: its take queues it again, behind the holder; only
             # then does it read the hand-over told while it was stopped. (Read before its take,
@@ -133,9 +133,7 @@ async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_no
             assert await holder_of(third, name, kind) == later[0].grant.owner
             await later[0].release()
             # Its place is live: the release hands the lock to it, with a newer token.
-            with anyio.fail_after(5):
-                while not got:  # noqa: ASYNC110 (the waiter's task appends)
-                    await anyio.sleep(0.01)
+            await until(lambda: bool(got))
         assert got[0].token > later[0].token
         assert await holder_of(third, name, kind) == got[0].grant.owner
         await got[0].release()
@@ -180,27 +178,20 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
             line = await anyio.to_thread.run_sync(child.stdout.readline)
             assert line.strip() == "ready", line
             (stopped_owner,) = await wait_for_queue(raw_redis, prefix, name, 1)
-            later: list[asynclock.Lease] = []
-
-            async def wait() -> None:
-                later.append(await third.acquire(name, ttl=30, timeout=10))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(wait)
-                await wait_for_queue(raw_redis, prefix, name, 2)
-                os.kill(child.pid, signal.SIGSTOP)
-                await holder.release()
-                assert await holder_of(third, name, "lock") == stopped_owner
-                with anyio.fail_after(5):
-                    while not later:  # noqa: ASYNC110 (the waiter's task appends)
-                        await anyio.sleep(0.01)
-                os.kill(child.pid, signal.SIGCONT)
-                # Resumed: it queues again behind the third client's hold, and waits.
-                assert await wait_for_queue(raw_redis, prefix, name, 1) == [stopped_owner]
-                await anyio.sleep(0.3)
-                assert await holder_of(third, name, "lock") == later[0].grant.owner
-                released = time.time()
-                await later[0].release()
+            waiter = asyncio.ensure_future(third.acquire(name, ttl=30, timeout=10))
+            await wait_for_queue(raw_redis, prefix, name, 2)
+            os.kill(child.pid, signal.SIGSTOP)
+            await holder.release()
+            assert await holder_of(third, name, "lock") == stopped_owner
+            with anyio.fail_after(5):
+                later = await waiter
+            os.kill(child.pid, signal.SIGCONT)
+            # Resumed: it queues again behind the third client's hold, and waits.
+            assert await wait_for_queue(raw_redis, prefix, name, 1) == [stopped_owner]
+            await anyio.sleep(0.3)
+            assert await holder_of(third, name, "lock") == later.grant.owner
+            released = time.time()
+            await later.release()
             out, _ = await anyio.to_thread.run_sync(
                 functools.partial(child.communicate, timeout=20)
             )
@@ -217,6 +208,6 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
         # It held the lock only after the third client released it: its place was live.
         assert seen[0] == "got", out
         assert float(seen[1]) > released, out
-        assert int(seen[2]) > later[0].token, out
+        assert int(seen[2]) > later.token, out
         # It exited: nothing of the name is left, at once (no ghost hold, no place).
         assert await redis_leftovers(redis_server, prefix, "no such client") == []

@@ -13,7 +13,6 @@ import pytest
 import redis.asyncio
 from redis.crc import key_slot
 
-import asynclock
 from asynclock.abc import Renewed
 from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis._lane import MAX_BUSY
@@ -51,24 +50,16 @@ async def test_a_release_hands_the_lock_over_with_its_token_in_one_script_call(
     ):
         second = other if waiter_in == "another client" else first
         holder = await first.acquire(name, ttl=30)
-        got: list[asynclock.Lease] = []
-
-        async def wait() -> None:
-            got.append(await second.acquire(name, ttl=20, timeout=10))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(wait)
-            await wait_for_queue(raw, prefix, name, 1)
-            await raw.config_resetstat()
-            released = anyio.current_time()
-            await holder.release()
-            returned = anyio.current_time()
-            if waiter_in == "the same client":
-                assert got, "the releasing task went on before the new holder ran"
-            with anyio.fail_after(2):
-                while not got:  # noqa: ASYNC110 (the waiter's task appends; nothing to wait on)
-                    await anyio.sleep(0.001)
-        lease = got[0]
+        waiter = asyncio.ensure_future(second.acquire(name, ttl=20, timeout=10))
+        await wait_for_queue(raw, prefix, name, 1)
+        await raw.config_resetstat()
+        released = anyio.current_time()
+        await holder.release()
+        returned = anyio.current_time()
+        if waiter_in == "the same client":
+            assert waiter.done(), "the releasing task went on before the new holder ran"
+        with anyio.fail_after(2):
+            lease = await waiter
         # One script call between the release and the waiter holding the lock: the RELEASE.
         assert (await raw.info("commandstats"))["cmdstat_evalsha"]["calls"] == 1
         assert lease.token > holder.token
@@ -182,17 +173,11 @@ async def test_a_hand_over_across_clients_starts_a_short_lease_from_a_recent_mom
     (a short ttl would be half spent)."""
     async with connect(redis_server, prefix) as first, connect(redis_server, prefix) as second:
         holder = await first.acquire(name, ttl=5)
-        got: list[asynclock.Lease] = []
-
-        async def wait() -> None:
-            got.append(await second.acquire(name, ttl=0.3, timeout=10))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(wait)
-            await anyio.sleep(0.5)
-            released = anyio.current_time()
-            await holder.release()
-        lease = got[0]
+        waiter = asyncio.ensure_future(second.acquire(name, ttl=0.3, timeout=10))
+        await anyio.sleep(0.5)
+        released = anyio.current_time()
+        await holder.release()
+        lease = await waiter
         # Pings every 0.03 s (a tenth of the waiter's place, 0.3 s), with room for a busy
         # machine; not the 0.1-0.5 s since its last take.
         assert released - 0.1 < lease.grant.valid_from <= anyio.current_time()
