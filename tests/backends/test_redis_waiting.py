@@ -79,12 +79,12 @@ async def test_a_release_hands_the_lock_over_with_its_token_in_one_script_call(
         await lease.release()
 
 
-async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections_in_fifo_order(
+async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
+    """(That they get the lock in the order they queued: tests/contract/test_scale.py.)"""
     client_name = f"many-{uuid.uuid4().hex[:6]}"
     count = 1000
-    order: list[str] = []
     async with (
         connect(redis_server, prefix) as holder_client,
         connect(redis_server, prefix, client_name=client_name) as locks,
@@ -92,22 +92,20 @@ async def test_a_thousand_waiters_in_one_client_share_a_handful_of_connections_i
         holder = await holder_client.acquire(name, ttl=30)
 
         async def waiter() -> None:
-            async with locks.lock(name, ttl=30, timeout=60) as lease:
-                order.append(lease.grant.owner)
+            async with locks.lock(name, ttl=30, timeout=60):
+                pass
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 for _ in range(count):
                     tg.start_soon(waiter)
                 # Bounded by the test's own minute: queueing takes long on a loaded machine.
-                queued = await wait_for_queue(raw_redis, prefix, name, count, within=60)
+                await wait_for_queue(raw_redis, prefix, name, count, within=60)
                 # Every task waits, and the client holds its lane (at most MAX_BUSY calls in
                 # flight) and its one wake channel.
                 assert await connections_named(redis_server, client_name) <= MAX_BUSY + 1
                 await holder.release()
         assert await connections_named(redis_server, client_name) <= MAX_BUSY + 1
-    assert len(order) == count
-    assert order == queued  # in the order they joined the queue
 
 
 async def test_a_waiter_cancelled_as_the_lock_is_handed_to_it_passes_it_on(
