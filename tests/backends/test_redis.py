@@ -34,9 +34,6 @@ from tests.contract.harness import until
 pytestmark = pytest.mark.anyio
 
 
-# -- URLs and options -------------------------------------------------------------------------
-
-
 def test_url_forms_give_address_db_credentials_and_tls() -> None:
     backend = RedisBackend.from_url(
         "rediss://alice:p%40ss@cache.example:6380/3",
@@ -110,9 +107,6 @@ async def test_ttl_below_a_millisecond_is_refused(redis_server: RedisServer, pre
     with pytest.raises(asynclock.InvalidArgument, match="whole milliseconds"):
         backend.check_ttl(0.0004)
     backend.check_ttl(0.001)  # one millisecond is what PX can express
-
-
-# -- connecting -------------------------------------------------------------------------------
 
 
 @pytest.mark.expect_log(r"releasing .* did not complete \(BackendUnavailable")
@@ -236,9 +230,6 @@ async def test_tls_with_our_ca_or_unverified_and_an_unknown_certificate_is_refus
             pytest.fail("trusted a certificate from an unknown CA")
 
 
-# -- what the scripts leave on the server -----------------------------------------------------
-
-
 async def test_take_sets_the_owner_with_an_expiry_and_the_token_comes_from_the_counter(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:
@@ -315,9 +306,6 @@ async def test_renewing_many_locks_is_one_script_call_per_interval(
         assert 2 <= renewals <= 5
         # Each renewal of all 40 locks was exactly one EVALSHA on the server.
         assert stats["cmdstat_evalsha"]["calls"] == renewals
-
-
-# -- loss of the lease ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kill", ["CLIENT KILL", "proxy reset"])
@@ -524,9 +512,6 @@ async def test_a_take_given_up_on_a_frozen_server_is_undone_when_the_server_wake
             # The replies of take and undo were read (polling: nothing signals it).
             await until(lambda: not lane_of(first).draining, timeout=2)
     assert await redis_leftovers(own_redis_server, prefix, "asynclock-none") == []
-
-
-# -- waiting: notification, fairness, dead waiters --------------------------------------------
 
 
 @pytest.mark.parametrize("then", ["read both replies", "close the client"])
