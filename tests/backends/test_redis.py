@@ -256,11 +256,9 @@ async def test_take_sets_the_owner_with_an_expiry_and_the_token_comes_from_the_c
         await again.release()
         # A counter behind the clock (restored from an old snapshot, say) jumps to the clock;
         # so does one deleted (an eviction, an operator): the next token is not 1.
-        for stale in ("behind", "deleted"):
-            if stale == "behind":
-                await raw_redis.set(lua.token_key(prefix, name), 41)
-            else:
-                await raw_redis.delete(lua.token_key(prefix, name))
+        for behind in (True, False):
+            key = lua.token_key(prefix, name)
+            await (raw_redis.set(key, 41) if behind else raw_redis.delete(key))
             seconds, micros = await raw_redis.time()
             later = await locks.acquire(name, ttl=1)
             assert later.token >= seconds * 1_000_000 + micros
