@@ -37,9 +37,6 @@ def connect(group: RedisSentinelGroup | str, prefix: str, **options: Any) -> asy
     return redis_client(group, prefix, **{"op_timeout": 0.5, **options})
 
 
-# -- URL forms ---------------------------------------------------------------------------------
-
-
 def test_url_names_the_sentinels_the_service_and_the_db() -> None:
     backend = RedisSentinelBackend.from_url(
         "redis+sentinel://user:secret@10.0.0.1,10.0.0.2:26380,[::1]:26381/my%20master/3",
@@ -55,9 +52,7 @@ def test_url_names_the_sentinels_the_service_and_the_db() -> None:
     assert backend.describe().startswith("redis+sentinel://user@10.0.0.1:26379,")
     # No db: 0.
     assert RedisSentinelBackend.from_url("redis+sentinel://h/svc", {}).settings.db == 0
-
-
-# (Bad URLs and options of the Redis family: test_redis.py.)
+    # (Bad ones: test_redis.py.)
 
 
 async def test_discovery_refuses_an_unknown_service_and_passes_over_dead_sentinels_and_replicas(
@@ -87,9 +82,6 @@ async def test_discovery_refuses_an_unknown_service_and_passes_over_dead_sentine
         async with locks.lock(name, ttl=2.0) as lease:
             assert lease.token > 0
         assert backend.extra_info()["master"] == group.master().address
-
-
-# -- failover ---------------------------------------------------------------------------------
 
 
 # The unreplicated lock: told by the restart watcher, a renewal or the local deadline,

@@ -46,9 +46,6 @@ def holders(servers: Sequence[RedisServer], key: str) -> list[str | None]:
     return [command(server.host, server.port, "GET", key) for server in servers]
 
 
-# -- URLs, options, capabilities --------------------------------------------------------------
-
-
 def test_url_lists_masters_with_shared_db_credentials_and_options() -> None:
     backend = RedlockBackend.from_url(
         "redlock://bob:pw@10.0.0.1:7000,10.0.0.2,[::1]:7002/2",
@@ -86,9 +83,6 @@ def test_requiring_fencing_is_refused_before_connecting() -> None:
         asynclock.connect(url, require=["fencing"])
     capabilities = RedlockBackend.capabilities
     assert not capabilities.fencing and capabilities.quorum and not capabilities.fifo
-
-
-# -- the algorithm ----------------------------------------------------------------------------
 
 
 async def test_validity_starts_before_the_first_request_and_leaves_out_the_drift(
@@ -184,9 +178,6 @@ async def test_a_minority_revoked_is_tolerated_and_a_majority_revoked_is_loss(
         assert isinstance(outcome, Lost)
         assert "2 of 3 masters" in outcome.reason
         await lease.release()
-
-
-# -- faults on a minority (locking goes on) and on a majority (no grant) ----------------------
 
 
 # A round that the faulty master does not answer within its grace says so (timing decides).
@@ -289,9 +280,6 @@ async def test_a_majority_unreachable_refuses_to_grant(
                 front.pass_through()
 
 
-# -- many waiters ------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(("waiters", "clients"), [(1000, 1), (300, 3)])
 async def test_many_waiters_all_pass_quickly_over_one_connection_per_master(
     redis_servers: list[RedisServer], prefix: str, name: str, waiters: int, clients: int
@@ -388,9 +376,6 @@ async def test_many_waiters_that_give_up_leave_nothing_behind(
     assert await redlock_leftovers(redis_servers, prefix, client_name) == []
 
 
-# -- connections that die, and a paused client -------------------------------------------------
-
-
 async def test_a_killed_connection_between_holds_does_not_fail_the_next_acquire(
     redis_servers: list[RedisServer], prefix: str, name: str
 ) -> None:
@@ -431,9 +416,6 @@ async def test_a_reply_that_arrived_during_a_pause_of_the_client_is_not_a_timeou
         lease = await attempt
         assert lease is not None
         await lease.release()
-
-
-# -- the connection set-up, and masters that hang ---------------------------------------------
 
 
 async def test_password_user_and_database_reach_every_master(prefix: str, name: str) -> None:
