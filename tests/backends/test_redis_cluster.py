@@ -16,7 +16,6 @@ from redis.crc import key_slot
 
 import asynclock
 from asynclock.backends import _redis_scripts as lua
-from asynclock.backends.redis._cluster import ClusterLane
 from asynclock.backends.redis.backend import RedisGrant
 from asynclock.backends.redis.cluster import RedisClusterBackend
 from asynclock.testing._redis_topologies import RedisClusterNodes
@@ -28,12 +27,6 @@ pytestmark = pytest.mark.anyio
 
 def connect(cluster: RedisClusterNodes, prefix: str, **options: Any) -> asynclock.LockClient:
     return redis_client(cluster, prefix, **{"op_timeout": 1.0, **options})
-
-
-def routing(locks: asynclock.LockClient) -> ClusterLane:
-    backend = locks._backend
-    assert isinstance(backend, RedisClusterBackend)
-    return backend.cluster
 
 
 def names_on_every_master(cluster: RedisClusterNodes, prefix: str, per_master: int) -> list[str]:
@@ -77,7 +70,7 @@ async def test_locks_live_on_the_master_of_their_slot_and_renewals_are_one_call_
             assert int(node.call("GET", keys[1])) == lease.token
         grants = [cast(RedisGrant, lease.grant) for lease in leases]
         backend = locks._backend
-        lane = routing(locks)
+        lane = locks._backend.cluster  # type: ignore[attr-defined]
         assert len(lane.masters) == 3
         calls: Counter[str] = Counter()
         for address in lane.masters:
@@ -111,7 +104,7 @@ async def test_a_stale_slot_map_is_corrected_by_moved(
 ) -> None:
     cluster = redis_cluster_nodes
     async with connect(cluster, prefix) as locks:
-        lane = routing(locks)
+        lane = locks._backend.cluster  # type: ignore[attr-defined]
         key = lua.lock_key(prefix, name)
         right = cluster.node_for_slot(key_slot(key.encode())).address
         wrong = next(m for m in lane.masters if str(m) != right)

@@ -44,9 +44,8 @@ def test_url_names_the_sentinels_the_service_and_the_db() -> None:
     )
     sentinels = [str(sentinel) for sentinel in backend.sentinels]
     assert sentinels == ["10.0.0.1:26379", "10.0.0.2:26380", "[::1]:26381"]
-    assert backend.locator.service == "my master"
-    assert backend.settings.db == 3
-    assert backend.settings.password == "secret"
+    settings = backend.settings
+    assert (backend.locator.service, settings.db, settings.password) == ("my master", 3, "secret")
     assert (backend.replica_wait.replicas, backend.replica_wait.timeout_ms) == (1, 200)
     assert "secret" not in backend.describe() and "s3" not in backend.describe()
     assert backend.describe().startswith("redis+sentinel://user@10.0.0.1:26379,")
