@@ -185,23 +185,17 @@ async def test_the_lane_keeps_at_most_max_busy_calls_in_flight_and_cancelled_tur
     async with connect(redis_server, prefix) as locks:
         lane = lane_of(locks)
         most = 0
+        scopes = [anyio.CancelScope() for _ in range(200)]
 
         async def call(index: int) -> None:
             nonlocal most
-            assert await lane.call("ECHO", str(index)) == str(index).encode()
-            most = max(most, lane.connections)
+            with scopes[index]:
+                assert await lane.call("ECHO", str(index)) == str(index).encode()
+                most = max(most, lane.connections)
 
         async with anyio.create_task_group() as tg:
-            scopes = []
             for index in range(200):
-                scope = anyio.CancelScope()
-                scopes.append(scope)
-
-                async def run(index: int = index, scope: anyio.CancelScope = scope) -> None:
-                    with scope:
-                        await call(index)
-
-                tg.start_soon(run)
+                tg.start_soon(call, index)
             await anyio.lowlevel.checkpoint()
             for scope in scopes[100:150]:  # some still wait for their turn, some are sent
                 scope.cancel()
