@@ -9,6 +9,7 @@ to take it (a ghost holder until its ttl ran out).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import signal
@@ -65,12 +66,9 @@ def stall_waiting(locks: asynclock.LockClient) -> tuple[Callable[[], None], list
                 await resumed.wait()
         return await script(which, keys, args, undo)
 
-    def resume() -> None:
-        resumed.set()
-
     wakes._dispatch = keep  # type: ignore[method-assign]
     lane.script = stalled_script  # type: ignore[method-assign, assignment]
-    return resume, kept
+    return resumed.set, kept
 
 
 async def holder_of(locks: asynclock.LockClient, name: str, kind: Kind) -> str | None:
@@ -96,49 +94,40 @@ async def test_a_stale_hand_over_after_the_waiter_queued_again_neither_grants_no
                 return await client.semaphore(name, permits=1).acquire(ttl=30, timeout=10)
             return await client.acquire(name, ttl=30, timeout=10, shared=shared)
 
-        async def wait(client: asynclock.LockClient, into: list[Any], shared: bool) -> None:
-            into.append(await take(client, shared))
-
         holder = await take(first, shared=False)
         resume, kept = stall_waiting(stopped)
-        got: list[asynclock.Lease] = []
-        later: list[asynclock.Lease] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(wait, stopped, got, hold == "shared")
-            (stopped_owner,) = await wait_for_queue(raw_redis, prefix, name, 1, kind)
-            # For shared holds an exclusive waiter behind it, so that the stopped one queues
-            # again on resuming.
-            tg.start_soon(wait, first if hold == "shared" else third, later, False)
-            await wait_for_queue(raw_redis, prefix, name, 2, kind)
-            await holder.release()
-            # Handed to the stopped waiter, which neither hears of it nor renews it: it
-            # expires, and the next in line takes the lock.
-            assert await holder_of(third, name, kind) == stopped_owner
-            with anyio.fail_after(5):
-                while not later:  # noqa: ASYNC110 (the waiter's task appends)
-                    await anyio.sleep(0.01)
-            assert any(data.startswith(b"g ") for data in kept)
-            # The stopped waiter resumes: its take queues it again, behind the holder; only
-            # then does it read the hand-over told while it was stopped. (Read before its take,
-            # the hand-over has expired: the next test shows that order, for real.)
-            resume()
-            assert await wait_for_queue(raw_redis, prefix, name, 1, kind) == [stopped_owner]
-            await anyio.sleep(0.05)
-            wakes = stopped._backend._wakes  # type: ignore[attr-defined]
-            for data in kept:
-                wakes._dispatch(data)
-            await anyio.sleep(0.2)
-            # The lock is the third client's: the stale hand-over must not end the acquire.
-            assert not got, "an acquire returned a grant of a lease that had expired"
-            assert await holder_of(third, name, kind) == later[0].grant.owner
-            await later[0].release()
-            # Its place is live: the release hands the lock to it, with a newer token.
-            with anyio.fail_after(5):
-                while not got:  # noqa: ASYNC110 (the waiter's task appends)
-                    await anyio.sleep(0.01)
-        assert got[0].token > later[0].token
-        assert await holder_of(third, name, kind) == got[0].grant.owner
-        await got[0].release()
+        waiting = asyncio.ensure_future(take(stopped, hold == "shared"))
+        (stopped_owner,) = await wait_for_queue(raw_redis, prefix, name, 1, kind)
+        # For shared holds an exclusive waiter behind it, so that the stopped one queues again
+        # on resuming.
+        behind = asyncio.ensure_future(take(first if hold == "shared" else third, False))
+        await wait_for_queue(raw_redis, prefix, name, 2, kind)
+        await holder.release()
+        # Handed to the stopped waiter, which neither hears of it nor renews it: it expires,
+        # and the next in line takes the lock.
+        assert await holder_of(third, name, kind) == stopped_owner
+        with anyio.fail_after(5):
+            later = await behind
+        assert any(data.startswith(b"g ") for data in kept)
+        # The stopped waiter resumes: its take queues it again, behind the holder; only then
+        # does it read the hand-over told while it was stopped. (Read before its take, the
+        # hand-over has expired: the next test shows that order, for real.)
+        resume()
+        assert await wait_for_queue(raw_redis, prefix, name, 1, kind) == [stopped_owner]
+        await anyio.sleep(0.05)
+        for data in kept:
+            stopped._backend._wakes._dispatch(data)  # type: ignore[attr-defined]
+        await anyio.sleep(0.2)
+        # The lock is the third client's: the stale hand-over must not end the acquire.
+        assert not waiting.done(), "an acquire returned a grant of a lease that had expired"
+        assert await holder_of(third, name, kind) == later.grant.owner
+        await later.release()
+        # Its place is live: the release hands the lock to it, with a newer token.
+        with anyio.fail_after(5):
+            got = await waiting
+        assert got.token > later.token
+        assert await holder_of(third, name, kind) == got.grant.owner
+        await got.release()
         # Nothing of the name is left: no lock held for an acquire that is over, no place.
         assert await redis_leftovers(redis_server, prefix, "no such client") == []
 
@@ -180,27 +169,20 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
             line = await anyio.to_thread.run_sync(child.stdout.readline)
             assert line.strip() == "ready", line
             (stopped_owner,) = await wait_for_queue(raw_redis, prefix, name, 1)
-            later: list[asynclock.Lease] = []
-
-            async def wait() -> None:
-                later.append(await third.acquire(name, ttl=30, timeout=10))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(wait)
-                await wait_for_queue(raw_redis, prefix, name, 2)
-                os.kill(child.pid, signal.SIGSTOP)
-                await holder.release()
-                assert await holder_of(third, name, "lock") == stopped_owner
-                with anyio.fail_after(5):
-                    while not later:  # noqa: ASYNC110 (the waiter's task appends)
-                        await anyio.sleep(0.01)
-                os.kill(child.pid, signal.SIGCONT)
-                # Resumed: it queues again behind the third client's hold, and waits.
-                assert await wait_for_queue(raw_redis, prefix, name, 1) == [stopped_owner]
-                await anyio.sleep(0.3)
-                assert await holder_of(third, name, "lock") == later[0].grant.owner
-                released = time.time()
-                await later[0].release()
+            waiter = asyncio.ensure_future(third.acquire(name, ttl=30, timeout=10))
+            await wait_for_queue(raw_redis, prefix, name, 2)
+            os.kill(child.pid, signal.SIGSTOP)
+            await holder.release()
+            assert await holder_of(third, name, "lock") == stopped_owner
+            with anyio.fail_after(5):
+                later = await waiter
+            os.kill(child.pid, signal.SIGCONT)
+            # Resumed: it queues again behind the third client's hold, and waits.
+            assert await wait_for_queue(raw_redis, prefix, name, 1) == [stopped_owner]
+            await anyio.sleep(0.3)
+            assert await holder_of(third, name, "lock") == later.grant.owner
+            released = time.time()
+            await later.release()
             out, _ = await anyio.to_thread.run_sync(
                 functools.partial(child.communicate, timeout=20)
             )
@@ -217,6 +199,6 @@ async def test_a_client_stopped_in_line_past_its_place_leaves_no_holder_when_it_
         # It held the lock only after the third client released it: its place was live.
         assert seen[0] == "got", out
         assert float(seen[1]) > released, out
-        assert int(seen[2]) > later[0].token, out
+        assert int(seen[2]) > later.token, out
         # It exited: nothing of the name is left, at once (no ghost hold, no place).
         assert await redis_leftovers(redis_server, prefix, "no such client") == []

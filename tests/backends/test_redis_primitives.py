@@ -4,6 +4,7 @@ later renewals. (What every backend must do is in tests/contract/test_primitives
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import uuid
 from typing import Any
@@ -24,7 +25,7 @@ from tests.contract.backend_redis import (
     redis_leftovers,
     wait_for_queue,
 )
-from tests.contract.harness import hold_until_cancelled
+from tests.contract.harness import hold_until_cancelled, until
 
 pytestmark = pytest.mark.anyio
 
@@ -86,16 +87,10 @@ async def test_a_release_hands_over_to_every_reader_up_to_the_next_writer(
                 await anyio.sleep(0.1)
                 order.append(f"{label} out")
 
+        queue = [("r1", first, True), ("r2", second, True)]
+        queue += [("w", second, False), ("r3", first, True)]
         async with anyio.create_task_group() as tg:
-            for length, (label, locks, shared) in enumerate(
-                [
-                    ("r1", first, True),
-                    ("r2", second, True),
-                    ("w", second, False),
-                    ("r3", first, True),
-                ],
-                start=1,
-            ):
+            for length, (label, locks, shared) in enumerate(queue, start=1):
                 tg.start_soon(take, label, locks, shared)
                 await wait_for_queue(raw_redis, prefix, name, length)
             await writer.release()
@@ -156,19 +151,14 @@ async def test_a_change_of_leader_is_pushed_also_after_the_wake_connection_was_k
         await backend.wait_for_change(name, "election", seen, 0.3)
         assert 0.25 < anyio.current_time() - started < 1.0
 
-        async def kill() -> None:
-            await anyio.sleep(0.2)
-            await kill_connections(redis_server, client_name)
-
         # The wake connection killed: the wait returns, and watching resumes on a new one.
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(kill)
-            started = anyio.current_time()
-            await backend.wait_for_change(name, "election", seen, 5)
-            assert anyio.current_time() - started < 1.0
-        with anyio.fail_after(5):
-            while backend._wakes is None or backend._wakes._conn is None:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
+        started = anyio.current_time()
+        waiting = asyncio.ensure_future(backend.wait_for_change(name, "election", seen, 5))
+        await anyio.sleep(0.2)
+        await kill_connections(redis_server, client_name)
+        await waiting
+        assert anyio.current_time() - started < 1.0
+        await until(lambda: backend._wakes is not None and backend._wakes._conn is not None)
 
         async def campaign() -> None:
             await anyio.sleep(0.2)
@@ -199,9 +189,7 @@ async def test_a_try_with_other_permits_raises_while_a_task_of_the_same_client_w
             tg.start_soon(
                 hold_until_cancelled, locks.semaphore(name, permits=1).lock(ttl=5, timeout=10)
             )
-            with anyio.fail_after(5):
-                while not backend_of(locks)._wakes.waits_for(f"semaphore {name}"):  # type: ignore[union-attr]  # noqa: ASYNC110
-                    await anyio.sleep(0.005)
+            await until(lambda: backend_of(locks)._wakes.waits_for(f"semaphore {name}"))  # type: ignore[union-attr]
             assert await locks.semaphore(name, permits=1).try_acquire(ttl=5) is None
             with pytest.raises(asynclock.InvalidArgument, match="1 permits"):
                 await locks.semaphore(name, permits=2).try_acquire(ttl=5)

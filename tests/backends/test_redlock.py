@@ -46,9 +46,6 @@ def holders(servers: Sequence[RedisServer], key: str) -> list[str | None]:
     return [command(server.host, server.port, "GET", key) for server in servers]
 
 
-# -- URLs, options, capabilities --------------------------------------------------------------
-
-
 def test_url_lists_masters_with_shared_db_credentials_and_options() -> None:
     backend = RedlockBackend.from_url(
         "redlock://bob:pw@10.0.0.1:7000,10.0.0.2,[::1]:7002/2",
@@ -62,23 +59,6 @@ def test_url_lists_masters_with_shared_db_credentials_and_options() -> None:
     assert (backend.drift, backend.max_retry_delay, settings.prefix) == (0.02, 0.05, "app:")
     assert backend.describe() == "redlock://bob@10.0.0.1:7000,10.0.0.2:6379,[::1]:7002/2"
     assert RedlockBackend.from_url("redlock://a:1,b:2,c:3,d:4,e:5", {}).quorum == 3
-
-
-@pytest.mark.parametrize(
-    ("url", "options", "error", "message"),
-    [
-        ("redlock:///0", {}, asynclock.InvalidURL, "names no masters"),
-        ("redlock://a:1,b:2,a:1/0", {}, asynclock.InvalidURL, "twice"),
-        ("redlock://a,b,c/x", {}, asynclock.InvalidURL, "database number"),
-        ("redlock://a,b,c/0", {"drift": "0.7"}, asynclock.InvalidArgument, "drift"),
-        ("redlock://a,b,c/0", {"ssl_certfile": "/c"}, asynclock.InvalidArgument, "tls=true"),
-    ],
-)
-def test_bad_urls_and_options_are_refused(
-    url: str, options: dict[str, Any], error: type[Exception], message: str
-) -> None:
-    with pytest.raises(error, match=message):
-        asynclock.connect(url, **options)
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -103,9 +83,6 @@ def test_requiring_fencing_is_refused_before_connecting() -> None:
         asynclock.connect(url, require=["fencing"])
     capabilities = RedlockBackend.capabilities
     assert not capabilities.fencing and capabilities.quorum and not capabilities.fifo
-
-
-# -- the algorithm ----------------------------------------------------------------------------
 
 
 async def test_validity_starts_before_the_first_request_and_leaves_out_the_drift(
@@ -201,9 +178,6 @@ async def test_a_minority_revoked_is_tolerated_and_a_majority_revoked_is_loss(
         assert isinstance(outcome, Lost)
         assert "2 of 3 masters" in outcome.reason
         await lease.release()
-
-
-# -- faults on a minority (locking goes on) and on a majority (no grant) ----------------------
 
 
 # A round that the faulty master does not answer within its grace says so (timing decides).
@@ -306,9 +280,6 @@ async def test_a_majority_unreachable_refuses_to_grant(
                 front.pass_through()
 
 
-# -- many waiters ------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(("waiters", "clients"), [(1000, 1), (300, 3)])
 async def test_many_waiters_all_pass_quickly_over_one_connection_per_master(
     redis_servers: list[RedisServer], prefix: str, name: str, waiters: int, clients: int
@@ -405,15 +376,12 @@ async def test_many_waiters_that_give_up_leave_nothing_behind(
     assert await redlock_leftovers(redis_servers, prefix, client_name) == []
 
 
-# -- connections that die, and a paused client -------------------------------------------------
-
-
-@pytest.mark.parametrize("settle", [0.05, 0.0])
 async def test_a_killed_connection_between_holds_does_not_fail_the_next_acquire(
-    redis_servers: list[RedisServer], prefix: str, name: str, settle: float
+    redis_servers: list[RedisServer], prefix: str, name: str
 ) -> None:
-    """CLIENT KILL on one master, then on all three, between holds; with ``settle=0`` the
-    request goes out on the dead connection and is sent again on a new one."""
+    """CLIENT KILL on one master, then on all three, between holds: the request goes out at once
+    on the dead connection and is sent again on a new one. (A reset noticed before the next
+    request: tests/contract/test_faults.py, (b).)"""
     client_name = f"asynclock-kill-{uuid.uuid4().hex[:8]}"
     async with connect(redis_servers, prefix, client_name=client_name) as locks:
         async with locks.lock(name, ttl=2):
@@ -421,21 +389,16 @@ async def test_a_killed_connection_between_holds_does_not_fail_the_next_acquire(
         masters = locks._backend._masters  # type: ignore[attr-defined]
         made = [master.connections_made for master in masters]
         assert await kill_connections(redis_servers[0], client_name) == 1
-        await anyio.sleep(settle)
         async with locks.lock(name, ttl=2):
             pass
         for server in redis_servers:
             assert await kill_connections(server, client_name) == 1
-        await anyio.sleep(settle)
         lease = await locks.try_acquire(name, ttl=2)
         assert lease is not None
         await lease.release()
         # Replaced, not piled up: one connection per master again.
-        assert [master.connections_made for master in masters] == [
-            made[0] + 2,
-            made[1] + 1,
-            made[2] + 1,
-        ]
+        replaced = [made[0] + 2, made[1] + 1, made[2] + 1]
+        assert [master.connections_made for master in masters] == replaced
         assert [await connections_named(s, client_name) for s in redis_servers] == [1, 1, 1]
     assert await redlock_leftovers(redis_servers, prefix, client_name) == []
 
@@ -453,9 +416,6 @@ async def test_a_reply_that_arrived_during_a_pause_of_the_client_is_not_a_timeou
         lease = await attempt
         assert lease is not None
         await lease.release()
-
-
-# -- the connection set-up, and masters that hang ---------------------------------------------
 
 
 async def test_password_user_and_database_reach_every_master(prefix: str, name: str) -> None:

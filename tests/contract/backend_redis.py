@@ -21,7 +21,7 @@ from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend
 from asynclock.testing import RedisServer, free_port
 from asynclock.testing._redis_topologies import RedisClusterNodes, RedisNode, RedisSentinelGroup
-from tests.contract.harness import BackendUnderTest
+from tests.contract.harness import BackendUnderTest, until
 
 
 async def redis_leftovers(server: RedisServer, prefix: str, client_name: str) -> list[str]:
@@ -85,6 +85,12 @@ def single_redis(name: str, redis_server: RedisServer) -> BackendUnderTest:
 
 
 # -- shared by tests/backends/test_redis*.py and test_redlock.py -------------------------------
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of the test's own, so tests never see each other's keys."""
+    return f"test-{uuid.uuid4().hex[:10]}:"
 
 
 @pytest.fixture
@@ -165,9 +171,7 @@ async def wait_for_queue(
 async def replicated(replica: RedisNode, key: str) -> None:
     """Until ``replica`` has ``key`` (replication is asynchronous; KEYS, as a cluster's
     replica redirects GET)."""
-    with anyio.fail_after(5):
-        while not replica.call("KEYS", key):  # noqa: ASYNC110 (polls the replica)
-            await anyio.sleep(0.01)
+    await until(lambda: bool(replica.call("KEYS", key)))
 
 
 async def kill_connections(server: RedisServer, client_name: str) -> int:
