@@ -481,14 +481,8 @@ async def test_saq_worker_opens_the_client_at_startup_and_closes_it_at_shutdown_
                 # Run again once each without using up the job's retries, then a failure.
                 assert (rerun.status, rerun.result) == (Status.COMPLETE, "run 2"), rerun.error
                 assert losing.runs == {4: 2, 6: 2}
-                assert (
-                    lost.meta["asynclock"]
-                    == rerun.meta["asynclock"]
-                    == {
-                        "deferrals": 0,
-                        "lost": 1,
-                    }
-                )
+                counts = {"deferrals": 0, "lost": 1}
+                assert lost.meta["asynclock"] == rerun.meta["asynclock"] == counts
                 assert lost.status is Status.FAILED
                 assert "asynclock.LeaseLost: lease on lock 'life/4' was lost" in (lost.error or "")
                 await worker.stop()  # from this task: start-up ran in the worker's

@@ -106,28 +106,14 @@ async def test_redis_lock_server_killed_and_restarted(
     assert_safe(report)
 
 
-@pytest.mark.parametrize("primitive", ["lock", "election"])
-async def test_etcd_leader_killed(postgres_server: PostgresServer, primitive: str) -> None:
-    with EtcdCluster(size=3) as cluster:
-        url = f"{cluster.url}?prefix=/nemesis-{uuid.uuid4().hex[:6]}/"
-        report = await run_safety(
-            fenced(
-                url,
-                postgres_server.url,
-                2.0,
-                duration=8.0,
-                primitive=primitive,
-                nemesis=[(2.5, cluster.kill_leader)],
-            )
-        )
-    assert_safe(report)
-    assert report.token_errors == 0, summary(report)
-
-
-@pytest.mark.parametrize("primitive", ["lock", "semaphore"])
-async def test_zookeeper_leader_killed(postgres_server: PostgresServer, primitive: str) -> None:
-    with ZooKeeperEnsemble(size=3) as ensemble:
-        url = f"{ensemble.url}/nemesis-{uuid.uuid4().hex[:6]}"
+@pytest.mark.parametrize(
+    ("store", "primitive"),
+    [("etcd", "lock"), ("etcd", "election"), ("zookeeper", "lock"), ("zookeeper", "semaphore")],
+)
+async def test_leader_killed(postgres_server: PostgresServer, store: str, primitive: str) -> None:
+    chroot = f"/nemesis-{uuid.uuid4().hex[:6]}"
+    with EtcdCluster(size=3) if store == "etcd" else ZooKeeperEnsemble(size=3) as servers:
+        url = f"{servers.url}?prefix={chroot}/" if store == "etcd" else servers.url + chroot
         report = await run_safety(
             fenced(
                 url,
@@ -136,10 +122,11 @@ async def test_zookeeper_leader_killed(postgres_server: PostgresServer, primitiv
                 duration=8.0,
                 primitive=primitive,
                 workers=5 if primitive == "semaphore" else 4,
-                nemesis=[(2.5, ensemble.kill_leader)],
+                nemesis=[(2.5, servers.kill_leader)],
             )
         )
     assert_safe(report)
+    assert report.token_errors == 0, summary(report)
 
 
 async def test_redis_sentinel_master_fails_before_replicating(
