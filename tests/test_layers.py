@@ -1,7 +1,7 @@
 """The package's layering, checked from the source (every import, TYPE_CHECKING ones too).
 
-- no import circle anywhere in asynclock (imports made when a module is imported; one inside a
-  function is lazy on purpose);
+- no import circle anywhere in asynclock, counting every import (inside functions too: a lazy
+  import still ties the two modules together);
 - a backend imports only the backend kit, its own package, its driver and the standard library:
   never the core (``_client``, ``_lease``, ``_registry``...) and never another backend;
 - no file over 500 lines, no class over 350, no function over 80 (scripts/limits.py).
@@ -33,7 +33,7 @@ def _imports(module: str) -> set[str]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in _module_level(ast.parse(path.read_text(encoding="utf-8")).body):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -46,22 +46,6 @@ def _imports(module: str) -> set[str]:
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return {name for name in found if name in MODULES and name != module}
-
-
-def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
-    """The statements run when the module is imported (``if TYPE_CHECKING:`` and ``try:``
-    blocks included); not function bodies, where an import is lazy on purpose (the old import
-    paths of the extras, kept for compatibility, import them on first use)."""
-    found: list[ast.stmt] = []
-    for node in body:
-        found.append(node)
-        if isinstance(node, ast.If):
-            found += _module_level(node.body) + _module_level(node.orelse)
-        elif isinstance(node, ast.Try):
-            found += _module_level(node.body) + _module_level(node.finalbody)
-            for handler in node.handlers:
-                found += _module_level(handler.body)
-    return found
 
 
 GRAPH = {module: _imports(module) for module in MODULES}
@@ -86,17 +70,13 @@ def test_there_is_no_import_circle() -> None:
     assert circles == []
 
 
-_OLD_PATHS = {"redlock": "redis", "_redis_scripts": "redis"}
-
-
 def test_backends_import_only_the_kit_and_their_own_package() -> None:
     upward = []
     for module, targets in GRAPH.items():
         parts = module.split(".")
         if len(parts) < 3 or parts[1] != "backends" or parts[2] == "_kit":
             continue
-        # The old module paths of the Redis family re-export from its package.
-        own = "asynclock.backends." + _OLD_PATHS.get(parts[2], parts[2])
+        own = "asynclock.backends." + parts[2]
         for target in targets:
             if target == "asynclock.backends" or target.startswith(
                 ("asynclock.backends._kit", own)

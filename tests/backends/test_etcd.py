@@ -423,10 +423,6 @@ async def test_a_take_whose_answer_was_lost_is_sent_again_and_finds_its_own_key(
 
 
 async def test_fenced_txn_commits_only_while_our_key_has_our_create_revision(etcd: Etcd) -> None:
-    import asynclock.backends.etcd as old_path
-
-    # The old import path still works (kept for compatibility).
-    assert old_path.fenced_txn is fenced_txn and old_path.fence_compare is fence_compare
     data = f"{etcd.prefix}data".encode()
     async with etcd.connect() as locks, etcd.connect() as other, etcd.raw() as direct:
         lease = await locks.acquire("guarded", ttl=6)

@@ -23,11 +23,10 @@ import asyncpg
 import pytest
 
 import asynclock
-import asynclock.backends.postgres as backend_module
 from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, lock_key
 from asynclock.backends.postgres._kinds import kind_key, permits_class
-from asynclock.extras.postgres import TransactionLock, transaction_lock
+from asynclock.extras.postgres import transaction_lock
 from asynclock.testing import FaultProxy, PgBouncerServer, PostgresServer, free_port
 from asynclock.testing._safety import SafetyConfig, run_safety
 from tests.contract.backend_postgres import Pg, backend_of, start_holder, terminate_holder, until
@@ -93,11 +92,6 @@ def test_url_options_reach_the_driver_and_keys_depend_on_the_name_and_schema() -
     assert PostgresBackend.from_url("postgres://h/db", {"ssl": context})._ssl is context
     # Multi-host and IPv6 URLs are libpq's and asyncpg's; they pass.
     PostgresBackend.from_url("postgresql://u@h1:5432,h2:5433,[::1]:5434/db", {})
-    # transaction_lock is still importable from the backend.
-    assert backend_module.transaction_lock is transaction_lock
-    assert backend_module.TransactionLock is TransactionLock
-    with pytest.raises(AttributeError, match="no_such_name"):
-        _ = backend_module.no_such_name
     # Lock keys depend on the full name and the schema.
     names = ["a", "a/", "a/b", "ü", "u", "x" * 512, "x" * 511, "%2F", "/"]
     assert len({lock_key(each) for each in names}) == len(names)

@@ -16,8 +16,8 @@ import redis.asyncio
 
 import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
-from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend, RedisDurabilityWarning, RedisGrant
+from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import FaultProxy, PostgresServer, RedisServer
 from tests.contract.backend_redis import (
     RedisServerWith,

@@ -15,7 +15,7 @@ import pytest
 from redis.crc import key_slot
 
 import asynclock
-from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis import _scripts as lua
 from asynclock.backends.redis.backend import RedisGrant
 from asynclock.backends.redis.cluster import RedisClusterBackend
 from asynclock.testing._redis_topologies import RedisClusterNodes

@@ -26,8 +26,8 @@ import redis.asyncio
 
 import asynclock
 from asynclock.abc import Kind
-from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend, _fair
+from asynclock.backends.redis import _scripts as lua
 from asynclock.backends.redis._lane import Undo
 from asynclock.backends.redis._scripts import Arg
 from asynclock.testing import RedisServer

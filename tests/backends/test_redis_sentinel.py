@@ -15,8 +15,8 @@ import anyio
 import pytest
 
 import asynclock
-from asynclock.backends import _redis_scripts as lua
 from asynclock.backends._kit import HostPort
+from asynclock.backends.redis import _scripts as lua
 from asynclock.backends.redis.sentinel import RedisSentinelBackend
 from asynclock.testing import free_port
 from asynclock.testing._redis_topologies import SERVICE, RedisSentinelGroup

@@ -14,7 +14,7 @@ import redis.asyncio
 from redis.crc import key_slot
 
 from asynclock.abc import Renewed
-from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis import _scripts as lua
 from asynclock.backends.redis._lane import MAX_BUSY
 from asynclock.testing import RedisServer
 from tests.contract.backend_redis import (

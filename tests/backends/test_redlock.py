@@ -16,8 +16,8 @@ import redis.asyncio
 
 import asynclock
 from asynclock.abc import Lost, Renewed
-from asynclock.backends import _redis_scripts as lua
-from asynclock.backends.redlock import RedlockBackend, RedlockGrant
+from asynclock.backends.redis import RedlockBackend, RedlockGrant
+from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import FaultProxy, RedisServer, free_port
 from asynclock.testing._redis_topologies import command
 from tests.contract.backend_redis import connections_named, kill_connections

@@ -22,7 +22,6 @@ import asynclock
 from asynclock.abc import LockInfo, LockRequest
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
 from asynclock.backends.zookeeper._queue import MARK_AFTER
-from asynclock.extras.zookeeper import ReadWriteLock
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble
 from tests.contract.backend_zookeeper import (
     Zk,
@@ -724,25 +723,6 @@ async def test_credentials_protect_lock_nodes_from_other_clients(zk: Zk) -> None
         await again.release()
     # The fixture's client deletes the chroot afterwards: with the credentials.
     await anonymous.send(protocol.AuthRequest(type=0, scheme="digest", auth=b"app:s3cret"))
-
-
-# -- read-write locks ------------------------------------------------------------------------
-
-
-async def test_the_deprecated_read_write_lock_takes_shared_and_exclusive_holds(zk: Zk) -> None:
-    from asynclock.backends import zookeeper
-
-    assert zookeeper.ReadWriteLock is ReadWriteLock  # still importable from the backend
-    with pytest.raises(AttributeError):
-        zookeeper.NoSuchName  # noqa: B018
-    async with zk.connect() as locks:
-        with pytest.warns(DeprecationWarning, match=r"locks\.lock\(name, shared=True\)"):
-            rw = ReadWriteLock(locks, "rw")
-        async with rw.read(ttl=5) as reader:
-            assert reader.shared and await locks.try_acquire("rw", ttl=5) is None
-        async with rw.write(ttl=5) as writer:
-            assert not writer.shared and writer.token > reader.token
-            assert await locks.try_acquire("rw", ttl=5, shared=True) is None
 
 
 # -- shared holds, semaphores and elections in the tree, through the backend's own calls -----

@@ -6,7 +6,7 @@ import pytest
 import redis.asyncio
 from redis.crc import key_slot
 
-from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import Server
 from asynclock.testing._redis_topologies import RedisClusterNodes
 from tests.contract.harness import BackendUnderTest

@@ -17,8 +17,9 @@ import redis.asyncio
 
 import asynclock
 from asynclock.abc import Kind
-from asynclock.backends import _redis_scripts as lua
 from asynclock.backends.redis import RedisBackend
+from asynclock.backends.redis import _scripts as lua
+from asynclock.backends.redis._lane import Lane
 from asynclock.testing import RedisServer, free_port
 from asynclock.testing._redis_topologies import RedisClusterNodes, RedisNode, RedisSentinelGroup
 from tests.contract.harness import BackendUnderTest, until
@@ -144,7 +145,7 @@ async def connections_named(server: RedisServer, client_name: str) -> int:
         return sum(1 for entry in await raw.client_list() if entry.get("name") == client_name)
 
 
-def lane_of(locks: asynclock.LockClient) -> lua.Lane:
+def lane_of(locks: asynclock.LockClient) -> Lane:
     lane = backend_of(locks)._lane
     assert lane is not None
     return lane

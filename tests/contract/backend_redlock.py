@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import pytest
 import redis.asyncio
 
-from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import RedisServer
 from tests.contract.backend_redis import redis_leftovers
 from tests.contract.harness import BackendUnderTest

@@ -6,7 +6,7 @@ import uuid
 import pytest
 import redis.asyncio
 
-from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import ServerError
 from asynclock.testing._redis_topologies import SERVICE, RedisSentinelGroup
 from tests.contract.backend_redis import redis_leftovers

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from asynclock.backends import _redis_scripts as lua
+from asynclock.backends.redis import _scripts as lua
 from asynclock.testing import (
     EtcdCluster,
     PostgresServer,

@@ -63,19 +63,7 @@ The package, imported in one direction (each file only from those below it):
 
 from __future__ import annotations
 
-from typing import Any
-
 from ._lease import EtcdGrant
 from .backend import EtcdBackend
 
-__all__ = ("EtcdBackend", "EtcdGrant", "fence_compare", "fenced_txn")
-
-
-def __getattr__(name: str) -> Any:
-    # Kept for compatibility: fenced_txn and fence_compare live in asynclock.fencing (above
-    # the backends, as they take a Lease); imported lazily, on first use of the old path.
-    if name in ("fenced_txn", "fence_compare"):
-        from ...fencing import _etcd
-
-        return getattr(_etcd, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ("EtcdBackend", "EtcdGrant")

@@ -86,19 +86,7 @@ Files (imports go down this list, never up)
     :func:`lock_key`. ``transaction_lock`` lives in :mod:`asynclock.extras.postgres`.
 """
 
-from typing import Any
-
 from ._sql import lock_key
 from .backend import PostgresBackend, PostgresGrant
 
-__all__ = ("PostgresBackend", "PostgresGrant", "TransactionLock", "lock_key", "transaction_lock")
-
-
-def __getattr__(name: str) -> Any:
-    # Kept for compatibility: transaction_lock needs the client, so it lives above the
-    # backends, in asynclock.extras.postgres; imported only when asked for.
-    if name in ("transaction_lock", "TransactionLock"):
-        from ...extras import postgres
-
-        return getattr(postgres, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ("PostgresBackend", "PostgresGrant", "lock_key")

@@ -53,20 +53,8 @@ The package, imported in one direction (each file only from those below it):
 
 from __future__ import annotations
 
-from typing import Any
-
 from ._lease import ZooKeeperGrant
 from ._names import encode_name
 from .backend import ZooKeeperBackend
 
-__all__ = ("ReadWriteLock", "ZooKeeperBackend", "ZooKeeperGrant", "encode_name")
-
-
-def __getattr__(name: str) -> Any:
-    # Kept for compatibility: ReadWriteLock lives in asynclock.extras.zookeeper (above the
-    # backends, as it needs the client); imported lazily, on first use of the old path.
-    if name == "ReadWriteLock":
-        from ...extras.zookeeper import ReadWriteLock
-
-        return ReadWriteLock
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ("ZooKeeperBackend", "ZooKeeperGrant", "encode_name")
