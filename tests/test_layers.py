@@ -3,7 +3,8 @@
 - no import circle anywhere in asynclock, counting every import (inside functions too: a lazy
   import still ties the two modules together);
 - a backend imports only the backend kit, its own package, its driver and the standard library:
-  never the core (``_client``, ``_lease``, ``_registry``...) and never another backend;
+  never the core (``_client``, ``_lease``, ``_registry``...) and never another backend; above
+  the backends, a backend is imported by its package's names, never its files;
 - no file over 500 lines, no class over 350, no function over 80 (scripts/limits.py).
 """
 
@@ -84,6 +85,18 @@ def test_backends_import_only_the_kit_and_their_own_package() -> None:
                 continue
             upward.append(f"{module} imports {target}")
     assert upward == []
+
+
+def test_above_the_backends_only_a_backend_packages_own_names_are_imported() -> None:
+    # transaction_lock and etcd's fenced_txn call their backend through its package's names.
+    reaching = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if not module.startswith("asynclock.backends")
+        for target in targets
+        if target.startswith("asynclock.backends.") and target.count(".") > 2
+    ]
+    assert reaching == []
 
 
 def test_files_classes_and_functions_are_within_the_size_limits() -> None:

@@ -1014,6 +1014,11 @@ async def test_transaction_lock_commits_or_rolls_back_and_excludes_session_locks
     with pytest.raises(asynclock.InvalidArgument, match="asyncpg connection"):
         async with transaction_lock(42, pg.name):
             pass
+    # Checked before anything connects (nothing listens on port 1), as are the others' URLs.
+    for target, error in [("postgresql://127.0.0.1:1/db", "idle_timeout"), ("redis://h", "URL")]:
+        with pytest.raises(asynclock.InvalidArgument, match=error):
+            async with transaction_lock(target, pg.name, idle_timeout=0 if "db" in target else 1):
+                pass
 
 
 async def test_transaction_lock_returns_a_clean_connection_and_a_cancelled_wait_no_waiter(

@@ -83,10 +83,12 @@ Files (imports go down this list, never up)
     statements of shared holds and elections, the holders' table and the keys of each kind;
     ``_semaphore_sql.py`` the statements of semaphores; ``_translate.py`` asyncpg's errors into
     asynclock's; ``_urls.py`` the URL and options; ``_sql.py`` the statements and
-    :func:`lock_key`. ``transaction_lock`` lives in :mod:`asynclock.extras.postgres`.
+    :func:`lock_key`; ``_xact_lock.py`` a lock for one transaction, the driver's half of
+    ``transaction_lock`` (which lives in :mod:`asynclock.extras.postgres`).
 """
 
 from ._sql import lock_key
+from ._xact_lock import xact_lock
 from .backend import PostgresBackend, PostgresGrant
 
-__all__ = ("PostgresBackend", "PostgresGrant", "lock_key")
+__all__ = ("PostgresBackend", "PostgresGrant", "lock_key", "xact_lock")
