@@ -12,7 +12,7 @@ request cannot come earlier than ``timestamp + ttl``, which is what makes the lo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Self, TypeVar
 
@@ -204,6 +204,38 @@ class LockInfo:
     permits: int | None = None
     #: An election's leader value (the holder's ``LockRequest.value``).
     value: bytes | None = None
+
+    @classmethod
+    def of(
+        cls,
+        name: str,
+        kind: Kind,
+        holders: Iterable[HolderInfo],
+        *,
+        waiters: int | None = None,
+        permits: int | None = None,
+        held: bool | None = None,
+        holder: str | None = None,
+    ) -> LockInfo:
+        """What every store's ``inspect()`` returns, from the current holds in any order: the
+        hold with the lowest token describes the name, a semaphore's ``permits`` show while
+        anyone holds or waits, an election's value is its leader's. ``held`` defaults to
+        whether there is a hold (a store that cannot list an exclusive holder says so)."""
+        ordered = tuple(sorted(holders, key=lambda hold: -1 if hold.token is None else hold.token))
+        first = ordered[0] if ordered else HolderInfo()
+        return cls(
+            name,
+            held=bool(ordered) if held is None else held,
+            owner=first.owner,
+            token=first.token,
+            expires_in=first.expires_in,
+            waiters=waiters,
+            holder=holder,
+            kind=kind,
+            holders=ordered,
+            permits=permits if kind == "semaphore" and (ordered or held or waiters) else None,
+            value=first.value if kind == "election" else None,
+        )
 
 
 class WaiterRegistry(ABC):

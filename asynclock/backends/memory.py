@@ -289,24 +289,11 @@ class MemoryBackend(Backend[Grant]):
         holds = lock.all_holds(at)
         waiting = len(lock.waiters)
         permits = lock.permits if kind == "semaphore" and (holds or waiting) else None
-        if not holds:
-            return LockInfo(name, held=False, waiters=waiting, kind=kind, permits=permits)
-        first = holds[0]
-        return LockInfo(
-            name,
-            held=True,
-            owner=first.owner,
-            token=first.token,
-            expires_in=first.expires_at - at,
-            waiters=waiting,
-            kind=kind,
-            holders=tuple(
-                HolderInfo(held.owner, held.token, held.expires_at - at, held.shared, held.value)
-                for held in holds
-            ),
-            permits=permits,
-            value=first.value if kind == "election" else None,
+        holders = (
+            HolderInfo(held.owner, held.token, held.expires_at - at, held.shared, held.value)
+            for held in holds
         )
+        return LockInfo.of(name, kind, holders, waiters=waiting, permits=permits)
 
     async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
         lock = self._store.get(name, kind)

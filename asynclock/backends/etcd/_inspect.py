@@ -90,7 +90,7 @@ class Inspector:
             kvs[0] = ranges[1].kvs[0]  # the leader, with its value (read in the same txn)
         holding, permits = _holding(kvs, kind) if kvs else ((), None)
         if not holding:
-            return LockInfo(name, held=False, waiters=len(kvs), kind=kind, permits=permits)
+            return LockInfo.of(name, kind, (), waiters=len(kvs), permits=permits)
         # The lease the key rides on now (extend() moves a key off the lease its name says).
         expires = await self._expiries({int(kv.lease) or lease_of(bytes(kv.key)) for kv in holding})
         holders = tuple(
@@ -103,19 +103,7 @@ class Inspector:
             )
             for kv in holding
         )
-        first = holders[0]
-        return LockInfo(
-            name,
-            held=True,
-            owner=first.owner,
-            token=first.token,
-            expires_in=first.expires_in,
-            waiters=len(kvs) - len(holding),
-            kind=kind,
-            holders=holders,
-            permits=permits,
-            value=first.value,
-        )
+        return LockInfo.of(name, kind, holders, waiters=len(kvs) - len(holding), permits=permits)
 
     async def _expiries(self, lease_ids: set[int]) -> dict[int, float | None]:
         """The remaining ttl of each lease (None: expired, or unknown)."""

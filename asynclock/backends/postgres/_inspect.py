@@ -55,18 +55,8 @@ async def inspect_key(
         # progress): no leader is known until it has, and its NOTIFY comes then. Shown as
         # nobody, never as a leader without a value or token.
         return LockInfo(name, held=False, waiters=waiters, kind=kind)
-    first = holders[0] if holders else HolderInfo()
-    return LockInfo(
-        name,
-        held=True,
-        owner=first.owner,
-        token=first.token,
-        waiters=waiters,
-        holder=f"{granted[0]['application_name'] or '?'} (backend pid {granted[0]['pid']})",
-        kind=kind,
-        holders=holders,
-        value=first.value,
-    )
+    holder = f"{granted[0]['application_name'] or '?'} (backend pid {granted[0]['pid']})"
+    return LockInfo.of(name, kind, holders, waiters=waiters, held=True, holder=holder)
 
 
 async def inspect_semaphore(
@@ -74,17 +64,14 @@ async def inspect_semaphore(
 ) -> LockInfo:
     held, permits, waiters = await connection.fetchrow(sql, klass, key)
     rows = await connection.fetch(permits_sql, key) if held else []
-    holders = tuple(HolderInfo(owner=row["owner"], token=row["token"]) for row in rows)
-    first = holders[0] if holders else HolderInfo()
-    return LockInfo(
+    holders = (HolderInfo(owner=row["owner"], token=row["token"]) for row in rows)
+    return LockInfo.of(
         name,
-        held=bool(held),
-        owner=first.owner,
-        token=first.token,
+        "semaphore",
+        holders,
         waiters=int(waiters),
-        kind="semaphore",
-        holders=holders,
         permits=None if permits is None else int(permits),
+        held=bool(held),
     )
 
 

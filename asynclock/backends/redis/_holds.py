@@ -79,20 +79,7 @@ def info_from(name: str, kind: Kind, reply: Any) -> LockInfo:
                 value=value if kind == "election" else None,
             )
         )
-    holds.sort(key=lambda hold: hold.token if hold.token is not None else -1)
-    first = holds[0] if holds else None
-    return LockInfo(
-        name,
-        held=first is not None,
-        owner=first.owner if first else None,
-        token=first.token if first else None,
-        expires_in=first.expires_in if first else None,
-        waiters=int(waiters),
-        kind=kind,
-        holders=tuple(holds),
-        permits=permits if kind == "semaphore" and (holds or int(waiters)) else None,
-        value=first.value if first is not None and kind == "election" else None,
-    )
+    return LockInfo.of(name, kind, holds, waiters=int(waiters), permits=permits)
 
 
 def differs(now: LockInfo, seen: LockInfo) -> bool:

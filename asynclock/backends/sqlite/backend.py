@@ -421,21 +421,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         permits = None
         if kind == "semaphore":
             permits = held[0].permits if held else seen.permits
-        if not held:
-            return LockInfo(name, held=False, waiters=seen.waiters, kind=kind, permits=permits)
-        first = holders[0]
-        return LockInfo(
-            name,
-            held=True,
-            owner=first.owner,
-            token=first.token,
-            expires_in=first.expires_in,
-            waiters=seen.waiters,
-            kind=kind,
-            holders=holders,
-            permits=permits,
-            value=first.value,
-        )
+        return LockInfo.of(name, kind, holders, waiters=seen.waiters, permits=permits)
 
     async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
         # Polling, as the default; a release by a client of this process wakes it at once.

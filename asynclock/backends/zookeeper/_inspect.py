@@ -58,7 +58,7 @@ async def _read(
     entries = queue(children)
     holding, permits = _holding(entries, kind)
     if not holding:
-        return LockInfo(name, held=False, waiters=len(entries), kind=kind, permits=permits)
+        return LockInfo.of(name, kind, (), waiters=len(entries), permits=permits)
     replies = await session.call_retrying(
         *(zk.GetDataRequest(path=f"{parent}/{entry.child}", watch=False) for entry in holding)
     )
@@ -78,19 +78,7 @@ async def _read(
                 value=bytes(reply.data or b"") if kind == "election" else None,
             )
         )
-    holders.sort(key=lambda holder: holder.token or 0)
-    first = holders[0]
-    return LockInfo(
-        name,
-        held=True,
-        owner=first.owner,
-        token=first.token,
-        waiters=len(entries) - len(holders),
-        kind=kind,
-        holders=tuple(holders),
-        permits=permits,
-        value=first.value,
-    )
+    return LockInfo.of(name, kind, holders, waiters=len(entries) - len(holders), permits=permits)
 
 
 async def inspect(session: Session, tree: Tree, name: str, kind: Kind) -> LockInfo:
