@@ -81,7 +81,7 @@ Files (imports go down this list, never up)
     them and its task; ``_sessions.py`` connections: connecting, the idle pool, ending an
     interrupted session; ``_server.py`` what open() checks and creates; ``_kinds.py`` the
     statements of shared holds and elections, the holders' table and the keys of each kind;
-    ``_semaphore_sql.py`` the statements of semaphores; ``_translate.py`` asyncpg's errors into
+    ``_semaphore_sql.py`` the statements of semaphores; ``_errors.py`` asyncpg's errors into
     asynclock's; ``_urls.py`` the URL and options; ``_sql.py`` the statements and
     :func:`lock_key`; ``_xact_lock.py`` a lock for one transaction, the driver's half of
     ``transaction_lock`` (which lives in :mod:`asynclock.extras.postgres`).

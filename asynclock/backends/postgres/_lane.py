@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import anyio
 
 from .._kit import BackendUnavailable, Grant, now
+from ._errors import connection_broken
 from ._sql import RENEW, UNLOCK
-from ._translate import connection_broken
 
 logger = logging.getLogger("asynclock")
 

@@ -22,9 +22,9 @@ from .._kit import (
     now,
     translate,
 )
+from ._errors import Errors, connection_broken, unmapped
 from ._kinds import Mode
 from ._lane import RENEWAL, TAKE, Lane, PostgresGrant
-from ._translate import Errors, connection_broken, unmapped
 
 logger = logging.getLogger("asynclock")
 

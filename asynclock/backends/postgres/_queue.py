@@ -31,12 +31,12 @@ from typing import Any
 import anyio
 
 from .._kit import LockRequest, TaskHost, permits_mismatch, translate
+from ._errors import Errors
 from ._lane import QUERY, Lane, Op, PostgresGrant
 from ._lanes import Lanes
 from ._semaphore_sql import ENQUEUE_SEMAPHORE
 from ._sessions import Sessions
 from ._sql import ENQUEUE, HEAD, LEAVE, REFRESH, REQUEUE, SWEEP
-from ._translate import Errors
 
 logger = logging.getLogger("asynclock")
 

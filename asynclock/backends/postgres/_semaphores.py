@@ -16,13 +16,13 @@ from typing import Any
 import anyio
 
 from .._kit import LockRequest, now, permits_mismatch, translate
+from ._errors import Errors, connection_broken, unmapped
 from ._kinds import kind_key, permits_class, slot_keys
 from ._lane import PostgresGrant
 from ._queue import Queue
 from ._semaphore_sql import BEGIN_SEMAPHORE, RELEASE_SEMAPHORE, TAKE_SEMAPHORE
 from ._sessions import Replacements, Sessions
 from ._sql import timeout_ms
-from ._translate import Errors, connection_broken, unmapped
 
 
 class Semaphores:

@@ -30,8 +30,8 @@ from .._kit import (
     finish,
     translate,
 )
+from ._errors import CHECKING, CONNECTING, Errors
 from ._sql import END_SESSION, END_TRANSACTION, MARK, PID, SETUP
-from ._translate import CHECKING, CONNECTING, Errors
 from ._urls import Settings
 
 logger = logging.getLogger("asynclock")

@@ -30,10 +30,10 @@ from typing import Any
 import anyio
 
 from .._kit import Capabilities, LockRequest, now, translate
+from ._errors import Errors, connection_broken, unmapped
 from ._lane import PostgresGrant
 from ._sessions import Replacements, Sessions
 from ._sql import RENEW, XACT_TAKE, XACT_WAIT
-from ._translate import Errors, connection_broken, unmapped
 from ._waits import FRESH_WAIT, held_grant
 
 logger = logging.getLogger("asynclock")

@@ -9,10 +9,10 @@ from typing import Any
 import anyio
 
 from .._kit import LockRequest, now, translate
+from ._errors import Errors, connection_broken, unmapped
 from ._lane import PostgresGrant
 from ._sessions import Replacements, Sessions
 from ._sql import RELEASE, RENEW, timeout_ms
-from ._translate import Errors, connection_broken, unmapped
 
 logger = logging.getLogger("asynclock")
 

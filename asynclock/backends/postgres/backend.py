@@ -24,6 +24,7 @@ from .._kit import (
     redact,
     translate,
 )
+from ._errors import CHECKING, Errors
 from ._inspect import Inspector
 from ._kinds import (
     CREATE_HOLDERS,
@@ -58,7 +59,6 @@ from ._sql import (
     timeout_ms,
 )
 from ._transactions import TRANSACTION_CAPABILITIES, TRANSACTION_LIMITS, TransactionHolds
-from ._translate import CHECKING, Errors
 from ._urls import Settings, read_url
 from ._waits import Waits
 

@@ -21,7 +21,7 @@ Layout (imports go down this list, never up):
 - :mod:`._wakes`: the single-server client's wake channel (hand-overs to its waiters, restarts);
 - :mod:`._wire`: Redlock's wire (one pipelined connection per master, in-order cleanup);
 - :mod:`._resp`: the Redis protocol, written and read (both wires);
-- :mod:`._settings`: URL forms, shared options, TLS, error translation;
+- :mod:`._urls`: URL forms, shared options, TLS; :mod:`._errors`: error translation;
 - :mod:`._fair`: the fair queue's Lua scripts, for every kind of hold (exclusive and shared
   locks, semaphore permits, election terms);
 - :mod:`._scripts`: the other Lua scripts and the key names (one copy of each).

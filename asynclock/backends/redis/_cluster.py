@@ -32,7 +32,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from .._kit import HostPort, RetryPolicy, TaskHost
 from . import _scripts as lua
 from ._lane import Lane, Undo, Wait
-from ._settings import Settings
+from ._urls import Settings
 
 logger = logging.getLogger("asynclock")
 

@@ -26,7 +26,7 @@ from .._kit import (
 from . import _fair
 from . import _scripts as lua
 from ._scripts import as_text
-from ._settings import Settings
+from ._urls import Settings
 from ._wakes import WakeChannel
 
 

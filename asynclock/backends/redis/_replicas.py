@@ -20,7 +20,7 @@ from .._kit import InvalidArgument, Options
 from . import _fair
 from . import _scripts as lua
 from ._lane import Lane, Wait
-from ._settings import COMMON_OPTIONS
+from ._urls import COMMON_OPTIONS
 from .backend import _DEFAULT_WAITER_TTL as DEFAULT_WAITER_TTL
 
 #: Options of the backends that offer WAIT.

@@ -23,7 +23,7 @@ import redis.exceptions
 
 from .._kit import Backoff, HostPort, RetryPolicy
 from ._scripts import as_text
-from ._settings import Settings
+from ._urls import Settings
 
 logger = logging.getLogger("asynclock")
 #: Pauses between two sentinels told to report failovers.

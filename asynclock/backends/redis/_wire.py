@@ -26,7 +26,7 @@ import anyio
 
 from .._kit import BackendTimeout, BackendUnavailable, HostPort, TaskHost
 from ._resp import ErrorReply, ProtocolError, pack, read_reply
-from ._settings import Settings
+from ._urls import Settings
 
 logger = logging.getLogger("asynclock")
 

@@ -24,7 +24,7 @@ from . import _scripts as lua
 from ._cluster import ClusterLane, ClusterSettings
 from ._records import RedisWaiters
 from ._replicas import ReplicaWait, topology_options
-from ._settings import DEFAULT_PORT, Settings, common_settings, split_url
+from ._urls import DEFAULT_PORT, Settings, common_settings, split_url
 from .backend import RedisBackend
 
 __all__ = ("RedisClusterBackend",)

@@ -72,7 +72,7 @@ from ._quorum import (
     still_queued,
 )
 from ._resp import finish_closing
-from ._settings import COMMON_OPTIONS, DEFAULT_PORT, Settings, common_settings, split_url
+from ._urls import COMMON_OPTIONS, DEFAULT_PORT, Settings, common_settings, split_url
 from ._wire import Failed, Master, gather
 
 __all__ = ("MIN_MASTERS", "RedlockBackend", "RedlockGrant")

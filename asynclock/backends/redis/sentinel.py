@@ -20,7 +20,7 @@ from typing import Any, Final, Self
 from .._kit import HostPort, InvalidURL, Options, parse_hosts
 from ._replicas import ReplicaWait, topology_options
 from ._sentinel import MasterLocator, SentinelSettings
-from ._settings import common_settings, split_url
+from ._urls import common_settings, split_url
 from .backend import RedisBackend
 
 __all__ = ("RedisSentinelBackend",)
