@@ -77,9 +77,11 @@ class BackendUnderTest:
         return paused(self.servers)
 
 
-def report(test: str, backend: BackendUnderTest, **values: Any) -> None:
-    """Measurements, to the file named by ``ASYNCLOCK_FAULT_REPORT`` (JSON lines), when set."""
-    path = os.environ.get("ASYNCLOCK_FAULT_REPORT")
+def report(
+    test: str, backend: BackendUnderTest, variable: str = "ASYNCLOCK_FAULT_REPORT", **values: Any
+) -> None:
+    """Measurements, to the file named by the environment ``variable`` (JSON lines), when set."""
+    path = os.environ.get(variable)
     if path:
         with open(path, "a", encoding="utf-8") as file:
             file.write(json.dumps({"test": test, "backend": backend.name, **values}) + "\n")
