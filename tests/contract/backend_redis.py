@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,17 @@ async def redis_leftovers(server: RedisServer, prefix: str, client_name: str) ->
     return sorted(keys) + clients
 
 
+async def leftovers_on(servers: Sequence[RedisServer], prefix: str, client_name: str) -> list[str]:
+    """:func:`redis_leftovers` on each of ``servers``."""
+    found: list[str] = []
+    for server in servers:
+        found += [
+            f"{server.address}: {item}"
+            for item in await redis_leftovers(server, prefix, client_name)
+        ]
+    return found
+
+
 @pytest.fixture
 def redis_backend(redis_server: RedisServer) -> BackendUnderTest:
     return single_redis("redis", redis_server)
@@ -58,31 +69,44 @@ def redis_backend(redis_server: RedisServer) -> BackendUnderTest:
 def single_redis(name: str, redis_server: RedisServer) -> BackendUnderTest:
     """The contract backend ``name``: a single server of the Redis protocol (``redis_server``,
     which may run Valkey)."""
-    tag = uuid.uuid4().hex[:10]
-    prefix = f"contract-{tag}:"
-    client_name = f"asynclock-contract-{tag}"
-
-    async def revoke(name: str) -> None:
-        async with redis.asyncio.Redis(host=redis_server.host, port=redis_server.port) as raw:
-            assert await raw.delete(lua.lock_key(prefix, name)) == 1
-
-    async def leftovers() -> list[str]:
-        return await redis_leftovers(redis_server, prefix, client_name)
-
-    return BackendUnderTest(
+    # The test servers keep an append-only file, as the docs recommend: no durability warning
+    # to turn off (tests/backends/test_redis.py checks that one appears without it).
+    return redis_family(
         name,
         redis_server.url,
-        1.0,
-        revoke,
-        leftovers,
-        # The test servers keep an append-only file, as the docs recommend: no durability
-        # warning (tests/backends/test_redis.py checks that one appears without it).
-        options={"prefix": prefix, "client_name": client_name},
+        lambda key: [redis_server],
+        lambda: [redis_server],
         servers=[redis_server],
         url_via=lambda addresses: f"redis://{addresses[0]}/0",
         url_for_hosts=lambda hosts: f"redis://{hosts}/0",
-        long_waits={"waiter_ttl": 60},
     )
+
+
+def redis_family(
+    name: str,
+    url: str,
+    holding: Callable[[str], Sequence[RedisServer]],
+    every: Callable[[], Sequence[RedisServer]],
+    options: dict[str, Any] | None = None,
+    **fields: Any,
+) -> BackendUnderTest:
+    """A contract backend of the Redis family under a prefix of its own: ``revoke`` deletes the
+    lock's key on the servers ``holding(key)``, ``leftovers`` looks on the servers ``every()``."""
+    tag = uuid.uuid4().hex[:10]
+    prefix, client_name = f"contract-{tag}:", f"asynclock-contract-{tag}"
+
+    async def revoke(lock: str) -> None:
+        key = lua.lock_key(prefix, lock)
+        for server in holding(key):
+            async with redis.asyncio.Redis(host=server.host, port=server.port) as raw:
+                assert await raw.delete(key) == 1
+
+    async def leftovers() -> list[str]:
+        return await leftovers_on(every(), prefix, client_name)
+
+    fields.setdefault("long_waits", {"waiter_ttl": 60})
+    options = {"prefix": prefix, "client_name": client_name, **(options or {})}
+    return BackendUnderTest(name, url, 1.0, revoke, leftovers, options=options, **fields)
 
 
 # -- shared by tests/backends/test_redis*.py and test_redlock.py -------------------------------

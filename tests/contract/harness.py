@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import os
 import sqlite3
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -73,6 +75,16 @@ class BackendUnderTest:
         if self.hang is not None:
             return self.hang(client)
         return paused(self.servers)
+
+
+def report(
+    test: str, backend: BackendUnderTest, variable: str = "ASYNCLOCK_FAULT_REPORT", **values: Any
+) -> None:
+    """Measurements, to the file named by the environment ``variable`` (JSON lines), when set."""
+    path = os.environ.get(variable)
+    if path:
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(json.dumps({"test": test, "backend": backend.name, **values}) + "\n")
 
 
 @contextmanager

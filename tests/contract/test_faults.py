@@ -34,7 +34,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, suppress
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -44,7 +43,7 @@ from asynclock import ConnectionState
 from asynclock.abc import Kind
 from asynclock.testing import FaultProxy
 from tests.contract.fault_worker import open_resource, pause_schedule
-from tests.contract.harness import BackendUnderTest, wait_until_free
+from tests.contract.harness import BackendUnderTest, report, wait_until_free
 from tests.contract.kinds import holds
 from tests.loud import ExpectedLogs
 
@@ -58,13 +57,6 @@ CANCEL_CYCLES = int(os.environ.get("ASYNCLOCK_CANCEL_CYCLES", "1000"))
 CLIENT_PAUSES = 30
 PAUSE_WORKERS = 8
 PAUSED_AT_ONCE = 6
-
-
-def report(test: str, backend: BackendUnderTest, **values: Any) -> None:
-    path = os.environ.get("ASYNCLOCK_FAULT_REPORT")
-    if path:
-        with open(path, "a", encoding="utf-8") as file:
-            file.write(json.dumps({"test": test, "backend": backend.name, **values}) + "\n")
 
 
 #: Tests that reach the servers through a fault proxy (see :func:`proxied`).

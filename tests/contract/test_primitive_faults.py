@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.contract.harness import BackendUnderTest
+from tests.contract.harness import BackendUnderTest, report
 from tests.contract.primitive_worker import ResourceServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.not_on("memory", reason="in-process only")]
@@ -88,14 +88,6 @@ async def finished(
         index = json.loads(str(command[-1]))["worker"]
         output = (tmp_path / f"worker-{index}.log").read_text(errors="replace")[-3000:]
         assert process.returncode == 0, f"worker {index} exited {process.returncode}:\n{output}"
-
-
-def report(test: str, backend: BackendUnderTest, **values: Any) -> None:
-    """Measurements, to the file named by ``ASYNCLOCK_FAULT_REPORT`` (as test_faults.py does)."""
-    path = os.environ.get("ASYNCLOCK_FAULT_REPORT")
-    if path:
-        with open(path, "a", encoding="utf-8") as file:
-            file.write(json.dumps({"test": test, "backend": backend.name, **values}) + "\n")
 
 
 def started_from(server: ResourceServer, count: int) -> bool:

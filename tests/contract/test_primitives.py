@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Callable
 
 import anyio
 import pytest
 
 import asynclock
-from tests.contract.harness import BackendUnderTest, cancel_while_waiting
+from tests.contract.harness import BackendUnderTest, cancel_while_waiting, until
 
 pytestmark = pytest.mark.anyio
 
@@ -31,12 +30,6 @@ EXPECTED = {
     "redlock": {"ttl_change"},
 }
 PRIMITIVES = ("shared_locks", "semaphores", "elections", "ttl_change")
-
-
-async def _until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():  # noqa: ASYNC110 (state another task changes)
-            await anyio.sleep(0.02)
 
 
 async def test_capabilities_are_as_documented(backend: BackendUnderTest) -> None:
@@ -334,11 +327,11 @@ async def test_observe_sees_every_change_of_leader_in_order(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(observe)
-            await _until(lambda: len(seen) == 1)
+            await until(lambda: len(seen) == 1)
             for value in (b"a", b"b", b"c"):
                 async with locks.election(name).campaign(value, ttl=ttl, timeout=5):
-                    await _until(functools.partial(_leads, seen, value))
-                await _until(lambda: seen[-1] is None)
+                    await until(functools.partial(_leads, seen, value))
+                await until(lambda: seen[-1] is None)
             tg.cancel_scope.cancel()
     assert seen[0] is None
     values = [leader.value for leader in seen if leader is not None]
@@ -363,7 +356,7 @@ async def test_observe_ends_when_the_client_closes(backend: BackendUnderTest, na
                     seen.append(leader)  # noqa: PERF401 (read by the test while it runs)
 
             tg.start_soon(observe)
-            await _until(lambda: len(seen) == 1)
+            await until(lambda: len(seen) == 1)
             with anyio.fail_after(5):
                 await locks.aclose()
     assert seen == [None]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -36,7 +35,7 @@ from asynclock._registry import backend_class
 from asynclock.testing import Server
 from asynclock.testing._signals import _descendants
 from tests.conftest import CONTRACT_BACKENDS, contract_scheme
-from tests.contract.harness import BackendUnderTest, WaiterCount
+from tests.contract.harness import BackendUnderTest, WaiterCount, report
 
 #: The waiters of the large run.
 WAITERS = 1000
@@ -56,13 +55,6 @@ NOT_FIFO = tuple(
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.not_on(*NOT_FIFO, reason="not FIFO")]
-
-
-def report(backend: BackendUnderTest, **values: Any) -> None:
-    path = os.environ.get("ASYNCLOCK_SCALE_REPORT")
-    if path:
-        with open(path, "a", encoding="utf-8") as file:
-            file.write(json.dumps({"backend": backend.name, **values}) + "\n")
 
 
 def _cpu_seconds(servers: list[Server]) -> tuple[float, float]:
@@ -197,7 +189,9 @@ async def test_1000_waiters_get_the_lock_in_fifo_order_in_linear_time(
     assert _tasks() == before, "tasks left running after the clients closed"
     bound = many / FEW * LINEAR_MARGIN
     report(
+        "1000_waiters",
         backend,
+        "ASYNCLOCK_SCALE_REPORT",
         few=FEW,
         many=many,
         few_cpu_s=[client for client, _ in fews],
