@@ -141,6 +141,20 @@ def log_tail(paths: Iterable[Path], lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(parts) if parts else "(the server wrote no log)"
 
 
+def as_user(command: Sequence[str], user: str | None) -> list[str]:
+    """``command``, run as ``user`` (a server that refuses to run as root) through ``setpriv``,
+    which drops the privileges after its exec.
+
+    Not ``subprocess.Popen(user=...)``: that makes CPython fork() instead of vfork(), and a
+    fork() runs gRPC's fork handlers in the child. grpcio 1.80 to 1.85 crash there (SIGSEGV
+    before the exec, grpc/grpc#43055) while a channel is active, as an etcd client in the same
+    process keeps one: a PostgreSQL server then "exited with status -11 while starting".
+    """
+    if user is None:
+        return list(command)
+    return ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *command]
+
+
 def run_checked(
     command: Sequence[str],
     *,
@@ -152,14 +166,11 @@ def run_checked(
     """Run a helper program to completion and return its output, or raise ServerStartError."""
     try:
         result = subprocess.run(
-            command,
+            as_user(command, user),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             cwd=cwd,
             timeout=timeout,
-            user=user,
-            group=user,
-            extra_groups=[] if user is not None else None,
             check=False,
         )
     except subprocess.TimeoutExpired as exc:

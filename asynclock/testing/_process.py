@@ -15,6 +15,7 @@ from typing import ClassVar, Final, Self
 from ._host import (
     LOOPBACK,
     ServerStartError,
+    as_user,
     free_port,
     log_tail,
     make_temp_dir,
@@ -251,7 +252,7 @@ class Server(StartStop):
         user = self._user()
         with self._output_path.open("ab") as output:
             self._resources.process = subprocess.Popen(
-                self._command(),
+                as_user(self._command(), user),
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
@@ -259,9 +260,6 @@ class Server(StartStop):
                 env=self._env(),
                 # Its own process group, so that signals reach every process the server forks.
                 start_new_session=True,
-                user=user,
-                group=user,
-                extra_groups=[] if user is not None else None,
             )
         self._paused = False
 

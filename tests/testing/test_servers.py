@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import socket
 import subprocess
 import sys
@@ -115,6 +116,9 @@ async def test_a_server_serves_pauses_resumes_and_restarts(
         assert server.is_running and not server.is_paused and server.data_dir.is_dir()
         port, data_dir, pid = server.port, server.data_dir, server.pid
         assert pid is not None
+        if isinstance(server, PostgresServer) and os.geteuid() == 0:
+            # Run as postgres by setpriv, which exec'd the server: the pid we signal is its own.
+            assert os.stat(f"/proc/{pid}").st_uid == pwd.getpwnam("postgres").pw_uid
         async with store(server) as client:
             await client.put("k", b"v")
             # A postmaster's backends are its children: pausing the process group freezes them.
