@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Generic, Literal, Self, TypeVar
 
 import anyio
@@ -67,6 +67,19 @@ class Capabilities:
     #: Without it, a lease's ttl is fixed by what holds it (a ZooKeeper session, a PostgreSQL
     #: session's idle timer) and ``extend`` only renews it now with that ttl.
     ttl_change: bool = False
+
+    @classmethod
+    def every(cls, **absent: bool) -> Capabilities:
+        """Every guarantee but those named: ``Capabilities.every(quorum=False)``.
+
+        Most stores give most guarantees, so a backend names what it lacks (one line to read)
+        instead of listing nine flags.
+        """
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(absent) - names)
+        if unknown or any(absent.values()):
+            raise TypeError(f"Capabilities.every() takes flags set to False, got {absent!r}")
+        return cls(**{name: absent.get(name, True) for name in names})
 
 
 #: What a request holds. Each kind is its own namespace: the lock ``"a"``, the semaphore ``"a"``

@@ -501,3 +501,11 @@ def test_a_client_used_from_another_event_loop_says_so_at_once() -> None:
             own.run(locks.acquire("a", ttl=5))  # its own loop still works
         finally:
             own.run(locks.aclose())
+
+
+def test_capabilities_every_names_only_what_a_store_lacks() -> None:
+    every = asynclock.Capabilities.every(quorum=False)
+    assert not every.quorum and every.fencing and every.ttl_change and every.elections
+    for wrong in ({"quorom": False}, {"quorum": True}):
+        with pytest.raises(TypeError, match="flags set to False"):
+            asynclock.Capabilities.every(**wrong)

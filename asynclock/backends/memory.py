@@ -200,17 +200,7 @@ class MemoryBackend(Backend[Grant]):
     event_loops = frozenset({"asyncio", "trio"})
     # No round trip to outlast: only the margin.
     min_ttl = 0.01
-    capabilities = Capabilities(
-        fencing=True,
-        fifo=True,
-        loss_detection=True,
-        quorum=False,
-        cross_process=False,
-        shared_locks=True,
-        semaphores=True,
-        elections=True,
-        ttl_change=True,
-    )
+    capabilities = Capabilities.every(quorum=False, cross_process=False)
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace

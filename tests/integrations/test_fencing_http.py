@@ -137,9 +137,7 @@ def recording_client(seen: list[httpx.Headers], **hook: Any) -> httpx.AsyncClien
 
 
 class NoTokenBackend(MemoryBackend):  # no sound tokens, as Redlock
-    capabilities = Capabilities(
-        fencing=False, fifo=True, loss_detection=True, quorum=True, cross_process=False
-    )
+    capabilities = Capabilities.every(fencing=False, cross_process=False)
 
 
 @dataclass

@@ -42,17 +42,7 @@ class EtcdBackend(Backend[EtcdGrant]):
     """Locks in etcd v3. Made by ``asynclock.connect("etcd://...")``; see docs/backends/etcd.md."""
 
     driver = "gRPC (grpc.aio, through aetcd)"
-    capabilities = Capabilities(
-        fencing=True,
-        fifo=True,
-        loss_detection=True,
-        quorum=True,
-        cross_process=True,
-        shared_locks=True,
-        semaphores=True,
-        elections=True,
-        ttl_change=True,
-    )
+    capabilities = Capabilities.every()
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings

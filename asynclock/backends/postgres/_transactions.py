@@ -42,15 +42,8 @@ ROLLBACK = "ROLLBACK"
 #: What a client has through transaction pooling: shared holds, permits and leaders keep a row
 #: in the holders' table that inspect() and followers read, which a hold's open transaction
 #: cannot show to anyone else.
-TRANSACTION_CAPABILITIES = Capabilities(
-    fencing=True,
-    fifo=True,
-    loss_detection=True,
-    quorum=False,
-    cross_process=True,
-    shared_locks=False,
-    semaphores=False,
-    elections=False,
+TRANSACTION_CAPABILITIES = Capabilities.every(
+    quorum=False, shared_locks=False, semaphores=False, elections=False, ttl_change=False
 )
 TRANSACTION_LIMITS = (
     "through transaction pooling (?pooler=transaction) PostgreSQL has exclusive locks only: "

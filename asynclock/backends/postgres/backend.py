@@ -86,16 +86,7 @@ class PostgresBackend(Backend[PostgresGrant]):
     min_ttl = 0.5
     #: Whether the holders' table is there for shared locks, semaphores, elections (open()).
     _holders_ready = False
-    capabilities = Capabilities(
-        fencing=True,
-        fifo=True,
-        loss_detection=True,
-        quorum=False,
-        cross_process=True,
-        shared_locks=True,
-        semaphores=True,
-        elections=True,
-    )
+    capabilities = Capabilities.every(quorum=False, ttl_change=False)
 
     def __init__(
         self,

@@ -109,17 +109,7 @@ class RedisBackend(holds.HoldingBackend):
     driver = "redis-py"
     #: Makes the wire: (pool, op_timeout, task host) -> Lane (``redis+cluster://``: by slot).
     _lane_type: Callable[..., Lane] = Lane
-    capabilities = Capabilities(
-        fencing=True,
-        fifo=True,
-        loss_detection=True,
-        quorum=False,
-        cross_process=True,
-        shared_locks=True,
-        semaphores=True,
-        elections=True,
-        ttl_change=True,
-    )
+    capabilities = Capabilities.every(quorum=False)
 
     def __init__(
         self,

@@ -143,13 +143,8 @@ class RedlockBackend(Backend[RedlockGrant]):
     #: is no token to order them, and a semaphore's permits would need a majority's agreement on
     #: a set, which independent masters cannot give atomically. ``extend`` applies a new ttl on
     #: a majority by the renewal's (and the take's) validity rule.
-    capabilities = Capabilities(
-        fencing=False,
-        fifo=False,
-        loss_detection=True,
-        quorum=True,
-        cross_process=True,
-        ttl_change=True,
+    capabilities = Capabilities.every(
+        fencing=False, fifo=False, shared_locks=False, semaphores=False, elections=False
     )
 
     def __init__(

@@ -184,17 +184,7 @@ class _LocalQueue:
 class SQLiteBackend(Backend[SQLiteGrant]):
     # Pure anyio (and the standard library): runs on trio as well.
     event_loops = frozenset({"asyncio", "trio"})
-    capabilities = Capabilities(
-        fencing=True,
-        fifo=True,
-        loss_detection=True,
-        quorum=False,
-        cross_process=True,
-        shared_locks=True,
-        semaphores=True,
-        elections=True,
-        ttl_change=True,
-    )
+    capabilities = Capabilities.every(quorum=False)
 
     def __init__(self, path: str, *, synchronous: str = "full", busy_timeout: float = 10.0) -> None:
         self.path = path

@@ -57,16 +57,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     driver = "aiozk"
     # ttl_change stays False: a lease's ttl is its session's timeout, fixed when the session
     # was made (``extend`` renews with the same ttl, the contract's default).
-    capabilities = Capabilities(
-        fencing=True,
-        fifo=True,
-        loss_detection=True,
-        quorum=True,
-        cross_process=True,
-        shared_locks=True,
-        semaphores=True,
-        elections=True,
-    )
+    capabilities = Capabilities.every(ttl_change=False)
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
