@@ -319,7 +319,7 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
             for path in histories
         ]
     if semaphore:
-        check_permits(report, events, await permit_log(resource))
+        check_permits(report, events, await permit_log(resource, config.permits))
     else:
         check_lock(report, events, await _resource_log(resource))
     return report

@@ -21,7 +21,12 @@ CREATE TABLE IF NOT EXISTS asynclock_safety_permit_writes (
     seq bigserial PRIMARY KEY, run text NOT NULL, token bigint, op text NOT NULL
 );
 """
-_FENCES = "asynclock_safety_permit_fences"
+
+
+def _fences(permits: int) -> str:
+    """The guard's table: a guard of one permit keeps the lock rule's columns, so a table of its
+    own (a run of 1 and a run of N on one server must not meet in one table)."""
+    return "asynclock_safety_permit_fences" + ("" if permits > 1 else "_of_one")
 
 
 def _split(spec: str) -> tuple[str, str]:
@@ -66,7 +71,7 @@ class PermitResource(OneConnection):
 
     def __init__(self, url: str, run: str, permits: int) -> None:
         super().__init__(url, run)
-        self._guard = PostgresGuard(permits=permits, table=_FENCES)
+        self._guard = PostgresGuard(permits=permits, table=_fences(permits))
 
     async def access(self, op: str, token: int | None, logged_token: int | None) -> None:
         """Log ``op`` with ``logged_token``; fenced by ``token`` (StaleToken if refused)."""
@@ -101,12 +106,12 @@ async def prepare_permits(spec: str, permits: int) -> None:
     connection = await asyncpg.connect(url)
     try:
         await connection.execute(_TABLES)
-        await PostgresGuard(permits=permits, table=_FENCES).create_table(connection)
+        await PostgresGuard(permits=permits, table=_fences(permits)).create_table(connection)
     finally:
         await connection.close()
 
 
-async def permit_log(spec: str) -> list[tuple[int | None, str]]:
+async def permit_log(spec: str, permits: int) -> list[tuple[int | None, str]]:
     """Accepted accesses in commit order, (token, op); the run's rows are deleted."""
     import asyncpg
 
@@ -117,7 +122,7 @@ async def permit_log(spec: str) -> list[tuple[int | None, str]]:
             "SELECT token, op FROM asynclock_safety_permit_writes WHERE run = $1 ORDER BY seq", run
         )
         await connection.execute("DELETE FROM asynclock_safety_permit_writes WHERE run = $1", run)
-        await connection.execute(f"DELETE FROM {_FENCES} WHERE resource = $1", run)
+        await connection.execute(f"DELETE FROM {_fences(permits)} WHERE resource = $1", run)
     finally:
         await connection.close()
     return [(row["token"], str(row["op"])) for row in rows]
