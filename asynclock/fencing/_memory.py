@@ -90,8 +90,7 @@ class MemoryGuard:
     async def write(
         self, resource: str, value: Any, *, token: int | None = None, lock: str | None = None
     ) -> None:
-        await anyio.lowlevel.checkpoint()
-        self._check(resource, resolve(token, lock))
+        await self.check(resource, token, lock=lock)  # and no await from here: one step
         self._values[resource] = value
 
     async def read(
@@ -102,6 +101,5 @@ class MemoryGuard:
         token: int | None = None,
         lock: str | None = None,
     ) -> Any:
-        await anyio.lowlevel.checkpoint()
-        self._check(resource, resolve(token, lock))
+        await self.check(resource, token, lock=lock)  # and no await from here: one step
         return self._values.get(resource, default)
