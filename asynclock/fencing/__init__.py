@@ -5,10 +5,11 @@ check and write after its lease expired and another client took the lock. Each g
 the highest token it has seen for a resource and refuses an older one, atomically with the access.
 The token comes from the lock held in the current context unless one is passed.
 
-A resource that a semaphore of N permits protects uses :class:`MemorySemaphoreGuard`,
-:class:`PostgresSemaphoreGuard` or :class:`RedisSemaphoreGuard` (or :class:`PermitSlots` inside a
-guard of another store): it accepts the tokens of at most N holders
-at once, and refuses the oldest one when a newer token needs its slot.
+There is one guard per store, :class:`MemoryGuard`, :class:`RedisGuard` and
+:class:`PostgresGuard`, with one vocabulary (``check``, ``leave``, ``admitted``, ``highest``).
+For a resource that a semaphore of N permits protects, give the guard ``permits=N`` (or use
+:class:`PermitSlots`, the rule, inside a guard of another store): it accepts the tokens of at
+most N holders at once, and refuses the oldest one when a newer token needs its slot.
 
 Across services the token travels in the ``Fencing-Token`` header (and the lock's name in
 ``Fencing-Lock``): :func:`httpx_request_hook` and :func:`aiohttp_client_middleware` send them,
@@ -31,10 +32,7 @@ from ._http import incoming_token as incoming_token
 from ._http import parse_lock_name as parse_lock_name
 from ._http import parse_token as parse_token
 from ._memory import MemoryGuard as MemoryGuard
-from ._permits import MemorySemaphoreGuard as MemorySemaphoreGuard
 from ._permits import PermitSlots as PermitSlots
-from ._permits_postgres import PostgresSemaphoreGuard as PostgresSemaphoreGuard
-from ._permits_redis import RedisSemaphoreGuard as RedisSemaphoreGuard
 from ._postgres import PostgresGuard as PostgresGuard
 from ._redis import RedisGuard as RedisGuard
 from ._token import MAX_TOKEN as MAX_TOKEN
@@ -46,12 +44,9 @@ __all__ = (
     "FencingMiddleware",
     "Guard",
     "MemoryGuard",
-    "MemorySemaphoreGuard",
     "PermitSlots",
     "PostgresGuard",
-    "PostgresSemaphoreGuard",
     "RedisGuard",
-    "RedisSemaphoreGuard",
     "StaleToken",
     "aiohttp_client_middleware",
     "aiohttp_fencing_middleware",

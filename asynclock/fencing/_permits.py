@@ -8,9 +8,9 @@ of them arrives while every slot is taken, the *oldest* admitted token is evicte
 then on. A stale holder whose permit went to someone else is therefore refused as soon as the
 newer holders use the resource, exactly as a stale lock holder is.
 
-A holder that tells the guard it is done (:meth:`MemorySemaphoreGuard.leave`) frees its slot at
-once, so a long-running holder is not evicted by short ones that came and went after it; a
-token that left is never admitted again.
+A holder that tells the guard it is done (``leave``) frees its slot at once, so a long-running
+holder is not evicted by short ones that came and went after it; a token that left is never
+admitted again.
 
 The invariant the safety runs check: a token admitted at two moments was admitted throughout
 (an evicted or departed token never comes back), so at every moment at most ``permits`` tokens
@@ -21,18 +21,31 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import anyio.lowlevel
-
-from .._errors import InvalidArgument, StaleToken
-from ._token import resolve
+from .._errors import InvalidArgument
+from .._shield import finish
 
 #: Departed tokens remembered per resource (above ``floor``); past this, the oldest are folded
 #: into ``floor``, which only ever refuses more: memory stays bounded at no cost to safety.
 _REMEMBERED = 4096
+
+#: How long the way out of a guard's ``entered`` waits for its ``leave``. Past it the slot stays
+#: taken until a newer token evicts it, as a crashed holder's does: safe, only slower.
+_LEAVE_TIMEOUT = 5.0
+
+
+def checked_permits(permits: int, *, strict: bool) -> int:
+    """``permits`` if a guard can keep it: a positive int, and 1 for a ``strict`` guard."""
+    if isinstance(permits, bool) or not isinstance(permits, int) or permits < 1:
+        raise InvalidArgument(f"permits must be a positive int, got {permits!r}")
+    if strict and permits > 1:
+        raise InvalidArgument(
+            f"strict=True needs permits=1, got permits={permits}: the permit rule has no "
+            "once-per-token form; drop strict=True for a semaphore's guard"
+        )
+    return permits
 
 
 @dataclass
@@ -94,82 +107,22 @@ class PermitSlots:
         self.departed = {token for token in self.departed if token > floor}
 
 
-class MemorySemaphoreGuard:
-    """Fences accesses to resources that a semaphore of ``permits`` protects, in this process.
+@contextlib.asynccontextmanager
+async def holding(
+    resource: str,
+    check: Callable[[], Awaitable[int]],
+    leave: Callable[[int], Awaitable[object]],
+) -> AsyncIterator[int]:
+    """A guard's ``entered``: ``check``, the block, then ``leave`` however the block ends.
 
-    ``check``, ``read`` and ``write`` admit the token (default: the current lease's) or raise
-    :class:`asynclock.StaleToken`, with no await between the check and the access. Call
-    :meth:`leave` when a holder is done with the resource (``async with guard.entered(...)``
-    does), so that its slot is free for the next one; a holder that never does (it crashed,
-    or was paused past its ttl) is evicted when a newer token needs its slot.
-
-    Use the same ``permits`` as the semaphore: fewer refuses live holders, more lets stale
-    ones in.
+    ``leave`` runs shielded (also from a native ``Task.cancel()``, which goes through an anyio
+    shield) and time-bounded, so a cancelled block still frees its slot and a store that does
+    not answer cannot hold the way out. It must be idempotent: :func:`finish` may run it twice.
     """
-
-    def __init__(self, permits: int) -> None:
-        if isinstance(permits, bool) or not isinstance(permits, int) or permits < 1:
-            raise InvalidArgument(f"permits must be a positive int, got {permits!r}")
-        self.permits = permits
-        self._slots: dict[str, PermitSlots] = {}
-        self._values: dict[str, Any] = {}
-        #: Accesses refused, for tests and safety runs.
-        self.rejected = 0
-
-    def admitted(self, resource: str) -> tuple[int, ...]:
-        """The tokens whose accesses ``resource`` accepts now, oldest first."""
-        slots = self._slots.get(resource)
-        return tuple(slots.admitted) if slots else ()
-
-    async def check(
-        self, resource: str, token: int | None = None, *, lock: str | None = None
-    ) -> int:
-        """Admit ``token`` (default: the current lease's) for ``resource`` or raise StaleToken."""
-        await anyio.lowlevel.checkpoint()
-        return self._check(resource, resolve(token, lock))
-
-    def _check(self, resource: str, token: int) -> int:
-        slots = self._slots.setdefault(resource, PermitSlots(self.permits))
-        newer = slots.admit(token)
-        if newer is not None:
-            self.rejected += 1
-            raise StaleToken(resource, token, newer)
-        return token
-
-    async def leave(
-        self, resource: str, token: int | None = None, *, lock: str | None = None
-    ) -> None:
-        """The holder of ``token`` is done with ``resource``: free its slot (idempotent)."""
-        await anyio.lowlevel.checkpoint()
-        self._slots.setdefault(resource, PermitSlots(self.permits)).leave(resolve(token, lock))
-
-    @contextlib.asynccontextmanager
-    async def entered(
-        self, resource: str, token: int | None = None, *, lock: str | None = None
-    ) -> AsyncIterator[int]:
-        """Admit the token for the block and leave on the way out (also when it fails)."""
-        token = await self.check(resource, token, lock=lock)
-        try:
-            yield token
-        finally:
-            # No await: a cancelled block still frees its slot.
-            self._slots[resource].leave(token)
-
-    async def write(
-        self, resource: str, value: Any, *, token: int | None = None, lock: str | None = None
-    ) -> None:
-        await anyio.lowlevel.checkpoint()
-        self._check(resource, resolve(token, lock))
-        self._values[resource] = value
-
-    async def read(
-        self,
-        resource: str,
-        default: Any = None,
-        *,
-        token: int | None = None,
-        lock: str | None = None,
-    ) -> Any:
-        await anyio.lowlevel.checkpoint()
-        self._check(resource, resolve(token, lock))
-        return self._values.get(resource, default)
+    token = await check()
+    try:
+        yield token
+    finally:
+        await finish(
+            lambda: leave(token), timeout=_LEAVE_TIMEOUT, what=f"leaving the fence of {resource!r}"
+        )

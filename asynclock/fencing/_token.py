@@ -1,6 +1,8 @@
-"""Where a guard's token comes from, and the one comparison every guard makes."""
+"""Where a guard's token comes from, and the lock rule (a guard of ``permits=1``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .._errors import InvalidArgument
 from .._fencing import current_token
@@ -20,9 +22,34 @@ def resolve(token: int | None, lock: str | None) -> int:
     return token
 
 
-def accepts(token: int, highest: int | None, *, strict: bool) -> bool:
-    """``strict``: every token is used for one access only (``>``); else the holder of the newest
-    token may access as often as it likes (``>=``)."""
-    if highest is None:
-        return True
-    return token > highest if strict else token >= highest
+@dataclass
+class HighestToken:
+    """The lock rule on one resource (pure), as :class:`PermitSlots` states the permit rule.
+
+    ``strict``: every token is used for one access only (``>``); else the holder of the newest
+    token may access as often as it likes (``>=``). The Redis script and the PostgreSQL upsert
+    state the same rule in their store's language.
+    """
+
+    strict: bool
+    highest: int | None = None
+
+    @property
+    def admitted(self) -> list[int]:
+        return [] if self.highest is None else [self.highest]
+
+    def admit(self, token: int) -> int | None:
+        """Accept ``token``, or return the token it is refused in favour of (``None``: accepted)."""
+        if self.highest is not None and (
+            token <= self.highest if self.strict else token < self.highest
+        ):
+            return self.highest
+        self.highest = token
+        return None
+
+    def leave(self, token: int) -> None:
+        """Nothing to do, in every store. With one permit, leaving could only let in a token
+        *older* than the leaver (the permit rule would: leave 5, then 3 is admitted), and that
+        token's permit ended before 5's began, so refusing it is right. What ``leave`` is for,
+        a long holder not evicted by short ones beside it, cannot arise with one permit. The
+        leaver's own token stays accepted until a newer one arrives, as it always has."""

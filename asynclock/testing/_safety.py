@@ -43,7 +43,7 @@ from ..fencing import PostgresGuard, RedisGuard
 from ._safety_checks import check_lock, check_permits
 from ._safety_config import SafetyConfig as SafetyConfig
 from ._safety_config import SafetyReport as SafetyReport
-from ._safety_permits import permit_log, prepare_permits
+from ._safety_permits import OneConnection, permit_log, prepare_permits
 
 _PG_TABLES = """
 CREATE TABLE IF NOT EXISTS asynclock_safety_counter (run text PRIMARY KEY, value bigint NOT NULL);
@@ -61,31 +61,10 @@ class Resource(Protocol):
     async def write(self, value: int, token: int | None, logged_token: int | None) -> None: ...
 
 
-class _PostgresResource:
+class _PostgresResource(OneConnection):
     def __init__(self, url: str, run: str) -> None:
-        self._url = url
-        self._db: Any = None
-        self._run = run
+        super().__init__(url, run)
         self._guard = PostgresGuard(table="asynclock_safety_fences")
-
-    @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[Any]:
-        import asyncpg
-
-        if self._db is None:
-            self._db = await asyncpg.connect(self._url)
-        try:
-            yield self._db
-        except BaseException:
-            # A statement cancelled half-way leaves the connection in an unknown state (an open
-            # transaction, a cancel request still in flight): never reuse it.
-            self._db.terminate()
-            self._db = None
-            raise
-
-    async def aclose(self) -> None:
-        if self._db is not None:
-            await self._db.close()
 
     async def read(self, token: int | None) -> int:
         async with self._connection() as db, db.transaction():
@@ -340,7 +319,7 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
             for path in histories
         ]
     if semaphore:
-        check_permits(report, events, await permit_log(resource))
+        check_permits(report, events, await permit_log(resource, config.permits))
     else:
         check_lock(report, events, await _resource_log(resource))
     return report

@@ -1,7 +1,7 @@
 """The resource of a semaphore's safety run: a PostgreSQL log of accesses, behind a permit guard.
 
 Each hold of a permit *enters* the resource, waits, and *exits* it: two accesses, each fenced by
-:class:`asynclock.fencing.PostgresSemaphoreGuard` (when fencing is on) and logged with the
+:class:`asynclock.fencing.PostgresGuard` of ``permits=N`` (when fencing is on) and logged with the
 holder's token in commit order. A worker paused past its ttl between the two is the fault: its
 permit goes to another worker, and its exit arrives afterwards. Fenced, the guard refuses it;
 unfenced, the log shows one permit more in use than the semaphore has.
@@ -14,14 +14,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..fencing import PostgresSemaphoreGuard
+from ..fencing import PostgresGuard
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS asynclock_safety_permit_writes (
     seq bigserial PRIMARY KEY, run text NOT NULL, token bigint, op text NOT NULL
 );
 """
-_FENCES = "asynclock_safety_permit_fences"
+
+
+def _fences(permits: int) -> str:
+    """The guard's table: a guard of one permit keeps the lock rule's columns, so a table of its
+    own (a run of 1 and a run of N on one server must not meet in one table)."""
+    return "asynclock_safety_permit_fences" + ("" if permits > 1 else "_of_one")
 
 
 def _split(spec: str) -> tuple[str, str]:
@@ -33,14 +38,13 @@ def _split(spec: str) -> tuple[str, str]:
     return url, run
 
 
-class PermitResource:
-    """What a worker of a semaphore's run uses: fenced, logged accesses."""
+class OneConnection:
+    """A worker's one connection to a PostgreSQL resource, opened on first use."""
 
-    def __init__(self, url: str, run: str, permits: int) -> None:
+    def __init__(self, url: str, run: str) -> None:
         self._url = url
         self._run = run
         self._db: Any = None
-        self._guard = PostgresSemaphoreGuard(permits, table=_FENCES)
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[Any]:
@@ -51,11 +55,23 @@ class PermitResource:
         try:
             yield self._db
         except BaseException:
-            # A statement cancelled half-way leaves the connection in an unknown state: never
-            # reuse it (see _safety._PostgresResource).
+            # A statement cancelled half-way leaves the connection in an unknown state (an open
+            # transaction, a cancel request still in flight): never reuse it.
             self._db.terminate()
             self._db = None
             raise
+
+    async def aclose(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+
+
+class PermitResource(OneConnection):
+    """What a worker of a semaphore's run uses: fenced, logged accesses."""
+
+    def __init__(self, url: str, run: str, permits: int) -> None:
+        super().__init__(url, run)
+        self._guard = PostgresGuard(permits=permits, table=_fences(permits))
 
     async def access(self, op: str, token: int | None, logged_token: int | None) -> None:
         """Log ``op`` with ``logged_token``; fenced by ``token`` (StaleToken if refused)."""
@@ -71,10 +87,6 @@ class PermitResource:
     async def leave(self, token: int) -> None:
         async with self._connection() as db:
             await self._guard.leave(db, self._run, token)
-
-    async def aclose(self) -> None:
-        if self._db is not None:
-            await self._db.close()
 
 
 @contextlib.asynccontextmanager
@@ -94,12 +106,12 @@ async def prepare_permits(spec: str, permits: int) -> None:
     connection = await asyncpg.connect(url)
     try:
         await connection.execute(_TABLES)
-        await PostgresSemaphoreGuard(permits, table=_FENCES).create_table(connection)
+        await PostgresGuard(permits=permits, table=_fences(permits)).create_table(connection)
     finally:
         await connection.close()
 
 
-async def permit_log(spec: str) -> list[tuple[int | None, str]]:
+async def permit_log(spec: str, permits: int) -> list[tuple[int | None, str]]:
     """Accepted accesses in commit order, (token, op); the run's rows are deleted."""
     import asyncpg
 
@@ -110,7 +122,7 @@ async def permit_log(spec: str) -> list[tuple[int | None, str]]:
             "SELECT token, op FROM asynclock_safety_permit_writes WHERE run = $1 ORDER BY seq", run
         )
         await connection.execute("DELETE FROM asynclock_safety_permit_writes WHERE run = $1", run)
-        await connection.execute(f"DELETE FROM {_FENCES} WHERE resource = $1", run)
+        await connection.execute(f"DELETE FROM {_fences(permits)} WHERE resource = $1", run)
     finally:
         await connection.close()
     return [(row["token"], str(row["op"])) for row in rows]

@@ -1,10 +1,10 @@
 """The process-level contract of semaphores and elections: a client process, and its resource.
 
 :class:`ResourceServer` runs in the test's process, on 127.0.0.1: the resource every worker
-process uses, fenced by a guard (:class:`asynclock.fencing.MemorySemaphoreGuard` for a
-semaphore, :class:`asynclock.fencing.MemoryGuard` for an election's terms). It counts the bodies
-inside at once (``enter`` / ``exit`` by holder and token), accepts or refuses writes by token,
-and keeps every event in arrival order, so the test reads one history for all processes.
+process uses, fenced by a :class:`asynclock.fencing.MemoryGuard` (of the semaphore's permits, or
+of one for an election's terms). It counts the bodies inside at once (``enter`` / ``exit`` by
+holder and token), accepts or refuses writes by token, and keeps every event in arrival order,
+so the test reads one history for all processes.
 
 A worker (``python -m tests.contract.primitive_worker '<json config>'``) runs candidate tasks:
 
@@ -35,7 +35,7 @@ from anyio.abc import SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 import asynclock
-from asynclock.fencing import MemoryGuard, MemorySemaphoreGuard, PermitSlots, StaleToken
+from asynclock.fencing import MemoryGuard, StaleToken
 
 RESOURCE = "resource"
 
@@ -44,9 +44,7 @@ class ResourceServer:
     """The shared resource, served to the worker processes over loopback TCP."""
 
     def __init__(self, permits: int | None) -> None:
-        self.guard: MemoryGuard | MemorySemaphoreGuard = (
-            MemorySemaphoreGuard(permits) if permits else MemoryGuard()
-        )
+        self.guard = MemoryGuard(permits=permits or 1)
         #: The bodies inside now, by (who, token).
         self.bodies: set[tuple[str, int]] = set()
         self.most_inside = 0
@@ -96,10 +94,8 @@ class ResourceServer:
                 event["ok"] = True
             except StaleToken:
                 event["ok"] = False
-        elif op == "leave" and isinstance(self.guard, MemorySemaphoreGuard):
-            # Also for a holder that never got as far as a write (no slots made yet).
-            slots = self.guard._slots.setdefault(RESOURCE, PermitSlots(self.guard.permits))
-            slots.leave(message["token"])
+        elif op == "leave":
+            self.guard._leave(RESOURCE, message["token"])
         if op == "poll":
             return {"ok": True, "stop": self.stopping}
         self.events.append(event)

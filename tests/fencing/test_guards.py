@@ -12,9 +12,7 @@ import asynclock
 from asynclock.fencing import (
     MAX_TOKEN,
     MemoryGuard,
-    MemorySemaphoreGuard,
     PostgresGuard,
-    PostgresSemaphoreGuard,
     RedisGuard,
     StaleToken,
 )
@@ -32,6 +30,12 @@ async def test_memory_guards_refuse_older_tokens_and_take_the_current_one() -> N
     assert (info.value.token, info.value.highest, info.value.resource) == (6, 7, "r")
     assert await guard.read("r", token=8) == "from 7 again"
     assert guard.rejected == 1
+    await guard.leave("r", 8)  # one permit: nothing to free, an older token stays refused
+    with pytest.raises(StaleToken):
+        await guard.check("r", 7)
+    assert (guard.admitted("r"), guard.admitted("x"), guard.highest("x")) == ((8,), (), None)
+    with pytest.raises(asynclock.InvalidArgument, match="strict=True needs permits=1"):
+        MemoryGuard(permits=2, strict=True)
     strict = MemoryGuard(strict=True)  # each token once
     await strict.check("r", 3)
     with pytest.raises(StaleToken):
@@ -57,7 +61,7 @@ async def test_memory_guards_refuse_older_tokens_and_take_the_current_one() -> N
         with pytest.raises(asynclock.NotHeld):
             await guard.write("out", "nobody")
         # A semaphore's holder that never left the guard is evicted by newer permits.
-        permits = MemorySemaphoreGuard(2)
+        permits = MemoryGuard(permits=2)
         sem = locks.semaphore("renderers", permits=2)
         crashed = await sem.acquire(ttl=5)
         await permits.check("out", crashed.token)
@@ -91,28 +95,28 @@ async def test_postgres_guard_refuses_a_stale_write_and_rolls_it_back_and_unsafe
             await guard.check(connection, "orders/1", 9)
     assert (info.value.token, info.value.highest) == (9, 10)
     assert await connection.fetchval("SELECT v FROM resource WHERE id = 1") == "by 10"
+    await guard.leave(connection, "orders/1", 10)  # one permit: nothing to free
+    assert await guard.admitted(connection, "orders/1") == (10,)
     assert await guard.highest(connection, "orders/1") == 10
     # Unsafe identifiers and bad permits are refused.
     with pytest.raises(asynclock.InvalidArgument, match="identifier"):
         PostgresGuard(table="fences; DROP TABLE x")
     with pytest.raises(asynclock.InvalidArgument):
-        PostgresSemaphoreGuard(2, table="x; drop")
+        PostgresGuard(permits=2, table="x; drop")
     with pytest.raises(asynclock.InvalidArgument):
-        PostgresSemaphoreGuard(0)
+        PostgresGuard(permits=0)
 
 
-@pytest.mark.parametrize("kind", ["guard", "semaphore guard of 1"])
+@pytest.mark.parametrize("permits", [1, 2])
 async def test_postgres_guards_serialize_transactions_in_flight(
-    fences: Any, postgres_server: PostgresServer, kind: str
+    fences: Any, postgres_server: PostgresServer, permits: int
 ) -> None:
     """A newer holder's check waits for the older transaction to commit (the guard's row is
     held until then), so check+write stay atomic; then the older token is refused."""
     import asyncpg
 
     connection, table = fences
-    guard: PostgresGuard | PostgresSemaphoreGuard = (
-        PostgresGuard(table=table) if kind == "guard" else PostgresSemaphoreGuard(1, table=table)
-    )
+    guard = PostgresGuard(permits=permits, table=table)
     await guard.create_table(connection)
     other = await asyncpg.connect(postgres_server.dsn)
     try:
@@ -132,6 +136,7 @@ async def test_postgres_guards_serialize_transactions_in_flight(
             events.append("older commits")
             await older.commit()
         assert events == ["older commits", "newer checked"]
+        await guard.check(connection, "r", 8)  # with two permits, 6 is evicted only now
         with pytest.raises(StaleToken):
             await guard.check(connection, "r", 6)
     finally:
@@ -150,6 +155,8 @@ async def test_redis_guard_runs_the_command_only_for_a_fresh_token_beyond_float_
     assert (info.value.token, info.value.highest) == (4, 5)
     assert await raw_redis.get(key) == b"by 5"
     assert await guard.call("r", "GET", key, token=5) == b"by 5"
+    await guard.leave("r", 5)  # one permit: nothing to free
+    assert (await guard.admitted("r"), await guard.highest("none")) == ((5,), None)
     big = 2**60 + 1
     await guard.check("big", big)
     with pytest.raises(StaleToken):
