@@ -1,29 +1,37 @@
-"""Pieces of an acquire that are not the client's state: how its end is observed, the timed
-wait's first try, and a loss reported before the lease exists."""
+"""Taking a lease: the client's core under its public API (:class:`ClientCore`), with the
+request's checks, the timed wait's first try, how an acquire's end is observed, and a loss
+reported before the lease exists."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
-from . import _validate
+from . import _fencing, _validate
 from ._clock import now
-from ._deadlock import wait_watching_deadlocks, waiter_for
+from ._deadlock import actor_id, wait_watching_deadlocks, waiter_for
 from ._errors import (
     AcquireTimeout,
     BackendTimeout,
     BackendUnavailable,
     DeadlockDetected,
     InvalidArgument,
+    LockError,
     UnsupportedFeature,
     Waiter,
+    WrongEventLoop,
 )
-from ._events import AcquireOutcome, Events
-from ._lease import Lease, OnLost, public_owner
+from ._events import AcquireOutcome, ConnectionState, Events, LossKind
+from ._extend import extend
+from ._host import BackendHost
+from ._lease import Lease, OnLost, new_owner, public_owner
+from ._renewal import RENEWAL
 from ._scope import release_all
 from ._state import StateTracker
 from .abc import Backend, Grant, Kind, LockInfo, LockRequest
@@ -38,46 +46,6 @@ class Settings:
     release_timeout: float
     deadlock_interval: float | None
     label: str | None
-
-
-def check_request(
-    backend: Backend[Grant], name: object, ttl: object, timeout: object
-) -> tuple[str, float, float | None]:
-    """The checked name, ttl and timeout of a request, or :class:`InvalidArgument`."""
-    checked_name = _validate.lock_name(name)
-    checked_ttl = _validate.positive_seconds(ttl, "ttl")
-    if checked_ttl < backend.min_ttl:
-        raise InvalidArgument(
-            f"ttl {checked_ttl:g} s is too short for {backend.describe()}: a lease must "
-            "outlast a renewal round trip plus the safety margin; the minimum is "
-            f"{backend.min_ttl:g} s"
-        )
-    backend.check_ttl(checked_ttl)
-    return checked_name, checked_ttl, _validate.timeout(timeout)
-
-
-def require(backend: Backend[Grant], capability: str, what: str) -> None:
-    """Refuse, by name, a primitive the backend does not have."""
-    if not getattr(backend.capabilities, capability):
-        raise UnsupportedFeature(
-            f"{backend.describe()} has no {what} (capabilities.{capability} is false); "
-            + (backend.limits or "memory, SQLite, PostgreSQL, Redis, etcd and ZooKeeper have them")
-        )
-
-
-def public_info(info: LockInfo, kind: Kind) -> LockInfo:
-    """``info`` with every owner secret replaced by its public id."""
-    return dataclasses.replace(
-        info,
-        owner=None if info.owner is None else public_owner(info.owner),
-        holders=tuple(
-            dataclasses.replace(
-                holder, owner=None if holder.owner is None else public_owner(holder.owner)
-            )
-            for holder in info.holders
-        ),
-        kind=kind,
-    )
 
 
 async def acquire_all(
@@ -230,3 +198,246 @@ class LossBeforeLease:
         self._lease = lease
         for reason in self._reasons or ():
             lease._mark_lost(reason)
+
+
+class ClientCore:
+    """A lock client below its public API: the checks of a request, the acquire from the
+    backend's answer to the registered :class:`Lease`, its extension and its loss.
+
+    :class:`asynclock.LockClient` is this with the public methods; ``Semaphore`` and
+    ``Election`` take their leases through it (the client makes them, so they cannot import it).
+    """
+
+    def __init__(
+        self,
+        backend: Backend[Grant],
+        *,
+        drift: float,
+        margin: float | None,
+        connect_timeout: float,
+        release_timeout: float,
+        deadlock_interval: float | None = None,
+        label: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self._settings = Settings(drift, margin, release_timeout, deadlock_interval, label)
+        self._host = host = BackendHost(
+            backend, connect_timeout=connect_timeout, release_timeout=release_timeout
+        )
+        self._events, self._state, self._supervisor = host.events, host.connection, host.supervisor
+        #: The margin of each ttl asked for so far (checked once: most clients use one or two).
+        self._margins: dict[float, float] = {}
+
+    def _check(self, name: object, ttl: object, timeout: object) -> tuple[str, float, float | None]:
+        """The checked name, ttl and timeout of a request, or :class:`InvalidArgument`."""
+        backend = self._backend
+        checked_name = _validate.lock_name(name)
+        checked_ttl = _validate.positive_seconds(ttl, "ttl")
+        if checked_ttl < backend.min_ttl:
+            raise InvalidArgument(
+                f"ttl {checked_ttl:g} s is too short for {backend.describe()}: a lease must "
+                "outlast a renewal round trip plus the safety margin; the minimum is "
+                f"{backend.min_ttl:g} s"
+            )
+        backend.check_ttl(checked_ttl)
+        return checked_name, checked_ttl, _validate.timeout(timeout)
+
+    def _check_open(self) -> None:
+        if self._host.state != "open":
+            raise RuntimeError(
+                "the lock client is not open: use `async with asynclock.connect(url) as locks:`"
+            )
+
+    def _require(self, capability: str, what: str) -> None:
+        """Refuse, by name, a primitive the backend does not have."""
+        backend = self._backend
+        if not getattr(backend.capabilities, capability):
+            raise UnsupportedFeature(
+                f"{backend.describe()} has no {what} (capabilities.{capability} is false); "
+                + (
+                    backend.limits
+                    or "memory, SQLite, PostgreSQL, Redis, etcd and ZooKeeper have them"
+                )
+            )
+
+    async def _inspect(self, name: str, kind: Kind) -> LockInfo:
+        """What the server says about ``name``, with every owner secret replaced by its
+        public id."""
+        self._check_open()
+        info = await self._backend.inspect(name, kind)
+        return dataclasses.replace(
+            info,
+            owner=None if info.owner is None else public_owner(info.owner),
+            holders=tuple(
+                dataclasses.replace(
+                    holder, owner=None if holder.owner is None else public_owner(holder.owner)
+                )
+                for holder in info.holders
+            ),
+            kind=kind,
+        )
+
+    @staticmethod
+    def _check_on_lost(on_lost: object) -> None:
+        if on_lost not in ("cancel", "flag"):
+            raise InvalidArgument(f"on_lost must be 'cancel' or 'flag', got {on_lost!r}")
+
+    def _margin_for(self, ttl: float) -> float:
+        known = self._margins.get(ttl)
+        if known is not None:
+            return known
+        margin = self._settings.margin
+        if margin is None:
+            margin = min(1.0, ttl / 10.0)
+        # A deadline before the first renewal would lose every lease.
+        if not RENEWAL.leaves_time_to_renew(ttl, ttl * (1.0 - self._settings.drift) - margin):
+            raise InvalidArgument(
+                f"margin {margin:g} s leaves no time to renew a {ttl:g} s lease: use a larger ttl "
+                "or a smaller margin"
+            )
+        if len(self._margins) < 64:
+            self._margins[ttl] = margin
+        return margin
+
+    async def _acquire(
+        self,
+        name: str,
+        ttl: float,
+        timeout: float | None,
+        on_lost: OnLost,
+        *,
+        track_context: bool,
+        kind: Kind = "lock",
+        shared: bool = False,
+        permits: int = 1,
+        value: bytes = b"",
+    ) -> Lease:
+        self._check_open()
+        margin = self._margin_for(ttl)
+        task = _waiting_task(self, name, shared, timeout, self._settings.label, kind)
+        losses = LossBeforeLease()
+        request = (
+            LockRequest(name, ttl, new_owner(), losses.report)
+            if kind == "lock" and not shared
+            else LockRequest(name, ttl, new_owner(), losses.report, kind, shared, permits, value)
+        )
+        events = self._events
+        # Timed only when someone observes; None tells an observer who subscribed meanwhile
+        # that this acquire was not timed.
+        started = now() if events.active else None
+        deadlocks: list[list[Waiter]] = []
+        try:
+            if timeout == 0:
+                grant = await self._backend.try_acquire(request)
+            elif timeout is None and not events.active and not self._settings.deadlock_interval:
+                grant = await self._backend.acquire(request)  # the common case, directly
+            else:
+                grant = await wait_for_grant(
+                    self._backend, request, timeout, deadlocks, events, self._settings
+                )
+        except BaseException as exc:
+            error = exc
+            if isinstance(exc, Exception) and not isinstance(exc, LockError):
+                # A backend is meant to translate its driver's errors; one that slips through
+                # still reaches the user as one of ours, with the original attached.
+                error = BackendUnavailable(
+                    f"acquiring {name!r} on {self._backend.describe()} failed: {exc!r}"
+                )
+            observe_acquire(self._state, events, name, started, None, error)
+            if error is exc:
+                raise
+            raise error from exc
+        if grant is None:
+            refused = (
+                DeadlockDetected(name, deadlocks[0])
+                if deadlocks
+                else AcquireTimeout(name, timeout or 0.0)
+            )
+            observe_acquire(self._state, events, name, started, None, refused)
+            raise refused
+        if events.active or self._state.state is not ConnectionState.CONNECTED:
+            observe_acquire(self._state, events, name, started, grant, None)
+        # No await from here until the lease is registered: a cancellation cannot strand it.
+        lease = Lease(
+            grant,
+            on_lost=on_lost,
+            drift=self._settings.drift,
+            margin=margin,
+            fencing=self._backend.capabilities.fencing,
+            releaser=self._host.release,
+            on_loss=self._on_loss,
+            hold=None if kind == "lock" and not shared else (kind, shared, value),
+            extender=self._extend,
+            asked_ttl=ttl,
+        )
+        lease.holder = None if task is None else (self, task)
+        losses.hand_to(lease)
+        self._supervisor.add(lease)
+        if track_context:
+            _fencing.push(lease)
+        return lease
+
+    async def _extend(self, lease: Lease, ttl: float) -> None:
+        """``lease.extend(ttl)``: one renewal now, with a new ttl (see :meth:`Lease.extend`)."""
+        _, ttl, _ = self._check(lease.name, ttl, None)
+        await extend(
+            lease,
+            ttl,
+            self._margin_for,
+            backend=self._backend,
+            deadlines=self._host.deadlines,
+            supervisor=self._supervisor,
+        )
+
+    def _on_loss(self, lease: Lease, kind: LossKind, reason: str) -> None:
+        if kind == "deadline":
+            self._state.deadline_passed(lease.name)
+        if self._events.active:
+            self._events.emit("lost", lease.name, kind, reason)
+
+
+def _waiting_task(
+    client: ClientCore,
+    name: str,
+    shared: bool,
+    timeout: float | None,
+    label: str | None,
+    kind: Kind,
+) -> int | None:
+    """The id of the task that takes lock ``name`` (None for other kinds of hold), refusing at
+    once a client used from another event loop than its own, and an unbounded wait for a lock
+    that this task holds through ``client``: it would wait for ever (the server sees a holder
+    and a waiter, not a re-entry), a deadlock of one. A wait with a ``timeout`` or inside a
+    cancel scope with a deadline is the caller's to bound; another task, one started in the
+    body too, may wait for it."""
+    loop = client._host.loop
+    if loop is not None and asyncio.get_running_loop() is not loop:
+        raise WrongEventLoop(
+            f"this lock client of {client._backend.describe()} was opened on another event "
+            "loop than the one running now (a session-scoped client used in a test whose "
+            "loop is the function's, say): open one client per event loop"
+        )
+    if kind != "lock":
+        return None
+    task = _task_id()
+    if timeout is not None:
+        return task  # a try, or a bounded wait
+    for held in _fencing.held_leases():
+        if (
+            held.holder == (client, task)
+            and held.name == name
+            and held.held
+            and not (shared and held.shared)
+            and anyio.current_effective_deadline() == math.inf
+        ):
+            waiter = Waiter(actor=actor_id(label), holds=(name,), waits=name, since=time.time())
+            raise DeadlockDetected(name, [waiter])
+    return task
+
+
+def _task_id() -> int:
+    """The current task's id, as anyio gives it (``id()`` of the task), without its cost."""
+    try:
+        return id(asyncio.current_task())
+    except RuntimeError:  # not on asyncio: trio
+        return anyio.get_current_task().id

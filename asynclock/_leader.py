@@ -22,8 +22,6 @@ from ._lease import Lease
 from ._shield import finish
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from ._client import LockClient
 
 logger = logging.getLogger("asynclock")
@@ -119,12 +117,7 @@ class LeaderTask:
         await self.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def _own(self) -> None:

@@ -11,15 +11,13 @@ import dataclasses
 import functools
 import math
 from collections.abc import AsyncIterator
-from typing import Protocol
 
 from . import _validate
+from ._acquiring import ClientCore
 from ._errors import AcquireTimeout, InvalidArgument
-from ._events import Events
-from ._host import BackendHost
 from ._lease import Lease, OnLost, public_owner
 from ._scope import LockContext
-from .abc import Backend, Grant, Kind, LockInfo
+from .abc import Kind, LockInfo
 
 __all__ = ("Election", "Leader", "Semaphore")
 
@@ -32,43 +30,8 @@ MAX_VALUE_BYTES = 64 * 1024
 OBSERVE_RECHECK = 1.0
 
 
-class LockClient(Protocol):
-    """What the primitives use of :class:`asynclock.LockClient` (a protocol: the client
-    imports this module, not the other way round)."""
-
-    _backend: Backend[Grant]
-    _events: Events
-    _host: BackendHost
-
-    def _check(
-        self, name: object, ttl: object, timeout: object
-    ) -> tuple[str, float, float | None]: ...
-
-    def _check_on_lost(self, on_lost: object) -> None: ...
-
-    def _check_open(self) -> None: ...
-
-    def _require(self, capability: str, what: str) -> None: ...
-
-    async def _acquire(
-        self,
-        name: str,
-        ttl: float,
-        timeout: float | None,
-        on_lost: OnLost,
-        *,
-        track_context: bool,
-        kind: Kind = "lock",
-        shared: bool = False,
-        permits: int = 1,
-        value: bytes = b"",
-    ) -> Lease: ...
-
-    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo: ...
-
-
 def _context(
-    client: LockClient,
+    client: ClientCore,
     name: str,
     ttl: float,
     timeout: float | None,
@@ -112,7 +75,7 @@ class Semaphore:
 
     __slots__ = ("_client", "name", "permits")
 
-    def __init__(self, client: LockClient, name: str, permits: int) -> None:
+    def __init__(self, client: ClientCore, name: str, permits: int) -> None:
         self.name = _validate.lock_name(name)
         if isinstance(permits, bool) or not isinstance(permits, int):
             raise InvalidArgument(f"permits must be an int, not {type(permits).__name__}")
@@ -158,7 +121,7 @@ class Semaphore:
 
     async def inspect(self) -> LockInfo:
         """The permits held now (``holders``), ``permits``, and how many wait."""
-        return await self._client.inspect(self.name, "semaphore")
+        return await self._client._inspect(self.name, "semaphore")
 
     def __repr__(self) -> str:
         return f"<Semaphore name={self.name!r} permits={self.permits}>"
@@ -192,7 +155,7 @@ class Election:
 
     __slots__ = ("_client", "name")
 
-    def __init__(self, client: LockClient, name: str) -> None:
+    def __init__(self, client: ClientCore, name: str) -> None:
         self.name = _validate.lock_name(name)
         client._require("elections", "leader elections")
         self._client = client

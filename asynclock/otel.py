@@ -66,6 +66,27 @@ PREVIOUS_STATE = "asynclock.connection.previous_state"
 # answer) and "cancelled" (the caller's own decision) are not errors of the lock.
 _FAILED_ACQUIRES = frozenset({"timeout", "deadlock", "error"})
 
+# Every instrument once: the attribute that holds it, its kind (``meter.create_<kind>``), name,
+# unit and description (docs/observability.md lists them for users).
+_INSTRUMENTS = (
+    ("_acquire", "histogram", "asynclock.acquire.duration", "s",
+     "Time from asking for a lock to the answer (its wait included)."),
+    ("_hold", "histogram", "asynclock.hold.duration", "s",
+     "Time from a lease's grant to its release or loss."),
+    ("_renewal", "histogram", "asynclock.renewal.duration", "s",
+     "Latency of one renewal round trip (for all leases it renews)."),
+    ("_renewal_failures", "counter", "asynclock.renewal.failures", "{renewal}",
+     "Renewal round trips that renewed nothing: failed, or proved a loss."),
+    ("_lost", "counter", "asynclock.leases.lost", "{lease}",
+     "Leases lost before their release, by kind (deadline or server)."),
+    ("_finished_after_loss", "counter", "asynclock.leases.finished_after_loss", "{lease}",
+     "Bodies that ran to completion before their lease's loss was known."),
+    ("_waiters", "up_down_counter", "asynclock.waiters", "{waiter}",
+     "Tasks waiting for a held lock."),
+    ("_state_changes", "counter", "asynclock.connection.state_changes", "{change}",
+     "Changes of the client's connection state, by the state entered."),
+)  # fmt: skip
+
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 # A whole word of 8 hex digits or more: a hash, an object id (no English word is that long in
 # hex letters alone, so names such as "deadline" or "cafe" are left alone).
@@ -102,6 +123,16 @@ class Instrumentation(Observer):
     :class:`~asynclock._events.Observer` callbacks the client calls: not for you to call.
     """
 
+    # Made in __init__ from _INSTRUMENTS.
+    _acquire: metrics.Histogram
+    _hold: metrics.Histogram
+    _renewal: metrics.Histogram
+    _renewal_failures: metrics.Counter
+    _lost: metrics.Counter
+    _finished_after_loss: metrics.Counter
+    _waiters: metrics.UpDownCounter
+    _state_changes: metrics.Counter
+
     def __init__(
         self,
         client: LockClient,
@@ -114,46 +145,9 @@ class Instrumentation(Observer):
         self._template = name_template
         meter = metrics.get_meter(SCOPE, meter_provider=meter_provider)
         self._tracer = trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
-        self._acquire = meter.create_histogram(
-            "asynclock.acquire.duration",
-            unit="s",
-            description="Time from asking for a lock to the answer (its wait included).",
-        )
-        self._hold = meter.create_histogram(
-            "asynclock.hold.duration",
-            unit="s",
-            description="Time from a lease's grant to its release or loss.",
-        )
-        self._renewal = meter.create_histogram(
-            "asynclock.renewal.duration",
-            unit="s",
-            description="Latency of one renewal round trip (for all leases it renews).",
-        )
-        self._renewal_failures = meter.create_counter(
-            "asynclock.renewal.failures",
-            unit="{renewal}",
-            description="Renewal round trips that renewed nothing: failed, or proved a loss.",
-        )
-        self._lost = meter.create_counter(
-            "asynclock.leases.lost",
-            unit="{lease}",
-            description="Leases lost before their release, by kind (deadline or server).",
-        )
-        self._finished_after_loss = meter.create_counter(
-            "asynclock.leases.finished_after_loss",
-            unit="{lease}",
-            description="Bodies that ran to completion before their lease's loss was known.",
-        )
-        self._waiters = meter.create_up_down_counter(
-            "asynclock.waiters",
-            unit="{waiter}",
-            description="Tasks waiting for a held lock.",
-        )
-        self._state_changes = meter.create_counter(
-            "asynclock.connection.state_changes",
-            unit="{change}",
-            description="Changes of the client's connection state, by the state entered.",
-        )
+        for attribute, kind, name, unit, description in _INSTRUMENTS:
+            create = getattr(meter, f"create_{kind}")
+            setattr(self, attribute, create(name, unit=unit, description=description))
         # The body spans open now, by lock name: a loss (told from the renewal task) is added to
         # them as an event when it happens, not only when the body ends.
         self._bodies: dict[str, list[Span]] = {}

@@ -126,11 +126,6 @@ class JobLock:
             )
         return signature
 
-    def name_for(
-        self, signature: inspect.Signature, args: tuple[object, ...], kwargs: dict[str, Any]
-    ) -> str:
-        return lock_name_for(self.template, signature, args, kwargs)
-
     def client_from(self, found: object, where: str) -> LockClient:
         """The decorator's ``client=`` if given, else the one the lifecycle helper left."""
         if self.client is not None:
@@ -147,30 +142,37 @@ class JobLock:
         """The configured delay with jitter, so deferred jobs of one key do not return together."""
         return self.defer * random.uniform(1.0 - self.jitter, 1.0 + self.jitter)
 
-    async def hold(
+    async def run(
         self,
-        locks: LockClient,
-        name: str,
-        body: Callable[[], Awaitable[R]],
+        func: Callable[..., Awaitable[R]],
+        signature: inspect.Signature,
+        args: tuple[object, ...],
+        kwargs: dict[str, Any],
         *,
-        wait: bool = False,
-        rerun_lost: bool = False,
+        found: object,
+        where: str,
+        wait: bool,
+        rerun_lost: bool,
     ) -> R:
-        """Run ``body`` holding the lock; :class:`RunAgain` if it was not free within ``timeout``.
+        """Run ``func(*args, **kwargs)`` holding the lock named from those arguments, on the
+        client :meth:`client_from` finds (``found`` in ``where``); :class:`RunAgain` if the lock
+        was not free within ``timeout``.
 
         ``wait`` ignores ``timeout`` and waits as long as it takes (a deferral the queue could
-        not honour). An :class:`AcquireTimeout` raised by the body itself (a lock it takes) is
-        the body's error and propagates as it is; only this lock's busy answer defers the job.
-        A lease lost before the body finished raises :class:`asynclock.LeaseLost`, or
-        :class:`RunAgain` if ``rerun_lost``; one found lost only after the body returned keeps
-        the body's result (the core's rule), so a finished job never runs twice.
+        not honour). An :class:`AcquireTimeout` raised by the job itself (a lock it takes) is
+        the job's error and propagates as it is; only this lock's busy answer defers the job.
+        A lease lost before the job finished raises :class:`asynclock.LeaseLost`, or
+        :class:`RunAgain` if ``rerun_lost``; one found lost only after the job returned keeps
+        its result (the core's rule), so a finished job never runs twice.
         """
+        name = lock_name_for(self.template, signature, args, kwargs)
+        locks = self.client_from(found, where)
         lease = None
         try:
             async with locks.lock(
                 name, ttl=self.ttl, timeout=None if wait else self.timeout
             ) as lease:
-                return await body()
+                return await func(*args, **kwargs)
         except AcquireTimeout as exc:
             if lease is not None:
                 raise

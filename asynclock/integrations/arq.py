@@ -83,15 +83,16 @@ def locked(
 
         @functools.wraps(func)
         async def job(ctx: Ctx, /, *args: P.args, **kwargs: P.kwargs) -> R:
-            name = lock.name_for(signature, (ctx, *args), kwargs)
-            locks = lock.client_from(ctx.get(CONTEXT_KEY), "arq's ctx")
             # arq counts each Retry as a try: the last one may not defer, or arq fails the job.
             last_try = int(ctx.get("job_try") or 1) >= max_tries
             try:
-                return await lock.hold(
-                    locks,
-                    name,
-                    functools.partial(func, ctx, *args, **kwargs),
+                return await lock.run(
+                    func,
+                    signature,
+                    (ctx, *args),
+                    kwargs,
+                    found=ctx.get(CONTEXT_KEY),
+                    where="arq's ctx",
                     wait=last_try,
                     rerun_lost=not last_try,
                 )

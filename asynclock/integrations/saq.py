@@ -95,15 +95,16 @@ def locked(
             current = context.get("job")
             if isinstance(current, Job):
                 _restore_retry_settings(current)
-            name = lock.name_for(signature, (ctx, *args), kwargs)
-            locks = lock.client_from(context.get(CONTEXT_KEY), "saq's context")
             # Without a saq Job (the function called directly) there is nothing to reschedule.
             in_queue = isinstance(current, Job)
             try:
-                return await lock.hold(
-                    locks,
-                    name,
-                    functools.partial(func, ctx, *args, **kwargs),
+                return await lock.run(
+                    func,
+                    signature,
+                    (ctx, *args),
+                    kwargs,
+                    found=context.get(CONTEXT_KEY),
+                    where="saq's context",
                     wait=not in_queue,
                     rerun_lost=in_queue and _counts(current)["lost"] < lock.lost_retries,
                 )

@@ -89,15 +89,15 @@ def locked(
             if not isinstance(context, Context):
                 # Called directly, not by a worker: nothing to requeue, so wait for the lock.
                 context = None
-            name = lock.name_for(signature, args, kwargs)
-            found = context.state.get(CONTEXT_KEY) if context is not None else None
-            locks = lock.client_from(found, "broker.state")
             lost = int(context.message.labels.get(LOST_LABEL, 0)) if context is not None else 0
             try:
-                return await lock.hold(
-                    locks,
-                    name,
-                    functools.partial(func, *args, **kwargs),
+                return await lock.run(
+                    func,
+                    signature,
+                    args,
+                    kwargs,
+                    found=context.state.get(CONTEXT_KEY) if context is not None else None,
+                    where="broker.state",
                     wait=context is None,
                     rerun_lost=context is not None and lost < lock.lost_retries,
                 )

@@ -41,9 +41,9 @@ class Cluster(StartStop, Generic[M]):
         """Whether ``member`` is the leader right now; may raise OSError."""
 
     @property
-    @abc.abstractmethod
     def url(self) -> str:
         """The asynclock URL listing every member."""
+        return self._members[0].url_format.format(address=self.address)
 
     @property
     def members(self) -> list[M]:

@@ -33,6 +33,7 @@ class _EtcdProcess(Server):
     """One etcd member; alone it is a one-member cluster."""
 
     kind = "etcd"
+    url_format = "etcd://{address}"
 
     def __init__(
         self, *, name: str, election_timeout_ms: int, start_timeout: float, stop_timeout: float
@@ -44,10 +45,6 @@ class _EtcdProcess(Server):
         self._initial_cluster = f"{name}=http://127.0.0.1:{self.peer_port}"
         self._cluster_token = f"asynclock-{uuid.uuid4().hex[:12]}"
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
-
-    @property
-    def url(self) -> str:
-        return f"etcd://{self.address}"
 
     @property
     def client_url(self) -> str:
@@ -156,10 +153,6 @@ class EtcdCluster(Cluster[EtcdMember]):
             member._initial_cluster = initial_cluster
             member._cluster_token = token
         return members
-
-    @property
-    def url(self) -> str:
-        return f"etcd://{self.address}"
 
     def _is_leader(self, member: EtcdMember, timeout: float) -> bool:
         return member.is_leader(timeout)

@@ -22,6 +22,7 @@ class PgBouncerServer(SingleServer):
     """
 
     kind = "pgbouncer"
+    url_format = "postgresql://postgres@{address}/postgres"
     # SIGINT: shut down once the clients are gone; the base class SIGKILLs after stop_timeout.
     stop_signal = signal.SIGINT
 
@@ -44,10 +45,6 @@ class PgBouncerServer(SingleServer):
         self.settings = dict(settings or {})
         self._os_user = os_user("PgBouncer")
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
-
-    @property
-    def url(self) -> str:
-        return f"postgresql://postgres@{self.address}/postgres"
 
     def _user(self) -> str | None:
         return self._os_user

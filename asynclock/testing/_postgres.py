@@ -27,6 +27,7 @@ class PostgresServer(SingleServer):
     """
 
     kind = "postgres"
+    url_format = "postgresql://postgres@{address}/postgres"
     # Fast shutdown: SIGTERM ("smart") waits for every client to disconnect.
     stop_signal = signal.SIGINT
 
@@ -43,10 +44,6 @@ class PostgresServer(SingleServer):
         self.max_connections = max_connections
         self._os_user = os_user("PostgreSQL")
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
-
-    @property
-    def url(self) -> str:
-        return f"postgresql://postgres@{self.address}/postgres"
 
     @property
     def dsn(self) -> str:

@@ -84,10 +84,9 @@ class Server(StartStop):
 
     # -- what each server defines ----------------------------------------------------------
 
-    @property
-    @abc.abstractmethod
-    def url(self) -> str:
-        """The asynclock URL of this server."""
+    #: The asynclock URL, ``{address}`` standing for ``host:port`` (a cluster's for all of its
+    #: members' addresses).
+    url_format: ClassVar[str]
 
     @abc.abstractmethod
     def _command(self) -> list[str]:
@@ -115,6 +114,11 @@ class Server(StartStop):
         return [self._output_path]
 
     # -- public surface --------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The asynclock URL of this server."""
+        return self.url_format.format(address=self.address)
 
     @property
     def port(self) -> int:

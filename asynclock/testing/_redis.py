@@ -73,6 +73,7 @@ class RedisServer(SingleServer):
     """
 
     kind = "redis"
+    url_format = "redis://{address}/0"
 
     def __init__(
         self,
@@ -102,10 +103,6 @@ class RedisServer(SingleServer):
                 preload.insert(0, malloc_shim)
             self._preload = ":".join(preload)
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.address}/0"
 
     @property
     def faketime(self) -> bool:

@@ -49,6 +49,7 @@ def _mode(answer: str) -> str | None:
 
 class _ZooKeeperProcess(Server):
     kind = "zookeeper"
+    url_format = "zookeeper://{address}"
 
     def __init__(
         self,
@@ -70,10 +71,6 @@ class _ZooKeeperProcess(Server):
         self.election_port = free_port()
         self._ensemble: list[_ZooKeeperProcess] = []
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
-
-    @property
-    def url(self) -> str:
-        return f"zookeeper://{self.address}"
 
     def _reallocate_ports(self) -> None:
         super()._reallocate_ports()
@@ -208,10 +205,6 @@ class ZooKeeperEnsemble(Cluster[ZooKeeperMember]):
         for member in members:
             member._ensemble = list(members)
         return members
-
-    @property
-    def url(self) -> str:
-        return f"zookeeper://{self.address}"
 
     def _is_leader(self, member: ZooKeeperMember, timeout: float) -> bool:
         # A one-member ensemble runs standalone and leads itself.

@@ -25,7 +25,7 @@ import pytest
 import asynclock
 from asynclock.abc import Kind, LockRequest, Lost, Renewed
 from asynclock.backends.sqlite import SQLiteBackend
-from asynclock.backends.sqlite._store import BOOT_ID, WAITER_TTL
+from asynclock.backends.sqlite._sql import BOOT_ID, WAITER_TTL
 from tests.contract.harness import sqlite_write_locked
 
 pytestmark = pytest.mark.anyio

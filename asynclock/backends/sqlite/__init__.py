@@ -16,7 +16,8 @@ at once by a release in this process.
 The package, imported in one direction:
 
 * ``backend.py``: :class:`SQLiteBackend`, the contract's calls, the worker thread, waiting;
-* ``_store.py``: the tables and the transactions on them (plain functions on a connection).
+* ``_sql.py``: the store's statements: the tables and the transactions on them (plain
+  functions on a connection).
 """
 
 from .backend import SQLiteBackend as SQLiteBackend

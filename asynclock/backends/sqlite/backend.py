@@ -1,5 +1,5 @@
 """The embedded backend's contract calls: a worker thread runs the file's transactions (see
-``_store.py``), one at a time, and waiting is polling plus wake-ups within the process."""
+``_sql.py``), one at a time, and waiting is polling plus wake-ups within the process."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ from .._kit import (
     finish,
     translate,
 )
-from . import _store
-from ._store import BOOT_ID, SCHEMA, WAITER_TTL, HoldRef, Want
+from . import _sql
+from ._sql import BOOT_ID, SCHEMA, WAITER_TTL, HoldRef, Want
 
 __all__ = ("SQLiteBackend", "SQLiteGrant")
 
@@ -265,7 +265,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute(f"PRAGMA synchronous={self._synchronous}")
             connection.executescript(SCHEMA)
-            _store.forget_other_boots(connection)
+            _sql.forget_other_boots(connection)
         except BaseException:
             connection.close()
             raise
@@ -319,7 +319,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         except BaseException:
             if queued:
                 await finish(
-                    functools.partial(self._run, lambda: _store.dequeue(self._db(), request.owner)),
+                    functools.partial(self._run, lambda: _sql.dequeue(self._db(), request.owner)),
                     timeout=self._busy_timeout,
                     what=f"leaving the queue of {request.name!r}",
                 )
@@ -349,7 +349,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             self._abandon(request)
             undo = HoldRef(want.kind, want.name, want.owner, want.shared, want.ttl)
             await finish(
-                functools.partial(self._run, lambda: _store.release(self._db(), undo)),
+                functools.partial(self._run, lambda: _sql.release(self._db(), undo)),
                 timeout=self._busy_timeout,
                 what=f"undoing a cancelled take of {request.name!r}",
             )
@@ -370,7 +370,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
     async def renew(self, grants: Sequence[SQLiteGrant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
         refs = [grant.ref() for grant in grants]
-        alive = await self._run(lambda: _store.renew(self._db(), refs))
+        alive = await self._run(lambda: _sql.renew(self._db(), refs))
         return [
             Renewed(sent_at, grant.ttl) if ok else _gone()
             for grant, ok in zip(grants, alive, strict=True)
@@ -381,7 +381,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         # this one apply it too (the core copies Renewed.ttl into the grant; so do we, in case).
         sent_at = anyio.current_time()
         ref = grant.ref(ttl)
-        (ok,) = await self._run(lambda: _store.renew(self._db(), [ref]))
+        (ok,) = await self._run(lambda: _sql.renew(self._db(), [ref]))
         if not ok:
             return _gone()
         grant.ttl = ttl
@@ -389,14 +389,14 @@ class SQLiteBackend(Backend[SQLiteGrant]):
 
     async def release(self, grant: SQLiteGrant) -> None:
         ref = grant.ref()
-        await self._run(lambda: _store.release(self._db(), ref))
+        await self._run(lambda: _sql.release(self._db(), ref))
         key = (ref.kind, ref.name)
         for backend in list(_local.values()):
             if backend.path == self.path:
                 backend._wake(key)
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
-        seen = await self._run(lambda: _store.look(self._db(), kind, name))
+        seen = await self._run(lambda: _sql.look(self._db(), kind, name))
         held, now = seen.holds, seen.at
         holders = tuple(
             HolderInfo(
@@ -456,10 +456,10 @@ class SQLiteBackend(Backend[SQLiteGrant]):
 
     def _take_sync(
         self, want: Want, wait: bool, keep: Callable[[float], Sequence[str]]
-    ) -> _store.Taken:
+    ) -> _sql.Taken:
         if want.owner in self._abandoned:
-            return _store.Taken(None)  # its caller is gone (and an undo follows)
-        return _store.take(self._db(), want, wait=wait, keep=keep)
+            return _sql.Taken(None)  # its caller is gone (and an undo follows)
+        return _sql.take(self._db(), want, wait=wait, keep=keep)
 
 
 def _gone() -> Lost:
