@@ -28,8 +28,8 @@ import asynclock
 from asynclock.abc import Kind
 from asynclock.backends.redis import RedisBackend, _fair
 from asynclock.backends.redis import _scripts as lua
-from asynclock.backends.redis._lane import Undo
 from asynclock.backends.redis._scripts import Arg
+from asynclock.backends.redis._wire import Undo
 from asynclock.testing import RedisServer
 from tests.contract.backend_redis import connect, lane_of, redis_leftovers, wait_for_queue
 

@@ -17,10 +17,11 @@ Layout (imports go down this list, never up):
 - :mod:`._quorum`: Redlock's majority arithmetic and its local queue of waiters;
 - :mod:`._server`: what the single-server backend checks on its server (version, durability,
   restarts);
-- :mod:`._lane`: the single-server wire (a few pooled redis-py connections per client);
 - :mod:`._wakes`: the single-server client's wake channel (hand-overs to its waiters, restarts);
-- :mod:`._wire`: Redlock's wire (one pipelined connection per master, in-order cleanup);
-- :mod:`._resp`: the Redis protocol, written and read (both wires);
+- :mod:`._pipeline`: Redlock's link to each master (one pipelined connection, in-order cleanup);
+- :mod:`._wire`: the connections, for every mode (redis-py's handshake and parser, writes
+  without an await; the only module that touches redis-py's private members) and the
+  per-call :class:`~._wire.Lane` of the other modes;
 - :mod:`._urls`: URL forms, shared options, TLS; :mod:`._errors`: error translation;
 - :mod:`._fair`: the fair queue's Lua scripts, for every kind of hold (exclusive and shared
   locks, semaphore permits, election terms);

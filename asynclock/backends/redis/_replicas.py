@@ -19,8 +19,8 @@ from typing import Any, Final
 from .._kit import InvalidArgument, Options
 from . import _fair
 from . import _scripts as lua
-from ._lane import Lane, Wait
 from ._urls import COMMON_OPTIONS
+from ._wire import Lane, Wait
 from .backend import _DEFAULT_WAITER_TTL as DEFAULT_WAITER_TTL
 
 #: Options of the backends that offer WAIT.

@@ -90,11 +90,11 @@ from . import _holds as holds
 from . import _scripts as lua
 from ._errors import ERRORS, opening_errors
 from ._holds import RedisGrant
-from ._lane import Lane, Undo
 from ._records import RedisWaiters
 from ._server import check_server
 from ._urls import COMMON_OPTIONS, DEFAULT_PORT, Settings, common_settings, split_url
 from ._wakes import WakeChannel
+from ._wire import Lane, Undo
 
 __all__ = ("RedisBackend", "RedisGrant")
 
