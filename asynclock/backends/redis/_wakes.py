@@ -56,6 +56,11 @@ _RECONNECT: Final = RetryPolicy(first=0.05, cap=0.5, factor=2.0, jitter=0.2)
 _PING: Final = pack(("PING",))
 
 
+def line_of(kind: str, name: str) -> str:
+    """The wake channel's name for the queue of ``name`` of ``kind`` (kinds are namespaces)."""
+    return f"{kind} {name}"
+
+
 class Waiter:
     """The mailbox of one waiting acquire: what its client's channel told it."""
 
