@@ -26,10 +26,10 @@ import redis.asyncio
 
 import asynclock
 from asynclock.abc import Kind
-from asynclock.backends.redis import RedisBackend, _fair
+from asynclock.backends.redis import RedisBackend, _queue
 from asynclock.backends.redis import _scripts as lua
-from asynclock.backends.redis._lane import Undo
 from asynclock.backends.redis._scripts import Arg
+from asynclock.backends.redis._wire import Undo
 from asynclock.testing import RedisServer
 from tests.contract.backend_redis import connect, lane_of, redis_leftovers, wait_for_queue
 
@@ -60,7 +60,7 @@ def stall_waiting(locks: asynclock.LockClient) -> tuple[Callable[[], None], list
         which: lua.Script, keys: Sequence[str], args: Sequence[Arg], undo: Undo | None = None
     ) -> Any:
         nonlocal takes
-        if which is _fair.TAKE and args[-1] == "wait":
+        if which is _queue.TAKE and args[-1] == "wait":
             takes += 1
             if takes > 1:
                 await resumed.wait()

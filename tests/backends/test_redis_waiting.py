@@ -15,7 +15,7 @@ from redis.crc import key_slot
 
 from asynclock.abc import Renewed
 from asynclock.backends.redis import _scripts as lua
-from asynclock.backends.redis._lane import MAX_BUSY
+from asynclock.backends.redis._wire import MAX_BUSY
 from asynclock.testing import RedisServer
 from tests.contract.backend_redis import (
     connect,

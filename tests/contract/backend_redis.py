@@ -19,7 +19,7 @@ import asynclock
 from asynclock.abc import Kind
 from asynclock.backends.redis import RedisBackend
 from asynclock.backends.redis import _scripts as lua
-from asynclock.backends.redis._lane import Lane
+from asynclock.backends.redis._wire import Lane
 from asynclock.testing import RedisServer, free_port
 from asynclock.testing._redis_topologies import RedisClusterNodes, RedisNode, RedisSentinelGroup
 from tests.contract.harness import BackendUnderTest, until

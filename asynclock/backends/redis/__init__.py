@@ -11,19 +11,21 @@ Layout (imports go down this list, never up):
 - :mod:`._replicas`: ``wait_replicas`` (``WAIT`` behind takes and renewals);
 - :mod:`.backend`: :class:`RedisBackend` (one server, fencing tokens, a fair queue: taking,
   waiting and the clean-up of an interrupted acquire);
-- :mod:`._holds`: what it does with the holds it has, of every kind (renew, extend, release,
-  inspect, wait for an election's change) and :class:`RedisGrant`;
+- :mod:`._lease`: :class:`RedisGrant` and the leases a client holds (renew, extend, release,
+  checked after a restart);
+- :mod:`._inspect`: ``inspect()`` and an election's ``wait_for_change()``;
 - :mod:`.redlock`: :class:`RedlockBackend` (a majority of masters, no fencing);
 - :mod:`._quorum`: Redlock's majority arithmetic and its local queue of waiters;
 - :mod:`._server`: what the single-server backend checks on its server (version, durability,
   restarts);
-- :mod:`._lane`: the single-server wire (a few pooled redis-py connections per client);
 - :mod:`._wakes`: the single-server client's wake channel (hand-overs to its waiters, restarts);
-- :mod:`._wire`: Redlock's wire (one pipelined connection per master, in-order cleanup);
-- :mod:`._resp`: the Redis protocol, written and read (both wires);
+- :mod:`._pipeline`: Redlock's link to each master (one pipelined connection, in-order cleanup);
+- :mod:`._wire`: the connections, for every mode (redis-py's handshake and parser, writes
+  without an await; the only module that touches redis-py's private members) and the
+  per-call :class:`~._wire.Lane` of the other modes;
 - :mod:`._urls`: URL forms, shared options, TLS; :mod:`._errors`: error translation;
-- :mod:`._fair`: the fair queue's Lua scripts, for every kind of hold (exclusive and shared
-  locks, semaphore permits, election terms);
+- :mod:`._queue`: the fair queue's Lua scripts (take and wait in order), for every kind of
+  hold (exclusive and shared locks, semaphore permits, election terms);
 - :mod:`._scripts`: the other Lua scripts and the key names (one copy of each).
 """
 

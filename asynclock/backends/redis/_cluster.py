@@ -31,8 +31,8 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from .._kit import HostPort, RetryPolicy, TaskHost
 from . import _scripts as lua
-from ._lane import Lane, Undo, Wait
 from ._urls import Settings
+from ._wire import Dialled, Lane, Undo, Wait
 
 logger = logging.getLogger("asynclock")
 
@@ -65,7 +65,7 @@ def _redirect(exc: redis.exceptions.ResponseError) -> tuple[str, HostPort | None
     return None
 
 
-class AnyNode(redis.asyncio.Connection):
+class AnyNode(Dialled):
     """A connection to the first node of ``nodes`` that accepts one, starting with the one
     that did last time: the client's wake channel, which any node serves (a cluster delivers
     Pub/Sub messages to subscribers on every node), follows the cluster when a node dies."""
@@ -74,12 +74,12 @@ class AnyNode(redis.asyncio.Connection):
         super().__init__(**kwargs)
         self._nodes = nodes
 
-    async def _connect(self) -> None:
+    async def dial(self, open_socket: Callable[[], Any]) -> None:
         error: BaseException | None = None
         for index, node in enumerate(list(self._nodes)):
             self.host, self.port = node.host, node.port
             try:
-                await super()._connect()  # type: ignore[no-untyped-call]
+                await open_socket()
             except OSError as exc:
                 error = exc
                 continue

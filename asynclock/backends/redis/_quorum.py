@@ -22,7 +22,7 @@ from .._kit import (
     RenewOutcome,
     Unknown,
 )
-from ._wire import Failed, Master, gather
+from ._pipeline import Failed, Master, gather
 
 logger = logging.getLogger("asynclock")
 

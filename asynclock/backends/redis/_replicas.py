@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .._kit import InvalidArgument, Options
-from . import _fair
+from . import _queue
 from . import _scripts as lua
-from ._lane import Lane, Wait
 from ._urls import COMMON_OPTIONS
+from ._wire import Lane, Wait
 from .backend import _DEFAULT_WAITER_TTL as DEFAULT_WAITER_TTL
 
 #: Options of the backends that offer WAIT.
@@ -54,7 +54,7 @@ class ReplicaWait:
         if not self.replicas:
             return
         lane.wait_for = {
-            _fair.TAKE.sha: Wait(self.replicas, self.timeout_ms, _took),
+            _queue.TAKE.sha: Wait(self.replicas, self.timeout_ms, _took),
             lua.RENEW.sha: Wait(self.replicas, self.timeout_ms, _renewed),
         }
 

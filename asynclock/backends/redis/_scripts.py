@@ -43,7 +43,7 @@ def _key(prefix: str, tag: str, name: str, kind: str = "lock") -> str:
 
 
 def fair_keys(prefix: str, name: str, kind: str = "lock") -> list[str]:
-    """The KEYS of the fair queue's scripts for ``name`` of ``kind`` (see :mod:`._fair`)."""
+    """The KEYS of the fair queue's scripts for ``name`` of ``kind`` (see :mod:`._queue`)."""
     return [
         _key(prefix, tag, name, kind)
         for tag in (LOCK_TAG, TOKEN_TAG, QUEUE_TAG, QUEUE_TTL_TAG, HOLDS_TAG)
@@ -51,7 +51,7 @@ def fair_keys(prefix: str, name: str, kind: str = "lock") -> list[str]:
 
 
 def holds_key(prefix: str, name: str, kind: str = "lock") -> str:
-    """Sorted set of the holds of ``name`` that are not an exclusive lock (see :mod:`._fair`)."""
+    """Sorted set of the holds of ``name`` that are not an exclusive lock (see :mod:`._queue`)."""
     return _key(prefix, HOLDS_TAG, name, kind)
 
 
@@ -98,7 +98,7 @@ def queue_member(
 
 
 def hold_member(token: int, owner: str, value: bytes = b"") -> bytes:
-    """A hold's member in the holds set (see :mod:`._fair`), as RENEW and RELEASE name it."""
+    """A hold's member in the holds set (see :mod:`._queue`), as RENEW and RELEASE name it."""
     return b"%d %s " % (token, owner.encode()) + value
 
 
@@ -115,7 +115,7 @@ class Script:
 
 # -- Lua ------------------------------------------------------------------------------------
 
-#: Renew many holds in one call. KEYS: lock keys, or holds sets (see :mod:`._fair`). ARGV:
+#: Renew many holds in one call. KEYS: lock keys, or holds sets (see :mod:`._queue`). ARGV:
 #: owner ids (for a hold in a holds set: its member, ``"<token> <owner> <value>"``, which has
 #: spaces, where an owner id has none), then ttls in ms, one each (a ttl of 0 only checks:
 #: which holds are still ours, after a restart say, changing nothing). Returns one code per

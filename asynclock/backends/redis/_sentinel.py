@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ import redis.exceptions
 from .._kit import Backoff, HostPort, RetryPolicy
 from ._scripts import as_text
 from ._urls import Settings
+from ._wire import Dialled, close_now
 
 logger = logging.getLogger("asynclock")
 #: Pauses between two sentinels told to report failovers.
@@ -124,8 +125,8 @@ class MasterLocator:
         inspect) from the data it is resyncing, and a paused one answers nothing. A busy call
         gets a connection error, which the lane retries on a new connection."""
         for conn in list(self._connections):
-            if conn.address != master and conn._writer is not None:
-                conn._writer.close()
+            if conn.address != master:
+                close_now(conn)
 
     async def watch(self) -> None:
         """Listen for ``+switch-master`` on one sentinel after another, for ever (the
@@ -157,7 +158,7 @@ class MasterLocator:
                 if len(words) == 5 and words[0] == self.service:
                     self._switch(HostPort(words[3], int(words[4])))
         finally:
-            _close(conn)
+            close_now(conn)
 
     def _switch(self, master: HostPort) -> None:
         if master != self._last:
@@ -184,20 +185,14 @@ class MasterLocator:
                 await conn.send_command("SENTINEL", "get-master-addr-by-name", self.service)
                 reply = await conn.read_response()
         finally:
-            _close(conn)  # no await: a cancelled lookup must not leave the socket open
+            close_now(conn)  # no await: a cancelled lookup must not leave the socket open
         if not reply:
             return None
         host, port = (as_text(part) for part in reply)
         return HostPort(host, int(port))
 
 
-def _close(conn: redis.asyncio.Connection) -> None:
-    if conn._writer is not None:
-        conn._writer.close()
-    conn._reader = conn._writer = None
-
-
-class MasterConnection(redis.asyncio.Connection):
+class MasterConnection(Dialled):
     """A connection to whichever server the sentinels name as master, checked with ``ROLE``.
 
     A failure while connecting, a server that is not (or no longer) a master, and ``READONLY``
@@ -215,11 +210,11 @@ class MasterConnection(redis.asyncio.Connection):
         """The server this connection was made to."""
         return self._address
 
-    async def _connect(self) -> None:
+    async def dial(self, open_socket: Callable[[], Any]) -> None:
         self._address = await self._locator.master()
         self.host, self.port = self._address.host, self._address.port
         try:
-            await super()._connect()  # type: ignore[no-untyped-call]
+            await open_socket()
         except BaseException:
             self._locator.forget(self._address)
             raise

@@ -12,8 +12,8 @@ import redis.asyncio
 import redis.exceptions
 
 from .._kit import RedisDurabilityWarning, UnsupportedFeature
-from ._lane import Lane
 from ._scripts import as_text
+from ._wire import Lane
 
 logger = logging.getLogger("asynclock")
 

@@ -3,7 +3,6 @@ for ``redis://``, ``redis+sentinel://``, ``redis+cluster://`` and ``redlock://``
 
 from __future__ import annotations
 
-import ssl
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import unquote
@@ -68,10 +67,10 @@ class Settings:
         connection_class: type[AbstractConnection] | None = None,
         **connection_kwargs: Any,
     ) -> redis.asyncio.ConnectionPool:
-        """A redis-py connection factory for ``address`` (no I/O yet); :class:`Lane` uses it.
+        """A redis-py connection factory for ``address`` (no I/O yet), for :mod:`._wire`.
 
-        Reads have no socket timeout of their own: :class:`Lane` bounds each call (BLPOP waits
-        longer than ``op_timeout`` by design). A failed connect is retried once, at once.
+        Reads have no socket timeout of their own: :mod:`._wire` bounds each call (BLPOP waits
+        longer than ``op_timeout`` by design; Redlock's link bounds its oldest request). A failed connect is retried once, at once.
         ``connection_class`` and ``connection_kwargs``: a connection that finds its server by
         itself (Sentinel's), with what it needs for that.
         """
@@ -85,8 +84,8 @@ class Settings:
                 "ssl_certfile": self.ssl_certfile,
                 "ssl_keyfile": self.ssl_keyfile,
                 "ssl_cert_reqs": self.ssl_cert_reqs,
-                # An unverified certificate names no host to check (as in ssl_context(); else
-                # redis-py's context refuses CERT_NONE with check_hostname on, at every connect).
+                # An unverified certificate names no host to check (else redis-py's context
+                # refuses CERT_NONE with check_hostname on, at every connect).
                 "ssl_check_hostname": self.ssl_check_hostname and self.ssl_cert_reqs != "none",
             }
         return redis.asyncio.ConnectionPool(
@@ -102,21 +101,6 @@ class Settings:
             client_name=self.client_name or None,
             **extra,
         )
-
-    def ssl_context(self) -> ssl.SSLContext:
-        """The TLS context of these settings, for connections made without redis-py."""
-        context = ssl.create_default_context(cafile=self.ssl_ca_certs)
-        if self.ssl_certfile:
-            context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
-        if self.ssl_cert_reqs == "none":
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        else:
-            context.check_hostname = self.ssl_check_hostname
-            context.verify_mode = (
-                ssl.CERT_OPTIONAL if self.ssl_cert_reqs == "optional" else ssl.CERT_REQUIRED
-            )
-        return context
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,10 +41,9 @@ import redis.exceptions
 from redis.asyncio.connection import AbstractConnection
 
 from .._kit import RetryPolicy, now
-from ._lane import write_now
-from ._resp import pack
 from ._scripts import as_text
 from ._server import run_id_of
+from ._wire import close_now, pack, write_now
 
 logger = logging.getLogger("asynclock")
 
@@ -55,6 +54,11 @@ _PING_AT_MOST: Final = 0.005
 #: Pauses between two attempts to connect again.
 _RECONNECT: Final = RetryPolicy(first=0.05, cap=0.5, factor=2.0, jitter=0.2)
 _PING: Final = pack(("PING",))
+
+
+def line_of(kind: str, name: str) -> str:
+    """The wake channel's name for the queue of ``name`` of ``kind`` (kinds are namespaces)."""
+    return f"{kind} {name}"
 
 
 class Waiter:
@@ -398,7 +402,7 @@ class WakeChannel:
                         f"the channels '&{self._channel.rsplit(':', 1)[0]}:*')"
                     ) from exc
         except BaseException:
-            _close(conn)
+            close_now(conn)
             raise
         self._fresh = subscribed_at
         self._pings.clear()
@@ -411,7 +415,7 @@ class WakeChannel:
             try:
                 await self._on_restart()
             except BaseException:
-                _close(conn)  # cancelled (the backend closes) or failed: not handed to run()
+                close_now(conn)  # cancelled (the backend closes) or failed: not handed to run()
                 raise
         self._connected_before = True
         return conn
@@ -429,7 +433,7 @@ class WakeChannel:
                 logger.debug("asynclock: wake channel of %s: %r", self._describe, exc)
             finally:
                 if conn is not None:
-                    _close(conn)
+                    close_now(conn)
                     conn = None
             self._poke_all()  # their next take finds out whether the server is there
             await anyio.sleep(backoff.next_delay())
@@ -476,9 +480,3 @@ class WakeChannel:
             return  # the reader finds out, and connects again
         self._pings.append(sent)
         self._arm_ping()
-
-
-def _close(conn: AbstractConnection) -> None:
-    if conn._writer is not None:
-        conn._writer.close()
-    conn._reader = conn._writer = None

@@ -1,427 +1,484 @@
-"""Redlock's wire: RESP2 over one pipelined connection per master, with a reader task each.
+"""The connections to Redis, for every mode: redis-py's, with its handshake and hiredis.
 
-Every request is written at once, in the order the client makes them, and the replies are
-matched to the requests in that order by a reader task, so a caller that gives up on a reply
-(its round was decided, it was cancelled) costs nothing and leaves the connection usable. The
-order is also what makes cleanup sound: the release that follows an abandoned take reaches each
-master after that take, on the same connection, so it cannot overtake it and leave the key
-behind. A connection whose oldest request has waited ``op_timeout`` (a hung master) is closed
-and every request on it fails; one that the server closed (restart, ``CLIENT KILL``) is replaced
-at once, and the requests that were on it are sent again once on the new one (every script is
-idempotent for its owner id).
+Every connection here is a redis-py connection: redis-py opens it (TLS, AUTH, SELECT, CLIENT
+SETNAME, as the URL says) and its parser (hiredis when installed) reads the replies. What this
+module adds is writing and closing without an await, which redis-py does not offer, so that a
+command and the undo behind it go out in order whatever happens to the caller. Two ways use it:
 
-The background work (connecting, reading replies, watching for a hung master) runs in the
-backend's :class:`~asynclock.backends._kit.TaskHost`, which no caller's cancellation reaches.
+- :class:`Lane` (``redis://``, Sentinel, Cluster): a connection per call in flight, a few
+  pooled; an interrupted call is undone behind it on the same connection;
+- :mod:`._pipeline` (Redlock): one connection per master, every request written at once and
+  the replies read in order, so a release never overtakes the take it undoes.
+
+This is the one module that touches redis-py's private members (checked against redis-py
+5.3.1, ``redis/asyncio/connection.py``'s ``AbstractConnection``); each use says why:
+
+- ``_writer``: to write without an await (``send_packed_command`` awaits ``drain()`` and can be
+  cancelled half-way), to see that the transport is closing, and to close without an await
+  (``disconnect()`` awaits a lock, so a cancelled caller could leave the socket open);
+- ``_reader`` (and the asyncio ``StreamReader``'s ``_buffer``): whether reply bytes have arrived
+  unread, to tell a stalled event loop from a slow server; ``_reader = _writer = None`` is how
+  redis-py itself marks a connection closed (``is_connected``);
+- ``_connect()``: the step that opens the socket, overridden by :class:`Dialled` for connections
+  that choose their server when they connect (Sentinel's master, any cluster node).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
+import select
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
 
 import anyio
+import redis.asyncio
+import redis.exceptions
+from redis.asyncio.connection import AbstractConnection
 
-from .._kit import BackendTimeout, BackendUnavailable, HostPort, TaskHost
-from ._resp import ErrorReply, ProtocolError, pack, read_reply
-from ._urls import Settings
+from .._kit import TaskHost
+from ._scripts import Arg, Script
 
 logger = logging.getLogger("asynclock")
 
 
-class Failed:
-    """A master that did not answer (or answered with an error) in time."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-    def __repr__(self) -> str:
-        return f"<failed: {self.error!r}>"
-
-
-def _now() -> float:
-    return asyncio.get_running_loop().time()
-
-
-class _Request:
-    """One command for one master. ``keep``: send it even if its caller stopped waiting (a
-    release must reach the server; a take that nobody waits for any more need not)."""
-
-    __slots__ = ("attempts", "data", "future", "keep", "sent_at")
-
-    def __init__(self, data: bytes, future: asyncio.Future[Any], keep: bool) -> None:
-        self.data = data
-        self.future = future
-        self.keep = keep
-        self.attempts = 0
-        self.sent_at = 0.0
-
-    @property
-    def wanted(self) -> bool:
-        return self.keep or not self.future.done()
-
-    def resolve(self, reply: Any, address: HostPort) -> None:
-        if isinstance(reply, ErrorReply):
-            self.fail(BackendUnavailable(f"Redis master {address} answered with an error: {reply}"))
-        elif not self.future.done():  # done: abandoned by its caller, the reply is dropped
-            self.future.set_result(reply)
-
-    def fail(self, error: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
-            self.future.exception()  # marked retrieved: no log line if nobody waits for it
+#: Calls in flight at once (so connections, draining ones aside); more calls wait their turn,
+#: in order. No call blocks on the server, so a few connections serve any number of tasks.
+MAX_BUSY: Final = 8
+#: Idle connections a lane keeps; more are closed when their call ends.
+_MAX_IDLE = MAX_BUSY
+#: A timeout that fires this long after its deadline fired late: the event loop was stalled (the
+#: process was paused, or something blocked the loop), and a reply may be waiting unread.
+LATE_TIMER: Final = 0.02
+#: How long a call whose timeout fired late, or found part of a reply already received, may
+#: still read what has arrived.
+LATE_GRACE: Final = 0.1
+#: How long a connection with an interrupted call and its undo behind it is kept to read their
+#: replies (and be reused) before it is closed; the server runs both in order either way.
+_DRAIN_FOR = 30.0
+#: How long a closing client waits for its connections to close (a TLS one waits for the
+#: server's close_notify) before it aborts them.
+CLOSE_GRACE: Final = 0.5
 
 
-class _Link:
-    """One open connection to a master: requests written in order, replies read in order."""
-
-    def __init__(
-        self, master: Master, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        self.master = master
-        self.reader = reader
-        self.writer = writer
-        self.pending: deque[_Request] = deque()
-        self.alive = True
-        #: The scopes of its reader and watcher tasks: cancelled when it closes.
-        self.scopes: list[anyio.CancelScope] = []
-        self._busy = asyncio.Event()
-
-    def send(self, request: _Request) -> None:
-        request.attempts += 1
-        request.sent_at = _now()
-        self.pending.append(request)
-        self.writer.write(request.data)
-        self._busy.set()
-
-    async def read_replies(self) -> None:
-        master = self.master
-        try:
-            while self.alive:
-                self._deliver(await read_reply(self.reader))
-        except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
-            master.lost(self, _unavailable(master, "closed the connection", exc), retry=True)
-        except (ProtocolError, ValueError, asyncio.LimitOverrunError) as exc:
-            master.lost(self, _unavailable(master, "broke the protocol", exc), retry=False)
-
-    def _deliver(self, reply: Any) -> None:
-        if not self.pending:
-            raise ProtocolError("a reply that no request asked for")
-        self.pending.popleft().resolve(reply, self.master.address)
-
-    async def watch(self) -> None:
-        """Declare the connection dead when its oldest request has waited ``limit`` seconds:
-        the master hangs, and every request on the connection fails with ``BackendTimeout``."""
-        limit = self.master.settings.op_timeout
-        while self.alive:
-            if not self.pending:
-                self._busy.clear()
-                await self._busy.wait()
-                continue
-            head = self.pending[0]
-            left = head.sent_at + limit - _now()
-            if left > 0:
-                await asyncio.sleep(left)
-                continue
-            # After a pause of this process the reply may be in the socket already: let the
-            # reader take what has arrived before judging.
-            for _ in range(3):
-                await asyncio.sleep(0)
-            if self.alive and self.pending and self.pending[0] is head:
-                error = BackendTimeout(
-                    f"Redis master {self.master.address} did not answer within {limit:g} s"
-                )
-                self.master.lost(self, error, retry=False)
-
-    def close(self) -> None:
-        self.alive = False
-        for scope in self.scopes:
-            scope.cancel()
-        # close(), not abort(): what is written already (a release) still goes out.
-        self.writer.close()
+def pack(args: Sequence[str | int | float | bytes]) -> bytes:
+    """One command in RESP, the way redis-py's ``pack_command`` writes it but without its
+    per-argument encoder calls (a third of a call's client-side time)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
 
 
-def _unavailable(master: Master, what: str, exc: BaseException) -> BackendUnavailable:
-    return BackendUnavailable(f"Redis master {master.address} {what} ({exc!r})")
+def write_now(conn: AbstractConnection, packed: bytes) -> None:
+    """Hand ``packed`` to the transport, without an await (nothing can cut it in half)."""
+    writer = conn._writer
+    if writer is None or writer.transport.is_closing():
+        raise redis.exceptions.ConnectionError("the connection was closed")
+    writer.write(packed)
 
 
-class Master:
-    """One master: its connection (made when first needed, and again after it died) and the
-    requests that wait for one."""
+def closing(conn: AbstractConnection) -> bool:
+    """``conn`` is closed, or its transport is closing (the server closed it, say)."""
+    writer = conn._writer
+    return writer is None or writer.transport.is_closing()
 
-    def __init__(
-        self,
-        address: HostPort,
-        settings: Settings,
-        host: TaskHost,
-    ) -> None:
-        self.address = address
-        self.settings = settings
-        self._host = host
-        self._link: _Link | None = None
-        self._connecting = False
-        self._backlog: deque[_Request] = deque()
-        self._closed = False
-        #: Connections made so far, open now, and the most open at once (for tests and
-        #: ``extra_info``): one, except for a moment while a dead one is replaced.
-        self.connections_made = 0
-        self.open_connections = 0
-        self.peak_connections = 0
 
-    def submit(
-        self, args: Sequence[str | int | float | bytes], *, keep: bool = False
-    ) -> asyncio.Future[Any]:
-        """Queue a command and return the future of its reply. No await: a request made before
-        a cancellation is on its way, in order, whatever happens to the caller."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._enqueue(_Request(pack(args), future, keep))
-        return future
+def close_now(conn: AbstractConnection) -> asyncio.StreamWriter | None:
+    """Close ``conn`` without an await (so no cancellation can keep it open). ``close()``, not
+    ``abort()``: what is written already (a release) still goes out. Returns its writer, for
+    :func:`finish_closing`."""
+    writer = conn._writer
+    if writer is not None:
+        writer.close()
+    conn._reader = conn._writer = None
+    return writer
 
-    def _enqueue(self, request: _Request) -> None:
-        if self._closed:
-            request.fail(
-                BackendUnavailable(f"the connection to Redis master {self.address} is closed")
-            )
-            return
-        link = self._link
-        if link is not None and link.alive and link.writer.transport.is_closing():
-            # The server closed it and the reader has not seen it yet: replace it now.
-            error = BackendUnavailable(f"Redis master {self.address} closed the connection")
-            self.lost(link, error, retry=True)
-            link = self._link
-        if link is not None and link.alive:
-            link.send(request)
-            return
-        self._backlog.append(request)
-        if not self._connecting:
-            self._connecting = True
-            if self._spawn(self._connect, f"connecting to Redis master {self.address}") is None:
-                self._connecting = False
-                self._fail_backlog(BackendUnavailable("the lock client is closed"))
 
-    def _spawn(
-        self, func: Callable[[], Coroutine[Any, Any, None]], what: str
-    ) -> anyio.CancelScope | None:
-        """Run ``func()`` in the backend's task host, which no caller's cancellation reaches,
-        until it returns, its scope is cancelled or the backend closes; None once closed."""
-        if self._closed or not self._host.running:
-            return None
-        scope = anyio.CancelScope()
-        self._host.start_soon(_guarded, scope, func, what, name=f"asynclock: {what}")
-        return scope
+async def finish_closing(writers: Sequence[asyncio.StreamWriter], within: float) -> None:
+    """Wait, shielded and for at most ``within`` seconds, until ``writers`` (closed already)
+    have closed their sockets, and abort those that have not by then. A TLS connection's close
+    sends its close_notify and closes the socket only when the peer has answered: a client whose
+    event loop ends first leaves the socket open ("unclosed transport" when it is collected)."""
+    left = list(writers)
+    with anyio.CancelScope(shield=True), anyio.move_on_after(within):
+        while left:
+            with contextlib.suppress(Exception):  # how it ended is no matter here: it did
+                await left[0].wait_closed()
+            left.pop(0)
+    for writer in left:
+        writer.transport.abort()
 
-    def _fail_backlog(self, error: BaseException) -> None:
-        backlog, self._backlog = self._backlog, deque()
-        for request in backlog:
-            request.fail(error)
+
+def received(conn: AbstractConnection) -> bool:
+    """Bytes (or the end of the stream) have arrived on ``conn`` that nobody has read yet:
+    in the stream reader's buffer, or still in the kernel's socket buffer.
+
+    The kernel is asked too because a process stopped just after the event loop polled its
+    sockets runs its due timers, on resuming, before it polls again: the reply is then in the
+    socket but not in the reader yet.
+    """
+    reader, writer = conn._reader, conn._writer
+    if reader is None or writer is None:
+        return False
+    # StreamReader keeps them in ``_buffer``; there is no public way to ask without reading.
+    if getattr(reader, "_buffer", b""):
+        return True
+    sock = writer.transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        if hasattr(select, "poll"):  # no limit on the descriptor's number, unlike select()
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(readable)
+
+
+def _usable(conn: AbstractConnection) -> bool:
+    """An idle connection that the server (or a proxy) has not closed meanwhile."""
+    reader, writer = conn._reader, conn._writer
+    if reader is None or writer is None or writer.transport.is_closing():
+        return False
+    return not reader.at_eof() and reader.exception() is None
+
+
+async def read(conn: AbstractConnection) -> Any:
+    """The next reply on ``conn``, for as long as it takes (the caller bounds the wait).
+
+    ``disconnect_on_error=False``: an interrupted read leaves the connection and the parser's
+    buffer as they were (its only await is the socket read), so it can be read again.
+    ``timeout=None``: the connections have no socket timeout (``Settings.pool``), and any other
+    value, ``math.inf`` too, costs a timeout context per read."""
+    return await conn.read_response(timeout=None, disconnect_on_error=False)
+
+
+class Dialled(redis.asyncio.Connection):
+    """A redis-py connection that chooses its server when it connects: :meth:`dial` is given
+    the step that opens the socket to ``self.host``/``self.port`` and calls it as it sees fit."""
+
+    async def dial(self, open_socket: Callable[[], Any]) -> None:
+        await open_socket()
 
     async def _connect(self) -> None:
-        error: BaseException | None = None
-        try:
-            with anyio.fail_after(self.settings.op_timeout):
-                reader, writer = await self._open()
-        except TimeoutError:
-            error = BackendTimeout(
-                f"Redis master {self.address} did not answer within "
-                f"{self.settings.op_timeout:g} s while connecting"
-            )
-        except BackendUnavailable as exc:
-            error = exc
-        except OSError as exc:
-            error = BackendUnavailable(f"cannot connect to Redis master {self.address}: {exc}")
-        except BaseException:
-            self._connecting = False
-            self._fail_backlog(BackendUnavailable("the lock client is closed"))
-            raise
-        self._connecting = False
-        if error is not None:
-            self._fail_backlog(error)
-            return
-        if self._closed:
-            writer.close()
-            self._fail_backlog(BackendUnavailable("the lock client is closed"))
-            return
-        link = _Link(self, reader, writer)
-        self._link = link
-        self.connections_made += 1
-        self.open_connections += 1
-        self.peak_connections = max(self.peak_connections, self.open_connections)
-        for scope in (
-            self._spawn(link.read_replies, f"reading replies of Redis master {self.address}"),
-            self._spawn(link.watch, f"watching Redis master {self.address}"),
-        ):
-            if scope is not None:
-                link.scopes.append(scope)
-        backlog, self._backlog = self._backlog, deque()
-        for request in backlog:
-            if request.wanted:
-                link.send(request)
+        await self.dial(super()._connect)
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        settings = self.settings
-        context = settings.ssl_context() if settings.tls else None
-        reader, writer = await asyncio.open_connection(
-            self.address.host,
-            self.address.port,
-            ssl=context,
-            server_hostname=self.address.host if context is not None else None,
-        )
-        try:
-            await self._handshake(reader, writer)
-        except BaseException as exc:
-            writer.close()
-            if isinstance(exc, asyncio.IncompleteReadError | ProtocolError | ValueError):
-                raise BackendUnavailable(
-                    f"Redis master {self.address} closed the connection while it was being set "
-                    f"up ({exc!r}); is it a Redis server?"
-                ) from exc
-            raise
-        return reader, writer
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        settings = self.settings
-        commands: list[tuple[str | int, ...]] = []
-        if settings.password is not None:
-            if settings.username:
-                commands.append(("AUTH", settings.username, settings.password))
-            else:
-                commands.append(("AUTH", settings.password))
-        if settings.db:
-            commands.append(("SELECT", settings.db))
-        if settings.client_name:
-            commands.append(("CLIENT", "SETNAME", settings.client_name))
-        commands.append(("PING",))
-        writer.write(b"".join(pack(command) for command in commands))
-        for command in commands:
-            reply = await read_reply(reader)
-            if isinstance(reply, ErrorReply):
-                raise BackendUnavailable(
-                    f"Redis master {self.address} refused {command[0]}: {reply}; check the "
-                    "user, password and database number"
-                )
+class Undo:
+    """What a :class:`Lane` sends after a call that was interrupted with its command in flight.
 
-    def lost(self, link: _Link, error: BaseException, *, retry: bool) -> None:
-        """``link`` died: close it, and send its requests again once (``retry``: the server
-        closed it, so none of them runs later) or fail them."""
-        if not link.alive:
-            return
-        link.close()
-        self.open_connections -= 1
-        if self._link is link:
-            self._link = None
-        pending, link.pending = link.pending, deque()
-        logger.debug("asynclock: %s; %d requests on it", error, len(pending))
-        for request in pending:
-            if retry and request.attempts < 2 and request.wanted:
-                self._enqueue(request)
-            else:
-                request.fail(error)
+    A command whose reply did not come in time, or whose caller was cancelled after it was
+    sent, may still run on the server. The lane then writes ``args`` on the *same* connection,
+    right behind it and without an await, so the server runs the undo after the command, in
+    that order, whenever it gets to them (also after a freeze), and nothing can cancel it.
+    ``sent`` tells whether the command was written at least once (it may have run), ``queued``
+    whether the undo went out behind it (then nothing is left to clean up).
+    """
+
+    __slots__ = ("args", "queued", "sent")
+
+    def __init__(self, *args: str | int | float | bytes) -> None:
+        self.args = args
+        self.sent = False
+        self.queued = False
+
+
+class NotReplicated(redis.exceptions.RedisError):
+    """``WAIT`` counted fewer replicas than asked for within its timeout: the write happened
+    on the master but may be lost in a failover (the caller undoes a take)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """``WAIT replicas timeout_ms`` sent behind a call on its connection, so that it counts
+    the replicas that have that very write; ``needed(reply)`` tells whether this reply's
+    write must be on them (a take that got the lock), else a shortfall is ignored."""
+
+    replicas: int
+    timeout_ms: int
+    needed: Callable[[Any], bool]
+
+
+class Lane:
+    """Calls to one Redis server over redis-py connections, without its pool's per-call work.
+
+    redis-py's client takes a lock, checks the socket, runs a retry wrapper and records metrics
+    on every command; on loopback that is a quarter of a round trip, and a lock cycle is two
+    round trips. A lane keeps idle connections in a list (last used first) and opens another
+    when all are busy, up to :data:`MAX_BUSY` calls in flight; a call beyond that waits for
+    one to end (first come, first served), never for the server.
+
+    A connection that fails or is cancelled in mid-call is closed and never reused, so a late
+    reply cannot reach the wrong caller (or, with an :class:`Undo`, it is reused only after both
+    replies were read). An idle connection the server closed meanwhile (``CLIENT KILL``, a
+    restart, a proxy reset) is dropped when it is next picked. A call that fails on a
+    connection error is retried once on a fresh connection: every script here is idempotent for
+    its owner id, so running it twice is safe.
+
+    Timeouts are the lane's own, not the driver's: one that fires late (the loop was stalled, for
+    example by a paused process), or finds reply bytes received but not read yet, lets the call
+    read what arrived, for up to :data:`LATE_GRACE` seconds, before it counts as a timeout.
+    """
+
+    def __init__(
+        self, pool: redis.asyncio.ConnectionPool, op_timeout: float, host: TaskHost
+    ) -> None:
+        self._pool = pool
+        self._host = host
+        self._op_timeout = op_timeout
+        self._idle: list[AbstractConnection] = []
+        self._every: set[AbstractConnection] = set()
+        #: The drains running in the backend's task host (each stops when its scope is cancelled).
+        self._drains: set[anyio.CancelScope] = set()
+        self._closed = False
+        #: Calls in flight, and the calls waiting for one of them to end.
+        self._busy = 0
+        self._turns: deque[anyio.Event] = deque()
+        #: :class:`Wait` behind every call of these scripts (by sha). Set by backends that
+        #: offer ``wait_replicas``; empty: no WAIT.
+        self.wait_for: dict[str, Wait] = {}
+        #: While the backend opens: calls and handshakes wait for as long as the client's
+        #: ``connect_timeout`` lets them (the caller's scope), not ``op_timeout``.
+        self.connecting = False
 
     @property
-    def busy(self) -> bool:
-        """Requests are on their way (or waiting for a connection)."""
-        return bool((self._link is not None and self._link.pending) or self._backlog)
+    def connections(self) -> int:
+        """Open connections (idle and busy)."""
+        return sum(1 for conn in self._every if conn.is_connected)
 
-    def close(self) -> asyncio.StreamWriter | None:
-        """Close the connection; its writer, to wait for (see ``finish_closing``)."""
-        self._closed = True
-        link, self._link = self._link, None
-        error = BackendUnavailable(f"the connection to Redis master {self.address} is closed")
-        if link is not None and link.alive:
-            link.close()
-            self.open_connections -= 1
-            pending, link.pending = link.pending, deque()
-            for request in pending:
-                request.fail(error)
-        self._fail_backlog(error)
-        return link.writer if link is not None else None
+    @property
+    def draining(self) -> int:
+        """Connections that still wait for the replies of an interrupted call and its undo."""
+        return len(self._drains)
 
+    def _idle_connection(self) -> AbstractConnection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if _usable(conn):
+                return conn
+            self._discard(conn)
+        return None
 
-def _outcome(future: asyncio.Future[Any]) -> Any:
-    if future.cancelled():
-        return Failed(BackendTimeout("no answer before the round was decided"))
-    error = future.exception()
-    return Failed(error) if error is not None else future.result()
+    def _discard(self, conn: AbstractConnection) -> None:
+        """Close ``conn`` now, without an await (so no cancellation can keep it open)."""
+        self._every.discard(conn)
+        close_now(conn)
 
+    async def _open(self, conn: AbstractConnection) -> None:
+        # The handshake (AUTH, CLIENT SETNAME, SELECT) reads replies with no socket timeout of
+        # its own: bound it, or a frozen server would hold us for ever.
+        limit = math.inf if self.connecting else self._op_timeout
+        with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+            await conn.connect()  # type: ignore[no-untyped-call]
+            return
+        late = anyio.current_time() - scope.deadline > LATE_TIMER or received(conn)
+        # Fired late, or the server did answer: a stalled loop, not a slow server. The state of
+        # the half-done handshake is unknown, so it is not resumed; the caller gets a connection
+        # error and tries a new connection.
+        kind = redis.exceptions.ConnectionError if late else redis.exceptions.TimeoutError
+        raise kind(f"no reply to the connection handshake within {self._op_timeout:g} s")
 
-async def gather(
-    futures: Sequence[asyncio.Future[Any]],
-    timeout: float,
-    decided: Callable[[list[Any]], bool],
-    *,
-    grace: float = 0.0,
-) -> list[Any]:
-    """The replies of ``futures`` (one per master) as they come, until ``decided(results so
-    far)`` (``None`` marks a master still out) and ``grace`` seconds more for the others, or
-    ``timeout``; those still out are abandoned (their requests run on, their replies are
-    dropped) and count as failed."""
-    results: list[Any] = [None] * len(futures)
-    deadline = _now() + timeout
-    settled = second_look = False
-    try:
-        while True:
-            for index, future in enumerate(futures):
-                if results[index] is None and future.done():
-                    results[index] = _outcome(future)
-            if all(result is not None for result in results):
-                break
-            if not settled and decided(results):
-                settled = True
-                if grace <= 0:
-                    break
-                deadline = min(deadline, _now() + grace)
-            left = deadline - _now()
-            if left <= 0:
-                if second_look:
-                    break
-                # As after a pause of this process: read what has arrived before the verdict.
-                second_look = True
-                for _ in range(2):
-                    await asyncio.sleep(0)
-                continue
-            out = [future for index, future in enumerate(futures) if results[index] is None]
-            await _first_done(out, left)
-    finally:
-        for future in futures:
-            if not future.done():
-                future.cancel()
-    late = (
-        "no answer yet when a majority had answered"
-        if settled
-        else f"no answer within {timeout:g} s"
-    )
-    return [Failed(BackendTimeout(late)) if result is None else result for result in results]
+    async def _read(self, conn: AbstractConnection, limit: float) -> Any:
+        # read_response() itself, not read(): one coroutine frame less on every call.
+        if limit == math.inf:
+            return await conn.read_response(timeout=None, disconnect_on_error=False)
+        with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+            return await conn.read_response(timeout=None, disconnect_on_error=False)
+        if anyio.current_time() - scope.deadline > LATE_TIMER or received(conn):
+            # The timer ran well after its deadline, after a stall in which the reply may well
+            # have come, or the reply is here already (the stall ended just after the deadline):
+            # it is in the socket, just not read yet. Read what has arrived.
+            with anyio.move_on_after(LATE_GRACE):
+                return await read(conn)
+        raise redis.exceptions.TimeoutError(f"no reply within {limit:g} s")
 
+    async def call(
+        self,
+        *args: str | int | float | bytes,
+        timeout: float | None = None,
+        undo: Undo | None = None,
+        wait: Wait | None = None,
+    ) -> Any:
+        """Send one command and return its reply.
 
-async def _guarded(
-    scope: anyio.CancelScope, func: Callable[[], Coroutine[Any, Any, None]], what: str
-) -> None:
-    with scope:
+        The reply must come within ``timeout`` seconds (``op_timeout`` by default; ``math.inf``
+        waits for ever, for blocking commands that the caller bounds). With ``undo``, a call
+        interrupted after its command went out (timeout, cancellation) writes the undo behind
+        it on the same connection before the error propagates (see :class:`Undo`). With
+        ``wait``, ``WAIT`` follows the command on its connection, and fewer replicas than
+        asked raise :class:`NotReplicated` after the command ran (if ``wait.needed(reply)``).
+        """
+        if self._closed:
+            raise redis.exceptions.ConnectionError("the lock backend is closed")
+        if self._busy < MAX_BUSY:
+            self._busy += 1  # no await on the common path
+        else:
+            await self._wait_for_turn()
         try:
-            await func()
-        except Exception:
-            logger.exception("asynclock: %s failed", what)
+            return await self._call(args, timeout, undo, wait)
+        finally:
+            self._end_turn()
 
+    async def _wait_for_turn(self) -> None:
+        turn = anyio.Event()
+        self._turns.append(turn)
+        try:
+            await turn.wait()
+        except BaseException:
+            if turn.is_set():
+                self._end_turn()  # given to us as we were cancelled: pass it on
+            else:
+                self._turns.remove(turn)
+            raise
 
-async def _first_done(futures: Sequence[asyncio.Future[Any]], timeout: float) -> None:
-    """Wait until one of ``futures`` is done, or ``timeout`` seconds."""
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[None] = loop.create_future()
+    def _end_turn(self) -> None:
+        # The next waiting call takes this one's place directly (the count stays).
+        if self._turns:
+            self._turns.popleft().set()
+        else:
+            self._busy -= 1
 
-    def wake(_: object = None) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
+    async def _call(
+        self,
+        args: tuple[str | int | float | bytes, ...],
+        timeout: float | None,
+        undo: Undo | None,
+        wait: Wait | None = None,
+    ) -> Any:
+        if self._closed:  # closed while this call waited for its turn
+            raise redis.exceptions.ConnectionError("the lock backend is closed")
+        limit = self._op_timeout if timeout is None else timeout
+        if self.connecting:
+            limit = math.inf
+        packed = pack(args)
+        if wait is not None:
+            packed += pack(("WAIT", wait.replicas, wait.timeout_ms))
+        for attempt in (1, 2):
+            # The retry always opens a new connection: the idle ones may all be dead alike.
+            conn = self._idle_connection() if attempt == 1 else None
+            if conn is None:
+                conn = self._pool.make_connection()  # type: ignore[no-untyped-call]
+                self._every.add(conn)
+                try:
+                    await self._open(conn)
+                except redis.exceptions.ConnectionError:
+                    if not self._retry_after_dropping(conn, attempt):
+                        raise
+                    continue
+                except BaseException:
+                    # Half set up (an error reply to SELECT, say): never to be used.
+                    self._discard(conn)
+                    raise
+            sent = False
+            acked: Any = None
+            try:
+                write_now(conn, packed)
+                sent = True
+                if undo is not None:
+                    undo.sent = True
+                reply = await self._read(conn, limit)
+                if wait is not None:
+                    acked = await self._read(conn, limit + wait.timeout_ms / 1000)
+            except redis.exceptions.ResponseError:
+                if wait is None:
+                    self._checkin(conn)  # an error reply: the connection itself is fine
+                else:
+                    self._discard(conn)  # WAIT's reply may still be on its way
+                raise
+            except redis.exceptions.ConnectionError:
+                if not self._retry_after_dropping(conn, attempt):
+                    raise
+                continue
+            except BaseException:
+                # No reply in time, or cancelled: the command may still run on the server.
+                replies = 2 if wait is None else 3
+                if not (sent and undo is not None and self._queue_undo(conn, undo, replies)):
+                    self._discard(conn)
+                raise
+            self._checkin(conn)
+            if wait is not None and int(acked) < wait.replicas and wait.needed(reply):
+                raise NotReplicated(
+                    f"{int(acked)} of the {wait.replicas} replica(s) asked for (wait_replicas) "
+                    f"had the write within {wait.timeout_ms} ms (wait_timeout)"
+                )
+            return reply
+        raise AssertionError("unreachable")
 
-    for future in futures:
-        future.add_done_callback(wake)
-    timer = loop.call_later(timeout, wake)
-    try:
-        await waiter
-    finally:
-        timer.cancel()
-        for future in futures:
-            future.remove_done_callback(wake)
+    def _retry_after_dropping(self, conn: AbstractConnection, attempt: int) -> bool:
+        """``conn`` broke: close it; True if the call may be tried once more (on a new one)."""
+        self._discard(conn)
+        return attempt == 1 and not self._closed
+
+    def _queue_undo(self, conn: AbstractConnection, undo: Undo, replies: int = 2) -> bool:
+        if closing(conn) or self._closed or not self._host.running:
+            return False
+        write_now(conn, pack(undo.args))
+        undo.queued = True
+        scope = anyio.CancelScope()
+        self._drains.add(scope)
+        self._host.start_soon(
+            self._drain, conn, replies, scope, name="asynclock: redis undo replies"
+        )
+        return True
+
+    async def _drain(
+        self, conn: AbstractConnection, replies: int, scope: anyio.CancelScope
+    ) -> None:
+        """Read the replies of an interrupted call and its undo, then reuse the connection."""
+        try:
+            with scope, anyio.move_on_after(max(_DRAIN_FOR, self._op_timeout)):
+                for _ in range(replies):
+                    # An error reply (NOSCRIPT, say) is a whole reply too.
+                    with contextlib.suppress(redis.exceptions.ResponseError):
+                        await read(conn)
+                self._checkin(conn)
+                return
+        except Exception as exc:
+            logger.debug("asynclock: reading the replies of an undone call: %r", exc)
+        finally:
+            self._drains.discard(scope)
+            if conn in self._every and conn not in self._idle:
+                self._discard(conn)
+
+    def _checkin(self, conn: AbstractConnection) -> None:
+        if len(self._idle) < _MAX_IDLE and not self._closed:
+            self._idle.append(conn)
+        else:
+            # A burst is over: do not keep every connection it needed.
+            self._discard(conn)
+
+    async def script(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        args: Sequence[Arg],
+        undo: Undo | None = None,
+    ) -> Any:
+        """``EVALSHA``, loading the script first if the server does not know it (a restart
+        flushes scripts), followed by ``WAIT`` if :attr:`wait_for` names the script."""
+        wait = self.wait_for.get(script.sha)
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        try:
+            return await self.call(*command, undo=undo, wait=wait)
+        except redis.exceptions.NoScriptError:
+            await self.call("SCRIPT", "LOAD", script.text)
+            return await self.call(*command, undo=undo, wait=wait)
+
+    async def aclose(self) -> None:
+        """Close every connection, busy ones included (their callers get a connection error)."""
+        self._closed = True
+        self._idle.clear()
+        # The drains end with the backend's task host; their connections are closed here.
+        for scope in list(self._drains):
+            scope.cancel()
+        every, self._every = self._every, set()
+        writers = [writer for conn in every if (writer := close_now(conn)) is not None]
+        await finish_closing(writers, CLOSE_GRACE)

@@ -5,7 +5,7 @@ so the token and the lock come from one atomic step. Renew and release compare t
 per lease) before they act; one script renews every lock a client holds, in one round trip.
 
 Keys. Per name and kind, five keys, each ``<prefix>[<kind>:]<tag>:{<name>}``: the braces are
-a Redis Cluster hash tag, so the five are in one slot (:mod:`._scripts`, :mod:`._fair`): the
+a Redis Cluster hash tag, so the five are in one slot (:mod:`._scripts`, :mod:`._queue`): the
 exclusive holder (``lock:``), the fencing counter (``token:``, no expiry), the queue by arrival
 (``queue:``) and by expiry (``queue-ttl:``), and the other holds (``holds:``: shared holds,
 permits, the leader, each with its own expiry, so a crashed holder frees its own only). TAKE,
@@ -68,14 +68,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Self
 
 from .._kit import (
+    Backend,
     BackendTimeout,
     BackendUnavailable,
     Capabilities,
     HostPort,
     InvalidURL,
+    Kind,
+    LockInfo,
     LockRequest,
     Options,
-    Renewed,
+    RenewOutcome,
     TaskHost,
     WaiterRegistry,
     finish,
@@ -85,16 +88,16 @@ from .._kit import (
     redact,
     translate,
 )
-from . import _fair
-from . import _holds as holds
+from . import _queue
 from . import _scripts as lua
 from ._errors import ERRORS, opening_errors
-from ._holds import RedisGrant
-from ._lane import Lane, Undo
+from ._inspect import info_from, wait_for_election_change
+from ._lease import Leases, RedisGrant, mode_of, permits_of, value_of
 from ._records import RedisWaiters
 from ._server import check_server
 from ._urls import COMMON_OPTIONS, DEFAULT_PORT, Settings, common_settings, split_url
-from ._wakes import WakeChannel
+from ._wakes import WakeChannel, line_of
+from ._wire import Lane, Undo
 
 __all__ = ("RedisBackend", "RedisGrant")
 
@@ -103,7 +106,7 @@ _SCHEMES: Final = ("redis", "rediss")
 _DEFAULT_WAITER_TTL: Final = 5.0
 
 
-class RedisBackend(holds.HoldingBackend):
+class RedisBackend(Backend[RedisGrant]):
     """Locks on one Redis server, with fencing tokens and a fair (FIFO) waiter queue."""
 
     driver = "redis-py"
@@ -131,8 +134,14 @@ class RedisBackend(holds.HoldingBackend):
         self._wakes: WakeChannel | None = None
         self._closed = False
         self._server_info: dict[str, str] = {}
-        #: Leases granted and not released, by owner id: told at once when a restart lost them.
-        self._held: dict[str, tuple[RedisGrant, Callable[[str], None]]] = {}
+        self._leases = Leases(
+            self._script,
+            settings,
+            self.describe,
+            lambda: self._wakes,
+            self._wake_prefix,
+            self._client_id,
+        )
         #: The wake channel, the undo replies, the clean-ups that wait for the server.
         self._host = TaskHost(cleanup_timeout=settings.op_timeout)
 
@@ -205,14 +214,14 @@ class RedisBackend(holds.HoldingBackend):
                     lane, self.describe(), durability_warning=self.durability_warning
                 )
                 # Load the scripts now, so that the first acquire costs one round trip.
-                for script in (_fair.TAKE, _fair.RELEASE, _fair.LEAVE, lua.RENEW):
+                for script in (_queue.TAKE, _queue.RELEASE, _queue.LEAVE, lua.RENEW):
                     await lane.call("SCRIPT", "LOAD", script.text)
                 wakes = self._wakes = WakeChannel(
                     pool,
                     self.settings.op_timeout,
                     self.describe(),
                     f"{self._wake_prefix}{self._client_id}",
-                    self._report_lost_after_restart,
+                    self._leases.report_lost_after_restart,
                 )
                 wakes.run_id = run_id
                 conn = await wakes.connect(timeout=math.inf)
@@ -225,7 +234,7 @@ class RedisBackend(holds.HoldingBackend):
 
     async def aclose(self) -> None:
         self._closed = True
-        self._held.clear()
+        self._leases.clear()
         if self._wakes is not None:
             self._wakes.close()
         # Clean-ups still pending get a moment (they need the lane), then everything stops.
@@ -254,8 +263,41 @@ class RedisBackend(holds.HoldingBackend):
         with translate(ERRORS, f"{what} on {self.describe()}"):
             return await lane.script(script, keys, args)
 
+    def _keys(self, name: str, kind: Kind = "lock") -> list[str]:
+        return lua.fair_keys(self.settings.prefix, name, kind)
+
+    # -- what it does with the holds it has (:mod:`._lease`, :mod:`._inspect`) ----------------
+
+    async def renew(self, grants: Sequence[RedisGrant]) -> Sequence[RenewOutcome]:
+        return await self._leases.renew(grants)
+
+    async def extend(self, grant: RedisGrant, ttl: float) -> RenewOutcome:
+        self.check_ttl(ttl)
+        return await self._leases.extend(grant, ttl)
+
+    async def release(self, grant: RedisGrant) -> None:
+        await self._leases.release(grant)
+
+    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
+        what = f"inspecting {kind} {name!r}"
+        return info_from(
+            name, kind, await self._script(_queue.INSPECT, self._keys(name, kind), [], what)
+        )
+
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        if kind != "election" or self._wakes is None:
+            await super().wait_for_change(name, kind, seen, timeout)
+            return
+        channel = lua.change_channel(self.settings.prefix, name, kind)
+        inspect = functools.partial(self.inspect, name, kind)
+        await wait_for_election_change(
+            self._wakes, channel, inspect, seen, timeout, self.poll_interval
+        )
+
+    # -- taking and waiting (:mod:`._queue`) ---------------------------------------------------
+
     def _args(self, request: LockRequest) -> list[lua.Arg]:
-        """ARGV of TAKE and LEAVE (see :mod:`._fair`), without TAKE's ``wait``/``try``."""
+        """ARGV of TAKE and LEAVE (see :mod:`._queue`), without TAKE's ``wait``/``try``."""
         change = ""
         if request.kind == "election":
             change = lua.change_channel(self.settings.prefix, request.name, request.kind)
@@ -265,16 +307,16 @@ class RedisBackend(holds.HoldingBackend):
             self._place_ms(request),
             lua.ttl_ms(request.ttl),
             self._client_id,
-            holds.mode_of(request),
-            holds.permits_of(request),
-            holds.value_of(request),
+            mode_of(request),
+            permits_of(request),
+            value_of(request),
             change,
         ]
 
     def _undo_for(self, request: LockRequest) -> Undo:
         """LEAVE for ``request``, sent as plain EVAL (it must not depend on the script cache)."""
         keys = self._keys(request.name, request.kind)
-        return Undo("EVAL", _fair.LEAVE.text, len(keys), *keys, *self._args(request))
+        return Undo("EVAL", _queue.LEAVE.text, len(keys), *keys, *self._args(request))
 
     async def _take_once(
         self, request: LockRequest, mode: str, undo: Undo
@@ -285,48 +327,20 @@ class RedisBackend(holds.HoldingBackend):
         sent_at = now()
         with translate(ERRORS, f"taking lock {request.name!r} on {self.describe()}"):
             reply = await lane.script(
-                _fair.TAKE,
+                _queue.TAKE,
                 self._keys(request.name, request.kind),
                 [*self._args(request), mode],
                 undo,
             )
-        # {0, hint, floor} when the take left us in line, else two codes (see _fair.TAKE).
+        # {0, hint, floor} when the take left us in line, else two codes (see _queue.TAKE).
         taken, value, *floor = lua.codes(
             reply, 3 if isinstance(reply, list) and len(reply) == 3 else 2
         )
         if taken < 0:
             raise permits_mismatch(request.name, value, request.permits)
         if taken:
-            return self._granted(request, value, sent_at, request.ttl), 0, -1, sent_at
+            return self._leases.grant(request, value, sent_at, request.ttl), 0, -1, sent_at
         return None, value, floor[0] if floor else -1, sent_at
-
-    def _granted(
-        self, request: LockRequest, token: int, valid_from: float, ttl: float
-    ) -> RedisGrant:
-        grant = RedisGrant(
-            request.name,
-            request.owner,
-            token,
-            valid_from,
-            ttl,
-            request.ttl,
-            request.kind,
-            holds.mode_of(request),
-            holds.permits_of(request),
-            holds.value_of(request),
-        )
-        self._held[grant.owner] = (grant, request.on_lost)
-        return grant
-
-    async def _lengthen(self, grant: RedisGrant) -> None:
-        """Renew a lock handed over with a short rest of its waiter's place at once: the core
-        keeps a safety margin (by default ``min(1 s, ttl / 10)`` of the ttl asked for) from a
-        lease's first deadline, which a place shorter than that (a ``waiter_ttl`` under a
-        second or so, with a longer ttl) would have passed already: lost when it was granted."""
-        (outcome,) = await self.renew([grant])
-        if isinstance(outcome, Renewed):
-            grant.valid_from, grant.ttl = outcome.valid_from, outcome.ttl
-        # Lost: the core's first renewal will say so.
 
     def _place_ms(self, request: LockRequest) -> int:
         """How long a waiter's place lasts without a refresh: ``waiter_ttl``, but never longer
@@ -336,7 +350,7 @@ class RedisBackend(holds.HoldingBackend):
         return max(1, min(self._waiter_ttl_ms, lua.ttl_ms(request.ttl)))
 
     async def try_acquire(self, request: LockRequest) -> RedisGrant | None:
-        line = holds.line_of(request.kind, request.name)
+        line = line_of(request.kind, request.name)
         if request.kind != "semaphore" and self._wakes is not None and self._wakes.waits_for(line):
             # A task of ours has a place in the line: a try never jumps it (the take would
             # refuse, or hand the free lock to the first in line), so no round trip for that.
@@ -358,7 +372,7 @@ class RedisBackend(holds.HoldingBackend):
         undo = self._undo_for(request)
         refresh = self._place_ms(request) / 3000.0
         # Registered before the first take, so that no hand-over can come before we listen.
-        waiter = wakes.register(request.owner, holds.line_of(request.kind, request.name))
+        waiter = wakes.register(request.owner, line_of(request.kind, request.name))
         try:
             while True:
                 waiter.poked = False
@@ -378,9 +392,9 @@ class RedisBackend(holds.HoldingBackend):
                         # lease is over already: the lock may be another's by now. The next
                         # take says (it finds our own owner id if the key is still ours).
                         continue
-                    grant = self._granted(request, token, valid_from, px / 1000)
+                    grant = self._leases.grant(request, token, valid_from, px / 1000)
                     if grant.ttl < 2 * min(1.0, request.ttl / 10):
-                        await self._lengthen(grant)
+                        await self._leases.lengthen(grant)
                     return grant
         except BaseException as exc:
             await self._clean_up(request, undo, exc)
@@ -418,7 +432,7 @@ class RedisBackend(holds.HoldingBackend):
 
     async def _leave_once(self, request: LockRequest) -> None:
         await self._script(
-            _fair.LEAVE,
+            _queue.LEAVE,
             self._keys(request.name, request.kind),
             self._args(request),
             f"cleaning up after an acquire of {request.name!r}",

@@ -56,6 +56,7 @@ from .._kit import (
     redact,
 )
 from . import _scripts as lua
+from ._pipeline import Failed, Master, gather
 from ._quorum import (
     EXAMPLE,
     MIN_MASTERS,
@@ -71,9 +72,8 @@ from ._quorum import (
     said,
     still_queued,
 )
-from ._resp import finish_closing
 from ._urls import COMMON_OPTIONS, DEFAULT_PORT, Settings, common_settings, split_url
-from ._wire import Failed, Master, gather
+from ._wire import finish_closing
 
 __all__ = ("MIN_MASTERS", "RedlockBackend", "RedlockGrant")
 

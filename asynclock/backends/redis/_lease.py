@@ -1,37 +1,27 @@
-"""What ``redis://`` needs to know about the kinds of holds beyond the scripts: a request's
-mode, what ``inspect()`` makes of INSPECT's reply, and what a renewal's code means."""
+"""A ``redis://`` lease: :class:`RedisGrant`, and the :class:`Leases` a client holds, which it
+renews, extends, releases, and checks after the server restarted."""
 
 from __future__ import annotations
 
 import asyncio
-from abc import abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from .._kit import (
-    Backend,
-    Grant,
-    HolderInfo,
-    Kind,
-    LockInfo,
-    LockRequest,
-    Lost,
-    Renewed,
-    RenewOutcome,
-    now,
-)
-from . import _fair
+from .._kit import Grant, Kind, LockRequest, Lost, Renewed, RenewOutcome, now
+from . import _queue
 from . import _scripts as lua
-from ._scripts import as_text
 from ._urls import Settings
-from ._wakes import WakeChannel
+from ._wakes import WakeChannel, line_of
+
+#: Runs a script on the server, its errors translated: (script, keys, args, what it does).
+Run = Callable[[lua.Script, Sequence[str], Sequence[lua.Arg], str], Awaitable[Any]]
 
 
 def mode_of(request: LockRequest) -> str:
-    """The scripts' mode (see :mod:`._fair`): ``x`` exclusive, ``s`` shared, ``p`` a permit
+    """The scripts' mode (see :mod:`._queue`): ``x`` exclusive, ``s`` shared, ``p`` a permit
     (a semaphore's, or an election's: a semaphore of one, whose hold keeps the value)."""
     if request.kind == "lock":
         return "s" if request.shared else "x"
@@ -44,51 +34,6 @@ def permits_of(request: LockRequest) -> int:
 
 def value_of(request: LockRequest) -> bytes:
     return request.value if request.kind == "election" else b""
-
-
-def line_of(kind: Kind, name: str) -> str:
-    """The wake channel's name for the queue of ``name`` of ``kind`` (kinds are namespaces)."""
-    return f"{kind} {name}"
-
-
-def _seconds(ms: int) -> float | None:
-    return ms / 1000 if ms >= 0 else None
-
-
-def info_from(name: str, kind: Kind, reply: Any) -> LockInfo:
-    """``inspect()``'s answer from INSPECT's reply (see :data:`._fair.INSPECT`)."""
-    holder, ms_left, counter, waiters, members, server_ms = reply
-    now = int(server_ms)
-    holds: list[HolderInfo] = []
-    permits: int | None = None
-    if holder:
-        # Nobody takes while an exclusive holder holds: the counter is its token.
-        token = int(counter) if counter is not None else None
-        holds.append(HolderInfo(as_text(holder), token, _seconds(int(ms_left))))
-    for member, score in zip(members[::2], members[1::2], strict=True):
-        if member.startswith(b"#"):
-            permits = int(member[1:])
-            continue
-        token_text, owner, value = member.split(b" ", 2)
-        holds.append(
-            HolderInfo(
-                as_text(owner),
-                int(token_text),
-                (int(float(score)) - now) / 1000,
-                shared=kind == "lock",
-                value=value if kind == "election" else None,
-            )
-        )
-    return LockInfo.of(name, kind, holds, waiters=int(waiters), permits=permits)
-
-
-def differs(now: LockInfo, seen: LockInfo) -> bool:
-    """Whether the holds of ``now`` are not those of ``seen`` (who, with which token, value)."""
-
-    def key(info: LockInfo) -> tuple[Any, ...]:
-        return (info.held, info.owner, info.token, info.value)
-
-    return key(now) != key(seen)
 
 
 def outcome(name: str, code: int, sent_at: float, ttl: float, describe: str) -> RenewOutcome:
@@ -108,7 +53,7 @@ class RedisGrant(Grant):
 
     lease_ttl: float
     kind: Kind = "lock"
-    #: The scripts' mode (see :mod:`._fair`), permits and value of the request.
+    #: The scripts' mode (see :mod:`._queue`), permits and value of the request.
     mode: str = "x"
     permits: int = 1
     value: bytes = b""
@@ -121,38 +66,56 @@ class RedisGrant(Grant):
         return lua.hold_member(self.token or 0, self.owner, self.value)
 
 
-class HoldingBackend(Backend[RedisGrant]):
-    """What :class:`~.backend.RedisBackend` does with the holds it has, of every kind: renew,
-    extend, release, inspect, wait for a change, and check them after a restart. (Taking and
-    waiting, with their clean-up, are the backend's own.)"""
+@dataclass(eq=False)
+class Leases:
+    """The leases a client was granted and has not released: renewed, extended and released
+    here, and reported lost at once when a restart of the server lost them."""
 
+    _script: Run
     settings: Settings
-    _wakes: WakeChannel | None
-    #: Leases granted and not released, by owner id: told at once when a restart lost them.
-    _held: dict[str, tuple[RedisGrant, Callable[[str], None]]]
-
+    describe: Callable[[], str]
+    #: The client's wake channel, once it has one (a release hands the lock to its waiters).
+    _wakes: Callable[[], WakeChannel | None]
     _wake_prefix: str
     _client_id: str
+    #: By owner id, with what to call when it is lost.
+    _held: dict[str, tuple[RedisGrant, Callable[[str], None]]] = field(default_factory=dict)
 
-    @abstractmethod
-    async def _script(
-        self, script: lua.Script, keys: Sequence[str], args: Sequence[lua.Arg], what: str
-    ) -> Any:
-        """Run ``script`` on the server, its errors translated (``what`` names the call)."""
+    def grant(self, request: LockRequest, token: int, valid_from: float, ttl: float) -> RedisGrant:
+        """The lease ``request`` was granted (its ``token``, valid ``ttl`` s from ``valid_from``),
+        held from now on."""
+        grant = RedisGrant(
+            request.name,
+            request.owner,
+            token,
+            valid_from,
+            ttl,
+            request.ttl,
+            request.kind,
+            mode_of(request),
+            permits_of(request),
+            value_of(request),
+        )
+        self._held[grant.owner] = (grant, request.on_lost)
+        return grant
 
-    def _keys(self, name: str, kind: Kind = "lock") -> list[str]:
-        return lua.fair_keys(self.settings.prefix, name, kind)
+    async def lengthen(self, grant: RedisGrant) -> None:
+        """Renew a lock handed over with a short rest of its waiter's place at once: the core
+        keeps a safety margin (by default ``min(1 s, ttl / 10)`` of the ttl asked for) from a
+        lease's first deadline, which a place shorter than that (a ``waiter_ttl`` under a
+        second or so, with a longer ttl) would have passed already: lost when it was granted."""
+        (result,) = await self.renew([grant])
+        if isinstance(result, Renewed):
+            grant.valid_from, grant.ttl = result.valid_from, result.ttl
+        # Lost: the core's first renewal will say so.
+
+    def clear(self) -> None:
+        self._held.clear()
 
     def _renew_key(self, grant: RedisGrant) -> str:
         if grant.mode == "x":
             return lua.lock_key(self.settings.prefix, grant.name)
         return lua.holds_key(self.settings.prefix, grant.name, grant.kind)
-
-    async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
-        reply = await self._script(
-            _fair.INSPECT, self._keys(name, kind), [], f"inspecting {kind} {name!r}"
-        )
-        return info_from(name, kind, reply)
 
     async def renew(self, grants: Sequence[RedisGrant]) -> Sequence[RenewOutcome]:
         if not grants:
@@ -170,7 +133,6 @@ class HoldingBackend(Backend[RedisGrant]):
 
     async def extend(self, grant: RedisGrant, ttl: float) -> RenewOutcome:
         # The new ttl applies to this one lease from now on: renewals send lease_ttl.
-        self.check_ttl(ttl)
         sent_at = anyio.current_time()
         reply = await self._script(
             lua.RENEW,
@@ -184,26 +146,7 @@ class HoldingBackend(Backend[RedisGrant]):
             grant.lease_ttl = ttl
         return result
 
-    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
-        wakes = self._wakes
-        if kind != "election" or wakes is None:
-            await super().wait_for_change(name, kind, seen, timeout)
-            return
-        # An expiry runs no script and tells nobody: look again when the leader's would come.
-        if seen.held and seen.expires_in is not None:
-            timeout = min(timeout, seen.expires_in + 0.005)
-        channel = lua.change_channel(self.settings.prefix, name, kind)
-        with anyio.move_on_after(timeout), wakes.watch(channel) as watch:
-            if not await watch.ready():
-                # No subscribed connection now: poll.
-                await anyio.sleep(min(timeout, self.poll_interval))
-                return
-            # Subscribed: whatever changes from now on is told; compare with what was seen.
-            if differs(await self.inspect(name, kind), seen):
-                return
-            await watch.changed()
-
-    async def _report_lost_after_restart(self) -> None:
+    async def report_lost_after_restart(self) -> None:
         """After a restart: every held lease whose key is gone (or another's) is lost, now."""
         held = list(self._held.values())
         if not held:
@@ -244,8 +187,8 @@ class HoldingBackend(Backend[RedisGrant]):
         ]
         try:
             reply = await self._script(
-                _fair.RELEASE,
-                self._keys(grant.name, grant.kind),
+                _queue.RELEASE,
+                lua.fair_keys(self.settings.prefix, grant.name, grant.kind),
                 args,
                 f"releasing {grant.kind} {grant.name!r}",
             )
@@ -257,8 +200,9 @@ class HoldingBackend(Backend[RedisGrant]):
             # Handed to tasks of this client: they learn from this reply (no message), and
             # run before the releasing task goes on, as the next holders should.
             handed = False
+            wakes = self._wakes()
             for heir, token, px in zip(reply[::3], reply[1::3], reply[2::3], strict=True):
-                if self._wakes is not None and self._wakes.hand(
+                if wakes is not None and wakes.hand(
                     lua.as_text(heir), int(token), int(px), sent_at
                 ):
                     handed = True
@@ -268,5 +212,6 @@ class HoldingBackend(Backend[RedisGrant]):
             self._poke(line)  # or a retry after a lost reply, which may have handed it
 
     def _poke(self, line: str) -> None:
-        if self._wakes is not None:
-            self._wakes.poke(line)
+        wakes = self._wakes()
+        if wakes is not None:
+            wakes.poke(line)
