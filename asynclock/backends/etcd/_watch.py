@@ -4,7 +4,6 @@ lease its key rides on kept alive meanwhile."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
@@ -16,10 +15,11 @@ from ._errors import token_rejected
 from ._hub import NameWatch, WatchHub, delete_watch
 from ._keys import Keys
 from ._lease import ClientLease, Leases
+from ._order import Standing
 from ._proto import range_op
 from ._wire import Wire
 
-__all__ = ("UNSYNCED_POLLS", "Place", "TurnWait", "raise_failure")
+__all__ = ("UNSYNCED_POLLS", "TurnWait", "raise_failure")
 
 #: A waiter re-reads the queue this often even without a watch event (a belt to the braces of
 #: watch revisions and gRPC keepalive pings).
@@ -27,18 +27,6 @@ _RECHECK_EVERY: Final = 30.0
 #: When the next waiter's watch may be unsynced (see ``TurnWait._after_watch``), it looks again
 #: after these delays (seconds from the watch's start), covering etcd's 100 ms catch-up period.
 UNSYNCED_POLLS: Final = (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0.11)
-
-
-@dataclass(frozen=True, slots=True)
-class Place:
-    """Where our key stands, as one read saw it."""
-
-    #: The key just before ours; None when ours is the lowest (we hold the lock).
-    predecessor: bytes | None
-    #: The key before ours is the lowest: we are next.
-    next_in_line: bool
-    #: The revision of the read.
-    seen: int
 
 
 async def raise_failure(wire: Wire, what: str, failed: Sequence[BaseException]) -> None:
@@ -93,19 +81,16 @@ class TurnWait:
         keys: Keys,
         own: bytes,
         rev: int,
-        place: Place,
+        place: Standing,
         name: str,
     ) -> None:
-        assert place.predecessor is not None
-        self._wire = wire
-        self._hub = hub
-        self._leases = leases
-        self._keys = keys
+        self._wire, self._hub, self._leases, self._keys = wire, hub, leases, keys
         self._own = self.own = own
         self.rev = rev
         #: Set by the release of the key before ours when it proved our key the lowest.
         self.proven = False
-        self._predecessor = place.predecessor
+        #: The key just before ours.
+        self._predecessor = place.watch[0]
         self._place = place
         self._what = f"waiting for lock {name!r}"
         self._changed = anyio.Event()
@@ -201,7 +186,7 @@ class TurnWait:
         place = self._place
         if self._local is not None:
             return []
-        if len(self._armed) == 2 and not self._woke and (start > place.seen or place.next_in_line):
+        if len(self._armed) == 2 and not self._woke and (start > place.seen or place.near):
             try:
                 return await self._after_watch(start)
             except LockError as exc:  # raised by run(), out of the task group
@@ -252,7 +237,7 @@ class TurnWait:
         exists, revision = await self._both_exist()
         if not exists:
             return None
-        if not self._place.next_in_line or revision <= start:
+        if not self._place.near or revision <= start:
             return []
         now = anyio.current_time()
         return [now + delay for delay in UNSYNCED_POLLS]
