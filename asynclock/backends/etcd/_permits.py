@@ -26,25 +26,21 @@ marked granted (see :class:`PermitWait`). A release wakes at most ``permits`` wa
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
 import anyio
 from aetcd import rpc
 
-from .._kit import RENEWAL, BackendTimeout, BackendUnavailable, LockError
-from ._hub import WatchHub, delete_watch
-from ._keys import Keys
-from ._lease import ClientLease, Leases
+from .._kit import BackendUnavailable
+from ._hub import delete_watch
+from ._lease import ClientLease
 from ._names import permit_value, permit_values
-from ._order import Rule, Standing, check_permits, may_try, read_limit
+from ._order import Rule, check_permits, may_try, read_limit
 from ._proto import create_is, mod_below, newest_op, put_op, values_within
-from ._watch import UNSYNCED_POLLS, raise_failure
+from ._watch import UNSYNCED_POLLS, Wait, raise_failure
 from ._wire import Wire
 
 __all__ = ("PermitWait", "enqueue_op", "entered", "free_guard", "grant_request")
-
-#: A waiter reads its place again this often even without a watch event.
-_RECHECK_EVERY: Final = 30.0
 
 
 def _read(key: bytes, end: bytes, **fields: Any) -> Any:
@@ -114,7 +110,7 @@ def grant_request(rule: Rule, own: bytes, rev: int, lease_id: int) -> Any:
     )
 
 
-class PermitWait:
+class PermitWait(Wait):
     """One wait for a permit: returns when one of the (up to N) keys just before ours, or ours,
     is deleted (or, once ours may hold, an older one is marked granted), or to look again;
     raises what went wrong. Its watches ride on the client's stream.
@@ -123,42 +119,8 @@ class PermitWait:
     older, so at least one of those N must go first (the keys before them are too few to make
     up the difference). So a release wakes at most N waiters, not the whole queue."""
 
-    __slots__ = (
-        "_armed",
-        "_before",
-        "_changed",
-        "_failed",
-        "_hub",
-        "_keys",
-        "_leases",
-        "_own",
-        "_puts_matter",
-        "_seen",
-        "_what",
-        "_wire",
-        "_woke",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        wire: Wire,
-        hub: WatchHub,
-        leases: Leases,
-        keys: Keys,
-        own: bytes,
-        place: Standing,
-        name: str,
-    ) -> None:
-        self._wire, self._hub, self._leases, self._keys = wire, hub, leases, keys
-        self._own, self._before, self._seen = own, place.watch, place.seen
-        #: An older key marked granted matters only when ours may hold already.
-        self._puts_matter = place.puts_matter
-        self._what = f"waiting for semaphore {name!r}"
-        self._changed = anyio.Event()
-        #: The revisions at which etcd created our watches.
-        self._armed: list[int] = []
-        self._woke = False
-        self._failed: list[BaseException] = []
+    __slots__ = ()
+    noun = "semaphore"
 
     async def run(self, lease: ClientLease, look: Callable[[], Awaitable[bool]] | None) -> None:
         """Wait; ``look`` (when we are close to a permit) reads whether our place changed, for
@@ -171,75 +133,23 @@ class PermitWait:
         read is taken at once, in queue order, rather than up to 100 ms later."""
         stream = self._hub.stream()
         # From just after the read that placed us: no change since is missed.
-        start = self._seen + 1
-        requests = [delete_watch(self._own, start)]
-        for key in self._before:
-            if self._puts_matter:
+        place = self._place
+        start = place.seen + 1
+        requests = [delete_watch(self.own, start)]
+        for key in place.watch:
+            # An older key marked granted matters only when ours may hold already.
+            if place.puts_matter:
                 requests.append(rpc.WatchCreateRequest(key=key, start_revision=start))
             else:
                 requests.append(delete_watch(key, start))
         stream.add(self, requests)
         try:
-            await self._idle(lease, look, len(requests))
+            await self._arm(len(requests))
+            now = anyio.current_time()
+            unsynced = look is not None and max(self._armed, default=0) > place.seen
+            await self._idle(
+                lease, [now + delay for delay in UNSYNCED_POLLS] if unsynced else [], look
+            )
         finally:
             stream.drop(self)  # no await: nothing can interrupt it
         await raise_failure(self._wire, self._what, self._failed)
-
-    async def _idle(
-        self, lease: ClientLease, look: Callable[[], Awaitable[bool]] | None, watches: int
-    ) -> None:
-        op_timeout = self._wire.settings.op_timeout
-        with anyio.move_on_after(op_timeout):
-            while len(self._armed) < watches and not (self._woke or self._failed):
-                self._changed = anyio.Event()
-                await self._changed.wait()
-        if len(self._armed) < watches and not (self._woke or self._failed):
-            self._failed.append(
-                BackendTimeout(
-                    f"{self._what} on {self._wire.describe}: etcd did not create the watches "
-                    f"within {op_timeout:g} s (op_timeout)"
-                )
-            )
-            return
-        now = anyio.current_time()
-        recheck_at = now + _RECHECK_EVERY
-        unsynced = look is not None and max(self._armed, default=0) > self._seen
-        polls = [now + delay for delay in UNSYNCED_POLLS] if unsynced else []
-        while not self._woke and not self._failed and not lease.dead:
-            now = anyio.current_time()
-            # Another waiter's keepalive is in flight: look again when a retry would be due.
-            due = RENEWAL.retry_at(now, lease.ttl) if lease.refreshing else lease.refresh_due()
-            self._changed = anyio.Event()
-            with anyio.move_on_at(min(due, recheck_at, *polls[:1])):
-                await self._changed.wait()
-            if self._woke or self._failed or anyio.current_time() >= recheck_at:
-                return
-            if polls and anyio.current_time() >= polls[0]:
-                polls.pop(0)
-                assert look is not None
-                try:
-                    if await look():
-                        return
-                except LockError as exc:
-                    self._failed.append(exc)
-            # Our key rides on the lease: keep it alive while we wait.
-            elif await self._leases.refresh_if_due(lease) and self._keys.orphans:
-                await self._keys.sweep()
-
-    def _wake(self) -> None:
-        self._woke = True
-        self._changed.set()
-
-    # -- told by the watch stream (Subscriber) -------------------------------------------------
-
-    def on_created(self, revision: int) -> None:
-        self._armed.append(revision)
-        self._changed.set()
-
-    def on_fired(self, events: Sequence[Any]) -> None:
-        # Every event of our watches matters (their filters leave out the rest).
-        self._wake()
-
-    def on_failed(self, error: BaseException) -> None:
-        self._failed.append(error)
-        self._wake()

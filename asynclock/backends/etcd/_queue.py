@@ -268,14 +268,13 @@ class Queue:
 
     async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Standing) -> bool:
         """Whether the release of the key before ours proved that we hold the lock."""
-        args = (self._wire, self._hub, self._leases, self._keys, attempt.own())
-        name = attempt.request.name
+        args = (self._wire, self._hub, self._leases, self._keys, attempt.own(), attempt.rev)
         if attempt.rule.marked:
             # Close to a permit: the watch may be slow to tell (see PermitWait.run).
             look = (lambda: self._moved(attempt)) if place.near else None
-            await PermitWait(*args, place, name).run(lease, look)
+            await PermitWait(*args, place, attempt.request.name).run(lease, look)
             return False
-        return await TurnWait(*args, attempt.rev, place, name).run(lease)
+        return await TurnWait(*args, place, attempt.request.name).run(lease)
 
     async def _moved(self, attempt: Attempt) -> bool:
         """Whether our key may hold now, or is gone."""
