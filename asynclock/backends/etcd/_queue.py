@@ -1,7 +1,9 @@
-"""The queue of one lock name: taking it, queueing for it, and leaving the queue.
+"""The queue of one name, for every kind: taking a hold, queueing and waiting for it, and
+leaving the queue. The kinds differ only by their rule (:mod:`._order`); a semaphore's own
+steps (its permit count, its grant marks, its wait) are in :mod:`._permits`.
 
-The holder is the key with the lowest create revision under the name. A waiter waits only for
-the key just before its own (see :mod:`._watch`). Before it reports success, a linearizable read
+A lock's holder is the key with the lowest create revision under the name. A waiter waits only
+for the key just before its own (see :mod:`._watch`). Before it reports success, a linearizable read
 must have shown that its own key still exists with its create revision (so it is on a live
 lease: etcd#11456 granted locks on dead leases) and that no lower key is left: its own read, or
 the transaction of the release that deleted the key before it, when that key was this client's

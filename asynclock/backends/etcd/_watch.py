@@ -1,5 +1,7 @@
-"""A waiter's wait for its turn: watches on the key before its own (and on its own), with the
-lease its key rides on kept alive meanwhile."""
+"""A waiter's wait for its turn: watches on the keys before its own (and on its own), with the
+lease its key rides on kept alive meanwhile. :class:`Wait` is what every wait does;
+:class:`TurnWait` waits for the one key before a lock's (a semaphore's wait, on the N keys
+before it, is ``_permits.PermitWait``)."""
 
 from __future__ import annotations
 
