@@ -21,6 +21,7 @@ from aetcd import rpc
 import asynclock
 from asynclock.abc import Kind, LockRequest, Lost, Renewed
 from asynclock.backends.etcd import EtcdBackend, EtcdGrant
+from asynclock.backends.etcd import _order as order
 from asynclock.fencing import fence_compare, fenced_txn
 from asynclock.testing import EtcdCluster, EtcdServer, FaultProxy, find_binary, free_port
 from tests.contract.backend_etcd import Etcd, lease_ids, metrics, raw
@@ -82,6 +83,52 @@ async def test_a_dead_endpoint_is_skipped_and_ttls_below_etcds_minimum_refused_o
         # etcd leases have whole seconds: the server keeps it 3 s, and the lease says so.
         assert lease.ttl == 3.0
         await lease.release()
+
+
+# -- the queue's rules, without a server -------------------------------------------------------
+
+LOCK = order.rule(b"n/", b"n0", "lock", False, 1)
+READER = order.rule(b"n/", b"n0", "lock", True, 1)
+SEMAPHORE = order.rule(b"n/", b"n0", "semaphore", False, 2)
+
+
+@pytest.mark.parametrize(
+    ("rule", "older", "holds", "watch", "puts_matter", "near"),
+    [
+        (LOCK, [], True, "", False, True),
+        (LOCK, ["a"], False, "a", False, True),
+        (LOCK, ["a", "b"], False, "a", False, False),
+        (READER, ["a"], False, "a", False, True),
+        # An unmarked rule never reads a value as a mark (an election's value may end in ";w").
+        (order.rule(b"n/", b"n0", "election", False, 1), [], True, "", False, True),
+        (LOCK, ["a;w"], False, "a", False, True),
+        (SEMAPHORE, [], True, "", True, True),
+        (SEMAPHORE, ["a;"], True, "a", True, True),
+        (SEMAPHORE, ["a;w"], False, "a", True, True),  # waits for the older key's grant mark
+        (SEMAPHORE, ["a;", "b;"], False, "ab", False, True),
+        (SEMAPHORE, ["a;", "b;", "c;"], False, "ab", False, False),
+    ],
+)
+def test_where_a_key_stands_by_the_keys_older_than_it(
+    rule: order.Rule, older: list[str], holds: bool, watch: str, puts_matter: bool, near: bool
+) -> None:
+    pairs = [(each[0].encode(), each[1:].encode()) for each in older]
+    place = order.standing(rule, pairs, 7)
+    assert place == (holds, tuple(key.encode() for key in watch), puts_matter, near, 7)
+
+
+def test_the_range_a_kind_waits_for_and_how_much_it_reads() -> None:
+    assert (LOCK.low, LOCK.high, LOCK.own_in_range) == (b"n/", b"n0", True)
+    assert (READER.low, READER.high, READER.own_in_range) == (b"n/0", b"n/g", False)
+    assert (SEMAPHORE.permits, SEMAPHORE.marked) == (2, True) and not LOCK.marked
+    rules = (LOCK, READER, SEMAPHORE)
+    limits = [order.read_limit(each, enqueue=e) for each in rules for e in (True, False)]
+    assert limits == [3, 2, 2, 2, 4, 3]
+    assert order.may_try(SEMAPHORE, 1, [b"2;"]) and not order.may_try(SEMAPHORE, 2, [b"2;"])
+    assert not order.may_try(SEMAPHORE, 1, [b"2;w"])
+    order.check_permits("s", 2, b"2;w")
+    with pytest.raises(asynclock.InvalidArgument, match=r"has 3 permits.*asked for 2"):
+        order.check_permits("s", 2, b"3;")
 
 
 # -- the lease ---------------------------------------------------------------------------------
@@ -761,6 +808,7 @@ async def test_permits_are_granted_in_queue_order_even_to_a_waiter_that_stalls(e
         async with anyio.create_task_group() as tg:
             tg.start_soon(take)
             await direct.until_count(base, 2)
+            assert [key.value for key in await direct.keys(base)] == [b"2;w", b"2;w"]  # queued
             await anyio.sleep(0.3)
             assert not granted  # a permit is free, but the older key is not granted yet
             await direct.leases.LeaseRevoke(rpc.LeaseRevokeRequest(ID=stalled.ID))

@@ -44,10 +44,11 @@ The package, imported in one direction (each file only from those below it):
   the client's lease of the new ttl);
 * ``_inspect.py``: ``inspect`` of every kind, and ``wait_for_change`` (elections' ``observe``)
   through a watch on the client's stream;
-* ``_permits.py``: a semaphore's permits (keys granted in queue order, while fewer than N are
-  older);
-* ``_queue.py``: taking a lock (exclusive or shared) or an election's term, queueing for it,
-  leaving the queue after a cancel;
+* ``_queue.py``: taking a hold of any kind, queueing and waiting for it, leaving the queue
+  after a cancel: one loop for every kind, told apart by its rule (``_order.py``);
+* ``_permits.py``: what only a semaphore does (its permit count, its keys granted in queue
+  order, its wait on the N keys before its own);
+* ``_order.py``: the queue's rules as pure functions (what a key waits for, whether it holds);
 * ``_watch.py``: a waiter's wait for its turn (watches, the lease kept alive meanwhile);
 * ``_hub.py``: the client's one watch stream, and the watch per lock name;
 * ``_keys.py``: deletes of lock keys, the keys whose delete failed, the client's keys in the

@@ -57,32 +57,19 @@ class Inspector:
         prefix = name_prefix(self._prefix, name, kind)
         wire = self._wire
         end = prefix_end(prefix)
+
         # Every key, oldest first; values only where they say something: a semaphore's
         # permits and waiting marks (a few bytes each), and only the leader's of an election
         # (a candidate's may be 64 KiB). A lock's values are its owners, which its keys name.
-        reads = [
-            rpc.RequestOp(
-                request_range=rpc.RangeRequest(
-                    key=prefix,
-                    range_end=end,
-                    sort_target=rpc.RangeRequest.CREATE,
-                    sort_order=rpc.RangeRequest.ASCEND,
-                    keys_only=kind != "semaphore",
-                )
+        def oldest_first(**fields: Any) -> Any:
+            sort = {"sort_target": rpc.RangeRequest.CREATE, "sort_order": rpc.RangeRequest.ASCEND}
+            return rpc.RequestOp(
+                request_range=rpc.RangeRequest(key=prefix, range_end=end, **sort, **fields)
             )
-        ]
+
+        reads = [oldest_first(keys_only=kind != "semaphore")]
         if kind == "election":
-            reads.append(
-                rpc.RequestOp(
-                    request_range=rpc.RangeRequest(
-                        key=prefix,
-                        range_end=end,
-                        sort_target=rpc.RangeRequest.CREATE,
-                        sort_order=rpc.RangeRequest.ASCEND,
-                        limit=1,
-                    )
-                )
-            )
+            reads.append(oldest_first(limit=1))
         reply = await wire.txn(f"inspecting {kind} {name!r}", rpc.TxnRequest(success=reads))
         ranges = [response.response_range for response in reply.responses]
         kvs = list(ranges[0].kvs)

@@ -15,6 +15,7 @@ __all__ = (
     "delete_op",
     "mod_below",
     "move_op",
+    "newest_op",
     "prefix_end",
     "put_op",
     "range_op",
@@ -59,6 +60,22 @@ def values_within(key: bytes, low: bytes, high: bytes, range_end: bytes = b"") -
 def range_op(key: bytes, range_end: bytes = b"", **fields: Any) -> Any:
     return rpc.RequestOp(
         request_range=rpc.RangeRequest(key=key, range_end=range_end, keys_only=True, **fields)
+    )
+
+
+def newest_op(low: bytes, high: bytes, limit: int, *, values: bool, **fields: Any) -> Any:
+    """A read of the newest ``limit`` keys of [low, high), newest first (with their values, or
+    keys only)."""
+    return rpc.RequestOp(
+        request_range=rpc.RangeRequest(
+            key=low,
+            range_end=high,
+            keys_only=not values,
+            sort_target=rpc.RangeRequest.CREATE,
+            sort_order=rpc.RangeRequest.DESCEND,
+            limit=limit,
+            **fields,
+        )
     )
 
 

@@ -1,7 +1,9 @@
-"""The queue of one lock name: taking it, queueing for it, and leaving the queue.
+"""The queue of one name, for every kind: taking a hold, queueing and waiting for it, and
+leaving the queue. The kinds differ only by their rule (:mod:`._order`); a semaphore's own
+steps (its permit count, its grant marks, its wait) are in :mod:`._permits`.
 
-The holder is the key with the lowest create revision under the name. A waiter waits only for
-the key just before its own (see :mod:`._watch`). Before it reports success, a linearizable read
+A lock's holder is the key with the lowest create revision under the name. A waiter waits only
+for the key just before its own (see :mod:`._watch`). Before it reports success, a linearizable read
 must have shown that its own key still exists with its create revision (so it is on a live
 lease: etcd#11456 granted locks on dead leases) and that no lower key is left: its own read, or
 the transaction of the release that deleted the key before it, when that key was this client's
@@ -11,7 +13,7 @@ the transaction of the release that deleted the key before it, when that key was
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import anyio
 from aetcd import rpc
@@ -29,25 +31,23 @@ from ._errors import transient
 from ._hub import WatchHub
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
-from ._names import (
-    SHARED_MARK,
-    blockers,
-    is_shared,
-    lease_of,
-    name_of,
-    name_prefix,
-    permit_value,
-    writers,
-)
-from ._proto import create_is, delete_op, prefix_end, put_op, range_op
+from ._names import SHARED_MARK, blockers, lease_of, name_of, name_prefix, permit_value
+from ._order import Rule, Standing, read_limit, rule, standing
+from ._permits import PermitWait, enqueue_op, entered, free_guard, grant_request
+from ._proto import create_is, delete_op, newest_op, prefix_end, put_op, range_op
 from ._urls import bucket
-from ._watch import Place, TurnWait
+from ._watch import TurnWait
 from ._wire import Wire, ended
 
 __all__ = ("Attempt", "Queue")
 
 #: Pauses of a wait between failed tries (a broken connection, no leader).
 _FAILURES = RetryPolicy(first=0.02, cap=1.0)
+#: A try whose every lease was gone by its request (ProvenGone) this many times raises.
+_LEASE_TRIES: Final = 3
+#: A semaphore's try reads, then takes a permit if nothing changed since: this many times when
+#: something did (another holder came or left meanwhile), then it answers "busy".
+_READ_TRIES: Final = 8
 
 
 @dataclass(slots=True)
@@ -57,11 +57,8 @@ class Attempt:
     request: LockRequest
     bucket: int
     prefix: bytes
-    end: bytes
-    #: The range of the keys this hold waits for when they are older (for a shared hold,
-    #: only the exclusive keys of the name; else every key of the name).
-    low: bytes
-    high: bytes
+    #: What the hold waits for (see :mod:`._order`).
+    rule: Rule
     lease: ClientLease | None = None
     #: Set just before the request that may create it is sent: from then on it may exist.
     key: bytes | None = None
@@ -88,16 +85,10 @@ class Attempt:
         assert self.key is not None
         return self.key
 
-    def newest(self, limit: int, **fields: Any) -> Any:
-        """A read of the newest ``limit`` keys that this hold waits for (newest first)."""
-        return range_op(
-            self.low,
-            self.high,
-            sort_target=rpc.RangeRequest.CREATE,
-            sort_order=rpc.RangeRequest.DESCEND,
-            limit=limit,
-            **fields,
-        )
+    def what(self, doing: str) -> str:
+        """``doing`` a lock (an election's term, a reader) or a semaphore, by name."""
+        noun = "semaphore" if self.rule.marked else "lock"
+        return f"{doing} {noun} {self.request.name!r}"
 
     def requeue(self) -> None:
         """Our key is gone (its lease expired or was revoked, or someone deleted it)."""
@@ -119,9 +110,8 @@ class Queue:
 
     def attempt(self, request: LockRequest) -> Attempt:
         prefix = name_prefix(self._prefix, request.name, request.kind)
-        end = prefix_end(prefix)
-        low, high = writers(prefix) if request.shared else (prefix, end)
-        return Attempt(request, bucket(request.ttl), prefix, end, low, high)
+        order = rule(prefix, prefix_end(prefix), request.kind, request.shared, request.permits)
+        return Attempt(request, bucket(request.ttl), prefix, order)
 
     def place(self, attempt: Attempt, lease: ClientLease) -> bytes:
         """Put the attempt's (next) key on ``lease``."""
@@ -158,13 +148,16 @@ class Queue:
         return grant
 
     def known_busy(self, attempt: Attempt) -> bool:
-        """Whether a key of ours under the name is on a lease refreshed within half its ttl
-        (so it exists, unless an operator deleted it just now): then the lock is not free,
-        and a try needs no round trip. The client's own tasks queued for one lock try it
-        before each wait: this saves one write through raft per acquisition."""
-        now = anyio.current_time()
+        """Whether a key of ours that this hold waits for is on a lease refreshed within half
+        its ttl (so it exists, unless an operator deleted it just now): then the lock is not
+        free, and a try needs no round trip. The client's own tasks queued for one lock try it
+        before each wait: this saves one write through raft per acquisition. (Not for a
+        semaphore: a key of ours may leave a permit free.)"""
+        order, now = attempt.rule, anyio.current_time()
+        if order.marked:
+            return False
         for key in self._keys.by_name.get(attempt.prefix, ()):
-            if attempt.request.shared and is_shared(key):
+            if not order.low <= key < order.high:
                 continue  # a reader of ours does not keep another reader out
             lease = self._leases.by_id.get(lease_of(key))
             if lease is not None and lease.fresh(now):
@@ -172,15 +165,24 @@ class Queue:
         return False
 
     async def take_if_free(self, attempt: Attempt) -> bool:
-        """Create our key only if there is no key under the name (nobody holds or waits)."""
-        for _ in range(3):
+        """Create our key only if it would hold at once: no key it waits for under the name
+        (a semaphore: fewer keys than permits, none waiting)."""
+        order, gone, changed = attempt.rule, 0, 0
+        while gone < _LEASE_TRIES and changed < _READ_TRIES:
+            # The compare under which the key is created (None: busy).
+            if order.marked:
+                guard = await free_guard(self._wire, attempt.request.name, order)
+            else:
+                guard = create_is(order.low, 0, range_end=order.high)
+            if guard is None:
+                return False
             lease = await self._leases.lease_for(attempt.bucket)
             key = self.place(attempt, lease)
             try:
                 reply = await self._wire.txn(
-                    f"taking lock {attempt.request.name!r}",
+                    attempt.what("taking a permit of" if order.marked else "taking"),
                     rpc.TxnRequest(
-                        compare=[create_is(attempt.low, 0, range_end=attempt.high)],
+                        compare=[guard],
                         success=[attempt.put()],
                         # Our own key, in case an earlier try of this request (given up or
                         # failed, then sent again) created it.
@@ -192,15 +194,13 @@ class Queue:
                 self._keys.gone(key)
                 attempt.key = None
                 self._leases.died(lease, lease_gone(lease.id))
+                gone += 1
                 continue
-            if reply.succeeded:
-                attempt.rev = int(reply.header.revision)
-                self._keys.settled(key)
-                return True
-            own = reply.responses[0].response_range.kvs
-            if own:
-                # Created by the earlier try, when nothing else was under the name: ours.
-                attempt.rev = int(own[0].create_revision)
+            own = () if reply.succeeded else reply.responses[0].response_range.kvs
+            if reply.succeeded or own:
+                # Ours (by this send, or by an earlier one whose answer was lost, which found
+                # the name as free).
+                attempt.rev = int(own[0].create_revision) if own else int(reply.header.revision)
                 self._keys.settled(key)
                 return True
             if attempt.ambiguous:
@@ -210,46 +210,54 @@ class Queue:
             else:
                 self._keys.gone(key)
             attempt.key = None
+            if not order.marked:
+                return False  # the compare saw a key: busy
+            changed += 1  # a semaphore changed since it was read: read it again
+        if gone < _LEASE_TRIES:
             return False
         raise BackendUnavailable(
-            f"taking lock {attempt.request.name!r} on {self._wire.describe}: every lease etcd "
+            f"{attempt.what('taking')} on {self._wire.describe}: every lease etcd "
             "granted was gone by the next request"
         )
 
     async def wait_for(self, attempt: Attempt) -> None:
-        """Queue (or find our place again) and wait until our key is the lowest."""
+        """Queue (or find our place again) and wait until our key holds."""
         failures = _FAILURES.backoff(window=2.0 * self._wire.settings.op_timeout)
+        marked = attempt.rule.marked
         shortcuts = 0
         while True:
             try:
                 if attempt.rev == 0:
                     if attempt.key is None or attempt.lease is None:
                         self.place(attempt, await self._leases.lease_for(attempt.bucket))
-                    state = await self._enqueue(attempt)
+                    place = await self._enqueue(attempt)
                 else:
-                    state = await self._check(attempt)
+                    place = await self._check(attempt)
                 lease = attempt.lease
                 assert lease is not None
-                if state is None:
+                if place is None:
                     self.requeue(attempt)  # at the back
                     continue
                 self._keys.settled(attempt.own())
                 failures.reset()
-                if state.predecessor is None or self._keys.holds(attempt.own(), attempt.rev):
-                    if lease.fresh(anyio.current_time()):
+                # The proof of a release before ours is a lock's only: a semaphore's key must
+                # also wait for the grant marks of the keys before it.
+                if place.holds or (not marked and self._keys.holds(attempt.own(), attempt.rev)):
+                    if marked and not await self._grant(attempt):
+                        self.requeue(attempt)
+                    elif lease.fresh(anyio.current_time()):
                         return
                     # Our lease was not refreshed lately: prove it alive, then look again.
-                    if not await self._leases.refresh(lease):
+                    elif not await self._leases.refresh(lease):
                         self.requeue(attempt)
                     continue
-                if self._keys.deleted(state.predecessor) and shortcuts < 3:
+                if not marked and self._keys.deleted(place.watch[0]) and shortcuts < 3:
                     # We deleted the key before ours after this read (our release's answer
                     # came first): read our place again rather than watch a deleted key.
                     shortcuts += 1
                     continue
-                if await self._wait_turn(attempt, lease, state) and lease.fresh(
-                    anyio.current_time()
-                ):
+                proven = await self._wait_turn(attempt, lease, place)
+                if proven and lease.fresh(anyio.current_time()):
                     return  # the release before us proved our key the lowest
             except ProvenGone:
                 if attempt.lease is not None:
@@ -260,19 +268,27 @@ class Queue:
                     raise
                 await failures.pause(exc)
 
-    async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Place) -> bool:
+    async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Standing) -> bool:
         """Whether the release of the key before ours proved that we hold the lock."""
-        wait = TurnWait(
-            self._wire,
-            self._hub,
-            self._leases,
-            self._keys,
-            attempt.own(),
-            attempt.rev,
-            place,
-            attempt.request.name,
-        )
-        return await wait.run(lease)
+        args = (self._wire, self._hub, self._leases, self._keys, attempt.own(), attempt.rev)
+        if attempt.rule.marked:
+            # Close to a permit: the watch may be slow to tell (see PermitWait.run).
+            look = (lambda: self._moved(attempt)) if place.near else None
+            await PermitWait(*args, place, attempt.request.name).run(lease, look)
+            return False
+        return await TurnWait(*args, place, attempt.request.name).run(lease)
+
+    async def _moved(self, attempt: Attempt) -> bool:
+        """Whether our key may hold now, or is gone."""
+        place = await self._check(attempt)
+        return place is None or place.holds
+
+    async def _grant(self, attempt: Attempt) -> bool:
+        """Mark our (semaphore's) key granted; False if it is gone."""
+        assert attempt.lease is not None
+        request = grant_request(attempt.rule, attempt.own(), attempt.rev, attempt.lease.id)
+        reply = await self._wire.txn(attempt.what("taking a permit of"), request)
+        return bool(reply.succeeded)
 
     async def release(self, key: bytes, token: int, what: str, *, handover: bool = True) -> None:
         """Delete our key ``key`` (guarded on its create revision ``token``). When keys of
@@ -337,49 +353,57 @@ class Queue:
                 lowest = (bytes(found[0].key), int(found[0].create_revision))
         keys.gone(key, lowest)
 
-    async def _enqueue(self, attempt: Attempt) -> Place | None:
-        """Create our key (or find it, after an ambiguous failure) and name the key before it."""
-        key = attempt.own()
+    async def _enqueue(self, attempt: Attempt) -> Standing | None:
+        """Create our key (or find it, after an ambiguous failure) and read the keys before it."""
+        key, order, lease = attempt.own(), attempt.rule, attempt.lease
+        assert lease is not None
+        if order.marked:
+            queue = [enqueue_op(order, key, lease.id)]
+        else:
+            # Our key was created last, so the newest keys are ours (unless it is a reader's),
+            # the one before, and whether there is one before that.
+            limit = read_limit(order, enqueue=True)
+            queue = [attempt.put(), newest_op(order.low, order.high, limit, values=False)]
         reply = await self._wire.txn(
-            f"queueing for lock {attempt.request.name!r}",
-            rpc.TxnRequest(
-                compare=[create_is(key, 0)],
-                # Our key was created last, so the newest keys are ours, the one before, and
-                # whether there is one before that (for a reader: the last two writers).
-                success=[attempt.put(), attempt.newest(2 if attempt.request.shared else 3)],
-                failure=[range_op(key)],
-            ),
+            attempt.what("queueing for"),
+            rpc.TxnRequest(compare=[create_is(key, 0)], success=queue, failure=[range_op(key)]),
             keep=attempt,
         )
-        seen = int(reply.header.revision)
-        if reply.succeeded:
+        if not reply.succeeded:
+            kvs = reply.responses[0].response_range.kvs
+            if not kvs:  # pragma: no cover - the compare saw it, the read in the txn must too
+                raise BackendUnavailable(f"etcd lost key {key!r} within one transaction")
+            # Created by an earlier try whose answer was lost: keep its place.
+            attempt.rev = int(kvs[0].create_revision)
+            return await self._check(attempt)
+        if not order.marked:
             kvs = reply.responses[1].response_range.kvs
-            attempt.rev = seen
-            # A writer's read includes its own key (the newest); a reader's, of writers only,
-            # does not.
-            lower = kvs if attempt.request.shared else kvs[1:]
-            return Place(bytes(lower[0].key) if lower else None, len(lower) == 1, seen)
-        kvs = reply.responses[0].response_range.kvs
-        if not kvs:  # pragma: no cover - the compare saw it, the read in the same txn must too
-            raise BackendUnavailable(f"etcd lost key {key!r} within one transaction")
-        # Created by an earlier try whose answer was lost: keep its place.
-        attempt.rev = int(kvs[0].create_revision)
-        return await self._check(attempt)
+        else:
+            try:
+                kvs = entered(attempt.request.name, order, reply.responses[0].response_txn)
+            except LockError:
+                # Nothing was created: forget the key before the caller withdraws it.
+                self._keys.gone(key)
+                attempt.key = None
+                raise
+        attempt.rev = int(reply.header.revision)
+        return _standing(order, kvs[1:] if order.own_in_range else kvs, attempt.rev)
 
-    async def _check(self, attempt: Attempt) -> Place | None:
+    async def _check(self, attempt: Attempt) -> Standing | None:
         """One linearizable read: ``None`` if our key is gone, else our place."""
-        lower_only = attempt.newest(2, max_create_revision=attempt.rev - 1)
+        order = attempt.rule
+        limit = read_limit(order, enqueue=False)
+        older = newest_op(
+            order.low, order.high, limit, values=order.marked, max_create_revision=attempt.rev - 1
+        )
         reply = await self._wire.txn(
-            f"checking our place for lock {attempt.request.name!r}",
-            rpc.TxnRequest(success=[range_op(attempt.own()), lower_only]),
+            attempt.what("checking our place for"),
+            rpc.TxnRequest(success=[range_op(attempt.own()), older]),
         )
         own = reply.responses[0].response_range.kvs
         if not own or int(own[0].create_revision) != attempt.rev:
             return None
-        lower = reply.responses[1].response_range.kvs
-        return Place(
-            bytes(lower[0].key) if lower else None, len(lower) == 1, int(reply.header.revision)
-        )
+        return _standing(order, reply.responses[1].response_range.kvs, int(reply.header.revision))
 
     async def abandon(self, attempt: Attempt) -> None:
         """Delete the key a failed or cancelled acquisition may have created.
@@ -421,3 +445,7 @@ class Queue:
             self._host.deferred.retry(lambda: keys.delete_orphan(key, rev), what)
 
         await finish(withdraw, timeout=2.0 * op_timeout, what=what, unfinished=unfinished)
+
+
+def _standing(order: Rule, older: Any, seen: int) -> Standing:
+    return standing(order, [(bytes(kv.key), bytes(kv.value)) for kv in older], seen)

@@ -1,10 +1,11 @@
-"""A waiter's wait for its turn: watches on the key before its own (and on its own), with the
-lease its key rides on kept alive meanwhile."""
+"""A waiter's wait for its turn: watches on the keys before its own (and on its own), with the
+lease its key rides on kept alive meanwhile. :class:`Wait` is what every wait does;
+:class:`TurnWait` waits for the one key before a lock's (a semaphore's wait, on the N keys
+before it, is ``_permits.PermitWait``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import anyio
@@ -16,10 +17,11 @@ from ._errors import token_rejected
 from ._hub import NameWatch, WatchHub, delete_watch
 from ._keys import Keys
 from ._lease import ClientLease, Leases
+from ._order import Standing
 from ._proto import range_op
 from ._wire import Wire
 
-__all__ = ("UNSYNCED_POLLS", "Place", "TurnWait", "raise_failure")
+__all__ = ("UNSYNCED_POLLS", "TurnWait", "Wait", "raise_failure")
 
 #: A waiter re-reads the queue this often even without a watch event (a belt to the braces of
 #: watch revisions and gRPC keepalive pings).
@@ -27,18 +29,6 @@ _RECHECK_EVERY: Final = 30.0
 #: When the next waiter's watch may be unsynced (see ``TurnWait._after_watch``), it looks again
 #: after these delays (seconds from the watch's start), covering etcd's 100 ms catch-up period.
 UNSYNCED_POLLS: Final = (0.002, 0.005, 0.01, 0.02, 0.04, 0.07, 0.11)
-
-
-@dataclass(frozen=True, slots=True)
-class Place:
-    """Where our key stands, as one read saw it."""
-
-    #: The key just before ours; None when ours is the lowest (we hold the lock).
-    predecessor: bytes | None
-    #: The key before ours is the lowest: we are next.
-    next_in_line: bool
-    #: The revision of the read.
-    seen: int
 
 
 async def raise_failure(wire: Wire, what: str, failed: Sequence[BaseException]) -> None:
@@ -56,15 +46,10 @@ async def raise_failure(wire: Wire, what: str, failed: Sequence[BaseException]) 
         raise BackendUnavailable(f"{what} on {wire.describe}: {error!r}") from error
 
 
-class TurnWait:
-    """One wait: :meth:`run` returns when the key before ours, or ours, is deleted (or to look
-    again), and raises what went wrong.
-
-    Its watches go on the client's shared stream (:mod:`._hub`). When the key before ours is
-    this client's own, our release or withdrawal of it wakes us at once (``Keys.local``), and
-    the watches, from the revision after the place was read, only cover a delete by anyone
-    else (a lease expiry, an operator): no read and no polls are needed for them.
-    """
+class Wait:
+    """What every wait for a place in a queue has: watches on the client's stream (it is their
+    Subscriber), the wait for etcd to create them, and the idle loop that keeps the lease our
+    key rides on alive, looks again at times (``polls``) and returns when a watch fires."""
 
     __slots__ = (
         "_armed",
@@ -73,17 +58,15 @@ class TurnWait:
         "_hub",
         "_keys",
         "_leases",
-        "_local",
-        "_own",
         "_place",
-        "_predecessor",
         "_what",
         "_wire",
         "_woke",
         "own",
-        "proven",
         "rev",
     )
+    #: What the wait is for, in messages.
+    noun = "lock"
 
     def __init__(
         self,
@@ -93,35 +76,106 @@ class TurnWait:
         keys: Keys,
         own: bytes,
         rev: int,
-        place: Place,
+        place: Standing,
         name: str,
     ) -> None:
-        assert place.predecessor is not None
-        self._wire = wire
-        self._hub = hub
-        self._leases = leases
-        self._keys = keys
-        self._own = self.own = own
-        self.rev = rev
-        #: Set by the release of the key before ours when it proved our key the lowest.
-        self.proven = False
-        self._predecessor = place.predecessor
+        self._wire, self._hub, self._leases, self._keys = wire, hub, leases, keys
+        #: Our key and its create revision.
+        self.own, self.rev = own, rev
+        #: Where it stood when the wait began.
         self._place = place
-        self._what = f"waiting for lock {name!r}"
+        self._what = f"waiting for {self.noun} {name!r}"
         self._changed = anyio.Event()
-        #: The revision the watches start from, once both exist.
+        #: The revisions at which etcd created our watches.
         self._armed: list[int] = []
         self._woke = False
         self._failed: list[BaseException] = []
-        #: Woken by our own delete of the key before ours (None: someone else's key).
-        self._local = keys.local.get(self._predecessor)
+
+    def _wake(self) -> None:
+        self._woke = True
+        self._changed.set()
+
+    # -- told by the watch stream (Subscriber) -------------------------------------------------
+
+    def on_created(self, revision: int) -> None:
+        self._armed.append(revision)
+        self._changed.set()
+
+    def on_fired(self, events: Sequence[Any]) -> None:
+        self._wake()
+
+    def on_failed(self, error: BaseException) -> None:
+        self._failed.append(error)
+        self._wake()
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    async def _arm(self, watches: int) -> None:
+        """Until etcd created our ``watches`` watches (or one fired or failed), within
+        ``op_timeout``."""
+        op_timeout = self._wire.settings.op_timeout
+        with anyio.move_on_after(op_timeout):
+            while len(self._armed) < watches and not (self._woke or self._failed):
+                self._changed = anyio.Event()
+                await self._changed.wait()
+        if len(self._armed) < watches and not (self._woke or self._failed):
+            self._failed.append(
+                BackendTimeout(
+                    f"{self._what} on {self._wire.describe}: etcd did not create the watches "
+                    f"within {op_timeout:g} s (op_timeout)"
+                )
+            )
+
+    async def _idle(
+        self, lease: ClientLease, polls: list[float], look: Callable[[], Awaitable[bool]] | None
+    ) -> None:
+        """Until a watch fires: at ``polls``, return if ``look()`` says our place changed; keep
+        the lease alive when due; return every ``_RECHECK_EVERY`` to look again anyway."""
+        recheck_at = anyio.current_time() + _RECHECK_EVERY
+        while not self._woke and not self._failed and not lease.dead:
+            now = anyio.current_time()
+            # Another waiter's keepalive is in flight: look again when a retry would be due.
+            due = RENEWAL.retry_at(now, lease.ttl) if lease.refreshing else lease.refresh_due()
+            self._changed = anyio.Event()
+            with anyio.move_on_at(min(due, recheck_at, *polls[:1])):
+                await self._changed.wait()
+            if self._woke or self._failed or anyio.current_time() >= recheck_at:
+                return
+            if polls and anyio.current_time() >= polls[0]:
+                polls.pop(0)
+                assert look is not None
+                try:
+                    if await look():
+                        return
+                except LockError as exc:
+                    self._failed.append(exc)
+            # Our key rides on the lease: keep it alive while we wait.
+            elif await self._leases.refresh_if_due(lease) and self._keys.orphans:
+                await self._keys.sweep()
+
+
+class TurnWait(Wait):
+    """One wait: :meth:`run` returns when the key before ours, or ours, is deleted (or to look
+    again), and raises what went wrong.
+
+    Its watches go on the client's shared stream (:mod:`._hub`). When the key before ours is
+    this client's own, our release or withdrawal of it wakes us at once (``Keys.local``), and
+    the watches, from the revision after the place was read, only cover a delete by anyone
+    else (a lease expiry, an operator): no read and no polls are needed for them.
+    """
+
+    __slots__ = ("_local", "_predecessor", "proven")
 
     async def run(self, lease: ClientLease) -> bool:
         """Whether the release of the key before ours proved that we hold the lock."""
         wire = self._wire
-        local = self._local
+        #: Set by the release of the key before ours when it proved our key the lowest.
+        self.proven = False
+        self._predecessor = self._place.watch[0]
+        #: Woken by our own delete of the key before ours (None: someone else's key).
+        self._local = local = self._keys.local.get(self._predecessor)
         stream = self._hub.stream()
-        keys = (self._predecessor, self._own)
+        keys = (self._predecessor, self.own)
         shared: NameWatch | None = None
         if local is None:
             stream.add(self, [delete_watch(key) for key in keys])
@@ -140,7 +194,7 @@ class TurnWait:
         try:
             polls = await self._first_look()
             if polls is not None:
-                await self._idle(lease, polls)
+                await self._idle(lease, polls, self._gone)
         finally:
             # No await: nothing can interrupt it.
             if shared is not None:
@@ -153,10 +207,6 @@ class TurnWait:
             return True  # whatever failed since: the proof stands (the caller checks the lease)
         await raise_failure(wire, self._what, self._failed)
         return False
-
-    def _wake(self) -> None:
-        self._woke = True
-        self._changed.set()
 
     def wake(self, proven: bool) -> None:
         """Our own client deleted the key before ours (see ``Keys.gone``)."""
@@ -180,63 +230,22 @@ class TurnWait:
             return  # our own release of it is in flight: its answer wakes us, with the proof
         self._wake()
 
-    def on_failed(self, error: BaseException) -> None:
-        self._failed.append(error)
-        self._wake()
-
     async def _first_look(self) -> list[float] | None:
         """Wait for the watches; the times to look again at (None: no wait is needed)."""
-        op_timeout = self._wire.settings.op_timeout
-        with anyio.move_on_after(op_timeout):
-            await self._changed.wait()
-        if len(self._armed) < 2 and not self._woke:
-            self._failed.append(
-                BackendTimeout(
-                    f"{self._what} on {self._wire.describe}: etcd did not create the watch "
-                    f"within {op_timeout:g} s (op_timeout)"
-                )
-            )
+        await self._arm(2)
+        armed, place = self._armed, self._place
+        if self._local is not None or len(armed) < 2 or self._woke:
             return []
-        start = max(self._armed, default=0)
-        place = self._place
-        if self._local is not None:
-            return []
-        if len(self._armed) == 2 and not self._woke and (start > place.seen or place.next_in_line):
+        if max(armed) > place.seen or place.near:
             try:
-                return await self._after_watch(start)
+                return await self._after_watch(max(armed))
             except LockError as exc:  # raised by run(), out of the task group
                 self._failed.append(exc)
         return []
 
-    async def _idle(self, lease: ClientLease, polls: list[float]) -> None:
-        """Until a watch fires: look again at ``polls``, keep the lease alive when due."""
-        recheck_at = anyio.current_time() + _RECHECK_EVERY
-        while not self._woke and not self._failed and not lease.dead:
-            now = anyio.current_time()
-            if now >= recheck_at:
-                return
-            # Another waiter's keepalive is in flight: look again when a retry would be due.
-            due = RENEWAL.retry_at(now, lease.ttl) if lease.refreshing else lease.refresh_due()
-            wake_at = due
-            if polls:
-                wake_at = min(wake_at, polls[0])
-            self._changed = anyio.Event()
-            if self._woke:
-                return
-            with anyio.move_on_at(min(wake_at, recheck_at)):
-                await self._changed.wait()
-            if self._woke:
-                return
-            if polls and anyio.current_time() >= polls[0]:
-                polls.pop(0)
-                try:
-                    if not (await self._both_exist())[0]:
-                        return
-                except LockError as exc:
-                    self._failed.append(exc)
-            # Our queue entry rides on the lease: keep it alive while we wait.
-            elif await self._leases.refresh_if_due(lease) and self._keys.orphans:
-                await self._keys.sweep()
+    async def _gone(self) -> bool:
+        """Whether the key before ours, or ours, is gone (a poll of :meth:`Wait._idle`)."""
+        return not (await self._both_exist())[0]
 
     async def _after_watch(self, start: int) -> list[float] | None:
         """Once the watches exist (from revision ``start``): a read covers what happened since
@@ -252,7 +261,7 @@ class TurnWait:
         exists, revision = await self._both_exist()
         if not exists:
             return None
-        if not self._place.next_in_line or revision <= start:
+        if not self._place.near or revision <= start:
             return []
         now = anyio.current_time()
         return [now + delay for delay in UNSYNCED_POLLS]
@@ -263,7 +272,7 @@ class TurnWait:
             rpc.TxnRequest(
                 success=[
                     range_op(self._predecessor, count_only=True),
-                    range_op(self._own, count_only=True),
+                    range_op(self.own, count_only=True),
                 ]
             ),
         )

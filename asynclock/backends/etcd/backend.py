@@ -26,7 +26,6 @@ from ._hub import WatchHub
 from ._inspect import Inspector
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
-from ._permits import Permits
 from ._proto import create_is, move_op, range_op, to_compare, to_request_op
 from ._queue import Queue
 from ._urls import Settings, bucket, check_ttl, read_settings
@@ -57,7 +56,6 @@ class EtcdBackend(Backend[EtcdGrant]):
         self._hub = WatchHub(self._wire, self._host)
         prefix = settings.prefix.encode()
         self._queue = Queue(self._wire, self._leases, self._keys, self._host, self._hub, prefix)
-        self._permits = Permits(self._wire, self._leases, self._keys, self._hub, self._queue)
         self._inspector = Inspector(self._wire, self._hub, prefix)
         self._opened = False
         self._closed = False
@@ -124,13 +122,10 @@ class EtcdBackend(Backend[EtcdGrant]):
         if self._keys.orphans:
             # A key of ours left behind (a delete that failed) may be the one in the way.
             await self._keys.sweep()
-        if request.kind != "semaphore" and self._queue.known_busy(attempt):
+        if self._queue.known_busy(attempt):
             return None
         try:
-            if request.kind == "semaphore":
-                taken = await self._permits.take_if_free(attempt)
-            else:
-                taken = await self._queue.take_if_free(attempt)
+            taken = await self._queue.take_if_free(attempt)
         except BaseException:
             await self._queue.abandon(attempt)
             raise
@@ -141,10 +136,7 @@ class EtcdBackend(Backend[EtcdGrant]):
         if self._keys.orphans:
             await self._keys.sweep()
         try:
-            if request.kind == "semaphore":
-                await self._permits.wait_for(attempt)
-            else:
-                await self._queue.wait_for(attempt)
+            await self._queue.wait_for(attempt)
         except BaseException:
             await self._queue.abandon(attempt)
             raise
