@@ -11,11 +11,17 @@ import anyio
 
 from .._kit import HolderInfo, Kind, LockError, LockInfo, translate
 from ._errors import Errors, connection_broken
-from ._kinds import INSPECT_HOLDS, SWEEP, kind_key, permits_class, split
+from ._kinds import kind_key, permits_class, split
 from ._queue import Queue
-from ._semaphore_sql import INSPECT_PERMITS, INSPECT_SEMAPHORE
-from ._sessions import Sessions
-from ._sql import INSPECT_QUEUE, marker_key
+from ._sql import (
+    INSPECT_HOLDS,
+    INSPECT_PERMITS,
+    INSPECT_QUEUE,
+    INSPECT_SEMAPHORE,
+    SWEEP,
+    marker_key,
+)
+from ._wire import Sessions
 
 logger = logging.getLogger("asynclock")
 

@@ -1,5 +1,5 @@
 """The lanes of one backend (one holding connection per ttl): takes, renewals and releases on
-them. What runs on a lane, and why nothing may interrupt it, is in ``_lane.py``."""
+them. What runs on a lane, and why nothing may interrupt it, is in ``_lease.py``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .._kit import (
 )
 from ._errors import Errors, connection_broken, unmapped
 from ._kinds import Mode
-from ._lane import RENEWAL, TAKE, Lane, PostgresGrant
+from ._lease import RENEWAL, TAKE, Lane, PostgresGrant
 
 logger = logging.getLogger("asynclock")
 

@@ -1,5 +1,6 @@
-"""Waiters that hold no connection: places in a table of the database, in FIFO order with the
-server's own queue.
+"""Take and wait in order: our waiters in the server's lock queue (:class:`Waits`), each on a
+dedicated connection that then holds the lock, and beyond them places in a table of the
+database (:class:`Queue`) that hold no connection, in FIFO order with the server's own queue.
 
 A client keeps up to ``max_waiting`` waiters in the server's lock queue (``pg_advisory_lock`` on
 a dedicated connection: the hand-over is the server's, at once). Beyond that, and whenever the
@@ -7,7 +8,7 @@ table already has a place for the key (so that nobody overtakes it), a waiter ta
 the table (``asynclock_waiters``): a ticket from the token sequence, which only increases. Only
 the head of the table (the smallest live ticket of the key) goes on, into the server's queue,
 behind whoever entered it before the table had places; a take on a lane is refused while the
-table has places (``_kinds._LANE_TAKE``). So the order is the order of arrival across both queues.
+table has places (``_sql.LANE_TAKE``). So the order is the order of arrival across both queues.
 
 The head leaves the table once the server granted it the lock, and tells every client with a
 NOTIFY on the schema's channel; each client's listener (one connection per client) wakes its
@@ -30,22 +31,206 @@ from typing import Any
 
 import anyio
 
-from .._kit import LockRequest, TaskHost, permits_mismatch, translate
-from ._errors import Errors
-from ._lane import QUERY, Lane, Op, PostgresGrant
+from .._kit import LockRequest, TaskHost, now, permits_mismatch, translate
+from ._errors import Errors, connection_broken, unmapped
 from ._lanes import Lanes
-from ._semaphore_sql import ENQUEUE_SEMAPHORE
-from ._sessions import Sessions
-from ._sql import ENQUEUE, HEAD, LEAVE, REFRESH, REQUEUE, SWEEP
+from ._lease import FRESH_WAIT, QUERY, Lane, Op, PostgresGrant, held_grant
+from ._sql import (
+    ENQUEUE,
+    ENQUEUE_SEMAPHORE,
+    HEAD,
+    LEAVE,
+    REFRESH,
+    RELEASE,
+    RENEW,
+    REQUEUE,
+    SWEEP_PLACES,
+)
+from ._wire import Replacements, Sessions
 
 logger = logging.getLogger("asynclock")
 
+#: How long after a renewal was sent a release waits for its reply before closing the connection
+#: instead (a statement in flight: the connection cannot be unlocked and kept before it ends).
+_RENEWAL_WAIT = 0.05
 #: How often a client's first waiter of a key checks whether it is the head without a NOTIFY.
 POLL = 0.25
 #: A place's lease: the waiter's ttl, within these bounds (seconds).
 LEASE_MIN, LEASE_MAX = 1.0, 5.0
 #: How often places long expired are deleted (by any client that has waiters).
 SWEEP_EVERY = 30.0
+
+
+class Waits:
+    """Our waiters in the server's queue (at most ``max_waiting``, plus the queue table's heads)."""
+
+    def __init__(
+        self,
+        sessions: Sessions,
+        errors: Errors,
+        sequence: str,
+        op_timeout: float,
+        held: dict[Any, PostgresGrant],
+        *,
+        on_closed: Callable[[Any], None],
+    ) -> None:
+        self._sessions = sessions
+        self._errors = errors
+        self.sequence = sequence
+        self.op_timeout = op_timeout
+        #: The grant each dedicated holding connection holds (the backend's).
+        self._held = held
+        self._connection_closed = on_closed
+        self.waiting = 0
+
+    async def wait(
+        self,
+        request: LockRequest,
+        key: int,
+        ttl_ms: int,
+        *,
+        head: bool,
+        sql: str,
+        args: tuple[object, ...] = (),
+        release: tuple[str, tuple[object, ...]] = (RELEASE, ()),
+        shared: bool = False,
+        kept: bool = False,
+        bound: float | None = None,
+    ) -> PostgresGrant | None:
+        """Wait in the server's queue on a dedicated connection, which then holds the lock;
+        unless the queue table has places for the key (None: wait there, ``_queue.py``), or
+        ``head``: this waiter is the table's head (None: its connection died; it checks its
+        place again before it comes back, which may have expired meanwhile).
+
+        A statement that fails or is cancelled half-way leaves its connection in a state nobody
+        knows (asyncpg's protocol may still expect the reply), so that connection is closed, never
+        reused, and its server session is ended before this returns (``Sessions.end_session``): a
+        cancelled wait leaves the server's queue, a lock granted at the last moment is free
+        again. A connection that turns out to be dead (a pooled one the server or a proxy closed
+        while it was idle, or a waiter's session the server ended while this process was paused)
+        is replaced and the wait starts again: that is no outage. Only a new connection that
+        fails as well is reported.
+        """
+        # Counted before the first await: waiters that start together see each other.
+        self.waiting += 1
+        try:
+            grant = await self._wait(
+                request, key, ttl_ms, head=head, sql=sql, args=args, bound=bound
+            )
+        finally:
+            self.waiting -= 1
+        if grant is not None:
+            grant.shared = shared
+            grant.kept_key = key if kept else None
+            grant.release_sql, grant.release_args = release
+        return grant
+
+    async def _wait(
+        self,
+        request: LockRequest,
+        key: int,
+        ttl_ms: int,
+        *,
+        head: bool,
+        sql: str,
+        args: tuple[object, ...],
+        bound: float | None,
+    ) -> PostgresGrant | None:
+        replacements = Replacements()
+        while True:
+            connection, reused = await self._sessions.take()
+            try:
+                with (
+                    translate(self._errors, f"waiting for {request.name!r}"),
+                    anyio.fail_after(bound),  # a try (that does not wait): op_timeout
+                ):
+                    # Queue in the server; the caller's cancel scope bounds the wait.
+                    sent_at = now()
+                    row = await connection.fetchrow(sql, key, self.sequence, str(ttl_ms), *args)
+                    if row is None:
+                        self._sessions.give_back(connection)
+                        return None
+                    if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:
+                        # Its send time would leave little of the lease: restart the timer.
+                        sent_at = now()
+                        await connection.fetchval(RENEW, timeout=self.op_timeout)
+            except BaseException as exc:
+                broken = connection_broken(connection, exc)
+                await self._sessions.end_session(connection, request.name, unmapped(exc))
+                if not replacements.again(exc, broken=broken, reused=reused):
+                    raise
+                if head:
+                    return None
+                logger.info(
+                    "asynclock: a connection to %s died while waiting for %r (%r); waiting on "
+                    "another one",
+                    self._errors.server,
+                    request.name,
+                    unmapped(exc),
+                )
+                continue
+            return held_grant(
+                request,
+                key,
+                connection,
+                token=row[0],
+                pid=row[1],
+                sent_at=sent_at,
+                held=self._held,
+                on_closed=self._connection_closed,
+            )
+
+    async def release(self, grant: PostgresGrant) -> None:
+        """Release a dedicated connection's lock (``PostgresBackend.release``): unlock and keep
+        the connection, or close it (either frees the lock)."""
+        connection = grant.connection
+        self._held.pop(connection, None)
+        if connection.is_closed():
+            self._sessions.all.discard(connection)
+            return
+        try:
+            renewal = grant.renewal
+            if renewal is not None:
+                # Its statement is in flight. A renewal just sent on a healthy server is back
+                # within milliseconds; one that has not come back by now (a hung server, often
+                # why the lease was lost) is not waited for: closing frees the lock just the same.
+                left = renewal.sent_at + _RENEWAL_WAIT - now()
+                if left <= 0 or not await renewal.finished(left):
+                    self._sessions.discard(connection)
+                    return
+            if grant.in_transaction and not connection.is_in_transaction():
+                # Nothing to roll back: whatever ended the transaction ended the lock, and the
+                # lease should have been reported lost before this. Said, never ignored.
+                logger.warning(
+                    "asynclock: releasing %r on %s: its transaction had ended already, and "
+                    "the lock with it",
+                    grant.name,
+                    self._errors.server,
+                )
+                self._sessions.discard(connection)
+                return
+            await connection.execute(
+                grant.release_sql or RELEASE, *grant.release_args, timeout=self.op_timeout
+            )
+        except BaseException as exc:
+            # Closed at once, never reused: whatever state the statement left, the session
+            # ends with the connection, and the lock with it.
+            gone = connection_broken(connection, exc)
+            self._sessions.discard(connection)
+            if not isinstance(exc, Exception):
+                raise
+            if not gone:
+                logger.warning(
+                    "asynclock: unlocking %r on %s failed (%r); closed its connection "
+                    "instead, so the server frees the lock when it reads the close, at the "
+                    "latest %g s after the last renewal it received",
+                    grant.name,
+                    self._errors.server,
+                    exc,
+                    grant.ttl,
+                )
+            return
+        self._sessions.give_back(connection)
 
 
 @dataclass(eq=False)
@@ -89,7 +274,7 @@ class Queue:
                 ("requeue", REQUEUE),
                 ("leave", LEAVE),
                 ("refresh", REFRESH),
-                ("sweep", SWEEP),
+                ("sweep", SWEEP_PLACES),
                 ("enqueue_semaphore", ENQUEUE_SEMAPHORE),
             )
         }
@@ -196,7 +381,7 @@ class Queue:
         )
 
     async def _query(self, ttl_ms: int, what: str, name: str, *args: object) -> Any:
-        """One statement on the lane of ``ttl_ms``, never interrupted (``_lane.py``); a lane
+        """One statement on the lane of ``ttl_ms``, never interrupted (``_lease.Lane``); a lane
         that died is replaced once."""
         for attempt in range(2):
             lane: Lane = self._lanes.lane(ttl_ms)

@@ -1,10 +1,10 @@
 """Semaphores: each permit a lease of its own, on a dedicated connection; FIFO waiters in the
-queue table. The statements, and why they are safe, are in ``_semaphore_sql.py``.
+queue table. The statements, and why they are safe, are in ``_sql.py``.
 
 A permit holds a connection of its own (not a lane): its session ends, and frees exactly that
 permit, when its idle timer (the permit's ttl) fires, the process dies or the connection is
 terminated; and a release is ``pg_advisory_unlock_all()`` on a connection that holds nothing
-else. Renewals and releases are those of every dedicated connection (``_renewals.py``,
+else. Renewals and releases are those of every dedicated connection (``_lease.Renewals``,
 ``PostgresBackend.release``).
 """
 
@@ -18,11 +18,10 @@ import anyio
 from .._kit import LockRequest, now, permits_mismatch, translate
 from ._errors import Errors, connection_broken, unmapped
 from ._kinds import kind_key, permits_class, slot_keys
-from ._lane import PostgresGrant
+from ._lease import PostgresGrant
 from ._queue import Queue
-from ._semaphore_sql import BEGIN_SEMAPHORE, RELEASE_SEMAPHORE, TAKE_SEMAPHORE
-from ._sessions import Replacements, Sessions
-from ._sql import timeout_ms
+from ._sql import BEGIN_SEMAPHORE, RELEASE_SEMAPHORE, TAKE_SEMAPHORE, timeout_ms
+from ._wire import Replacements, Sessions
 
 
 class Semaphores:
@@ -78,7 +77,7 @@ class Semaphores:
     ) -> PostgresGrant | None:
         """Take a free permit on a dedicated connection, which then holds it.
 
-        As every statement on a dedicated connection (``_waits.py``): one interrupted half-way
+        As every statement on a dedicated connection (``_queue.Waits``): one interrupted half-way
         (or the transaction around it, ``BEGIN_SEMAPHORE``)
         is closed and its session ended before this returns, so a permit taken at the last
         moment is free again; a dead pooled connection is replaced."""

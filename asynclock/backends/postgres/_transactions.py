@@ -31,10 +31,9 @@ import anyio
 
 from .._kit import Capabilities, LockRequest, now, translate
 from ._errors import Errors, connection_broken, unmapped
-from ._lane import PostgresGrant
-from ._sessions import Replacements, Sessions
+from ._lease import FRESH_WAIT, PostgresGrant, held_grant
 from ._sql import RENEW, XACT_TAKE, XACT_WAIT
-from ._waits import FRESH_WAIT, held_grant
+from ._wire import Replacements, Sessions
 
 logger = logging.getLogger("asynclock")
 
@@ -60,7 +59,7 @@ _LOCAL_SETTINGS = {
 
 class TransactionHolds:
     """The takes of one backend in transaction pooling; renewals and releases are the dedicated
-    connections' (``_renewals.py``, ``Waits.release``), with ``ROLLBACK`` as the unlock."""
+    connections' (``_lease.Renewals``, ``Waits.release``), with ``ROLLBACK`` as the unlock."""
 
     def __init__(
         self,

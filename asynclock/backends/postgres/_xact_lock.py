@@ -20,8 +20,8 @@ import asyncpg
 
 from .._kit import AcquireTimeout, InvalidArgument, translate
 from ._errors import Errors, connection_broken, unmapped
-from ._sessions import Replacements
 from ._sql import MAX_TIMEOUT_MS, RESET, XACT_TRY, XACT_WAIT, lock_key, sequence_name, timeout_ms
+from ._wire import Replacements
 from .backend import PostgresBackend
 
 logger = logging.getLogger("asynclock")

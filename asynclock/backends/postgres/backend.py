@@ -26,19 +26,10 @@ from .._kit import (
 )
 from ._errors import CHECKING, Errors
 from ._inspect import Inspector
-from ._kinds import (
-    CREATE_HOLDERS,
-    SWEEP,
-    SWEEP_SESSION,
-    holders_name,
-    kind_key,
-    modes,
-    no_holders_table,
-)
-from ._lane import PostgresGrant
+from ._kinds import kind_key, modes, no_holders_table
 from ._lanes import Lanes
-from ._queue import Queue
-from ._renewals import Renewals
+from ._lease import PostgresGrant, Renewals
+from ._queue import Queue, Waits
 from ._semaphores import Semaphores
 from ._server import (
     check_version,
@@ -47,12 +38,15 @@ from ._server import (
     ensure_sequence,
     probe_check_interval,
 )
-from ._sessions import Sessions
 from ._sql import (
     CREATE,
+    CREATE_HOLDERS,
     CREATE_QUEUE,
     MAX_TIMEOUT_MS,
+    SWEEP,
+    SWEEP_SESSION,
     creates,
+    holders_name,
     marker_key,
     queue_name,
     sequence_name,
@@ -60,7 +54,7 @@ from ._sql import (
 )
 from ._transactions import TRANSACTION_CAPABILITIES, TRANSACTION_LIMITS, TransactionHolds
 from ._urls import Settings, read_url
-from ._waits import Waits
+from ._wire import Sessions
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 

@@ -122,7 +122,7 @@ class Sessions:
         #: no session state, since the next transaction may run on another server session.
         self.transactions = settings.pooler == "transaction"
         #: Deletes the holders' rows of an ended session ($1: its pid), once open() found the
-        #: table (``_kinds.SWEEP_SESSION``).
+        #: table (``_sql.SWEEP_SESSION``).
         self.sweep_sql: str | None = None
 
     # -- taking and giving back --------------------------------------------------------------
