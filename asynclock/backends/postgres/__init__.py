@@ -77,13 +77,14 @@ Files (imports go down this list, never up)
     (transaction pooling); ``_inspect.py`` inspect() and wait_for_change();
     ``_semaphores.py`` semaphores; ``_queue.py`` take and wait in order: waits in the server's
     queue, and the queue table; ``_lanes.py`` takes, renewals and releases on the holding
-    connections; ``_lease.py`` the grant, one holding connection (a lane) and its task, the
-    renewals of the connections that hold a lock after a wait; ``_wire.py`` the connections:
-    connecting, the idle pool, ending an interrupted session; ``_server.py`` what open() checks
-    and creates; ``_kinds.py`` each kind of hold's statements and key space; ``_errors.py``
-    asyncpg's errors into asynclock's; ``_urls.py`` the URL and options; ``_sql.py`` every
-    statement and :func:`lock_key`; ``_xact_lock.py`` a lock for one transaction, the driver's
-    half of ``transaction_lock`` (which lives in :mod:`asynclock.extras.postgres`).
+    connections; ``_server.py`` what open() checks and creates; ``_wire.py`` the connections
+    (connecting, the idle pool, ending an interrupted session) and the ``Wire`` every part
+    shares; ``_lease.py`` the grant, one holding connection (a lane) and its task, the renewals
+    of the connections that hold a lock after a wait; ``_kinds.py`` each kind of hold's
+    statements and key space; ``_errors.py`` asyncpg's errors into asynclock's; ``_urls.py``
+    the URL and options; ``_sql.py`` every statement and :func:`lock_key`; ``_xact_lock.py`` a
+    lock for one transaction, the driver's half of ``transaction_lock`` (which lives in
+    :mod:`asynclock.extras.postgres`).
 """
 
 from ._sql import lock_key

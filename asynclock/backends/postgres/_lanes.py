@@ -17,14 +17,14 @@ from .._kit import (
     Lost,
     Renewed,
     RenewOutcome,
-    TaskHost,
     Unknown,
     now,
     translate,
 )
-from ._errors import Errors, connection_broken, unmapped
+from ._errors import connection_broken, unmapped
 from ._kinds import Mode
 from ._lease import RENEWAL, TAKE, Lane, PostgresGrant
+from ._wire import Wire
 
 logger = logging.getLogger("asynclock")
 
@@ -32,23 +32,13 @@ logger = logging.getLogger("asynclock")
 class Lanes:
     """The lanes of one backend, one per ttl (in milliseconds)."""
 
-    def __init__(
-        self,
-        host: TaskHost,
-        errors: Errors,
-        sequence: str,
-        op_timeout: float,
-        *,
-        connect: Callable[[int], Awaitable[tuple[Any, int]]],
-        close: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        self.host = host
-        self._errors = errors
-        self.server = errors.server
-        self.sequence = sequence
-        self.op_timeout = op_timeout
-        self.connect = connect
-        self.close = close
+    def __init__(self, wire: Wire) -> None:
+        self._wire = wire
+        # What a lane reads of its owner (``_lease.Owner``).
+        self.server = wire.errors.server
+        self.sequence = wire.sequence
+        self.op_timeout = wire.op_timeout
+        self.close = wire.sessions.close
         self.by_ttl: dict[int, Lane] = {}
         self.by_connection: dict[Any, Lane] = {}
 
@@ -56,7 +46,8 @@ class Lanes:
         lane = self.by_ttl.get(ttl_ms)
         if lane is None:
             lane = self.by_ttl[ttl_ms] = Lane(self, ttl_ms)
-            self.host.start_soon(lane.run, self.connect, name="asynclock: postgres lane")
+            connect = self._wire.sessions.connect_lane
+            self._wire.host.start_soon(lane.run, connect, name="asynclock: postgres lane")
         return lane
 
     def forget(self, lane: Lane) -> None:
@@ -109,7 +100,7 @@ class Lanes:
                 TAKE, key, mode.lane_take, *mode.take_args(request.owner, request.value, channel)
             )
             try:
-                with translate(self._errors, f"taking {request.name!r}"):
+                with translate(self._wire.errors, f"taking {request.name!r}"):
                     token = await op.future
             except BaseException as exc:
                 future = op.future

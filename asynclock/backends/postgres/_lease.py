@@ -34,7 +34,6 @@ from .._kit import (
     BackendTimeout,
     BackendUnavailable,
     Grant,
-    LockRequest,
     Lost,
     Renewed,
     RenewOutcome,
@@ -43,7 +42,7 @@ from .._kit import (
     now,
 )
 from ._errors import connection_broken
-from ._sql import RENEW, UNLOCK, timeout_ms
+from ._sql import RENEW, UNLOCK
 
 logger = logging.getLogger("asynclock")
 
@@ -445,37 +444,3 @@ class Renewals:
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
             for renewal in list(self._running):
                 await renewal.done.wait()
-
-
-def held_grant(
-    request: LockRequest,
-    key: int,
-    connection: Any,
-    *,
-    token: int,
-    pid: int,
-    sent_at: float,
-    held: dict[Any, PostgresGrant],
-    on_closed: Callable[[Any], None],
-    **more: Any,
-) -> PostgresGrant:
-    """The grant of a lock ``connection`` holds on its own (after a wait in the server's queue,
-    or in a transaction of its own), registered in ``held``; ``more``: PostgresGrant's fields."""
-    grant = PostgresGrant(
-        name=request.name,
-        owner=request.owner,
-        token=int(token),
-        valid_from=sent_at,
-        ttl=timeout_ms(request.ttl) / 1000.0,
-        key=key,
-        pid=int(pid),
-        connection=connection,
-        on_lost=request.on_lost,
-        space=request.kind,
-        **more,
-    )
-    held[connection] = grant
-    if connection.is_closed():
-        # Closed between the reply and now: the listener may have run already.
-        on_closed(connection)
-    return grant

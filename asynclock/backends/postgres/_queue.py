@@ -31,10 +31,10 @@ from typing import Any
 
 import anyio
 
-from .._kit import LockRequest, TaskHost, now, permits_mismatch, translate
-from ._errors import Errors, connection_broken, unmapped
+from .._kit import LockRequest, now, permits_mismatch, translate
+from ._errors import connection_broken, unmapped
 from ._lanes import Lanes
-from ._lease import FRESH_WAIT, QUERY, Lane, Op, PostgresGrant, held_grant
+from ._lease import FRESH_WAIT, QUERY, Lane, Op, PostgresGrant
 from ._sql import (
     ENQUEUE,
     ENQUEUE_SEMAPHORE,
@@ -46,7 +46,7 @@ from ._sql import (
     REQUEUE,
     SWEEP_PLACES,
 )
-from ._wire import Replacements, Sessions
+from ._wire import Replacements, Wire
 
 logger = logging.getLogger("asynclock")
 
@@ -64,23 +64,9 @@ SWEEP_EVERY = 30.0
 class Waits:
     """Our waiters in the server's queue (at most ``max_waiting``, plus the queue table's heads)."""
 
-    def __init__(
-        self,
-        sessions: Sessions,
-        errors: Errors,
-        sequence: str,
-        op_timeout: float,
-        held: dict[Any, PostgresGrant],
-        *,
-        on_closed: Callable[[Any], None],
-    ) -> None:
-        self._sessions = sessions
-        self._errors = errors
-        self.sequence = sequence
-        self.op_timeout = op_timeout
-        #: The grant each dedicated holding connection holds (the backend's).
-        self._held = held
-        self._connection_closed = on_closed
+    def __init__(self, wire: Wire) -> None:
+        self._wire = wire
+        self._sessions = wire.sessions
         self.waiting = 0
 
     async def wait(
@@ -141,50 +127,45 @@ class Waits:
             connection, reused = await self._sessions.take()
             try:
                 with (
-                    translate(self._errors, f"waiting for {request.name!r}"),
+                    translate(self._wire.errors, f"waiting for {request.name!r}"),
                     anyio.fail_after(bound),  # a try (that does not wait): op_timeout
                 ):
                     # Queue in the server; the caller's cancel scope bounds the wait.
                     sent_at = now()
-                    row = await connection.fetchrow(sql, key, self.sequence, str(ttl_ms), *args)
+                    row = await connection.fetchrow(
+                        sql, key, self._wire.sequence, str(ttl_ms), *args
+                    )
                     if row is None:
                         self._sessions.give_back(connection)
                         return None
                     if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:
                         # Its send time would leave little of the lease: restart the timer.
                         sent_at = now()
-                        await connection.fetchval(RENEW, timeout=self.op_timeout)
+                        await connection.fetchval(RENEW, timeout=self._wire.op_timeout)
             except BaseException as exc:
-                broken = connection_broken(connection, exc)
-                await self._sessions.end_session(connection, request.name, unmapped(exc))
-                if not replacements.again(exc, broken=broken, reused=reused):
+                if not await self._sessions.interrupted(
+                    connection, request.name, exc, replacements, reused=reused
+                ):
                     raise
                 if head:
                     return None
                 logger.info(
                     "asynclock: a connection to %s died while waiting for %r (%r); waiting on "
                     "another one",
-                    self._errors.server,
+                    self._wire.errors.server,
                     request.name,
                     unmapped(exc),
                 )
                 continue
-            return held_grant(
-                request,
-                key,
-                connection,
-                token=row[0],
-                pid=row[1],
-                sent_at=sent_at,
-                held=self._held,
-                on_closed=self._connection_closed,
+            return self._wire.hold(
+                request, key, connection, token=row[0], pid=row[1], sent_at=sent_at
             )
 
     async def release(self, grant: PostgresGrant) -> None:
         """Release a dedicated connection's lock (``PostgresBackend.release``): unlock and keep
         the connection, or close it (either frees the lock)."""
         connection = grant.connection
-        self._held.pop(connection, None)
+        self._wire.held.pop(connection, None)
         if connection.is_closed():
             self._sessions.all.discard(connection)
             return
@@ -205,12 +186,12 @@ class Waits:
                     "asynclock: releasing %r on %s: its transaction had ended already, and "
                     "the lock with it",
                     grant.name,
-                    self._errors.server,
+                    self._wire.errors.server,
                 )
                 self._sessions.discard(connection)
                 return
             await connection.execute(
-                grant.release_sql or RELEASE, *grant.release_args, timeout=self.op_timeout
+                grant.release_sql or RELEASE, *grant.release_args, timeout=self._wire.op_timeout
             )
         except BaseException as exc:
             # Closed at once, never reused: whatever state the statement left, the session
@@ -225,7 +206,7 @@ class Waits:
                     "instead, so the server frees the lock when it reads the close, at the "
                     "latest %g s after the last renewal it received",
                     grant.name,
-                    self._errors.server,
+                    self._wire.errors.server,
                     exc,
                     grant.ttl,
                 )
@@ -249,25 +230,12 @@ class _Entry:
 class Queue:
     """The places of one client's waiters in the queue table, its listener and its refresher."""
 
-    def __init__(
-        self,
-        *,
-        host: TaskHost,
-        sessions: Sessions,
-        lanes: Lanes,
-        errors: Errors,
-        sequence: str,
-        queue: str,
-        channel: str,
-    ) -> None:
-        self._host = host
-        self._sessions = sessions
+    def __init__(self, wire: Wire, lanes: Lanes) -> None:
+        self._wire = wire
+        self._sessions = wire.sessions
         self._lanes = lanes
-        self._errors = errors
-        self._sequence = sequence
-        self._channel = channel
         self._sql = {
-            name: sql.format(queue=queue)
+            name: sql.format(queue=wire.queue)
             for name, sql in (
                 ("enqueue", ENQUEUE),
                 ("head", HEAD),
@@ -330,7 +298,7 @@ class Queue:
                             await self._enqueue(entry, what, request.name, permits)
                         else:
                             row = await self._query(
-                                ttl_ms, what, "requeue", key, entry.waiter, self._sequence
+                                ttl_ms, what, "requeue", key, entry.waiter, self._wire.sequence
                             )
                             self._place(entry, row[0])
                         continue
@@ -350,7 +318,7 @@ class Queue:
     async def _enqueue(
         self, entry: _Entry, what: str, name: str, permits: tuple[int, int] | None
     ) -> None:
-        args = (entry.key, self._sequence, entry.waiter, self.client, entry.lease_ms)
+        args = (entry.key, self._wire.sequence, entry.waiter, self.client, entry.lease_ms)
         if permits is None:
             row = await self._query(entry.ttl_ms, what, "enqueue", *args)
         else:
@@ -373,11 +341,11 @@ class Queue:
             self.entries.pop(entry.key, None)
         else:
             entries[0].wake.set()
-        if not self._host.running:
+        if not self._wire.host.running:
             return None  # closing: the place expires on its own
         lane = self._lanes.lane(ttl_ms)
         return lane.detach(
-            lane.submit(QUERY, 0, self._sql["leave"], entry.key, entry.waiter, self._channel)
+            lane.submit(QUERY, 0, self._sql["leave"], entry.key, entry.waiter, self._wire.channel)
         )
 
     async def _query(self, ttl_ms: int, what: str, name: str, *args: object) -> Any:
@@ -387,7 +355,7 @@ class Queue:
             lane: Lane = self._lanes.lane(ttl_ms)
             op = lane.submit(QUERY, 0, self._sql[name], *args)
             try:
-                with translate(self._errors, what):
+                with translate(self._wire.errors, what):
                     return await op.future
             except Exception:
                 if attempt or lane.dead is None or lane.connection is None:
@@ -421,8 +389,8 @@ class Queue:
         if self.listener is None:
             if not self._listening:
                 self._listening = True
-                self._host.start_soon(self._listen, name="asynclock: postgres listener")
-            with anyio.move_on_after(self._errors.connect_timeout + 1.0):
+                self._wire.host.start_soon(self._listen, name="asynclock: postgres listener")
+            with anyio.move_on_after(self._wire.errors.connect_timeout + 1.0):
                 while self._listening:  # noqa: ASYNC110
                     await anyio.sleep(0.005)
         return self.listener is not None
@@ -436,23 +404,25 @@ class Queue:
     def _start_helpers(self) -> None:
         if self.listener is None and not self._listening:
             self._listening = True
-            self._host.start_soon(self._listen, name="asynclock: postgres listener")
+            self._wire.host.start_soon(self._listen, name="asynclock: postgres listener")
         if not self._refreshing:
             self._refreshing = True
-            self._host.start_soon(self._refresh, name="asynclock: postgres queue refresh")
+            self._wire.host.start_soon(self._refresh, name="asynclock: postgres queue refresh")
 
     async def _listen(self) -> None:
         try:
             connection, _ = await self._sessions.take()
             try:
-                with anyio.fail_after(self._errors.connect_timeout):
-                    await connection.add_listener(self._channel, self.notified)
+                with anyio.fail_after(self._wire.errors.connect_timeout):
+                    await connection.add_listener(self._wire.channel, self.notified)
             except BaseException:
                 self._sessions.discard(connection)
                 raise
             self.listener = connection
         except Exception as exc:
-            logger.info("asynclock: cannot listen on %s (%r); polling", self._errors.server, exc)
+            logger.info(
+                "asynclock: cannot listen on %s (%r); polling", self._wire.errors.server, exc
+            )
         finally:
             self._listening = False
 
