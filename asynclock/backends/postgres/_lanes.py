@@ -15,7 +15,6 @@ from .._kit import (
     BackendUnavailable,
     LockRequest,
     Lost,
-    Renewed,
     RenewOutcome,
     Unknown,
     now,
@@ -23,7 +22,7 @@ from .._kit import (
 )
 from ._errors import connection_broken, unmapped
 from ._kinds import Mode
-from ._lease import RENEWAL, TAKE, Lane, PostgresGrant
+from ._lease import CLOSED, RENEWAL, TAKE, Lane, PostgresGrant, renewed
 from ._wire import Wire
 
 logger = logging.getLogger("asynclock")
@@ -216,17 +215,10 @@ class Lanes:
         if grant.released or lane.grants.get(grant.key) is not grant:
             return Lost("the lock was released, or its connection closed")
         if lane.dead is not None:
-            return Lost(
-                "the connection holding the advisory lock closed; the lock ends with the session"
-            )
+            return Lost(CLOSED)
         if error is not None or sent_at is None:
             return Unknown(error or RuntimeError("not renewed"))
-        if pid != lane.pid:
-            return Lost(
-                f"the connection now reaches server process {pid}, not {lane.pid} which held "
-                "the lock (a connection pooler in between?); the lock ended with that session"
-            )
-        return Renewed(sent_at, lane.ttl)
+        return renewed(pid, lane.pid, sent_at, lane.ttl)
 
     async def release(self, grant: PostgresGrant, lane: Lane) -> None:
         """Unlock the key only (the lane holds other locks), in the lane's task: a cancelled

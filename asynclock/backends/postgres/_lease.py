@@ -368,6 +368,21 @@ class Lane:
                 )
 
 
+#: A renewal's verdict on a holding connection that closed.
+CLOSED = "the connection holding the advisory lock closed; the lock ends with the session"
+
+
+def renewed(pid: int | None, held_by: int, sent_at: float, ttl: float) -> RenewOutcome:
+    """A renewal's answer from server process ``pid`` (the session that held the lock:
+    ``held_by``): renewed from its send time, or lost if another session answered."""
+    if pid != held_by:
+        return Lost(
+            f"the connection now reaches server process {pid}, not {held_by} which held the "
+            "lock (a connection pooler in between?); the lock ended with that session"
+        )
+    return Renewed(sent_at, ttl)
+
+
 class Renewals:
     """The renewal queries of one backend, run in its task group."""
 
@@ -393,9 +408,7 @@ class Renewals:
         if grant.released:
             return Lost("the lock was released")
         if connection.is_closed():
-            return Lost(
-                "the connection holding the advisory lock closed; the lock ends with the session"
-            )
+            return Lost(CLOSED)
         renewal = grant.renewal
         if renewal is None:
             renewal = grant.renewal = Renewal(anyio.current_time())
@@ -417,13 +430,7 @@ class Renewals:
             return Unknown(renewal.error)
         if grant.in_transaction and not connection.is_in_transaction():
             return Lost("the transaction holding the advisory lock ended; the lock ended with it")
-        if renewal.pid != grant.pid:
-            return Lost(
-                f"the connection now reaches server process {renewal.pid}, not {grant.pid} "
-                "which held the lock (a connection pooler in between?); the lock ended with "
-                "that session"
-            )
-        return Renewed(renewal.sent_at, grant.ttl)
+        return renewed(renewal.pid, grant.pid, renewal.sent_at, grant.ttl)
 
     async def _query(self, grant: PostgresGrant, renewal: Renewal) -> None:
         try:
