@@ -151,23 +151,14 @@ class Inspector:
         effort: inspect never shows such a row, and the next leader's take overwrites it."""
         deadline = anyio.current_time() + SWEEP_WAIT
         try:
-            connection, _ = await self._sessions.take()
+            async with self._sessions.pool.connection() as connection:
+                with anyio.fail_after(self._wire.op_timeout + SWEEP_WAIT):
+                    while await connection.fetchval(self._sweep_sql, key, pid):
+                        if anyio.current_time() > deadline:
+                            break
+                        await anyio.sleep(0.01)
         except Exception as exc:
             logger.info("asynclock: cannot delete the row of a lost hold: %r", exc)
-            return
-        try:
-            with anyio.fail_after(self._wire.op_timeout + SWEEP_WAIT):
-                while await connection.fetchval(self._sweep_sql, key, pid):
-                    if anyio.current_time() > deadline:
-                        break
-                    await anyio.sleep(0.01)
-        except BaseException as exc:
-            self._sessions.discard(connection)
-            if not isinstance(exc, Exception):
-                raise
-            logger.info("asynclock: cannot delete the row of a lost hold: %r", exc)
-            return
-        self._sessions.give_back(connection)
 
     async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
         """Until a NOTIFY of the name's key (a leader's take and release send one; a waiter

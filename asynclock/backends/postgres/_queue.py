@@ -100,66 +100,55 @@ class Waits:
         # Counted before the first await: waiters that start together see each other.
         self.waiting += 1
         try:
-            grant = await self._wait(
-                request, key, ttl_ms, head=head, sql=sql, args=args, bound=bound
-            )
+            replacements = Replacements()
+            while True:
+                connection, reused = await self._sessions.take()
+                try:
+                    with (
+                        translate(self._wire.errors, f"waiting for {request.name!r}"),
+                        anyio.fail_after(bound),  # a try (that does not wait): op_timeout
+                    ):
+                        # Queue in the server; the caller's cancel scope bounds the wait.
+                        sent_at = now()
+                        row = await connection.fetchrow(
+                            sql, key, self._wire.sequence, str(ttl_ms), *args
+                        )
+                        if row is None:
+                            self._sessions.give_back(connection)
+                            return None
+                        if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:
+                            # Its send time would leave little of the lease: restart the timer.
+                            sent_at = now()
+                            await connection.fetchval(RENEW, timeout=self._wire.op_timeout)
+                except BaseException as exc:
+                    if not await self._sessions.interrupted(
+                        connection, request.name, exc, replacements, reused=reused
+                    ):
+                        raise
+                    if head:
+                        return None
+                    logger.info(
+                        "asynclock: a connection to %s died while waiting for %r (%r); waiting "
+                        "on another one",
+                        self._wire.errors.server,
+                        request.name,
+                        unmapped(exc),
+                    )
+                    continue
+                return self._wire.hold(
+                    request,
+                    key,
+                    connection,
+                    token=row[0],
+                    pid=row[1],
+                    sent_at=sent_at,
+                    shared=shared,
+                    kept_key=key if kept else None,
+                    release_sql=release[0],
+                    release_args=release[1],
+                )
         finally:
             self.waiting -= 1
-        if grant is not None:
-            grant.shared = shared
-            grant.kept_key = key if kept else None
-            grant.release_sql, grant.release_args = release
-        return grant
-
-    async def _wait(
-        self,
-        request: LockRequest,
-        key: int,
-        ttl_ms: int,
-        *,
-        head: bool,
-        sql: str,
-        args: tuple[object, ...],
-        bound: float | None,
-    ) -> PostgresGrant | None:
-        replacements = Replacements()
-        while True:
-            connection, reused = await self._sessions.take()
-            try:
-                with (
-                    translate(self._wire.errors, f"waiting for {request.name!r}"),
-                    anyio.fail_after(bound),  # a try (that does not wait): op_timeout
-                ):
-                    # Queue in the server; the caller's cancel scope bounds the wait.
-                    sent_at = now()
-                    row = await connection.fetchrow(
-                        sql, key, self._wire.sequence, str(ttl_ms), *args
-                    )
-                    if row is None:
-                        self._sessions.give_back(connection)
-                        return None
-                    if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:
-                        # Its send time would leave little of the lease: restart the timer.
-                        sent_at = now()
-                        await connection.fetchval(RENEW, timeout=self._wire.op_timeout)
-            except BaseException as exc:
-                if not await self._sessions.interrupted(
-                    connection, request.name, exc, replacements, reused=reused
-                ):
-                    raise
-                if head:
-                    return None
-                logger.info(
-                    "asynclock: a connection to %s died while waiting for %r (%r); waiting on "
-                    "another one",
-                    self._wire.errors.server,
-                    request.name,
-                    unmapped(exc),
-                )
-                continue
-            return self._wire.hold(
-                request, key, connection, token=row[0], pid=row[1], sent_at=sent_at
-            )
 
     async def release(self, grant: PostgresGrant) -> None:
         """Release a dedicated connection's lock (``PostgresBackend.release``): unlock and keep

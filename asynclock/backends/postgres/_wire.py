@@ -350,12 +350,8 @@ class Sessions:
 
     async def _terminate_session(self, pid: int, name: str, started: object) -> None:
         # Idempotent (finish() may run it again from the start): ending an ended session is a
-        # no-op, and a connection whose statement was interrupted is closed, not reused.
-        try:
-            helper, _ = await self.take()
-        except Exception as exc:
-            logger.info("asynclock: cannot end the session %d of %r: %r", pid, name, exc)
-            return
+        # no-op, and a connection whose statement was interrupted is closed, not reused (the
+        # pool's connection() closes the helper unless the block completed).
         polls = END_POLL.backoff()
         args: tuple[object, ...]
         if started is None:
@@ -363,18 +359,15 @@ class Sessions:
         else:
             sql, args = END_TRANSACTION, (pid, started)
         try:
-            while await helper.fetchval(sql, *args, timeout=self._op_timeout):
-                await polls.pause()
-            if self.sweep_sql is not None:
-                # A take whose commit was in flight left the row of a hold that ended with it.
-                await helper.execute(self.sweep_sql, pid, timeout=self._op_timeout)
-        except BaseException as exc:
-            self.discard(helper)
-            if not isinstance(exc, Exception):
-                raise
+            async with self.pool.connection() as helper:
+                while await helper.fetchval(sql, *args, timeout=self._op_timeout):
+                    await polls.pause()
+                if self.sweep_sql is not None:
+                    # A take whose commit was in flight left the row of a hold that ended
+                    # with it.
+                    await helper.execute(self.sweep_sql, pid, timeout=self._op_timeout)
+        except Exception as exc:
             logger.info("asynclock: cannot end the session %d of %r: %r", pid, name, exc)
-            return
-        self.give_back(helper)
 
     # -- closing -----------------------------------------------------------------------------
 

@@ -220,22 +220,17 @@ class PostgresBackend(Backend[PostgresGrant]):
         await self._host.open()
         self._sessions.open = True
         try:
-            connection, _ = await self._sessions.take()
-            try:
+            async with self._sessions.pool.connection() as connection:
                 await check_pooler(self._wire, self.pooler)
                 local = self._transactions is not None
                 with self._errors(CHECKING), anyio.fail_after(self.op_timeout):
                     found = await check_server(connection, self._wire, local=local)
-                self._server_version, self._holders_ready, checks = found
-                if self._holders_ready and self._transactions is None:
-                    self._sessions.sweep_sql = SWEEP_SESSION.format(holders=self.holders)
-                self._server_settings.update(checks)
-                if self._transactions is not None:
-                    self._transactions.add_settings(checks)
-            except BaseException:
-                self._sessions.discard(connection)
-                raise
-            self._sessions.give_back(connection)
+            self._server_version, self._holders_ready, checks = found
+            if self._holders_ready and self._transactions is None:
+                self._sessions.sweep_sql = SWEEP_SESSION.format(holders=self.holders)
+            self._server_settings.update(checks)
+            if self._transactions is not None:
+                self._transactions.add_settings(checks)
         except BaseException:
             # Not in a shield scope: the task host's group, entered above, is left in there
             # (the steps of aclose() that must finish are shielded one by one).
