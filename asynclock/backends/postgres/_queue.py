@@ -32,7 +32,7 @@ from typing import Any
 import anyio
 
 from .._kit import LockRequest, now, permits_mismatch, translate
-from ._errors import connection_broken, unmapped
+from ._errors import connection_broken
 from ._lanes import Lanes
 from ._lease import FRESH_WAIT, QUERY, Lane, Op, PostgresGrant
 from ._sql import (
@@ -121,19 +121,13 @@ class Waits:
                             sent_at = now()
                             await connection.fetchval(RENEW, timeout=self._wire.op_timeout)
                 except BaseException as exc:
+                    doing = "" if head else "waiting for"
                     if not await self._sessions.interrupted(
-                        connection, request.name, exc, replacements, reused=reused
+                        connection, request.name, exc, replacements, reused=reused, doing=doing
                     ):
                         raise
                     if head:
                         return None
-                    logger.info(
-                        "asynclock: a connection to %s died while waiting for %r (%r); waiting "
-                        "on another one",
-                        self._wire.errors.server,
-                        request.name,
-                        unmapped(exc),
-                    )
                     continue
                 return self._wire.hold(
                     request,

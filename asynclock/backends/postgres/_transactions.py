@@ -29,7 +29,6 @@ from collections.abc import Mapping
 import anyio
 
 from .._kit import Capabilities, LockRequest, now, translate
-from ._errors import unmapped
 from ._lease import FRESH_WAIT, PostgresGrant
 from ._sql import RENEW, XACT_TAKE, XACT_WAIT
 from ._wire import Replacements, Wire
@@ -116,16 +115,15 @@ class TransactionHolds:
                             await connection.fetchval(RENEW, timeout=self._wire.op_timeout)
             except BaseException as exc:
                 if not await self._sessions.interrupted(
-                    connection, request.name, exc, replacements, reused=reused, transaction=started
+                    connection,
+                    request.name,
+                    exc,
+                    replacements,
+                    reused=reused,
+                    transaction=started,
+                    doing="taking",
                 ):
                     raise
-                logger.info(
-                    "asynclock: a connection to %s died while taking %r (%r); taking on "
-                    "another one",
-                    self._wire.errors.server,
-                    request.name,
-                    unmapped(exc),
-                )
                 continue
             return self._wire.hold(
                 request,

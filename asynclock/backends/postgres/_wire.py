@@ -293,13 +293,24 @@ class Sessions:
         *,
         reused: bool,
         transaction: tuple[int, object] | None = None,
+        doing: str = "",
     ) -> bool:
         """A statement on ``connection`` failed or was cancelled half-way: end its session
         (:meth:`end_session`), and say whether to try again on another connection (it was
-        dead, see :class:`Replacements`)."""
+        dead, see :class:`Replacements`); if so, and ``doing`` says what it was doing, log it."""
         broken = connection_broken(connection, error)
         await self.end_session(connection, name, unmapped(error), transaction=transaction)
-        return replacements.again(error, broken=broken, reused=reused)
+        if not replacements.again(error, broken=broken, reused=reused):
+            return False
+        if doing:
+            logger.info(
+                "asynclock: a connection to %s died while %s %r (%r); again on another one",
+                self._errors.server,
+                doing,
+                name,
+                unmapped(error),
+            )
+        return True
 
     async def end_session(
         self,
