@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import anyio
@@ -19,6 +20,7 @@ __all__ = ("IdlePool",)
 C = TypeVar("C")
 
 
+@dataclass(kw_only=True, eq=False)
 class IdlePool(Generic[C]):
     """Connections made by ``connect()``, kept idle (most recently used first) up to ``keep``.
 
@@ -27,22 +29,13 @@ class IdlePool(Generic[C]):
     in order, at :meth:`aclose`.
     """
 
-    def __init__(
-        self,
-        *,
-        connect: Callable[[], Awaitable[C]],
-        alive: Callable[[C], bool],
-        abort: Callable[[C], None],
-        close: Callable[[C], Awaitable[None]],
-        keep: int = 4,
-    ) -> None:
-        self._connect = connect
-        self._alive = alive
-        self._abort = abort
-        self._close = close
-        self._keep = keep
-        self._idle: list[C] = []
-        self._closed = False
+    connect: Callable[[], Awaitable[C]]
+    alive: Callable[[C], bool]
+    abort: Callable[[C], None]
+    close: Callable[[C], Awaitable[None]]
+    keep: int = 4
+    _idle: list[C] = field(default_factory=list, init=False, repr=False)
+    _closed: bool = field(default=False, init=False, repr=False)
 
     @property
     def idle(self) -> int:
@@ -52,22 +45,17 @@ class IdlePool(Generic[C]):
         """An idle connection that is still alive, or a new one."""
         while self._idle:
             connection = self._idle.pop()
-            if self._alive(connection):
+            if self.alive(connection):
                 return connection
-            self._abort(connection)
-        return await self._connect()
+            self.abort(connection)
+        return await self.connect()
 
     def give_back(self, connection: C, *, reusable: bool) -> None:
         """Return ``connection``; unless ``reusable`` (its last request completed) it is dropped."""
-        if (
-            reusable
-            and not self._closed
-            and len(self._idle) < self._keep
-            and self._alive(connection)
-        ):
+        if reusable and not self._closed and len(self._idle) < self.keep and self.alive(connection):
             self._idle.append(connection)
         else:
-            self._abort(connection)
+            self.abort(connection)
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[C]:
@@ -93,6 +81,6 @@ class IdlePool(Generic[C]):
 
     async def _close_one(self, connection: C) -> None:
         try:
-            await self._close(connection)
+            await self.close(connection)
         except Exception:
-            self._abort(connection)
+            self.abort(connection)

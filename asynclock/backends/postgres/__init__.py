@@ -6,7 +6,7 @@ How a lock is held
     is derived from the schema and the full name (:func:`lock_key`), so only a hash collision
     can make two names share one lock, and sharing is safe: they exclude each other, nothing
     more. A session has one idle timer, so every lock a client takes with one ttl lives on one
-    holding connection (a lane, ``_lane.py``) whose ``idle_session_timeout`` is that ttl; its
+    holding connection (a lane, ``_lease.py``) whose ``idle_session_timeout`` is that ttl; its
     statements run one at a time in a task of the backend's own, never interrupted by a
     caller's cancellation (closing the connection would lose every lock on it). Session advisory
     locks are re-entrant, so the lane refuses a second take of a key it holds, and a pooled
@@ -25,7 +25,7 @@ Interrupted statements and dead connections
     gave "cannot switch to state 12; another operation (2) is in progress"). It is closed at
     once, without an await, and its server session is ended with ``pg_terminate_backend`` from
     another connection before the take returns, since a session blocked in the lock queue does
-    not read its socket (``Sessions.end_session`` in ``_sessions.py``, which survives any number of
+    not read its socket (``Sessions.end_session`` in ``_wire.py``, which survives any number of
     cancellations). ``client_connection_check_interval`` is a backstop for waiters of processes
     that died. A connection found dead when used (a pooled one the server or a proxy closed
     while it was idle, or a waiter's session that the server's idle timer ended while this
@@ -75,16 +75,16 @@ Through a connection pooler
 Files (imports go down this list, never up)
     ``backend.py`` the Backend class; ``_transactions.py`` holds in transactions of their own
     (transaction pooling); ``_inspect.py`` inspect() and wait_for_change();
-    ``_semaphores.py`` semaphores; ``_queue.py`` the queue table; ``_waits.py`` waits in the
-    server's queue, ``_renewals.py`` the renewals of the connections that hold a lock after one;
-    ``_lanes.py`` takes, renewals and releases on the holding connections, ``_lane.py`` one of
-    them and its task; ``_sessions.py`` connections: connecting, the idle pool, ending an
-    interrupted session; ``_server.py`` what open() checks and creates; ``_kinds.py`` the
-    statements of shared holds and elections, the holders' table and the keys of each kind;
-    ``_semaphore_sql.py`` the statements of semaphores; ``_errors.py`` asyncpg's errors into
-    asynclock's; ``_urls.py`` the URL and options; ``_sql.py`` the statements and
-    :func:`lock_key`; ``_xact_lock.py`` a lock for one transaction, the driver's half of
-    ``transaction_lock`` (which lives in :mod:`asynclock.extras.postgres`).
+    ``_semaphores.py`` semaphores; ``_queue.py`` take and wait in order: waits in the server's
+    queue, and the queue table; ``_lanes.py`` takes, renewals and releases on the holding
+    connections; ``_server.py`` what open() checks and creates; ``_wire.py`` the connections
+    (connecting, the idle pool, ending an interrupted session) and the ``Wire`` every part
+    shares; ``_lease.py`` the grant, one holding connection (a lane) and its task, the renewals
+    of the connections that hold a lock after a wait; ``_kinds.py`` each kind of hold's
+    statements and key space; ``_errors.py`` asyncpg's errors into asynclock's; ``_urls.py``
+    the URL and options; ``_sql.py`` every statement and :func:`lock_key`; ``_xact_lock.py`` a
+    lock for one transaction, the driver's half of ``transaction_lock`` (which lives in
+    :mod:`asynclock.extras.postgres`).
 """
 
 from ._sql import lock_key

@@ -10,12 +10,18 @@ from typing import Any
 import anyio
 
 from .._kit import HolderInfo, Kind, LockError, LockInfo, translate
-from ._errors import Errors, connection_broken
-from ._kinds import INSPECT_HOLDS, SWEEP, kind_key, permits_class, split
+from ._errors import connection_broken
+from ._kinds import kind_key, permits_class, split
 from ._queue import Queue
-from ._semaphore_sql import INSPECT_PERMITS, INSPECT_SEMAPHORE
-from ._sessions import Sessions
-from ._sql import INSPECT_QUEUE, marker_key
+from ._sql import (
+    INSPECT_HOLDS,
+    INSPECT_PERMITS,
+    INSPECT_QUEUE,
+    INSPECT_SEMAPHORE,
+    SWEEP,
+    marker_key,
+)
+from ._wire import Wire
 
 logger = logging.getLogger("asynclock")
 
@@ -89,43 +95,30 @@ def changed(now: LockInfo, seen: LockInfo) -> bool:
 class Inspector:
     """``inspect()`` and ``wait_for_change()`` of one backend."""
 
-    def __init__(
-        self,
-        *,
-        sessions: Sessions,
-        errors: Errors,
-        queue: Queue,
-        schema: str,
-        tables: tuple[str, str],
-        op_timeout: float,
-        poll_interval: float,
-    ) -> None:
-        self._sessions = sessions
-        self._errors = errors
+    def __init__(self, wire: Wire, queue: Queue, *, poll_interval: float) -> None:
+        self._wire = wire
+        self._sessions = wire.sessions
         self._queue = queue
-        self._schema = schema
-        queue_table, holders = tables
-        self._queue_sql = INSPECT_QUEUE.format(queue=queue_table)
-        self._holds_sql = INSPECT_HOLDS.format(holders=holders)
-        self._semaphore_sql = INSPECT_SEMAPHORE.format(queue=queue_table)
-        self._permits_sql = INSPECT_PERMITS.format(holders=holders)
-        self._sweep_sql = SWEEP.format(holders=holders)
-        self._op_timeout = op_timeout
+        self._queue_sql = INSPECT_QUEUE.format(queue=wire.queue)
+        self._holds_sql = INSPECT_HOLDS.format(holders=wire.holders)
+        self._semaphore_sql = INSPECT_SEMAPHORE.format(queue=wire.queue)
+        self._permits_sql = INSPECT_PERMITS.format(holders=wire.holders)
+        self._sweep_sql = SWEEP.format(holders=wire.holders)
         self._poll_interval = poll_interval
 
     async def inspect(self, name: str, kind: Kind) -> LockInfo:
-        key = kind_key(name, kind, self._schema)
+        key = kind_key(name, kind, self._wire.schema)
         while True:
             connection, reused = await self._sessions.take()
             try:
                 with (
-                    translate(self._errors, f"inspecting {kind} {name!r}"),
-                    anyio.fail_after(self._op_timeout),
+                    translate(self._wire.errors, f"inspecting {kind} {name!r}"),
+                    anyio.fail_after(self._wire.op_timeout),
                 ):
                     # Rows left by holders whose sessions ended go first (none are shown).
                     await connection.fetchval(self._sweep_sql, key, 0)
                     if kind == "semaphore":
-                        klass = permits_class(name, self._schema)
+                        klass = permits_class(name, self._wire.schema)
                         info = await inspect_semaphore(
                             connection,
                             name,
@@ -158,23 +151,14 @@ class Inspector:
         effort: inspect never shows such a row, and the next leader's take overwrites it."""
         deadline = anyio.current_time() + SWEEP_WAIT
         try:
-            connection, _ = await self._sessions.take()
+            async with self._sessions.pool.connection() as connection:
+                with anyio.fail_after(self._wire.op_timeout + SWEEP_WAIT):
+                    while await connection.fetchval(self._sweep_sql, key, pid):
+                        if anyio.current_time() > deadline:
+                            break
+                        await anyio.sleep(0.01)
         except Exception as exc:
             logger.info("asynclock: cannot delete the row of a lost hold: %r", exc)
-            return
-        try:
-            with anyio.fail_after(self._op_timeout + SWEEP_WAIT):
-                while await connection.fetchval(self._sweep_sql, key, pid):
-                    if anyio.current_time() > deadline:
-                        break
-                    await anyio.sleep(0.01)
-        except BaseException as exc:
-            self._sessions.discard(connection)
-            if not isinstance(exc, Exception):
-                raise
-            logger.info("asynclock: cannot delete the row of a lost hold: %r", exc)
-            return
-        self._sessions.give_back(connection)
 
     async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
         """Until a NOTIFY of the name's key (a leader's take and release send one; a waiter
@@ -183,7 +167,7 @@ class Inspector:
         nobody). On the client's one listening connection, interest registered first. The
         client closing ends it (the caller sees it closed), not with the error of an inspect
         whose connection the close took."""
-        key = kind_key(name, kind, self._schema)
+        key = kind_key(name, kind, self._wire.schema)
         event = anyio.Event()
         observers = self._queue.observers.setdefault(key, set())
         observers.add(event)

@@ -1,5 +1,5 @@
 """The lanes of one backend (one holding connection per ttl): takes, renewals and releases on
-them. What runs on a lane, and why nothing may interrupt it, is in ``_lane.py``."""
+them. What runs on a lane, and why nothing may interrupt it, is in ``_lease.py``."""
 
 from __future__ import annotations
 
@@ -15,16 +15,15 @@ from .._kit import (
     BackendUnavailable,
     LockRequest,
     Lost,
-    Renewed,
     RenewOutcome,
-    TaskHost,
     Unknown,
     now,
     translate,
 )
-from ._errors import Errors, connection_broken, unmapped
+from ._errors import connection_broken, unmapped
 from ._kinds import Mode
-from ._lane import RENEWAL, TAKE, Lane, PostgresGrant
+from ._lease import CLOSED, RENEWAL, TAKE, Lane, PostgresGrant, renewed
+from ._wire import Wire
 
 logger = logging.getLogger("asynclock")
 
@@ -32,23 +31,13 @@ logger = logging.getLogger("asynclock")
 class Lanes:
     """The lanes of one backend, one per ttl (in milliseconds)."""
 
-    def __init__(
-        self,
-        host: TaskHost,
-        errors: Errors,
-        sequence: str,
-        op_timeout: float,
-        *,
-        connect: Callable[[int], Awaitable[tuple[Any, int]]],
-        close: Callable[[Any], Awaitable[None]],
-    ) -> None:
-        self.host = host
-        self._errors = errors
-        self.server = errors.server
-        self.sequence = sequence
-        self.op_timeout = op_timeout
-        self.connect = connect
-        self.close = close
+    def __init__(self, wire: Wire) -> None:
+        self._wire = wire
+        # What a lane reads of its owner (``_lease.Owner``).
+        self.server = wire.errors.server
+        self.sequence = wire.sequence
+        self.op_timeout = wire.op_timeout
+        self.close = wire.sessions.close
         self.by_ttl: dict[int, Lane] = {}
         self.by_connection: dict[Any, Lane] = {}
 
@@ -56,7 +45,8 @@ class Lanes:
         lane = self.by_ttl.get(ttl_ms)
         if lane is None:
             lane = self.by_ttl[ttl_ms] = Lane(self, ttl_ms)
-            self.host.start_soon(lane.run, self.connect, name="asynclock: postgres lane")
+            connect = self._wire.sessions.connect_lane
+            self._wire.host.start_soon(lane.run, connect, name="asynclock: postgres lane")
         return lane
 
     def forget(self, lane: Lane) -> None:
@@ -109,7 +99,7 @@ class Lanes:
                 TAKE, key, mode.lane_take, *mode.take_args(request.owner, request.value, channel)
             )
             try:
-                with translate(self._errors, f"taking {request.name!r}"):
+                with translate(self._wire.errors, f"taking {request.name!r}"):
                     token = await op.future
             except BaseException as exc:
                 future = op.future
@@ -225,17 +215,10 @@ class Lanes:
         if grant.released or lane.grants.get(grant.key) is not grant:
             return Lost("the lock was released, or its connection closed")
         if lane.dead is not None:
-            return Lost(
-                "the connection holding the advisory lock closed; the lock ends with the session"
-            )
+            return Lost(CLOSED)
         if error is not None or sent_at is None:
             return Unknown(error or RuntimeError("not renewed"))
-        if pid != lane.pid:
-            return Lost(
-                f"the connection now reaches server process {pid}, not {lane.pid} which held "
-                "the lock (a connection pooler in between?); the lock ended with that session"
-            )
-        return Renewed(sent_at, lane.ttl)
+        return renewed(pid, lane.pid, sent_at, lane.ttl)
 
     async def release(self, grant: PostgresGrant, lane: Lane) -> None:
         """Unlock the key only (the lane holds other locks), in the lane's task: a cancelled

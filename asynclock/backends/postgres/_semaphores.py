@@ -1,67 +1,42 @@
 """Semaphores: each permit a lease of its own, on a dedicated connection; FIFO waiters in the
-queue table. The statements, and why they are safe, are in ``_semaphore_sql.py``.
+queue table. The statements, and why they are safe, are in ``_sql.py``.
 
 A permit holds a connection of its own (not a lane): its session ends, and frees exactly that
 permit, when its idle timer (the permit's ttl) fires, the process dies or the connection is
 terminated; and a release is ``pg_advisory_unlock_all()`` on a connection that holds nothing
-else. Renewals and releases are those of every dedicated connection (``_renewals.py``,
+else. Renewals and releases are those of every dedicated connection (``_lease.Renewals``,
 ``PostgresBackend.release``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import anyio
 
 from .._kit import LockRequest, now, permits_mismatch, translate
-from ._errors import Errors, connection_broken, unmapped
 from ._kinds import kind_key, permits_class, slot_keys
-from ._lane import PostgresGrant
+from ._lease import PostgresGrant
 from ._queue import Queue
-from ._semaphore_sql import BEGIN_SEMAPHORE, RELEASE_SEMAPHORE, TAKE_SEMAPHORE
-from ._sessions import Replacements, Sessions
-from ._sql import timeout_ms
+from ._sql import BEGIN_SEMAPHORE, RELEASE_SEMAPHORE, TAKE_SEMAPHORE, timeout_ms
+from ._wire import Replacements, Wire
 
 
 class Semaphores:
     """The semaphore takes and waits of one backend."""
 
-    def __init__(
-        self,
-        *,
-        sessions: Sessions,
-        errors: Errors,
-        sequence: str,
-        queue_table: str,
-        holders: str,
-        schema: str,
-        channel: str,
-        held: dict[Any, PostgresGrant],
-        queue: Queue,
-        on_closed: Callable[[Any], None],
-        op_timeout: float,
-    ) -> None:
-        self._op_timeout = op_timeout
-        self._sessions = sessions
-        self._errors = errors
-        self._sequence = sequence
-        self._schema = schema
-        self._channel = channel
-        self._held = held
+    def __init__(self, wire: Wire, queue: Queue) -> None:
+        self._wire = wire
+        self._sessions = wire.sessions
         self._queue = queue
-        self._connection_closed = on_closed
-        self._take_sql = TAKE_SEMAPHORE.format(queue=queue_table, holders=holders)
-        self._release_sql = RELEASE_SEMAPHORE.format(queue=queue_table, holders=holders)
+        self._take_sql = TAKE_SEMAPHORE.format(queue=wire.queue, holders=wire.holders)
+        self._release_sql = RELEASE_SEMAPHORE.format(queue=wire.queue, holders=wire.holders)
 
     async def take(self, request: LockRequest, *, wait: bool) -> PostgresGrant | None:
         """One try; if no permit is free and ``wait``, a place in the queue table, whose head
         tries again at each release it hears of (and every ``_queue.POLL`` s: a holder that
         died tells nobody)."""
-        key = kind_key(request.name, "semaphore", self._schema)
+        key = kind_key(request.name, "semaphore", self._wire.schema)
         ttl_ms = timeout_ms(request.ttl)
-        permits = (permits_class(request.name, self._schema), request.permits)
+        permits = (permits_class(request.name, self._wire.schema), request.permits)
         grant = await self._try(request, key, ttl_ms, permits, head=False)
         if grant is not None or not wait:
             return grant
@@ -78,19 +53,19 @@ class Semaphores:
     ) -> PostgresGrant | None:
         """Take a free permit on a dedicated connection, which then holds it.
 
-        As every statement on a dedicated connection (``_waits.py``): one interrupted half-way
+        As every statement on a dedicated connection (``_queue.Waits``): one interrupted half-way
         (or the transaction around it, ``BEGIN_SEMAPHORE``)
         is closed and its session ended before this returns, so a permit taken at the last
         moment is free again; a dead pooled connection is replaced."""
-        slots = list(slot_keys(request.name, request.permits, self._schema))
+        slots = list(slot_keys(request.name, request.permits, self._wire.schema))
         replacements = Replacements()
         while True:
             connection, reused = await self._sessions.take()
             try:
                 with (
-                    translate(self._errors, f"taking a permit of {request.name!r}"),
+                    translate(self._wire.errors, f"taking a permit of {request.name!r}"),
                     # A try: it waits for nothing but other takes' transactions.
-                    anyio.fail_after(self._op_timeout),
+                    anyio.fail_after(self._wire.op_timeout),
                 ):
                     await connection.execute(BEGIN_SEMAPHORE.format(key=int(key)))
                     # The lease starts with the take, after the wait for other takes'
@@ -101,7 +76,7 @@ class Semaphores:
                     row = await connection.fetchrow(
                         self._take_sql,
                         key,
-                        self._sequence,
+                        self._wire.sequence,
                         str(ttl_ms),
                         head,
                         slots,
@@ -110,9 +85,9 @@ class Semaphores:
                     )
                     await connection.execute("COMMIT")
             except BaseException as exc:
-                broken = connection_broken(connection, exc)
-                await self._sessions.end_session(connection, request.name, unmapped(exc))
-                if not replacements.again(exc, broken=broken, reused=reused):
+                if not await self._sessions.interrupted(
+                    connection, request.name, exc, replacements, reused=reused
+                ):
                     raise
                 continue
             if row[0] is None:
@@ -120,23 +95,14 @@ class Semaphores:
                 if row[1] is not None:
                     raise permits_mismatch(request.name, int(row[1]), request.permits)
                 return None
-            grant = PostgresGrant(
-                name=request.name,
-                owner=request.owner,
-                token=int(row[2]),
-                valid_from=sent_at,
-                ttl=ttl_ms / 1000.0,
-                key=int(row[0]),
-                pid=int(row[3]),
-                connection=connection,
-                on_lost=request.on_lost,
-                space=request.kind,
+            return self._wire.hold(
+                request,
+                int(row[0]),
+                connection,
+                token=row[2],
+                pid=row[3],
+                sent_at=sent_at,
                 release_sql=self._release_sql,
-                release_args=(self._channel, key),
+                release_args=(self._wire.channel, key),
                 kept_key=key,
             )
-            self._held[connection] = grant
-            if connection.is_closed():
-                # Closed between the reply and now: the listener may have run already.
-                self._connection_closed(connection)
-            return grant

@@ -1,14 +1,18 @@
-"""What ``open()`` checks on the server: its version, the token sequence, the connection check."""
+"""What ``open()`` checks and creates on the server: its version, a connection pooler's mode, the
+token sequence, the queue table, the holders' table, the connection check."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+import anyio
 import asyncpg
 
-from .._kit import BackendUnavailable
-from ._sql import lock_key
+from .._kit import BackendUnavailable, UnsupportedFeature, translate
+from ._errors import CHECKING
+from ._sql import CREATE, CREATE_HOLDERS, CREATE_QUEUE, SWEEP, lock_key
+from ._wire import Wire
 
 logger = logging.getLogger("asynclock")
 
@@ -30,20 +34,75 @@ def check_version(connection: Any, server: str) -> str:
     return shown
 
 
-async def ensure_sequence(
-    connection: Any, *, sequence: str, schema: str, create: str, server: str
-) -> None:
-    """Create the token sequence if it is missing; refuse one that is not ``CACHE 1``.
+async def check_server(
+    connection: Any, wire: Wire, *, local: bool
+) -> tuple[str, bool, dict[str, str]]:
+    """Check and create on ``connection`` what the backend needs (the translator's ``CHECKING``:
+    a missing schema, a missing right to create); the server's version, whether the holders'
+    table is there, and the settings to add to every connection (:func:`probe_check_interval`,
+    ``local``: transaction pooling)."""
+    version = check_version(connection, wire.errors.server)
+    await ensure_sequence(connection, wire)
+    await ensure(connection, wire, wire.queue, CREATE_QUEUE.format(queue=wire.queue))
+    holders = await ensure_holders(connection, wire)
+    return version, holders, await probe_check_interval(connection, local=local)
 
-    A missing schema and a missing right to create it are the translator's (``CHECKING``)."""
-    if await connection.fetchval("SELECT to_regclass($1)", sequence) is None:
-        async with connection.transaction():
-            # Concurrent CREATE ... IF NOT EXISTS can still collide on the catalog's unique
-            # index: one creator at a time.
-            await connection.execute(
-                "SELECT pg_advisory_xact_lock($1)", lock_key("create sequence", schema)
-            )
-            await connection.execute(create)
+
+async def check_pooler(wire: Wire, pooler: str | None) -> None:
+    """Refuse a connection pooler unless the URL names its pool mode; then look for
+    evidence that the mode is not what the URL says (which a client can find, but not
+    rule out)."""
+    if pooler == "transaction":
+        await _check_transactions(wire)
+        return
+    if not wire.sessions.pooled:
+        return
+    if pooler is None:
+        raise UnsupportedFeature(
+            f"{wire.errors.server} is a connection pooler, not PostgreSQL itself (the server "
+            "process id it gave at connect is not pg_backend_pid()), and a session lock is "
+            "only safe when every client connection keeps a server session of its own. "
+            "Say which pool mode it runs in the URL: with PgBouncer's pool_mode = "
+            "transaction, add ?pooler=transaction (each lock is held in a transaction of "
+            "its own; exclusive locks only); with pool_mode = session, ?pooler=session (the "
+            "pool then needs a server connection for each of the client's connections: "
+            "one per ttl in use, one per waiter up to max_waiting, up to max_idle idle "
+            "ones). Statement pooling cannot hold a lock"
+        )
+    # In transaction or statement pooling a second connection, made while the first is
+    # idle, reaches the first one's server session, and finds its mark (Sessions).
+    second, _ = await wire.sessions.take()
+    wire.sessions.give_back(second)
+
+
+async def _check_transactions(wire: Wire) -> None:
+    """Refuse a pooler that does not keep a transaction on one server session: statement
+    pooling (PgBouncer closes the connection at ``BEGIN``)."""
+    connection, _ = await wire.sessions.take()
+    try:
+        with translate(wire.errors, CHECKING), anyio.fail_after(wire.op_timeout):
+            # Two statements: the pooler judges each reply, and only the first leaves a
+            # transaction open.
+            await connection.execute("BEGIN")
+            await connection.execute("ROLLBACK")
+    except BaseException as exc:
+        wire.sessions.discard(connection)
+        if isinstance(exc, BackendUnavailable) and connection.is_closed():
+            raise UnsupportedFeature(
+                f"{wire.errors.server} closed the connection at BEGIN ({exc.__cause__}): a "
+                "connection pooler in statement pooling mode, which ends every transaction "
+                "after one statement, so no lock can be held through it. Use PgBouncer's "
+                "pool_mode = transaction (?pooler=transaction) or session "
+                "(?pooler=session), or connect to PostgreSQL directly"
+            ) from exc
+        raise
+    wire.sessions.give_back(connection)
+
+
+async def ensure_sequence(connection: Any, wire: Wire) -> None:
+    """Create the token sequence if it is missing; refuse one that is not ``CACHE 1``."""
+    sequence, server = wire.sequence, wire.errors.server
+    await ensure(connection, wire, sequence, CREATE.format(sequence=sequence))
     cache = await connection.fetchval(
         "SELECT seqcache FROM pg_sequence WHERE seqrelid = to_regclass($1)", sequence
     )
@@ -59,31 +118,33 @@ async def ensure_sequence(
         )
 
 
-async def ensure_queue(connection: Any, *, queue: str, schema: str, create: str) -> None:
-    """Create the waiters' queue table if it is missing (see ``_queue.py``)."""
-    if await connection.fetchval("SELECT to_regclass($1)", queue) is None:
+async def ensure(connection: Any, wire: Wire, name: str, create: str) -> None:
+    """Run ``create`` unless the relation ``name`` exists."""
+    if await connection.fetchval("SELECT to_regclass($1)", name) is None:
         async with connection.transaction():
+            # Concurrent CREATE ... IF NOT EXISTS can still collide on the catalog's unique
+            # index: one creator at a time.
             await connection.execute(
-                "SELECT pg_advisory_xact_lock($1)", lock_key("create sequence", schema)
+                "SELECT pg_advisory_xact_lock($1)", lock_key("create sequence", wire.schema)
             )
             await connection.execute(create)
 
 
-async def ensure_holders(
-    connection: Any, *, holders: str, schema: str, create: str, sweep: str, server: str
-) -> bool:
+async def ensure_holders(connection: Any, wire: Wire) -> bool:
     """Create the holders' table if it is missing, and delete the rows of holds that ended while
     no client ran; False (with a warning) if this user may not: exclusive locks need no table,
     so a client whose owner has not created it yet still opens, and refuses the other kinds."""
+    holders = wire.holders
+    create = CREATE_HOLDERS.format(holders=holders)
     try:
-        await ensure_queue(connection, queue=holders, schema=schema, create=create)
-        await connection.fetchval(sweep, None, 0)
+        await ensure(connection, wire, holders, create)
+        await connection.fetchval(SWEEP.format(holders=holders), None, 0)
     except asyncpg.InsufficientPrivilegeError as exc:
         logger.warning(
             "asynclock: %s: %s; shared locks, semaphores and elections need the table %s "
             "(create it once as its owner with %s, and GRANT SELECT, INSERT, UPDATE, DELETE "
             "ON it TO the lock users)",
-            server,
+            wire.errors.server,
             exc,
             holders,
             " ".join(create.split()),

@@ -24,17 +24,14 @@ and its transaction's start, which no later client's transaction on that process
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import anyio
 
 from .._kit import Capabilities, LockRequest, now, translate
-from ._errors import Errors, connection_broken, unmapped
-from ._lane import PostgresGrant
-from ._sessions import Replacements, Sessions
+from ._lease import FRESH_WAIT, PostgresGrant
 from ._sql import RENEW, XACT_TAKE, XACT_WAIT
-from ._waits import FRESH_WAIT, held_grant
+from ._wire import Replacements, Wire
 
 logger = logging.getLogger("asynclock")
 
@@ -60,24 +57,11 @@ _LOCAL_SETTINGS = {
 
 class TransactionHolds:
     """The takes of one backend in transaction pooling; renewals and releases are the dedicated
-    connections' (``_renewals.py``, ``Waits.release``), with ``ROLLBACK`` as the unlock."""
+    connections' (``_lease.Renewals``, ``Waits.release``), with ``ROLLBACK`` as the unlock."""
 
-    def __init__(
-        self,
-        sessions: Sessions,
-        errors: Errors,
-        sequence: str,
-        op_timeout: float,
-        held: dict[Any, PostgresGrant],
-    ) -> None:
-        self._sessions = sessions
-        self._errors = errors
-        self.sequence = sequence
-        self.op_timeout = op_timeout
-        #: The grant each holding connection holds (the backend's).
-        self._held = held
-        #: Called when a connection that holds a lock closed (the backend's).
-        self.on_closed: Callable[[Any], None] = lambda connection: None
+    def __init__(self, wire: Wire) -> None:
+        self._wire = wire
+        self._sessions = wire.sessions
         self._settings = dict(_LOCAL_SETTINGS)
 
     def add_settings(self, settings: Mapping[str, str]) -> None:
@@ -109,50 +93,45 @@ class TransactionHolds:
             connection, reused = await self._sessions.take()
             started: tuple[int, object] | None = None
             try:
-                with translate(self._errors, f"taking {request.name!r}"):
-                    with anyio.fail_after(self.op_timeout):
+                with translate(self._wire.errors, f"taking {request.name!r}"):
+                    with anyio.fail_after(self._wire.op_timeout):
                         await connection.execute(self._begin(ttl_ms))
                         sent_at = now()
                         taken, pid, began, token = await connection.fetchrow(
-                            XACT_TAKE, key, self.sequence
+                            XACT_TAKE, key, self._wire.sequence
                         )
                     started = (pid, began)
                     if not taken and not wait:
-                        await connection.execute(ROLLBACK, timeout=self.op_timeout)
+                        await connection.execute(ROLLBACK, timeout=self._wire.op_timeout)
                         self._sessions.give_back(connection)
                         return None
                     if not taken:
                         # In the server's queue; the caller's cancel scope bounds the wait.
                         sent_at = now()
-                        token = await connection.fetchval(XACT_WAIT, key, self.sequence)
+                        token = await connection.fetchval(XACT_WAIT, key, self._wire.sequence)
                         if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:
                             # Its send time would leave little of the lease: restart the timer.
                             sent_at = now()
-                            await connection.fetchval(RENEW, timeout=self.op_timeout)
+                            await connection.fetchval(RENEW, timeout=self._wire.op_timeout)
             except BaseException as exc:
-                broken = connection_broken(connection, exc)
-                await self._sessions.end_session(
-                    connection, request.name, unmapped(exc), transaction=started
-                )
-                if not replacements.again(exc, broken=broken, reused=reused):
-                    raise
-                logger.info(
-                    "asynclock: a connection to %s died while taking %r (%r); taking on "
-                    "another one",
-                    self._errors.server,
+                if not await self._sessions.interrupted(
+                    connection,
                     request.name,
-                    unmapped(exc),
-                )
+                    exc,
+                    replacements,
+                    reused=reused,
+                    transaction=started,
+                    doing="taking",
+                ):
+                    raise
                 continue
-            return held_grant(
+            return self._wire.hold(
                 request,
                 key,
                 connection,
                 token=token,
                 pid=pid,
                 sent_at=sent_at,
-                held=self._held,
-                on_closed=self.on_closed,
                 release_sql=ROLLBACK,
                 in_transaction=True,
             )

@@ -19,9 +19,9 @@ import anyio
 import asyncpg
 
 from .._kit import AcquireTimeout, InvalidArgument, translate
-from ._errors import Errors, connection_broken, unmapped
-from ._sessions import Replacements
+from ._errors import Errors
 from ._sql import MAX_TIMEOUT_MS, RESET, XACT_TRY, XACT_WAIT, lock_key, sequence_name, timeout_ms
+from ._wire import Replacements
 from .backend import PostgresBackend
 
 logger = logging.getLogger("asynclock")
@@ -87,7 +87,6 @@ async def _on_backend(
             # returns to the settings the connection was opened with, which are ours.
             await connection.execute(RESET, timeout=backend.op_timeout)
         except BaseException as exc:
-            broken = connection_broken(connection, exc)
             # Reused only after a clean refusal (timeout 0: the try ran to its end and was
             # rolled back). A body may have left anything behind: closed. An interrupted take
             # leaves the connection in a state nobody knows, and its session perhaps in the
@@ -99,8 +98,7 @@ async def _on_backend(
             if refused and not connection.is_closed() and not connection.is_in_transaction():
                 sessions.give_back(connection)
                 raise
-            await sessions.end_session(connection, name, unmapped(exc))
-            if not replacements.again(exc, broken=broken, reused=reused):
+            if not await sessions.interrupted(connection, name, exc, replacements, reused=reused):
                 raise
             continue  # a dead connection (pooled, or ended while waiting): take it on another
         sessions.give_back(connection)

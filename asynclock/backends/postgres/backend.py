@@ -26,33 +26,18 @@ from .._kit import (
 )
 from ._errors import CHECKING, Errors
 from ._inspect import Inspector
-from ._kinds import (
-    CREATE_HOLDERS,
-    SWEEP,
-    SWEEP_SESSION,
-    holders_name,
-    kind_key,
-    modes,
-    no_holders_table,
-)
-from ._lane import PostgresGrant
+from ._kinds import kind_key, modes, no_holders_table
 from ._lanes import Lanes
-from ._queue import Queue
-from ._renewals import Renewals
+from ._lease import PostgresGrant, Renewals
+from ._queue import Queue, Waits
 from ._semaphores import Semaphores
-from ._server import (
-    check_version,
-    ensure_holders,
-    ensure_queue,
-    ensure_sequence,
-    probe_check_interval,
-)
-from ._sessions import Sessions
+from ._server import check_pooler, check_server
 from ._sql import (
-    CREATE,
-    CREATE_QUEUE,
+    CREATE_HOLDERS,
     MAX_TIMEOUT_MS,
+    SWEEP_SESSION,
     creates,
+    holders_name,
     marker_key,
     queue_name,
     sequence_name,
@@ -60,7 +45,7 @@ from ._sql import (
 )
 from ._transactions import TRANSACTION_CAPABILITIES, TRANSACTION_LIMITS, TransactionHolds
 from ._urls import Settings, read_url
-from ._waits import Waits
+from ._wire import Sessions, Wire
 
 __all__ = ("PostgresBackend", "PostgresGrant")
 
@@ -143,18 +128,43 @@ class PostgresBackend(Backend[PostgresGrant]):
             pooler=pooler,
             statement_cache_size=statement_cache_size,
         )
-        self._sessions, self._lanes, self._waits, self._queue = _connection_parts(self, settings)
-        self._semaphores, self._inspector = _kind_parts(self, schema)
+        self._assemble(settings)
+        self._state = "new"
+
+    def _assemble(self, settings: Settings) -> None:
+        """The parts that run statements, built on the one Wire they share."""
+        self._sessions = Sessions(
+            settings,
+            self._server_settings,
+            self._translator,
+            self._host,
+            on_closed=self._connection_closed,
+            busy=self._renewing,
+        )
+        self._wire = wire = Wire(
+            host=self._host,
+            sessions=self._sessions,
+            errors=self._translator,
+            schema=settings.schema,
+            sequence=self.sequence,
+            queue=self.queue,
+            holders=self.holders,
+            channel=self._channel,
+            op_timeout=settings.op_timeout,
+            held=self._held,
+            on_closed=self._connection_closed,
+        )
+        self._lanes = Lanes(wire)
+        self._waits = Waits(wire)
+        self._queue = Queue(wire, self._lanes)
+        self._semaphores = Semaphores(wire, self._queue)
+        self._inspector = Inspector(wire, self._queue, poll_interval=self.poll_interval)
         #: Every hold in a transaction of its own (``_transactions.py``), or None: locks on lanes.
         self._transactions: TransactionHolds | None = None
-        if pooler == "transaction":
+        if settings.pooler == "transaction":
             self.capabilities, self.limits = TRANSACTION_CAPABILITIES, TRANSACTION_LIMITS
             self._translator.transactions = self._queue.polls = True
-            self._transactions = TransactionHolds(
-                self._sessions, self._translator, self.sequence, op_timeout, self._held
-            )
-            self._transactions.on_closed = self._connection_closed
-        self._state = "new"
+            self._transactions = TransactionHolds(wire)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -210,44 +220,17 @@ class PostgresBackend(Backend[PostgresGrant]):
         await self._host.open()
         self._sessions.open = True
         try:
-            connection, _ = await self._sessions.take()
-            try:
-                await self._sessions.check_pooler(self.pooler)
+            async with self._sessions.pool.connection() as connection:
+                await check_pooler(self._wire, self.pooler)
+                local = self._transactions is not None
                 with self._errors(CHECKING), anyio.fail_after(self.op_timeout):
-                    self._server_version = check_version(connection, self._described)
-                    await ensure_sequence(
-                        connection,
-                        sequence=self.sequence,
-                        schema=self.schema,
-                        create=CREATE.format(sequence=self.sequence),
-                        server=self._described,
-                    )
-                    await ensure_queue(
-                        connection,
-                        queue=self.queue,
-                        schema=self.schema,
-                        create=CREATE_QUEUE.format(queue=self.queue),
-                    )
-                    self._holders_ready = await ensure_holders(
-                        connection,
-                        holders=self.holders,
-                        schema=self.schema,
-                        create=CREATE_HOLDERS.format(holders=self.holders),
-                        sweep=SWEEP.format(holders=self.holders),
-                        server=self._described,
-                    )
-                    if self._holders_ready and self._transactions is None:
-                        self._sessions.sweep_sql = SWEEP_SESSION.format(holders=self.holders)
-                    checks = await probe_check_interval(
-                        connection, local=self._transactions is not None
-                    )
-                    self._server_settings.update(checks)
-                    if self._transactions is not None:
-                        self._transactions.add_settings(checks)
-            except BaseException:
-                self._sessions.discard(connection)
-                raise
-            self._sessions.give_back(connection)
+                    found = await check_server(connection, self._wire, local=local)
+            self._server_version, self._holders_ready, checks = found
+            if self._holders_ready and self._transactions is None:
+                self._sessions.sweep_sql = SWEEP_SESSION.format(holders=self.holders)
+            self._server_settings.update(checks)
+            if self._transactions is not None:
+                self._transactions.add_settings(checks)
         except BaseException:
             # Not in a shield scope: the task host's group, entered above, is left in there
             # (the steps of aclose() that must finish are shielded one by one).
@@ -411,71 +394,3 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     def _errors(self, what: str) -> AbstractContextManager[None]:
         return translate(self._translator, what)
-
-
-def _connection_parts(
-    backend: PostgresBackend, settings: Settings
-) -> tuple[Sessions, Lanes, Waits, Queue]:
-    """The connections: the idle pool and connecting, the holding lanes, the waits in the
-    server's queue, and the queue table."""
-    sessions = Sessions(
-        settings,
-        backend._server_settings,
-        backend._translator,
-        backend._host,
-        on_closed=backend._connection_closed,
-        busy=backend._renewing,
-    )
-    lanes = Lanes(
-        backend._host,
-        backend._translator,
-        backend.sequence,
-        backend.op_timeout,
-        connect=sessions.connect_lane,
-        close=sessions.close,
-    )
-    waits = Waits(
-        sessions,
-        backend._translator,
-        backend.sequence,
-        backend.op_timeout,
-        backend._held,
-        on_closed=backend._connection_closed,
-    )
-    queue = Queue(
-        host=backend._host,
-        sessions=sessions,
-        lanes=lanes,
-        errors=backend._translator,
-        sequence=backend.sequence,
-        queue=backend.queue,
-        channel=backend._channel,
-    )
-    return sessions, lanes, waits, queue
-
-
-def _kind_parts(backend: PostgresBackend, schema: str) -> tuple[Semaphores, Inspector]:
-    """The parts for semaphores, and for inspecting every kind."""
-    semaphores = Semaphores(
-        sessions=backend._sessions,
-        errors=backend._translator,
-        sequence=backend.sequence,
-        queue_table=backend.queue,
-        holders=backend.holders,
-        schema=schema,
-        channel=backend._channel,
-        held=backend._held,
-        queue=backend._queue,
-        on_closed=backend._connection_closed,
-        op_timeout=backend.op_timeout,
-    )
-    inspector = Inspector(
-        sessions=backend._sessions,
-        errors=backend._translator,
-        queue=backend._queue,
-        schema=schema,
-        tables=(backend.queue, backend.holders),
-        op_timeout=backend.op_timeout,
-        poll_interval=backend.poll_interval,
-    )
-    return semaphores, inspector

@@ -1,4 +1,6 @@
-"""Dedicated connections: connecting, the idle pool, and ending the session of an interrupted one.
+"""The connections to the server: connecting, the idle pool, and ending the session of an
+interrupted one (:class:`Sessions`); and :class:`Wire`, what every part of a backend that runs
+statements shares.
 
 A connection whose statement was cancelled or failed half-way is never used again (asyncpg's
 protocol state is then unknown: reusing it gave "cannot switch to state 12; another operation
@@ -24,14 +26,16 @@ import asyncpg
 from .._kit import (
     BackendUnavailable,
     IdlePool,
+    LockRequest,
     RetryPolicy,
     TaskHost,
     UnsupportedFeature,
     finish,
     translate,
 )
-from ._errors import CHECKING, CONNECTING, Errors
-from ._sql import END_SESSION, END_TRANSACTION, MARK, PID, SETUP
+from ._errors import CONNECTING, Errors, connection_broken, unmapped
+from ._lease import PostgresGrant
+from ._sql import END_SESSION, END_TRANSACTION, MARK, PID, SETUP, timeout_ms
 from ._urls import Settings
 
 logger = logging.getLogger("asynclock")
@@ -122,7 +126,7 @@ class Sessions:
         #: no session state, since the next transaction may run on another server session.
         self.transactions = settings.pooler == "transaction"
         #: Deletes the holders' rows of an ended session ($1: its pid), once open() found the
-        #: table (``_kinds.SWEEP_SESSION``).
+        #: table (``_sql.SWEEP_SESSION``).
         self.sweep_sql: str | None = None
 
     # -- taking and giving back --------------------------------------------------------------
@@ -153,55 +157,6 @@ class Sessions:
                 await connection.close(timeout=self._op_timeout)
             except Exception:
                 connection.terminate()
-
-    async def check_pooler(self, pooler: str | None) -> None:
-        """Refuse a connection pooler unless the URL names its pool mode; then look for
-        evidence that the mode is not what the URL says (which a client can find, but not
-        rule out)."""
-        if pooler == "transaction":
-            await self._check_transactions()
-            return
-        if not self.pooled:
-            return
-        if pooler is None:
-            raise UnsupportedFeature(
-                f"{self._errors.server} is a connection pooler, not PostgreSQL itself (the server "
-                "process id it gave at connect is not pg_backend_pid()), and a session lock is "
-                "only safe when every client connection keeps a server session of its own. "
-                "Say which pool mode it runs in the URL: with PgBouncer's pool_mode = "
-                "transaction, add ?pooler=transaction (each lock is held in a transaction of "
-                "its own; exclusive locks only); with pool_mode = session, ?pooler=session (the "
-                "pool then needs a server connection for each of the client's connections: "
-                "one per ttl in use, one per waiter up to max_waiting, up to max_idle idle "
-                "ones). Statement pooling cannot hold a lock"
-            )
-        # In transaction or statement pooling a second connection, made while the first is
-        # idle, reaches the first one's server session, and finds its mark (Sessions).
-        second, _ = await self.take()
-        self.give_back(second)
-
-    async def _check_transactions(self) -> None:
-        """Refuse a pooler that does not keep a transaction on one server session: statement
-        pooling (PgBouncer closes the connection at ``BEGIN``)."""
-        connection, _ = await self.take()
-        try:
-            with translate(self._errors, CHECKING), anyio.fail_after(self._op_timeout):
-                # Two statements: the pooler judges each reply, and only the first leaves a
-                # transaction open.
-                await connection.execute("BEGIN")
-                await connection.execute("ROLLBACK")
-        except BaseException as exc:
-            self.discard(connection)
-            if isinstance(exc, BackendUnavailable) and connection.is_closed():
-                raise UnsupportedFeature(
-                    f"{self._errors.server} closed the connection at BEGIN ({exc.__cause__}): a "
-                    "connection pooler in statement pooling mode, which ends every transaction "
-                    "after one statement, so no lock can be held through it. Use PgBouncer's "
-                    "pool_mode = transaction (?pooler=transaction) or session "
-                    "(?pooler=session), or connect to PostgreSQL directly"
-                ) from exc
-            raise
-        self.give_back(connection)
 
     # -- connecting --------------------------------------------------------------------------
 
@@ -329,6 +284,34 @@ class Sessions:
 
     # -- ending the session of an interrupted statement --------------------------------------
 
+    async def interrupted(
+        self,
+        connection: Any,
+        name: str,
+        error: BaseException,
+        replacements: Replacements,
+        *,
+        reused: bool,
+        transaction: tuple[int, object] | None = None,
+        doing: str = "",
+    ) -> bool:
+        """A statement on ``connection`` failed or was cancelled half-way: end its session
+        (:meth:`end_session`), and say whether to try again on another connection (it was
+        dead, see :class:`Replacements`); if so, and ``doing`` says what it was doing, log it."""
+        broken = connection_broken(connection, error)
+        await self.end_session(connection, name, unmapped(error), transaction=transaction)
+        if not replacements.again(error, broken=broken, reused=reused):
+            return False
+        if doing:
+            logger.info(
+                "asynclock: a connection to %s died while %s %r (%r); again on another one",
+                self._errors.server,
+                doing,
+                name,
+                unmapped(error),
+            )
+        return True
+
     async def end_session(
         self,
         connection: Any,
@@ -378,12 +361,8 @@ class Sessions:
 
     async def _terminate_session(self, pid: int, name: str, started: object) -> None:
         # Idempotent (finish() may run it again from the start): ending an ended session is a
-        # no-op, and a connection whose statement was interrupted is closed, not reused.
-        try:
-            helper, _ = await self.take()
-        except Exception as exc:
-            logger.info("asynclock: cannot end the session %d of %r: %r", pid, name, exc)
-            return
+        # no-op, and a connection whose statement was interrupted is closed, not reused (the
+        # pool's connection() closes the helper unless the block completed).
         polls = END_POLL.backoff()
         args: tuple[object, ...]
         if started is None:
@@ -391,18 +370,15 @@ class Sessions:
         else:
             sql, args = END_TRANSACTION, (pid, started)
         try:
-            while await helper.fetchval(sql, *args, timeout=self._op_timeout):
-                await polls.pause()
-            if self.sweep_sql is not None:
-                # A take whose commit was in flight left the row of a hold that ended with it.
-                await helper.execute(self.sweep_sql, pid, timeout=self._op_timeout)
-        except BaseException as exc:
-            self.discard(helper)
-            if not isinstance(exc, Exception):
-                raise
+            async with self.pool.connection() as helper:
+                while await helper.fetchval(sql, *args, timeout=self._op_timeout):
+                    await polls.pause()
+                if self.sweep_sql is not None:
+                    # A take whose commit was in flight left the row of a hold that ended
+                    # with it.
+                    await helper.execute(self.sweep_sql, pid, timeout=self._op_timeout)
+        except Exception as exc:
             logger.info("asynclock: cannot end the session %d of %r: %r", pid, name, exc)
-            return
-        self.give_back(helper)
 
     # -- closing -----------------------------------------------------------------------------
 
@@ -422,3 +398,58 @@ class Sessions:
                 for connection in connections:
                     task_group.start_soon(self.close, connection)
             await self.pool.aclose()  # what is left in it is closed already
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Wire:
+    """What the parts of one backend that run statements share, built once: its task host, its
+    connections and translator, the names of its objects in the schema, and the grant of each
+    dedicated connection that holds a lock on its own."""
+
+    host: TaskHost
+    sessions: Sessions
+    errors: Errors
+    schema: str
+    sequence: str
+    #: The queue table and the holders' table.
+    queue: str
+    holders: str
+    #: The NOTIFY channel of the schema.
+    channel: str
+    op_timeout: float
+    held: dict[Any, PostgresGrant]
+    #: The backend's: a connection closed (asyncpg's termination listener).
+    on_closed: Callable[[Any], None]
+
+    def hold(
+        self,
+        request: LockRequest,
+        key: int,
+        connection: Any,
+        *,
+        token: int,
+        pid: int,
+        sent_at: float,
+        **more: Any,
+    ) -> PostgresGrant:
+        """The grant of a lock ``connection`` holds on its own (after a wait in the server's
+        queue, a semaphore's permit, or in a transaction of its own), registered in ``held``;
+        ``more``: PostgresGrant's fields."""
+        grant = PostgresGrant(
+            name=request.name,
+            owner=request.owner,
+            token=int(token),
+            valid_from=sent_at,
+            ttl=timeout_ms(request.ttl) / 1000.0,
+            key=key,
+            pid=int(pid),
+            connection=connection,
+            on_lost=request.on_lost,
+            space=request.kind,
+            **more,
+        )
+        self.held[connection] = grant
+        if connection.is_closed():
+            # Closed between the reply and now: the listener may have run already.
+            self.on_closed(connection)
+        return grant

@@ -1,8 +1,10 @@
-"""A holding connection shared by many locks (a lane), and the task that runs its statements.
+"""The grant, the lease it lives on, and its renewal.
 
-An advisory lock lives as long as the session that took it, and a session has one idle timer
-(``idle_session_timeout``), so every lock taken with one ttl can live on one connection whose
-timer is that ttl: a lane. One tiny statement renews all of them; a release unlocks its key only.
+An advisory lock lives as long as the session that took it, so the lease is the session. A
+session has one idle timer (``idle_session_timeout``), so every lock taken with one ttl can live
+on one connection whose timer is that ttl: a lane (:class:`Lane`). One tiny statement renews all
+of them; a release unlocks its key only. A lock taken after a wait in the server's queue holds a
+dedicated connection of its own, renewed by :class:`Renewals`.
 
 Nothing a caller does may interrupt a statement on a lane: a statement cancelled half-way leaves
 an asyncpg connection unusable, and closing the lane would lose every lock on it. So a lane's
@@ -28,11 +30,25 @@ from typing import Any, Protocol
 
 import anyio
 
-from .._kit import BackendUnavailable, Grant, now
+from .._kit import (
+    BackendTimeout,
+    BackendUnavailable,
+    Grant,
+    Lost,
+    Renewed,
+    RenewOutcome,
+    TaskHost,
+    Unknown,
+    now,
+)
 from ._errors import connection_broken
 from ._sql import RENEW, UNLOCK
 
 logger = logging.getLogger("asynclock")
+
+#: A wait that lasted longer than this share of the ttl restarts the idle timer before it is
+#: handed over (its own send time is the lease's start otherwise).
+FRESH_WAIT = 0.05
 
 
 @dataclass(eq=False, slots=True)
@@ -350,3 +366,88 @@ class Lane:
                     f"({type(error).__name__}: server restart, pg_terminate_backend, "
                     "idle_session_timeout or a network failure); the lock ends with the session"
                 )
+
+
+#: A renewal's verdict on a holding connection that closed.
+CLOSED = "the connection holding the advisory lock closed; the lock ends with the session"
+
+
+def renewed(pid: int | None, held_by: int, sent_at: float, ttl: float) -> RenewOutcome:
+    """A renewal's answer from server process ``pid`` (the session that held the lock:
+    ``held_by``): renewed from its send time, or lost if another session answered."""
+    if pid != held_by:
+        return Lost(
+            f"the connection now reaches server process {pid}, not {held_by} which held the "
+            "lock (a connection pooler in between?); the lock ended with that session"
+        )
+    return Renewed(sent_at, ttl)
+
+
+class Renewals:
+    """The renewal queries of one backend, run in its task group."""
+
+    def __init__(self, host: TaskHost, server: str, op_timeout: float) -> None:
+        self._host = host
+        self._server = server
+        self._op_timeout = op_timeout
+        #: Renewal queries in flight; each ends with its query or its connection.
+        self._running: set[Renewal] = set()
+
+    async def renew(self, grant: PostgresGrant) -> RenewOutcome:
+        """Restart the server's idle timer of one held connection.
+
+        The query is never cancelled: a renewal that is slow (a network blip) still restarts
+        the timer when it reaches the server, and its late reply is a valid renewal from its send
+        time. Cancelling it would make asyncpg send a CancelRequest and, if that cannot get
+        through either, close the connection at the next query, losing a lease that the blip
+        alone would not have cost. So the query runs in a task of the backend's own, at most one
+        per grant at a time; it ends with the query or with the connection (release and aclose
+        close connections they cannot use), and this call waits for it up to ``op_timeout``.
+        """
+        connection = grant.connection
+        if grant.released:
+            return Lost("the lock was released")
+        if connection.is_closed():
+            return Lost(CLOSED)
+        renewal = grant.renewal
+        if renewal is None:
+            renewal = grant.renewal = Renewal(anyio.current_time())
+            self._running.add(renewal)
+            self._host.start_soon(self._query, grant, renewal, name="asynclock: renew")
+        if not await renewal.finished(self._op_timeout) or renewal.cancelled:
+            return Unknown(
+                BackendTimeout(
+                    f"renewing {grant.name!r} on {self._server}: no answer for "
+                    f"{anyio.current_time() - renewal.sent_at:.3g} s"
+                )
+            )
+        if renewal.error is not None:
+            if connection.is_closed():
+                return Lost(
+                    "the connection holding the advisory lock closed "
+                    f"({type(renewal.error).__name__}); the lock ends with the session"
+                )
+            return Unknown(renewal.error)
+        if grant.in_transaction and not connection.is_in_transaction():
+            return Lost("the transaction holding the advisory lock ended; the lock ended with it")
+        return renewed(renewal.pid, grant.pid, renewal.sent_at, grant.ttl)
+
+    async def _query(self, grant: PostgresGrant, renewal: Renewal) -> None:
+        try:
+            renewal.pid = await grant.connection.fetchval(RENEW)
+        except Exception as exc:
+            renewal.error = exc
+        except BaseException:
+            renewal.cancelled = True  # by aclose(), once the connections are closed
+            raise
+        finally:
+            self._running.discard(renewal)
+            if grant.renewal is renewal:
+                grant.renewal = None
+            renewal.done.set()
+
+    async def wait_all(self, timeout: float) -> None:
+        """Wait (shielded) up to ``timeout`` for the queries in flight to end."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            for renewal in list(self._running):
+                await renewal.done.wait()
