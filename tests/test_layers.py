@@ -5,12 +5,14 @@
 - a backend imports only the backend kit, its own package, its driver and the standard library:
   never the core (``_client``, ``_lease``, ``_registry``...) and never another backend; above
   the backends, a backend is imported by its package's names, never its files;
-- no file over 500 lines, no class over 350, no function over 80 (scripts/limits.py).
+- no file over 500 lines, no class over 350, no function over 80 (scripts/limits.py);
+- the role table in docs/architecture.md names every file of every backend package.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import runpy
 from pathlib import Path
 
@@ -105,3 +107,14 @@ def test_files_classes_and_functions_are_within_the_size_limits() -> None:
         problem for path in sorted(PACKAGE.rglob("*.py")) for problem in limits["check"](path)
     ]
     assert problems == []
+
+
+def test_the_role_table_names_every_file_of_every_backend_package() -> None:
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = doc.split("## The role of each file in a backend package", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2:-1] for line in table.splitlines() if line.startswith("| ")]
+    packages = [cell.strip(" `/") for cell in rows[0]]
+    for column, package in enumerate(packages):
+        named = {name for row in rows[1:] for name in re.findall(r"`(\w+\.py)`", row[column])}
+        files = {p.name for p in (PACKAGE / "backends" / package).glob("*.py")} - {"__init__.py"}
+        assert (package, named) == (package, files)
