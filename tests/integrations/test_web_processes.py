@@ -85,7 +85,8 @@ WORKERS = 3
 #: ``lock_unavailable`` (1,185 of 1,232).
 CLIENTS = 6
 PACE = 0.2
-#: Concurrent clients of the semaphore endpoint (more than its permits, each call 0.3 s).
+#: Concurrent clients of the semaphore endpoint: more than its permits, each call 0.3 s (so at
+#: most 8 requests/s more).
 CALLERS = 4
 #: Requests before the first fault, and after the last one, each this long.
 WARMUP = TAIL = 1.5
@@ -254,11 +255,21 @@ async def drive(
                 task_group, worker, name, holding, endpoint="calls", work=str(seconds)
             )
 
+    async def take_the_order(worker: int) -> None:
+        # Once the stopped holder's key expires on Redis, another worker takes the order.
+        with anyio.fail_after(5):
+            for attempt in range(1000):
+                if (await run.post(worker, PAUSED_ORDER, f"takeover-{attempt}")).status == 200:
+                    run.takeover = f"takeover-{attempt}"
+                    return
+                await anyio.sleep(0.02)
+
     async def take_the_permits(stopped: int) -> None:
-        # Once the stopped holder's permit expires, bodies of the other workers hold all of them.
+        # Once the stopped holder's permit expires, bodies of the other workers hold all of them
+        # at once (each long enough for the last to come in), before it continues.
         for number in range(PERMITS):
             worker = (stopped + 1 + number % 2) % WORKERS
-            run.takers.append(await hold_a_permit(worker, f"taker{number}", STOP))
+            run.takers.append(await hold_a_permit(worker, f"taker{number}", 2 * STOP))
 
     async def cut_the_lock_server(task_group: TaskGroup) -> None:
         # A body holds its lease when the cut begins: its renewals go unanswered, so it is
@@ -304,25 +315,20 @@ async def drive(
         with anyio.fail_after(5):
             while (stopped := leader()) is None:  # noqa: ASYNC110
                 await anyio.sleep(0.02)
-        run.stopped_pid, taker = workers[stopped].process.pid, (stopped + 1) % WORKERS
+        run.stopped_pid = workers[stopped].process.pid
         run.stopped_call = await hold_a_permit(stopped, "stopped-call", 10)
         run.paused = await stop_when(
             stopped, PAUSED_ORDER, "paused", "holding", work="0", block=str(BLOCK)
         )
         run.stopped_at = time.monotonic()
-        task_group.start_soon(take_the_permits, stopped)
         watching = anyio.Event()
         task_group.start_soon(watch_the_resource, run.paused, watching)
         try:
             with anyio.fail_after(5):
                 await watching.wait()
-            # Once the stopped holder's key expires on Redis, another worker takes the order.
-            with anyio.fail_after(5):
-                for attempt in range(1000):
-                    if (await run.post(taker, PAUSED_ORDER, f"takeover-{attempt}")).status == 200:
-                        run.takeover = f"takeover-{attempt}"
-                        break
-                    await anyio.sleep(0.02)
+            async with anyio.create_task_group() as takeovers:  # while it is stopped
+                takeovers.start_soon(take_the_order, (stopped + 1) % WORKERS)
+                takeovers.start_soon(take_the_permits, stopped)
             await anyio.sleep(max(0.0, run.stopped_at + STOP - time.monotonic()))
         finally:
             signal_group(workers[stopped].process, signal.SIGCONT)

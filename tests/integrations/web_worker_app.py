@@ -12,11 +12,9 @@ whose lease expired while it was stopped cannot book after a newer one did. Head
 during which the test stops the process) make a body hold its lock longer.
 
 ``POST /calls/{call}`` holds one of the PERMITS permits of the semaphore API for ``work`` seconds
-(default CALL). The :class:`asynclock.LeaderTask` LEADER, started in the FastAPI lifespan or
-aiohttp's ``on_startup`` (stopped in ``on_shutdown``, before ``cleanup_ctx`` closes the lock
-client), runs its job every EVERY seconds while this worker leads. Both journal their lease's
-token and local deadline when they end: the test counts a holder, or a run, as valid until that
-deadline at the latest.
+(default CALL); the :class:`asynclock.LeaderTask` LEADER runs its job every EVERY seconds while
+this worker leads. Both journal their lease's local deadline when they end: the test counts a
+holder, or a run, as valid until then at the latest.
 """
 
 from __future__ import annotations
@@ -236,12 +234,9 @@ def aiohttp_app() -> web.Application:
     @aiohttp_locks.locked("orders/{order}", client=lambda: app[LOCKS], ttl=TTL, timeout=WAIT)
     async def book(request: web.Request) -> web.Response:
         headers = request.headers
+        seconds = {key: float(headers[key]) for key in ("work", "block", "after") if key in headers}
         entry = await app[WORK_KEY].book(
-            request.match_info["order"],
-            headers["request-id"],
-            work=float(headers.get("work", WORK)),
-            block=float(headers.get("block", 0.0)),
-            after=float(headers.get("after", 0.0)),
+            request.match_info["order"], headers["request-id"], **seconds
         )
         return web.json_response(entry)
 
