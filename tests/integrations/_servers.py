@@ -210,6 +210,7 @@ class Answer:
     body: dict[str, Any] | None = None
     failure: str | None = None
     sent: float = 0.0
+    endpoint: str = "orders"
 
 
 #: The orders the web scenarios' clients book, in turn.
@@ -241,30 +242,36 @@ class Traffic:
         client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
         self.http.append(await stack.enter_async_context(client))
 
-    async def post(self, instance: int, order: str, request_id: str, **headers: str) -> Answer:
+    async def post(
+        self, instance: int, order: str, request_id: str, endpoint: str = "orders", **headers: str
+    ) -> Answer:
+        """``POST /<endpoint>/<order>``; ``headers`` (and ``endpoint``) may come from hold_long."""
         sent = time.monotonic()
         try:
             response = await self.http[instance].post(
-                f"/orders/{order}", headers={"request-id": request_id, **headers}
+                f"/{endpoint}/{order}", headers={"request-id": request_id, **headers}
             )
         except httpx.TransportError as exc:
-            answer = Answer(request_id, instance, None, failure=type(exc).__name__, sent=sent)
+            failure = type(exc).__name__
+            answer = Answer(
+                request_id, instance, None, failure=failure, sent=sent, endpoint=endpoint
+            )
         else:
             ok = response.status_code == 200
             answer = Answer(
                 request_id, instance, response.status_code,
                 None if ok else error_body(response).get("error"),
                 response.headers.get("retry-after"), response.headers.get("asynclock-lease-lost"),
-                response.json() if ok else None, sent=sent,
+                response.json() if ok else None, sent=sent, endpoint=endpoint,
             )  # fmt: skip
         self.answers.append(answer)
         return answer
 
-    async def client(self, pace: float) -> None:
+    async def client(self, pace: float, endpoint: str = "orders") -> None:
         """Each numbered request to the next instance, ``pace`` seconds after the last answer."""
         while not self.over.is_set():
             number = next(self.numbers)
-            await self.post(number % len(self.http), f"o{number % ORDERS}", str(number))
+            await self.post(number % len(self.http), f"o{number % ORDERS}", str(number), endpoint)
             await anyio.sleep(pace)
 
     async def hold_long(
@@ -273,21 +280,26 @@ class Traffic:
         instance: int,
         order: str,
         holding: Callable[[str], bool],
+        name: str = "",
         **headers: str,
     ) -> str:
-        """Send ``<order>-<attempt>`` requests (their body runs long) until ``holding(request id)``
-        says one's body holds its lease, and return its id. A take may be answered 503 first (a
-        handshake slower than op_timeout on a loaded host): one more answer, and another goes."""
+        """Send ``<name or order>-<attempt>`` requests for ``order`` until ``holding(request id)``
+        says one's body holds its lease (or got to where the caller waits for it), and return its
+        id. A take may be answered first (423, or 503 for a handshake slower than op_timeout on a
+        loaded host): one more answer, and another goes."""
         for attempt in itertools.count():
-            request_id = f"{order}-{attempt}"
+            request_id = f"{name or order}-{attempt}"
             tasks.start_soon(functools.partial(self.post, instance, order, request_id, **headers))
             while not holding(request_id):
-                if any(answer.request_id == request_id for answer in self.answers):
+                if self.answered(request_id):
                     break
                 await anyio.sleep(0.01)
             else:
                 return request_id
         raise AssertionError("unreachable")
+
+    def answered(self, request_id: str) -> bool:
+        return any(answer.request_id == request_id for answer in self.answers)
 
     def check_answers(self) -> None:
         """What every web scenario's answers show: each request answered, only documented

@@ -2,18 +2,21 @@
 
 For each framework, three worker processes (``tests/integrations/web_worker_app.py``, one port
 each, so that the test can aim a request at the worker it will stop) book orders in one fenced
-resource on Redis. Their lock client reaches the session's Redis through a
-:class:`~asynclock.testing.FaultProxy`; the resource is reached directly, so the cut is an
-outage of the *lock server* only. Concurrent httpx clients, each pausing PACE between its
-requests, book over 10 orders from before the first fault until TAIL after the last. During the run:
+resource on Redis, call a slow API behind a semaphore of 3 permits, and run a leader-only job (a
+:class:`asynclock.LeaderTask` started by their lifespan / start-up hook). Their lock client
+reaches the session's Redis through a :class:`~asynclock.testing.FaultProxy`; the resource is
+reached directly, so the cut is an outage of the *lock server* only. Concurrent httpx clients,
+each pausing PACE between its requests, book over 10 orders and call the API from before the
+first fault until TAIL after the last. During the run:
 
 1. a long body holds its lock when the proxy cuts the link for 1.5 s: the lock server is
    unreachable, requests get 503 ``lock_unavailable``, the long body is cancelled (503
    ``lease_lost``);
-2. a worker is stopped (SIGSTOP) while one of its bodies holds ``orders/o3``, inside synchronous
-   work before its write; another worker takes the order over and books it; after more than the
-   ttl the stopped worker continues (SIGCONT) and sends its write with the expired lease's
-   token, which the resource refuses;
+2. the worker that leads is stopped (SIGSTOP) while one of its bodies holds a permit and another
+   holds ``orders/o3``, inside synchronous work before its write; another worker takes the order
+   over and books it, three bodies of the others take all the permits, and another worker leads;
+   after more than the ttl the stopped worker continues (SIGCONT) and sends its write with the
+   expired lease's token, which the resource refuses;
 3. a worker is stopped while one of its bodies is in synchronous work after its write, before it
    returns; after more than the ttl it continues and returns: the core's rule keeps that answer
    (200, with ``Asynclock-Lease-Lost``), since its work is done.
@@ -23,12 +26,19 @@ shows no order booked twice by one acquisition or with an older token, every 200
 and every returned body a 200, and a booking whose request was answered 503 ``lease_lost`` is
 one whose body was stopped after its write had been sent (the core's rule: ``LeaseLost`` means the
 body did not finish; such an answer carries no ``Retry-After``, since its effects may be partial).
+
+A permit holder, and a run of the job, counts as valid from when its body began until it ended
+or its lease's local deadline passed, whichever came first (the deadline only moves forward while
+the lease is held; the server expires it later): never more than 3 valid holders at once, and
+never two valid runs at once (a run begun after its term's deadline, by a leader that was stopped,
+is valid for no time at all), with tokens that never go down.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import os
 import signal
@@ -53,6 +63,7 @@ from asynclock.testing import FaultProxy, RedisServer
 
 from ._servers import (
     ROOT,
+    Answer,
     Process,
     Traffic,
     assert_no_leftovers,
@@ -60,7 +71,7 @@ from ._servers import (
     start_process,
     stop_processes,
 )
-from .web_worker_app import FRAMEWORKS, TTL
+from .web_worker_app import FRAMEWORKS, PERMITS, TTL
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -74,6 +85,9 @@ WORKERS = 3
 #: ``lock_unavailable`` (1,185 of 1,232).
 CLIENTS = 6
 PACE = 0.2
+#: Concurrent clients of the semaphore endpoint: more than its permits, each call 0.3 s (so at
+#: most 8 requests/s more).
+CALLERS = 4
 #: Requests before the first fault, and after the last one, each this long.
 WARMUP = TAIL = 1.5
 #: A request to a worker that does not answer within this long counts as timed out.
@@ -81,9 +95,8 @@ CLIENT_TIMEOUT = 8.0
 CUT = 1.5
 #: The stopped worker stays stopped at least this long: more than the ttl.
 STOP = 2.0 * TTL
-#: The order the stopped worker holds, and the worker that is stopped / that takes over.
+#: The order the stopped worker (the leader) holds.
 PAUSED_ORDER = "o3"
-STOPPED, TAKER = 1, 2
 #: The order and the worker of the body that is stopped after its write, before it returns.
 FINISHED_ORDER, FINISHER = "o7", 0
 #: Seconds of synchronous work in the body that is stopped: the window for the SIGSTOP.
@@ -133,8 +146,12 @@ class Run(Traffic):
     bookings: list[dict[str, Any]] = field(default_factory=list)
     #: request id -> the journal's events for it, in order.
     steps: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
-    #: The request whose body was stopped, and when the stop and the continue were sent.
+    #: The request whose body was stopped, its worker (the leader), and when the stop and the
+    #: continue were sent; the call that held a permit there, and those that then took them all.
     paused: str | None = None
+    stopped_pid: int = 0
+    stopped_call: str = ""
+    takers: list[str] = field(default_factory=list)
     stopped_at: float = 0.0
     continued_at: float = 0.0
     takeover: str | None = None
@@ -180,7 +197,7 @@ async def scenario(redis_server: RedisServer, framework: str, directory: Path) -
         )
         workers = await stack.enter_async_context(running(framework, env, directory))
         for worker in workers:
-            await run.reach(stack, worker.url, CLIENTS, CLIENT_TIMEOUT)
+            await run.reach(stack, worker.url, CLIENTS + CALLERS + 2, CLIENT_TIMEOUT)
         started = time.monotonic()
         await drive(run, workers, proxy, journal_dir, redis_server)
         print(f"\n{framework}: {len(run.answers)} answers in {time.monotonic() - started:.1f} s")
@@ -213,11 +230,46 @@ async def drive(
     journal_dir: Path,
     redis_server: RedisServer,
 ) -> None:
+    def journal(worker: int) -> str:
+        path = journal_dir / f"{workers[worker].process.pid}.jsonl"
+        return path.read_text() if path.exists() else ""
+
     def journaled(worker: int, event: str, request_id: str) -> bool:
         # The journal's lines begin with the event and the request id (json.dumps keeps order).
-        path = journal_dir / f"{workers[worker].process.pid}.jsonl"
-        needle = json.dumps({"event": event, "request_id": request_id})[:-1] + ","
-        return path.exists() and needle in path.read_text()
+        return json.dumps({"event": event, "request_id": request_id})[:-1] + "," in journal(worker)
+
+    def leader() -> int | None:
+        """The worker whose job ran last, if that was within the last 0.2 s."""
+        last = {}
+        for worker in range(WORKERS):
+            runs = [line for line in journal(worker).splitlines() if '"event": "run"' in line]
+            if runs:
+                last[worker] = json.loads(runs[-1])["at"]
+        latest = max(last, key=last.__getitem__, default=None)
+        return None if latest is None or last[latest] < time.monotonic() - 0.2 else latest
+
+    async def hold_a_permit(worker: int, name: str, seconds: float) -> str:
+        holding = functools.partial(journaled, worker, "entered")
+        with anyio.fail_after(5):
+            return await run.hold_long(
+                task_group, worker, name, holding, endpoint="calls", work=str(seconds)
+            )
+
+    async def take_the_order(worker: int) -> None:
+        # Once the stopped holder's key expires on Redis, another worker takes the order.
+        with anyio.fail_after(5):
+            for attempt in range(1000):
+                if (await run.post(worker, PAUSED_ORDER, f"takeover-{attempt}")).status == 200:
+                    run.takeover = f"takeover-{attempt}"
+                    return
+                await anyio.sleep(0.02)
+
+    async def take_the_permits(stopped: int) -> None:
+        # Once the stopped holder's permit expires, bodies of the other workers hold all of them
+        # at once (each long enough for the last to come in), before it continues.
+        for number in range(PERMITS):
+            worker = (stopped + 1 + number % 2) % WORKERS
+            run.takers.append(await hold_a_permit(worker, f"taker{number}", 2 * STOP))
 
     async def cut_the_lock_server(task_group: TaskGroup) -> None:
         # A body holds its lease when the cut begins: its renewals go unanswered, so it is
@@ -228,7 +280,7 @@ async def drive(
         proxy.cut(CUT)
         await anyio.sleep(CUT)
 
-    async def watch_the_resource(request_id: str, ready: anyio.Event, done: anyio.Event) -> None:
+    async def watch_the_resource(request_id: str, ready: anyio.Event) -> None:
         # MONITOR shows each command as the resource receives it: the evidence that the
         # stopped worker's write arrived (and, with the bookings, that it was refused).
         with anyio.CancelScope() as scope:
@@ -237,67 +289,56 @@ async def drive(
                 raw.monitor() as monitor,
             ):
                 ready.set()
-                task_group.start_soon(cancel_when, done, scope)
+                task_group.start_soon(cancel_when_answered, request_id, scope)
                 async for info in monitor.listen():
                     if request_id in info["command"] and "EVAL" in info["command"]:
                         run.received.append(info["command"])
 
-    async def cancel_when(done: anyio.Event, scope: anyio.CancelScope) -> None:
-        await done.wait()
+    async def cancel_when_answered(request_id: str, scope: anyio.CancelScope) -> None:
+        while not run.answered(request_id):  # noqa: ASYNC110
+            await anyio.sleep(0.05)
         await anyio.sleep(0.2)  # MONITOR lines lag the commands a little
         scope.cancel()
 
-    async def stop_when(
-        worker: int, order: str, name: str, event: str, **headers: str
-    ) -> tuple[str, anyio.Event]:
+    async def stop_when(worker: int, order: str, name: str, event: str, **headers: str) -> str:
         """Send requests until one's body journals ``event`` (it then blocks its worker in
-        synchronous work), and stop that worker there. Returns the request and its answer's
-        event. A request answered first (the order was busy) is followed by another."""
-        for attempt in range(50):
-            request_id, answered = f"{name}-{attempt}", anyio.Event()
-
-            async def send(request_id: str = request_id, answered: anyio.Event = answered) -> None:
-                await run.post(worker, order, request_id, work="0", **headers)
-                answered.set()
-
-            task_group.start_soon(send)
-            with anyio.fail_after(5):
-                while not (journaled(worker, event, request_id) or answered.is_set()):  # noqa: ASYNC110
-                    await anyio.sleep(0.005)
-            if not answered.is_set():
-                signal_group(workers[worker].process, signal.SIGSTOP)
-                return request_id, answered
-        raise AssertionError(f"no request to worker {worker} got to {event!r} on {order}")
+        synchronous work), and stop that worker there."""
+        with anyio.fail_after(5):
+            holding = functools.partial(journaled, worker, event)
+            request_id = await run.hold_long(task_group, worker, order, holding, name, **headers)
+        signal_group(workers[worker].process, signal.SIGSTOP)
+        return request_id
 
     async def stop_a_holder() -> None:
-        stopped = workers[STOPPED]
-        # Its body is inside the synchronous work before its write when the process stops.
-        run.paused, answered = await stop_when(
-            STOPPED, PAUSED_ORDER, "paused", "holding", block=str(BLOCK)
+        # The leader is stopped, holding a permit, and an order's lock whose body is inside the
+        # synchronous work before its write.
+        with anyio.fail_after(5):
+            while (stopped := leader()) is None:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        run.stopped_pid = workers[stopped].process.pid
+        run.stopped_call = await hold_a_permit(stopped, "stopped-call", 10)
+        run.paused = await stop_when(
+            stopped, PAUSED_ORDER, "paused", "holding", work="0", block=str(BLOCK)
         )
         run.stopped_at = time.monotonic()
         watching = anyio.Event()
-        task_group.start_soon(watch_the_resource, run.paused, watching, answered)
+        task_group.start_soon(watch_the_resource, run.paused, watching)
         try:
             with anyio.fail_after(5):
                 await watching.wait()
-            # Once the stopped holder's key expires on Redis, another worker takes the order.
-            with anyio.fail_after(5):
-                for attempt in range(1000):
-                    if (await run.post(TAKER, PAUSED_ORDER, f"takeover-{attempt}")).status == 200:
-                        run.takeover = f"takeover-{attempt}"
-                        break
-                    await anyio.sleep(0.02)
+            async with anyio.create_task_group() as takeovers:  # while it is stopped
+                takeovers.start_soon(take_the_order, (stopped + 1) % WORKERS)
+                takeovers.start_soon(take_the_permits, stopped)
             await anyio.sleep(max(0.0, run.stopped_at + STOP - time.monotonic()))
         finally:
-            signal_group(stopped.process, signal.SIGCONT)
+            signal_group(workers[stopped].process, signal.SIGCONT)
             run.continued_at = time.monotonic()
 
     async def stop_a_finished_body() -> None:
         # Its body has booked and is inside the synchronous work after the write when the
         # process stops: after SIGCONT it returns although its lease expired meanwhile.
-        run.finished, _ = await stop_when(
-            FINISHER, FINISHED_ORDER, "finished", "booked", after=str(BLOCK)
+        run.finished = await stop_when(
+            FINISHER, FINISHED_ORDER, "finished", "booked", work="0", after=str(BLOCK)
         )
         try:
             await anyio.sleep(STOP)
@@ -319,6 +360,8 @@ async def drive(
             task_group.start_soon(faults)
             for _ in range(CLIENTS):
                 task_group.start_soon(run.client, PACE)
+            for _ in range(CALLERS):
+                task_group.start_soon(run.client, PACE, "calls")
 
 
 def check(run: Run, framework: str) -> Counter[str]:
@@ -356,7 +399,11 @@ def check(run: Run, framework: str) -> Counter[str]:
     for request_id, answer in by_id.items():
         events = run.events(request_id)
         made = booked.get(request_id)
-        if answer.status == 200:
+        if answer.endpoint == "calls":
+            # A call answered 200 or lease_lost entered and left; any other did nothing.
+            done = answer.status == 200 or answer.error == "lease_lost"
+            assert events == (["entered", "left"] if done else []), (answer, events)
+        elif answer.status == 200:
             # A 200 is a booking, the one the body made and returned.
             assert made is not None and answer.body == made, (answer, made)
             assert events[-1] == "returned", (answer, events)
@@ -406,6 +453,9 @@ def check(run: Run, framework: str) -> Counter[str]:
     assert finished.status == 200 and run.finished in booked, (finished, steps)
     assert finished.lease_lost is not None and "deadline" in finished.lease_lost, finished
 
+    check_permits(run, by_id)
+    check_leader(run)
+
     # The workers shut down cleanly on SIGTERM: each closed its clients (the journal's last
     # line), exited by itself (0; uvicorn re-raises the SIGTERM it handled once it has shut
     # down, hence -15), and none logged a traceback (a 500 would).
@@ -414,6 +464,53 @@ def check(run: Run, framework: str) -> Counter[str]:
     for log in run.logs:
         assert "Traceback" not in log, log
     return outcomes
+
+
+def most_at_once(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals that overlap at one instant (one that ends as another starts: not)."""
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    return max(itertools.accumulate(change for _, change in edges), default=0)
+
+
+def check_permits(run: Run, by_id: dict[str, Answer]) -> None:
+    """Never more than PERMITS valid holders at once; and while the stopped worker was stopped,
+    its holder's permit expired and three others held them all, so that counting its holder to
+    the end, past its deadline, would find more holders than permits."""
+    valid, raw = [], []
+    for request_id, answer in by_id.items():
+        if answer.endpoint == "calls" and run.events(request_id):
+            entered, left = run.steps[request_id]
+            valid.append((entered["at"], min(left["at"], left["deadline"])))
+            raw.append((entered["at"], left["at"]))
+    print(
+        f"{len(valid)} calls held a permit; most at once {most_at_once(raw)}, valid {most_at_once(valid)}"
+    )
+    assert most_at_once(valid) == PERMITS
+    assert most_at_once(raw) > PERMITS
+    stopped = by_id[run.stopped_call]
+    assert (stopped.status, stopped.error) == (503, "lease_lost"), stopped
+    taken = max(run.steps[taker][0]["at"] for taker in run.takers)
+    assert run.stopped_at < taken < run.continued_at, (run.stopped_at, taken, run.continued_at)
+
+
+def check_leader(run: Run) -> None:
+    """The job's valid runs never overlap and their tokens never go down; the stopped worker
+    led until it was stopped, and another worker ran the job while it was stopped."""
+    runs = sorted(
+        (step["started"], min(step["at"], step["deadline"]), step["token"], step["pid"])
+        for step in run.steps["job"]
+    )
+    valid = [job for job in runs if job[0] < job[1]]
+    print(
+        f"{len(runs)} runs of the job, {len(runs) - len(valid)} begun after their term's deadline"
+    )
+    for before, after in itertools.pairwise(valid):
+        assert before[1] <= after[0] and before[2] <= after[2], (before, after)
+    assert [pid for start, _, _, pid in valid if start < run.stopped_at][-1] == run.stopped_pid
+    assert any(
+        pid != run.stopped_pid and run.stopped_at < start < run.continued_at
+        for start, _, _, pid in valid
+    )
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

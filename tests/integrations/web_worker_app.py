@@ -1,14 +1,20 @@
 """The worker of test_web_processes.py: a FastAPI or aiohttp app that books orders under a lock,
-one process per worker (``python -m tests.integrations.web_worker_app fastapi|aiohttp FD``, FD
-a listening socket the parent made). Settings come from ``ASYNCLOCK_WEB_*``: LOCKS (the lock
-URL), RESOURCE (the Redis of the bookings), PREFIX (of its keys), CLIENT_NAME (of its connection),
-JOURNAL (a directory where each worker appends what its bodies did to ``<pid>.jsonl``).
+calls a slow API under a semaphore and runs a leader-only job, one process per worker
+(``python -m tests.integrations.web_worker_app fastapi|aiohttp FD``, FD a listening socket the
+parent made). Settings come from ``ASYNCLOCK_WEB_*``: LOCKS (the lock URL), RESOURCE (the Redis
+of the bookings), PREFIX (of its keys), CLIENT_NAME (of its connection), JOURNAL (a directory
+where each worker appends what its bodies and its job did to ``<pid>.jsonl``).
 
 ``POST /orders/{order}`` (header ``request-id``) holds ``orders/{order}`` and books the order with
 one fenced, strict ``RPUSH <prefix>bookings`` (:class:`asynclock.fencing.RedisGuard`): a holder
 whose lease expired while it was stopped cannot book after a newer one did. Headers ``work``
 (seconds awaited), ``block`` and ``after`` (seconds of synchronous work before / after the write,
 during which the test stops the process) make a body hold its lock longer.
+
+``POST /calls/{call}`` holds one of the PERMITS permits of the semaphore API for ``work`` seconds
+(default CALL); the :class:`asynclock.LeaderTask` LEADER runs its job every EVERY seconds while
+this worker leads. Both journal their lease's local deadline when they end: the test counts a
+holder, or a run, as valid until then at the latest.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ TTL = 1.0  # short: a stopped worker loses its leases within the scenario
 WAIT = 0.3  # for a busy order, before a 423
 WORK = 0.01  # the default body's work before it books: outages find bodies in flight
 FRAMEWORKS = ("fastapi", "aiohttp")
+API, PERMITS, CALL = "partner-api", 3, 0.3  # the semaphore endpoint's, and its body's seconds
+LEADER, EVERY, RUN = "jobs/digest", 0.05, 0.02  # the leader-only job's election and its timing
 KEEP_ALIVE = 120  # seconds an idle HTTP connection stays open: longer than any scenario
 
 
@@ -62,7 +70,9 @@ class Journal:
         os.close(self._fd)
 
 
-class Bookings:
+class Work:
+    """What the worker's endpoints and its job do, and the journal where they say so."""
+
     def __init__(self, client: redis.asyncio.Redis, journal: Journal) -> None:
         self._key = f"{setting('PREFIX')}bookings"
         self._guard = RedisGuard(client, prefix=f"{setting('PREFIX')}fence:", strict=True)
@@ -117,6 +127,33 @@ class Bookings:
         self._journal.record("returned", request_id, token=token)
         return entry
 
+    async def call(self, request_id: str, work: float) -> dict[str, Any]:
+        """The semaphore endpoint's body: a slow call to an API that takes PERMITS at once."""
+        lease = asynclock.current_lease()
+        self._journal.record("entered", request_id, token=lease.token)
+        try:
+            await anyio.sleep(work)
+        finally:
+            # Once past, the deadline is where the permit stopped being valid (SIGSTOP, a cut).
+            self._journal.record("left", request_id, deadline=lease.deadline)
+        return {"request_id": request_id, "token": lease.token, "pid": os.getpid()}
+
+    async def run_job(self, term: asynclock.Lease) -> None:
+        """One run of the leader-only job, journaled when it ends, cancelled or not."""
+        started = time.monotonic()
+        try:
+            await anyio.sleep(RUN)
+        finally:
+            self._journal.record(
+                "run", "job", token=term.token, started=started, deadline=term.deadline
+            )
+
+    def leader(self, locks: asynclock.LockClient) -> asynclock.LeaderTask:
+        return asynclock.LeaderTask(
+            locks, LEADER, self.run_job, value=str(os.getpid()).encode(), ttl=TTL, every=EVERY,
+            retry_after=0.2,
+        )  # fmt: skip
+
     def _block(self, request_id: str, seconds: float, where: str) -> None:
         if seconds:
             started = time.monotonic()
@@ -128,10 +165,13 @@ class Bookings:
 def fastapi_app() -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The lock client closes first, so the journal's "closed" comes after both.
-        async with Bookings.open() as bookings, asynclock.connect(setting("LOCKS")) as locks:
-            app.state.locks = locks
-            app.state.bookings = bookings
+        # The leader task stops first, then the lock client: the journal's "closed" comes last.
+        async with (
+            Work.open() as work,
+            asynclock.connect(setting("LOCKS")) as locks,
+            work.leader(locks),
+        ):
+            app.state.locks, app.state.work = locks, work
             yield
 
     app = FastAPI(lifespan=lifespan)
@@ -145,8 +185,18 @@ def fastapi_app() -> FastAPI:
         block: Annotated[float, Header()] = 0.0,
         after: Annotated[float, Header()] = 0.0,
     ) -> dict[str, Any]:
-        bookings: Bookings = app.state.bookings
-        return await bookings.book(order, request_id, work=work, block=block, after=after)
+        state: Work = app.state.work
+        return await state.book(order, request_id, work=work, block=block, after=after)
+
+    @app.post("/calls/{call}")
+    @fastapi_locks.locked(
+        API, client=lambda: app.state.locks, ttl=TTL, timeout=WAIT, permits=PERMITS
+    )
+    async def call(
+        call: str, request_id: Annotated[str, Header()], work: Annotated[float, Header()] = CALL
+    ) -> dict[str, Any]:
+        state: Work = app.state.work
+        return await state.call(request_id, work)
 
     @app.get("/health")
     async def health() -> dict[str, int]:
@@ -156,7 +206,8 @@ def fastapi_app() -> FastAPI:
 
 
 LOCKS = web.AppKey("locks", asynclock.LockClient)
-BOOKINGS = web.AppKey("bookings", Bookings)
+WORK_KEY = web.AppKey("work", Work)
+LEADER_TASK = web.AppKey("leader", asynclock.LeaderTask)
 
 
 def aiohttp_app() -> web.Application:
@@ -164,28 +215,41 @@ def aiohttp_app() -> web.Application:
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            app[BOOKINGS] = await stack.enter_async_context(Bookings.open())
+            app[WORK_KEY] = await stack.enter_async_context(Work.open())
             app[LOCKS] = await stack.enter_async_context(asynclock.connect(setting("LOCKS")))
             yield
 
+    async def lead(app: web.Application) -> None:
+        app[LEADER_TASK] = app[WORK_KEY].leader(app[LOCKS])
+        await app[LEADER_TASK].start()
+
+    async def resign(app: web.Application) -> None:
+        await app[LEADER_TASK].aclose()
+
     app.cleanup_ctx.append(resources)
+    app.on_startup.append(lead)  # after cleanup_ctx's start-up
+    # on_shutdown runs before on_cleanup, whose first step closes cleanup_ctx (the lock client).
+    app.on_shutdown.append(resign)
 
     @aiohttp_locks.locked("orders/{order}", client=lambda: app[LOCKS], ttl=TTL, timeout=WAIT)
     async def book(request: web.Request) -> web.Response:
         headers = request.headers
-        entry = await app[BOOKINGS].book(
-            request.match_info["order"],
-            headers["request-id"],
-            work=float(headers.get("work", WORK)),
-            block=float(headers.get("block", 0.0)),
-            after=float(headers.get("after", 0.0)),
+        seconds = {key: float(headers[key]) for key in ("work", "block", "after") if key in headers}
+        entry = await app[WORK_KEY].book(
+            request.match_info["order"], headers["request-id"], **seconds
         )
         return web.json_response(entry)
+
+    @aiohttp_locks.locked(API, client=lambda: app[LOCKS], ttl=TTL, timeout=WAIT, permits=PERMITS)
+    async def call(request: web.Request) -> web.Response:
+        work = float(request.headers.get("work", CALL))
+        return web.json_response(await app[WORK_KEY].call(request.headers["request-id"], work))
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"pid": os.getpid()})
 
     app.router.add_post("/orders/{order}", book)
+    app.router.add_post("/calls/{call}", call)
     app.router.add_get("/health", health)
     return app
 
