@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Self
 
 import anyio
+import anyio.lowlevel
 
 from . import _validate
 from ._errors import BackendUnavailable, InvalidArgument, LeaseLost
@@ -171,12 +172,17 @@ class LeaderTask:
             await anyio.sleep(self._retry_after)
 
     async def _lead(self, term: Lease) -> None:
-        await self._job(term)
-        if self._every is None:
-            return
         while True:
-            await anyio.sleep(self._every)
+            # A run never starts on a term whose deadline has passed: after a pause of the whole
+            # process (SIGSTOP, a blocked loop) the pause between runs and the deadline are both
+            # overdue, and the former may wake us first. Reading ``lost`` marks the loss, which
+            # cancels this body at the checkpoint.
+            if term.lost:
+                await anyio.lowlevel.checkpoint()
             await self._job(term)
+            if self._every is None:
+                return
+            await anyio.sleep(self._every)
 
     def __repr__(self) -> str:
         return f"<LeaderTask {self.name!r} leading={self.leading} terms={self.terms}>"

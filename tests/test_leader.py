@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -156,3 +157,23 @@ async def test_stopping_survives_native_cancellation_and_leaves_nothing(
         # No task of it is left to resign later: the term must be gone now.
         assert await locks.election("jobs/c").leader() is None
     assert runs.cancelled == ["a"]
+
+
+async def test_a_run_never_starts_on_a_term_whose_deadline_has_passed(
+    store: str, expected_logs: ExpectedLogs
+) -> None:
+    # As after a SIGSTOP of the process: the loop wakes with the pause between two runs and the
+    # term's deadline both overdue, and the pause's timer may come first.
+    expected_logs.expect(r"lease on 'jobs/x' lost: no successful renewal before the local deadline")
+    starts: list[tuple[float, float]] = []
+
+    async def job(term: asynclock.Lease) -> None:
+        starts.append((anyio.current_time(), term.deadline))
+
+    async with asynclock.connect(store) as locks:
+        task = asynclock.LeaderTask(locks, "jobs/x", job, ttl=0.3, every=0.05, retry_after=0.05)
+        async with task:
+            await until(lambda: len(starts) >= 2)
+            time.sleep(0.5)  # noqa: ASYNC251 (the whole event loop stops, renewals too)
+            await until(lambda: task.terms >= 2 and task.leading)
+    assert all(started < deadline for started, deadline in starts), starts
