@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from . import _validate
 from ._acquiring import ClientCore
-from ._errors import AcquireTimeout, InvalidArgument
+from ._errors import AcquireTimeout, BackendUnavailable, InvalidArgument
 from ._lease import Lease, OnLost, public_owner
 from ._scope import LockContext
 from .abc import Kind, LockInfo
@@ -207,20 +207,26 @@ class Election:
         last: Leader | None = None
         started = False
         highest = -math.inf
-        while client._host.state == "open":
-            info = await backend.inspect(self.name, "election")
-            leader = self._leader(info)
-            token = None if leader is None else leader.token
-            stale = token is not None and token < highest  # a lagging replica's answer
-            if not stale and (not started or leader != last):
-                started = True
-                last = leader
-                if token is not None:
-                    highest = token
-                yield leader
-            if client._host.state != "open":
-                return
-            await backend.wait_for_change(self.name, "election", info, OBSERVE_RECHECK)
+        try:
+            while client._host.state == "open":
+                info = await backend.inspect(self.name, "election")
+                leader = self._leader(info)
+                token = None if leader is None else leader.token
+                stale = token is not None and token < highest  # a lagging replica's answer
+                if not stale and (not started or leader != last):
+                    started = True
+                    last = leader
+                    if token is not None:
+                        highest = token
+                    yield leader
+                if client._host.state != "open":
+                    return
+                await backend.wait_for_change(self.name, "election", info, OBSERVE_RECHECK)
+        except BackendUnavailable:
+            # The client closed its connections under a look (a close does not wait for
+            # them): the iteration ends, as it does when the close comes between two looks.
+            if client._host.state == "open":
+                raise
 
     def _leader(self, info: LockInfo) -> Leader | None:
         if not info.held:

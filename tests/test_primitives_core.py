@@ -9,6 +9,8 @@ import anyio
 import pytest
 
 import asynclock
+from asynclock.abc import Kind, LockInfo
+from asynclock.backends.memory import MemoryBackend
 from tests.contract.harness import until
 from tests.integrations._memory import memory, memory_locks
 from tests.testing._helpers import cancel_natively
@@ -132,3 +134,34 @@ async def test_inspect_shows_holders_by_public_owner_and_bad_permits_or_kinds_ar
         for lease in (*readers, permit):
             await lease.release()
         assert (await semaphore.inspect()).permits is None
+
+
+class ClosingUnderALook(MemoryBackend):
+    """A look at the server that is still waiting when the client closes its connections
+    fails, as a Redis connection closed under a read does."""
+
+    async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
+        self.closed = anyio.Event()
+        await self.closed.wait()
+        raise asynclock.BackendUnavailable("Connection closed by server.")
+
+    async def aclose(self) -> None:
+        self.closed.set()
+        await super().aclose()
+
+
+async def test_observe_ends_when_the_client_closes_its_connections_under_a_look() -> None:
+    client = asynclock.LockClient(
+        ClosingUnderALook("closing"), drift=0.01, margin=None, connect_timeout=5, release_timeout=5
+    )
+    seen: list[asynclock.Leader | None] = []
+    async with anyio.create_task_group() as tg:
+        async with client as locks:
+
+            async def observe() -> None:
+                async for leader in locks.election("e").observe():
+                    seen.append(leader)  # noqa: PERF401 (read by the test while it runs)
+
+            tg.start_soon(observe)
+            await until(lambda: len(seen) == 1)
+    assert seen == [None]
