@@ -756,6 +756,38 @@ def terminate_while_the_loop_is_blocked(dsn: str, pid: int) -> None:
     thread.join()
 
 
+async def test_closing_with_a_statement_in_flight_sends_no_cancel_request(
+    pg: Pg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aclose() drops a connection whose statement has no reply yet without a CancelRequest:
+    the statement's own error path drops the connection at once, which aborts asyncpg's
+    request half-way, and PgBouncer before 1.20 (Debian 12 ships 1.18) exits on that
+    (pgbouncer/pgbouncer#801). Dropping the connection ends the statement anyway."""
+    sent: list[object] = []
+    send = asyncpg.Connection._cancel_current_command
+
+    def spy(connection: asyncpg.Connection, *args: Any) -> None:
+        sent.append(connection)
+        send(connection, *args)
+
+    monkeypatch.setattr(asyncpg.Connection, "_cancel_current_command", spy)
+    async with FaultProxy(pg.server.host, pg.server.port) as proxy:
+        async with asynclock.connect(f"postgresql://postgres@{proxy.address}/postgres") as locks:
+            await locks.inspect(pg.name)
+            proxy.drop_replies()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(look_until_closed, locks, pg.name)
+                await anyio.sleep(0.2)  # the statement is sent; its reply never comes
+                with anyio.fail_after(2):  # not the op_timeout (5 s) of a close that waits
+                    await locks.aclose()
+    assert sent == []
+
+
+async def look_until_closed(locks: asynclock.LockClient, name: str) -> None:
+    with suppress(asynclock.LockError):
+        await locks.inspect(name)
+
+
 async def test_an_idle_pooled_connection_ended_by_the_server_is_replaced_without_an_error(
     pg: Pg,
 ) -> None:

@@ -394,10 +394,14 @@ class Sessions:
                     await pending.done.wait()
             connections = list(self.all)
             self.all.clear()
-            async with anyio.create_task_group() as task_group:
-                for connection in connections:
-                    task_group.start_soon(self.close, connection)
-            await self.pool.aclose()  # what is left in it is closed already
+            await self.pool.aclose()  # the idle ones, in order: nothing is in flight on them
+            # The others are in use, maybe with a statement in flight: asyncpg's close() would
+            # send a CancelRequest, and the statement's own error path then drops the
+            # connection, which aborts that request half-way. PgBouncer before 1.20 (Debian 12
+            # ships 1.18) exits on such a request (pgbouncer/pgbouncer#801): no request at all.
+            for connection in connections:
+                if not connection.is_closed():
+                    connection.terminate()
 
 
 @dataclass(frozen=True, eq=False, slots=True)
