@@ -3,7 +3,8 @@
 :func:`run_safety` starts N worker *processes* that contend for one lock and do a
 read-modify-write (read a counter, pause, write counter + 1) on a shared resource: a PostgreSQL
 row or a Redis list. Faults are injected where they hurt, between the read and the write: the
-worker process is stopped (SIGSTOP, the GC-pause case) or its event loop blocked by synchronous
+worker process is stopped (SIGSTOP, the GC-pause case: resumed only once another worker's newer
+hold has used the resource, see :func:`_resume_stopped`) or its event loop blocked by synchronous
 work, for longer than the ttl; a schedule of server faults (pause, kill, restart, proxy cuts) can
 run beside them.
 
