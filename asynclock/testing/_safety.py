@@ -3,7 +3,8 @@
 :func:`run_safety` starts N worker *processes* that contend for one lock and do a
 read-modify-write (read a counter, pause, write counter + 1) on a shared resource: a PostgreSQL
 row or a Redis list. Faults are injected where they hurt, between the read and the write: the
-worker process is stopped (SIGSTOP, the GC-pause case) or its event loop blocked by synchronous
+worker process is stopped (SIGSTOP, the GC-pause case: resumed only once another worker's newer
+hold has used the resource, see :func:`_resume_stopped`) or its event loop blocked by synchronous
 work, for longer than the ttl; a schedule of server faults (pause, kill, restart, proxy cuts) can
 run beside them.
 
@@ -30,7 +31,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -43,7 +45,7 @@ from ..fencing import PostgresGuard, RedisGuard
 from ._safety_checks import check_lock, check_permits
 from ._safety_config import SafetyConfig as SafetyConfig
 from ._safety_config import SafetyReport as SafetyReport
-from ._safety_permits import OneConnection, permit_log, prepare_permits
+from ._safety_permits import PERMIT_LOG, OneConnection, permit_log, prepare_permits
 
 _PG_TABLES = """
 CREATE TABLE IF NOT EXISTS asynclock_safety_counter (run text PRIMARY KEY, value bigint NOT NULL);
@@ -162,6 +164,19 @@ async def _prepare(spec: str) -> None:
             await connection.close()
 
 
+#: A lock's or an election's accepted writes in commit order, (token, value).
+_LOCK_LOG = "SELECT token, value FROM asynclock_safety_writes WHERE run = $1 ORDER BY seq"
+
+
+def _parse_redis_log(entries: Sequence[bytes | str]) -> list[tuple[int | None, int]]:
+    log: list[tuple[int | None, int]] = []
+    for entry in entries:
+        text = entry.decode() if isinstance(entry, bytes) else entry
+        token, _, value = text.partition(":")
+        log.append((int(token) if token else None, int(value)))
+    return log
+
+
 async def _resource_log(spec: str) -> list[tuple[int | None, int]]:
     """Accepted writes in commit order: (token of the writer's lease, value written)."""
     url, run = _split(spec)
@@ -170,9 +185,7 @@ async def _resource_log(spec: str) -> list[tuple[int | None, int]]:
 
         connection = await asyncpg.connect(url)
         try:
-            rows = await connection.fetch(
-                "SELECT token, value FROM asynclock_safety_writes WHERE run = $1 ORDER BY seq", run
-            )
+            rows = await connection.fetch(_LOCK_LOG, run)
             await connection.execute("DELETE FROM asynclock_safety_writes WHERE run = $1", run)
             await connection.execute("DELETE FROM asynclock_safety_counter WHERE run = $1", run)
             await connection.execute("DELETE FROM asynclock_safety_fences WHERE resource = $1", run)
@@ -188,12 +201,42 @@ async def _resource_log(spec: str) -> list[tuple[int | None, int]]:
         await client.delete(key, f"asynclock:safety:{run}:fence:counter")
     finally:
         await client.aclose()
-    log: list[tuple[int | None, int]] = []
-    for entry in entries:
-        text = entry.decode() if isinstance(entry, bytes) else entry
-        token, _, value = text.partition(":")
-        log.append((int(token) if token else None, int(value)))
-    return log
+    return _parse_redis_log(entries)
+
+
+#: Reads the resource's log so far (not deleting it): (token, value written or access).
+LogReader = Callable[[], Awaitable[Sequence[tuple[int | None, object]]]]
+
+
+@contextlib.asynccontextmanager
+async def _log_reader(spec: str, semaphore: bool) -> AsyncIterator[LogReader]:
+    """The runner's own connection to the resource, to watch its log during the run."""
+    url, run = _split(spec)
+    if urlsplit(url).scheme.startswith("postgres"):
+        import asyncpg
+
+        connection = await asyncpg.connect(url)
+        query = PERMIT_LOG if semaphore else _LOCK_LOG
+
+        async def read_rows() -> list[tuple[int | None, object]]:
+            return [(row[0], row[1]) for row in await connection.fetch(query, run)]
+
+        try:
+            yield read_rows
+        finally:
+            await connection.close()
+        return
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(url)
+
+    async def read_list() -> list[tuple[int | None, int]]:
+        return _parse_redis_log(await client.lrange(f"asynclock:safety:{run}:writes", 0, -1))
+
+    try:
+        yield read_list
+    finally:
+        await client.aclose()
 
 
 def _capable(url: str, capability: str) -> bool:
@@ -211,21 +254,96 @@ def _process_stopped(pid: int) -> bool:
         return False
 
 
+def _held_token(history: Path) -> int | None:
+    """The token of the hold a stopped worker is in: its history's last "acquire" (the worker
+    flushed it before it stopped itself; ``None`` where the backend has no tokens)."""
+    for line in reversed(history.read_text().splitlines()):
+        event = json.loads(line)
+        if event["op"] == "acquire":
+            return event["token"]  # type: ignore[no-any-return]
+    return None
+
+
+def newer_holders_at_once(
+    log: Sequence[tuple[int | None, object]], token: int, permits: int
+) -> bool:
+    """Whether ``permits`` holds with tokens newer than ``token`` had accesses accepted at one
+    moment, at the resource. For a lock (``permits=1``): one write of a newer token. For a
+    semaphore: ``permits`` newer tokens entered and none of them exited yet, which is when its
+    guard (at most ``permits`` admitted, the oldest evicted) no longer admits ``token``, and when
+    an unguarded resource has ``permits + 1`` writers inside if ``token``'s holder is too."""
+    inside: set[int] = set()
+    for accepted, op in log:
+        if accepted is None or accepted <= token:
+            continue
+        inside.add(accepted)
+        if len(inside) >= permits:
+            return True
+        if op == "exit":
+            inside.discard(accepted)
+    return False
+
+
+@dataclass
+class _Stopped:
+    since: float
+    token: int | None
+    #: Entries in the resource's log when the stop was seen (for a backend without tokens).
+    log_length: int
+
+    def taken_over(self, log: Sequence[tuple[int | None, object]], permits: int) -> bool:
+        if self.token is None:
+            return len(log) > self.log_length
+        return newer_holders_at_once(log, self.token, permits)
+
+
 async def _resume_stopped(
-    processes: Sequence[anyio.abc.Process], pause: float, report: SafetyReport
+    processes: Sequence[anyio.abc.Process],
+    histories: Sequence[Path],
+    read_log: LogReader,
+    config: SafetyConfig,
+    report: SafetyReport,
 ) -> None:
-    stopped_since: dict[int, float] = {}
+    """The runner's half of a ``stop`` pause: SIGCONT a stopped worker once its pause has
+    elapsed *and* its hold has been taken over at the resource (:func:`newer_holders_at_once`;
+    without tokens: a write accepted since it stopped). Resuming on the pause alone made the
+    outcome a race between the paused write and the next holder's, which a loaded host lost.
+
+    The wait is bounded. When fewer than ``permits`` workers are running (the others stopped or
+    finished), no takeover can come: the stopped worker with the newest token is resumed, one at
+    a time, so that the older ones still find their hold taken over. And no worker stays stopped
+    past ``pause + 5 x ttl``: time enough for the server to expire the lease and a waiter to take
+    it and write even on a loaded host; the bound is for a server fault that keeps every worker
+    from writing (the nemesis pausing or restarting the lock server)."""
+    pause = config.pause if config.pause is not None else config.ttl * 1.5
+    bound = pause + 5 * config.ttl
+    permits = config.permits if config.primitive == "semaphore" else 1
+    stopped: dict[int, _Stopped] = {}
     while True:
         now = time.monotonic()
-        for process in processes:
-            if process.returncode is not None:
+        alive = [(i, p) for i, p in enumerate(processes) if p.returncode is None]
+        now_stopped = [i for i, p in alive if _process_stopped(p.pid)]
+        running = len(alive) - len(now_stopped)
+        for index in now_stopped:
+            if index not in stopped:
+                token = _held_token(histories[index])
+                length = len(await read_log()) if token is None else 0
+                stopped[index] = _Stopped(now, token, length)
+        # Newest hold first: resuming it is what can take over the older ones.
+        now_stopped.sort(key=lambda index: stopped[index].token or 0, reverse=True)
+        log: Sequence[tuple[int | None, object]] | None = None
+        for index in now_stopped:
+            stop = stopped[index]
+            if now - stop.since < pause:
                 continue
-            if _process_stopped(process.pid):
-                since = stopped_since.setdefault(process.pid, now)
-                if now - since >= pause:
-                    os.kill(process.pid, signal.SIGCONT)
-                    del stopped_since[process.pid]
-                    report.pauses += 1
+            if running >= permits and now - stop.since < bound:
+                log = log if log is not None else await read_log()
+                if not stop.taken_over(log, permits):
+                    continue
+            os.kill(processes[index].pid, signal.SIGCONT)
+            del stopped[index]
+            running += 1
+            report.pauses += 1
         await anyio.sleep(0.01)
 
 
@@ -293,8 +411,11 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
                 log_file.close()
             started = await _start_together(processes, histories)
             with anyio.fail_after(config.duration + max(30.0, 10 * config.ttl)):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(_resume_stopped, processes, pause, report)
+                async with (
+                    _log_reader(resource, semaphore) as read_log,
+                    anyio.create_task_group() as tg,
+                ):
+                    tg.start_soon(_resume_stopped, processes, histories, read_log, config, report)
                     tg.start_soon(_run_nemesis, config.nemesis, started)
                     for process in processes:
                         await process.wait()

@@ -111,6 +111,10 @@ async def prepare_permits(spec: str, permits: int) -> None:
         await connection.close()
 
 
+#: The accepted accesses of a run in commit order, (token, op).
+PERMIT_LOG = "SELECT token, op FROM asynclock_safety_permit_writes WHERE run = $1 ORDER BY seq"
+
+
 async def permit_log(spec: str, permits: int) -> list[tuple[int | None, str]]:
     """Accepted accesses in commit order, (token, op); the run's rows are deleted."""
     import asyncpg
@@ -118,9 +122,7 @@ async def permit_log(spec: str, permits: int) -> list[tuple[int | None, str]]:
     url, run = _split(spec)
     connection = await asyncpg.connect(url)
     try:
-        rows = await connection.fetch(
-            "SELECT token, op FROM asynclock_safety_permit_writes WHERE run = $1 ORDER BY seq", run
-        )
+        rows = await connection.fetch(PERMIT_LOG, run)
         await connection.execute("DELETE FROM asynclock_safety_permit_writes WHERE run = $1", run)
         await connection.execute(f"DELETE FROM {_fences(permits)} WHERE resource = $1", run)
     finally:

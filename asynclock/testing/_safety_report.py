@@ -183,8 +183,9 @@ async def _run(profile: str, out: str | None, primitives: bool = False) -> int:
     text = "\n".join(
         [
             f"Profile `{profile}`: 4 worker processes per run (semaphores: 5, sharing 2 "
-            "permits), a hold paused with probability 0.25 for 1.5 x ttl between its read and "
-            f"its write (semaphores: its enter and its exit); {platform.platform()}, "
+            "permits), a hold paused with probability 0.25 between its read and its write "
+            "(semaphores: its enter and its exit) for 1.5 x ttl and until its hold was taken "
+            f"over at the resource; {platform.platform()}, "
             f"Python {platform.python_version()}, measured {time.strftime('%Y-%m-%d')}.",
             "",
             header,
