@@ -143,6 +143,8 @@ async def wait_for_grant(
     try:
         if timeout is None:
             return await wait()
+        if backend.acquire_tries_first:
+            return await wait_from_first_answer(request, timeout, wait)
         return await try_then_wait(backend, request, timeout, wait)
     finally:
         if observed:
@@ -172,6 +174,24 @@ async def try_then_wait(
     if grant is not None or anyio.current_time() >= deadline:
         return grant
     with anyio.move_on_at(deadline):
+        return await wait()
+    return None
+
+
+async def wait_from_first_answer(
+    request: LockRequest,
+    timeout: float,
+    wait: Callable[[], Awaitable[Grant | None]],
+) -> Grant | None:
+    """``wait()`` for a backend whose acquire begins with a try: ``timeout`` (counted from now)
+    applies once the backend reports the first answer, so its first attempt always completes."""
+    deadline = anyio.current_time() + timeout
+    with anyio.CancelScope() as scope:
+
+        def answered() -> None:
+            scope.deadline = deadline
+
+        request.answered = answered
         return await wait()
     return None
 

@@ -125,6 +125,12 @@ class LockRequest:
     #: ``kind="election"`` only: the candidate's value, stored with the hold and returned by
     #: ``inspect()`` as ``LockInfo.value`` while it leads.
     value: bytes = b""
+    #: Set by the core on a timed acquire from a backend whose ``acquire_tries_first`` is true:
+    #: the backend calls it (once, from any task on the loop) as soon as the server has answered
+    #: the acquire's first round trip, whatever the answer (taken, queued). Only from then on
+    #: does the caller's timeout bound the wait, so that the first attempt is never cut short,
+    #: as ``try_acquire``'s is not (``timeout=1e-9`` must not fail where ``timeout=0`` succeeds).
+    answered: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(eq=False, slots=True)
@@ -307,6 +313,11 @@ class Backend(AsyncResource, Generic[G]):
     driver: str = "its driver"
     #: How often an election's ``observe()`` looks when ``wait_for_change`` cannot push (s).
     poll_interval: float = 0.1
+    #: True when ``acquire``'s first round trip takes a free lock at the cost of
+    #: ``try_acquire`` (or queues the request) and then calls ``request.answered()``: the core
+    #: then sends a timed acquire straight to ``acquire`` instead of trying once first, which
+    #: costs a contended acquire a round trip. See :attr:`LockRequest.answered`.
+    acquire_tries_first: bool = False
 
     @classmethod
     @abstractmethod

@@ -200,6 +200,7 @@ class MemoryBackend(Backend[Grant]):
     event_loops = frozenset({"asyncio", "trio"})
     # No round trip to outlast: only the margin.
     min_ttl = 0.01
+    acquire_tries_first = True
     capabilities = Capabilities.every(quorum=False, cross_process=False)
 
     def __init__(self, namespace: str) -> None:
@@ -367,6 +368,8 @@ class MemoryBackend(Backend[Grant]):
             return self._take(lock, request, at)
         owner = request.owner
         lock.waiters[owner] = woken = anyio.Event()
+        if request.answered is not None:
+            request.answered()  # queued: the caller's timeout applies from here
         try:
             while True:
                 at = now()

@@ -85,6 +85,21 @@ async def test_timeout_raises_acquire_timeout_after_the_timeout(
                     pass
 
 
+async def test_a_timeout_bounds_the_wait_not_the_first_attempt(
+    backend: BackendUnderTest, name: str, kind: Kind
+) -> None:
+    """However short the timeout, the lock is tried once: ``timeout=1e-9`` takes a free lock as
+    ``timeout=0`` does, and gives up on a held one without a place left behind in its queue."""
+    ttl = backend.ttl * 5
+    async with backend.connect() as first, backend.connect() as second:
+        async with holds(first, kind).lock(name, ttl=ttl, timeout=1e-9):
+            with pytest.raises(asynclock.AcquireTimeout):
+                async with holds(second, kind).lock(name, ttl=ttl, timeout=1e-9):
+                    pytest.fail("entered a lock that another client holds")
+        async with holds(second, kind).lock(name, ttl=ttl, timeout=1e-9):
+            pass
+
+
 async def test_waiter_gets_the_lock_when_it_is_released(
     backend: BackendUnderTest, name: str, kind: Kind
 ) -> None:
