@@ -110,6 +110,7 @@ class RedisBackend(Backend[RedisGrant]):
     """Locks on one Redis server, with fencing tokens and a fair (FIFO) waiter queue."""
 
     driver = "redis-py"
+    acquire_tries_first = True
     #: Makes the wire: (pool, op_timeout, task host) -> Lane (``redis+cluster://``: by slot).
     _lane_type: Callable[..., Lane] = Lane
     capabilities = Capabilities.every(quorum=False)
@@ -381,6 +382,8 @@ class RedisBackend(Backend[RedisGrant]):
                 grant, hint_ms, floor, sent_at = await self._take_once(request, "wait", undo)
                 if grant is not None:
                     return grant
+                if request.answered is not None:
+                    request.answered()  # queued: the caller's timeout applies from here
                 wakes.in_line(waiter, refresh * 3)
                 # A hand-over told before this take's reply may be older than the take (read
                 # late, after a stall): the floor tells, and an older one is not ours.

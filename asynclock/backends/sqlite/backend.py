@@ -184,6 +184,7 @@ class _LocalQueue:
 class SQLiteBackend(Backend[SQLiteGrant]):
     # Pure anyio (and the standard library): runs on trio as well.
     event_loops = frozenset({"asyncio", "trio"})
+    acquire_tries_first = True
     capabilities = Capabilities.every(quorum=False)
 
     def __init__(self, path: str, *, synchronous: str = "full", busy_timeout: float = 10.0) -> None:
@@ -308,6 +309,8 @@ class SQLiteBackend(Backend[SQLiteGrant]):
                         # first of them in the file must be the one that polls.
                         local.to_back(request.owner)
                     queued = True
+                    if request.answered is not None:
+                        request.answered()  # queued: the caller's timeout applies from here
                     # Until a release in this process, the holder's expiry, or the next poll.
                     wake_at = min(retry_at, anyio.current_time() + polls.next_delay())
                     event = local.released
