@@ -24,8 +24,8 @@ import pytest
 
 import asynclock
 from asynclock.abc import Kind, LockRequest, Lost, Renewed
-from asynclock.backends.sqlite import SQLiteBackend
-from asynclock.backends.sqlite._sql import BOOT_ID, WAITER_TTL
+from asynclock.backends.sqlite import SQLiteBackend, _sql
+from asynclock.backends.sqlite._sql import BOOT_ID, WAITER_TTL, HoldRef, Want
 from tests.contract.harness import sqlite_write_locked
 
 pytestmark = pytest.mark.anyio
@@ -268,6 +268,28 @@ async def test_try_acquire_with_other_permits_is_refused_while_this_client_waits
         assert await store.try_acquire(request("pw", kind="semaphore", permits=1)) is None
         tg.cancel_scope.cancel()
     await store.release(full)
+
+
+async def test_a_place_in_the_queue_is_the_moment_of_the_request_not_of_its_write(
+    path: Path, store: SQLiteBackend
+) -> None:
+    """The later request reaches the file first (its process got the write lock first) and
+    still waits behind the earlier one: placed in the order of their writes, four processes
+    queueing 1,000 waiters 2 ms apart were granted up to 365 places out of order."""
+    holder = await store.acquire(request("q"))
+    made = time.monotonic_ns()
+    early, late = (
+        Want("lock", "q", owner, 5.0, since=made + n) for owner, n in (("e", 1), ("l", 2))
+    )
+    with closing(sqlite3.connect(path, isolation_level=None)) as db:
+        assert _sql.take(db, late, wait=True).placed
+        assert _sql.take(db, early, wait=True).placed
+        await store.release(holder)
+        assert _sql.take(db, late, wait=True).token is None
+        token = _sql.take(db, early, wait=True).token
+        assert token is not None and holder.token is not None and token > holder.token
+        _sql.release(db, HoldRef("lock", "q", "e", False, 5.0))
+        _sql.dequeue(db, "l")
 
 
 async def test_waiters_keep_their_places_through_a_stall_longer_than_waiter_ttl(

@@ -100,6 +100,11 @@ class Want:
     shared: bool = False
     permits: int = 1
     value: bytes | None = None
+    #: When the request was made (``time.monotonic_ns()``, one clock for every process of the
+    #: host): the place it takes in the queue, so that the order is that of the requests, not
+    #: of their turns at the file's write lock (four processes queueing 1,000 waiters 2 ms
+    #: apart got places up to 365 out of order that way). ``None``: now (a place taken again).
+    since: int | None = None
 
     @property
     def exclusive_lock(self) -> bool:
@@ -319,14 +324,19 @@ def take(
             _insert_hold(db, want, token, now)
             db.execute("DELETE FROM asynclock_queue WHERE owner = ?", (want.owner,))
             return Taken(token)
-        # A request without a live place (new, or its row was swept by another process while
-        # this one stood still) takes one behind everyone: the others went on without it.
+        # A new request takes the place of the moment it was made; one whose row was swept by
+        # another process while this one stood still takes one behind everyone (the others
+        # went on without it).
         placed = wait and queue.seq == math.inf
         if placed:
+            seq = time.monotonic_ns() if want.since is None else want.since
+            while db.execute("SELECT 1 FROM asynclock_queue WHERE seq = ?", (seq,)).fetchone():
+                seq += 1  # another request of the same nanosecond
             db.execute(
-                "INSERT OR REPLACE INTO asynclock_queue (kind, name, owner, shared, permits, "
-                "boot_id, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO asynclock_queue (seq, kind, name, owner, shared, "
+                "permits, boot_id, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
+                    seq,
                     want.kind,
                     want.name,
                     want.owner,

@@ -73,7 +73,7 @@ class SQLiteGrant(Grant):
         )
 
 
-def _want(request: LockRequest) -> Want:
+def _want(request: LockRequest, since: int | None = None) -> Want:
     return Want(
         request.kind,
         request.name,
@@ -82,6 +82,7 @@ def _want(request: LockRequest) -> Want:
         shared=request.kind == "lock" and request.shared,
         permits=request.permits if request.kind == "semaphore" else 1,
         value=request.value if request.kind == "election" else None,
+        since=since,
     )
 
 
@@ -290,6 +291,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         # waiting in another process holds back later readers there. Of this client's tasks
         # only the first polls (and refreshes the rows of the others): the others cannot be
         # granted before it, and a releasing task, which runs on, meets their rows.
+        since = time.monotonic_ns()  # the place this request takes in the file's queue
         key = (request.kind, request.name)
         local = self._queues.get(key)
         if local is None:
@@ -300,7 +302,9 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         try:
             while True:
                 if not queued or local.first() == request.owner:
-                    grant, retry_at = await self._take(request, wait=True, keep=local.due)
+                    grant, retry_at = await self._take(
+                        request, wait=True, keep=local.due, since=None if queued else since
+                    )
                     if isinstance(grant, SQLiteGrant):
                         return grant
                     if grant and queued:
@@ -337,11 +341,12 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         *,
         wait: bool,
         keep: Callable[[float], Sequence[str]] = lambda now: (),
+        since: int | None = None,
     ) -> tuple[SQLiteGrant | bool, float]:
-        """One attempt: the grant, or whether the request took a new place in the queue and
-        when the earliest hold in the way expires."""
+        """One attempt: the grant, or whether the request took a new place in the queue (at
+        ``since``, or now) and when the earliest hold in the way expires."""
         sent_at = anyio.current_time()
-        want = _want(request)
+        want = _want(request, since)
         # anyio's cancellation waits for the statement (see _run), and nothing awaits between a
         # successful take and the return. A native Task.cancel() does not wait: the statement
         # may still run in the thread, so it is marked abandoned and undone (hold and queue
