@@ -252,13 +252,15 @@ class Pool:
 
     def fairness(
         self, starts: list[list[tuple[int, float]]], until: float
-    ) -> list[tuple[float, int]]:
-        """Process ``p`` starts the waiters ``starts[p]`` (``_fairness``); every grant."""
+    ) -> list[tuple[float, int, float]]:
+        """Process ``p`` starts the waiters ``starts[p]`` (``_fairness``); every grant:
+        (granted at, index, acquire called at)."""
         for child, mine in zip(self.children, starts, strict=True):
             child.send({"fairness": {"starts": mine, "until": until}})
-        grants: list[tuple[float, int]] = []
+        grants: list[tuple[float, int, float]] = []
         for child in self.children:
-            grants.extend((float(t), int(i)) for t, i in child.receive(until + 10.0)["grants"])
+            reply = child.receive(until + 10.0)["grants"]
+            grants.extend((float(t), int(i), float(c)) for t, i, c in reply)
         return grants
 
 

@@ -166,9 +166,8 @@ async def fairness(unit: Target | Peer, settings: Any, name_of: Any, fits: Any) 
     if setting.waiters < settings.fairness.waiters:
         result["capped_from"] = settings.fairness.waiters
         result["capped_why"] = f"{setting.waiters} connections at most on the test server"
-    config_unit = unit
     name = name_of("fair-processes")
-    config = worker_config(config_unit, name)
+    config = worker_config(unit, name)
     if isinstance(unit, Target):
         config["ttl"] = setting.ttl
     started = time.monotonic()

@@ -6,7 +6,10 @@ holder on a client of its own keeps the lock; once the last waiter has had time 
 holder releases, and each waiter, on its grant, records (``time.monotonic()``, its index) and
 releases at once. The grant order against the start order gives each waiter's displacement
 (``|grant rank - start rank|``); the largest and the mean are reported, with the longest run of
-grants in a row to one process.
+grants in a row to one process. A waiter also records when it called acquire: on a loaded
+machine a process can be descheduled for longer than D, so that the calls reach the lock in
+another order than the schedule's; the displacement against the order of the calls, and how
+late the calls were, tell that apart from the lock's own order.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from ._contend import AsyncHold, AsyncWorkerFactory
 #: Opens one client and yields the worker factory of a lock name on it.
 Opener = Callable[[str], AbstractAsyncContextManager[AsyncWorkerFactory]]
 #: Runs the waiters of each process (``starts[p]``) on the pool, returns every grant.
-PoolFairness = Callable[[list[list[tuple[int, float]]], float], list[tuple[float, int]]]
+PoolFairness = Callable[[list[list[tuple[int, float]]], float], list["Grant"]]
+#: One grant: when acquire returned, the waiter's start index, when it called acquire.
+Grant = tuple[float, int, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +58,17 @@ class Fairness:
 
 async def run_waiters(
     holds: list[AsyncHold], starts: list[tuple[int, float]], until: float
-) -> list[tuple[float, int]]:
+) -> list[Grant]:
     """Start waiter ``index`` with ``holds[k]`` at monotonic time ``at`` (``starts[k]``); each
     takes the lock (giving up at ``until``), records its grant and releases at once."""
-    grants: list[tuple[float, int]] = []
+    grants: list[Grant] = []
 
     async def one(hold: AsyncHold, index: int, at: float) -> None:
         await anyio.sleep(max(0.0, at - time.monotonic()))
+        called = time.monotonic()
         async with hold(max(0.05, until - time.monotonic())) as got:
             if got:
-                grants.append((time.monotonic(), index))
+                grants.append((time.monotonic(), index, called))
 
     with anyio.move_on_after(max(0.0, until - time.monotonic()) + 5.0):
         async with anyio.create_task_group() as group:
@@ -71,12 +77,21 @@ async def run_waiters(
     return grants
 
 
-def analyse(grants: list[tuple[float, int]], setting: Fairness, processes: int) -> dict[str, Any]:
-    """Displacement of the grant order against the start order; runs of one process."""
-    ordered = [index for _, index in sorted(grants)]
-    started = sorted(ordered)
-    rank = {index: position for position, index in enumerate(started)}
-    displacement = [abs(position - rank[index]) for position, index in enumerate(ordered)]
+def _displacement(ordered: list[int], rank: dict[int, int]) -> list[int]:
+    return [abs(position - rank[index]) for position, index in enumerate(ordered)]
+
+
+def analyse(grants: list[Grant], setting: Fairness, processes: int, t0: float) -> dict[str, Any]:
+    """Displacement of the grant order against the start order (and against the order in
+    which the waiters called acquire); runs of one process; how late the calls were."""
+    by_grant = sorted(grants)
+    ordered = [index for _, index, _ in by_grant]
+    rank = {index: position for position, index in enumerate(sorted(ordered))}
+    displacement = _displacement(ordered, rank)
+    calls = sorted((called, index) for _, index, called in by_grant)
+    by_call = {index: position for position, (_, index) in enumerate(calls)}
+    displacement_called = _displacement(ordered, by_call)
+    lags = sorted(called - (t0 + index * setting.spacing) for _, index, called in by_grant)
     longest = run = 0
     previous = -1
     for index in ordered:
@@ -84,15 +99,20 @@ def analyse(grants: list[tuple[float, int]], setting: Fairness, processes: int) 
         run = run + 1 if process == previous else 1
         previous = process
         longest = max(longest, run)
+    count = len(ordered)
     return {
         **setting.record(),
         "processes": processes,
-        "granted": len(ordered),
-        "not_granted": setting.waiters - len(ordered),
+        "granted": count,
+        "not_granted": setting.waiters - count,
         "max_displacement": max(displacement, default=0),
-        "mean_displacement": sum(displacement) / len(displacement) if displacement else 0.0,
-        "longest_run_one_process": longest if processes > 1 else None,
+        "mean_displacement": sum(displacement) / count if count else 0.0,
         "in_start_order": sum(d == 0 for d in displacement),
+        "longest_run_one_process": longest if processes > 1 else None,
+        "max_displacement_vs_calls": max(displacement_called, default=0),
+        "mean_displacement_vs_calls": sum(displacement_called) / count if count else 0.0,
+        "call_lag_p99_ms": lags[min(count - 1, int(count * 0.99))] * 1e3 if count else None,
+        "call_lag_max_ms": lags[-1] * 1e3 if count else None,
     }
 
 
@@ -146,7 +166,7 @@ async def _timeline(
     holds: list[AsyncHold] | None = None,
     pool: PoolFairness | None = None,
 ) -> dict[str, Any]:
-    grants: list[tuple[float, int]] = []
+    grants: list[Grant] = []
     holding, release = anyio.Event(), anyio.Event()
     released: list[float] = []
 
@@ -164,6 +184,7 @@ async def _timeline(
             assert pool is not None
             grants.extend(await anyio.to_thread.run_sync(pool, starts, until))
 
+    t0 = 0.0
     async with anyio.create_task_group() as group:
         group.start_soon(holder)
         await holding.wait()
@@ -173,7 +194,7 @@ async def _timeline(
             max(0.0, t0 + setting.waiters * setting.spacing + SETTLE - time.monotonic())
         )
         release.set()
-    record = analyse(grants, setting, processes)
+    record = analyse(grants, setting, processes, t0)
     if grants and released:
-        record["drain_s"] = max(t for t, _ in grants) - released[0]
+        record["drain_s"] = max(grant[0] for grant in grants) - released[0]
     return record

@@ -90,7 +90,7 @@ def ratio_rows(data: dict[str, Any]) -> list[list[str]]:
 
 def _fairness_rows(name: str, record: Any) -> list[list[str]]:
     if not isinstance(record, dict) or "error" in record or "skipped" in record:
-        return [[name, _phase_note(record), "", "", "", "", "", ""]] if record is not None else []
+        return [[name, _phase_note(record), *[""] * 8]] if record is not None else []
     rows = []
     for key, where in (("processes", "processes"), ("one_client", "one client")):
         run = record.get(key)
@@ -102,6 +102,12 @@ def _fairness_rows(name: str, record: Any) -> list[list[str]]:
             + (f" (capped from {record['capped_from']})" if "capped_from" in record else "")
         )
         longest = run.get("longest_run_one_process")
+        lag = run.get("call_lag_max_ms")
+        calls = (
+            f"{run['max_displacement_vs_calls']} / {run['mean_displacement_vs_calls']:.2f}"
+            if "max_displacement_vs_calls" in run
+            else "-"
+        )
         rows.append(
             [
                 name,
@@ -113,6 +119,8 @@ def _fairness_rows(name: str, record: Any) -> list[list[str]]:
                 f"{run['mean_displacement']:.2f}",
                 "-" if longest is None else str(longest),
                 f"{run['drain_s']:.2f}" if "drain_s" in run else "-",
+                calls,
+                ms(lag),
             ]
         )
     return rows
@@ -189,7 +197,11 @@ def sections(data: dict[str, Any]) -> list[str]:
             "which then releases; each waiter releases as soon as it is granted. Displacement: "
             "|grant rank - start rank| per waiter (0 everywhere is FIFO). Longest run: most "
             "grants in a row to one process. Drain: from the holder's release to the last "
-            "grant.",
+            "grant. Against calls: the displacement against the order in which the waiters "
+            "called acquire, and the latest call after its scheduled start: on a loaded machine "
+            "a process can be descheduled for longer than the spacing, and the calls then reach "
+            "the lock out of the schedule's order (against the calls is closer to the lock's own "
+            "order).",
             "",
             *_table(
                 [
@@ -201,6 +213,8 @@ def sections(data: dict[str, Any]) -> list[str]:
                     "mean",
                     "longest run",
                     "drain s",
+                    "against calls: max / mean",
+                    "latest call ms",
                 ],
                 fair_rows,
             ),

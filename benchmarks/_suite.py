@@ -88,7 +88,6 @@ class Settings:
         budget: float,
         processes: str,
         quiet: bool = False,
-        fairness: Fairness | None = None,
     ) -> Settings:
         """``mode`` is "full", "quick" or "smoke" (the shortest run that exercises every
         phase, for the test suite: its numbers mean nothing)."""
@@ -102,8 +101,6 @@ class Settings:
             "smoke": Fairness(6, 0.002, 2),
             "quick": Fairness(40, 0.002, 2),
         }.get(mode, FULL_FAIRNESS)
-        if fairness is not None:
-            fair = fairness
         if mode == "smoke":
             return cls(
                 mode="smoke",

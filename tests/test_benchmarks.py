@@ -169,15 +169,20 @@ def test_fairness_is_the_grant_order_against_the_start_order() -> None:
     setting = Fairness(waiters=6, spacing=0.002, processes=2)
     starts = schedule(setting, 2, t0=100.0)
     assert starts == [[(0, 100.0), (2, 100.004), (4, 100.008)], [(1, 100.002), (3, 100.006), (5, 100.01)]]  # fmt: skip
-    # Granted 0, 2, 4 (process 0 three times in a row), then 1, 3; waiter 5 never.
-    grants = [(1.0, 0), (2.0, 2), (3.0, 4), (4.0, 1), (5.0, 3)]
-    record = analyse(list(reversed(grants)), setting, 2)
+    # Granted 0, 2, 4 (process 0 three times in a row), then 1, 3; waiter 5 never. Waiter 1
+    # called acquire 5 ms late, after waiter 4.
+    called = {0: 100.0, 1: 100.007, 2: 100.004, 3: 100.0065, 4: 100.008}
+    grants = [(t, i, called[i]) for t, i in [(1.0, 0), (2.0, 2), (3.0, 4), (4.0, 1), (5.0, 3)]]
+    record = analyse(list(reversed(grants)), setting, 2, t0=100.0)
     assert (record["granted"], record["not_granted"]) == (5, 1)
     # Ranks 0..4 against start ranks 0, 2, 4, 1, 3: displacements 0, 1, 2, 2, 1.
     assert record["max_displacement"] == 2
     assert record["mean_displacement"] == 6 / 5
     assert record["longest_run_one_process"] == 3
     assert record["in_start_order"] == 1
+    # Against the calls (0, 2, 3, 1, 4): ranks 0, 1, 4, 3, 2: displacements 0, 0, 2, 0, 2.
+    assert (record["max_displacement_vs_calls"], record["mean_displacement_vs_calls"]) == (2, 0.8)
+    assert record["call_lag_max_ms"] == pytest.approx(5.0)
 
 
 # -- the main job's quick run: every backend within a small budget (issue #18) ---------------
