@@ -250,6 +250,14 @@ class Pool:
             holds.extend(Hold(index, a, r) for a, r in reply["holds"])
         return _result(run, holds, started, ended, failed_attempts=failures)
 
+    def prepare(self, indices: list[list[int]]) -> None:
+        """Process ``p`` opens the lock objects (or connections) of waiters ``indices[p]``."""
+        for child, mine in zip(self.children, indices, strict=True):
+            child.send({"prepare": mine})
+        deadline = time.monotonic() + 60.0
+        for child in self.children:
+            child.receive(deadline)
+
     def fairness(
         self, starts: list[list[tuple[int, float]]], until: float
     ) -> list[tuple[float, int, float]]:

@@ -172,7 +172,9 @@ async def fairness(unit: Target | Peer, settings: Any, name_of: Any, fits: Any) 
         config["ttl"] = setting.ttl
     started = time.monotonic()
     async with process_pool(config, setting.processes, start_timeout=60) as pool:
-        result["processes"] = await over_processes(opener, name, setting, pool.fairness)
+        result["processes"] = await over_processes(
+            opener, name, setting, pool.prepare, pool.fairness
+        )
     settings.progress(_fair_line("processes", result["processes"], time.monotonic() - started))
     if fits(setting.seconds() + 0.5):
         started = time.monotonic()

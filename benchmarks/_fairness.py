@@ -151,9 +151,16 @@ async def in_one_client(opener: Opener, name: str, setting: Fairness) -> dict[st
 
 
 async def over_processes(
-    opener: Opener, name: str, setting: Fairness, pool: PoolFairness
+    opener: Opener,
+    name: str,
+    setting: Fairness,
+    prepare: Callable[[list[list[int]]], None],
+    pool: PoolFairness,
 ) -> dict[str, Any]:
-    """The waiters over ``setting.processes`` worker processes (``pool``), behind a holder."""
+    """The waiters over ``setting.processes`` worker processes (``pool``), behind a holder;
+    ``prepare`` first opens each waiter's lock object or connection in its process."""
+    indices = [[i for i, _ in mine] for mine in schedule(setting, setting.processes, 0.0)]
+    await anyio.to_thread.run_sync(prepare, indices)
     return await _timeline(opener, name, setting, setting.processes, pool=pool)
 
 

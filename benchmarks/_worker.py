@@ -125,17 +125,28 @@ async def _main(config: dict[str, Any]) -> None:
 
 
 async def _serve(factory: AsyncWorkerFactory) -> None:
-    async with factory(0) as hold:
+    async with factory(0) as hold, AsyncExitStack() as stack:
         _say({"ready": True})
+        prepared: list[AsyncHold] = []
 
         async def answer(order: dict[str, Any]) -> dict[str, Any]:
+            if "prepare" in order:
+                # Every waiter's own lock object (or connection) is opened before the
+                # schedule is set, so that connecting does not delay its start.
+                prepared[:] = [
+                    await stack.enter_async_context(factory(i)) for i in order["prepare"]
+                ]
+                return {"prepared": len(prepared)}
             if "fairness" in order:
                 spec = order["fairness"]
                 starts = [(int(i), float(at)) for i, at in spec["starts"]]
-                async with AsyncExitStack() as stack:
-                    # Every waiter's own lock object (or connection) is ready before it starts.
-                    holds = [await stack.enter_async_context(factory(i)) for i, _ in starts]
-                    grants = await run_waiters(holds, starts, float(spec["until"]))
+                if len(prepared) != len(starts):
+                    prepared[:] = [await stack.enter_async_context(factory(i)) for i, _ in starts]
+                try:
+                    grants = await run_waiters(list(prepared), starts, float(spec["until"]))
+                finally:
+                    prepared.clear()
+                    await stack.aclose()  # and empty, for the next run
                 return {"grants": grants}
             return await _contend(hold, order)
 
