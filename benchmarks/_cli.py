@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 
 from . import _report, _screen
+from ._fairness import Fairness
 from ._peers import PEERS, Peer
 from ._plan import Plan
 from ._servers import BACKENDS, Endpoint, NotAvailable, start_all
@@ -82,9 +83,31 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--processes",
         choices=("embedded", "all", "none"),
-        default="embedded",
-        help="contention between processes: for the embedded backend only (default), for "
-        "every backend, or not at all",
+        default="all",
+        help="contention between processes, one client each: for every backend and peer "
+        "(default), for the embedded backend only, or not at all",
+    )
+    parser.add_argument(
+        "--waiters",
+        type=int,
+        default=None,
+        metavar="W",
+        help="fairness runs: waiters started in a known order (default 1000; --quick 40)",
+    )
+    parser.add_argument(
+        "--spacing-ms",
+        type=float,
+        default=None,
+        metavar="D",
+        help="fairness runs: milliseconds between two waiters' starts (default 2)",
+    )
+    parser.add_argument(
+        "--fair-processes",
+        type=int,
+        default=None,
+        metavar="P",
+        help="fairness runs: processes the waiters are spread over, one client each "
+        "(default 4; --quick 2)",
     )
     parser.add_argument(
         "--budget",
@@ -152,6 +175,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.budget if args.budget is not None else {"smoke": 60.0, "quick": 240.0}.get(mode, 570.0)
     )
     settings = Settings.make(mode=mode, budget=budget, processes=args.processes, quiet=args.quiet)
+    if (args.waiters, args.spacing_ms, args.fair_processes) != (None, None, None):
+        default = settings.fairness
+        fairness = Fairness(
+            max(1, args.waiters if args.waiters is not None else default.waiters),
+            max(0.0, args.spacing_ms / 1e3 if args.spacing_ms is not None else default.spacing),
+            max(1, args.fair_processes or default.processes),
+        )
+        settings = replace(settings, fairness=fairness)
     data = run(selected, urls, settings, peers=args.peers)
     return _write(data, args.output_dir, chart=not args.no_chart)
 

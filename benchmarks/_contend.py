@@ -228,15 +228,58 @@ class _Child:
         return message
 
 
+@dataclass
+class Pool:
+    """Worker processes (``python -m benchmarks._worker``), each with its own client; its
+    methods block (call them in a thread)."""
+
+    children: list[_Child]
+
+    def run(self, run: Run) -> dict[str, Any]:
+        """One contention run on every process, holds analysed together."""
+        started = time.monotonic() + 0.1
+        ended = started + run.duration
+        for child in self.children:
+            child.send({"started": started, "ended": ended, "hold": run.hold, "grace": run.grace})
+        holds: list[Hold] = []
+        failures = 0
+        limit = ended + run.grace + 5.0
+        for index, child in enumerate(self.children):
+            reply = child.receive(limit)
+            failures += int(reply["failed_attempts"])
+            holds.extend(Hold(index, a, r) for a, r in reply["holds"])
+        return _result(run, holds, started, ended, failed_attempts=failures)
+
+    def prepare(self, indices: list[list[int]]) -> None:
+        """Process ``p`` opens the lock objects (or connections) of waiters ``indices[p]``."""
+        for child, mine in zip(self.children, indices, strict=True):
+            child.send({"prepare": mine})
+        deadline = time.monotonic() + 60.0
+        for child in self.children:
+            child.receive(deadline)
+
+    def fairness(
+        self, starts: list[list[tuple[int, float]]], until: float
+    ) -> list[tuple[float, int, float]]:
+        """Process ``p`` starts the waiters ``starts[p]`` (``_fairness``); every grant:
+        (granted at, index, acquire called at)."""
+        for child, mine in zip(self.children, starts, strict=True):
+            child.send({"fairness": {"starts": mine, "until": until}})
+        grants: list[tuple[float, int, float]] = []
+        for child in self.children:
+            reply = child.receive(until + 10.0)["grants"]
+            grants.extend((float(t), int(i), float(c)) for t, i, c in reply)
+        return grants
+
+
 @asynccontextmanager
 async def process_pool(
-    url: str, options: dict[str, Any], name: str, count: int, ttl: float, start_timeout: float
-) -> AsyncIterator[Callable[[Run], dict[str, Any]]]:
-    """Start ``count`` worker processes (``python -m benchmarks._worker``), each with its own
-    client, and yield a blocking function that runs one contention run on them."""
+    config: dict[str, Any], count: int, start_timeout: float
+) -> AsyncIterator[Pool]:
+    """Start ``count`` worker processes, each with its own client: asynclock's (``config``:
+    ``url``, ``options``, ``name``, ``ttl``) or a peer's (``peer``, ``name``); see ``_worker``."""
 
     def spawn() -> list[_Child]:
-        config = json.dumps({"url": url, "options": options, "name": name, "ttl": ttl})
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH")])),
@@ -244,7 +287,7 @@ async def process_pool(
         return [
             _Child(
                 subprocess.Popen(
-                    [sys.executable, "-m", "benchmarks._worker", config],
+                    [sys.executable, "-m", "benchmarks._worker", json.dumps(config)],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
@@ -260,24 +303,7 @@ async def process_pool(
         deadline = time.monotonic() + start_timeout
         for child in children:
             await anyio.to_thread.run_sync(child.receive, deadline)  # "ready"
-
-        def one(run: Run) -> dict[str, Any]:
-            started = time.monotonic() + 0.1
-            ended = started + run.duration
-            for child in children:
-                child.send(
-                    {"started": started, "ended": ended, "hold": run.hold, "grace": run.grace}
-                )
-            holds: list[Hold] = []
-            failures = 0
-            limit = ended + run.grace + 5.0
-            for index, child in enumerate(children):
-                reply = child.receive(limit)
-                failures += int(reply["failed_attempts"])
-                holds.extend(Hold(index, a, r) for a, r in reply["holds"])
-            return _result(run, holds, started, ended, failed_attempts=failures)
-
-        yield one
+        yield Pool(children)
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(_stop_children, children)

@@ -38,6 +38,11 @@ class Peer(ABC):
     modules: ClassVar[tuple[str, ...]]
     sync: ClassVar[bool] = False
     note: ClassVar[str] = ""
+    #: Whether the recipe queues its waiters (so that its grant order can be compared with
+    #: the start order: the fairness runs, ``_fairness``).
+    queues: ClassVar[bool] = False
+    #: The most waiters a fairness run gives it (asyncpg: a connection per waiter).
+    max_waiters: ClassVar[int | None] = None
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
@@ -55,6 +60,25 @@ class Peer(ABC):
 
     def version(self) -> str:
         return package_version(self.distribution)
+
+    def config(self) -> dict[str, Any]:
+        """What a worker process needs to make the same peer (:func:`peer_from_config`)."""
+        endpoint = self.endpoint
+        return {
+            "class": type(self).__name__,
+            "endpoint": {
+                "kind": endpoint.kind,
+                "url": endpoint.url,
+                "addresses": [list(address) for address in endpoint.addresses],
+                "started": endpoint.started,
+                # The server objects the run keeps there stay in this process.
+                "extra": {
+                    key: value
+                    for key, value in endpoint.extra.items()
+                    if value is None or isinstance(value, (str, int, float, bool))
+                },
+            },
+        }
 
 
 class AsyncPeer(Peer):
@@ -251,6 +275,8 @@ class AetcdLock(AsyncPeer):
     modules = ("aetcd",)
     note = f"a new lease per attempt (never revoked), watch on DELETE; ttl={PEER_TTL} s"
 
+    queues = True
+
     @asynccontextmanager
     async def session(self) -> AsyncIterator[Callable[[str], AsyncWorkerFactory]]:
         aetcd = load_module("aetcd")
@@ -295,6 +321,8 @@ class AiozkLock(AsyncPeer):
     distribution = "aiozk"
     modules = ("aiozk",)
     note = "recipe Lock, one object per task, watches the predecessor"
+
+    queues = True
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[Callable[[str], AsyncWorkerFactory]]:
@@ -387,6 +415,10 @@ class AsyncpgAdvisory(AsyncPeer):
         "bare pg_advisory_lock / pg_advisory_unlock on a connection per task (no lease, no token)"
     )
 
+    queues = True
+    #: The test server allows 300 connections; the holder and other clients need some.
+    max_waiters = 200
+
     @asynccontextmanager
     async def session(self) -> AsyncIterator[Callable[[str], AsyncWorkerFactory]]:
         asyncpg = load_module("asyncpg")
@@ -433,11 +465,26 @@ PEERS: tuple[type[Peer], ...] = (
 )
 
 
+def peer_from_config(config: dict[str, Any]) -> Peer:
+    """The peer :meth:`Peer.config` describes, in a worker process."""
+    classes = {peer.__name__: peer for peer in PEERS}
+    spec = config["endpoint"]
+    endpoint = Endpoint(
+        spec["kind"],
+        spec["url"],
+        tuple((host, int(port)) for host, port in spec["addresses"]),
+        bool(spec["started"]),
+        dict(spec["extra"]),
+    )
+    return classes[config["class"]](endpoint)
+
+
 def peer_info(peer: Peer) -> dict[str, Any]:
     return {
         "server": peer.server,
         "compare_with": peer.compare_with,
         "sync": peer.sync,
+        "queues": peer.queues,
         "note": peer.note,
         "version": peer.version(),
     }

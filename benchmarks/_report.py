@@ -229,7 +229,7 @@ def markdown(data: dict[str, Any]) -> str:
 
     out += [
         "",
-        "## Contention: tasks on one event loop, one shared client",
+        "## Contention: tasks on one event loop, one shared client (in-client)",
         "",
         "Handoff: from the holder calling release to a *different* waiter's acquire returning "
         "(monotonic clock). Retaken: share of consecutive holds by the same worker. "
@@ -253,25 +253,9 @@ def markdown(data: dict[str, Any]) -> str:
         rows,
     )
 
-    process_rows = []
-    for name, entry in measured.items():
-        if "contention_processes" in entry:
-            process_rows += _contention_rows(name, entry.get("contention_processes"))
-    if process_rows:
-        out += ["", "## Contention: processes, one client each", ""]
-        out += _table(
-            [
-                "backend",
-                "processes",
-                "hold",
-                "acq/s",
-                "handoff p50 ms",
-                "handoff p99 ms",
-                "retaken",
-                "fewest / most",
-            ],
-            process_rows,
-        )
+    from ._report_cross import sections
+
+    out += sections(data)
 
     out += [
         "",

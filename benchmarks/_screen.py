@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ._cross import TABLE_CLIENTS
 from ._report import handoff_record, ms, ratio
 from ._suite import SHARE_SPENT, TABLE_RUN
 
@@ -25,7 +26,9 @@ HEADER = (
     "lock p50 ms",
     "lock p99",
     "p50/floor",
-    f"{TABLE_RUN[0]}-task handoff p99",
+    f"in-client: {TABLE_RUN[0]}-task handoff p99",
+    f"cross-client: {TABLE_CLIENTS} clients acq/s",
+    f"{TABLE_CLIENTS} clients handoff p50",
     "loss -> cancel",
 )
 
@@ -71,6 +74,22 @@ def _handoff_cell(entry: dict[str, Any]) -> str:
     return cell
 
 
+def _clients_cells(entry: dict[str, Any]) -> list[str]:
+    """The cross-client run the table shows: acquisitions/s and hand-over p50."""
+    records = entry.get("contention_clients")
+    if isinstance(records, dict):
+        cell = "error" if "error" in records else "skipped"
+        return [cell, cell]
+    record = handoff_record(entry, TABLE_CLIENTS, 0.0, key="contention_clients")
+    if record is None:
+        return ["not run", "not run"]
+    rate = f"{record['per_second']:.0f}" + (" OVERLAP!" if record.get("overlaps") else "")
+    retaken = record.get("retaken_share")
+    if isinstance(retaken, float) and retaken > 0.05:
+        rate += f" ({retaken:.0%} retaken)"
+    return [rate, percentile_cell(record.get("handoff", {}), "p50_ms")]
+
+
 def _loss_cell(loss: Any) -> str:
     if not isinstance(loss, dict):
         return "-"
@@ -111,6 +130,7 @@ def rows(data: dict[str, Any]) -> list[list[str]]:
                     percentile_cell(latency, "p99_ms"),
                     _ratio_cell(latency, floor),
                     _handoff_cell(entry),
+                    *_clients_cells(entry),
                     _loss_cell(entry.get("loss_to_cancel")),
                 ]
             )
@@ -138,6 +158,7 @@ def _peer_row(data: dict[str, Any], name: str, peer: dict[str, Any]) -> list[str
         percentile_cell(latency, "p99_ms"),
         _ratio_cell(latency, floor),
         _handoff_cell(peer),
+        *_clients_cells(peer),
         "not measured",
     ]
 
@@ -202,8 +223,12 @@ def _notes(data: dict[str, Any]) -> list[str]:
         "floor: one raw round trip of the backend's own client (named in the cell). "
         "lock: acquire + release, `async with locks.lock(name): pass`, one task, "
         f"up to {settings.get('latency_iterations', '?')} iterations; ms. "
-        f"handoff: {TABLE_RUN[0]} tasks sharing one client, {TABLE_RUN[1]:g} ms hold, from a "
-        "release to another task's acquire returning, ms. loss -> cancel: the lease "
+        f"in-client handoff: {TABLE_RUN[0]} tasks sharing one client, {TABLE_RUN[1]:g} ms hold, "
+        "from a release to another task's acquire returning, ms. cross-client: "
+        f"{TABLE_CLIENTS} contenders in one process, each with its own client (asynclock: its "
+        f"own connect(url), ttl {settings.get('client_ttl_s', '?')} s; a peer: its own "
+        "client), 0 ms hold: acquisitions/s (and the share retaken by the releaser when over "
+        "5 %), hand-over p50 ms. loss -> cancel: the lease "
         "revoked on the server, until the body gets LeaseLost; median ms of n tries"
         + (f" ({ttl_text})" if ttl_text else "")
         + f". n/a: a p99 needs {MIN_P99_SAMPLES} samples, a p50 {MIN_P50_SAMPLES}."
@@ -236,7 +261,7 @@ def _cut(settings: dict[str, Any], measured: dict[str, Any]) -> list[str]:
     """What the backends' shares left out: phases skipped, runs or counts not reached."""
     skipped: dict[str, list[str]] = {}
     for name, entry in measured.items():
-        for key in ("memory", "contention_processes", "renewal"):
+        for key in ("memory", "contention_processes", "fairness", "renewal"):
             record = entry.get(key)
             if isinstance(record, dict) and record.get("skipped") == SHARE_SPENT:
                 skipped.setdefault(key.replace("_", " "), []).append(name)
@@ -244,10 +269,8 @@ def _cut(settings: dict[str, Any], measured: dict[str, Any]) -> list[str]:
     holds = len(settings.get("holds_ms", []))
     planned = {
         "contention_tasks": ("contention runs", len(settings.get("contenders", [])) * holds),
-        "contention_processes": (
-            "process runs",
-            len(settings.get("process_contenders", [])) * holds,
-        ),
+        "contention_clients": ("client runs", len(settings.get("client_counts", []))),
+        "contention_processes": ("process runs", len(settings.get("process_contenders", []))),
         "renewal": ("renewal counts", len(settings.get("renewal_counts", []))),
     }
     for key, (what, wanted) in planned.items():

@@ -26,6 +26,7 @@ import anyio.to_thread
 import asynclock
 from asynclock._registry import redact
 
+from . import _cross
 from ._contend import (
     AsyncHold,
     AsyncWorkerFactory,
@@ -33,14 +34,17 @@ from ._contend import (
     Run,
     contend_tasks,
     contend_threads,
-    process_pool,
     time_op,
     time_sync_op,
 )
+from ._cross import CLIENT_TTL
+from ._fairness import Fairness
 from ._peers import AsyncPeer, Peer, SyncPeer, peer_info
 from ._stats import summarize
 from ._targets import Target
 
+#: The issue's fairness setting: 1,000 waiters 2 ms apart over 4 processes.
+FULL_FAIRNESS = Fairness(1000, 0.002, 4)
 #: The most waiting tasks the memory measurement starts.
 MAX_WAITERS = 200
 #: The longest the renewal measurement spends taking its locks (10,000 of them in a full run).
@@ -67,13 +71,24 @@ class Settings:
     peer_duration: float
     #: ``time.monotonic()`` after which no new phase starts.
     deadline: float
-    processes: str = "embedded"
+    #: Contenders with a client each, in one process (issue #29).
+    client_counts: tuple[int, ...] = (2, 8)
+    #: Waiters, their spacing and processes of the fairness runs (``_fairness``).
+    fairness: Fairness = FULL_FAIRNESS
+    processes: str = "all"
     progress: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr))
     #: The run's whole budget, seconds (``deadline`` is a share's end while one is measured).
     budget: float = 0.0
 
     @classmethod
-    def make(cls, *, mode: str, budget: float, processes: str, quiet: bool = False) -> Settings:
+    def make(
+        cls,
+        *,
+        mode: str,
+        budget: float,
+        processes: str,
+        quiet: bool = False,
+    ) -> Settings:
         """``mode`` is "full", "quick" or "smoke" (the shortest run that exercises every
         phase, for the test suite: its numbers mean nothing)."""
         progress: Callable[[str], None] = (
@@ -82,6 +97,10 @@ class Settings:
             else (lambda line: print(line, file=sys.stderr, flush=True))
         )
         deadline = time.monotonic() + budget
+        fair = {
+            "smoke": Fairness(6, 0.002, 2),
+            "quick": Fairness(40, 0.002, 2),
+        }.get(mode, FULL_FAIRNESS)
         if mode == "smoke":
             return cls(
                 mode="smoke",
@@ -93,6 +112,8 @@ class Settings:
                 grace=1.0,
                 process_contenders=(2,),
                 process_duration=0.2,
+                client_counts=(2,),
+                fairness=fair,
                 renewal_counts=(2,),
                 renewal_intervals=1,
                 loss_repeats=1,
@@ -115,7 +136,8 @@ class Settings:
                 duration=0.4,
                 grace=1.0,
                 process_contenders=(2, 8),
-                process_duration=0.5,
+                process_duration=0.4,
+                fairness=fair,
                 renewal_counts=(1, 100),
                 renewal_intervals=1,
                 loss_repeats=3,
@@ -136,8 +158,9 @@ class Settings:
             holds=(0.0, 0.001),
             duration=1.0,
             grace=2.0,
-            process_contenders=(2, 8, 32),
+            process_contenders=(2, 8),
             process_duration=1.0,
+            fairness=fair,
             renewal_counts=(1, 100, 10_000),
             renewal_intervals=2,
             loss_repeats=8,
@@ -162,6 +185,9 @@ class Settings:
             "holds_ms": [hold * 1e3 for hold in self.holds],
             "contention_seconds": self.duration,
             "process_contenders": list(self.process_contenders),
+            "client_counts": list(self.client_counts),
+            "client_ttl_s": CLIENT_TTL,
+            "fairness": self.fairness.record(),
             "processes": self.processes,
             "renewal_counts": list(self.renewal_counts),
             "renewal_intervals": self.renewal_intervals,
@@ -384,6 +410,7 @@ async def measure_target(target: Target, settings: Settings, tag: str) -> dict[s
         lambda: _tasks(target, settings, tag, runs),
         essential=True,
     )
+    await _cross_phases(target, settings, tag, share, result, first=True)
     result["loss_to_cancel"] = await phase(
         settings,
         "lease loss -> body cancelled",
@@ -391,22 +418,7 @@ async def measure_target(target: Target, settings: Settings, tag: str) -> dict[s
         lambda: _loss(target, settings, tag),
         essential=True,
     )
-    wants_processes = settings.processes == "all" or (
-        settings.processes == "embedded" and target.name == "sqlite"
-    )
-    if wants_processes and target.cross_process:
-        limit = len(settings.process_contenders) * (
-            60 + len(settings.holds) * (settings.process_duration + settings.grace + 10)
-        )
-        result["contention_processes"] = await phase(
-            settings,
-            "contention (processes)",
-            limit,
-            lambda: _processes(target, settings, tag),
-            needs=_processes_seconds(settings),
-        )
-    elif wants_processes:
-        result["contention_processes"] = {"skipped": "the backend excludes within one process only"}
+    await _cross_phases(target, settings, tag, share, result, first=False)
     result["memory"] = await phase(
         settings,
         "memory",
@@ -453,25 +465,64 @@ async def _tasks(
     return sorted(records, key=lambda record: (record["contenders"], record["hold_ms"]))
 
 
-def _processes_seconds(settings: Settings) -> float:
-    """About what one count of processes takes: starting them, then one run per hold."""
-    return 1.0 + len(settings.holds) * (settings.process_duration + 0.3)
+def _wants_processes(unit: Target | Peer, settings: Settings) -> bool:
+    if isinstance(unit, Peer):
+        return settings.processes == "all"
+    return settings.processes == "all" or (
+        settings.processes == "embedded" and unit.name == "sqlite"
+    )
 
 
-async def _processes(target: Target, settings: Settings, tag: str) -> list[dict[str, Any]]:
-    records = []
-    for index, count in enumerate(settings.process_contenders):
-        if index and not fits(settings, _processes_seconds(settings)):
-            break
-        name = _name(tag, "processes")
-        async with process_pool(
-            target.url, target.options, name, count, target.long_ttl, start_timeout=60
-        ) as run_on_pool:
-            for hold in settings.holds:
-                run = Run(count, hold, settings.process_duration, settings.grace)
-                records.append(await anyio.to_thread.run_sync(run_on_pool, run))
-                settings.progress(_contention_line("processes", records[-1]))
-    return records
+async def _cross_phases(
+    unit: Target | Peer,
+    settings: Settings,
+    tag: str,
+    share: float,
+    result: dict[str, Any],
+    *,
+    first: bool,
+) -> None:
+    """Contention across clients (``_cross``). ``first``: the runs of clients in one process
+    (the first, the table's, always); then processes and fairness while the share lasts."""
+
+    def name_of(what: str) -> str:
+        return _name(tag, what)
+
+    def fits_share(seconds: float) -> bool:
+        return fits(settings, seconds)
+
+    if first:
+        runs = _cross.client_runs(settings, share)
+        result["contention_clients"] = await phase(
+            settings,
+            "contention (clients, one process)",
+            sum(run.duration + run.grace + 10 for run in runs) + 30,
+            lambda: _cross.in_process(unit, settings, name_of, runs, fits_share),
+            essential=True,
+        )
+        return
+    cross_process = unit.cross_process if isinstance(unit, Target) else True
+    if _wants_processes(unit, settings) and cross_process:
+        seconds = _cross.process_seconds(settings.process_contenders[0], settings.process_duration)
+        result["contention_processes"] = await phase(
+            settings,
+            "contention (processes, one client each)",
+            len(settings.process_contenders) * (60 + settings.process_duration + 10),
+            lambda: _cross.processes(unit, settings, name_of, fits_share),
+            needs=seconds,
+        )
+    elif _wants_processes(unit, settings):
+        result["contention_processes"] = {"skipped": "the backend excludes within one process only"}
+    queues = unit.queues if isinstance(unit, Peer) else unit.cross_process
+    if queues and not (isinstance(unit, Peer) and unit.sync):
+        setting = _cross.fairness_settings(settings, unit)
+        result["fairness"] = await phase(
+            settings,
+            "fairness",
+            2 * (setting.seconds() + setting.waiters * 0.05 + 30) + 60,
+            lambda: _cross.fairness(unit, settings, name_of, fits_share),
+            needs=setting.seconds() + 1.5,
+        )
 
 
 def _contention_line(mode: str, record: dict[str, Any]) -> str:
@@ -744,6 +795,9 @@ async def measure_peer(peer: Peer, settings: Settings, tag: str) -> dict[str, An
         )
     if "error" in result or "skipped" in result:
         result["status"] = "failed" if "error" in result else "skipped"
+        return result
+    await _cross_phases(peer, settings, tag, share, result, first=True)
+    await _cross_phases(peer, settings, tag, share, result, first=False)
     return result
 
 

@@ -64,7 +64,8 @@ def test_the_smoke_run_records_sane_numbers_and_a_report(
         check_summary(entry[key])
     assert entry["floor"]["label"]
 
-    for mode in ("contention_tasks", "contention_processes"):
+    # In one client (tasks), and across clients: in one process, and in processes.
+    for mode in ("contention_tasks", "contention_clients", "contention_processes"):
         runs = entry[mode]
         assert isinstance(runs, list) and runs, runs
         for run in runs:
@@ -76,6 +77,15 @@ def test_the_smoke_run_records_sane_numbers_and_a_report(
             assert 0 <= run["min_per_worker"] <= run["max_per_worker"] <= run["acquisitions"]
             if run["handoff"]["n"]:
                 check_summary(run["handoff"])
+
+    assert data["settings"]["fairness"] == {
+        "waiters": 6, "spacing_ms": 2.0, "processes": 2, "ttl_s": 30.0
+    }  # fmt: skip
+    for where, processes in (("processes", 2), ("one_client", 1)):
+        fair = entry["fairness"][where]
+        assert (fair["waiters"], fair["processes"], fair["granted"]) == (6, processes, 6)
+        assert 0 <= fair["mean_displacement"] <= fair["max_displacement"] < 6
+        assert positive(fair["drain_s"])
 
     (renewal,) = entry["renewal"]
     assert (renewal["locks"], renewal["lost"]) == (2, 0)
@@ -90,7 +100,16 @@ def test_the_smoke_run_records_sane_numbers_and_a_report(
     assert positive(memory["bytes_per_waiter"])
 
     report = (out / "latest.md").read_text()
-    for heading in ("## Uncontended", "## Contention: tasks", "## Renewal", "## Targets"):
+    for heading in (
+        "## Uncontended",
+        "## Contention: tasks",
+        "## Contention across clients",
+        "### Clients in one process",
+        "### Processes",
+        "## Fairness across clients",
+        "## Renewal",
+        "## Targets",
+    ):
         assert heading in report
     assert "| sqlite |" in report
     # Targets of backends that were not run are listed, not silently dropped.
@@ -142,6 +161,28 @@ def test_the_targets_say_met_missed_by_how_much_or_why_not_measured_and_cells_th
     assert etcd["met"] is None and "not installed" in etcd["measured"]
     postgres = rows[("postgres", "uncontended p50 <= 1.3x the bare asyncpg advisory pair")]
     assert postgres["met"] is None and "not measured" in postgres["measured"]
+
+
+def test_fairness_is_the_grant_order_against_the_start_order() -> None:
+    from benchmarks._fairness import Fairness, analyse, schedule
+
+    setting = Fairness(waiters=6, spacing=0.002, processes=2)
+    starts = schedule(setting, 2, t0=100.0)
+    assert starts == [[(0, 100.0), (2, 100.004), (4, 100.008)], [(1, 100.002), (3, 100.006), (5, 100.01)]]  # fmt: skip
+    # Granted 0, 2, 4 (process 0 three times in a row), then 1, 3; waiter 5 never. Waiter 1
+    # called acquire 5 ms late, after waiter 4.
+    called = {0: 100.0, 1: 100.007, 2: 100.004, 3: 100.0065, 4: 100.008}
+    grants = [(t, i, called[i]) for t, i in [(1.0, 0), (2.0, 2), (3.0, 4), (4.0, 1), (5.0, 3)]]
+    record = analyse(list(reversed(grants)), setting, 2, t0=100.0)
+    assert (record["granted"], record["not_granted"]) == (5, 1)
+    # Ranks 0..4 against start ranks 0, 2, 4, 1, 3: displacements 0, 1, 2, 2, 1.
+    assert record["max_displacement"] == 2
+    assert record["mean_displacement"] == 6 / 5
+    assert record["longest_run_one_process"] == 3
+    assert record["in_start_order"] == 1
+    # Against the calls (0, 2, 3, 1, 4): ranks 0, 1, 4, 3, 2: displacements 0, 0, 2, 0, 2.
+    assert (record["max_displacement_vs_calls"], record["mean_displacement_vs_calls"]) == (2, 0.8)
+    assert record["call_lag_max_ms"] == pytest.approx(5.0)
 
 
 # -- the main job's quick run: every backend within a small budget (issue #18) ---------------
