@@ -112,9 +112,20 @@ SEMAPHORE = order.rule(b"n/", b"n0", "semaphore", False, 2)
 def test_where_a_key_stands_by_the_keys_older_than_it(
     rule: order.Rule, older: list[str], holds: bool, watch: str, puts_matter: bool, near: bool
 ) -> None:
-    pairs = [(each[0].encode(), each[1:].encode()) for each in older]
-    place = order.standing(rule, pairs, 7)
-    assert place == (holds, tuple(key.encode() for key in watch), puts_matter, near, 7)
+    triples = [(each[0].encode(), each[1:].encode(), 3 - n) for n, each in enumerate(older)]
+    place = order.standing(rule, triples, 7)
+    assert place[:5] == (holds, tuple(key.encode() for key in watch), puts_matter, near, 7)
+    # Every key it read (up to TRACKED), with its create revision; none left out.
+    assert place.older == tuple((key, rev) for key, _, rev in triples)
+    assert place.complete
+
+
+def test_a_lock_waiter_follows_the_keys_it_read_up_to_tracked() -> None:
+    triples = [(b"k%d" % n, b"", 100 - n) for n in range(order.TRACKED + 1)]
+    full = order.standing(LOCK, triples[: order.TRACKED], 7)
+    assert full.complete and len(full.older) == order.TRACKED
+    more = order.standing(LOCK, triples, 7)
+    assert not more.complete and more.older == full.older
 
 
 def test_the_range_a_kind_waits_for_and_how_much_it_reads() -> None:
@@ -123,7 +134,8 @@ def test_the_range_a_kind_waits_for_and_how_much_it_reads() -> None:
     assert (SEMAPHORE.permits, SEMAPHORE.marked) == (2, True) and not LOCK.marked
     rules = (LOCK, READER, SEMAPHORE)
     limits = [order.read_limit(each, enqueue=e) for each in rules for e in (True, False)]
-    assert limits == [3, 2, 2, 2, 4, 3]
+    tracked = order.TRACKED
+    assert limits == [tracked + 2, tracked + 1, tracked + 1, tracked + 1, 4, 3]
     assert order.may_try(SEMAPHORE, 1, [b"2;"]) and not order.may_try(SEMAPHORE, 2, [b"2;"])
     assert not order.may_try(SEMAPHORE, 1, [b"2;w"])
     order.check_permits("s", 2, b"2;w")

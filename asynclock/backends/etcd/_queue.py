@@ -95,6 +95,24 @@ class Attempt:
         self.key = None
         self.rev = 0
 
+    def grant(self) -> EtcdGrant:
+        """The grant of our key, which holds (its lease keeps it)."""
+        lease, key = self.lease, self.key
+        assert lease is not None and key is not None and self.rev > 0
+        grant = EtcdGrant(
+            name=self.request.name,
+            owner=self.request.owner,
+            token=self.rev,
+            valid_from=lease.valid_from,
+            ttl=float(lease.ttl),
+            key=key,
+            lease_id=lease.id,
+            on_lost=self.request.on_lost,
+            space=self.request.kind,
+        )
+        lease.held.add(grant)
+        return grant
+
 
 @dataclass(slots=True)
 class Queue:
@@ -130,21 +148,8 @@ class Queue:
         attempt.requeue()
 
     def hand_over(self, attempt: Attempt) -> EtcdGrant:
-        lease, key = attempt.lease, attempt.key
-        assert lease is not None and key is not None and attempt.rev > 0
-        grant = EtcdGrant(
-            name=attempt.request.name,
-            owner=attempt.request.owner,
-            token=attempt.rev,
-            valid_from=lease.valid_from,
-            ttl=float(lease.ttl),
-            key=key,
-            lease_id=lease.id,
-            on_lost=attempt.request.on_lost,
-            space=attempt.request.kind,
-        )
-        lease.held.add(grant)
-        self._keys.lowest.pop(key, None)
+        grant = attempt.grant()
+        self._keys.lowest.pop(grant.key, None)
         return grant
 
     def known_busy(self, attempt: Attempt) -> bool:
@@ -221,11 +226,18 @@ class Queue:
         )
 
     async def wait_for(self, attempt: Attempt) -> None:
-        """Queue (or find our place again) and wait until our key holds."""
+        """Queue (or find our place again) and wait until our key holds. The first round trip
+        takes a free lock as a try would (``acquire_tries_first``)."""
         failures = _FAILURES.backoff(window=2.0 * self._wire.settings.op_timeout)
         marked = attempt.rule.marked
         shortcuts = 0
+        answered = attempt.request.answered
         while True:
+            turn = None
+            if not marked:
+                # Made before the read, so that no delete after it is missed.
+                turn = TurnWait(*self._waits, attempt.prefix, attempt.request.name)
+                turn.begin()
             try:
                 if attempt.rev == 0:
                     if attempt.key is None or attempt.lease is None:
@@ -256,9 +268,20 @@ class Queue:
                     # came first): read our place again rather than watch a deleted key.
                     shortcuts += 1
                     continue
-                proven = await self._wait_turn(attempt, lease, place)
-                if proven and lease.fresh(anyio.current_time()):
-                    return  # the release before us proved our key the lowest
+                if answered is not None:
+                    # The first attempt is over (a lock: one round trip; a semaphore's permit
+                    # may need its grant mark too): the caller's timeout counts from now.
+                    answered()
+                    answered = None
+                if turn is None:
+                    # Close to a permit: the watch may be slow to tell (see PermitWait.run).
+                    look = (lambda: self._moved(attempt)) if place.near else None
+                    args = (*self._waits, attempt.own(), attempt.rev, place, attempt.request.name)
+                    await PermitWait(*args).run(lease, look)
+                elif await turn.run(lease, attempt.own(), attempt.rev, place) and lease.fresh(
+                    anyio.current_time()
+                ):
+                    return  # every key before ours is gone, ours is not
             except ProvenGone:
                 if attempt.lease is not None:
                     self._leases.died(attempt.lease, lease_gone(attempt.lease.id))
@@ -267,16 +290,13 @@ class Queue:
                 if self._wire.channel is None or not transient(exc):
                     raise
                 await failures.pause(exc)
+            finally:
+                if turn is not None:
+                    turn.end()
 
-    async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Standing) -> bool:
-        """Whether the release of the key before ours proved that we hold the lock."""
-        args = (self._wire, self._hub, self._leases, self._keys, attempt.own(), attempt.rev)
-        if attempt.rule.marked:
-            # Close to a permit: the watch may be slow to tell (see PermitWait.run).
-            look = (lambda: self._moved(attempt)) if place.near else None
-            await PermitWait(*args, place, attempt.request.name).run(lease, look)
-            return False
-        return await TurnWait(*args, place, attempt.request.name).run(lease)
+    @property
+    def _waits(self) -> tuple[Wire, WatchHub, Leases, Keys]:
+        return self._wire, self._hub, self._leases, self._keys
 
     async def _moved(self, attempt: Attempt) -> bool:
         """Whether our key may hold now, or is gone."""
@@ -448,4 +468,6 @@ class Queue:
 
 
 def _standing(order: Rule, older: Any, seen: int) -> Standing:
-    return standing(order, [(bytes(kv.key), bytes(kv.value)) for kv in older], seen)
+    return standing(
+        order, [(bytes(kv.key), bytes(kv.value), int(kv.create_revision)) for kv in older], seen
+    )

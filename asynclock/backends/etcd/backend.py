@@ -42,6 +42,7 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     driver = "gRPC (grpc.aio, through aetcd)"
     capabilities = Capabilities.every()
+    acquire_tries_first = True
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
