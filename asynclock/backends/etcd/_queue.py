@@ -80,6 +80,11 @@ class Attempt:
             value = request.owner.encode("ascii")
         return put_op(self.key, value, self.lease.id)
 
+    def base(self, lease: ClientLease) -> bytes:
+        """Our key's name on ``lease`` up to the owner id (see ``Keys.reuse``)."""
+        mark = SHARED_MARK if self.request.shared else b""
+        return self.prefix + mark + f"{lease.id:016x}-".encode("ascii")
+
     def own(self) -> bytes:
         """Our key (placed)."""
         assert self.key is not None
@@ -134,9 +139,9 @@ class Queue:
     def place(self, attempt: Attempt, lease: ClientLease) -> bytes:
         """Put the attempt's (next) key on ``lease``."""
         attempt.lease = lease
-        mark = SHARED_MARK if attempt.request.shared else b""
-        suffix = f"{lease.id:016x}-{attempt.request.owner}".encode("ascii")
-        attempt.key = attempt.prefix + mark + suffix
+        base = attempt.base(lease)
+        key = self._keys.reuse(base) if attempt.request.kind == "lock" else None
+        attempt.key = key or base + attempt.request.owner.encode("ascii")
         attempt.rev = 0
         self._keys.placed(attempt.key)
         return attempt.key
