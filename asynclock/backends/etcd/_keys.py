@@ -26,9 +26,10 @@ class Behind(Protocol):
     own: bytes
     rev: int
 
-    def wake(self, proven: bool) -> None:
+    def wake(self, proven: bool, *, gone: bool = True) -> None:
         """The key before ours is gone; ``proven``: the same etcd transaction that deleted
-        it found our key the lowest (we hold the lock)."""
+        it found our key the lowest (we hold the lock). ``gone=False``: its delete failed or
+        was interrupted (it may still be there): look again."""
 
 
 class Keys:

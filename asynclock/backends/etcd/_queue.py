@@ -363,7 +363,7 @@ class Queue:
         except BaseException:
             # A waiter behind may have ignored the watch's event while this was in flight.
             for each in behind:
-                each.wake(False)
+                each.wake(False, gone=False)
             raise
         finally:
             keys.releasing.discard(key)

@@ -266,12 +266,25 @@ class TurnWait(Wait):
         return self._complete and not self._older and not self._lost and not self._stale
 
     def _settled(self) -> bool:
-        return self._lost or self._stale or not self._older
+        """Whether to stop waiting: we hold, or must look again."""
+        if self._lost or self._stale or (self._complete and not self._older):
+            return True
+        if self._local is None:
+            return not self._older  # the keys we followed are gone, not all before ours
+        # Behind a key of ours: our release of it wakes us, with the proof when ours is next
+        # (a read of our own would only come before it); its delete by anyone else, at once.
+        predecessor = self._place.watch[0]
+        return predecessor not in self._older and predecessor not in self._keys.releasing
 
-    def wake(self, proven: bool) -> None:
-        """Our own client deleted the key before ours (see ``Keys.gone``)."""
+    def wake(self, proven: bool, *, gone: bool = True) -> None:
+        """Our own client deleted the key before ours (see ``Keys.gone``): we hold if its
+        release proved it, or if it was the last key before ours we followed; else we wait on
+        (a waiter further back: no read)."""
         self.proven = self.proven or proven
-        self._wake()
+        if gone and self._placed:
+            self._older.pop(self._place.watch[0], None)
+        if self.proven or not gone or not self._placed or self._settled():
+            self._wake()
 
     # -- told by the watch stream (Subscriber) -------------------------------------------------
 
