@@ -160,9 +160,9 @@ class Queue:
     def known_busy(self, attempt: Attempt) -> bool:
         """Whether a key of ours that this hold waits for is on a lease refreshed within half
         its ttl (so it exists, unless an operator deleted it just now): then the lock is not
-        free, and a try needs no round trip. The client's own tasks queued for one lock try it
-        before each wait: this saves one write through raft per acquisition. (Not for a
-        semaphore: a key of ours may leave a permit free.)"""
+        free, and a try needs no round trip (a try by a task of a client whose tasks take
+        turns costs no write through raft). Not for a semaphore: a key of ours may leave a
+        permit free."""
         order, now = attempt.rule, anyio.current_time()
         if order.marked:
             return False
