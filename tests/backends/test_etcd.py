@@ -112,9 +112,20 @@ SEMAPHORE = order.rule(b"n/", b"n0", "semaphore", False, 2)
 def test_where_a_key_stands_by_the_keys_older_than_it(
     rule: order.Rule, older: list[str], holds: bool, watch: str, puts_matter: bool, near: bool
 ) -> None:
-    pairs = [(each[0].encode(), each[1:].encode()) for each in older]
-    place = order.standing(rule, pairs, 7)
-    assert place == (holds, tuple(key.encode() for key in watch), puts_matter, near, 7)
+    triples = [(each[0].encode(), each[1:].encode(), 3 - n) for n, each in enumerate(older)]
+    place = order.standing(rule, triples, 7)
+    assert place[:5] == (holds, tuple(key.encode() for key in watch), puts_matter, near, 7)
+    # Every key it read (up to TRACKED), with its create revision; none left out.
+    assert place.older == tuple((key, rev) for key, _, rev in triples)
+    assert place.complete
+
+
+def test_a_lock_waiter_follows_the_keys_it_read_up_to_tracked() -> None:
+    triples = [(b"k%d" % n, b"", 100 - n) for n in range(order.TRACKED + 1)]
+    full = order.standing(LOCK, triples[: order.TRACKED], 7)
+    assert full.complete and len(full.older) == order.TRACKED
+    more = order.standing(LOCK, triples, 7)
+    assert not more.complete and more.older == full.older
 
 
 def test_the_range_a_kind_waits_for_and_how_much_it_reads() -> None:
@@ -123,7 +134,8 @@ def test_the_range_a_kind_waits_for_and_how_much_it_reads() -> None:
     assert (SEMAPHORE.permits, SEMAPHORE.marked) == (2, True) and not LOCK.marked
     rules = (LOCK, READER, SEMAPHORE)
     limits = [order.read_limit(each, enqueue=e) for each in rules for e in (True, False)]
-    assert limits == [3, 2, 2, 2, 4, 3]
+    tracked = order.TRACKED
+    assert limits == [tracked + 2, tracked + 1, tracked + 1, tracked + 1, 4, 3]
     assert order.may_try(SEMAPHORE, 1, [b"2;"]) and not order.may_try(SEMAPHORE, 2, [b"2;"])
     assert not order.may_try(SEMAPHORE, 1, [b"2;w"])
     order.check_permits("s", 2, b"2;w")
@@ -724,6 +736,62 @@ async def test_a_hand_over_within_one_client_is_the_release_transaction_alone(
             assert int(left.create_revision) == acquired[0].token
             proxy.pass_through()
             await acquired[0].release()
+
+
+async def test_a_hand_over_between_clients_is_the_release_and_one_watch_event(
+    etcd: Etcd,
+) -> None:
+    """The waiter follows the deletes of the keys before its own on its client's watch of the
+    name: once they are all gone it holds, without a read of its own."""
+    async with etcd.connect() as first, etcd.connect() as second, etcd.raw() as direct:
+        holder = await first.acquire("a", ttl=10)
+        acquired: list[asynclock.Lease] = []
+
+        async def waiter() -> None:
+            acquired.append(await second.acquire("a", ttl=10))
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await direct.until_count(etcd.base("a"), 2)
+                await anyio.sleep(0.3)  # its watch is created (and past etcd's catch-up loop)
+                txns, ranges = calls(etcd.server, "Txn"), calls(etcd.server, "Range")
+                await holder.release()
+        assert calls(etcd.server, "Txn") - txns == 1  # the release
+        assert calls(etcd.server, "Range") == ranges
+        (left,) = await direct.keys(etcd.base("a"))
+        assert int(left.create_revision) == acquired[0].token > holder.token
+        await acquired[0].release()
+        assert await direct.count(etcd.base("a")) == 0
+
+
+async def test_a_key_released_cleanly_is_created_again_by_the_next_acquisition(
+    etcd: Etcd,
+) -> None:
+    """A lock taken over and over by one client reuses its key's name (etcd's index keeps
+    every deleted key until compaction, and each read of the queue walks them); a release
+    run again once the name is another acquisition's does nothing."""
+    base = etcd.base("k")
+    async with backend(etcd) as store, etcd.raw() as direct:
+        first = await store.acquire(request("k"))
+        await store.release(first)
+        second = await store.acquire(request("k"))
+        assert second.key == first.key and second.token > first.token  # type: ignore[operator]
+        # A waiter meanwhile gets a name of its own.
+        queued = request("k")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.acquire, queued)
+            await direct.until_count(base, 2)
+            await store.release(first)  # run again: it must not touch the new life
+            (key, waiting) = await direct.keys(base)
+            assert int(key.create_revision) == second.token and key.key != waiting.key
+            info = await store.inspect("k")
+            assert [holder.owner for holder in info.holders] == [second.owner]
+            assert info.waiters == 1
+            await store.release(second)
+        (left,) = await direct.keys(base)
+        assert left.value == queued.owner.encode()
+        await direct.kv.DeleteRange(rpc.DeleteRangeRequest(key=left.key))
 
 
 async def test_an_operator_deleting_the_key_before_a_waiter_of_the_same_client_wakes_it(

@@ -60,15 +60,39 @@ class NameWatch:
     watching that key). A waiter of ours leaving the queue of a name that others of ours
     still wait for then costs no watch created or cancelled, only one event."""
 
-    __slots__ = ("_by_key", "_count", "created", "idle_since", "start")
+    __slots__ = ("_all", "_by_key", "_count", "created", "created_at", "idle_since", "start")
 
     def __init__(self, start: int) -> None:
-        #: The revision it watches from; ``created`` is etcd's revision when it was created.
+        #: The revision it watches from; ``created`` is etcd's revision when it was created
+        #: (at ``created_at``, the loop's clock).
         self.start = start
         self.created: int | None = None
+        self.created_at = 0.0
         self._by_key: dict[bytes, list[Subscriber]] = {}
+        #: Told every event, whatever its key (a waiter whose read is in flight).
+        self._all: dict[Subscriber, None] = {}
         self._count = 0
         self.idle_since: float | None = anyio.current_time()
+
+    def maybe_unsynced(self, now: float) -> bool:
+        """Whether etcd may still deliver its events late: it started in the past (something
+        was written between its start and its creation), less than 0.2 s ago; etcd catches
+        such a watch up from a loop that runs every 100 ms."""
+        created = self.created
+        return created is None or (created >= self.start and now - self.created_at < 0.2)
+
+    def add_all(self, subscriber: Subscriber) -> None:
+        """Tell ``subscriber`` every event from now on, until :meth:`remove_all`."""
+        if subscriber not in self._all:
+            self._all[subscriber] = None
+            self._count += 1
+        self.idle_since = None
+
+    def remove_all(self, subscriber: Subscriber) -> None:
+        if self._all.pop(subscriber, 0) is None:
+            self._count -= 1
+            if not self._count:
+                self.idle_since = anyio.current_time()
 
     def add(self, subscriber: Subscriber, keys: Iterable[bytes]) -> None:
         for key in keys:
@@ -90,10 +114,13 @@ class NameWatch:
             self.idle_since = anyio.current_time()
 
     def _everyone(self) -> list[Subscriber]:
-        return list(dict.fromkeys(sub for subs in self._by_key.values() for sub in subs))
+        everyone = dict.fromkeys(sub for subs in self._by_key.values() for sub in subs)
+        everyone.update(self._all)
+        return list(everyone)
 
     def on_created(self, revision: int) -> None:
         self.created = revision
+        self.created_at = anyio.current_time()
         for subscribers in list(self._by_key.values()):
             for subscriber in list(subscribers):
                 subscriber.on_created(revision)
@@ -104,7 +131,8 @@ class NameWatch:
                 subscriber.on_fired(())
             return
         for event in events:
-            for subscriber in list(self._by_key.get(bytes(event.kv.key), ())):
+            keyed = self._by_key.get(bytes(event.kv.key), ())
+            for subscriber in list(self._all) + [sub for sub in keyed if sub not in self._all]:
                 subscriber.on_fired((event,))
 
     def on_failed(self, error: BaseException) -> None:
@@ -137,6 +165,11 @@ class WatchHub:
             stream.end(BackendUnavailable(f"{self._wire.describe} is closed"))
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await stream.stopped.wait()
+
+    def current_name_watch(self, prefix: bytes) -> NameWatch | None:
+        """The name watch of ``prefix`` on the live stream, if there is one (opens no stream)."""
+        stream = self._stream
+        return None if stream is None else stream.current_name_watch(prefix)
 
     @property
     def watches(self) -> int:
@@ -188,6 +221,10 @@ class Stream:
             watch = self._names[prefix] = NameWatch(start)
             self.add(watch, [delete_watch(prefix, start, prefix_end(prefix))])
         return watch
+
+    def current_name_watch(self, prefix: bytes) -> NameWatch | None:
+        """The name watch of ``prefix`` on this stream, if there is one."""
+        return None if self.dead else self._names.get(prefix)
 
     def _reap(self) -> None:
         """Cancel the name watches that have had no waiter for a while."""

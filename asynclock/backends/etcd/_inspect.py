@@ -60,14 +60,15 @@ class Inspector:
 
         # Every key, oldest first; values only where they say something: a semaphore's
         # permits and waiting marks (a few bytes each), and only the leader's of an election
-        # (a candidate's may be 64 KiB). A lock's values are its owners, which its keys name.
+        # (a candidate's may be 64 KiB). A lock's values are its owners (its key's name may be
+        # an earlier acquisition's: see Keys.reuse).
         def oldest_first(**fields: Any) -> Any:
             sort = {"sort_target": rpc.RangeRequest.CREATE, "sort_order": rpc.RangeRequest.ASCEND}
             return rpc.RequestOp(
                 request_range=rpc.RangeRequest(key=prefix, range_end=end, **sort, **fields)
             )
 
-        reads = [oldest_first(keys_only=kind != "semaphore")]
+        reads = [oldest_first(keys_only=kind == "election")]
         if kind == "election":
             reads.append(oldest_first(limit=1))
         reply = await wire.txn(f"inspecting {kind} {name!r}", rpc.TxnRequest(success=reads))
@@ -82,7 +83,7 @@ class Inspector:
         expires = await self._expiries({int(kv.lease) or lease_of(bytes(kv.key)) for kv in holding})
         holders = tuple(
             HolderInfo(
-                owner=owner_of(bytes(kv.key)),
+                owner=bytes(kv.value).decode() if kind == "lock" else owner_of(bytes(kv.key)),
                 token=int(kv.create_revision),
                 expires_in=expires.get(int(kv.lease) or lease_of(bytes(kv.key))),
                 shared=is_shared(bytes(kv.key)),

@@ -15,6 +15,9 @@ __all__ = ("Behind", "Keys")
 
 #: How many of our deleted keys are remembered (see ``Keys.deleted``).
 _RECENT = 64
+#: Key names kept for reuse (see ``Keys.reuse``): per lock name and lease, and lock names.
+_POOL_KEYS = 16
+_POOL_NAMES = 256
 
 
 class Behind(Protocol):
@@ -23,9 +26,10 @@ class Behind(Protocol):
     own: bytes
     rev: int
 
-    def wake(self, proven: bool) -> None:
+    def wake(self, proven: bool, *, gone: bool = True) -> None:
         """The key before ours is gone; ``proven``: the same etcd transaction that deleted
-        it found our key the lowest (we hold the lock)."""
+        it found our key the lowest (we hold the lock). ``gone=False``: its delete failed or
+        was interrupted (it may still be there): look again."""
 
 
 class Keys:
@@ -52,6 +56,35 @@ class Keys:
         #: The same keys by lock name (the prefix of its keys).
         #: (Lists: most names have one key, and a list of one is a third of a set's size.)
         self.by_name: dict[bytes, list[bytes]] = {}
+        #: Names of keys released cleanly, by the part of their name before the owner (lock
+        #: name, kind mark, lease): the next acquisition there takes one (see ``reuse``).
+        self._pool: dict[bytes, list[bytes]] = {}
+
+    def reuse(self, base: bytes) -> bytes | None:
+        """The name of a key of ours whose last life ended cleanly, to create again.
+
+        etcd keeps a deleted key in its index until the cluster is compacted, and every read
+        of a lock's queue walks every key its range ever had: with a new name per acquisition,
+        one lock name taken 20,000 times without compaction made an uncontended acquire 5 times
+        slower (Go's ``concurrency.Mutex`` reuses one key per session for the same reason).
+        A name is reused only after its release's guarded delete was answered (so no request
+        of its last life can still land: no orphan, none in flight, the grant ``released``);
+        the create revision tells its lives apart everywhere (deletes, renewals, watches)."""
+        keys = self._pool.get(base)
+        return keys.pop() if keys else None
+
+    def reusable(self, base: bytes, key: bytes) -> None:
+        """``key`` (a lock's) was released cleanly: its name may be created again."""
+        if key in self.local or key in self.orphans:
+            return
+        keys = self._pool.pop(base, None)
+        if keys is None:
+            keys = []
+            if len(self._pool) >= _POOL_NAMES:
+                del self._pool[next(iter(self._pool))]
+        self._pool[base] = keys  # the newest last
+        if len(keys) < _POOL_KEYS:
+            keys.append(key)
 
     def placed(self, key: bytes) -> None:
         """``key`` is about to be created by us."""

@@ -35,6 +35,9 @@ class EtcdGrant(Grant):
     key: bytes
     lease_id: int
     on_lost: Callable[[str], None] = field(repr=False)
+    #: Its release's delete was answered: the release, run again, does nothing (its key's
+    #: name may be another acquisition's by then, see ``Keys.reusable``).
+    released: bool = field(default=False, repr=False)
 
 
 class ClientLease:

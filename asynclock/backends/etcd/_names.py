@@ -28,6 +28,7 @@ __all__ = (
     "SHARED_MARK",
     "blockers",
     "is_shared",
+    "key_base",
     "kind_of",
     "lease_of",
     "name_of",
@@ -75,6 +76,11 @@ def _suffix(key: bytes) -> bytes:
 
 def is_shared(key: bytes) -> bool:
     return _suffix(key)[:1] == SHARED_MARK
+
+
+def key_base(key: bytes) -> bytes:
+    """``key`` up to its owner id: its name prefix, kind mark and lease (``Keys.reuse``)."""
+    return key[: key.index(b"-", key.rindex(b"/")) + 1]
 
 
 def lease_of(key: bytes) -> int:

@@ -16,12 +16,25 @@ ZooKeeper's (``zookeeper/_order.py``) does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from .._kit import Kind, permits_mismatch
 from ._names import permits_of, waiting_permit, writers
 
-__all__ = ("Rule", "Standing", "check_permits", "may_try", "read_limit", "rule", "standing")
+#: How many of the keys older than its own a lock's waiter reads and follows through the name's
+#: watch: when every one it read is gone and there were no more, it holds without a read.
+TRACKED: Final = 8
+
+__all__ = (
+    "TRACKED",
+    "Rule",
+    "Standing",
+    "check_permits",
+    "may_try",
+    "read_limit",
+    "rule",
+    "standing",
+)
 
 
 class Rule(NamedTuple):
@@ -53,6 +66,10 @@ class Standing(NamedTuple):
     near: bool
     #: The revision of the read.
     seen: int
+    #: The keys older than ours that keep it from holding, as read (newest first), with their
+    #: create revisions; ``complete``: every such key (the read returned fewer than its limit).
+    older: tuple[tuple[bytes, int], ...] = ()
+    complete: bool = False
 
 
 def rule(prefix: bytes, end: bytes, kind: Kind, shared: bool, permits: int) -> Rule:
@@ -67,22 +84,27 @@ def rule(prefix: bytes, end: bytes, kind: Kind, shared: bool, permits: int) -> R
 
 def read_limit(rule: Rule, *, enqueue: bool) -> int:
     """How many of the newest keys of the range a read must return: ``permits + 1`` older
-    than ours (to tell "near" from further back), and ours too when the read comes right after
-    our key was created in the range (then it is the newest)."""
-    return rule.permits + 1 + (1 if enqueue and rule.own_in_range else 0)
+    than ours (to tell "near" from further back; an unmarked rule's: ``TRACKED + 1``, see
+    ``TurnWait``), and ours too when the read comes right after our key was created in the
+    range (then it is the newest)."""
+    older = rule.permits + 1 if rule.marked else TRACKED + 1
+    return older + (1 if enqueue and rule.own_in_range else 0)
 
 
-def standing(rule: Rule, older: Sequence[tuple[bytes, bytes]], seen: int) -> Standing:
-    """Our place, from the newest ``(key, value)`` pairs older than ours (newest first, at most
-    ``read_limit(rule, enqueue=False)``), read at revision ``seen``. An unmarked rule's values
-    are not read (and an election's value may end like a mark): they are not looked at."""
-    waiting = rule.marked and any(waiting_permit(value) for _, value in older)
+def standing(rule: Rule, older: Sequence[tuple[bytes, bytes, int]], seen: int) -> Standing:
+    """Our place, from the newest ``(key, value, create revision)`` of the keys older than ours
+    (newest first, at most ``read_limit(rule, enqueue=False)``), read at revision ``seen``. An
+    unmarked rule's values are not read (and an election's value may end like a mark): they
+    are not looked at."""
+    waiting = rule.marked and any(waiting_permit(value) for _, value, _ in older)
     return Standing(
         holds=len(older) < rule.permits and not waiting,
-        watch=tuple(key for key, _ in older[: rule.permits]),
+        watch=tuple(key for key, _, _ in older[: rule.permits]),
         puts_matter=rule.marked and len(older) < rule.permits,
         near=len(older) <= rule.permits,
         seen=seen,
+        older=tuple((key, rev) for key, _, rev in older[:TRACKED]),
+        complete=len(older) <= TRACKED,
     )
 
 

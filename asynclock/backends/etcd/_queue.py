@@ -80,6 +80,11 @@ class Attempt:
             value = request.owner.encode("ascii")
         return put_op(self.key, value, self.lease.id)
 
+    def base(self, lease: ClientLease) -> bytes:
+        """Our key's name on ``lease`` up to the owner id (see ``Keys.reuse``)."""
+        mark = SHARED_MARK if self.request.shared else b""
+        return self.prefix + mark + f"{lease.id:016x}-".encode("ascii")
+
     def own(self) -> bytes:
         """Our key (placed)."""
         assert self.key is not None
@@ -94,6 +99,24 @@ class Attempt:
         """Our key is gone (its lease expired or was revoked, or someone deleted it)."""
         self.key = None
         self.rev = 0
+
+    def grant(self) -> EtcdGrant:
+        """The grant of our key, which holds (its lease keeps it)."""
+        lease, key = self.lease, self.key
+        assert lease is not None and key is not None and self.rev > 0
+        grant = EtcdGrant(
+            name=self.request.name,
+            owner=self.request.owner,
+            token=self.rev,
+            valid_from=lease.valid_from,
+            ttl=float(lease.ttl),
+            key=key,
+            lease_id=lease.id,
+            on_lost=self.request.on_lost,
+            space=self.request.kind,
+        )
+        lease.held.add(grant)
+        return grant
 
 
 @dataclass(slots=True)
@@ -116,9 +139,9 @@ class Queue:
     def place(self, attempt: Attempt, lease: ClientLease) -> bytes:
         """Put the attempt's (next) key on ``lease``."""
         attempt.lease = lease
-        mark = SHARED_MARK if attempt.request.shared else b""
-        suffix = f"{lease.id:016x}-{attempt.request.owner}".encode("ascii")
-        attempt.key = attempt.prefix + mark + suffix
+        base = attempt.base(lease)
+        key = self._keys.reuse(base) if attempt.request.kind == "lock" else None
+        attempt.key = key or base + attempt.request.owner.encode("ascii")
         attempt.rev = 0
         self._keys.placed(attempt.key)
         return attempt.key
@@ -130,29 +153,16 @@ class Queue:
         attempt.requeue()
 
     def hand_over(self, attempt: Attempt) -> EtcdGrant:
-        lease, key = attempt.lease, attempt.key
-        assert lease is not None and key is not None and attempt.rev > 0
-        grant = EtcdGrant(
-            name=attempt.request.name,
-            owner=attempt.request.owner,
-            token=attempt.rev,
-            valid_from=lease.valid_from,
-            ttl=float(lease.ttl),
-            key=key,
-            lease_id=lease.id,
-            on_lost=attempt.request.on_lost,
-            space=attempt.request.kind,
-        )
-        lease.held.add(grant)
-        self._keys.lowest.pop(key, None)
+        grant = attempt.grant()
+        self._keys.lowest.pop(grant.key, None)
         return grant
 
     def known_busy(self, attempt: Attempt) -> bool:
         """Whether a key of ours that this hold waits for is on a lease refreshed within half
         its ttl (so it exists, unless an operator deleted it just now): then the lock is not
-        free, and a try needs no round trip. The client's own tasks queued for one lock try it
-        before each wait: this saves one write through raft per acquisition. (Not for a
-        semaphore: a key of ours may leave a permit free.)"""
+        free, and a try needs no round trip (a try by a task of a client whose tasks take
+        turns costs no write through raft). Not for a semaphore: a key of ours may leave a
+        permit free."""
         order, now = attempt.rule, anyio.current_time()
         if order.marked:
             return False
@@ -221,11 +231,18 @@ class Queue:
         )
 
     async def wait_for(self, attempt: Attempt) -> None:
-        """Queue (or find our place again) and wait until our key holds."""
+        """Queue (or find our place again) and wait until our key holds. The first round trip
+        takes a free lock as a try would (``acquire_tries_first``)."""
         failures = _FAILURES.backoff(window=2.0 * self._wire.settings.op_timeout)
         marked = attempt.rule.marked
         shortcuts = 0
+        answered = attempt.request.answered
         while True:
+            turn = None
+            if not marked:
+                # Made before the read, so that no delete after it is missed.
+                turn = TurnWait(*self._waits, attempt.prefix, attempt.request.name)
+                turn.begin()
             try:
                 if attempt.rev == 0:
                     if attempt.key is None or attempt.lease is None:
@@ -256,9 +273,20 @@ class Queue:
                     # came first): read our place again rather than watch a deleted key.
                     shortcuts += 1
                     continue
-                proven = await self._wait_turn(attempt, lease, place)
-                if proven and lease.fresh(anyio.current_time()):
-                    return  # the release before us proved our key the lowest
+                if answered is not None:
+                    # The first attempt is over (a lock: one round trip; a semaphore's permit
+                    # may need its grant mark too): the caller's timeout counts from now.
+                    answered()
+                    answered = None
+                if turn is None:
+                    # Close to a permit: the watch may be slow to tell (see PermitWait.run).
+                    look = (lambda: self._moved(attempt)) if place.near else None
+                    args = (*self._waits, attempt.own(), attempt.rev, place, attempt.request.name)
+                    await PermitWait(*args).run(lease, look)
+                elif await turn.run(lease, attempt.own(), attempt.rev, place) and lease.fresh(
+                    anyio.current_time()
+                ):
+                    return  # every key before ours is gone, ours is not
             except ProvenGone:
                 if attempt.lease is not None:
                     self._leases.died(attempt.lease, lease_gone(attempt.lease.id))
@@ -267,16 +295,13 @@ class Queue:
                 if self._wire.channel is None or not transient(exc):
                     raise
                 await failures.pause(exc)
+            finally:
+                if turn is not None:
+                    turn.end()
 
-    async def _wait_turn(self, attempt: Attempt, lease: ClientLease, place: Standing) -> bool:
-        """Whether the release of the key before ours proved that we hold the lock."""
-        args = (self._wire, self._hub, self._leases, self._keys, attempt.own(), attempt.rev)
-        if attempt.rule.marked:
-            # Close to a permit: the watch may be slow to tell (see PermitWait.run).
-            look = (lambda: self._moved(attempt)) if place.near else None
-            await PermitWait(*args, place, attempt.request.name).run(lease, look)
-            return False
-        return await TurnWait(*args, place, attempt.request.name).run(lease)
+    @property
+    def _waits(self) -> tuple[Wire, WatchHub, Leases, Keys]:
+        return self._wire, self._hub, self._leases, self._keys
 
     async def _moved(self, attempt: Attempt) -> bool:
         """Whether our key may hold now, or is gone."""
@@ -338,7 +363,7 @@ class Queue:
         except BaseException:
             # A waiter behind may have ignored the watch's event while this was in flight.
             for each in behind:
-                each.wake(False)
+                each.wake(False, gone=False)
             raise
         finally:
             keys.releasing.discard(key)
@@ -448,4 +473,6 @@ class Queue:
 
 
 def _standing(order: Rule, older: Any, seen: int) -> Standing:
-    return standing(order, [(bytes(kv.key), bytes(kv.value)) for kv in older], seen)
+    return standing(
+        order, [(bytes(kv.key), bytes(kv.value), int(kv.create_revision)) for kv in older], seen
+    )

@@ -14,8 +14,8 @@ from aetcd import rpc
 
 from .._kit import RENEWAL, BackendTimeout, BackendUnavailable, LockError, translate
 from ._errors import token_rejected
-from ._hub import NameWatch, WatchHub, delete_watch
-from ._keys import Keys
+from ._hub import NameWatch, WatchHub
+from ._keys import Behind, Keys
 from ._lease import ClientLease, Leases
 from ._order import Standing
 from ._proto import range_op
@@ -155,126 +155,171 @@ class Wait:
 
 
 class TurnWait(Wait):
-    """One wait: :meth:`run` returns when the key before ours, or ours, is deleted (or to look
-    again), and raises what went wrong.
+    """A lock's wait (a reader's and an election's too): it follows the deletes of the keys
+    before its own through the client's one watch on the name (``NameWatch``, from the
+    revision right after the read that placed it), and holds, without a read of its own,
+    once every key it read before its own is deleted and the read had them all (at most
+    ``TRACKED``): a hand-over from another client costs one watch event.
 
-    Its watches go on the client's shared stream (:mod:`._hub`). When the key before ours is
-    this client's own, our release or withdrawal of it wakes us at once (``Keys.local``), and
-    the watches, from the revision after the place was read, only cover a delete by anyone
-    else (a lease expiry, an operator): no read and no polls are needed for them.
+    The wait is made (:meth:`begin`) before the read that places it is sent: if the client has
+    a watch on the name, it is told every event of the name from then on, so that none is
+    lost between the read and the wait; after the read (:meth:`run`) only those of its keys.
+    When the key right before ours is this client's own, our release of it wakes us at once
+    (``Keys.local``), with the proof its transaction read.
     """
 
-    __slots__ = ("_local", "_predecessor", "proven")
+    __slots__ = (
+        "_complete",
+        "_deletes",
+        "_followed",
+        "_local",
+        "_lost",
+        "_older",
+        "_placed",
+        "_prefix",
+        "_stale",
+        "_watch",
+        "proven",
+    )
 
-    async def run(self, lease: ClientLease) -> bool:
-        """Whether the release of the key before ours proved that we hold the lock."""
-        wire = self._wire
+    def __init__(
+        self, wire: Wire, hub: WatchHub, leases: Leases, keys: Keys, prefix: bytes, name: str
+    ) -> None:
+        super().__init__(wire, hub, leases, keys, b"", 0, _NOWHERE, name)
+        self._prefix = prefix
         #: Set by the release of the key before ours when it proved our key the lowest.
         self.proven = False
-        self._predecessor = self._place.watch[0]
-        #: Woken by our own delete of the key before ours (None: someone else's key).
-        self._local = local = self._keys.local.get(self._predecessor)
-        stream = self._hub.stream()
-        keys = (self._predecessor, self.own)
-        shared: NameWatch | None = None
-        if local is None:
-            stream.add(self, [delete_watch(key) for key in keys])
-        else:
-            # A local predecessor: the watches start right after the read (they may be
-            # "unsynced", see _after_watch, which only delays a fault's wake-up). The
-            # name's shared watch, unless it started after that.
-            start = self._place.seen + 1
-            shared = stream.name_watch(self.own[: self.own.rindex(b"/") + 1], start)
-            if shared.start <= start:
-                shared.add(self, keys)
-            else:
-                shared = None
-                stream.add(self, [delete_watch(key, start) for key in keys])
+        self._watch: NameWatch | None = None
+        self._local: list[Behind] | None = None
+        #: The last delete seen of each key (events before our place was known).
+        self._deletes: dict[bytes, int] = {}
+        #: The keys before ours still there, with their create revisions; ``_complete``:
+        #: they are all of them.
+        self._older: dict[bytes, int] = {}
+        self._complete = False
+        self._followed: tuple[bytes, ...] = ()
+        self._placed = self._lost = self._stale = False
+
+    def begin(self) -> None:
+        """Before the read: keep every event of the name's watch, if the client has one."""
+        watch = self._hub.current_name_watch(self._prefix)
+        if watch is not None:
+            watch.add_all(self)
+            self._watch = watch
+
+    def end(self) -> None:
+        """Leave the watch (no await: nothing can interrupt it)."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.remove_all(self)
+            watch.remove(self, self._followed)
+        local, self._local = self._local, None
+        if local is not None and self in local:
+            local.remove(self)
+
+    def _follow(self, own: bytes, rev: int, place: Standing) -> bool:
+        """Our place as read; False if the name's watch does not cover the time since."""
+        self.own, self.rev, self._place = own, rev, place
+        deletes = self._deletes
+        self._older = {key: made for key, made in place.older if deletes.get(key, 0) <= made}
+        self._complete = place.complete
+        self._lost = deletes.get(own, 0) > rev
+        self._placed = True
+        watch = self._watch
+        if watch is None:
+            watch = self._hub.stream().name_watch(self._prefix, place.seen + 1)
+            if watch.start > place.seen + 1:
+                return False  # made after another read of ours, later than this one
+            self._watch = watch
+        self._followed = (*self._older, own)
+        watch.add(self, self._followed)
+        watch.remove_all(self)
+        return True
+
+    async def run(self, lease: ClientLease, own: bytes, rev: int, place: Standing) -> bool:
+        """Whether our key holds: the release before ours proved it, or every key before it
+        was deleted (False: look again)."""
+        if not self._follow(own, rev, place):
+            return False
+        local = self._keys.local.get(place.watch[0])
+        if local is not None:
             local.append(self)
+            self._local = local
         try:
-            polls = await self._first_look()
-            if polls is not None:
+            if not self._settled():
+                await self._arm(1)
+                watch, now = self._watch, anyio.current_time()
+                near = self._complete and len(self._older) <= 1 and local is None
+                polls: list[float] = []
+                if near and watch is not None and watch.maybe_unsynced(now):
+                    polls = [now + delay for delay in UNSYNCED_POLLS]
                 await self._idle(lease, polls, self._gone)
         finally:
-            # No await: nothing can interrupt it.
-            if shared is not None:
-                shared.remove(self, keys)
-            else:
-                stream.drop(self)
-            if local is not None and self in local:
-                local.remove(self)
-        if self.proven:
+            self.end()
+        if self.proven or self._turn():
             return True  # whatever failed since: the proof stands (the caller checks the lease)
-        await raise_failure(wire, self._what, self._failed)
+        await raise_failure(self._wire, self._what, self._failed)
         return False
 
-    def wake(self, proven: bool) -> None:
-        """Our own client deleted the key before ours (see ``Keys.gone``)."""
+    def _turn(self) -> bool:
+        """Every key before ours is gone, and ours is not."""
+        return self._complete and not self._older and not self._lost and not self._stale
+
+    def _settled(self) -> bool:
+        """Whether to stop waiting: we hold, or must look again."""
+        if self._lost or self._stale or (self._complete and not self._older):
+            return True
+        if self._local is None:
+            return not self._older  # the keys we followed are gone, not all before ours
+        # Behind a key of ours: our release of it wakes us, with the proof when ours is next
+        # (a read of our own would only come before it); its delete by anyone else, at once.
+        predecessor = self._place.watch[0]
+        return predecessor not in self._older and predecessor not in self._keys.releasing
+
+    def wake(self, proven: bool, *, gone: bool = True) -> None:
+        """Our own client deleted the key before ours (see ``Keys.gone``): we hold if its
+        release proved it, or if it was the last key before ours we followed; else we wait on
+        (a waiter further back: no read)."""
         self.proven = self.proven or proven
-        self._wake()
+        if gone and self._placed:
+            self._older.pop(self._place.watch[0], None)
+        if self.proven or not gone or not self._placed or self._settled():
+            self._wake()
 
     # -- told by the watch stream (Subscriber) -------------------------------------------------
 
-    def on_created(self, revision: int) -> None:
-        self._armed.append(revision)
-        if len(self._armed) == 2:
-            self._changed.set()
-
     def on_fired(self, events: Sequence[Any]) -> None:
-        predecessor = self._predecessor
-        if (
-            events
-            and predecessor in self._keys.releasing
-            and all(bytes(event.kv.key) == predecessor for event in events)
-        ):
-            return  # our own release of it is in flight: its answer wakes us, with the proof
-        self._wake()
-
-    async def _first_look(self) -> list[float] | None:
-        """Wait for the watches; the times to look again at (None: no wait is needed)."""
-        await self._arm(2)
-        armed, place = self._armed, self._place
-        if self._local is not None or len(armed) < 2 or self._woke:
-            return []
-        if max(armed) > place.seen or place.near:
-            try:
-                return await self._after_watch(max(armed))
-            except LockError as exc:  # raised by run(), out of the task group
-                self._failed.append(exc)
-        return []
+        if not events:  # the watch ended: look again
+            self._stale = True
+            self._wake()
+            return
+        for event in events:
+            key, revision = bytes(event.kv.key), int(event.kv.mod_revision)
+            if not self._placed:
+                self._deletes[key] = max(self._deletes.get(key, 0), revision)
+                continue
+            made = self._older.get(key)
+            if made is not None and revision > made:
+                del self._older[key]
+            elif key == self.own and revision > self.rev:
+                self._lost = True
+        if self._placed and self._settled():
+            self._wake()
 
     async def _gone(self) -> bool:
-        """Whether the key before ours, or ours, is gone (a poll of :meth:`Wait._idle`)."""
-        return not (await self._both_exist())[0]
-
-    async def _after_watch(self, start: int) -> list[float] | None:
-        """Once the watches exist (from revision ``start``): a read covers what happened since
-        the place was read. Returns None if a watched key is already gone, ``[]`` if the
-        watches can be trusted alone, else the times at which to look again.
-
-        etcd 3.4 turns a watch "from now" into one from ``Rev() + 1`` before it locks its store;
-        a write that commits in between leaves the watch "unsynced", and etcd delivers its
-        events from a loop that runs every 100 ms. For the next waiter in line that would delay
-        the hand-over by up to 100 ms, so it looks again a few times during that window, unless
-        the read proves nothing was written since the watch started (so it is synced).
-        """
-        exists, revision = await self._both_exist()
-        if not exists:
-            return None
-        if not self._place.near or revision <= start:
-            return []
-        now = anyio.current_time()
-        return [now + delay for delay in UNSYNCED_POLLS]
-
-    async def _both_exist(self) -> tuple[bool, int]:
+        """A poll of :meth:`Wait._idle` (our watch may be late): whether the one key before
+        ours, or ours, is gone."""
+        (key, made), *_ = self._older.items()
         reply = await self._wire.txn(
-            self._what,
-            rpc.TxnRequest(
-                success=[
-                    range_op(self._predecessor, count_only=True),
-                    range_op(self.own, count_only=True),
-                ]
-            ),
+            self._what, rpc.TxnRequest(success=[range_op(key), range_op(self.own)])
         )
-        exists = all(response.response_range.count for response in reply.responses)
-        return exists, int(reply.header.revision)
+        before, ours = (response.response_range.kvs for response in reply.responses)
+        if not ours or int(ours[0].create_revision) != self.rev:
+            self._lost = True
+        elif not before or int(before[0].create_revision) != made:
+            self._older.pop(key, None)
+        return self._settled()
+
+
+#: The place of a wait not placed yet.
+_NOWHERE: Final = Standing(holds=False, watch=(), puts_matter=False, near=False, seen=0)

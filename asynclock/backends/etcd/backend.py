@@ -26,6 +26,7 @@ from ._hub import WatchHub
 from ._inspect import Inspector
 from ._keys import Keys
 from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
+from ._names import key_base
 from ._proto import create_is, move_op, range_op, to_compare, to_request_op
 from ._queue import Queue
 from ._urls import Settings, bucket, check_ttl, read_settings
@@ -42,6 +43,7 @@ class EtcdBackend(Backend[EtcdGrant]):
 
     driver = "gRPC (grpc.aio, through aetcd)"
     capabilities = Capabilities.every()
+    acquire_tries_first = True
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -217,6 +219,8 @@ class EtcdBackend(Backend[EtcdGrant]):
         return refreshed, present, checked
 
     async def release(self, grant: EtcdGrant) -> None:
+        if grant.released:
+            return  # run again (after a native cancellation): done already
         lease = self._leases.by_id.get(grant.lease_id)
         if lease is not None:
             lease.held.discard(grant)
@@ -240,7 +244,11 @@ class EtcdBackend(Backend[EtcdGrant]):
                     "lease when the client closes"
                 ) from exc
             raise
+        # No await from the answer to here: a run again returns above.
+        grant.released = True
         self._keys.orphans.pop(grant.key, None)
+        if grant.space == "lock" and lease is not None and not lease.dead:
+            self._keys.reusable(key_base(grant.key), grant.key)
 
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         return await self._inspector.inspect(name, kind)
