@@ -718,6 +718,53 @@ async def test_no_connection_leaks_after_acquire_cancel_cycles(
     assert await pg.settle_sessions(0) == 0
 
 
+async def test_a_lock_the_client_waited_for_goes_straight_to_the_servers_queue(pg: Pg) -> None:
+    """After a wait, the client's next acquire of the lock is one statement in the server's
+    queue, which takes it when free (and the acquire after that tries on the lane again); such a
+    wait, timed out or cancelled anywhere, leaves nothing behind."""
+    rng = random.Random(11)
+    async with pg.connect() as locks, asynclock.connect(pg.server.url) as other:
+        contended = locks._backend._waiter.contended  # type: ignore[attr-defined]
+        key = lock_key(pg.name)
+
+        async def wait_once() -> None:
+            leases: list[asynclock.Lease] = []
+
+            async def waiter() -> None:
+                leases.append(await locks.acquire(pg.name, ttl=10, timeout=5))
+
+            holder = await other.acquire(pg.name, ttl=10)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await pg.wait_for_waiters(1)
+                await holder.release()
+            assert key in contended
+            await leases[0].release()
+
+        await wait_once()
+        lease = await locks.acquire(pg.name, ttl=10, timeout=5)  # free: direct, then the lane
+        assert key not in contended
+        token = lease.token
+        await lease.release()
+        await wait_once()
+        holder = await other.acquire(pg.name, ttl=10)
+        with pytest.raises(asynclock.AcquireTimeout):
+            await locks.acquire(pg.name, ttl=10, timeout=0.05)
+        for _ in range(12):
+            with anyio.move_on_after(rng.uniform(0, 0.004)):
+                async with locks.lock(pg.name, ttl=10):
+                    pytest.fail("entered a held lock")
+        assert key in contended
+        await holder.release()
+        async with locks.lock(pg.name, ttl=10, timeout=5) as lease:
+            assert lease.token is not None and token is not None and lease.token > token
+        async with other.lock(pg.name, ttl=10, timeout=5):
+            pass
+        assert await pg.waiters() == []
+        assert all(count == 0 for _, count in await pg.sessions())
+    assert await pg.settle_sessions(0) == 0
+
+
 async def test_a_cancelled_acquire_does_not_wait_for_its_connect(pg: Pg) -> None:
     async with FaultProxy(pg.server.host, pg.server.port) as proxy:
         url = f"postgresql://postgres@{proxy.address}/postgres?application_name={pg.app}"

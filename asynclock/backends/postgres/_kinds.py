@@ -88,6 +88,7 @@ def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
         value in ``$first`` and the next, an election's NOTIFY channel after them."""
         return template.format(
             lock=lock,
+            try_lock=lock.replace("pg_advisory", "pg_try_advisory", 1),
             queue=queue,
             keep=keep(first, first + 1, shared=shared) if kept else "",
             notify=NOTIFY.format(channel=first + 2) if notify else "",

@@ -99,6 +99,8 @@ class PostgresGrant(Grant):
     #: it was granted: its release waits for it, so that no place outlives the hold (a later
     #: take counted the permits of a waiter that was gone).
     leaving: Op | None = field(default=None, repr=False)
+    #: Granted after a wait in the server's queue (its statement found the lock busy).
+    waited: bool = False
 
 
 class Owner(Protocol):

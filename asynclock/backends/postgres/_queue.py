@@ -82,6 +82,7 @@ class Waits:
         shared: bool = False,
         kept: bool = False,
         bound: float | None = None,
+        sent: Callable[[], object] | None = None,
     ) -> PostgresGrant | None:
         """Wait in the server's queue on a dedicated connection, which then holds the lock;
         unless the queue table has places for the key (None: wait there, ``_queue.py``), or
@@ -95,7 +96,7 @@ class Waits:
         again. A connection that turns out to be dead (a pooled one the server or a proxy closed
         while it was idle, or a waiter's session the server ended while this process was paused)
         is replaced and the wait starts again: that is no outage. Only a new connection that
-        fails as well is reported.
+        fails as well is reported. ``sent`` is called as the statement is sent.
         """
         # Counted before the first await: waiters that start together see each other.
         self.waiting += 1
@@ -110,6 +111,8 @@ class Waits:
                     ):
                         # Queue in the server; the caller's cancel scope bounds the wait.
                         sent_at = now()
+                        if sent is not None:
+                            sent()
                         row = await connection.fetchrow(
                             sql, key, self._wire.sequence, str(ttl_ms), *args
                         )
@@ -140,6 +143,7 @@ class Waits:
                     kept_key=key if kept else None,
                     release_sql=release[0],
                     release_args=release[1],
+                    waited=row[2] is True,
                 )
         finally:
             self.waiting -= 1

@@ -17,7 +17,7 @@ from ._kinds import kind_key, permits_class, slot_keys
 from ._lease import PostgresGrant
 from ._queue import Queue
 from ._sql import BEGIN_SEMAPHORE, RELEASE_SEMAPHORE, TAKE_SEMAPHORE, timeout_ms
-from ._wire import Replacements, Wire
+from ._wire import Replacements, Wire, answered
 
 
 class Semaphores:
@@ -40,6 +40,7 @@ class Semaphores:
         grant = await self._try(request, key, ttl_ms, permits, head=False)
         if grant is not None or not wait:
             return grant
+        await answered(request)
         return await self._queue.wait(
             request,
             key,

@@ -201,25 +201,28 @@ SELECT token{notify} FROM token
 # Unless $4 (the head of the queue table goes to the server's queue): only when the table is
 # empty, which the statement checks before it queues (no row comes back otherwise).
 # The head first takes the key's marker ($5, shared, released with the lock): inspect counts it
-# once, not in both queues.
+# once, not in both queues. The lock is tried before it is waited for (CASE evaluates its ELSE
+# only when the try failed), so the row says whether the statement waited: a free lock is taken
+# at once either way.
 # $1 key, $2 sequence, $3 ttl ms, $4 head, $5 marker; kept: $6 owner, $7 value; NOTIFY: $8
-# channel.
+# channel. Returns (token, pid, waited, ...).
 WAIT = """
 WITH empty AS MATERIALIZED (
     SELECT 1 WHERE $4 OR NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
 ),
 marked AS MATERIALIZED (SELECT pg_advisory_lock_shared($5) FROM empty WHERE $4),
 granted AS MATERIALIZED (
-    SELECT {lock}($1) FROM empty CROSS JOIN (SELECT count(*) FROM marked) AS heads
+    SELECT CASE WHEN {try_lock}($1) THEN false ELSE {lock}($1)::text IS NOT NULL END AS waited
+    FROM empty CROSS JOIN (SELECT count(*) FROM marked) AS heads
 ),
-token AS MATERIALIZED (SELECT nextval($2::regclass) AS token FROM granted)
+token AS MATERIALIZED (SELECT nextval($2::regclass) AS token, waited FROM granted)
 {keep}
-SELECT token, pg_backend_pid(), set_config('idle_session_timeout', $3, false){notify}
+SELECT token, pg_backend_pid(), waited, set_config('idle_session_timeout', $3, false){notify}
 FROM token
 """
 # One try on a dedicated connection (a shared hold while the lane holds the key shared already:
 # the lane refuses a re-entrant take, as the server would let it jump a waiting writer).
-# $1 key, $2 sequence, $3 ttl ms, $4 owner, $5 value.
+# $1 key, $2 sequence, $3 ttl ms, $4 owner, $5 value. Returns (token, pid, false, ...) as WAIT.
 TRY_SHARED_DEDICATED = """
 WITH attempt AS MATERIALIZED (
     SELECT pg_try_advisory_lock_shared($1) AS taken
@@ -227,7 +230,8 @@ WITH attempt AS MATERIALIZED (
 ),
 token AS MATERIALIZED (SELECT nextval($2::regclass) AS token FROM attempt WHERE attempt.taken),
 {keep}
-SELECT token, pg_backend_pid(), set_config('idle_session_timeout', $3, false) FROM token
+SELECT token, pg_backend_pid(), false, set_config('idle_session_timeout', $3, false)
+FROM token
 """
 # A lane's unlock of one key ($1; NOTIFY: $2 channel), and its row with it (ours only).
 UNLOCK_KEPT = """

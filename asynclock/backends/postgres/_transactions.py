@@ -31,7 +31,7 @@ import anyio
 from .._kit import Capabilities, LockRequest, now, translate
 from ._lease import FRESH_WAIT, PostgresGrant
 from ._sql import RENEW, XACT_TAKE, XACT_WAIT
-from ._wire import Replacements, Wire
+from ._wire import Replacements, Wire, answered
 
 logger = logging.getLogger("asynclock")
 
@@ -106,7 +106,9 @@ class TransactionHolds:
                         self._sessions.give_back(connection)
                         return None
                     if not taken:
-                        # In the server's queue; the caller's cancel scope bounds the wait.
+                        # In the server's queue; the caller's cancel scope bounds the wait,
+                        # from now on (the try was its first answer).
+                        await answered(request)
                         sent_at = now()
                         token = await connection.fetchval(XACT_WAIT, key, self._wire.sequence)
                         if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Self
 
@@ -26,7 +26,7 @@ from .._kit import (
 )
 from ._errors import CHECKING, Errors
 from ._inspect import Inspector
-from ._kinds import kind_key, modes, no_holders_table
+from ._kinds import Mode, kind_key, modes, no_holders_table
 from ._lanes import Lanes
 from ._lease import PostgresGrant, Renewals
 from ._queue import Queue, Waits
@@ -48,6 +48,11 @@ from ._urls import Settings, read_url
 from ._wire import Sessions, Wire
 
 __all__ = ("PostgresBackend", "PostgresGrant")
+
+#: How long after a direct acquire's statement was sent its timeout starts to apply (``_wait``).
+DIRECT_GRACE = 0.01
+#: Keys a client remembers as contended (forgotten all at once beyond this).
+_CONTENDED_KEYS = 1024
 
 logger = logging.getLogger("asynclock")
 
@@ -72,6 +77,9 @@ class PostgresBackend(Backend[PostgresGrant]):
     #: Whether the holders' table is there for shared locks, semaphores, elections (open()).
     _holders_ready = False
     capabilities = Capabilities.every(quorum=False, ttl_change=False)
+    #: ``acquire`` tries first (a lane's take, a permit's or a transaction's try) and says so
+    #: (``answered``) before it waits: a timed acquire costs no try of the core's before it.
+    acquire_tries_first = True
 
     def __init__(
         self,
@@ -111,7 +119,6 @@ class PostgresBackend(Backend[PostgresGrant]):
         )
         #: The grant of each dedicated holding connection; our waiters in the server's queue.
         self._held: dict[Any, PostgresGrant] = {}
-        self._waiting: dict[int, int] = {}
         self._server_version: str | None = None
         #: Settings of every connection opened after open() (see _server.CHECK_INTERVAL_MS).
         self._server_settings = {**_SERVER_SETTINGS, "application_name": application_name}
@@ -158,6 +165,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._waits = Waits(wire)
         self._queue = Queue(wire, self._lanes)
         self._semaphores = Semaphores(wire, self._queue)
+        self._waiter = _Waiting(self._waits, self._queue, self.max_waiting, self._channel)
         self._inspector = Inspector(wire, self._queue, poll_interval=self.poll_interval)
         #: Every hold in a transaction of its own (``_transactions.py``), or None: locks on lanes.
         self._transactions: TransactionHolds | None = None
@@ -280,8 +288,11 @@ class PostgresBackend(Backend[PostgresGrant]):
         key = kind_key(request.name, request.kind, self.schema)
         mode = self._modes[request.kind, request.shared and request.kind == "lock"]
         ttl_ms = timeout_ms(request.ttl)
-        waiting = self._waiting.get(key, 0)
-        if not (wait and waiting):  # others of ours wait for it: it is busy, queue behind
+        waiting = self._waiter.waiting.get(key, 0)
+        # An exclusive lock this client last found busy: its acquire goes straight to the
+        # server's queue, whose one statement takes it if it is free (on a dedicated connection).
+        direct = wait and not waiting and key in self._waiter.contended
+        if not (direct or (wait and waiting)):  # others of ours wait for it: it is busy
             if mode.shared and self._lanes.holds_shared(ttl_ms, key, mode):
                 # The lane holds it shared already: a second hold there would be re-entrant
                 # (past a waiting writer too), so this one tries on a connection of its own.
@@ -301,34 +312,12 @@ class PostgresBackend(Backend[PostgresGrant]):
                 grant = await self._lanes.take(request, key, ttl_ms, mode, self._channel)
             if grant is not None or not wait:
                 return grant
-        self._waiting[key] = self._waiting.get(key, 0) + 1
-        try:
-            extra = mode.take_args(request.owner, request.value, self._channel)
-
-            def server_queue(head: bool) -> Awaitable[PostgresGrant | None]:
-                return self._waits.wait(
-                    request,
-                    key,
-                    ttl_ms,
-                    head=head,
-                    sql=mode.wait,
-                    args=(head, marker_key(key), *extra),
-                    release=(mode.release, mode.release_args(key, self._channel)),
-                    shared=mode.shared,
-                    kept=mode.kept,
-                )
-
-            if self._waits.waiting < self.max_waiting:
-                grant = await server_queue(False)
-                if grant is not None:
-                    return grant
-            return await self._queue.wait(request, key, ttl_ms, lambda: server_queue(True))
-        finally:
-            left = self._waiting[key] - 1
-            if left:
-                self._waiting[key] = left
-            else:
-                del self._waiting[key]
+        answer = _Answer(request)
+        if not direct:
+            # Busy (the try said so, or others of ours wait for it): the caller's timeout
+            # applies from here; one already past ends the acquire before anything is queued.
+            await answer.now()
+        return await self._waiter.wait(request, key, ttl_ms, mode, answer)
 
     async def renew(self, grants: Sequence[PostgresGrant]) -> Sequence[RenewOutcome]:
         # One statement per lane, one per dedicated connection, all at the same time.
@@ -394,3 +383,109 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     def _errors(self, what: str) -> AbstractContextManager[None]:
         return translate(self._translator, what)
+
+
+class _Answer:
+    """``request.answered`` of one acquire, given once: now (after a try), or by a timer."""
+
+    def __init__(self, request: LockRequest) -> None:
+        self._answered = request.answered
+        self.given = self._answered is None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def give(self) -> None:
+        if not self.given:
+            self.given = True
+            assert self._answered is not None
+            self._answered()
+
+    async def now(self) -> None:
+        """Give it, and end the acquire here if its timeout is past already."""
+        if not self.given:
+            self.give()
+            await anyio.lowlevel.checkpoint_if_cancelled()
+
+    def later(self) -> None:
+        """Give it ``DIRECT_GRACE`` from now (the direct acquire's statement is sent now)."""
+        if not self.given:
+            self.cancel()  # sent again, on a new connection: from this send
+            self._timer = asyncio.get_running_loop().call_later(DIRECT_GRACE, self.give)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class _Waiting:
+    """A backend's waits for exclusive, shared and election locks (``PostgresBackend._take``),
+    in the server's queue or the queue table, and the locks it found contended."""
+
+    def __init__(self, waits: Waits, queue: Queue, max_waiting: int, channel: str) -> None:
+        self._waits = waits
+        self._queue = queue
+        self.max_waiting = max_waiting
+        self.channel = channel
+        #: Our waiters of each key.
+        self.waiting: dict[int, int] = {}
+        #: Exclusive locks whose last acquire here waited for them (``remember``).
+        self.contended: set[int] = set()
+
+    async def wait(
+        self, request: LockRequest, key: int, ttl_ms: int, mode: Mode, answer: _Answer
+    ) -> PostgresGrant:
+        """Wait in the server's queue on a dedicated connection, or in the queue table behind
+        it. A direct acquire (``answer`` not given yet) has not tried first: its statement takes
+        a free lock at once, and a timed one's timeout applies from ``DIRECT_GRACE`` after it
+        was sent (a free lock's answer is back well before), or from its answer."""
+        self.waiting[key] = self.waiting.get(key, 0) + 1
+        try:
+            extra = mode.take_args(request.owner, request.value, self.channel)
+
+            def server_queue(
+                head: bool, sent: Callable[[], object] | None = None
+            ) -> Awaitable[PostgresGrant | None]:
+                return self._waits.wait(
+                    request,
+                    key,
+                    ttl_ms,
+                    head=head,
+                    sql=mode.wait,
+                    args=(head, marker_key(key), *extra),
+                    release=(mode.release, mode.release_args(key, self.channel)),
+                    shared=mode.shared,
+                    kept=mode.kept,
+                    sent=sent,
+                )
+
+            direct = not answer.given
+            if self._waits.waiting < self.max_waiting:
+                try:
+                    grant = await server_queue(False, answer.later if direct else None)
+                finally:
+                    answer.cancel()
+                if grant is not None:
+                    self.remember(request, key, grant.waited, direct)
+                    return grant
+            await answer.now()
+            grant = await self._queue.wait(request, key, ttl_ms, lambda: server_queue(True))
+            self.remember(request, key, True, direct)
+            return grant
+        finally:
+            left = self.waiting[key] - 1
+            if left:
+                self.waiting[key] = left
+            else:
+                del self.waiting[key]
+
+    def remember(self, request: LockRequest, key: int, waited: bool, direct: bool) -> None:
+        """Whether the next acquire of an exclusive lock goes straight to the server's queue:
+        this one waited for it; or it tries on the lane first: this direct one found it free."""
+        if request.kind != "lock" or request.shared:
+            return
+        if waited:
+            if len(self.contended) >= _CONTENDED_KEYS:
+                self.contended.clear()
+            self.contended.add(key)
+        elif direct:
+            self.contended.discard(key)
