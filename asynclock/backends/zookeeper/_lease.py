@@ -40,6 +40,9 @@ class ZooKeeperGrant(Grant):
     path: str = ""
     kind: str = EXCLUSIVE
     session: LockSession | None = field(default=None, repr=False)
+    #: The release writes the node's data before deleting it (``LockSession.release``): an
+    #: exclusive hold that waited, so its release hands the lock over to a waiter.
+    marks_release: bool = False
 
 
 @dataclass(slots=True)
@@ -198,7 +201,7 @@ class LockSession(Session):
     async def release(self, path: str, parent: str, *, mark: bool) -> None:
         """Delete the held node ``path`` (gone already is fine; an error reply is raised).
 
-        With ``mark`` (an exclusive hold: a lock's or an election's), the node's data is
+        With ``mark`` (an exclusive hold that waited: a lock's or an election's), the node's data is
         written in the transaction that deletes it (``multi``): the waiter that watches the
         node gets a *data changed* event instead of *deleted*, which tells it that the node
         went with its holder's release, hence that nothing ahead of it is left: it takes the

@@ -71,6 +71,8 @@ class Attempt:
     unsure: bool = field(default=False, init=False)
     #: Told when our node is queued (``LockRequest.answered``; the backend calls it once).
     answered: Callable[[], None] | None = None
+    #: Whether any node was ever seen ahead of ours: then its release marks the hand-over.
+    waited: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.kind = node_kind(self.request)
@@ -97,6 +99,7 @@ class Attempt:
                     continue
                 if not ahead:
                     return self._granted(czxid, listed_at)
+                self.waited = True
                 if not wait:
                     return None
                 if self.answered is not None:
@@ -140,13 +143,17 @@ class Attempt:
         Returns when the lock is known to be ours without listing the queue (a valid
         ``valid_from``), or None: list it. Known on the watch's event alone when the node was
         the only one ahead (a node created later always gets a higher sequence number), or
-        when it went with its holder's release: an exclusive holder's release writes its node's
-        data in the transaction that deletes it (:meth:`LockSession.release`), so the event is
-        *data changed*, not *deleted*. It held the lock, so nothing ahead of it is left, and
-        nothing is between it and us (it is the last node ahead): a hand-over costs one event
-        whatever the queue's length. A node that went any other way (a cancelled waiter, an
-        expired session, an operator, a reader's release) fires *deleted*: then the queue is
-        listed. Readers hold together, so one leaving proves nothing about the others.
+        when it went with its holder's release: the release of an exclusive hold that ever
+        waited writes its node's data in the transaction that deletes it
+        (:meth:`LockSession.release`), so the event is *data changed*, not *deleted*. It held
+        the lock, so nothing ahead of it is left, and nothing is between it and us (it is the
+        last node ahead). A holder that never waited releases with a plain delete (one write
+        fewer for an uncontended lock): it had no node ahead when it queued, and none is ever
+        created ahead of a node, so it is the only one ahead of whoever watches it. A node that
+        went any other way (a cancelled waiter, an expired session, an operator, a reader's
+        release) fires *deleted*: then the queue is listed. Readers hold together, so one
+        leaving proves nothing about the others. A hand-over costs one event whatever the
+        queue's length.
         """
         watched = ahead[-1]
         alone = len(ahead) == 1
@@ -171,6 +178,7 @@ class Attempt:
             path=path,
             kind=self.kind,
             session=self.session,
+            marks_release=self.kind == EXCLUSIVE and self.waited,
             space=self.request.kind,
         )
         self.session.hold(path, self.request.on_lost)

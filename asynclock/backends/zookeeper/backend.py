@@ -32,7 +32,6 @@ from .._kit import (
 from . import _inspect
 from ._errors import SessionGone, zk_errors
 from ._lease import LockSession, ZooKeeperGrant
-from ._names import EXCLUSIVE
 from ._queue import Attempt
 from ._session import ATTEMPTS, Context, Session
 from ._tree import Tree
@@ -310,7 +309,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             return
         try:
             with translate(zk_errors, f"releasing {grant.name!r} on {self.describe()}"):
-                await session.release(grant.path, parent, mark=grant.kind == EXCLUSIVE)
+                await session.release(grant.path, parent, mark=grant.marks_release)
         except ProvenGone:
             return  # the node went with its session
         except BackendTimeout as exc:
