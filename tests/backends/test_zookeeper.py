@@ -643,6 +643,32 @@ async def test_only_a_holders_release_hands_over_on_the_event_alone(
         assert await zk.admin.get_data(parent) == b"mark"  # the parent is not written
 
 
+async def test_acquires_queue_behind_a_session_being_made_in_their_order(zk: Zk) -> None:
+    """While the session for a ttl is being made, a later acquire does not skip ahead of the
+    ones waiting for it once it exists: their creates, hence their places in the lock's queue,
+    keep the order the callers came in."""
+    order: list[str] = []
+    async with zk.connect(session_timeout=5) as locks:
+        backend = backend_of(locks)
+        holder = await locks.acquire("made", ttl=5)
+        assert backend._session_lock is not None
+        async with anyio.create_task_group() as tg:
+
+            async def waiter(label: str) -> None:
+                async with locks.lock("made", ttl=5):
+                    order.append(label)
+
+            async with backend._session_lock:  # as while a session is being made
+                tg.start_soon(waiter, "first")
+                await anyio.sleep(0.05)
+                tg.start_soon(waiter, "second")
+                await anyio.sleep(0.2)
+                assert len(await zk.children("made")) == 1, "a create went ahead of the session"
+            await zk.wait_for_children("made", 3)
+            await holder.release()
+        assert order == ["first", "second"]
+
+
 @pytest.mark.expect_log(r"lease on 'written' lost: its znode \S+ was written")
 async def test_a_lock_nodes_data_written_by_someone_else_loses_the_hold(zk: Zk) -> None:
     """Only a holder's release writes a lock node's data, and the waiter behind it takes the

@@ -158,12 +158,16 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     async def _session_for(self, ttl: float) -> LockSession:
         ms = _ms(ttl)
         session = self._sessions.get(ms)
-        if session is not None and session.usable:
+        lock = self._session_lock
+        # While a session is being made, later calls queue behind the ones waiting for it:
+        # skipping ahead once it exists would reorder their creates, hence their places in
+        # the queue (the server numbers nodes in the order the creates arrive).
+        if session is not None and session.usable and lock is not None and not lock.locked():
             return session
         if self._state != "open":
             raise BackendUnavailable(f"the lock client for {self.describe()} is closed")
-        assert self._session_lock is not None
-        async with self._session_lock:
+        assert lock is not None
+        async with lock:
             session = self._sessions.get(ms)
             if session is not None and session.usable:
                 return session
