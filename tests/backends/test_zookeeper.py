@@ -21,7 +21,7 @@ from aiozk import exc, protocol
 import asynclock
 from asynclock.abc import LockInfo, LockRequest
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
-from asynclock.backends.zookeeper._queue import MARK_AFTER
+from asynclock.backends.zookeeper._lease import LockSession
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble
 from tests.contract.backend_zookeeper import (
     Zk,
@@ -568,18 +568,26 @@ async def test_native_cancels_landing_on_the_delete_of_the_tasks_node_leave_noth
 # -- order -----------------------------------------------------------------------------------
 
 
-async def test_only_a_holders_release_lets_the_waiter_behind_skip_listing_the_queue(
-    zk: Zk,
+async def test_only_a_holders_release_hands_over_on_the_event_alone(
+    zk: Zk, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A lease that queued behind a long queue names its node in the parent's data when it is
-    released, in the transaction that deletes it: the waiter that watched it takes the lock
+    """An exclusive holder's release writes its node's data in the transaction that deletes
+    it: the waiter that watched the node gets *data changed* and takes the lock on that event,
     without listing the queue. A node that goes any other way (a cancelled waiter, another
-    client's session closing, a release without the mark) leaves the data alone, and the
-    waiter behind it waits on for the nodes still ahead."""
+    client's session closing) fires *deleted*, and the waiter behind it lists the queue and
+    waits on for the nodes still ahead."""
     parent = f"{zk.chroot}/mark"
     served: list[str] = []
+    listings: list[str] = []
+    call = LockSession.call
+
+    async def counting_call(self: LockSession, *requests: Any) -> list[Any]:
+        listings.extend(r.path for r in requests if isinstance(r, protocol.GetChildrenRequest))
+        return await call(self, *requests)
+
+    monkeypatch.setattr(LockSession, "call", counting_call)
     async with zk.connect() as locks, zk.connect() as other:
-        holder = await locks.acquire("mark", ttl=5)  # granted at once: its release has no mark
+        holder = await locks.acquire("mark", ttl=5)
         cancelled = anyio.CancelScope()
 
         async def waiter(label: str) -> None:
@@ -592,18 +600,18 @@ async def test_only_a_holders_release_lets_the_waiter_behind_skip_listing_the_qu
 
         async with anyio.create_task_group() as tg:
             async with admin_client(zk.server.address) as foreign:
-                # The queue: the holder, MARK_AFTER nodes of another session, then waiters
-                # that each watch the node just before their own.
-                for _ in range(MARK_AFTER):
+                # The queue: the holder, nodes of another session, then waiters that each
+                # watch the node just before their own.
+                for _ in range(3):
                     await foreign.create(
                         f"{parent}/_c_foreign-lock-", ephemeral=True, sequential=True
                     )
                 tg.start_soon(waiter, "first")
-                await zk.wait_for_children("mark", MARK_AFTER + 2)
+                await zk.wait_for_children("mark", 5)
                 tg.start_soon(cancelled_waiter)
-                await zk.wait_for_children("mark", MARK_AFTER + 3)
+                await zk.wait_for_children("mark", 6)
                 tg.start_soon(waiter, "second")
-                queue = await zk.wait_for_children("mark", MARK_AFTER + 4)
+                queue = await zk.wait_for_children("mark", 7)
 
                 # No herd: nobody watches the queue (the parent's children); each waiter
                 # watches the one node before its own, the holder its own node.
@@ -612,17 +620,70 @@ async def test_only_a_holders_release_lets_the_waiter_behind_skip_listing_the_qu
 
                 ahead = {f"{parent}/{child}" for child in (queue[0], *queue[-4:-1])}
                 await until(lambda: watched() == ahead, 5)
+                listed = len(listings)
                 cancelled.cancel()  # "second" watched its node: it lists, and waits on
-                await until(lambda: zk.has_children("mark", MARK_AFTER + 3))
+                await until(lambda: zk.has_children("mark", 6))
+                await until(
+                    lambda: (
+                        watched() == ahead - {f"{parent}/{queue[-2]}"} | {f"{parent}/{queue[-3]}"}
+                    ),
+                    5,
+                )
+                assert len(listings) > listed
             # The foreign session closed and its nodes went with it: "first" watched the last.
             await until(lambda: zk.has_children("mark", 3))
             await anyio.sleep(0.3)
             assert served == [], "a waiter took the lock while the holder still held it"
-            assert await zk.admin.get_data(parent) == b"mark"  # nothing named a node yet
+            await until(lambda: watched() == {f"{parent}/{queue[0]}", f"{parent}/{queue[-3]}"}, 5)
+            listed = len(listings)
             await holder.release()
             await until(lambda: served == ["first", "second"])
-        # "first" named its node when it released, and "second", behind it, then its own.
-        assert await zk.admin.get_data(parent) == queue[-1].encode()
+        # Two hand-overs, each on its watch's event alone: nobody listed the queue.
+        assert listings[listed:] == []
+        assert await zk.admin.get_data(parent) == b"mark"  # the parent is not written
+
+
+async def test_acquires_queue_behind_a_session_being_made_in_their_order(zk: Zk) -> None:
+    """While the session for a ttl is being made, a later acquire does not skip ahead of the
+    ones waiting for it once it exists: their creates, hence their places in the lock's queue,
+    keep the order the callers came in."""
+    order: list[str] = []
+    async with zk.connect(session_timeout=5) as locks:
+        backend = backend_of(locks)
+        holder = await locks.acquire("made", ttl=5)
+        assert backend._session_lock is not None
+        async with anyio.create_task_group() as tg:
+
+            async def waiter(label: str) -> None:
+                async with locks.lock("made", ttl=5):
+                    order.append(label)
+
+            async with backend._session_lock:  # as while a session is being made
+                tg.start_soon(waiter, "first")
+                await anyio.sleep(0.05)
+                tg.start_soon(waiter, "second")
+                await anyio.sleep(0.2)
+                assert len(await zk.children("made")) == 1, "a create went ahead of the session"
+            await zk.wait_for_children("made", 3)
+            await holder.release()
+        assert order == ["first", "second"]
+
+
+@pytest.mark.expect_log(r"lease on 'written' lost: its znode \S+ was written")
+async def test_a_lock_nodes_data_written_by_someone_else_loses_the_hold(zk: Zk) -> None:
+    """Only a holder's release writes a lock node's data, and the waiter behind it takes the
+    lock on that event: a write by anyone else (an operator's ``set``) ends the hold too, as a
+    delete does, within milliseconds."""
+    async with zk.connect() as locks:
+        lease = await locks.acquire("written", ttl=5)
+        path = grant_of(lease).path
+        await until(lambda: path in watched_paths(zk.server), 5)
+        await zk.admin.set_data(path, b"operator")
+        with anyio.fail_after(5):
+            reason = await lease.wait_lost()
+        assert "was written" in reason
+        await lease.release()
+    assert await zk.children("written") == []
 
 
 # -- ensemble --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import anyio
 from aiozk import exc as zk_exc
@@ -22,7 +22,12 @@ from ._names import EXCLUSIVE
 from ._session import Context, Session
 from ._wire import RETRY
 
-__all__ = ("LockSession", "ZooKeeperGrant")
+__all__ = ("RELEASED", "LockSession", "ZooKeeperGrant")
+
+#: The data a holder's release writes into its node, in the transaction that deletes it. Only
+#: that release ever writes a lock node's data (an election candidate's value is written when
+#: the node is created), so the *data changed* event it fires proves the release.
+RELEASED: Final = b"released"
 
 logger = logging.getLogger("asynclock.zookeeper")
 
@@ -35,7 +40,8 @@ class ZooKeeperGrant(Grant):
     path: str = ""
     kind: str = EXCLUSIVE
     session: LockSession | None = field(default=None, repr=False)
-    #: The release names the node in the parent's data (``_queue.MARK_AFTER``).
+    #: The release writes the node's data before deleting it (``LockSession.release``): an
+    #: exclusive hold that waited, so its release hands the lock over to a waiter.
     marks_release: bool = False
 
 
@@ -130,6 +136,10 @@ class LockSession(Session):
             return
         if event_type == zk.WatchEvent.DELETED:
             self._lose(path, f"its znode {path} was deleted (by an operator or another client)")
+        elif event_type == zk.WatchEvent.DATA_CHANGED:
+            # Only a release writes a lock node's data (``RELEASED``), and the waiter behind
+            # takes the lock on that event: written by anyone else, the hold is over too.
+            self._lose(path, f"its znode {path} was written (by an operator or another client)")
         else:
             self._to_arm.add(path)
             self._work.set()
@@ -191,29 +201,27 @@ class LockSession(Session):
     async def release(self, path: str, parent: str, *, mark: bool) -> None:
         """Delete the held node ``path`` (gone already is fine; an error reply is raised).
 
-        With ``mark`` (an exclusive hold that queued behind a long queue), the node's name is
-        also written into the parent's data, in the same transaction: the waiter that watched
-        the node then knows that nothing ahead of it is left, without listing the queue
-        (``_queue.Attempt._released_by_holder``). Only a release does that: a node deleted any
-        other way leaves the parent's data alone.
+        With ``mark`` (an exclusive hold that waited: a lock's or an election's), the node's data is
+        written in the transaction that deletes it (``multi``): the waiter that watches the
+        node gets a *data changed* event instead of *deleted*, which tells it that the node
+        went with its holder's release, hence that nothing ahead of it is left: it takes the
+        lock on that one event, without a round trip (``_queue.Attempt._wait_for_lock``). A
+        node that goes any other way (a cancelled waiter, an expired session, an operator's
+        delete) fires *deleted*, and the waiter lists the queue.
         """
         if not mark:
             await self.delete([path], parent)
             return
         transaction = zk.TransactionRequest()
+        transaction.add(zk.SetDataRequest(path=path, data=RELEASED, version=-1))
         transaction.add(zk.DeleteRequest(path=path, version=-1))
-        transaction.add(
-            zk.SetDataRequest(path=parent, data=path.rpartition("/")[2].encode(), version=-1)
-        )
         (reply,) = await self.call_retrying(transaction)
         if isinstance(reply, Exception):
             raise reply
-        deleted, marked = reply.responses
-        if isinstance(marked, Exception) and not isinstance(deleted, zk_exc.NoNode):
+        marked, deleted = reply.responses
+        if isinstance(deleted, Exception) and not isinstance(marked, zk_exc.NoNode):
             # Refused as a whole, and not because the node is gone already (a retry after a
-            # lost reply, a revoke): the parent refused the write (another client's ACL, say).
-            # Released without the mark: the waiter lists the queue, as it does for a node
-            # that went any other way; the plain delete raises what it refuses.
+            # lost reply, a revoke): the plain delete raises what it refuses.
             await self.delete([path], parent)
             return
         self._touch_parent(parent)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import anyio
 from aiozk import exc as zk_exc
@@ -35,14 +35,7 @@ from ._session import ATTEMPTS
 from ._tree import Tree
 from ._wire import CONTAINER, EPHEMERAL_SEQUENTIAL, NO_EVENT, CreateContainerRequest
 
-__all__ = ("MARK_AFTER", "Attempt", "node_kind")
-
-#: A lease that queued behind at least this many nodes names its node in the parent's data when
-#: it is released (see ``Attempt._released_by_holder``): the queue it leaves is likely long, and
-#: a listing of it would cost more than the mark (a second operation in the release's
-#: transaction, +0.05 ms on loopback; a listing costs about 0.5 us per node on top of its round
-#: trip). Behind a short queue, the waiter lists it, as it does when a node went another way.
-MARK_AFTER = 8
+__all__ = ("Attempt", "node_kind")
 
 logger = logging.getLogger("asynclock.zookeeper")
 
@@ -76,8 +69,10 @@ class Attempt:
     node: str | None = field(default=None, init=False)
     #: A create was sent whose outcome we do not know.
     unsure: bool = field(default=False, init=False)
-    #: The most nodes seen ahead of ours: the length of the queue the lease may leave behind.
-    ahead_seen: int = field(default=0, init=False)
+    #: Told when our node is queued (``LockRequest.answered``; the backend calls it once).
+    answered: Callable[[], None] | None = None
+    #: Whether any node was ever seen ahead of ours: then its release marks the hand-over.
+    waited: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.kind = node_kind(self.request)
@@ -104,8 +99,12 @@ class Attempt:
                     continue
                 if not ahead:
                     return self._granted(czxid, listed_at)
+                self.waited = True
                 if not wait:
                     return None
+                if self.answered is not None:
+                    self.answered()  # queued: the caller's timeout applies from here
+                    self.answered = None
                 if self.request.kind == "semaphore":
                     # Any of the N nodes ahead going may give us a permit; the listing says.
                     await self._wait_for(*(f"{self.parent}/{node}" for node in ahead))
@@ -142,17 +141,30 @@ class Attempt:
         """Wait for the last node of ``ahead`` (the nodes that block our lock node) to go.
 
         Returns when the lock is known to be ours without listing the queue (a valid
-        ``valid_from``), or None: list it.
+        ``valid_from``), or None: list it. Known on the watch's event alone when the node was
+        the only one ahead (a node created later always gets a higher sequence number), or
+        when it went with its holder's release: the release of an exclusive hold that ever
+        waited writes its node's data in the transaction that deletes it
+        (:meth:`LockSession.release`), so the event is *data changed*, not *deleted*. It held
+        the lock, so nothing ahead of it is left, and nothing is between it and us (it is the
+        last node ahead). A holder that never waited releases with a plain delete (one write
+        fewer for an uncontended lock): it had no node ahead when it queued, and none is ever
+        created ahead of a node, so it is the only one ahead of whoever watches it. A node that
+        went any other way (a cancelled waiter, an expired session, an operator, a reader's
+        release) fires *deleted*: then the queue is listed. Readers hold together, so one
+        leaving proves nothing about the others. A hand-over costs one event whatever the
+        queue's length.
         """
-        watched, alone = ahead[-1], len(ahead) == 1
-        self.ahead_seen = max(self.ahead_seen, len(ahead))
-        gone_since = await self._wait_for(f"{self.parent}/{watched}")
-        if gone_since is not None and alone:
-            # The only node ahead that blocked us is gone, and a node created later always
-            # gets a higher sequence number: the lock is ours, no need to list.
+        watched = ahead[-1]
+        alone = len(ahead) == 1
+        entries = queue([watched])
+        exclusive = bool(entries) and entries[0].kind == EXCLUSIVE
+        gone = await self._wait_for(f"{self.parent}/{watched}")
+        if gone is None:
+            return None
+        gone_since, released = gone
+        if alone or (released and exclusive):
             return gone_since
-        if gone_since is not None:
-            return await self._released_by_holder(watched)
         return None
 
     def _granted(self, czxid: int, listed_at: float) -> ZooKeeperGrant:
@@ -166,7 +178,7 @@ class Attempt:
             path=path,
             kind=self.kind,
             session=self.session,
-            marks_release=self.kind == EXCLUSIVE and self.ahead_seen >= MARK_AFTER,
+            marks_release=self.kind == EXCLUSIVE and self.waited,
             space=self.request.kind,
         )
         self.session.hold(path, self.request.on_lost)
@@ -266,11 +278,12 @@ class Attempt:
         logger.info("asynclock: reusing lock node %s/%s after a lost reply", self.parent, self.node)
         return _checked(stat).stat.created_zxid, children, sent_at
 
-    async def _wait_for(self, *paths: str) -> float | None:
+    async def _wait_for(self, *paths: str) -> tuple[float, bool] | None:
         """Wait until one of ``paths`` is gone or changed, or the session's state changed.
 
         Returns, when one is known to be gone, a time before a request the server answered
-        after that (a valid ``valid_from``); None when something else woke us.
+        after that (a valid ``valid_from``), and whether it went with its holder's release
+        (:meth:`LockSession.release`); None when something else woke us.
         """
         wake = _Wake()
         session = self.session
@@ -283,40 +296,20 @@ class Attempt:
                 *(zk.GetDataRequest(path=path, watch=True) for path in paths)
             )
             if any(isinstance(reply, zk_exc.NoNode) for reply in replies):
-                return sent_at
+                return sent_at, False
             for reply in replies:
                 _checked(reply)
             await wake.future
             # The event came over a live connection of a live session; the last request the
-            # server answered bounds when it last heard from us.
-            deleted = wake.deleted and session.state == "connected"
-            return session.heard_sent_at if deleted else None
+            # server answered bounds when it last heard from us. A release deletes the node in
+            # the transaction that writes its data: gone too.
+            if session.state != "connected" or wake.event not in _GONE:
+                return None
+            return session.heard_sent_at, wake.event == zk.WatchEvent.DATA_CHANGED
         finally:
             for path in paths:
                 session.drop_watch(path, wake)
             session.drop_listener(wake)
-
-    async def _released_by_holder(self, node: str) -> float | None:
-        """Whether ``node``, a node ahead of ours that is gone, went with its holder's release.
-
-        Then nothing ahead of it is left (it held the lock, and no node is ever created ahead
-        of another), so the lock is ours without listing the queue: a hand-over costs the
-        same whatever the queue's length. An exclusive holder's release names its node in the
-        parent's data, in the transaction that deletes it (:meth:`LockSession.release`); a
-        node that went any other way (a cancelled waiter, an expired session, an operator)
-        leaves the parent's data alone, and the queue is listed. Returns when the check was
-        sent (a valid ``valid_from``), or None.
-        """
-        entries = queue([node])
-        if not entries or entries[0].kind != EXCLUSIVE:
-            return None  # readers hold together: one leaving proves nothing about the others
-        sent_at = anyio.current_time()
-        (reply,) = await self.session.call_retrying(
-            zk.GetDataRequest(path=self.parent, watch=False)
-        )
-        if isinstance(reply, Exception) or reply.data != node.encode():
-            return None
-        return sent_at
 
     def _orphan_prefix(self) -> str:
         # Unsure (a create or a duplicate delete whose outcome is unknown): every node of this
@@ -353,19 +346,24 @@ class Attempt:
             pass
 
 
+#: The watch events that say a watched lock node is gone: deleted, or written by its holder's
+#: release in the transaction that deletes it (:data:`RELEASED`).
+_GONE: Final = (zk.WatchEvent.DELETED, zk.WatchEvent.DATA_CHANGED)
+
+
 class _Wake:
     """What a waiter waits for: the event of its watch (called with the event's type) or a
     change of the session's state (called without). One small object and a future: an
     ``anyio.Event`` is an ``asyncio.Event`` with its deque and a future on top, three times
     the size, and one client may have thousands of waiters."""
 
-    __slots__ = ("deleted", "future")
+    __slots__ = ("event", "future")
 
     def __init__(self) -> None:
-        self.deleted = False
+        self.event = NO_EVENT
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def __call__(self, event_type: int = NO_EVENT) -> None:
-        self.deleted = self.deleted or event_type == zk.WatchEvent.DELETED
         if not self.future.done():
+            self.event = event_type
             self.future.set_result(None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Self
 
 import anyio
@@ -55,6 +55,8 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     """
 
     driver = "aiozk"
+    # acquire's first round trip (create and list, pipelined) takes a free lock or queues.
+    acquire_tries_first = True
     # ttl_change stays False: a lease's ttl is its session's timeout, fixed when the session
     # was made (``extend`` renews with the same ttl, the contract's default).
     capabilities = Capabilities.every(ttl_change=False)
@@ -156,12 +158,16 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
     async def _session_for(self, ttl: float) -> LockSession:
         ms = _ms(ttl)
         session = self._sessions.get(ms)
-        if session is not None and session.usable:
+        lock = self._session_lock
+        # While a session is being made, later calls queue behind the ones waiting for it:
+        # skipping ahead once it exists would reorder their creates, hence their places in
+        # the queue (the server numbers nodes in the order the creates arrive).
+        if session is not None and session.usable and lock is not None and not lock.locked():
             return session
         if self._state != "open":
             raise BackendUnavailable(f"the lock client for {self.describe()} is closed")
-        assert self._session_lock is not None
-        async with self._session_lock:
+        assert lock is not None
+        async with lock:
             session = self._sessions.get(ms)
             if session is not None and session.usable:
                 return session
@@ -222,10 +228,13 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         what = f"acquiring {request.kind} {request.name!r} on {self.describe()}"
         if request.kind == "semaphore" and request.permits < 1:
             raise InvalidArgument(f"{what}: permits must be at least 1, not {request.permits}")
+        # Told once, by the first attempt that queues (one whose session died before its
+        # create was answered leaves it to the next).
+        answered = _Once(request.answered) if wait and request.answered is not None else None
         with translate(zk_errors, what):
             for _ in range(ATTEMPTS):
                 session = await self._session_for(request.ttl)
-                attempt = Attempt(self._tree, session, request, self._settings.op_timeout)
+                attempt = Attempt(self._tree, session, request, self._settings.op_timeout, answered)
                 try:
                     return await attempt.run(wait)
                 except SessionGone as exc:
@@ -312,6 +321,20 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             # lock, so it must not be forgotten while the session lives.
             session.add_orphan(parent, node)
             raise type(exc)(f"{exc}; it is deleted once the connection is back") from exc.__cause__
+
+
+class _Once:
+    """A callback that runs the first time it is called, and never again."""
+
+    __slots__ = ("_callback",)
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback: Callable[[], None] | None = callback
+
+    def __call__(self) -> None:
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
 
 
 def _translated(error: Exception, context: str) -> Exception:
