@@ -15,8 +15,7 @@ import sys
 import time
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,8 +27,6 @@ from asynclock._registry import redact
 
 from . import _cross
 from ._contend import (
-    AsyncHold,
-    AsyncWorkerFactory,
     Budget,
     Run,
     contend_tasks,
@@ -42,6 +39,7 @@ from ._fairness import Fairness
 from ._peers import AsyncPeer, Peer, SyncPeer, peer_info
 from ._stats import summarize
 from ._targets import Target
+from ._worker import asynclock_factory
 
 #: The issue's fairness setting: 1,000 waiters 2 ms apart over 4 processes.
 FULL_FAIRNESS = Fairness(1000, 0.002, 4)
@@ -308,24 +306,6 @@ def _name(tag: str, what: str) -> str:
     return f"bench/{tag}/{what}/{uuid.uuid4().hex[:8]}"
 
 
-def _hold_factory(locks: asynclock.LockClient, name: str, ttl: float) -> AsyncWorkerFactory:
-    """Workers that share one asynclock client and take ``name`` with ``locks.lock()``."""
-
-    @asynccontextmanager
-    async def hold(timeout: float) -> AsyncIterator[bool]:
-        try:
-            async with locks.lock(name, ttl=ttl, timeout=timeout):
-                yield True
-        except asynclock.AcquireTimeout:
-            yield False
-
-    @asynccontextmanager
-    async def worker(index: int) -> AsyncIterator[AsyncHold]:
-        yield hold
-
-    return worker
-
-
 # -- one backend ----------------------------------------------------------------------------
 
 
@@ -460,7 +440,9 @@ async def _tasks(
             if index and not fits(settings, run.duration + 0.3):
                 break
             name = _name(tag, "tasks")
-            records.append(await contend_tasks(_hold_factory(locks, name, target.long_ttl), run))
+            records.append(
+                await contend_tasks(asynclock_factory(locks, name, target.long_ttl), run)
+            )
             settings.progress(_contention_line("tasks", records[-1]))
     return sorted(records, key=lambda record: (record["contenders"], record["hold_ms"]))
 
