@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import anyio
 
 from . import _fencing, _validate
-from ._clock import now
+from ._clock import cancel_scope, now
 from ._deadlock import actor_id, wait_watching_deadlocks, waiter_for
 from ._errors import (
     AcquireTimeout,
@@ -185,11 +185,11 @@ async def wait_from_first_answer(
 ) -> Grant | None:
     """``wait()`` for a backend whose acquire begins with a try: ``timeout`` (counted from now)
     applies once the backend reports the first answer, so its first attempt always completes."""
-    deadline = anyio.current_time() + timeout
-    with anyio.CancelScope() as scope:
+    deadline = now() + timeout
+    with cancel_scope() as scope:
 
-        def answered() -> None:
-            scope.deadline = deadline
+        def answered(grace: float = 0.0) -> None:
+            scope.deadline = max(deadline, now() + grace) if grace else deadline
 
         request.answered = answered
         return await wait()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Generic, Literal, Self, TypeVar
+from typing import Any, Generic, Literal, Protocol, Self, TypeVar
 
 import anyio
 from anyio.abc import AsyncResource
@@ -22,6 +22,7 @@ from anyio.abc import AsyncResource
 from ._errors import InvalidArgument, UnsupportedFeature
 
 __all__ = (
+    "Answered",
     "Backend",
     "Capabilities",
     "Grant",
@@ -91,6 +92,12 @@ class Capabilities:
 Kind = Literal["lock", "semaphore", "election"]
 
 
+class Answered(Protocol):
+    """:attr:`LockRequest.answered`: the acquire's first round trip was answered."""
+
+    def __call__(self, grace: float = 0.0) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class LockRequest:
     """One acquisition, as the core hands it to a backend. Read-only by convention: not frozen,
@@ -130,7 +137,10 @@ class LockRequest:
     #: the acquire's first round trip, whatever the answer (taken, queued). Only from then on
     #: does the caller's timeout bound the wait, so that the first attempt is never cut short,
     #: as ``try_acquire``'s is not (``timeout=1e-9`` must not fail where ``timeout=0`` succeeds).
-    answered: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    #: A backend whose first round trip both tries and waits (no answer comes before the grant)
+    #: calls it as it sends, with ``grace``: the seconds a free lock's answer takes at most; the
+    #: timeout then ends the wait no sooner than that from now.
+    answered: Answered | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(eq=False, slots=True)

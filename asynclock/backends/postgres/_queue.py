@@ -26,6 +26,7 @@ import bisect
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,9 @@ class Waits:
                 try:
                     with (
                         translate(self._wire.errors, f"waiting for {request.name!r}"),
-                        anyio.fail_after(bound),  # a try (that does not wait): op_timeout
+                        # A try (that does not wait) is bounded by op_timeout; a wait by the
+                        # caller's cancel scope only (no scope of its own: one per acquire).
+                        nullcontext() if bound is None else anyio.fail_after(bound),
                     ):
                         # Queue in the server; the caller's cancel scope bounds the wait.
                         sent_at = now()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -21,6 +22,7 @@ from .._kit import (
     LockRequest,
     RenewOutcome,
     TaskHost,
+    now,
     redact,
     translate,
 )
@@ -386,35 +388,36 @@ class PostgresBackend(Backend[PostgresGrant]):
 
 
 class _Answer:
-    """``request.answered`` of one acquire, given once: now (after a try), or by a timer."""
+    """``request.answered`` of one acquire: now (after a try), or with ``DIRECT_GRACE`` as a
+    direct acquire's statement is sent (no answer comes before its grant)."""
+
+    __slots__ = ("_answered", "_grace_until", "given")
 
     def __init__(self, request: LockRequest) -> None:
         self._answered = request.answered
         self.given = self._answered is None
-        self._timer: asyncio.TimerHandle | None = None
+        #: While the grace of a direct send lasts, a send again (on a new connection) or a move
+        #: to the queue table gives it again, as if it had not been given.
+        self._grace_until = -math.inf
 
-    def give(self) -> None:
-        if not self.given:
-            self.given = True
-            assert self._answered is not None
-            self._answered()
+    def _open(self) -> bool:
+        return not self.given or now() < self._grace_until
 
     async def now(self) -> None:
         """Give it, and end the acquire here if its timeout is past already."""
-        if not self.given:
-            self.give()
+        if self._open():
+            assert self._answered is not None
+            self.given, self._grace_until = True, -math.inf
+            self._answered()
             await anyio.lowlevel.checkpoint_if_cancelled()
 
     def later(self) -> None:
-        """Give it ``DIRECT_GRACE`` from now (the direct acquire's statement is sent now)."""
-        if not self.given:
-            self.cancel()  # sent again, on a new connection: from this send
-            self._timer = asyncio.get_running_loop().call_later(DIRECT_GRACE, self.give)
-
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        """The direct acquire's statement is sent now: its timeout applies ``DIRECT_GRACE``
+        from now at the earliest (one deadline for the caller's scope; no timer of ours)."""
+        if self._open():
+            assert self._answered is not None
+            self.given, self._grace_until = True, now() + DIRECT_GRACE
+            self._answered(DIRECT_GRACE)
 
 
 class _Waiting:
@@ -460,10 +463,7 @@ class _Waiting:
 
             direct = not answer.given
             if self._waits.waiting < self.max_waiting:
-                try:
-                    grant = await server_queue(False, answer.later if direct else None)
-                finally:
-                    answer.cancel()
+                grant = await server_queue(False, answer.later if direct else None)
                 if grant is not None:
                     self.remember(request, key, grant.waited, direct)
                     return grant
