@@ -147,6 +147,30 @@ async def test_names_encode_injectively_and_reversibly_into_znode_names_zookeepe
     assert encode_name("ünï") == unicodedata.normalize("NFC", "ünï")
 
 
+def test_a_lock_node_is_blocked_by_a_count_and_watches_only_the_nearest_of_them() -> None:
+    from asynclock.backends.zookeeper._order import blockers
+
+    def node(owner: str, kind: str, number: int) -> str:
+        return f"_c_{owner}-{kind}-{number:010d}"
+
+    # Listed in the server's order (none), with a foreign node that takes no part.
+    children = [
+        node("c", "read", 7),
+        node("a", "lock", 3),
+        "not-ours-0000000004",
+        node("b", "read", 5),
+        node("d", "lock", 9),
+    ]
+    # A writer waits for everyone ahead of it and watches the nearest.
+    assert blockers(children, node("d", "lock", 9), "lock") == (3, node("c", "read", 7))
+    # A reader waits for the writers ahead of it only.
+    assert blockers(children, node("c", "read", 7), "read") == (1, node("a", "lock", 3))
+    assert blockers(children, node("b", "read", 5), "read") == (1, node("a", "lock", 3))
+    assert blockers(children, node("a", "lock", 3), "lock") == (0, "")
+    # Our node is gone: None (the caller queues again).
+    assert blockers(children, node("e", "lock", 11), "lock") is None
+
+
 def test_one_translator_turns_session_outcomes_and_server_errors_into_the_hierarchy() -> None:
     from asynclock.backends._kit import MayHaveApplied, ProvenGone
     from asynclock.backends.zookeeper import _errors

@@ -60,16 +60,18 @@ def queue(children: Sequence[str]) -> list[Queued]:
     return found
 
 
-def blockers(children: Sequence[str], node: str, kind: str) -> list[str] | None:
-    """The nodes ahead of the lock node ``node`` that keep it from the lock, in queue order
-    (empty: it holds the lock); None if ``node`` is not among ``children``.
+def blockers(children: Sequence[str], node: str, kind: str) -> tuple[int, str] | None:
+    """How many nodes ahead of the lock node ``node`` keep it from the lock, and the nearest of
+    them (``(0, "")``: it holds the lock); None if ``node`` is not among ``children``.
 
     The same order as :func:`queue`, read in one pass that looks closer only at the nodes
-    ahead: every waiter reads a listing (a name per node of the queue) when it queues.
+    ahead, and keeps only the nearest: every waiter reads a listing (a name per node of the
+    queue) when it queues, so at 1,000 waiters this runs on 1,000 names per waiter.
     """
     mine = sequence(node)
     found = False
-    ahead: list[tuple[int, str]] = []
+    count = 0
+    nearest, nearest_number = "", -1
     for child in children:
         head, _, suffix = child.rpartition("-")
         if not suffix.isdigit():
@@ -84,11 +86,12 @@ def blockers(children: Sequence[str], node: str, kind: str) -> list[str] | None:
             and len(owner) > len(PROTECTED)
             and owner.startswith(PROTECTED)
         ):
-            ahead.append((number, child))
+            count += 1
+            if number > nearest_number:
+                nearest, nearest_number = child, number
     if not found:
         return None
-    ahead.sort()
-    return [child for _, child in ahead]
+    return count, nearest
 
 
 def permit_blockers(

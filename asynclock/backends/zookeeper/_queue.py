@@ -97,7 +97,8 @@ class Attempt:
                     self.node = None
                     czxid, children, listed_at = await self._enqueue()
                     continue
-                if not ahead:
+                count, watched = ahead
+                if not count:
                     return self._granted(czxid, listed_at)
                 self.waited = True
                 if not wait:
@@ -107,11 +108,11 @@ class Attempt:
                     self.answered = None
                 if self.request.kind == "semaphore":
                     # Any of the N nodes ahead going may give us a permit; the listing says.
-                    await self._wait_for(*(f"{self.parent}/{node}" for node in ahead))
-                    del ahead
+                    await self._wait_for(*(f"{self.parent}/{node}" for node in watched))
+                    del ahead, watched
                 else:
-                    granted_at = await self._wait_for_lock(ahead)
-                    del ahead
+                    granted_at = await self._wait_for_lock(watched[-1], alone=count == 1)
+                    del ahead, watched
                     if granted_at is not None:
                         return self._granted(czxid, granted_at)
                 listed_at = anyio.current_time()
@@ -131,14 +132,19 @@ class Attempt:
                     unfinished=self._leave_to_janitor,
                 )
 
-    def _blockers(self, children: Sequence[str]) -> list[str] | None:
+    def _blockers(self, children: Sequence[str]) -> tuple[int, list[str]] | None:
+        """How many nodes ahead keep ours from holding, and the ones to watch (of a lock's:
+        the nearest only); None if our node is not among ``children``."""
         assert self.node is not None
         if self.request.kind == "semaphore":
-            return permit_blockers(children, self.node, self.request.name, self.request.permits)
-        return blockers(children, self.node, self.kind)
+            ahead = permit_blockers(children, self.node, self.request.name, self.request.permits)
+            return None if ahead is None else (len(ahead), ahead)
+        found = blockers(children, self.node, self.kind)
+        return None if found is None else (found[0], [found[1]])
 
-    async def _wait_for_lock(self, ahead: list[str]) -> float | None:
-        """Wait for the last node of ``ahead`` (the nodes that block our lock node) to go.
+    async def _wait_for_lock(self, watched: str, *, alone: bool) -> float | None:
+        """Wait for ``watched`` (the nearest of the nodes that block our lock node; ``alone``:
+        the only one) to go.
 
         Returns when the lock is known to be ours without listing the queue (a valid
         ``valid_from``), or None: list it. Known on the watch's event alone when the node was
@@ -155,8 +161,6 @@ class Attempt:
         leaving proves nothing about the others. A hand-over costs one event whatever the
         queue's length.
         """
-        watched = ahead[-1]
-        alone = len(ahead) == 1
         entries = queue([watched])
         exclusive = bool(entries) and entries[0].kind == EXCLUSIVE
         gone = await self._wait_for(f"{self.parent}/{watched}")
