@@ -145,18 +145,32 @@ async def wait_until_free(
     within: float,
     kind: Kind = "lock",
 ) -> float:
-    """Take and release ``name`` with ``client`` as soon as it is free; the seconds it took."""
+    """Take and release ``name`` with ``client`` as soon as it is free; the seconds it took.
+
+    Past ``within``, fails saying how long each try took (a try that waited for a lock left
+    behind is told from a slow one that found the lock busy)."""
     started = anyio.current_time()
-    with anyio.fail_after(within):
-        while True:
-            try:
-                lease = await holds(client, kind).try_acquire(name, ttl=backend.ttl * 5)
-            except asynclock.BackendUnavailable:
-                lease = None  # the server is still coming back
-            if lease is not None:
-                await lease.release()
-                return anyio.current_time() - started
-            await anyio.sleep(0.01)
+    tries: list[str] = []
+    try:
+        with anyio.fail_after(within):
+            while True:
+                tried = anyio.current_time()
+                try:
+                    lease = await holds(client, kind).try_acquire(name, ttl=backend.ttl * 5)
+                except asynclock.BackendUnavailable:
+                    lease = None  # the server is still coming back
+                finally:
+                    tries.append(f"{(anyio.current_time() - tried) * 1000:.1f} ms")
+                if lease is not None:
+                    await lease.release()
+                    return anyio.current_time() - started
+                tries[-1] += " (busy)"
+                await anyio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(
+            f"{name!r} not free within {within:g} s; tries: {', '.join(tries)} (the last one "
+            "cut short)"
+        ) from None
 
 
 async def hold_until_cancelled(context: asynclock.LockContext) -> None:
