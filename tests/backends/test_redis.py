@@ -577,3 +577,49 @@ async def test_a_waiter_cut_off_first_in_line_holds_up_a_free_lock_as_long_as_it
         proxy.pass_through()
     # Its last refresh came at most place / 3 before the cut; then its place lasts ``place``.
     assert place * 2 / 3 - 0.1 < waited < place + 0.5, f"held up the free lock {waited:.2f} s"
+
+
+async def test_a_connection_that_connects_after_aclose_is_closed_not_kept() -> None:
+    """aclose() closes the connections it finds; one still connecting has no socket to close
+    yet. When it connects, the call must close it (it was kept, and leaked as an "unclosed
+    transport", when an election's observe() was refreshing a cluster's slot map as its client
+    closed)."""
+    from asynclock.backends._kit import TaskHost
+    from asynclock.backends.redis._wire import Lane
+
+    connecting, go_on = asyncio.Event(), asyncio.Event()
+    closed = asyncio.Event()
+
+    class SlowToConnect(redis.asyncio.Connection):
+        async def connect(self) -> None:
+            connecting.set()
+            await go_on.wait()
+            await super().connect()  # type: ignore[no-untyped-call]
+
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while line := await reader.readline():  # +OK to every command
+            if line.startswith(b"*"):
+                writer.write(b"+OK\r\n")
+                await writer.drain()
+        closed.set()
+        writer.close()
+
+    stub = await asyncio.start_server(server, "127.0.0.1", 0)
+    port = stub.sockets[0].getsockname()[1]
+    host = TaskHost()
+    await host.open()
+    pool = redis.asyncio.ConnectionPool(host="127.0.0.1", port=port, connection_class=SlowToConnect)
+    lane = Lane(pool, 5.0, host)
+    try:
+        call = asyncio.ensure_future(lane.call("PING"))
+        await connecting.wait()
+        await lane.aclose()
+        go_on.set()
+        with pytest.raises(redis.exceptions.ConnectionError, match="closed"):
+            await call
+        with anyio.fail_after(2):
+            await closed.wait()
+    finally:
+        await host.aclose()
+        stub.close()
+        await stub.wait_closed()

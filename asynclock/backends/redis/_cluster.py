@@ -152,6 +152,10 @@ class ClusterLane(Lane):
     def _lane(self, address: HostPort) -> Lane:
         lane = self._lanes.get(address)
         if lane is None:
+            if self._closed:
+                # A call still running when aclose() closed the lanes (an observe() reading the
+                # slot map): a lane made now would open a connection that nobody closes.
+                raise redis.exceptions.ConnectionError("the lock backend is closed")
             pool = Settings.pool(self._settings, address)
             lane = Lane(pool, self._settings.op_timeout, self._host)
             lane.wait_for = self._wait

@@ -377,6 +377,11 @@ class Lane:
                     # Half set up (an error reply to SELECT, say): never to be used.
                     self._discard(conn)
                     raise
+                if self._closed:
+                    # aclose() ran during the handshake: it closed what it found, and this
+                    # connection had no socket yet. Closed here, or nobody ever closes it.
+                    self._discard(conn)
+                    raise redis.exceptions.ConnectionError("the lock backend is closed")
             sent = False
             acked: Any = None
             try:
