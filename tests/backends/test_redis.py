@@ -316,15 +316,16 @@ async def test_pooled_connections_killed_between_holds_cost_the_next_acquire_not
     async with FaultProxy(redis_server.host, redis_server.port) as proxy:
         async with connect(f"redis://{proxy.address}/0", prefix, client_name=client_name) as locks:
 
-            async def hold() -> None:
-                async with locks.lock(name, ttl=5, timeout=5):
+            async def hold(index: int) -> None:
+                async with locks.lock(f"{name}/{index}", ttl=5, timeout=5):
                     await anyio.sleep(0.01)
 
             for _ in range(2):
-                # Tasks that wait concurrently leave several idle connections in the pool.
+                # Concurrent calls leave several idle connections in the pool (locks of
+                # different names: one name's acquires place themselves one at a time).
                 async with anyio.create_task_group() as tg:
-                    for _ in range(4):
-                        tg.start_soon(hold)
+                    for index in range(4):
+                        tg.start_soon(hold, index)
                 assert lane_of(locks).connections >= 3
                 if kill == "CLIENT KILL":
                     assert await kill_connections(redis_server, client_name) >= 3

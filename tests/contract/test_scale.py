@@ -214,3 +214,36 @@ async def test_1000_waiters_get_the_lock_in_fifo_order_in_linear_time(
         f"{many} waiters took {large / few:.1f} times the client's CPU of {FEW} (linear: "
         f"{many / FEW:g}, bound {bound:g})"
     )
+
+
+#: Waiters that ask in the same moment (:func:`test_waiters_that_ask_together_are_granted_in_the_order_they_asked`).
+TOGETHER = 60
+
+
+@pytest.mark.not_on(
+    "postgres",
+    "pgbouncer",
+    "pgbouncer_transaction",
+    reason="a client's first max_waiting waiters each open a connection and enter the "
+    "server's queue in the order their connections open (docs/benchmarks.md, issue #29)",
+)
+async def test_waiters_that_ask_together_are_granted_in_the_order_they_asked(
+    backend: BackendUnderTest, name: str
+) -> None:
+    """Tasks of one client that call acquire in the same turn of the event loop (a burst, or a
+    loop catching up after a stall) get the lock in the order of their calls."""
+    async with backend.connect() as holder, backend.connect() as locks:
+        lease = await holder.acquire(name, ttl=30)
+        order: list[int] = []
+
+        async def wait(index: int) -> None:
+            async with locks.lock(name, ttl=30):
+                order.append(index)
+
+        with anyio.fail_after(60):
+            async with waiter_count(backend, holder) as waiting, anyio.create_task_group() as tg:
+                for index in range(TOGETHER):
+                    tg.start_soon(wait, index)  # no await in between: they ask together
+                await _queued(waiting, name, TOGETHER)
+                await lease.release()
+    assert order == list(range(TOGETHER)), "granted out of the order the waiters asked"

@@ -52,6 +52,7 @@ from ._address import (
     split_server_url,
     split_userinfo,
 )
+from ._order import CallOrder
 from ._pool import IdlePool
 from ._retry import Backoff, RetryPolicy
 from ._tasks import TaskHost
@@ -64,6 +65,7 @@ __all__ = (
     "BackendTimeout",
     "BackendUnavailable",
     "Backoff",
+    "CallOrder",
     "Capabilities",
     "Deferred",
     "Grant",

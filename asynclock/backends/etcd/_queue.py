@@ -12,7 +12,7 @@ the transaction of the release that deleted the key before it, when that key was
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import anyio
@@ -20,6 +20,7 @@ from aetcd import rpc
 
 from .._kit import (
     BackendUnavailable,
+    CallOrder,
     LockError,
     LockRequest,
     ProvenGone,
@@ -130,6 +131,7 @@ class Queue:
     _hub: WatchHub
     #: The key prefix of every lock (the ``prefix`` option, encoded).
     _prefix: bytes
+    _sending: CallOrder = field(default_factory=CallOrder)
 
     def attempt(self, request: LockRequest) -> Attempt:
         prefix = name_prefix(self._prefix, request.name, request.kind)
@@ -158,11 +160,10 @@ class Queue:
         return grant
 
     def known_busy(self, attempt: Attempt) -> bool:
-        """Whether a key of ours that this hold waits for is on a lease refreshed within half
-        its ttl (so it exists, unless an operator deleted it just now): then the lock is not
-        free, and a try needs no round trip (a try by a task of a client whose tasks take
-        turns costs no write through raft). Not for a semaphore: a key of ours may leave a
-        permit free."""
+        """Whether a key of ours that this hold waits for is on a lease refreshed within half its
+        ttl (so it exists, unless an operator deleted it just now): then the lock is not free,
+        and a try needs no round trip (nor a write through raft, when a client's tasks take
+        turns). Not for a semaphore: a key of ours may leave a permit free."""
         order, now = attempt.rule, anyio.current_time()
         if order.marked:
             return False
@@ -194,8 +195,7 @@ class Queue:
                     rpc.TxnRequest(
                         compare=[guard],
                         success=[attempt.put()],
-                        # Our own key, in case an earlier try of this request (given up or
-                        # failed, then sent again) created it.
+                        # Our own key, in case an earlier try of this request created it.
                         failure=[range_op(key)],
                     ),
                     keep=attempt,
@@ -208,8 +208,7 @@ class Queue:
                 continue
             own = () if reply.succeeded else reply.responses[0].response_range.kvs
             if reply.succeeded or own:
-                # Ours (by this send, or by an earlier one whose answer was lost, which found
-                # the name as free).
+                # Ours, by this send or by an earlier one (its answer lost) that found it free.
                 attempt.rev = int(own[0].create_revision) if own else int(reply.header.revision)
                 self._keys.settled(key)
                 return True
@@ -245,9 +244,11 @@ class Queue:
                 turn.begin()
             try:
                 if attempt.rev == 0:
-                    if attempt.key is None or attempt.lease is None:
-                        self.place(attempt, await self._leases.lease_for(attempt.bucket))
-                    place = await self._enqueue(attempt)
+                    # In call order: etcd applies requests that arrive together in any order.
+                    async with self._sending.turn(attempt.prefix):
+                        if attempt.key is None or attempt.lease is None:
+                            self.place(attempt, await self._leases.lease_for(attempt.bucket))
+                        place = await self._enqueue(attempt)
                 else:
                     place = await self._check(attempt)
                 lease = attempt.lease

@@ -65,12 +65,14 @@ import functools
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any, Final, Self
 
 from .._kit import (
     Backend,
     BackendTimeout,
     BackendUnavailable,
+    CallOrder,
     Capabilities,
     HostPort,
     InvalidURL,
@@ -133,6 +135,7 @@ class RedisBackend(Backend[RedisGrant]):
         self._client_id = secrets.token_hex(8)
         self._lane: Lane | None = None
         self._wakes: WakeChannel | None = None
+        self._placing = CallOrder()
         self._closed = False
         self._server_info: dict[str, str] = {}
         self._leases = Leases(
@@ -374,12 +377,17 @@ class RedisBackend(Backend[RedisGrant]):
         refresh = self._place_ms(request) / 3000.0
         # Registered before the first take, so that no hand-over can come before we listen.
         waiter = wakes.register(request.owner, line_of(request.kind, request.name))
+        placed = False
         try:
             while True:
                 waiter.poked = False
                 waiter.ahead = math.inf
-                # Joins the queue (or refreshes our place) when the lock is not ours yet.
-                grant, hint_ms, floor, sent_at = await self._take_once(request, "wait", undo)
+                # Joins the queue (or refreshes our place) when the lock is not ours yet; the
+                # first take in the order acquires asked (one on an idle connection would
+                # overtake one still opening its own).
+                async with nullcontext() if placed else self._placing.turn(waiter.name):
+                    grant, hint_ms, floor, sent_at = await self._take_once(request, "wait", undo)
+                placed = True
                 if grant is not None:
                     return grant
                 if request.answered is not None:
