@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 import pytest
 
 import asynclock
 from asynclock.backends._kit import (
     Backoff,
+    CallOrder,
     HostPort,
     IdlePool,
     MayHaveApplied,
@@ -170,3 +173,36 @@ async def test_task_host_owns_its_tasks_and_abandons_late_work() -> None:
     assert stopped.is_set()
     with pytest.raises(RuntimeError, match="not open"):
         host.start_soon(forever, name="late")
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_call_order_lets_turns_out_in_the_order_asked_and_survives_native_cancels(
+    cancels: int,
+) -> None:
+    """One turn per key, in the order asked; a waiter or the holder cancelled natively (once or
+    twice) gives its turn up, the others keep their order, and nothing is left behind."""
+    order = CallOrder()
+    entered: list[int] = []
+    release = asyncio.Event()
+
+    async def take(index: int) -> None:
+        async with order.turn("name"):
+            entered.append(index)
+            if index == 0:
+                await release.wait()  # the holder, until told or cancelled
+
+    tasks = [asyncio.ensure_future(take(index)) for index in range(6)]
+    await asyncio.sleep(0)  # every task asked, in index order; 0 holds the turn
+    assert entered == [0]
+    for victim in (tasks[2], tasks[0]):  # a waiter, then the holder
+        for _ in range(cancels):
+            victim.cancel()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert entered == [0, 1, 3, 4, 5]
+    assert tasks[0].cancelled() and tasks[2].cancelled()
+    # Nobody holds or waits: the key's turn is forgotten.
+    assert not order._turns
+    async with order.turn("name"):  # and a new one is free at once
+        pass
+    assert not order._turns
