@@ -122,6 +122,17 @@ def slower_than_peers(data: dict[str, Any]) -> list[str]:
     return notes
 
 
+#: The columns of :func:`_contention_rows` after the backend's and the contenders'.
+CONTENTION_COLUMNS = (
+    "hold",
+    "acq/s",
+    "handoff p50 ms",
+    "handoff p99 ms",
+    "retaken",
+    "fewest / most",
+)
+
+
 def _contention_rows(name: str, records: Any) -> list[list[str]]:
     if not isinstance(records, list):
         return [[name, _phase_note(records), "", "", "", "", "", ""]] if records is not None else []
@@ -239,19 +250,7 @@ def markdown(data: dict[str, Any]) -> str:
     rows = []
     for name, entry in measured.items():
         rows += _contention_rows(name, entry.get("contention_tasks"))
-    out += _table(
-        [
-            "backend",
-            "tasks",
-            "hold",
-            "acq/s",
-            "handoff p50 ms",
-            "handoff p99 ms",
-            "retaken",
-            "fewest / most",
-        ],
-        rows,
-    )
+    out += _table(["backend", "tasks", *CONTENTION_COLUMNS], rows)
 
     from ._report_cross import sections
 

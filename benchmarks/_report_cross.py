@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._report import _contention_rows, _phase_note, _table, ms, ratio
+from ._report import CONTENTION_COLUMNS, _contention_rows, _phase_note, _table, ms, ratio
 
 #: (key, what) of the runs across clients, in the order the report shows them.
 CROSS = (
@@ -144,16 +144,7 @@ def sections(data: dict[str, Any]) -> list[str]:
         "(`time.monotonic()`, one clock for every process on Linux).",
         "",
     ]
-    header = [
-        "backend / peer",
-        "contenders",
-        "hold",
-        "acq/s",
-        "handoff p50 ms",
-        "handoff p99 ms",
-        "retaken",
-        "fewest / most",
-    ]
+    header = ["backend / peer", "contenders", *CONTENTION_COLUMNS]
     for key, what in CROSS:
         rows = []
         for name, entry in units:
