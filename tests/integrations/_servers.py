@@ -267,6 +267,15 @@ class Traffic:
         self.answers.append(answer)
         return answer
 
+    async def warm_up(self, least: float, within: float = 10.0) -> None:
+        """Wait ``least`` seconds, and on until an order was booked (a 200): the faults begin on
+        a service that has worked (on a loaded host its workers may take longer than ``least``
+        to start and answer; a CI run saw none booked in 1.5 s)."""
+        await anyio.sleep(least)
+        with anyio.fail_after(within):
+            while not any(answer.status == 200 for answer in self.answers):  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+
     async def client(self, pace: float, endpoint: str = "orders") -> None:
         """Each numbered request to the next instance, ``pace`` seconds after the last answer."""
         while not self.over.is_set():

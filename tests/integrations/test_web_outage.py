@@ -114,7 +114,7 @@ async def run_scenario(redis_server: RedisServer, web: Web) -> Run:
             run.longs.append(await run.hold_long(task_group, instance, order, writing.__contains__))
 
         async def run_faults() -> None:
-            await anyio.sleep(WARMUP)
+            await run.warm_up(WARMUP)
             run.began = time.monotonic()
             await long_body(0, f"{LONG}-a")
             # Instance A cannot reach Redis; B goes on. A's renewals fail, so the long body's

@@ -346,7 +346,7 @@ async def drive(
             signal_group(workers[FINISHER].process, signal.SIGCONT)
 
     async def faults() -> None:
-        await anyio.sleep(WARMUP)
+        await run.warm_up(WARMUP)
         run.began = time.monotonic()
         await cut_the_lock_server(task_group)
         await stop_a_holder()
