@@ -206,3 +206,31 @@ async def test_call_order_lets_turns_out_in_the_order_asked_and_survives_native_
     async with order.turn("name"):  # and a new one is free at once
         pass
     assert not order._turns
+
+
+async def test_call_order_passes_a_turn_on_when_its_taker_is_cancelled_as_it_gets_it() -> None:
+    """A waiter handed the turn and cancelled before it ran passes it on; a waiter that
+    anyio's timeout cancels leaves no ticket behind."""
+    order = CallOrder()
+    entered: list[int] = []
+
+    async def take(index: int) -> None:
+        async with order.turn("name"):
+            entered.append(index)
+
+    holder = await order.take("name")
+    tasks = [asyncio.ensure_future(take(index)) for index in (1, 2)]
+    await asyncio.sleep(0)  # both wait, 1 first
+    holder.give()  # 1 is handed the turn...
+    tasks[0].cancel()  # ...and cancelled before it ran
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert entered == [2]
+    assert tasks[0].cancelled()
+    assert not order._turns
+
+    holder = await order.take("name")
+    with anyio.move_on_after(0.01):
+        await order.take("name")
+    holder.give()
+    holder.give()  # idempotent
+    assert not order._turns

@@ -52,7 +52,7 @@ from ._address import (
     split_server_url,
     split_userinfo,
 )
-from ._order import CallOrder
+from ._order import CallOrder, Turn
 from ._pool import IdlePool
 from ._retry import Backoff, RetryPolicy
 from ._tasks import TaskHost
@@ -90,6 +90,7 @@ __all__ = (
     "ServerURL",
     "TaskHost",
     "Translator",
+    "Turn",
     "Unknown",
     "UnsupportedFeature",
     "WaiterRegistry",
