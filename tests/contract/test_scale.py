@@ -221,11 +221,9 @@ TOGETHER = 60
 
 
 @pytest.mark.not_on(
-    "postgres",
-    "pgbouncer",
     "pgbouncer_transaction",
-    reason="a client's first max_waiting waiters each open a connection and enter the "
-    "server's queue in the order their connections open (docs/benchmarks.md, issue #29)",
+    reason="each waiter opens a connection for a transaction of its own and enters the "
+    "server's queue in the order the connections open (docs/backends/postgres.md, issue #29)",
 )
 async def test_waiters_that_ask_together_are_granted_in_the_order_they_asked(
     backend: BackendUnderTest, name: str

@@ -14,10 +14,11 @@ How a lock is held
     kept for reuse (``max_idle``); an idle one holds no advisory lock.
 
 Waiting
-    The first ``max_waiting`` waiters of a client wait in the server's lock queue
-    (``pg_advisory_lock`` on a connection of their own, which then holds the lock), granted in
-    the order they asked; the others in a queue table, FIFO with the server's queue and without
-    a connection each (``_queue.py``).
+    The first ``max_waiting`` waiters of a client that have an idle connection at hand wait in
+    the server's lock queue (``pg_advisory_lock`` on a connection of their own, which then holds
+    the lock), granted in the order they asked; the others in a queue table, FIFO with the
+    server's queue and without a connection each (``_queue.py``, ``_table.py``). A client's
+    waiters of a lock take their places one at a time, in the order they asked.
 
 Interrupted statements and dead connections
     A connection whose statement was cancelled or failed half-way (a cancelled wait, a take
@@ -75,8 +76,8 @@ Through a connection pooler
 Files (imports go down this list, never up)
     ``backend.py`` the Backend class; ``_transactions.py`` holds in transactions of their own
     (transaction pooling); ``_inspect.py`` inspect() and wait_for_change();
-    ``_semaphores.py`` semaphores; ``_queue.py`` take and wait in order: waits in the server's
-    queue, and the queue table; ``_lanes.py`` takes, renewals and releases on the holding
+    ``_semaphores.py`` semaphores; ``_queue.py`` take and wait in order: which queue a waiter
+    joins, its wait in the server's queue; ``_table.py`` the queue table; ``_lanes.py`` takes, renewals and releases on the holding
     connections; ``_server.py`` what open() checks and creates; ``_wire.py`` the connections
     (connecting, the idle pool, ending an interrupted session) and the ``Wire`` every part
     shares; ``_lease.py`` the grant, one holding connection (a lane) and its task, the renewals

@@ -12,7 +12,6 @@ import anyio
 from .._kit import HolderInfo, Kind, LockError, LockInfo, translate
 from ._errors import connection_broken
 from ._kinds import kind_key, permits_class, split
-from ._queue import Queue
 from ._sql import (
     INSPECT_HOLDS,
     INSPECT_PERMITS,
@@ -21,6 +20,7 @@ from ._sql import (
     SWEEP,
     marker_key,
 )
+from ._table import Queue
 from ._wire import Wire
 
 logger = logging.getLogger("asynclock")

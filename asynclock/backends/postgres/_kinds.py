@@ -38,7 +38,7 @@ class Mode:
     #: On a lane: ``$1`` key, ``$2`` sequence, then :meth:`take_args`; the token, or no row.
     lane_take: str
     #: In the server's queue: ``$1`` key, ``$2`` sequence, ``$3`` ttl (ms), ``$4`` head,
-    #: ``$5`` marker, then :meth:`take_args`; (token, pid, ...).
+    #: ``$5`` marker, ``$6`` client, then :meth:`take_args`; (token, pid, ...).
     wait: str
     #: On a lane: ``$1`` key, then :meth:`unlock_args`.
     unlock: str
@@ -106,14 +106,14 @@ def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
         # Exclusive locks keep no row: their takes stay one write-free round trip.
         ("lock", False): Mode(
             lane_take=take(LANE_TAKE, "pg_try_advisory_lock", 3, kept=False),
-            wait=take(WAIT, "pg_advisory_lock", 6, kept=False),
+            wait=take(WAIT, "pg_advisory_lock", 7, kept=False),
             unlock=UNLOCK,
             release=RELEASE,
             kept=False,
         ),
         ("lock", True): Mode(
             lane_take=take(LANE_TAKE, "pg_try_advisory_lock_shared", 3, kept=True, shared=True),
-            wait=take(WAIT, "pg_advisory_lock_shared", 6, kept=True, shared=True),
+            wait=take(WAIT, "pg_advisory_lock_shared", 7, kept=True, shared=True),
             unlock=unlock("pg_advisory_unlock_shared"),
             release=release(),
             shared=True,
@@ -123,7 +123,7 @@ def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
         ),
         ("election", False): Mode(
             lane_take=take(LANE_TAKE, "pg_try_advisory_lock", 3, kept=True, notify=True),
-            wait=take(WAIT, "pg_advisory_lock", 6, kept=True, notify=True),
+            wait=take(WAIT, "pg_advisory_lock", 7, kept=True, notify=True),
             unlock=unlock("pg_advisory_unlock", notify=True),
             release=release(notify=True),
             election=True,

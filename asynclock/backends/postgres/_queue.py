@@ -1,52 +1,34 @@
-"""Take and wait in order: our waiters in the server's lock queue (:class:`Waits`), each on a
-dedicated connection that then holds the lock, and beyond them places in a table of the
-database (:class:`Queue`) that hold no connection, in FIFO order with the server's own queue.
+"""Take and wait in order: which queue a waiter joins (:class:`Waiting`), and our waiters in the
+server's lock queue (:class:`Waits`), each on a dedicated connection that then holds the lock;
+beyond them, places in a table of the database that hold no connection (``_table.py``), in FIFO
+order with the server's own queue.
 
 A client keeps up to ``max_waiting`` waiters in the server's lock queue (``pg_advisory_lock`` on
-a dedicated connection: the hand-over is the server's, at once). Beyond that, and whenever the
-table already has a place for the key (so that nobody overtakes it), a waiter takes a place in
-the table (``asynclock_waiters``): a ticket from the token sequence, which only increases. Only
-the head of the table (the smallest live ticket of the key) goes on, into the server's queue,
-behind whoever entered it before the table had places; a take on a lane is refused while the
-table has places (``_sql.LANE_TAKE``). So the order is the order of arrival across both queues.
-
-The head leaves the table once the server granted it the lock, and tells every client with a
-NOTIFY on the schema's channel; each client's listener (one connection per client) wakes its
-first waiter of that key, which checks whether it is the head now. A missed NOTIFY, or a head
-whose client stopped, is caught by that first waiter's poll (``POLL``). A place lasts
-``lease`` (the ttl, between 1 and 5 s) after its client last refreshed it (one statement per
-client every third of that): a dead or paused client's waiters drop out of the order by
-themselves, and a waiter whose place expired while its process was paused queues again at
-the end.
+a dedicated connection: the hand-over is the server's, at once), on connections it has at hand.
+Beyond that, without an idle connection (one still to be opened would join the server's queue
+when it is open, behind waiters that asked later), and whenever the table already has a place
+for the key (so that nobody overtakes it), a waiter takes a place in the table. Only the head of
+the table goes on, into the server's queue, behind whoever entered it before the table had
+places; a take on a lane is refused while the table has places (``_sql.LANE_TAKE``). So the
+order is the order of arrival across both queues; a client's waiters of a key arrive in the
+order they asked (``Waiting.placing``).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import uuid
+import math
 from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 
-from .._kit import LockRequest, now, permits_mismatch, translate
+from .._kit import CallOrder, LockRequest, Turn, now, translate
 from ._errors import connection_broken
-from ._lanes import Lanes
-from ._lease import FRESH_WAIT, QUERY, Lane, Op, PostgresGrant
-from ._sql import (
-    ENQUEUE,
-    ENQUEUE_SEMAPHORE,
-    HEAD,
-    LEAVE,
-    REFRESH,
-    RELEASE,
-    RENEW,
-    REQUEUE,
-    SWEEP_PLACES,
-)
+from ._kinds import Mode
+from ._lease import FRESH_WAIT, PostgresGrant
+from ._sql import RELEASE, RENEW, marker_key
+from ._table import Queue
 from ._wire import Replacements, Wire
 
 logger = logging.getLogger("asynclock")
@@ -54,12 +36,10 @@ logger = logging.getLogger("asynclock")
 #: How long after a renewal was sent a release waits for its reply before closing the connection
 #: instead (a statement in flight: the connection cannot be unlocked and kept before it ends).
 _RENEWAL_WAIT = 0.05
-#: How often a client's first waiter of a key checks whether it is the head without a NOTIFY.
-POLL = 0.25
-#: A place's lease: the waiter's ttl, within these bounds (seconds).
-LEASE_MIN, LEASE_MAX = 1.0, 5.0
-#: How often places long expired are deleted (by any client that has waiters).
-SWEEP_EVERY = 30.0
+#: How long after a direct acquire's statement was sent its timeout starts to apply.
+DIRECT_GRACE = 0.01
+#: Keys a client remembers as contended (forgotten all at once beyond this).
+_CONTENDED_KEYS = 1024
 
 
 class Waits:
@@ -69,6 +49,11 @@ class Waits:
         self._wire = wire
         self._sessions = wire.sessions
         self.waiting = 0
+
+    @property
+    def at_hand(self) -> bool:
+        """Whether a connection is idle (a wait need not open one first)."""
+        return self._sessions.pool.idle > 0
 
     async def wait(
         self,
@@ -86,7 +71,7 @@ class Waits:
         sent: Callable[[], object] | None = None,
     ) -> PostgresGrant | None:
         """Wait in the server's queue on a dedicated connection, which then holds the lock;
-        unless the queue table has places for the key (None: wait there, ``_queue.py``), or
+        unless the queue table has places for the key (None: wait there, ``_table.py``), or
         ``head``: this waiter is the table's head (None: its connection died; it checks its
         place again before it comes back, which may have expired meanwhile).
 
@@ -204,234 +189,126 @@ class Waits:
         self._sessions.give_back(connection)
 
 
-@dataclass(eq=False)
-class _Entry:
-    key: int
-    waiter: str
-    ttl_ms: int
-    lease_ms: int
-    ticket: int = 0
-    wake: anyio.Event = field(default_factory=anyio.Event)
+class Answer:
+    """``request.answered`` of one acquire: now (after a try), or with ``DIRECT_GRACE`` as a
+    direct acquire's statement is sent (no answer comes before its grant)."""
 
-    def __lt__(self, other: _Entry) -> bool:
-        return self.ticket < other.ticket
+    __slots__ = ("_answered", "_grace_until", "given")
+
+    def __init__(self, request: LockRequest) -> None:
+        self._answered = request.answered
+        self.given = self._answered is None
+        #: While the grace of a direct send lasts, a send again (on a new connection) or a move
+        #: to the queue table gives it again, as if it had not been given.
+        self._grace_until = -math.inf
+
+    def _open(self) -> bool:
+        return not self.given or now() < self._grace_until
+
+    async def now(self) -> None:
+        """Give it, and end the acquire here if its timeout is past already."""
+        if self._open():
+            assert self._answered is not None
+            self.given, self._grace_until = True, -math.inf
+            self._answered()
+            await anyio.lowlevel.checkpoint_if_cancelled()
+
+    def later(self) -> None:
+        """The direct acquire's statement is sent now: its timeout applies ``DIRECT_GRACE``
+        from now at the earliest (one deadline for the caller's scope; no timer of ours)."""
+        if self._open():
+            assert self._answered is not None
+            self.given, self._grace_until = True, now() + DIRECT_GRACE
+            self._answered(DIRECT_GRACE)
 
 
-class Queue:
-    """The places of one client's waiters in the queue table, its listener and its refresher."""
+class Waiting:
+    """A backend's waits for exclusive, shared and election locks (``PostgresBackend._take``),
+    in the server's queue or the queue table, and the locks it found contended."""
 
-    def __init__(self, wire: Wire, lanes: Lanes) -> None:
-        self._wire = wire
-        self._sessions = wire.sessions
-        self._lanes = lanes
-        self._sql = {
-            name: sql.format(queue=wire.queue)
-            for name, sql in (
-                ("enqueue", ENQUEUE),
-                ("head", HEAD),
-                ("requeue", REQUEUE),
-                ("leave", LEAVE),
-                ("refresh", REFRESH),
-                ("sweep", SWEEP_PLACES),
-                ("enqueue_semaphore", ENQUEUE_SEMAPHORE),
-            )
-        }
-        self.client = uuid.uuid4().hex
-        #: This client's waiters in the table, by key, in ticket order.
-        self.entries: dict[int, list[_Entry]] = {}
-        self.listener: Any = None
-        #: Who waits for a change of a key (``wait_for_change``); a NOTIFY of it sets theirs.
-        self.observers: dict[int, set[anyio.Event]] = {}
-        self._listening = False
-        #: Never listen (transaction pooling: a LISTEN stays on a server session that serves
-        #: other clients, and hears nothing once ours left it); wait_for_change polls.
-        self.polls = False
-        self._refreshing = False
-
-    @property
-    def waiting(self) -> int:
-        return sum(len(entries) for entries in self.entries.values())
+    def __init__(self, waits: Waits, queue: Queue, max_waiting: int, channel: str) -> None:
+        self._waits = waits
+        self._queue = queue
+        self.max_waiting = max_waiting
+        self.channel = channel
+        #: Our waiters of each key.
+        self.waiting: dict[int, int] = {}
+        #: Exclusive locks whose last acquire here waited for them (``remember``).
+        self.contended: set[int] = set()
+        #: Who places a waiter of a key next (``PostgresBackend._take``).
+        self.placing = CallOrder()
 
     async def wait(
-        self,
-        request: LockRequest,
-        key: int,
-        ttl_ms: int,
-        enter_server_queue: Callable[[], Awaitable[PostgresGrant | None]],
-        *,
-        permits: tuple[int, int] | None = None,
+        self, request: LockRequest, key: int, ttl_ms: int, mode: Mode, answer: Answer, turn: Turn
     ) -> PostgresGrant:
-        """Take a place, wait until it is the head, then wait in the server's queue.
-
-        ``permits``: a semaphore's waiter (its permits class and number, ``_semaphores.py``):
-        its place records the number, refused when the holders' or waiters' differs; its head
-        tries to take a permit, and waits for a release (a NOTIFY, or the poll) when none is
-        free."""
-        lease_ms = int(min(max(ttl_ms / 1000.0, LEASE_MIN), LEASE_MAX) * 1000)
-        waiter = uuid.uuid4().hex + ("" if permits is None else f" permits={permits[1]}")
-        entry = _Entry(key, waiter, ttl_ms, lease_ms)
-        self._start_helpers()
-        what = f"waiting for {request.name!r} in the queue table"
-        granted: PostgresGrant | None = None
+        """Wait in the server's queue on a dedicated connection, or in the queue table behind
+        it. A direct acquire (``answer`` not given yet) has not tried first: its statement takes
+        a free lock at once, and a timed one's timeout applies from ``DIRECT_GRACE`` after it
+        was sent (a free lock's answer is back well before), or from its answer."""
+        self.waiting[key] = self.waiting.get(key, 0) + 1
         try:
-            await self._enqueue(entry, what, request.name, permits)
-            while True:
-                wake = entry.wake = anyio.Event()  # before the check: a NOTIFY during it counts
-                entries = self.entries[key]
-                first = entries[0] is entry
-                if first:
-                    row = await self._query(ttl_ms, what, "head", key, entry.waiter)
-                    if row is None or not row[1]:
-                        # Gone or expired (this process was paused): to the end of the queue.
-                        entries.remove(entry)
-                        if row is None:
-                            await self._enqueue(entry, what, request.name, permits)
-                        else:
-                            row = await self._query(
-                                ttl_ms, what, "requeue", key, entry.waiter, self._wire.sequence
-                            )
-                            self._place(entry, row[0])
-                        continue
-                    if row[0]:
-                        granted = await enter_server_queue()
-                        if granted is not None:
-                            return granted
-                        if permits is None:
-                            continue  # its connection died (a pause?): is it still the head?
-                with anyio.move_on_after(POLL if first else None):
-                    await wake.wait()
-        finally:
-            leaving = self._leave(entry, ttl_ms)
-            if granted is not None:
-                granted.leaving = leaving
+            extra = mode.take_args(request.owner, request.value, self.channel)
 
-    async def _enqueue(
-        self, entry: _Entry, what: str, name: str, permits: tuple[int, int] | None
-    ) -> None:
-        args = (entry.key, self._wire.sequence, entry.waiter, self.client, entry.lease_ms)
-        if permits is None:
-            row = await self._query(entry.ttl_ms, what, "enqueue", *args)
-        else:
-            row = await self._query(entry.ttl_ms, what, "enqueue_semaphore", *args, *permits)
-            if row[0] is None:
-                raise permits_mismatch(name, int(row[1]), permits[1])
-        self._place(entry, row[0])
+            def server_queue(
+                head: bool, own: str = "", sent: Callable[[], object] | None = None
+            ) -> Awaitable[PostgresGrant | None]:
+                return self._waits.wait(
+                    request,
+                    key,
+                    ttl_ms,
+                    head=head,
+                    sql=mode.wait,
+                    args=(head, marker_key(key), own, *extra),
+                    release=(mode.release, mode.release_args(key, self.channel)),
+                    shared=mode.shared,
+                    kept=mode.kept,
+                    sent=sent,
+                )
 
-    def _place(self, entry: _Entry, ticket: int) -> None:
-        entry.ticket = ticket
-        bisect.insort(self.entries.setdefault(entry.key, []), entry)
+            direct = not answer.given
 
-    def _leave(self, entry: _Entry, ttl_ms: int) -> Op | None:
-        """Give the place up (granted, or the wait ended otherwise) without an await: the
-        statement runs in the lane's task; the next waiter of the key checks its turn."""
-        entries = self.entries.get(entry.key, [])
-        if entry in entries:
-            entries.remove(entry)
-        if not entries:
-            self.entries.pop(entry.key, None)
-        else:
-            entries[0].wake.set()
-        if not self._wire.host.running:
-            return None  # closing: the place expires on its own
-        lane = self._lanes.lane(ttl_ms)
-        return lane.detach(
-            lane.submit(QUERY, 0, self._sql["leave"], entry.key, entry.waiter, self._wire.channel)
-        )
+            def sent() -> None:
+                turn.give()
+                if direct:
+                    answer.later()
 
-    async def _query(self, ttl_ms: int, what: str, name: str, *args: object) -> Any:
-        """One statement on the lane of ``ttl_ms``, never interrupted (``_lease.Lane``); a lane
-        that died is replaced once."""
-        for attempt in range(2):
-            lane: Lane = self._lanes.lane(ttl_ms)
-            op = lane.submit(QUERY, 0, self._sql[name], *args)
-            try:
-                with translate(self._wire.errors, what):
-                    return await op.future
-            except Exception:
-                if attempt or lane.dead is None or lane.connection is None:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    # -- the listener and the refresher --------------------------------------------------------
-
-    def notified(self, connection: Any, pid: int, channel: str, payload: str) -> None:
-        """A NOTIFY: the head of a key may have changed; its first waiter here checks."""
-        try:
-            key = int(payload)
-        except ValueError:
-            return
-        entries = self.entries.get(key)
-        if entries:
-            entries[0].wake.set()
-        for event in self.observers.get(key, ()):
-            event.set()
-
-    def wake_observers(self) -> None:
-        """The client closes: every ``wait_for_change`` returns now."""
-        for events in self.observers.values():
-            for event in events:
-                event.set()
-
-    async def listen(self) -> bool:
-        """Make sure the listener listens (for ``wait_for_change``), and say whether it does."""
-        if self.polls:
-            return False
-        if self.listener is None:
-            if not self._listening:
-                self._listening = True
-                self._wire.host.start_soon(self._listen, name="asynclock: postgres listener")
-            with anyio.move_on_after(self._wire.errors.connect_timeout + 1.0):
-                while self._listening:  # noqa: ASYNC110
-                    await anyio.sleep(0.005)
-        return self.listener is not None
-
-    def closed(self, connection: Any) -> bool:
-        if connection is not self.listener:
-            return False
-        self.listener = None  # the next waiter listens again; polls meanwhile
-        return True
-
-    def _start_helpers(self) -> None:
-        if self.listener is None and not self._listening:
-            self._listening = True
-            self._wire.host.start_soon(self._listen, name="asynclock: postgres listener")
-        if not self._refreshing:
-            self._refreshing = True
-            self._wire.host.start_soon(self._refresh, name="asynclock: postgres queue refresh")
-
-    async def _listen(self) -> None:
-        try:
-            connection, _ = await self._sessions.take()
-            try:
-                with anyio.fail_after(self._wire.errors.connect_timeout):
-                    await connection.add_listener(self._wire.channel, self.notified)
-            except BaseException:
-                self._sessions.discard(connection)
-                raise
-            self.listener = connection
-        except Exception as exc:
-            logger.info(
-                "asynclock: cannot listen on %s (%r); polling", self._wire.errors.server, exc
+            # Only on a connection at hand: one still to be opened would reach the server's
+            # queue when it is open, behind waiters that asked later (here or in other
+            # clients), or be refused there once the table has places; the table's place is
+            # made on the lane, as asked. And only while no waiter of ours has a place of the
+            # key (ours that asked earlier are all placed: this one holds the turn); places of
+            # ours made after it asked, before its statement arrived, do not refuse it.
+            queue = self._queue
+            if (
+                self._waits.waiting < self.max_waiting
+                and self._waits.at_hand
+                and not queue.entries.get(key)
+            ):
+                grant = await server_queue(False, queue.client, sent)
+                if grant is not None:
+                    self.remember(request, key, grant.waited, direct)
+                    return grant
+            await answer.now()
+            grant = await queue.wait(
+                request, key, ttl_ms, lambda: server_queue(True), placed=turn.give
             )
+            self.remember(request, key, True, direct)
+            return grant
         finally:
-            self._listening = False
+            left = self.waiting[key] - 1
+            if left:
+                self.waiting[key] = left
+            else:
+                del self.waiting[key]
 
-    async def _refresh(self) -> None:
-        """Keep this client's places alive while it has any."""
-        swept_at = 0.0
-        try:
-            while self.entries:
-                lease = min(entry.lease_ms for e in self.entries.values() for entry in e)
-                await anyio.sleep(lease / 3000.0)
-                if not self.entries:
-                    break
-                ttl_ms = next(iter(self.entries.values()))[0].ttl_ms
-                try:
-                    await self._query(ttl_ms, "refreshing the queue table", "refresh", self.client)
-                    if anyio.current_time() - swept_at > SWEEP_EVERY:
-                        swept_at = anyio.current_time()
-                        await self._query(ttl_ms, "sweeping the queue table", "sweep")
-                except Exception as exc:
-                    logger.info("asynclock: refreshing waiters' places failed: %r", exc)
-        finally:
-            self._refreshing = False
+    def remember(self, request: LockRequest, key: int, waited: bool, direct: bool) -> None:
+        """Whether the next acquire of an exclusive lock goes straight to the server's queue:
+        this one waited for it; or it tries on the lane first: this direct one found it free."""
+        if request.kind != "lock" or request.shared:
+            return
+        if waited:
+            if len(self.contended) >= _CONTENDED_KEYS:
+                self.contended.clear()
+            self.contended.add(key)
+        elif direct:
+            self.contended.discard(key)

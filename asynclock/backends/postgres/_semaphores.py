@@ -15,8 +15,8 @@ import anyio
 from .._kit import LockRequest, now, permits_mismatch, translate
 from ._kinds import kind_key, permits_class, slot_keys
 from ._lease import PostgresGrant
-from ._queue import Queue
 from ._sql import BEGIN_SEMAPHORE, RELEASE_SEMAPHORE, TAKE_SEMAPHORE, timeout_ms
+from ._table import Queue
 from ._wire import Replacements, Wire, answered
 
 
@@ -32,7 +32,7 @@ class Semaphores:
 
     async def take(self, request: LockRequest, *, wait: bool) -> PostgresGrant | None:
         """One try; if no permit is free and ``wait``, a place in the queue table, whose head
-        tries again at each release it hears of (and every ``_queue.POLL`` s: a holder that
+        tries again at each release it hears of (and every ``_table.POLL`` s: a holder that
         died tells nobody)."""
         key = kind_key(request.name, "semaphore", self._wire.schema)
         ttl_ms = timeout_ms(request.ttl)

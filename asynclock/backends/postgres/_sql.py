@@ -10,7 +10,7 @@ import math
 __all__ = ("lock_key",)
 
 SEQUENCE = "asynclock_token_seq"
-#: The waiters' queue (beyond the ones a client keeps in the server's queue), see _queue.py.
+#: The waiters' queue (beyond the ones a client keeps in the server's queue), see _table.py.
 QUEUE_TABLE = "asynclock_waiters"
 #: ``idle_session_timeout`` is an int of milliseconds.
 MAX_TIMEOUT_MS = 2**31 - 1
@@ -50,7 +50,7 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {queue} (
     PRIMARY KEY (key, ticket)
 )
 """
-# -- the queue table (_queue.py) ---------------------------------------------------------------
+# -- the queue table (_table.py) ---------------------------------------------------------------
 # A waiter's place: a ticket from the token sequence (it only increases), kept for lease_ms
 # after the client last refreshed it.
 ENQUEUE = """
@@ -184,7 +184,7 @@ swept AS (
 )"""
 # A take on a lane (a holding connection shared by the locks of one ttl, whose idle timer is
 # set once, when it connects): try-lock and token in one round trip, no row when busy.
-# Only when nobody waits in the queue table: its head may be between two steps (see _queue.py).
+# Only when nobody waits in the queue table: its head may be between two steps (see _table.py).
 # $1 key, $2 sequence; kept: $3 owner, $4 value; an election's NOTIFY: $5 channel.
 LANE_TAKE = """
 WITH attempt AS MATERIALIZED (
@@ -199,16 +199,20 @@ SELECT token{notify} FROM token
 # draw the token under the lock: one round trip. The timer starts when this statement ends, so
 # its send time is a safe valid_from; after a long wait the lease is restarted by RENEW.
 # Unless $4 (the head of the queue table goes to the server's queue): only when the table is
-# empty, which the statement checks before it queues (no row comes back otherwise).
+# empty, which the statement checks before it queues (no row comes back otherwise), but for the
+# places of client $6: its waiters that asked later than this one (a place made while this
+# statement was on its way; '' when that client had a place of the key already).
 # The head first takes the key's marker ($5, shared, released with the lock): inspect counts it
 # once, not in both queues. The lock is tried before it is waited for (CASE evaluates its ELSE
 # only when the try failed), so the row says whether the statement waited: a free lock is taken
 # at once either way.
-# $1 key, $2 sequence, $3 ttl ms, $4 head, $5 marker; kept: $6 owner, $7 value; NOTIFY: $8
-# channel. Returns (token, pid, waited, ...).
+# $1 key, $2 sequence, $3 ttl ms, $4 head, $5 marker, $6 client; kept: $7 owner, $8 value;
+# NOTIFY: $9 channel. Returns (token, pid, waited, ...).
 WAIT = """
 WITH empty AS MATERIALIZED (
-    SELECT 1 WHERE $4 OR NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
+    SELECT 1 WHERE $4 OR NOT EXISTS (
+        SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now() AND client <> $6::text
+    )
 ),
 marked AS MATERIALIZED (SELECT pg_advisory_lock_shared($5) FROM empty WHERE $4),
 granted AS MATERIALIZED (

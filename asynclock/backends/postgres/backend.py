@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import ssl
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Self
 
@@ -22,16 +21,16 @@ from .._kit import (
     LockRequest,
     RenewOutcome,
     TaskHost,
-    now,
+    Turn,
     redact,
     translate,
 )
 from ._errors import CHECKING, Errors
 from ._inspect import Inspector
-from ._kinds import Mode, kind_key, modes, no_holders_table
+from ._kinds import kind_key, modes, no_holders_table
 from ._lanes import Lanes
 from ._lease import PostgresGrant, Renewals
-from ._queue import Queue, Waits
+from ._queue import Answer, Waiting, Waits
 from ._semaphores import Semaphores
 from ._server import check_pooler, check_server
 from ._sql import (
@@ -40,21 +39,16 @@ from ._sql import (
     SWEEP_SESSION,
     creates,
     holders_name,
-    marker_key,
     queue_name,
     sequence_name,
     timeout_ms,
 )
+from ._table import Queue
 from ._transactions import TRANSACTION_CAPABILITIES, TRANSACTION_LIMITS, TransactionHolds
 from ._urls import Settings, read_url
 from ._wire import Sessions, Wire
 
 __all__ = ("PostgresBackend", "PostgresGrant")
-
-#: How long after a direct acquire's statement was sent its timeout starts to apply (``_wait``).
-DIRECT_GRACE = 0.01
-#: Keys a client remembers as contended (forgotten all at once beyond this).
-_CONTENDED_KEYS = 1024
 
 logger = logging.getLogger("asynclock")
 
@@ -167,7 +161,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._waits = Waits(wire)
         self._queue = Queue(wire, self._lanes)
         self._semaphores = Semaphores(wire, self._queue)
-        self._waiter = _Waiting(self._waits, self._queue, self.max_waiting, self._channel)
+        self._waiter = Waiting(self._waits, self._queue, self.max_waiting, self._channel)
         self._inspector = Inspector(wire, self._queue, poll_interval=self.poll_interval)
         #: Every hold in a transaction of its own (``_transactions.py``), or None: locks on lanes.
         self._transactions: TransactionHolds | None = None
@@ -288,6 +282,21 @@ class PostgresBackend(Backend[PostgresGrant]):
         if request.kind == "semaphore":
             return await self._semaphores.take(request, wait=wait)
         key = kind_key(request.name, request.kind, self.schema)
+        if not wait:
+            return await self._place(request, key, None)
+        # Waiters of one key take their places (the server's queue, the queue table) in the
+        # order they asked: the turn passes on as this one's statement is sent (the server's
+        # queue), its place is made (the table) or its try took the lock.
+        turn = await self._waiter.placing.take(key)
+        try:
+            return await self._place(request, key, turn)
+        finally:
+            turn.give()
+
+    async def _place(
+        self, request: LockRequest, key: int, turn: Turn | None
+    ) -> PostgresGrant | None:
+        wait = turn is not None
         mode = self._modes[request.kind, request.shared and request.kind == "lock"]
         ttl_ms = timeout_ms(request.ttl)
         waiting = self._waiter.waiting.get(key, 0)
@@ -314,12 +323,13 @@ class PostgresBackend(Backend[PostgresGrant]):
                 grant = await self._lanes.take(request, key, ttl_ms, mode, self._channel)
             if grant is not None or not wait:
                 return grant
-        answer = _Answer(request)
+        answer = Answer(request)
         if not direct:
             # Busy (the try said so, or others of ours wait for it): the caller's timeout
             # applies from here; one already past ends the acquire before anything is queued.
             await answer.now()
-        return await self._waiter.wait(request, key, ttl_ms, mode, answer)
+        assert turn is not None
+        return await self._waiter.wait(request, key, ttl_ms, mode, answer, turn)
 
     async def renew(self, grants: Sequence[PostgresGrant]) -> Sequence[RenewOutcome]:
         # One statement per lane, one per dedicated connection, all at the same time.
@@ -385,107 +395,3 @@ class PostgresBackend(Backend[PostgresGrant]):
 
     def _errors(self, what: str) -> AbstractContextManager[None]:
         return translate(self._translator, what)
-
-
-class _Answer:
-    """``request.answered`` of one acquire: now (after a try), or with ``DIRECT_GRACE`` as a
-    direct acquire's statement is sent (no answer comes before its grant)."""
-
-    __slots__ = ("_answered", "_grace_until", "given")
-
-    def __init__(self, request: LockRequest) -> None:
-        self._answered = request.answered
-        self.given = self._answered is None
-        #: While the grace of a direct send lasts, a send again (on a new connection) or a move
-        #: to the queue table gives it again, as if it had not been given.
-        self._grace_until = -math.inf
-
-    def _open(self) -> bool:
-        return not self.given or now() < self._grace_until
-
-    async def now(self) -> None:
-        """Give it, and end the acquire here if its timeout is past already."""
-        if self._open():
-            assert self._answered is not None
-            self.given, self._grace_until = True, -math.inf
-            self._answered()
-            await anyio.lowlevel.checkpoint_if_cancelled()
-
-    def later(self) -> None:
-        """The direct acquire's statement is sent now: its timeout applies ``DIRECT_GRACE``
-        from now at the earliest (one deadline for the caller's scope; no timer of ours)."""
-        if self._open():
-            assert self._answered is not None
-            self.given, self._grace_until = True, now() + DIRECT_GRACE
-            self._answered(DIRECT_GRACE)
-
-
-class _Waiting:
-    """A backend's waits for exclusive, shared and election locks (``PostgresBackend._take``),
-    in the server's queue or the queue table, and the locks it found contended."""
-
-    def __init__(self, waits: Waits, queue: Queue, max_waiting: int, channel: str) -> None:
-        self._waits = waits
-        self._queue = queue
-        self.max_waiting = max_waiting
-        self.channel = channel
-        #: Our waiters of each key.
-        self.waiting: dict[int, int] = {}
-        #: Exclusive locks whose last acquire here waited for them (``remember``).
-        self.contended: set[int] = set()
-
-    async def wait(
-        self, request: LockRequest, key: int, ttl_ms: int, mode: Mode, answer: _Answer
-    ) -> PostgresGrant:
-        """Wait in the server's queue on a dedicated connection, or in the queue table behind
-        it. A direct acquire (``answer`` not given yet) has not tried first: its statement takes
-        a free lock at once, and a timed one's timeout applies from ``DIRECT_GRACE`` after it
-        was sent (a free lock's answer is back well before), or from its answer."""
-        self.waiting[key] = self.waiting.get(key, 0) + 1
-        try:
-            extra = mode.take_args(request.owner, request.value, self.channel)
-
-            def server_queue(
-                head: bool, sent: Callable[[], object] | None = None
-            ) -> Awaitable[PostgresGrant | None]:
-                return self._waits.wait(
-                    request,
-                    key,
-                    ttl_ms,
-                    head=head,
-                    sql=mode.wait,
-                    args=(head, marker_key(key), *extra),
-                    release=(mode.release, mode.release_args(key, self.channel)),
-                    shared=mode.shared,
-                    kept=mode.kept,
-                    sent=sent,
-                )
-
-            direct = not answer.given
-            if self._waits.waiting < self.max_waiting:
-                grant = await server_queue(False, answer.later if direct else None)
-                if grant is not None:
-                    self.remember(request, key, grant.waited, direct)
-                    return grant
-            await answer.now()
-            grant = await self._queue.wait(request, key, ttl_ms, lambda: server_queue(True))
-            self.remember(request, key, True, direct)
-            return grant
-        finally:
-            left = self.waiting[key] - 1
-            if left:
-                self.waiting[key] = left
-            else:
-                del self.waiting[key]
-
-    def remember(self, request: LockRequest, key: int, waited: bool, direct: bool) -> None:
-        """Whether the next acquire of an exclusive lock goes straight to the server's queue:
-        this one waited for it; or it tries on the lane first: this direct one found it free."""
-        if request.kind != "lock" or request.shared:
-            return
-        if waited:
-            if len(self.contended) >= _CONTENDED_KEYS:
-                self.contended.clear()
-            self.contended.add(key)
-        elif direct:
-            self.contended.discard(key)
