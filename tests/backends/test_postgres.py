@@ -26,6 +26,7 @@ import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, lock_key
 from asynclock.backends.postgres._kinds import kind_key, permits_class
+from asynclock.backends.postgres._lease import QUERY
 from asynclock.extras.postgres import transaction_lock
 from asynclock.testing import FaultProxy, PgBouncerServer, PostgresServer, free_port
 from asynclock.testing._safety import SafetyConfig, run_safety
@@ -211,6 +212,20 @@ async def test_1000_locks_of_one_client_share_one_connection_per_ttl(pg: Pg) -> 
         for connection in backend._sessions.pool._idle:
             assert await connection.fetchval("SHOW idle_session_timeout") == "0"
     assert await pg.settle_sessions(0) == 0
+
+
+async def test_a_lane_statement_whose_caller_left_before_it_was_sent_is_not_sent(pg: Pg) -> None:
+    """A statement queued on a busy lane whose caller is cancelled meanwhile is dropped: a
+    waiter's place in the queue table, made after its cancelled acquire had returned, held
+    every take of a semaphore up (a CI run's other client waited past 100 ms)."""
+    async with pg.connect() as locks, locks.lock(pg.name, ttl=10):
+        lane = backend_of(locks)._lanes.by_ttl[10000]
+        lane.detach(lane.submit(QUERY, 0, "SELECT pg_sleep(0.05)"))
+        dropped = lane.submit(QUERY, 0, "SELECT set_config('asynclock.test', 'sent', false)")
+        dropped.future.cancel()  # as a caller's cancellation does, while it waits
+        probe = lane.submit(QUERY, 0, "SELECT current_setting('asynclock.test', true)")
+        row = await probe.future
+        assert row[0] in (None, "")
 
 
 async def test_a_holding_connection_without_locks_is_closed_before_its_idle_timer_fires(

@@ -300,6 +300,12 @@ class Lane:
             self.keys.discard(op.key)  # abandoned before it was sent: nothing to undo
             self.unlocks.pop(op.key, None)
             return
+        if op.kind == QUERY and op.future.cancelled():
+            # Its caller was cancelled before it was sent (the lane was still connecting, or
+            # busy): nobody wants its row. A queue-table place it would make now, after its
+            # waiter returned, would hold every take of the key up (a semaphore's place is made
+            # under the key's transaction lock) until the leave queued behind it removed it.
+            return
         self.busy = True
         self._current = op
         op.sent_at = now()

@@ -58,7 +58,9 @@ class Semaphores:
         (or the transaction around it, ``BEGIN_SEMAPHORE``)
         is closed and its session ended before this returns, so a permit taken at the last
         moment is free again; a dead pooled connection is replaced."""
-        slots = list(slot_keys(request.name, request.permits, self._wire.schema))
+        # As text: a bigint[] would cost asyncpg a type introspection on each new connection
+        # (``_sql.TAKE_SEMAPHORE``).
+        slots = [str(slot) for slot in slot_keys(request.name, request.permits, self._wire.schema)]
         replacements = Replacements()
         while True:
             connection, reused = await self._sessions.take()

@@ -316,8 +316,11 @@ other AS MATERIALIZED (
 # before it waits for the lock, and a place made meanwhile would be missed.
 BEGIN_SEMAPHORE = "BEGIN; SELECT pg_advisory_xact_lock({key})"
 # One try on a dedicated connection, in that transaction: $1 key, $2 sequence, $3 ttl (ms),
-# $4 head of the queue table (others may only take while nobody waits there), $5 the slot keys,
-# $6 the permits class, $7 N, $8 owner (the permit's row in the holders' table, _kinds.py).
+# $4 head of the queue table (others may only take while nobody waits there), $5 the slot keys
+# as a text[] (asyncpg introspects a bigint[] on each new connection: a catalog query and more
+# round trips inside the transaction that holds the semaphore's lock, which every other take
+# waits for; a CI run's other client waited past 100 ms), $6 the permits class, $7 N, $8 owner
+# (the permit's row in the holders' table, _kinds.py).
 # Returns (slot key or NULL, another N or NULL, token, pid, timer). The slots are tried in
 # order and the first free one is taken: LIMIT stops the scan there, and the CASE keeps the try
 # from running unless the semaphore may be taken. The idle timer (the ttl) is only set, and the
@@ -333,7 +336,7 @@ free AS MATERIALIZED (
     )) AS free
 ),
 slot AS MATERIALIZED (
-    SELECT s.k FROM free, unnest($5::bigint[]) AS s(k)
+    SELECT s.k FROM free, unnest($5::text[]::bigint[]) AS s(k)
     WHERE CASE WHEN free.free THEN pg_try_advisory_lock(s.k) ELSE false END
     LIMIT 1
 ),
