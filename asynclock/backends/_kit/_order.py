@@ -83,6 +83,15 @@ class Turn:
         self._order: CallOrder | None = order
         self._key = key
 
+    @property
+    def given(self) -> bool:
+        return self._order is None
+
+    @property
+    def wanted(self) -> bool:
+        """Whether another caller waits for this turn (a burst)."""
+        return self._order is not None and bool(self._order._turns.get(self._key))
+
     def give(self) -> None:
         """Give the turn up (no await: from a callback as a request is sent). Idempotent."""
         order, self._order = self._order, None

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 
 import anyio
 
-from .._kit import CallOrder, LockRequest, Turn, now, translate
+from .._kit import CallOrder, LockRequest, TaskHost, Turn, now, translate
 from ._errors import connection_broken
 from ._kinds import Mode
 from ._lease import FRESH_WAIT, PostgresGrant
@@ -38,6 +38,8 @@ logger = logging.getLogger("asynclock")
 _RENEWAL_WAIT = 0.05
 #: How long after a direct acquire's statement was sent its timeout starts to apply.
 DIRECT_GRACE = 0.01
+#: How often a burst's waiter checks that the one before it entered the server's queue.
+ENTERED_POLL = 0.001
 #: Keys a client remembers as contended (forgotten all at once beyond this).
 _CONTENDED_KEYS = 1024
 
@@ -68,7 +70,7 @@ class Waits:
         shared: bool = False,
         kept: bool = False,
         bound: float | None = None,
-        sent: Callable[[], object] | None = None,
+        sent: Callable[[int | None], object] | None = None,
     ) -> PostgresGrant | None:
         """Wait in the server's queue on a dedicated connection, which then holds the lock;
         unless the queue table has places for the key (None: wait there, ``_table.py``), or
@@ -82,7 +84,7 @@ class Waits:
         again. A connection that turns out to be dead (a pooled one the server or a proxy closed
         while it was idle, or a waiter's session the server ended while this process was paused)
         is replaced and the wait starts again: that is no outage. Only a new connection that
-        fails as well is reported. ``sent`` is called as the statement is sent.
+        fails as well is reported. ``sent(server process)`` is called as the statement is sent.
         """
         # Counted before the first await: waiters that start together see each other.
         self.waiting += 1
@@ -100,7 +102,7 @@ class Waits:
                         # Queue in the server; the caller's cancel scope bounds the wait.
                         sent_at = now()
                         if sent is not None:
-                            sent()
+                            sent(self._sessions.pid(connection))
                         row = await connection.fetchrow(
                             sql, key, self._wire.sequence, str(ttl_ms), *args
                         )
@@ -226,8 +228,11 @@ class Waiting:
     """A backend's waits for exclusive, shared and election locks (``PostgresBackend._take``),
     in the server's queue or the queue table, and the locks it found contended."""
 
-    def __init__(self, waits: Waits, queue: Queue, max_waiting: int, channel: str) -> None:
+    def __init__(
+        self, waits: Waits, queue: Queue, host: TaskHost, max_waiting: int, channel: str
+    ) -> None:
         self._waits = waits
+        self._host = host
         self._queue = queue
         self.max_waiting = max_waiting
         self.channel = channel
@@ -250,7 +255,7 @@ class Waiting:
             extra = mode.take_args(request.owner, request.value, self.channel)
 
             def server_queue(
-                head: bool, own: str = "", sent: Callable[[], object] | None = None
+                head: bool, own: str = "", sent: Callable[[int | None], object] | None = None
             ) -> Awaitable[PostgresGrant | None]:
                 return self._waits.wait(
                     request,
@@ -267,10 +272,22 @@ class Waiting:
 
             direct = not answer.given
 
-            def sent() -> None:
-                turn.give()
+            def sent(pid: int | None) -> None:
                 if direct:
                     answer.later()
+                if pid is None or not turn.wanted:
+                    turn.give()
+                else:
+                    # A burst: the next of ours goes once this one is in the server's queue
+                    # (statements sent together on two connections reach it in any order).
+                    self._host.start_soon(
+                        self._give_when_entered,
+                        turn,
+                        ttl_ms,
+                        pid,
+                        key,
+                        name="asynclock: postgres placing",
+                    )
 
             # Only on a connection at hand: one still to be opened would reach the server's
             # queue when it is open, behind waiters that asked later (here or in other
@@ -300,6 +317,17 @@ class Waiting:
                 self.waiting[key] = left
             else:
                 del self.waiting[key]
+
+    async def _give_when_entered(self, turn: Turn, ttl_ms: int, pid: int, key: int) -> None:
+        """Give ``turn`` up once server process ``pid`` waits for ``key`` (or holds it), or
+        its waiter gave it up first (it went to the table, or its wait ended)."""
+        try:
+            while not turn.given and not await self._queue.entered(ttl_ms, pid, key):  # noqa: ASYNC110
+                await anyio.sleep(ENTERED_POLL)
+        except Exception as exc:
+            logger.info("asynclock: cannot check a wait's place (%r); the next one goes", exc)
+        finally:
+            turn.give()
 
     def remember(self, request: LockRequest, key: int, waited: bool, direct: bool) -> None:
         """Whether the next acquire of an exclusive lock goes straight to the server's queue:

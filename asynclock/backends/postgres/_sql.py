@@ -103,6 +103,13 @@ SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 WHERE pid = $1 AND usename = current_user AND application_name = $2
 """
 
+# Whether server process $1 holds or waits for the advisory lock ($2, $3: classid, objid).
+ENTERED = """
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE pid = $1 AND locktype = 'advisory' AND objsubid = 1 AND classid = $2 AND objid = $3
+)
+"""
 #: The server process of a connection's session (asyncpg's ``get_server_pid()`` is the pooler's
 #: number behind a pooler).
 PID = "SELECT pg_backend_pid()"

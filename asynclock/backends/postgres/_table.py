@@ -24,9 +24,10 @@ from typing import Any
 import anyio
 
 from .._kit import LockRequest, permits_mismatch, translate
+from ._kinds import split
 from ._lanes import Lanes
 from ._lease import QUERY, Lane, Op, PostgresGrant
-from ._sql import ENQUEUE, ENQUEUE_SEMAPHORE, HEAD, LEAVE, REFRESH, REQUEUE, SWEEP_PLACES
+from ._sql import ENQUEUE, ENQUEUE_SEMAPHORE, ENTERED, HEAD, LEAVE, REFRESH, REQUEUE, SWEEP_PLACES
 from ._wire import Wire
 
 logger = logging.getLogger("asynclock")
@@ -69,6 +70,7 @@ class Queue:
                 ("refresh", REFRESH),
                 ("sweep", SWEEP_PLACES),
                 ("enqueue_semaphore", ENQUEUE_SEMAPHORE),
+                ("entered", ENTERED),
             )
         }
         self.client = uuid.uuid4().hex
@@ -175,6 +177,11 @@ class Queue:
         return lane.detach(
             lane.submit(QUERY, 0, self._sql["leave"], entry.key, entry.waiter, self._wire.channel)
         )
+
+    async def entered(self, ttl_ms: int, pid: int, key: int) -> bool:
+        """Whether server process ``pid`` is in the server's queue of ``key`` (or holds it)."""
+        row = await self._query(ttl_ms, "checking a wait", "entered", pid, *split(key))
+        return bool(row[0])
 
     async def _query(self, ttl_ms: int, what: str, name: str, *args: object) -> Any:
         """One statement on the lane of ``ttl_ms``, never interrupted (``_lease.Lane``); a lane

@@ -147,6 +147,10 @@ class Sessions:
         connection = await self.pool.take()
         return connection, self._connects == connects
 
+    def pid(self, connection: Any) -> int | None:
+        """The server process of ``connection``'s session, as the server reported it."""
+        return self._pids.get(connection)
+
     def give_back(self, connection: Any) -> None:
         """Keep a connection that holds no lock for reuse, or close it."""
         self.pool.give_back(connection, reusable=True)

@@ -161,7 +161,9 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._waits = Waits(wire)
         self._queue = Queue(wire, self._lanes)
         self._semaphores = Semaphores(wire, self._queue)
-        self._waiter = Waiting(self._waits, self._queue, self.max_waiting, self._channel)
+        self._waiter = Waiting(
+            self._waits, self._queue, self._host, self.max_waiting, self._channel
+        )
         self._inspector = Inspector(wire, self._queue, poll_interval=self.poll_interval)
         #: Every hold in a transaction of its own (``_transactions.py``), or None: locks on lanes.
         self._transactions: TransactionHolds | None = None
@@ -301,8 +303,9 @@ class PostgresBackend(Backend[PostgresGrant]):
         ttl_ms = timeout_ms(request.ttl)
         waiting = self._waiter.waiting.get(key, 0)
         # An exclusive lock this client last found busy: its acquire goes straight to the
-        # server's queue, whose one statement takes it if it is free (on a dedicated connection).
-        direct = wait and not waiting and key in self._waiter.contended
+        # server's queue, whose one statement takes it if it is free (on a dedicated connection,
+        # when one is idle: else the lane's try takes a free lock without one).
+        direct = wait and not waiting and key in self._waiter.contended and self._waits.at_hand
         if not (direct or (wait and waiting)):  # others of ours wait for it: it is busy
             if mode.shared and self._lanes.holds_shared(ttl_ms, key, mode):
                 # The lane holds it shared already: a second hold there would be re-entrant
