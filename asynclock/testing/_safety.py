@@ -303,6 +303,7 @@ async def _resume_stopped(
     read_log: LogReader,
     config: SafetyConfig,
     report: SafetyReport,
+    taken_over: Callable[[], None],
 ) -> None:
     """The runner's half of a ``stop`` pause: SIGCONT a stopped worker once its pause has
     elapsed *and* its hold has been taken over at the resource (:func:`newer_holders_at_once`;
@@ -340,11 +341,24 @@ async def _resume_stopped(
                 log = log if log is not None else await read_log()
                 if not stop.taken_over(log, permits):
                     continue
+                taken_over()
             os.kill(processes[index].pid, signal.SIGCONT)
             del stopped[index]
             running += 1
             report.pauses += 1
         await anyio.sleep(0.01)
+
+
+async def _end_run(histories: Sequence[Path], config: SafetyConfig, enough: anyio.Event) -> None:
+    """Tell the workers to stop once the run has lasted ``config.duration`` and the faults it
+    is asked for have happened (``config.min_takeovers``): a loaded host makes fewer holds in
+    the same time, and a run without the fault it checks proves nothing."""
+    await anyio.sleep(config.duration)
+    # Bounded within the run's grace period, so that a run without the fault ends and its
+    # checks say what it did.
+    with anyio.move_on_after(max(20.0, 8 * config.ttl)):
+        await enough.wait()
+    histories[0].with_name("stop").touch()
 
 
 async def _run_nemesis(
@@ -394,7 +408,7 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
                     sys.executable, "-m", "asynclock.testing._safety_worker",
                     "--url", config.url, "--lock", config.lock, "--resource", resource,
                     "--history", str(history), "--ttl", str(config.ttl),
-                    "--hold", str(config.hold), "--duration", str(config.duration),
+                    "--hold", str(config.hold),
                     "--pause-probability", str(config.pause_probability),
                     "--pause-kind", config.pause_kind, "--pause", str(pause),
                     "--seed", str(config.seed * 1000 + index),
@@ -415,7 +429,21 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
                     _log_reader(resource, semaphore) as read_log,
                     anyio.create_task_group() as tg,
                 ):
-                    tg.start_soon(_resume_stopped, processes, histories, read_log, config, report)
+                    enough = anyio.Event()
+                    takeovers = 0
+
+                    def taken_over() -> None:
+                        nonlocal takeovers
+                        takeovers += 1
+                        if takeovers >= config.min_takeovers:
+                            enough.set()
+
+                    if config.min_takeovers <= 0:
+                        enough.set()
+                    tg.start_soon(
+                        _resume_stopped, processes, histories, read_log, config, report, taken_over
+                    )
+                    tg.start_soon(_end_run, histories, config, enough)
                     tg.start_soon(_run_nemesis, config.nemesis, started)
                     for process in processes:
                         await process.wait()

@@ -14,7 +14,11 @@ class SafetyConfig:
     url: str
     resource: str
     workers: int = 4
+    #: How long the workers contend; longer while fewer than ``min_takeovers`` stopped workers
+    #: have been resumed after a newer hold used the resource (bounded by the run's grace
+    #: period: then the run fails on its timeout), so the fault the checks need happened.
     duration: float = 8.0
+    min_takeovers: int = 0
     ttl: float = 1.0
     fencing: bool = True
     #: Chance that a hold is paused between its read and its write, and how.
@@ -34,6 +38,13 @@ class SafetyConfig:
     #: a PostgreSQL log behind a permit guard, see ``_safety_permits``); an election's term.
     primitive: Literal["lock", "semaphore", "election"] = "lock"
     permits: int = 3
+
+    def __post_init__(self) -> None:
+        if self.min_takeovers > 0 and (self.pause_kind != "stop" or self.pause_probability <= 0):
+            raise ValueError(
+                "min_takeovers counts stopped workers resumed after a takeover: it needs "
+                "pause_kind='stop' and a pause_probability above 0"
+            )
 
 
 @dataclass

@@ -56,12 +56,15 @@ def config(url: str, ttl: float, resource: str, **changes: object) -> SafetyConf
         "url": url,
         "resource": resource,
         "workers": 4 if changes.get("primitive", "lock") == "lock" else 5,
-        "duration": max(3.0, ttl * 5),
+        "duration": ttl * 2,  # and on until the fault happened (min_takeovers)
         "ttl": ttl,
         "fencing": True,
         # on_lost="flag": nothing but the guard stands between a stale holder and the resource.
         "cancel_on_loss": False,
         "pause_probability": 0.25,
+        # The checks need a stopped holder overtaken: a loaded host that made too few holds in
+        # the duration goes on until one was (ci: 4 holds in 3 s, no stale write to refuse).
+        "min_takeovers": 1 if changes.get("pause_kind", "stop") == "stop" else 0,
         "permits": 2,
     }
     values.update(changes)
