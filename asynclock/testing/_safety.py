@@ -297,13 +297,28 @@ class _Stopped:
         return newer_holders_at_once(log, self.token, permits)
 
 
+class _Takeovers:
+    """Stopped workers resumed after a takeover; ``enough`` once ``wanted`` were."""
+
+    def __init__(self, wanted: int) -> None:
+        self.wanted = wanted
+        self.enough = anyio.Event()
+        if wanted <= 0:
+            self.enough.set()
+
+    def seen(self) -> None:
+        self.wanted -= 1
+        if self.wanted <= 0:
+            self.enough.set()
+
+
 async def _resume_stopped(
     processes: Sequence[anyio.abc.Process],
     histories: Sequence[Path],
     read_log: LogReader,
     config: SafetyConfig,
     report: SafetyReport,
-    taken_over: Callable[[], None],
+    takeovers: _Takeovers,
 ) -> None:
     """The runner's half of a ``stop`` pause: SIGCONT a stopped worker once its pause has
     elapsed *and* its hold has been taken over at the resource (:func:`newer_holders_at_once`;
@@ -341,7 +356,7 @@ async def _resume_stopped(
                 log = log if log is not None else await read_log()
                 if not stop.taken_over(log, permits):
                     continue
-                taken_over()
+                takeovers.seen()
             os.kill(processes[index].pid, signal.SIGCONT)
             del stopped[index]
             running += 1
@@ -429,21 +444,11 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
                     _log_reader(resource, semaphore) as read_log,
                     anyio.create_task_group() as tg,
                 ):
-                    enough = anyio.Event()
-                    takeovers = 0
-
-                    def taken_over() -> None:
-                        nonlocal takeovers
-                        takeovers += 1
-                        if takeovers >= config.min_takeovers:
-                            enough.set()
-
-                    if config.min_takeovers <= 0:
-                        enough.set()
+                    takeovers = _Takeovers(config.min_takeovers)
                     tg.start_soon(
-                        _resume_stopped, processes, histories, read_log, config, report, taken_over
+                        _resume_stopped, processes, histories, read_log, config, report, takeovers
                     )
-                    tg.start_soon(_end_run, histories, config, enough)
+                    tg.start_soon(_end_run, histories, config, takeovers.enough)
                     tg.start_soon(_run_nemesis, config.nemesis, started)
                     for process in processes:
                         await process.wait()
