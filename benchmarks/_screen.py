@@ -14,11 +14,11 @@ from typing import Any
 
 from ._cross import TABLE_CLIENTS
 from ._report import handoff_record, ms, ratio
+from ._stats import MIN_P50_SAMPLES
 from ._suite import SHARE_SPENT, TABLE_RUN
 
 #: Below this many samples a p99 is one of the few slowest, not a percentile.
 MIN_P99_SAMPLES = 100
-MIN_P50_SAMPLES = 10
 
 HEADER = (
     "backend",

@@ -9,6 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+#: Below this many samples a median is not reported (the table says "n/a"), and a timing loop
+#: does not stop on its time cap (``_contend.time_op``).
+MIN_P50_SAMPLES = 10
+
 
 def percentile(sorted_values: Sequence[float], share: float) -> float:
     """The ``share`` (0-1) percentile of already sorted values, by linear interpolation."""
