@@ -346,14 +346,24 @@ class ClientCore:
         # that this acquire was not timed.
         started = now() if events.active else None
         deadlocks: list[list[Waiter]] = []
+        # Cancelled only when the client closes (``InFlight``).
+        closing = anyio.CancelScope()
+        in_flight = self._host.in_flight
+        in_flight.scopes.add(closing)
         try:
-            if timeout == 0:
-                grant = await self._backend.try_acquire(request)
-            elif timeout is None and not events.active and not self._settings.deadlock_interval:
-                grant = await self._backend.acquire(request)  # the common case, directly
-            else:
-                grant = await wait_for_grant(
-                    self._backend, request, timeout, deadlocks, events, self._settings
+            grant = None
+            with closing:
+                if timeout == 0:
+                    grant = await self._backend.try_acquire(request)
+                elif timeout is None and not events.active and not self._settings.deadlock_interval:
+                    grant = await self._backend.acquire(request)  # the common case, directly
+                else:
+                    grant = await wait_for_grant(
+                        self._backend, request, timeout, deadlocks, events, self._settings
+                    )
+            if closing.cancelled_caught:  # observed below as every failed acquire
+                raise BackendUnavailable(  # noqa: TRY301
+                    f"the lock client for {self._backend.describe()} is closed"
                 )
         except BaseException as exc:
             error = exc
@@ -367,6 +377,8 @@ class ClientCore:
             if error is exc:
                 raise
             raise error from exc
+        finally:
+            in_flight.done(closing)
         if grant is None:
             refused = (
                 DeadlockDetected(name, deadlocks[0])

@@ -49,6 +49,33 @@ _CLOSE_GRACE = 1.0
 State = Literal["new", "opening", "open", "closing", "closed"]
 
 
+class InFlight:
+    """The client's acquires in flight. Closing the client ends them first, while the backend
+    is still open: each is cancelled as a cancelled acquire is, and undoes what it began (a
+    place in a queue, a wait on a connection) before its caller gets BackendUnavailable.
+    Closed under them instead, waiters left their places behind on the server (Redis, SQLite)
+    until those expired, and some ended with the wrong error or only on a timeout."""
+
+    def __init__(self) -> None:
+        self.scopes: set[anyio.CancelScope] = set()
+        self._ended: anyio.Event | None = None
+
+    def done(self, scope: anyio.CancelScope) -> None:
+        self.scopes.discard(scope)
+        if not self.scopes and self._ended is not None:
+            self._ended.set()
+
+    async def end(self, timeout: float) -> None:
+        """Cancel every acquire in flight and wait (up to ``timeout``) until each has ended."""
+        if not self.scopes:
+            return
+        self._ended = anyio.Event()
+        for scope in list(self.scopes):
+            scope.cancel()
+        with anyio.move_on_after(timeout):
+            await self._ended.wait()
+
+
 class BackendHost:
     """Runs one backend for one client: open, renew, retry late releases, close."""
 
@@ -77,6 +104,7 @@ class BackendHost:
         self._backend_closed: anyio.Event
         #: Releases that did not finish in time and go on in the background.
         self.deferred = Deferred(attempt_timeout=release_timeout)
+        self.in_flight = InFlight()
         self.state: State = "new"
         #: With start(): the host's own task, told to stop by ``_stop`` and done at ``_own_done``.
         self._own_task: Any = None
@@ -242,6 +270,7 @@ class BackendHost:
             await task_group.__aexit__(None, None, None)
 
     async def _close(self) -> None:
+        await self.in_flight.end(self._release_timeout)
         await release_all(self.supervisor.leases)
         # Releases still retried in the background get a little longer (a server that hung
         # may be back), then stop: the server frees what they held when its lease expires

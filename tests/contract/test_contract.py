@@ -378,6 +378,47 @@ async def test_a_client_started_in_one_task_is_closed_from_another(
         await again.release()
 
 
+async def test_closing_the_client_ends_its_waiters_at_once_with_a_named_error(
+    backend: BackendUnderTest, name: str
+) -> None:
+    """Waiters of a client that closes (three asked together, a fourth later) end as it
+    closes, each with BackendUnavailable, not on a timeout of their own; nothing is left."""
+    async with backend.connect() as other:
+        holder = await other.acquire(name, ttl=backend.ttl * 5)
+        before = _tasks()
+        locks = backend.connect()
+        await locks.start()
+        errors: list[BaseException] = []
+
+        async def wait() -> None:
+            try:
+                await locks.acquire(name, ttl=backend.ttl * 5, timeout=60)
+            except Exception as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(wait)
+            await anyio.sleep(0.05)
+            tg.start_soon(wait)
+            await anyio.sleep(0.05)
+            closed = anyio.current_time()
+            await locks.aclose()
+        ended = anyio.current_time() - closed
+        await holder.release()
+        assert len(errors) == 4 and all(type(e) is asynclock.BackendUnavailable for e in errors), errors
+        assert all("closed" in str(e) for e in errors), errors
+        # Well inside the backends' op timeouts (5 s): a PostgreSQL waiter whose turn came as
+        # its client closed waited that long for a lane that never ran, then said "timeout".
+        assert ended < 3.0, f"the waiters ended {ended:.2f} s after the close began"
+        assert _tasks() == before
+        # Nothing of theirs is left on the server: the lock goes to the next one at once.
+        async with backend.connect() as third:
+            lease = await third.try_acquire(name, ttl=backend.ttl)
+            assert lease is not None
+            await lease.release()
+
+
 def _tasks() -> set[str]:
     return {task.get_name() for task in asyncio.all_tasks()}
 

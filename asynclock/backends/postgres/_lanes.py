@@ -44,9 +44,14 @@ class Lanes:
     def lane(self, ttl_ms: int) -> Lane:
         lane = self.by_ttl.get(ttl_ms)
         if lane is None:
-            lane = self.by_ttl[ttl_ms] = Lane(self, ttl_ms)
+            if not self._wire.sessions.open:
+                # Closed (a waiter whose turn came as the client closed): a lane made now
+                # would never run, and its takes would wait for an answer until op_timeout.
+                raise BackendUnavailable(f"the lock client for {self.server} is closed")
+            lane = Lane(self, ttl_ms)
             connect = self._wire.sessions.connect_lane
             self._wire.host.start_soon(lane.run, connect, name="asynclock: postgres lane")
+            self.by_ttl[ttl_ms] = lane
         return lane
 
     def forget(self, lane: Lane) -> None:
