@@ -346,25 +346,8 @@ class ClientCore:
         # that this acquire was not timed.
         started = now() if events.active else None
         deadlocks: list[list[Waiter]] = []
-        # Cancelled only when the client closes (``InFlight``).
-        closing = anyio.CancelScope()
-        in_flight = self._host.in_flight
-        in_flight.scopes.add(closing)
         try:
-            grant = None
-            with closing:
-                if timeout == 0:
-                    grant = await self._backend.try_acquire(request)
-                elif timeout is None and not events.active and not self._settings.deadlock_interval:
-                    grant = await self._backend.acquire(request)  # the common case, directly
-                else:
-                    grant = await wait_for_grant(
-                        self._backend, request, timeout, deadlocks, events, self._settings
-                    )
-            if closing.cancelled_caught:  # observed below as every failed acquire
-                raise BackendUnavailable(  # noqa: TRY301
-                    f"the lock client for {self._backend.describe()} is closed"
-                )
+            grant = await self._ask(request, timeout, deadlocks)
         except BaseException as exc:
             error = exc
             if isinstance(exc, Exception) and not isinstance(exc, LockError):
@@ -377,8 +360,6 @@ class ClientCore:
             if error is exc:
                 raise
             raise error from exc
-        finally:
-            in_flight.done(closing)
         if grant is None:
             refused = (
                 DeadlockDetected(name, deadlocks[0])
@@ -408,6 +389,29 @@ class ClientCore:
         if track_context:
             _fencing.push(lease)
         return lease
+
+    async def _ask(
+        self, request: LockRequest, timeout: float | None, deadlocks: list[list[Waiter]]
+    ) -> Grant | None:
+        """The backend's grant for ``request`` (None: not within ``timeout``), or
+        BackendUnavailable if the client closes meanwhile (``_host.InFlight``)."""
+        closing = anyio.CancelScope()  # cancelled only by the client's close
+        in_flight = self._host.in_flight
+        in_flight.scopes.add(closing)
+        try:
+            with closing:
+                events = self._events
+                if timeout == 0:
+                    return await self._backend.try_acquire(request)
+                if timeout is None and not events.active and not self._settings.deadlock_interval:
+                    return await self._backend.acquire(request)  # the common case, directly
+                return await wait_for_grant(
+                    self._backend, request, timeout, deadlocks, events, self._settings
+                )
+        finally:
+            in_flight.done(closing)
+        # Here only when the close's cancel ended the call (the scope absorbed it).
+        raise BackendUnavailable(f"the lock client for {self._backend.describe()} is closed")
 
     async def _extend(self, lease: Lease, ttl: float) -> None:
         """``lease.extend(ttl)``: one renewal now, with a new ttl (see :meth:`Lease.extend`)."""
