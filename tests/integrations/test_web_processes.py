@@ -152,6 +152,7 @@ class Run(Traffic):
     stopped_pid: int = 0
     stopped_call: str = ""
     takers: list[str] = field(default_factory=list)
+    chosen_at: float = 0.0
     stopped_at: float = 0.0
     continued_at: float = 0.0
     takeover: str | None = None
@@ -239,14 +240,27 @@ async def drive(
         return json.dumps({"event": event, "request_id": request_id})[:-1] + "," in journal(worker)
 
     def leader() -> int | None:
-        """The worker whose job ran last, if that was within the last 0.2 s."""
-        last = {}
+        """The worker that leads in a settled term: its job ran within the last 0.2 s, in a term
+        renewed since its grant (its deadline moved on between two runs) with a third of the ttl
+        left at least. The stop comes after two more requests to it: a term just granted as the
+        cut ends, or about to lapse, would leave the test stopping a worker that no longer leads."""
+        latest: tuple[float, int] | None = None
         for worker in range(WORKERS):
-            runs = [line for line in journal(worker).splitlines() if '"event": "run"' in line]
-            if runs:
-                last[worker] = json.loads(runs[-1])["at"]
-        latest = max(last, key=last.__getitem__, default=None)
-        return None if latest is None or last[latest] < time.monotonic() - 0.2 else latest
+            runs = [
+                json.loads(line)
+                for line in journal(worker).splitlines()
+                if '"event": "run"' in line
+            ]
+            if runs and (latest is None or runs[-1]["at"] > latest[0]):
+                last = runs[-1]
+                renewed = any(
+                    run["token"] == last["token"] and run["deadline"] < last["deadline"]
+                    for run in runs
+                )
+                now = time.monotonic()
+                settled = renewed and last["deadline"] > now + TTL / 3 and last["at"] > now - 0.2
+                latest = (last["at"], worker if settled else -1)
+        return None if latest is None or latest[1] < 0 else latest[1]
 
     async def hold_a_permit(worker: int, name: str, seconds: float) -> str:
         holding = functools.partial(journaled, worker, "entered")
@@ -316,6 +330,7 @@ async def drive(
             while (stopped := leader()) is None:  # noqa: ASYNC110
                 await anyio.sleep(0.02)
         run.stopped_pid = workers[stopped].process.pid
+        run.chosen_at = time.monotonic()
         run.stopped_call = await hold_a_permit(stopped, "stopped-call", 10)
         run.paused = await stop_when(
             stopped, PAUSED_ORDER, "paused", "holding", work="0", block=str(BLOCK)
@@ -504,9 +519,25 @@ def check_leader(run: Run) -> None:
     print(
         f"{len(runs)} runs of the job, {len(runs) - len(valid)} begun after their term's deadline"
     )
+    # The terms, seconds from the first fault: which worker led when, around the stop.
+    terms: dict[int, list[float]] = {}
+    for start, end, token, pid in runs:
+        span = terms.setdefault(token, [pid, start - run.began, end - run.began, 0])
+        span[2], span[3] = end - run.began, span[3] + 1
+    print(
+        f"chose {run.stopped_pid} at {run.chosen_at - run.began:.3f} s, stopped it at "
+        f"{run.stopped_at - run.began:.3f} s; terms (pid, first start, last end, runs):"
+    )
+    for token, span in sorted(terms.items(), key=lambda item: item[1][1]):
+        print(f"  {token}: {span[0]} {span[1]:.3f} {span[2]:.3f} {span[3]}")
     for before, after in itertools.pairwise(valid):
         assert before[1] <= after[0] and before[2] <= after[2], (before, after)
-    assert [pid for start, _, _, pid in valid if start < run.stopped_at][-1] == run.stopped_pid
+    before_stop = [job for job in valid if job[0] < run.stopped_at]
+    assert before_stop[-1][3] == run.stopped_pid, (
+        run.stopped_at,
+        run.stopped_pid,
+        before_stop[-6:],
+    )
     assert any(
         pid != run.stopped_pid and run.stopped_at < start < run.continued_at
         for start, _, _, pid in valid
