@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 import asynclock
 from asynclock._deadlock import find_cycle, victim
 from asynclock.testing import RedisServer
+from asynclock.testing._forked import PIPE, ForkedPython
 
 pytestmark = pytest.mark.anyio
 
@@ -86,19 +85,20 @@ def test_a_cycle_of_processes_is_broken_once(tmp_path: Path, size: int, url: str
     ready = tmp_path / "ready"
     ready.mkdir()
     workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.deadlock_worker", url, str(index), str(size), str(ready)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
+        ForkedPython(
+            "tests.deadlock_worker", [url, str(index), str(size), str(ready)], cwd=ROOT, stdout=PIPE
         )
         for index in range(size)
     ]
     outputs = []
-    for worker in workers:
-        out, _ = worker.communicate(timeout=60)
-        assert worker.returncode == 0
-        outputs.append(out.strip())
+    try:
+        for worker in workers:
+            out, _ = worker.communicate(timeout=60)
+            assert worker.returncode == 0
+            outputs.append(out.strip())
+    finally:
+        for worker in workers:
+            worker.close()
     deadlocked = [out for out in outputs if out.startswith("deadlock")]
     assert len(deadlocked) == 1, outputs
     assert outputs.count("done") == size - 1

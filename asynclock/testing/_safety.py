@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import tempfile
 import time
 import uuid
@@ -42,10 +41,14 @@ import anyio.abc
 
 from .._errors import UnsupportedFeature
 from ..fencing import PostgresGuard, RedisGuard
+from ._forked import ForkedPython
 from ._safety_checks import check_lock, check_permits
 from ._safety_config import SafetyConfig as SafetyConfig
 from ._safety_config import SafetyReport as SafetyReport
 from ._safety_permits import PERMIT_LOG, OneConnection, permit_log, prepare_permits
+
+#: The module each worker process runs.
+_WORKER = "asynclock.testing._safety_worker"
 
 _PG_TABLES = """
 CREATE TABLE IF NOT EXISTS asynclock_safety_counter (run text PRIMARY KEY, value bigint NOT NULL);
@@ -313,7 +316,7 @@ class _Takeovers:
 
 
 async def _resume_stopped(
-    processes: Sequence[anyio.abc.Process],
+    processes: Sequence[ForkedPython],
     histories: Sequence[Path],
     read_log: LogReader,
     config: SafetyConfig,
@@ -384,9 +387,7 @@ async def _run_nemesis(
         await anyio.to_thread.run_sync(fault)
 
 
-async def _start_together(
-    processes: Sequence[anyio.abc.Process], histories: Sequence[Path]
-) -> float:
+async def _start_together(processes: Sequence[ForkedPython], histories: Sequence[Path]) -> float:
     """Wait until every worker is connected (or has exited), then let them all go at once;
     returns when, the start of the nemesis schedule."""
     with anyio.fail_after(120):
@@ -416,11 +417,10 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
     await (prepare_permits(resource, config.permits) if semaphore else _prepare(resource))
     with tempfile.TemporaryDirectory(prefix="asynclock-safety-") as directory:
         histories = [Path(directory, f"worker-{index}.jsonl") for index in range(config.workers)]
-        processes: list[anyio.abc.Process] = []
+        processes: list[ForkedPython] = []
         try:
             for index, history in enumerate(histories):
-                command = [
-                    sys.executable, "-m", "asynclock.testing._safety_worker",
+                argv = [
                     "--url", config.url, "--lock", config.lock, "--resource", resource,
                     "--history", str(history), "--ttl", str(config.ttl),
                     "--hold", str(config.hold),
@@ -430,14 +430,11 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
                     "--primitive", config.primitive, "--permits", str(config.permits),
                 ]  # fmt: skip
                 if config.fencing:
-                    command.append("--fencing")
+                    argv.append("--fencing")
                 if not config.cancel_on_loss:
-                    command.append("--no-cancel")
-                log_file = Path(directory, f"worker-{index}.log").open("w")  # noqa: SIM115, ASYNC230
-                processes.append(
-                    await anyio.open_process(command, stdin=None, stdout=log_file, stderr=log_file)
-                )
-                log_file.close()
+                    argv.append("--no-cancel")
+                with Path(directory, f"worker-{index}.log").open("w") as log:  # noqa: ASYNC230
+                    processes.append(ForkedPython(_WORKER, argv, stdout=log, stderr=log))
             started = await _start_together(processes, histories)
             with anyio.fail_after(config.duration + max(30.0, 10 * config.ttl)):
                 async with (
@@ -451,17 +448,11 @@ async def run_safety(config: SafetyConfig) -> SafetyReport:
                     tg.start_soon(_end_run, histories, config, takeovers.enough)
                     tg.start_soon(_run_nemesis, config.nemesis, started)
                     for process in processes:
-                        await process.wait()
+                        await process.exited()
                     tg.cancel_scope.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                for process in processes:
-                    if process.returncode is None:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(process.pid, signal.SIGCONT)
-                            process.kill()
-                        await process.wait()
-                    await process.aclose()
+            for process in processes:
+                process.close()
         for index, process in enumerate(processes):
             if process.returncode != 0:
                 output = Path(directory, f"worker-{index}.log").read_text()[-2000:]  # noqa: ASYNC240

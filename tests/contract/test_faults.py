@@ -28,8 +28,6 @@ import os
 import random
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, suppress
@@ -42,6 +40,7 @@ import asynclock
 from asynclock import ConnectionState
 from asynclock.abc import Kind
 from asynclock.testing import FaultProxy
+from asynclock.testing._forked import PIPE, ForkedPython
 from tests.contract.fault_worker import open_resource, pause_schedule
 from tests.contract.harness import BackendUnderTest, report, wait_until_free
 from tests.contract.kinds import holds
@@ -234,10 +233,10 @@ async def test_client_processes_paused_past_their_ttl_keep_the_resource_safe(
             "stop_file": str(stop_file),
         }
         workers.append(
-            subprocess.Popen(  # noqa: ASYNC220 (starting a process does not block for long)
-                [sys.executable, "-m", "tests.contract.fault_worker", json.dumps(config)],
-                stdout=subprocess.PIPE,
-                text=True,
+            ForkedPython(
+                "tests.contract.fault_worker",
+                [json.dumps(config)],
+                stdout=PIPE,
                 cwd=Path(__file__).parents[2],
             )
         )
@@ -265,10 +264,7 @@ async def test_client_processes_paused_past_their_ttl_keep_the_resource_safe(
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for worker in workers:
-            if worker.poll() is None:
-                worker.send_signal(signal.SIGCONT)
-                worker.kill()
-                worker.wait()
+            worker.close()
     # Every worker has closed its client; a grant the last resumes left to nobody (a Redis
     # hand-over to a waiter that was stopped in line, say) runs out by its ttl.
     async with backend.connect() as locks:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any
 import anyio
 import pytest
 
+from asynclock.testing._forked import ForkedPython
 from tests.contract.harness import BackendUnderTest, report
 from tests.contract.primitive_worker import ResourceServer
 
@@ -50,42 +49,36 @@ async def serving(permits: int | None) -> AsyncIterator[ResourceServer]:
 @contextmanager
 def workers(
     backend: BackendUnderTest, tmp_path: Path, configs: list[dict[str, Any]], *, first: int = 0
-) -> Iterator[list[subprocess.Popen[bytes]]]:
+) -> Iterator[list[ForkedPython]]:
     """Start one worker process per config; on the way out, none is left running or stopped."""
-    processes: list[subprocess.Popen[bytes]] = []
+    processes: list[ForkedPython] = []
     try:
         for index, config in enumerate(configs, start=first):
             config = {"worker": index, "url": backend.url, "options": backend.options, **config}
             log = (tmp_path / f"worker-{index}.log").open("wb")
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tests.contract.primitive_worker", json.dumps(config)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=_ROOT,
+            with log:
+                processes.append(
+                    ForkedPython(
+                        "tests.contract.primitive_worker",
+                        [json.dumps(config)],
+                        stdout=log,
+                        stderr=log,
+                        cwd=_ROOT,
+                    )
                 )
-            )
-            log.close()
         yield processes
     finally:
         for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGCONT)
-                process.kill()
-            process.wait()
+            process.close()
 
 
-async def finished(
-    processes: list[subprocess.Popen[bytes]], tmp_path: Path, timeout: float
-) -> None:
+async def finished(processes: list[ForkedPython], tmp_path: Path, timeout: float) -> None:
     """Wait for every worker to exit, and fail with its output if one did not exit cleanly."""
     with anyio.fail_after(timeout):
         for process in processes:
-            await anyio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+            await process.exited()
     for process in processes:
-        command = process.args
-        assert isinstance(command, list)
-        index = json.loads(str(command[-1]))["worker"]
+        index = json.loads(process.args[-1])["worker"]
         output = (tmp_path / f"worker-{index}.log").read_text(errors="replace")[-3000:]
         assert process.returncode == 0, f"worker {index} exited {process.returncode}:\n{output}"
 
