@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import pwd
 import shutil
 import signal
 import subprocess
+import threading
+from pathlib import Path
 from typing import Final
 
-from ._host import ServerStartError, find_binary, run_checked
+from ._host import ServerStartError, find_binary, make_temp_dir, run_checked
 from ._process import SingleServer
 
 _PG_BIN_DIRS: Final = ("/usr/lib/postgresql/*/bin",)
@@ -56,20 +59,12 @@ class PostgresServer(SingleServer):
     def _prepare(self) -> None:
         if self._os_user is not None:
             shutil.chown(self.data_dir, self._os_user, self._os_user)
-        command = [
-            self._initdb,
-            "-D", str(self.data_dir / "data"),
-            "-U", "postgres",
-            "-A", "trust",
-            "-E", "UTF8",
-            "--locale=C",
-            "--no-sync",
-        ]  # fmt: skip
+        template = _initialised_cluster(self._initdb, self._os_user)
+        # A copy of one cluster made once per process: initdb costs 0.8 s of CPU (a suite
+        # starts about 30 servers), a copy of its 39 MB 0.08 s. cp -a keeps owner and modes
+        # (PostgreSQL refuses a data directory others may read).
         run_checked(
-            command,
-            what="initdb",
-            user=self._os_user,
-            cwd=self.data_dir,
+            ["cp", "-a", str(template), str(self.data_dir / "data")], what="copying the cluster"
         )
 
     def _launch(self) -> None:
@@ -90,10 +85,41 @@ class PostgresServer(SingleServer):
             "-c", "fsync=off",
             "-c", "full_page_writes=off",
             "-c", f"max_connections={self.max_connections}",
+            # Shared memory segments in the data directory, not /dev/shm: a killed server
+            # leaves them behind (42 of 1 MB in /dev/shm after a day of suite runs).
+            "-c", "dynamic_shared_memory_type=mmap",
         ]  # fmt: skip
 
     def _probe(self, timeout: float) -> bool:
         return pg_isready(self._pg_isready, self.host, self.port, timeout)
+
+
+_templates: dict[tuple[str, str | None], Path] = {}
+_templates_lock = threading.Lock()
+
+
+def _initialised_cluster(initdb: str, user: str | None) -> Path:
+    """A data directory made by ``initdb`` in this process (the first time it is asked for);
+    removed when the process exits."""
+    with _templates_lock:
+        template = _templates.get((initdb, user))
+        if template is None:
+            parent = make_temp_dir("postgres-template")
+            atexit.register(shutil.rmtree, parent, ignore_errors=True)
+            if user is not None:
+                shutil.chown(parent, user, user)
+            command = [
+                initdb,
+                "-D", str(parent / "data"),
+                "-U", "postgres",
+                "-A", "trust",
+                "-E", "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ]  # fmt: skip
+            run_checked(command, what="initdb", user=user, cwd=parent)
+            template = _templates[(initdb, user)] = parent / "data"
+        return template
 
 
 def os_user(server: str) -> str | None:
