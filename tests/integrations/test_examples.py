@@ -124,9 +124,18 @@ def test_the_readmes_smallest_program_runs_as_written() -> None:
     root = EXAMPLES.parent
     section = (root / "README.md").read_text().split("## Use it in your project")[1]
     program = section.split("```python\n")[1].split("```")[0]
-    done = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
-    )
+    # As written, it makes its SQLite file in /tmp: removed after, unless it was there before.
+    made = [Path(f"/tmp/asynclock-example.db{suffix}") for suffix in ("", "-wal", "-shm")]
+    assert f'"sqlite://{made[0]}"' in program
+    before = [path.exists() for path in made]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
+        )
+    finally:
+        for path, existed in zip(made, before, strict=True):
+            if not existed:
+                path.unlink(missing_ok=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("holding nightly-report with fencing token ")
     assert "example.invalid" not in (root / "mkdocs.yml").read_text()
