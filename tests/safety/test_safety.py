@@ -9,14 +9,17 @@ testing toolkit.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import uuid
 from pathlib import Path
 
+import anyio
 import pytest
 
 import asynclock
 from asynclock._registry import make_backend
-from asynclock.testing import EtcdServer, PostgresServer, RedisServer, ZooKeeperServer
+from asynclock.testing import EtcdServer, PostgresServer, RedisServer, ZooKeeperServer, _forked
 from asynclock.testing._safety import SafetyConfig, SafetyReport, run_safety
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -178,3 +181,36 @@ async def test_a_semaphore_run_needs_a_postgresql_resource() -> None:
     with pytest.raises(ValueError, match="postgresql"):
         url = "memory://safety-resource"
         await run_safety(config(url, 0.6, "redis://127.0.0.1:1/0", primitive="semaphore"))
+
+
+def forked_workers() -> set[int]:
+    """The worker processes the fork server of this test process runs now."""
+    if _forked._server is None:
+        return set()
+    pid = _forked._server[0].pid
+    return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_a_run_cancelled_natively_leaves_no_worker_process_and_no_files(
+    sqlite_url: str, redis_server: RedisServer, cancels: int
+) -> None:
+    """``task.cancel()`` (once, and again while the first unwinds) as the workers run: every
+    worker is killed and reaped, and the run's directory is gone."""
+    run = asyncio.create_task(run_safety(config(sqlite_url, 0.6, redis_server.url, duration=60)))
+    with anyio.fail_after(30):
+        while len(workers := forked_workers()) < 4:  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+        # Each worker's standard output is its log, in the run's directory.
+        directory = Path(os.readlink(f"/proc/{min(workers)}/fd/1")).parent
+        while not (directory / "go").exists():  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+    assert len(workers) == 4, workers
+    await anyio.sleep(0.3)  # holds under way
+    for _ in range(cancels):
+        run.cancel()
+        await asyncio.sleep(0)
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert forked_workers() == set()
+    assert not directory.exists()
