@@ -39,6 +39,16 @@ logger = logging.getLogger("asynclock")
 _PROCESS = uuid.uuid4().hex[:6]
 
 
+def _new_process_tag() -> None:
+    # A forked child (gunicorn --preload, a fork server) is another process: with the parent's
+    # tag, a reused pid would give it a dead process's actor ids.
+    global _PROCESS
+    _PROCESS = uuid.uuid4().hex[:6]
+
+
+os.register_at_fork(after_in_child=_new_process_tag)
+
+
 def actor_id(label: str | None) -> str:
     """``label/host/pid/task name#task id``: unique, and readable in an error message."""
     task = anyio.get_current_task()

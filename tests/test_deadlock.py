@@ -80,6 +80,23 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return f"{server.url}?prefix=deadlock-{uuid.uuid4().hex[:8]}:&durability_warning=false"
 
 
+def test_a_forked_process_tags_its_actor_ids_as_its_own(tmp_path: Path) -> None:
+    """Processes forked after asynclock was imported (gunicorn --preload, the suite's fork
+    server) do not keep the parent's process tag: with a reused pid, they would repeat the
+    actor ids of a process that is gone."""
+    (tmp_path / "print_tag.py").write_text(
+        "from asynclock import _deadlock\nprint(_deadlock._PROCESS)\n"
+    )
+    tags = []
+    for _ in range(2):
+        worker = ForkedPython("print_tag", cwd=tmp_path, stdout=PIPE)
+        out, _ = worker.communicate(timeout=30)
+        worker.close()
+        assert worker.returncode == 0
+        tags.append(out.strip())
+    assert len(tags[0]) == 6 and tags[0] != tags[1], tags
+
+
 @pytest.mark.parametrize("size", [2, 3, 5])
 def test_a_cycle_of_processes_is_broken_once(tmp_path: Path, size: int, url: str) -> None:
     ready = tmp_path / "ready"
