@@ -27,6 +27,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -106,6 +107,7 @@ class ForkedPython:
         self.stdout: IO[str] | None = None
         self._exitcode: int | None = None
         self._closed = False
+        self._reader: threading.Thread | None = None
         status_r, status_w = os.pipe()
         read_end = None
         if stdout == PIPE:
@@ -170,11 +172,21 @@ class ForkedPython:
         return self._exitcode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
-        """Read standard output to its end (with ``stdout=PIPE``), then wait for the exit."""
-        out = "" if self.stdout is None else self.stdout.read()
-        if self.wait(timeout) is None:
+        """Read standard output to its end (with ``stdout=PIPE``) and wait for the exit, both
+        within ``timeout`` (else :class:`subprocess.TimeoutExpired`, as ``Popen`` raises)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[str] = []
+        if self.stdout is not None:
+            stdout = self.stdout
+            # A thread, so that a worker that never closes its output cannot outlast timeout;
+            # close() joins it once the worker is gone.
+            self._reader = threading.Thread(target=lambda: out.append(stdout.read()), daemon=True)
+            self._reader.start()
+            self._reader.join(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if (self.stdout is not None and not out) or self.wait(left) is None:
             raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
-        return out, None
+        return "".join(out), None
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
@@ -195,6 +207,8 @@ class ForkedPython:
             self.wait()
         self._closed = True
         os.close(self._status)
+        if self._reader is not None:
+            self._reader.join()  # the worker is gone: its output has ended
         if self.stdout is not None:
             self.stdout.close()
 

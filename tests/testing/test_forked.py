@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import anyio
@@ -83,3 +85,13 @@ async def test_a_stopped_worker_is_killed_by_close_and_its_end_awaited(
     with anyio.fail_after(5):
         assert await worker.exited() == -signal.SIGKILL
     worker.close()
+
+
+def test_communicate_gives_up_at_its_timeout_as_popen_does(tmp_path: Path, module: str) -> None:
+    worker = ForkedPython(module, ["sleep"], stdout=PIPE, cwd=tmp_path)
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        worker.communicate(timeout=0.3)
+    assert 0.3 <= time.monotonic() - started < 5
+    worker.close()  # kills it, and the reader of its output ends with it
+    assert worker.returncode == -signal.SIGKILL
