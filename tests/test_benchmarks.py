@@ -4,6 +4,7 @@ every measurement ran and produced a well-formed, sane record."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,12 @@ def test_the_smoke_run_records_sane_numbers_and_a_report(
             assert run["acquisitions"] > 0
             assert positive(run["per_second"])
             assert run["overlaps"] == 0  # never two holders at once
-            assert 0 <= run["retaken_share"] <= 1
+            if run["acquisitions"] >= 2:
+                assert 0 <= run["retaken_share"] <= 1
+            else:
+                # One hold in the window: no turn passed, so no share (the report shows "-").
+                # A loaded CI run's smoke process contention had one (ci6 here).
+                assert math.isnan(run["retaken_share"]), run
             assert 0 <= run["min_per_worker"] <= run["max_per_worker"] <= run["acquisitions"]
             if run["handoff"]["n"]:
                 check_summary(run["handoff"])
