@@ -301,17 +301,17 @@ class BackendHost:
                 functools.partial(self._backend.release, grant),
                 timeout=wait,
                 what=f"releasing {grant.name!r}",
-                unfinished=functools.partial(self._defer_release, grant, None),
+                unfinished=functools.partial(self._defer_release, grant, None, wait),
             )
         except Exception as exc:
             self.connection.reached(False, exc)
-            self._defer_release(grant, exc)
+            self._defer_release(grant, exc, wait)
         else:
             self.connection.reached(released, None if released else TimeoutError(wait))
 
-    def _defer_release(self, grant: Grant, error: BaseException | None) -> None:
+    def _defer_release(self, grant: Grant, error: BaseException | None, waited: float) -> None:
         """Go on releasing ``grant`` in the host's task group until the server answers."""
-        what = f"in {self._release_timeout:g} s" if error is None else f"({error!r})"
+        what = f"in {waited:g} s" if error is None else f"({error!r})"
         retried = self.deferred.retry(
             functools.partial(self._backend.release, grant), f"releasing {grant.name!r}"
         )

@@ -694,6 +694,9 @@ async def test_acquires_queue_behind_a_session_being_made_in_their_order(zk: Zk)
 
 
 @pytest.mark.expect_log(r"lease on 'written' lost: its znode \S+ was written")
+# Releasing a lost hold waits 0.25 s before it goes on in the background; under load the
+# delete can take longer, and the client's close still finishes it (the last assert).
+@pytest.mark.allow_log(r"releasing 'written' on .* did not complete .*retrying in the background")
 async def test_a_lock_nodes_data_written_by_someone_else_loses_the_hold(zk: Zk) -> None:
     """Only a holder's release writes a lock node's data, and the waiter behind it takes the
     lock on that event: a write by anyone else (an operator's ``set``) ends the hold too, as a
