@@ -12,6 +12,9 @@ from ._errors import InvalidArgument
 #: Longest lock name, in UTF-8 bytes. Every backend can store this as one key or znode name
 #: (with its prefix), and it is far beyond any name a person would read.
 MAX_NAME_BYTES = 512
+#: The ttl of an acquire that names none (the default of ``LockClient.lock()``, ``acquire()`` and
+#: the others, spelt out there for the docs): a backend may get ready for it when it opens.
+DEFAULT_TTL = 30.0
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -184,6 +184,48 @@ async def test_tls_with_sslmode_and_with_an_ssl_context(pg: Pg, tmp_path: Path) 
 # -- holding ----------------------------------------------------------------------------------
 
 
+async def test_the_default_ttls_holding_connection_opens_with_the_client(
+    pg: Pg, request: pytest.FixtureRequest
+) -> None:
+    """A client opens the holding connection of the default ttl (30 s) as it connects, so that
+    its first ``lock()`` opens none (a connection and its setup were most of a first lock's
+    11-12 ms); a lock of another ttl opens its own. Through a pooler it opens none."""
+    async with pg.connect() as locks:
+        # The idle connection open() checked the server on, and the holding one.
+        before = {pid for pid, _ in await pg.sessions()}
+        assert len(before) == 2
+        async with locks.lock(pg.name) as lease:
+            assert lease.grant.pid in before  # type: ignore[attr-defined]
+            assert {pid for pid, _ in await pg.sessions()} == before
+        async with locks.lock(pg.name, ttl=10) as lease:
+            assert lease.grant.pid not in before  # type: ignore[attr-defined]
+    await pg.nothing_left()
+    pooler: PgBouncerServer = request.getfixturevalue("pgbouncer_server")
+    async with asynclock.connect(f"{pooler.url}?pooler=session") as locks:
+        assert backend_of(locks).extra_info()["holding_connections"] == 0
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_a_connect_cancelled_natively_while_it_opens_leaves_nothing(
+    pg: Pg, cancels: int
+) -> None:
+    """``start()`` cancelled with ``Task.cancel()`` (once, twice) at moments spread over its
+    checks and the holding connection's connect: no session, lock or task is left."""
+    tasks_before = asyncio.all_tasks()
+    for delay in (0.0, 0.002, 0.005, 0.008, 0.012, 0.016, 0.02, 0.03):
+        locks = pg.connect()
+        task = asyncio.create_task(locks.start())
+        await asyncio.sleep(delay)
+        for _ in range(cancels):
+            task.cancel()
+            await asyncio.sleep(0)
+        with suppress(asyncio.CancelledError):
+            await task
+        await locks.aclose()
+        await pg.nothing_left()
+    assert {task for task in asyncio.all_tasks() - tasks_before if not task.done()} == set()
+
+
 async def test_1000_locks_of_one_client_share_one_connection_per_ttl(pg: Pg) -> None:
     """Locks of one ttl live on one holding connection (its idle timer is the lease), renewed
     by one statement; a release unlocks its own key only; idle connections hold nothing."""
@@ -192,9 +234,9 @@ async def test_1000_locks_of_one_client_share_one_connection_per_ttl(pg: Pg) -> 
         leases = [await locks.acquire(f"{pg.name}/{index}", ttl=10) for index in range(1000)]
         short = [await locks.acquire(f"{pg.name}/short/{index}", ttl=5) for index in range(3)]
         held = await pg.sessions()
-        # One holding connection per ttl, plus the idle one that open() checked the server on.
-        assert sorted(count for _, count in held) == [0, 3, 1000]
-        assert len(held) <= 3
+        # One holding connection per ttl, plus the idle one that open() checked the server on
+        # and the default ttl's (30 s), which the client opened as it connected.
+        assert sorted(count for _, count in held) == [0, 0, 3, 1000]
         for lease in leases[:3] + short:
             assert await pg.holders(lease.name) == [lease.grant.pid]  # type: ignore[attr-defined]
         # One statement renews the 1,000 locks of a ttl.
@@ -786,9 +828,10 @@ async def test_no_connection_leaks_after_acquire_cancel_cycles(
         async with other.lock(pg.name, ttl=10, timeout=5):
             pass
         assert await pg.waiters() == []
-        # max_idle, the holding connection of ttl 10 and the listener (with no idle connection
-        # at hand, a waiter waits in the queue table).
-        assert await pg.settle_sessions(max_idle + 2) <= max_idle + 2
+        # max_idle, the holding connections of ttl 10 and of the default ttl (opened with the
+        # client) and the listener (with no idle connection at hand, a waiter waits in the
+        # queue table).
+        assert await pg.settle_sessions(max_idle + 3) <= max_idle + 3
         assert all(count == 0 for _, count in await pg.sessions())
     assert await pg.settle_sessions(0) == 0
 
@@ -1004,8 +1047,8 @@ async def test_a_wait_cancelled_mid_statement_is_not_reused_and_the_next_acquire
             async with locks.lock(pg.name, ttl=10, timeout=5):
                 pass
         assert interrupted >= 30
-        # The idle one, and the holding connection of ttl 10.
-        assert await pg.settle_sessions(2) <= 2
+        # The idle one, and the holding connections of ttl 10 and of the default ttl.
+        assert await pg.settle_sessions(3) <= 3
         assert all(count == 0 for _, count in await pg.sessions())
 
 
@@ -1189,7 +1232,9 @@ async def test_transaction_lock_returns_a_clean_connection_and_a_cancelled_wait_
         assert await connection.fetchval("SHOW lock_timeout") == "0"
         assert await connection.fetchval("SHOW application_name") == pg.app
         assert await connection.fetchval("SELECT count(*) FROM pg_listening_channels()") == 0
-        assert await pg.sessions() == [(connection.get_server_pid(), 0)]
+        # Besides it, only the default ttl's holding connection (opened with the client).
+        lanes = [(lane.pid, 0) for lane in backend._lanes.by_ttl.values()]
+        assert await pg.sessions() == sorted([(connection.get_server_pid(), 0), *lanes])
         holder = await locks.acquire(pg.name, ttl=10)
         async with anyio.create_task_group() as tg:
 

@@ -27,7 +27,7 @@ from ..._errors import (
 )
 from ..._renewal import RENEWAL, RenewalPolicy
 from ..._shield import Deferred, finish
-from ..._validate import Options, redact
+from ..._validate import DEFAULT_TTL, Options, redact
 from ...abc import (
     Backend,
     Capabilities,
@@ -59,6 +59,7 @@ from ._tasks import TaskHost
 from ._translate import MayHaveApplied, ProvenGone, Translator, translate
 
 __all__ = (
+    "DEFAULT_TTL",
     "RENEWAL",
     "AcquireTimeout",
     "Backend",

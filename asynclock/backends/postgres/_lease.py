@@ -176,6 +176,8 @@ class Lane:
         #: flight.
         self._watch: asyncio.TimerHandle | None = None
         self._current: Op | None = None
+        #: Set once the lane is connected, or dead (``PostgresBackend.open`` waits for it).
+        self.settled = anyio.Event()
 
     @property
     def pending(self) -> bool:
@@ -256,6 +258,7 @@ class Lane:
             self.die(BackendUnavailable(f"the lock client for {self._lanes.server} is closed"))
             raise
         self._lanes.by_connection[self.connection] = self
+        self.settled.set()
         if self.dead is not None:  # closed by aclose() meanwhile
             self.connection.terminate()
             return
@@ -351,6 +354,7 @@ class Lane:
         if self.dead is not None:
             return
         self.dead = error
+        self.settled.set()
         self._lanes.forget(self)
         if self._watch is not None:
             self._watch.cancel()

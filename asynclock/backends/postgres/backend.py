@@ -13,6 +13,7 @@ from typing import Any, Self
 import anyio
 
 from .._kit import (
+    DEFAULT_TTL,
     Backend,
     Capabilities,
     InvalidArgument,
@@ -237,6 +238,16 @@ class PostgresBackend(Backend[PostgresGrant]):
             self._server_settings.update(checks)
             if self._transactions is not None:
                 self._transactions.add_settings(checks)
+            elif self.pooler is None and not self._sessions.pooled:
+                # The holding connection of the default ttl connects now: a first acquire
+                # would open it (a connection and its setup: 11-12 ms of a first lock() here,
+                # 3-5.5 ms with it). Unused, it closes after half its ttl, as any lane. Not
+                # through a pooler: there a connection nobody uses may be the one a full pool
+                # lacks. One that fails to connect is left to the first acquire, which reports
+                # its error.
+                lane = self._lanes.lane(timeout_ms(DEFAULT_TTL))
+                with anyio.move_on_after(self.connect_timeout + 1.0):
+                    await lane.settled.wait()
         except BaseException:
             # Not in a shield scope: the task host's group, entered above, is left in there
             # (the steps of aclose() that must finish are shielded one by one).
