@@ -154,10 +154,13 @@ class BackendHost:
                 opened = True
                 connect_scope.deadline = math.inf
                 task_status.started()
-                await self._close_requested.wait()
-                # Called at the nesting level of open(), so that a task group the backend
-                # entered there can be left here.
-                await self._backend.aclose()
+                try:
+                    await self._close_requested.wait()
+                finally:
+                    # Called at the nesting level of open(), so that a task group the backend
+                    # entered there can be left here. Also when the wait is cancelled: a
+                    # start() cancelled as the backend finished opening left it open.
+                    await self._backend.aclose()
         except BaseException:
             if not opened:
                 with anyio.CancelScope(shield=True):

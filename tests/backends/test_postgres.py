@@ -205,27 +205,6 @@ async def test_the_default_ttls_holding_connection_opens_with_the_client(
         assert backend_of(locks).extra_info()["holding_connections"] == 0
 
 
-@pytest.mark.parametrize("cancels", [1, 2])
-async def test_a_connect_cancelled_natively_while_it_opens_leaves_nothing(
-    pg: Pg, cancels: int
-) -> None:
-    """``start()`` cancelled with ``Task.cancel()`` (once, twice) at moments spread over its
-    checks and the holding connection's connect: no session, lock or task is left."""
-    tasks_before = asyncio.all_tasks()
-    for delay in (0.0, 0.002, 0.005, 0.008, 0.012, 0.016, 0.02, 0.03):
-        locks = pg.connect()
-        task = asyncio.create_task(locks.start())
-        await asyncio.sleep(delay)
-        for _ in range(cancels):
-            task.cancel()
-            await asyncio.sleep(0)
-        with suppress(asyncio.CancelledError):
-            await task
-        await locks.aclose()
-        await pg.nothing_left()
-    assert {task for task in asyncio.all_tasks() - tasks_before if not task.done()} == set()
-
-
 async def test_1000_locks_of_one_client_share_one_connection_per_ttl(pg: Pg) -> None:
     """Locks of one ttl live on one holding connection (its idle timer is the lease), renewed
     by one statement; a release unlocks its own key only; idle connections hold nothing."""

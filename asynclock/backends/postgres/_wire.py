@@ -66,6 +66,8 @@ class _Connect:
     abandoned: bool = False
     #: Made with settings of its own (a lane's idle timer): never pooled.
     special: bool = False
+    #: Keeps every cancellation but its own out (``Sessions._run_connect``).
+    scope: anyio.CancelScope = field(default_factory=lambda: anyio.CancelScope(shield=True))
 
 
 class Replacements:
@@ -221,7 +223,11 @@ class Sessions:
 
     async def _run_connect(self, pending: _Connect, settings: dict[str, str]) -> None:
         try:
-            with translate(self._errors, CONNECTING):
+            # Shielded: a connect cancelled half-way leaves asyncpg's socket open or its error
+            # unretrieved (see _connect), and the task group this runs in is cancelled with
+            # the scope it sits in (a start() cancelled while it opens the backend). Only
+            # aclose() cancels it, after giving it a moment to finish.
+            with pending.scope, translate(self._errors, CONNECTING):
                 # asyncpg's own timeout bounds each attempt; ours bounds the whole call.
                 with anyio.fail_after(self._settings.connect_timeout + 1.0):
                     connection = pending.connection = await asyncpg.connect(
@@ -234,6 +240,9 @@ class Sessions:
                         server_settings={"application_name": settings["application_name"]},
                     )
                     await self._set_up(connection, settings)
+            if pending.scope.cancelled_caught and pending.connection is not None:
+                pending.connection.terminate()  # given up by aclose(): nobody takes it
+                pending.connection = None
         except Exception as exc:
             if pending.connection is not None:
                 pending.connection.terminate()
@@ -400,11 +409,14 @@ class Sessions:
         with anyio.CancelScope(shield=True):
             # Cancelling a connect that a healthy server is about to complete can make asyncpg
             # log an error (see _connect), so give those a moment; one stuck on a server that
-            # does not answer is waiting for a reply, where cancelling it (the backend's
-            # TaskHost does, when it closes) is clean.
+            # does not answer is waiting for a reply, where cancelling it is clean. Nothing
+            # else cancels them (_run_connect).
             with anyio.move_on_after(min(self._settings.connect_timeout, 0.5)):
                 for pending in list(self._connecting):
                     await pending.done.wait()
+            for pending in list(self._connecting):
+                pending.scope.cancel()
+                await pending.done.wait()
             connections = list(self.all)
             self.all.clear()
             await self.pool.aclose()  # the idle ones, in order: nothing is in flight on them
