@@ -247,6 +247,9 @@ class WakeChannel:
         self._fresh = -math.inf
         self._pings: deque[float] = deque()
         self._conn: AbstractConnection | None = None
+        #: The connection the backend's open() made, until run() takes it (close() closes it
+        #: if run() never started: a task cancelled before its first step runs no finally).
+        self._opened: AbstractConnection | None = None
         self._ping_timer: asyncio.TimerHandle | None = None
         self._ping_every = PING_EVERY
         self._connected_before = False
@@ -349,6 +352,9 @@ class WakeChannel:
 
     def close(self) -> None:
         """Wake every waiter (their next take finds the backend closed)."""
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            close_now(opened)
         self._poke_all()
 
     def hand(self, owner: str, token: int, px: int, fresh: float) -> bool:
@@ -420,8 +426,14 @@ class WakeChannel:
         self._connected_before = True
         return conn
 
-    async def run(self, conn: AbstractConnection | None) -> None:
-        """Read messages for ever, reconnecting when the connection ends."""
+    def adopt(self, conn: AbstractConnection) -> None:
+        """The connection :meth:`connect` made while the backend opened, for :meth:`run`."""
+        self._opened = conn
+
+    async def run(self) -> None:
+        """Read messages for ever (on the adopted connection first), reconnecting when the
+        connection ends."""
+        conn, self._opened = self._opened, None
         backoff = _RECONNECT.backoff()
         while True:
             try:

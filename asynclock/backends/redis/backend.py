@@ -209,9 +209,8 @@ class RedisBackend(Backend[RedisGrant]):
         lane = self._lane = self._lane_type(pool, self.settings.op_timeout, self._host)
         try:
             with translate(opening_errors(self.describe(), self.settings.db), "connecting"):
-                # A server slow to answer now (many clients starting at once, a loaded
-                # host) is waited for until connect_timeout, the caller's bound; a refused
-                # connection still fails at once.
+                # A server slow to answer now (many clients starting at once, a loaded host)
+                # is waited for until connect_timeout; a refused connection fails at once.
                 lane.connecting = True
                 await lane.call("PING")
                 run_id, self._server_info = await check_server(
@@ -228,24 +227,25 @@ class RedisBackend(Backend[RedisGrant]):
                     self._leases.report_lost_after_restart,
                 )
                 wakes.run_id = run_id
-                conn = await wakes.connect(timeout=math.inf)
+                wakes.adopt(await wakes.connect(timeout=math.inf))
                 lane.connecting = False
         except BaseException:
             # Not under a shield: the host's task group was entered above, at this level.
             await self.aclose()
             raise
-        self._host.start_soon(wakes.run, conn, name=f"asynclock: wake channel of {self.describe()}")
+        self._host.start_soon(wakes.run, name=f"asynclock: wake channel of {self.describe()}")
 
     async def aclose(self) -> None:
         self._closed = True
         self._leases.clear()
         if self._wakes is not None:
             self._wakes.close()
-        # Clean-ups still pending get a moment (they need the lane), then everything stops.
-        await self._host.aclose()
-        lane, self._lane = self._lane, None
-        if lane is not None:
-            await lane.aclose()
+        try:
+            await self._host.aclose()  # pending clean-ups still need the lane
+        finally:  # so it closes last, also when cancelled before that
+            lane, self._lane = self._lane, None
+            if lane is not None:
+                await lane.aclose()
 
     # -- the contract ------------------------------------------------------------------------
 
