@@ -19,6 +19,7 @@ from tests.contract.harness import (
     cancel_while_waiting,
     hold_until_cancelled,
     wait_until_free,
+    warm_up_for_wait_until_free,
 )
 from tests.contract.kinds import Holds, holds
 
@@ -233,6 +234,7 @@ async def test_cancelling_acquire_at_any_point_leaves_nothing_behind(
         lease = await holds(locks, kind).acquire(name, ttl=backend.ttl * 5)
         round_trip = max(anyio.current_time() - started, 0.001)
         await lease.release()
+        await warm_up_for_wait_until_free(backend, other, kind)
         for step in range(12):
             delay = round_trip * step / 8
             with anyio.move_on_after(delay):

@@ -42,7 +42,12 @@ from asynclock.abc import Kind
 from asynclock.testing import FaultProxy
 from asynclock.testing._forked import PIPE, ForkedPython
 from tests.contract.fault_worker import open_resource, pause_schedule
-from tests.contract.harness import BackendUnderTest, report, wait_until_free
+from tests.contract.harness import (
+    BackendUnderTest,
+    report,
+    wait_until_free,
+    warm_up_for_wait_until_free,
+)
 from tests.contract.kinds import holds
 from tests.loud import ExpectedLogs
 
@@ -458,6 +463,7 @@ async def test_a_started_client_closed_or_started_under_native_cancellation_leav
     before = set(asyncio.all_tasks())
     freed: list[float] = []
     async with backend.connect() as other:
+        await warm_up_for_wait_until_free(backend, other)
         for cancels in (1, 2, 3):
             locks = await backend.connect().start()
             await locks.acquire(name, ttl=ttl)
