@@ -22,7 +22,9 @@ from .._kit import (
 )
 from ._errors import connection_broken, unmapped
 from ._kinds import Mode
-from ._lease import CLOSED, RENEWAL, TAKE, Lane, PostgresGrant, renewed
+from ._lease import RENEWAL, TAKE, Lane, PostgresGrant
+from ._renewals import CLOSED, renewed
+from ._sql import RENEW
 from ._wire import Wire
 
 logger = logging.getLogger("asynclock")
@@ -40,6 +42,12 @@ class Lanes:
         self.close = wire.sessions.close
         self.by_ttl: dict[int, Lane] = {}
         self.by_connection: dict[Any, Lane] = {}
+        #: The statements a new lane prepares while idle (``prepare``).
+        self.statements: tuple[str, ...] = ()
+
+    def prepare(self, *statements: str) -> None:
+        """Have every new lane prepare its renewal and ``statements`` while it is idle."""
+        self.statements = (RENEW, *statements)
 
     def lane(self, ttl_ms: int) -> Lane:
         lane = self.by_ttl.get(ttl_ms)

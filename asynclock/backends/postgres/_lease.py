@@ -4,7 +4,7 @@ An advisory lock lives as long as the session that took it, so the lease is the 
 session has one idle timer (``idle_session_timeout``), so every lock taken with one ttl can live
 on one connection whose timer is that ttl: a lane (:class:`Lane`). One tiny statement renews all
 of them; a release unlocks its key only. A lock taken after a wait in the server's queue holds a
-dedicated connection of its own, renewed by :class:`Renewals`.
+dedicated connection of its own, renewed by ``_renewals.Renewals``.
 
 Nothing a caller does may interrupt a statement on a lane: a statement cancelled half-way leaves
 an asyncpg connection unusable, and closing the lane would lose every lock on it. So a lane's
@@ -31,14 +31,8 @@ from typing import Any, Protocol
 import anyio
 
 from .._kit import (
-    BackendTimeout,
     BackendUnavailable,
     Grant,
-    Lost,
-    Renewed,
-    RenewOutcome,
-    TaskHost,
-    Unknown,
     now,
 )
 from ._errors import connection_broken
@@ -110,6 +104,8 @@ class Owner(Protocol):
     sequence: str
     op_timeout: float
     by_connection: dict[Any, Lane]
+    #: The statements a new lane prepares while it is idle (``Lane.run``).
+    statements: tuple[str, ...]
 
     def forget(self, lane: Lane) -> None: ...
 
@@ -178,6 +174,8 @@ class Lane:
         self._current: Op | None = None
         #: Set once the lane is connected, or dead (``PostgresBackend.open`` waits for it).
         self.settled = anyio.Event()
+        #: Server-side prepared statements by their SQL (``_prepare``).
+        self._prepared: dict[str, Any] = {}
 
     @property
     def pending(self) -> bool:
@@ -251,6 +249,7 @@ class Lane:
     async def run(self, connect: Callable[[int], Any]) -> None:
         try:
             self.connection, self.pid = await connect(self.ttl_ms)
+            await self._prepare()
         except Exception as exc:
             self.die(exc)
             return
@@ -280,6 +279,32 @@ class Lane:
         finally:
             if self._tick_handle is not None:
                 self._tick_handle.cancel()
+
+    async def _prepare(self) -> None:
+        """Prepare the statements the lane runs, before it takes anything.
+
+        The first run of a statement costs a round trip more (parse and describe): a client's
+        first waiters would pay it as they start, and take their places in the queue table
+        behind other processes' waiters that asked after them. And asyncpg ends that round trip
+        with a Flush, not a Sync: until the statement's Sync the server does not count the
+        session idle, so its idle timer (the lease) is off. Here that gap falls before the
+        lane holds a lock, and it ends with a statement that ends in a Sync. One that cannot
+        be prepared is left to asyncpg's statement cache (a failed parse ends with a Sync)."""
+        connection = self.connection
+        self.busy = True  # closing terminates the connection, never waits for this
+        try:
+            for sql in self._lanes.statements:
+                try:
+                    self._prepared[sql] = await connection.prepare(sql)
+                except Exception as exc:
+                    if connection_broken(connection, exc):
+                        raise
+                    logger.debug("asynclock: cannot prepare a lane's statement (%r)", exc)
+            if self._prepared:
+                renew = self._prepared.get(RENEW)
+                await (connection.fetchval(RENEW) if renew is None else renew.fetchval())
+        finally:
+            self.busy = False
 
     def _tick(self) -> None:
         """Close the lane once it has been empty for ``LINGER`` of its ttl."""
@@ -314,14 +339,28 @@ class Lane:
         op.sent_at = now()
         try:
             if op.kind == TAKE:
-                result = await connection.fetchval(op.sql, op.key, self._lanes.sequence, *op.args)
+                args: tuple[object, ...] = (op.key, self._lanes.sequence, *op.args)
+                sql = op.sql
             elif op.kind == QUERY:
-                result = await connection.fetchrow(op.sql, *op.args)
+                args, sql = op.args, op.sql
             elif op.kind == UNLOCK_KEY:
-                result = await connection.fetchval(op.sql or UNLOCK, op.key, *op.args)
+                args, sql = (op.key, *op.args), op.sql or UNLOCK
             else:
                 self.renewals += 1
-                result = await connection.fetchval(RENEW)
+                args, sql = (), RENEW
+            statement = self._prepared.get(sql)
+            if op.kind == QUERY:
+                result = await (
+                    connection.fetchrow(sql, *args)
+                    if statement is None
+                    else statement.fetchrow(*args)
+                )
+            else:
+                result = await (
+                    connection.fetchval(sql, *args)
+                    if statement is None
+                    else statement.fetchval(*args)
+                )
         except Exception as exc:
             if connection_broken(connection, exc):
                 if not op.future.done():
@@ -378,88 +417,3 @@ class Lane:
                     f"({type(error).__name__}: server restart, pg_terminate_backend, "
                     "idle_session_timeout or a network failure); the lock ends with the session"
                 )
-
-
-#: A renewal's verdict on a holding connection that closed.
-CLOSED = "the connection holding the advisory lock closed; the lock ends with the session"
-
-
-def renewed(pid: int | None, held_by: int, sent_at: float, ttl: float) -> RenewOutcome:
-    """A renewal's answer from server process ``pid`` (the session that held the lock:
-    ``held_by``): renewed from its send time, or lost if another session answered."""
-    if pid != held_by:
-        return Lost(
-            f"the connection now reaches server process {pid}, not {held_by} which held the "
-            "lock (a connection pooler in between?); the lock ended with that session"
-        )
-    return Renewed(sent_at, ttl)
-
-
-class Renewals:
-    """The renewal queries of one backend, run in its task group."""
-
-    def __init__(self, host: TaskHost, server: str, op_timeout: float) -> None:
-        self._host = host
-        self._server = server
-        self._op_timeout = op_timeout
-        #: Renewal queries in flight; each ends with its query or its connection.
-        self._running: set[Renewal] = set()
-
-    async def renew(self, grant: PostgresGrant) -> RenewOutcome:
-        """Restart the server's idle timer of one held connection.
-
-        The query is never cancelled: a renewal that is slow (a network blip) still restarts
-        the timer when it reaches the server, and its late reply is a valid renewal from its send
-        time. Cancelling it would make asyncpg send a CancelRequest and, if that cannot get
-        through either, close the connection at the next query, losing a lease that the blip
-        alone would not have cost. So the query runs in a task of the backend's own, at most one
-        per grant at a time; it ends with the query or with the connection (release and aclose
-        close connections they cannot use), and this call waits for it up to ``op_timeout``.
-        """
-        connection = grant.connection
-        if grant.released:
-            return Lost("the lock was released")
-        if connection.is_closed():
-            return Lost(CLOSED)
-        renewal = grant.renewal
-        if renewal is None:
-            renewal = grant.renewal = Renewal(anyio.current_time())
-            self._running.add(renewal)
-            self._host.start_soon(self._query, grant, renewal, name="asynclock: renew")
-        if not await renewal.finished(self._op_timeout) or renewal.cancelled:
-            return Unknown(
-                BackendTimeout(
-                    f"renewing {grant.name!r} on {self._server}: no answer for "
-                    f"{anyio.current_time() - renewal.sent_at:.3g} s"
-                )
-            )
-        if renewal.error is not None:
-            if connection.is_closed():
-                return Lost(
-                    "the connection holding the advisory lock closed "
-                    f"({type(renewal.error).__name__}); the lock ends with the session"
-                )
-            return Unknown(renewal.error)
-        if grant.in_transaction and not connection.is_in_transaction():
-            return Lost("the transaction holding the advisory lock ended; the lock ended with it")
-        return renewed(renewal.pid, grant.pid, renewal.sent_at, grant.ttl)
-
-    async def _query(self, grant: PostgresGrant, renewal: Renewal) -> None:
-        try:
-            renewal.pid = await grant.connection.fetchval(RENEW)
-        except Exception as exc:
-            renewal.error = exc
-        except BaseException:
-            renewal.cancelled = True  # by aclose(), once the connections are closed
-            raise
-        finally:
-            self._running.discard(renewal)
-            if grant.renewal is renewal:
-                grant.renewal = None
-            renewal.done.set()
-
-    async def wait_all(self, timeout: float) -> None:
-        """Wait (shielded) up to ``timeout`` for the queries in flight to end."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-            for renewal in list(self._running):
-                await renewal.done.wait()

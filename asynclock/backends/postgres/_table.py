@@ -86,6 +86,11 @@ class Queue:
         self._refreshing = False
 
     @property
+    def lane_statements(self) -> tuple[str, ...]:
+        """What a waiter runs on a lane to take, check and give up its place."""
+        return tuple(self._sql[name] for name in ("enqueue", "head", "leave", "entered"))
+
+    @property
     def waiting(self) -> int:
         return sum(len(entries) for entries in self.entries.values())
 

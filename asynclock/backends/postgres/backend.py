@@ -30,8 +30,9 @@ from ._errors import CHECKING, Errors
 from ._inspect import Inspector
 from ._kinds import kind_key, modes, no_holders_table
 from ._lanes import Lanes
-from ._lease import PostgresGrant, Renewals
+from ._lease import PostgresGrant
 from ._queue import Answer, Waiting, Waits
+from ._renewals import Renewals
 from ._semaphores import Semaphores
 from ._server import check_pooler, check_server
 from ._sql import (
@@ -162,6 +163,9 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._waits = Waits(wire)
         self._queue = Queue(wire, self._lanes)
         self._semaphores = Semaphores(wire, self._queue)
+        if settings.statement_cache_size:  # (none: the user turned named statements off)
+            lock = self._modes["lock", False]
+            self._lanes.prepare(lock.lane_take, lock.unlock, *self._queue.lane_statements)
         self._waiter = Waiting(
             self._waits, self._queue, self._host, self.max_waiting, self._channel
         )
