@@ -205,6 +205,57 @@ async def test_the_default_ttls_holding_connection_opens_with_the_client(
         assert backend_of(locks).extra_info()["holding_connections"] == 0
 
 
+async def test_no_statement_is_parsed_on_a_connection_while_it_holds_an_exclusive_lock(
+    pg: Pg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncpg's parse step (a statement's first run, or every run without the cache) ends with
+    a Flush, and until the next Sync the server's ``idle_session_timeout``, the lease, is off: a
+    client paused then would keep its locks. So nothing is parsed on a connection that holds an
+    exclusive lock: not on the holding connection (take, release, renewal, the queue table's
+    statements of a waiter), nor on a dedicated connection after its wait (its renewal)."""
+    parsed_while_holding: list[str] = []
+    clients: list[asynclock.LockClient] = []
+    get_statement = asyncpg.Connection._get_statement
+
+    async def recording(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
+        record_class = kwargs.get("record_class") or self._protocol.get_record_class()
+        cached = kwargs.get("use_cache", True) and self._stmt_cache.get(
+            (query, record_class, kwargs.get("ignore_custom_codec", False))
+        )
+        for locks in clients:
+            backend = backend_of(locks)
+            lane = backend._lanes.by_connection.get(self)
+            holding = (lane is not None and lane.keys) or self in backend._held
+            if holding and not cached:
+                parsed_while_holding.append(
+                    " ".join(query.split())[:60] + (" (holding connection)" if lane else "")
+                )
+        return await get_statement(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(asyncpg.Connection, "_get_statement", recording)
+    async with pg.connect() as holder, pg.connect(max_waiting=1) as locks:
+        clients += [holder, locks]
+        async with holder.lock(pg.name) as held:
+            # One waiter in the server's queue on a dedicated connection, one in the table.
+            first = asyncio.create_task(locks.acquire(pg.name, timeout=10))
+            await pg.wait_for_waiters(1)
+            second = asyncio.create_task(locks.acquire(pg.name, timeout=10))
+            await pg.until_queued(1, within=5)
+            # The holding connection's renewal, while it holds the lock.
+            (outcome,) = await backend_of(holder).renew([held.grant])  # type: ignore[list-item]
+            assert isinstance(outcome, Renewed)
+        lease = await first
+        assert lease.grant.lane is None  # type: ignore[attr-defined]
+        (outcome,) = await backend_of(locks).renew([lease.grant])  # type: ignore[list-item]
+        assert isinstance(outcome, Renewed)
+        await lease.release()
+        await (await second).release()
+        for _ in range(3):
+            async with locks.lock(f"{pg.name}/free"):
+                pass
+    assert parsed_while_holding == []
+
+
 async def test_1000_locks_of_one_client_share_one_connection_per_ttl(pg: Pg) -> None:
     """Locks of one ttl live on one holding connection (its idle timer is the lease), renewed
     by one statement; a release unlocks its own key only; idle connections hold nothing."""

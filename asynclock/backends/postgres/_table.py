@@ -87,8 +87,10 @@ class Queue:
 
     @property
     def lane_statements(self) -> tuple[str, ...]:
-        """What a waiter runs on a lane to take, check and give up its place."""
-        return tuple(self._sql[name] for name in ("enqueue", "head", "leave", "entered"))
+        """What runs on a lane for an exclusive lock's waiters: their places, the refresher's
+        and the sweeper's statements."""
+        names = ("enqueue", "head", "leave", "entered", "requeue", "refresh", "sweep")
+        return tuple(self._sql[name] for name in names)
 
     @property
     def waiting(self) -> int:
