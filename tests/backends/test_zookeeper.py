@@ -161,14 +161,21 @@ def test_a_lock_node_is_blocked_by_a_count_and_watches_only_the_nearest_of_them(
         node("b", "read", 5),
         node("d", "lock", 9),
     ]
-    # A writer waits for everyone ahead of it and watches the nearest.
-    assert blockers(children, node("d", "lock", 9), "lock") == (3, node("c", "read", 7))
+    # A writer waits for everyone ahead of it and watches the nearest (2: two or more).
+    assert blockers(children, node("d", "lock", 9), "lock") == (2, node("c", "read", 7))
     # A reader waits for the writers ahead of it only.
     assert blockers(children, node("c", "read", 7), "read") == (1, node("a", "lock", 3))
     assert blockers(children, node("b", "read", 5), "read") == (1, node("a", "lock", 3))
     assert blockers(children, node("a", "lock", 3), "lock") == (0, "")
     # Our node is gone: None (the caller queues again).
     assert blockers(children, node("e", "lock", 11), "lock") is None
+    # Past the nearest four: a reader behind many readers, a writer behind foreign nodes.
+    readers = [node(f"r{number}", "read", number) for number in range(20, 40)]
+    queue_ = [node("w", "lock", 10), *readers, node("x", "read", 50)]
+    assert blockers(queue_, node("x", "read", 50), "read") == (1, node("w", "lock", 10))
+    foreign = [f"_c_-lock-{number:010d}" for number in range(20, 40)]
+    queue_ = [node("w", "lock", 10), *foreign, node("x", "lock", 50)]
+    assert blockers(queue_, node("x", "lock", 50), "lock") == (1, node("w", "lock", 10))
 
 
 def test_one_translator_turns_session_outcomes_and_server_errors_into_the_hierarchy() -> None:
