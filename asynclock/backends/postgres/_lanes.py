@@ -42,11 +42,12 @@ class Lanes:
         self.close = wire.sessions.close
         self.by_ttl: dict[int, Lane] = {}
         self.by_connection: dict[Any, Lane] = {}
-        #: The statements a new lane prepares while idle (``prepare``).
+        #: The statements a new lane prepares as it connects (``prepare``).
         self.statements: tuple[str, ...] = ()
 
     def prepare(self, *statements: str) -> None:
-        """Have every new lane prepare its renewal and ``statements`` while it is idle."""
+        """Have every new lane prepare its renewal and ``statements`` as it connects, before
+        it takes anything (``Lane._prepare``)."""
         self.statements = (RENEW, *statements)
 
     def lane(self, ttl_ms: int) -> Lane:

@@ -104,7 +104,7 @@ class Owner(Protocol):
     sequence: str
     op_timeout: float
     by_connection: dict[Any, Lane]
-    #: The statements a new lane prepares while it is idle (``Lane.run``).
+    #: The statements a new lane prepares as it connects (``Lane._prepare``).
     statements: tuple[str, ...]
 
     def forget(self, lane: Lane) -> None: ...
