@@ -205,16 +205,28 @@ async def test_the_default_ttls_holding_connection_opens_with_the_client(
         assert backend_of(locks).extra_info()["holding_connections"] == 0
 
 
-async def test_no_statement_is_parsed_on_a_connection_while_it_holds_an_exclusive_lock(
-    pg: Pg, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """asyncpg's parse step (a statement's first run, or every run without the cache) ends with
-    a Flush, and until the next Sync the server's ``idle_session_timeout``, the lease, is off: a
-    client paused then would keep its locks. So nothing is parsed on a connection that holds an
-    exclusive lock: not on the holding connection (take, release, renewal, the queue table's
-    statements of a waiter), nor on a dedicated connection after its wait (its renewal)."""
-    parsed_while_holding: list[str] = []
-    clients: list[asynclock.LockClient] = []
+class ParsesWhileHolding:
+    """Records every statement asyncpg parses (a statement's first run, or every run without
+    the statement cache) on a connection of ``clients`` that holds a lock."""
+
+    def __init__(self) -> None:
+        self.clients: list[asynclock.LockClient] = []
+        self.parsed: list[str] = []
+
+    def holding(self, connection: Any) -> str | None:
+        for locks in self.clients:
+            backend = backend_of(locks)
+            lane = backend._lanes.by_connection.get(connection)
+            if lane is not None and lane.keys:
+                return " (holding connection)"
+            if connection in backend._held:
+                return ""
+        return None
+
+
+@pytest.fixture
+def parses_while_holding(monkeypatch: pytest.MonkeyPatch) -> ParsesWhileHolding:
+    parses = ParsesWhileHolding()
     get_statement = asyncpg.Connection._get_statement
 
     async def recording(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
@@ -222,19 +234,25 @@ async def test_no_statement_is_parsed_on_a_connection_while_it_holds_an_exclusiv
         cached = kwargs.get("use_cache", True) and self._stmt_cache.get(
             (query, record_class, kwargs.get("ignore_custom_codec", False))
         )
-        for locks in clients:
-            backend = backend_of(locks)
-            lane = backend._lanes.by_connection.get(self)
-            holding = (lane is not None and lane.keys) or self in backend._held
-            if holding and not cached:
-                parsed_while_holding.append(
-                    " ".join(query.split())[:60] + (" (holding connection)" if lane else "")
-                )
+        where = parses.holding(self)
+        if where is not None and not cached:
+            parses.parsed.append(" ".join(query.split())[:60] + where)
         return await get_statement(self, query, *args, **kwargs)
 
     monkeypatch.setattr(asyncpg.Connection, "_get_statement", recording)
+    return parses
+
+
+async def test_no_statement_is_parsed_on_a_connection_while_it_holds_an_exclusive_lock(
+    pg: Pg, parses_while_holding: ParsesWhileHolding
+) -> None:
+    """asyncpg's parse step (a statement's first run, or every run without the cache) ends with
+    a Flush, and until the next Sync the server's ``idle_session_timeout``, the lease, is off: a
+    client paused then would keep its locks. So nothing is parsed on a connection that holds an
+    exclusive lock: not on the holding connection (take, release, renewal, the queue table's
+    statements of a waiter), nor on a dedicated connection after its wait (its renewal)."""
     async with pg.connect() as holder, pg.connect(max_waiting=1) as locks:
-        clients += [holder, locks]
+        parses_while_holding.clients += [holder, locks]
         async with holder.lock(pg.name) as held:
             # One waiter in the server's queue on a dedicated connection, one in the table.
             first = asyncio.create_task(locks.acquire(pg.name, timeout=10))
@@ -253,7 +271,29 @@ async def test_no_statement_is_parsed_on_a_connection_while_it_holds_an_exclusiv
         for _ in range(3):
             async with locks.lock(f"{pg.name}/free"):
                 pass
-    assert parsed_while_holding == []
+    assert parses_while_holding.parsed == []
+
+
+async def test_through_transaction_pooling_nothing_is_parsed_while_a_lock_is_held(
+    pg: Pg, pgbouncer_transaction_server: PgBouncerServer, parses_while_holding: ParsesWhileHolding
+) -> None:
+    """Transaction pooling runs without asyncpg's statement cache, so every statement with
+    arguments is parsed (ending in a Flush: the lease's timer off) each time it runs. A hold's
+    transaction runs none after its take: its renewals and its release are simple queries."""
+    url = f"{pgbouncer_transaction_server.url}?pooler=transaction&application_name={pg.app}"
+    async with asynclock.connect(url) as holder, asynclock.connect(url) as locks:
+        parses_while_holding.clients += [holder, locks]
+        async with holder.lock(pg.name, ttl=5) as held:
+            waiter = asyncio.create_task(locks.acquire(pg.name, ttl=5, timeout=10))
+            await pg.wait_for_waiters(1)
+            for _ in range(2):
+                (outcome,) = await backend_of(holder).renew([held.grant])  # type: ignore[list-item]
+                assert isinstance(outcome, Renewed)
+        lease = await waiter
+        (outcome,) = await backend_of(locks).renew([lease.grant])  # type: ignore[list-item]
+        assert isinstance(outcome, Renewed)
+        await lease.release()
+    assert parses_while_holding.parsed == []
 
 
 async def test_1000_locks_of_one_client_share_one_connection_per_ttl(pg: Pg) -> None:

@@ -24,7 +24,6 @@ from ._errors import connection_broken, unmapped
 from ._kinds import Mode
 from ._lease import RENEWAL, TAKE, Lane, PostgresGrant
 from ._renewals import CLOSED, renewed
-from ._sql import RENEW
 from ._wire import Wire
 
 logger = logging.getLogger("asynclock")
@@ -46,9 +45,9 @@ class Lanes:
         self.statements: tuple[str, ...] = ()
 
     def prepare(self, *statements: str) -> None:
-        """Have every new lane prepare its renewal and ``statements`` as it connects, before
-        it takes anything (``Lane._prepare``)."""
-        self.statements = (RENEW, *statements)
+        """Have every new lane prepare ``statements`` as it connects, before it takes anything
+        (``Lane._prepare``; the renewal is a simple query, never parsed apart)."""
+        self.statements = statements
 
     def lane(self, ttl_ms: int) -> Lane:
         lane = self.by_ttl.get(ttl_ms)
@@ -202,12 +201,12 @@ class Lanes:
             # exception was never retrieved", seen when a partition ended a renewal in flight).
             op = lane.renewal = Lane.detach(lane.submit(RENEWAL))
         error: BaseException | None = lane.dead
-        pid = None
+        same = False
         if op is not None:
             try:
                 # Shared: a caller that stops waiting must not cancel it for the others. The
                 # lane's watchdog ends the wait after op_timeout.
-                pid = await asyncio.shield(op.future)
+                same = await asyncio.shield(op.future)
             except TimeoutError:
                 error = BackendTimeout(
                     f"renewing {len(grants)} lock(s) on {self.server}: no answer for "
@@ -216,14 +215,14 @@ class Lanes:
             except Exception as exc:
                 error = exc
         sent_at = None if op is None else op.sent_at
-        return [self._outcome(lane, grant, error, pid, sent_at) for grant in grants]
+        return [self._outcome(lane, grant, error, same, sent_at) for grant in grants]
 
     @staticmethod
     def _outcome(
         lane: Lane,
         grant: PostgresGrant,
         error: BaseException | None,
-        pid: int | None,
+        same: bool,
         sent_at: float | None,
     ) -> RenewOutcome:
         if grant.released or lane.grants.get(grant.key) is not grant:
@@ -232,7 +231,7 @@ class Lanes:
             return Lost(CLOSED)
         if error is not None or sent_at is None:
             return Unknown(error or RuntimeError("not renewed"))
-        return renewed(pid, lane.pid, sent_at, lane.ttl)
+        return renewed(same, lane.pid, sent_at, lane.ttl)
 
     async def release(self, grant: PostgresGrant, lane: Lane) -> None:
         """Unlock the key only (the lane holds other locks), in the lane's task: a cancelled

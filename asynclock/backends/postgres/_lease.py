@@ -36,7 +36,7 @@ from .._kit import (
     now,
 )
 from ._errors import connection_broken
-from ._sql import RENEW, UNLOCK
+from ._sql import RENEWED, UNLOCK, renew
 
 logger = logging.getLogger("asynclock")
 
@@ -51,7 +51,8 @@ class Renewal:
 
     sent_at: float
     done: anyio.Event = field(default_factory=anyio.Event)
-    pid: int | None = None
+    #: Whether the session that holds the lock answered (``_sql.renew``).
+    same: bool = False
     error: Exception | None = None
     cancelled: bool = False
 
@@ -288,7 +289,7 @@ class Lane:
         behind other processes' waiters that asked after them. And asyncpg ends that round trip
         with a Flush, not a Sync: until the statement's Sync the server does not count the
         session idle, so its idle timer (the lease) is off. Here that gap falls before the
-        lane holds a lock, and it ends with a statement that ends in a Sync. One that cannot
+        lane holds a lock, and it ends with the renewal, a simple query (ends in a Sync). One that cannot
         be prepared is left to asyncpg's statement cache (a failed parse ends with a Sync)."""
         connection = self.connection
         self.busy = True  # closing terminates the connection, never waits for this
@@ -301,8 +302,7 @@ class Lane:
                         raise
                     logger.debug("asynclock: cannot prepare a lane's statement (%r)", exc)
             if self._prepared:
-                renew = self._prepared.get(RENEW)
-                await (connection.fetchval(RENEW) if renew is None else renew.fetchval())
+                await connection.execute(renew(self.pid))
         finally:
             self.busy = False
 
@@ -347,9 +347,11 @@ class Lane:
                 args, sql = (op.key, *op.args), op.sql or UNLOCK
             else:
                 self.renewals += 1
-                args, sql = (), RENEW
+                args, sql = (), renew(self.pid)
             statement = self._prepared.get(sql)
-            if op.kind == QUERY:
+            if op.kind == RENEWAL:
+                result = await connection.execute(sql) == RENEWED
+            elif op.kind == QUERY:
                 result = await (
                     connection.fetchrow(sql, *args)
                     if statement is None

@@ -27,7 +27,7 @@ from .._kit import CallOrder, LockRequest, TaskHost, Turn, now, translate
 from ._errors import connection_broken
 from ._kinds import Mode
 from ._lease import FRESH_WAIT, PostgresGrant
-from ._sql import RELEASE, RENEW, marker_key
+from ._sql import RELEASE, marker_key, renew
 from ._table import Queue
 from ._wire import Replacements, Wire
 
@@ -112,7 +112,7 @@ class Waits:
                         if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:
                             # Its send time would leave little of the lease: restart the timer.
                             sent_at = now()
-                            await connection.fetchval(RENEW, timeout=self._wire.op_timeout)
+                            await connection.execute(renew(row[1]), timeout=self._wire.op_timeout)
                 except BaseException as exc:
                     doing = "" if head else "waiting for"
                     if not await self._sessions.interrupted(

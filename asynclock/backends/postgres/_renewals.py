@@ -8,19 +8,19 @@ import anyio
 
 from .._kit import BackendTimeout, Lost, Renewed, RenewOutcome, TaskHost, Unknown
 from ._lease import PostgresGrant, Renewal
-from ._sql import RENEW
+from ._sql import RENEWED, renew
 
 #: A renewal's verdict on a holding connection that closed.
 CLOSED = "the connection holding the advisory lock closed; the lock ends with the session"
 
 
-def renewed(pid: int | None, held_by: int, sent_at: float, ttl: float) -> RenewOutcome:
-    """A renewal's answer from server process ``pid`` (the session that held the lock:
-    ``held_by``): renewed from its send time, or lost if another session answered."""
-    if pid != held_by:
+def renewed(same: bool, held_by: int, sent_at: float, ttl: float) -> RenewOutcome:
+    """A renewal's answer: renewed from its send time if the session that held the lock
+    (server process ``held_by``) answered (``same``), else lost."""
+    if not same:
         return Lost(
-            f"the connection now reaches server process {pid}, not {held_by} which held the "
-            "lock (a connection pooler in between?); the lock ended with that session"
+            f"the connection no longer reaches server process {held_by}, which held the lock "
+            "(a connection pooler in between?); the lock ended with that session"
         )
     return Renewed(sent_at, ttl)
 
@@ -72,11 +72,11 @@ class Renewals:
             return Unknown(renewal.error)
         if grant.in_transaction and not connection.is_in_transaction():
             return Lost("the transaction holding the advisory lock ended; the lock ended with it")
-        return renewed(renewal.pid, grant.pid, renewal.sent_at, grant.ttl)
+        return renewed(renewal.same, grant.pid, renewal.sent_at, grant.ttl)
 
     async def _query(self, grant: PostgresGrant, renewal: Renewal) -> None:
         try:
-            renewal.pid = await grant.connection.fetchval(RENEW)
+            renewal.same = await grant.connection.execute(renew(grant.pid)) == RENEWED
         except Exception as exc:
             renewal.error = exc
         except BaseException:

@@ -17,7 +17,23 @@ MAX_TIMEOUT_MS = 2**31 - 1
 
 # A lane's release: only its key (the others on the connection stay held).
 UNLOCK = "SELECT pg_advisory_unlock($1)"
-RENEW = "SELECT pg_backend_pid()"
+
+
+def renew(pid: int) -> str:
+    """The renewal of the locks of server process ``pid``'s session: a statement that restarts
+    its idle timer (the lease), whose command tag says whether the connection still reaches
+    that session (``RENEWED``; "SELECT 0" from another one).
+
+    Sent by the simple query protocol (asyncpg's ``execute()`` without arguments): one message
+    that ends in a Sync. A statement with arguments is parsed first in a round trip that ends
+    in a Flush, and until its Sync the server does not count the session idle: its idle timer
+    is off. Without a statement cache (``pooler=transaction``) every run of it is such a parse.
+    """
+    return f"SELECT WHERE pg_backend_pid() = {int(pid)}"
+
+
+#: ``renew()``'s command tag when the session is still the lock's.
+RENEWED = "SELECT 1"
 #: Run once on every new connection: its session settings (``$1`` names, ``$2`` values, sent
 #: as SQL, not as startup parameters, which connection poolers refuse or drop), and the server
 #: process it reached, and the mark a connection of ours left on that server session before

@@ -30,7 +30,7 @@ import anyio
 
 from .._kit import Capabilities, LockRequest, now, translate
 from ._lease import FRESH_WAIT, PostgresGrant
-from ._sql import RENEW, XACT_TAKE, XACT_WAIT
+from ._sql import XACT_TAKE, XACT_WAIT, renew
 from ._wire import Replacements, Wire, answered
 
 logger = logging.getLogger("asynclock")
@@ -114,7 +114,7 @@ class TransactionHolds:
                         if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:
                             # Its send time would leave little of the lease: restart the timer.
                             sent_at = now()
-                            await connection.fetchval(RENEW, timeout=self._wire.op_timeout)
+                            await connection.execute(renew(pid), timeout=self._wire.op_timeout)
             except BaseException as exc:
                 if not await self._sessions.interrupted(
                     connection,

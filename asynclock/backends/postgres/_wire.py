@@ -35,7 +35,7 @@ from .._kit import (
 )
 from ._errors import CONNECTING, Errors, connection_broken, unmapped
 from ._lease import PostgresGrant
-from ._sql import END_SESSION, END_TRANSACTION, MARK, PID, RENEW, SETUP, timeout_ms
+from ._sql import END_SESSION, END_TRANSACTION, MARK, PID, SETUP, timeout_ms
 from ._urls import Settings
 
 logger = logging.getLogger("asynclock")
@@ -240,12 +240,6 @@ class Sessions:
                         server_settings={"application_name": settings["application_name"]},
                     )
                     await self._set_up(connection, settings)
-                    if not pending.special and self._settings.statement_cache_size:
-                        # Its renewal's first run, into asyncpg's cache, while it holds
-                        # nothing: a first run parses and describes in a round trip that ends
-                        # with a Flush, and until the Sync the server's idle timer (the
-                        # lease) is off (``Lane._prepare``).
-                        await connection.fetchval(RENEW)
             if pending.scope.cancelled_caught and pending.connection is not None:
                 pending.connection.terminate()  # given up by aclose(): nobody takes it
                 pending.connection = None
