@@ -26,7 +26,7 @@ import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, lock_key
 from asynclock.backends.postgres._kinds import kind_key, permits_class
-from asynclock.backends.postgres._lease import QUERY
+from asynclock.backends.postgres._lease import QUERY, PostgresGrant
 from asynclock.extras.postgres import transaction_lock
 from asynclock.testing import FaultProxy, PgBouncerServer, PostgresServer, free_port
 from asynclock.testing._safety import SafetyConfig, run_safety
@@ -294,6 +294,46 @@ async def test_through_transaction_pooling_nothing_is_parsed_while_a_lock_is_hel
         assert isinstance(outcome, Renewed)
         await lease.release()
     assert parses_while_holding.parsed == []
+
+
+async def test_a_renewal_answered_by_another_server_process_reports_the_lease_lost(pg: Pg) -> None:
+    """The renewal checks, in its own statement, that the server session that took the lock
+    answers it: a connection that reaches another one (a pooler that moved it) held nothing
+    there. Shown by giving the grant another server process's id, on a lane and on a dedicated
+    connection; with the right one the same renewal renews."""
+    async with pg.connect() as locks, pg.connect() as other:
+        backend = backend_of(locks)
+        # A dedicated connection's grant: other's, after a wait in the server's queue.
+        first = await locks.acquire(pg.name, ttl=10)
+        waiter = asyncio.create_task(other.acquire(pg.name, ttl=10, timeout=10))
+        await pg.wait_for_waiters(1)
+        await first.release()
+        dedicated = await waiter
+        on_lane = await locks.acquire(f"{pg.name}/2", ttl=10)
+        lane_grant = on_lane.grant
+        dedicated_grant = dedicated.grant
+        assert isinstance(lane_grant, PostgresGrant) and lane_grant.lane is not None
+        assert isinstance(dedicated_grant, PostgresGrant) and dedicated_grant.lane is None
+        # A lane's renewal names the lane's server process, a dedicated one its grant's.
+        owners: tuple[tuple[asynclock.LockClient, PostgresGrant, Any], ...] = (
+            (locks, lane_grant, lane_grant.lane),
+            (other, dedicated_grant, dedicated_grant),
+        )
+        for holder, grant, owner in owners:
+            real = owner.pid
+            owner.pid = real + 100_000
+            try:
+                (outcome,) = await backend_of(holder).renew([grant])
+            finally:
+                owner.pid = real
+            assert isinstance(outcome, Lost)
+            assert f"no longer reaches server process {real + 100_000}" in outcome.reason
+            (outcome,) = await backend_of(holder).renew([grant])
+            assert isinstance(outcome, Renewed)
+        await on_lane.release()
+        await dedicated.release()
+        assert backend._lanes.by_ttl[10000].renewals >= 2
+    assert await pg.settle_sessions(0) == 0
 
 
 async def test_1000_locks_of_one_client_share_one_connection_per_ttl(pg: Pg) -> None:
