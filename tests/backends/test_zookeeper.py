@@ -22,6 +22,7 @@ import asynclock
 from asynclock.abc import LockInfo, LockRequest
 from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
 from asynclock.backends.zookeeper._lease import LockSession
+from asynclock.backends.zookeeper._wire import Connection, frame
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble
 from tests.contract.backend_zookeeper import (
     Zk,
@@ -991,3 +992,45 @@ async def test_a_change_feed_ends_quietly_when_its_client_closes_during_a_reques
             await anyio.sleep(0.05)
             with anyio.fail_after(5):
                 await locks.aclose()
+
+
+async def test_the_wire_waits_only_while_the_peer_does_not_read_and_ends_when_it_closes() -> None:
+    """A connection writes a request at once and waits only while the socket's and the
+    transport's buffers are full (a server that stopped reading); a connection the server
+    closes ends its pump, which breaks the connection (its session reconnects), and a send after
+    that goes nowhere instead of raising (the session fails the replies it waits for). On a
+    plain TCP server that accepts and never reads: no ZooKeeper needed."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    _, conn = await asyncio.get_running_loop().create_connection(
+        lambda: Connection("test"), "127.0.0.1", port
+    )
+    chunk = frame(b"x" * 65536)
+    sent = 0
+    with anyio.fail_after(10):
+        while True:
+            with anyio.move_on_after(0.2) as waited:
+                await conn.send(chunk)
+            if waited.cancelled_caught:
+                break  # the buffers are full: the send waits for the peer
+            sent += 1
+    assert sent > 0
+    dispatched: list[bytes] = []
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            conn.scope = tg.cancel_scope
+            tg.start_soon(conn.pump, dispatched.append, lambda: None)
+            await until(lambda: bool(accepted), 5)
+            accepted[0].close()  # unread data: the peer resets the connection
+            await anyio.sleep_forever()  # until the pump breaks the connection
+    assert dispatched == []
+    await conn.send(chunk)  # goes nowhere
+    await conn.aclose()
+    await conn.aclose()
+    server.close()
+    await server.wait_closed()

@@ -14,6 +14,7 @@ sequence number the server appends. The kinds:
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 __all__ = (
@@ -59,6 +60,10 @@ def permits_of(kind: str) -> int | None:
     return int(digits)
 
 
+#: Any character that :func:`forbidden` refuses.
+_FORBIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\uf8ff\ufff0-\U0010ffff%/]")
+
+
 def forbidden(char: str) -> bool:
     """Whether ZooKeeper refuses ``char`` in a znode name (or it is ``%`` or ``/``)."""
     # ZooKeeper's PathUtils.validatePath, on UTF-16 code units: characters outside the BMP
@@ -81,10 +86,13 @@ def encode_name(name: str) -> str:
     ``zookeeper`` get their first character escaped. Decoding is plain percent-decoding, so
     distinct names always give distinct znodes.
     """
-    encoded = "".join(
-        "".join(f"%{byte:02X}" for byte in char.encode("utf-8")) if forbidden(char) else char
-        for char in name
-    )
+    if _FORBIDDEN.search(name) is None:
+        encoded = name  # the common case, without a look at each character
+    else:
+        encoded = "".join(
+            "".join(f"%{byte:02X}" for byte in char.encode("utf-8")) if forbidden(char) else char
+            for char in name
+        )
     if encoded in (".", "..", "zookeeper"):
         encoded = f"%{ord(encoded[0]):02X}{encoded[1:]}"
     return encoded

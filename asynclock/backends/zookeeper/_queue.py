@@ -26,7 +26,7 @@ from aiozk import exc as zk_exc
 from aiozk import protocol as zk
 from aiozk.protocol.create import Create2Request
 
-from .._kit import BackendUnavailable, LockRequest, finish
+from .._kit import BackendUnavailable, LockRequest, finish, now
 from ._errors import SERVER_ERRORS, ConnectionLoss, NotConnected, SessionGone
 from ._lease import LockSession, ZooKeeperGrant
 from ._names import EXCLUSIVE, PROTECTED, SHARED, encode_name, semaphore_kind
@@ -115,7 +115,7 @@ class Attempt:
                     del ahead, watched
                     if granted_at is not None:
                         return self._granted(czxid, granted_at)
-                listed_at = anyio.current_time()
+                listed_at = now()
                 (reply,) = await session.call_retrying(
                     zk.GetChildrenRequest(path=self.parent, watch=False)
                 )
@@ -220,7 +220,7 @@ class Attempt:
         session = self.session
         tree = self.tree
         for _ in range(ATTEMPTS):
-            sent_at = anyio.current_time()
+            sent_at = now()
             self.unsure = True
             try:
                 *made_parent, created, listed = await session.call(*self._requests())
@@ -254,7 +254,7 @@ class Attempt:
 
     async def _find_own(self) -> tuple[int, list[str], float] | None:
         """After a create whose reply was lost: find the node it made, if it made one."""
-        sent_at = anyio.current_time()
+        sent_at = now()
         (listed,) = await self.session.call_retrying(
             zk.GetChildrenRequest(path=self.parent, watch=False)
         )
@@ -295,7 +295,7 @@ class Attempt:
             session.add_watch(path, wake)
         session.add_listener(wake)
         try:
-            sent_at = anyio.current_time()
+            sent_at = now()
             replies = await session.call_retrying(
                 *(zk.GetDataRequest(path=path, watch=True) for path in paths)
             )

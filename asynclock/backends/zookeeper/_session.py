@@ -19,7 +19,7 @@ from typing import Any, Literal
 import anyio
 from aiozk import protocol as zk
 
-from .._kit import BackendUnavailable, TaskHost
+from .._kit import BackendUnavailable, TaskHost, now
 from ._errors import ConnectionLoss, NotConnected, SessionGone
 from ._urls import Settings
 from ._wire import (
@@ -79,12 +79,12 @@ class Session:
         self._watches = Watches()
         self._listeners: set[Callable[[], None]] = set()
         self._changed = anyio.Event()
-        self._last_received = anyio.current_time()
+        self._last_received = now()
         #: When the latest request (or ping) the server answered was sent: the server heard
         #: the session no earlier, so the session cannot expire before this plus its timeout.
-        self.heard_sent_at = anyio.current_time()
+        self.heard_sent_at = now()
         self._pings: collections.deque[float] = collections.deque()
-        self._idle_since = anyio.current_time()
+        self._idle_since = now()
         #: Calls in progress that need the session (an acquire waiting in the queue).
         self.users = 0
         self.reconnects = 0
@@ -135,7 +135,7 @@ class Session:
         """Create the session on one of the servers, or raise ``BackendUnavailable``: within
         ``op_timeout``, or while the client connects, for as long as the caller's scope
         (``connect_timeout``) lets it while servers accept connections."""
-        deadline = math.inf if connecting else anyio.current_time() + self._settings.op_timeout
+        deadline = math.inf if connecting else now() + self._settings.op_timeout
         try:
             conn = await self._connect(deadline, first=True)
         except BaseException:
@@ -160,7 +160,7 @@ class Session:
     def _install(self, conn: Connection) -> None:
         self._conn = conn
         self._pings.clear()
-        self._last_received = anyio.current_time()
+        self._last_received = now()
         self._set_state("connected")
         self._on_connected()
 
@@ -262,7 +262,7 @@ class Session:
     # -- the connection's tasks --------------------------------------------------------------
 
     def _received(self) -> None:
-        self._last_received = anyio.current_time()
+        self._last_received = now()
 
     def _dispatch(self, data: bytes) -> None:
         xid, zxid, err = struct.unpack_from("!iqi", data)
@@ -294,23 +294,19 @@ class Session:
         ping = frame(zk.PingRequest().serialize(PING_XID))
         while True:
             await anyio.sleep(interval)
-            now = anyio.current_time()
-            if now - self._last_received > self.read_timeout:
+            current = now()
+            if current - self._last_received > self.read_timeout:
                 logger.info(
                     "asynclock: ZooKeeper %s did not answer for %.2g s; reconnecting",
                     conn.address,
-                    now - self._last_received,
+                    current - self._last_received,
                 )
                 conn.broken()
                 return
-            if now - conn.last_sent >= interval * 0.9:
-                self._pings.append(now)
-                try:
-                    await conn.send(ping)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    conn.broken()
-                    return
-            if self._idle() and now - self._idle_since > IDLE_SESSION and not self.default:
+            if current - conn.last_sent >= interval * 0.9:
+                self._pings.append(current)
+                await conn.send(ping)
+            if self._idle() and current - self._idle_since > IDLE_SESSION and not self.default:
                 self._forget(self)
                 if self._host.running:
                     self._host.start_soon(self.aclose, name="asynclock zookeeper idle session")
@@ -318,7 +314,7 @@ class Session:
 
     def _idle(self) -> bool:
         if self.users or self._busy():
-            self._idle_since = anyio.current_time()
+            self._idle_since = now()
             return False
         return True
 
@@ -334,18 +330,14 @@ class Session:
         if not requests:
             return []
         op_timeout = self._settings.op_timeout
-        conn = await self._wait_connected(anyio.current_time() + op_timeout)
+        conn = await self._wait_connected(now() + op_timeout)
         entries, data = self._pending.add(requests)
         replies = [reply for _, reply in entries]
         try:
-            sent_at = anyio.current_time()
+            sent_at = now()
             for reply in replies:
                 reply.sent_at = sent_at
-            try:
-                await conn.send(data)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                conn.broken()
-                raise ConnectionLoss(f"the connection to {conn.address} broke") from exc
+            await conn.send(data)  # a broken connection fails the replies (LOST)
             with anyio.move_on_after(op_timeout):
                 for reply in replies:
                     await reply.event.wait()
@@ -370,7 +362,7 @@ class Session:
             changed = self._changed
             with anyio.move_on_at(deadline):
                 await changed.wait()
-            if anyio.current_time() >= deadline and self.state != "connected":
+            if now() >= deadline and self.state != "connected":
                 if self.dead:
                     raise SessionGone(self.dead_reason)
                 raise NotConnected(

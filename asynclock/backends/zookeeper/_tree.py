@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 
-import anyio
 from aiozk import ACL as ZkACL
 from aiozk import exc as zk_exc
 from aiozk import protocol as zk
 
-from .._kit import translate
+from .._kit import now, translate
 from ._errors import ConnectionLoss, SessionGone, zk_errors
 from ._names import encode_name, namespace_prefix
 from ._session import Session
@@ -43,11 +42,11 @@ class Tree:
         return f"{self.chroot.rstrip('/')}/{namespace_prefix(kind)}{encode_name(name)}"
 
     def touch(self, parent: str) -> None:
-        self.parents[parent] = anyio.current_time()
+        self.parents[parent] = now()
 
     def stale(self, linger: float) -> list[str]:
         """The parents nobody of this client used for ``linger`` seconds."""
-        cutoff = anyio.current_time() - linger
+        cutoff = now() - linger
         return [parent for parent, used in self.parents.items() if used < cutoff]
 
     async def ensure_chroot(self, session: Session) -> None:

@@ -7,6 +7,7 @@ and handshake are our own (see the package's docstring for why).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import random
@@ -16,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
-import anyio.abc
+import anyio.lowlevel
 from aiozk import protocol as zk
 from aiozk.protocol.create import Create2Request
 
-from .._kit import BackendUnavailable, HostPort, RetryPolicy
+from .._kit import BackendUnavailable, HostPort, RetryPolicy, now
 from ._errors import SessionGone, error_for
 from ._urls import Settings
 
@@ -104,26 +105,71 @@ def frame(payload: bytes) -> bytes:
     return struct.pack("!i", len(payload)) + payload
 
 
-class Connection:
-    """One TCP connection to one server, framed as ZooKeeper frames (length-prefixed)."""
+class Connection(asyncio.Protocol):
+    """One TCP connection to one server, framed as ZooKeeper frames (length-prefixed).
 
-    def __init__(self, stream: anyio.abc.SocketStream, address: str) -> None:
-        self.stream = stream
+    An asyncio protocol, not an anyio stream: a request is written to the transport as it is
+    sent (one ``write``, whole frames, in the order of the calls: no lock, no await unless the
+    transport asks to pause); the replies are read by the protocol and dispatched in the
+    pump's task. Through anyio's stream each send took a lock and a checkpoint (two passes of
+    the event loop more per request). ZooKeeper is asyncio-only here
+    (aiozk's serialisation; ``trio`` is refused by name)."""
+
+    def __init__(self, address: str) -> None:
         self.address = address
         self.buffer = bytearray()
-        self.last_sent = anyio.current_time()
+        self.last_sent = now()
+        #: The session's task group while the connection serves it: cancelled when it breaks.
         self.scope: anyio.CancelScope | None = None
-        self._send_lock = anyio.Lock()
+        self._transport: asyncio.Transport | None = None
+        #: Done when the connection is lost; ``_readable`` when bytes came (or it was lost).
+        self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._readable: asyncio.Future[None] | None = None
+        self._drained: asyncio.Future[None] | None = None
+
+    # -- asyncio's callbacks -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        _wake(self._readable)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        _wake(self._lost)
+        _wake(self._readable)
+        _wake(self._drained)
+
+    def pause_writing(self) -> None:
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        drained, self._drained = self._drained, None
+        _wake(drained)
+
+    # -- ours ----------------------------------------------------------------------------
 
     async def send(self, data: bytes) -> None:
-        async with self._send_lock:
-            await self.stream.send(data)
-        self.last_sent = anyio.current_time()
+        """Write ``data`` (whole frames) at once; wait only while the transport's buffer is
+        full. On a connection that is lost or closing the data goes nowhere: the pump ends the
+        connection, and its session fails the replies waited for (``Pending.fail_all``), as
+        when the connection breaks after a send. Raising here instead, before the session
+        knows, would spend a caller's retries at once."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(data)
+        self.last_sent = now()
+        if self._drained is not None:
+            await asyncio.shield(self._drained)
 
     def next_frame(self) -> bytes | None:
         if len(self.buffer) < 4:
             return None
-        (size,) = struct.unpack_from("!i", self.buffer)
+        (size,) = _INT.unpack_from(self.buffer)
         if not 0 <= size <= _MAX_FRAME:
             raise ValueError(f"bad frame length {size}")
         if len(self.buffer) < 4 + size:
@@ -132,23 +178,35 @@ class Connection:
         del self.buffer[: 4 + size]
         return frame
 
+    async def _readable_or_lost(self) -> None:
+        """Until more bytes came or the connection is lost."""
+        self._readable = asyncio.get_running_loop().create_future()
+        try:
+            await self._readable
+        finally:
+            self._readable = None
+
     async def read_frame(self) -> bytes:
+        """The next frame, before :meth:`pump` takes over (the handshake's)."""
         while (frame := self.next_frame()) is None:
-            self.buffer += await self.stream.receive()
+            if self._lost.done():
+                raise anyio.EndOfStream
+            await self._readable_or_lost()
         return frame
 
     async def pump(self, dispatch: Callable[[bytes], None], received: Callable[[], None]) -> None:
         """Read frames into ``dispatch`` (``received`` after each read) until the connection
-        ends or sends garbage; then it is broken."""
+        ends or sends garbage; then it is broken. Dispatched in this task, not in the protocol's
+        callback: what a reply or a watch event sets off (anyio events, a session's death) needs
+        a task."""
         try:
             while True:
-                while (data := self.next_frame()) is not None:
-                    dispatch(data)
-                chunk = await self.stream.receive()
+                while (frame := self.next_frame()) is not None:
+                    dispatch(frame)
+                if self._lost.done():
+                    break
+                await self._readable_or_lost()
                 received()
-                self.buffer += chunk
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass
         except (ValueError, struct.error, KeyError) as exc:
             logger.warning("asynclock: malformed reply from ZooKeeper %s: %r", self.address, exc)
         self.broken()
@@ -159,8 +217,22 @@ class Connection:
             self.scope.cancel()
 
     async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-            await self.stream.aclose()
+        """Close the socket: what is written goes first, if the peer reads it within a turn
+        of the loop (a session's close request); then it is closed regardless. Idempotent."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        with contextlib.suppress(OSError):
+            transport.write_eof()
+        transport.close()
+        with anyio.CancelScope(shield=True):
+            await anyio.lowlevel.checkpoint()
+        transport.abort()
+
+
+def _wake(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
 
 
 class Reply:
@@ -293,7 +365,7 @@ async def connect(
     while True:
         refused = 0
         for host in hosts:
-            remaining = deadline - anyio.current_time()
+            remaining = deadline - now()
             if remaining <= 0:
                 break
             per_host = min(remaining, max(0.25, settings.op_timeout / len(hosts)))
@@ -318,7 +390,7 @@ async def connect(
         if first and refused == len(hosts):
             break
         pause = backoff.next_delay()
-        if anyio.current_time() + pause >= deadline:
+        if now() + pause >= deadline:
             break
         await anyio.sleep(pause)
     detail = "; ".join(dict.fromkeys(errors)) or "no time left"
@@ -331,8 +403,9 @@ async def connect(
 async def _handshake(
     settings: Settings, identity: Identity, where: str, host: HostPort
 ) -> tuple[Connection, float]:
-    stream = await anyio.connect_tcp(host.host, host.port)
-    conn = Connection(stream, str(host))
+    _, conn = await asyncio.get_running_loop().create_connection(
+        lambda: Connection(str(host)), host.host, host.port
+    )
     try:
         sent_at = await _negotiate(conn, settings, identity, where)
     except BaseException:
@@ -342,7 +415,7 @@ async def _handshake(
 
 
 async def _negotiate(conn: Connection, settings: Settings, identity: Identity, where: str) -> float:
-    sent_at = anyio.current_time()
+    sent_at = now()
     request = zk.ConnectRequest(
         protocol_version=0,
         last_seen_zxid=identity.last_zxid,

@@ -27,6 +27,7 @@ from .._kit import (
     TaskHost,
     Unknown,
     finish,
+    now,
     translate,
 )
 from . import _inspect
@@ -273,7 +274,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
                 f"0x{session.session_id:x})"
             )
             return [Unknown(error)] * len(indexes)
-        sent_at = anyio.current_time()
+        sent_at = now()
         try:
             with translate(zk_errors, f"renewing on {self.describe()}"):
                 replies = await session.call(
