@@ -125,6 +125,8 @@ class Connection(asyncio.Protocol):
         #: Done when the connection is lost; ``_readable`` when bytes came (or it was lost).
         self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._readable: asyncio.Future[None] | None = None
+        #: Bytes came since the pump last looked (``received``: the server was heard).
+        self._fresh = False
         self._drained: asyncio.Future[None] | None = None
 
     # -- asyncio's callbacks -------------------------------------------------------------
@@ -135,6 +137,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
+        self._fresh = True
         _wake(self._readable)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -206,7 +209,9 @@ class Connection(asyncio.Protocol):
                 if self._lost.done():
                     break
                 await self._readable_or_lost()
-                received()
+                if self._fresh:
+                    self._fresh = False
+                    received()
         except (ValueError, struct.error, KeyError) as exc:
             logger.warning("asynclock: malformed reply from ZooKeeper %s: %r", self.address, exc)
         self.broken()
