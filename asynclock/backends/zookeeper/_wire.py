@@ -125,8 +125,8 @@ class Connection(asyncio.Protocol):
         #: Done when the connection is lost; ``_readable`` when bytes came (or it was lost).
         self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._readable: asyncio.Future[None] | None = None
-        #: Bytes came since the pump last looked (``received``: the server was heard).
-        self._fresh = False
+        #: Told when bytes come, while :meth:`pump` runs (the session's read timeout).
+        self._received: Callable[[], None] | None = None
         self._drained: asyncio.Future[None] | None = None
 
     # -- asyncio's callbacks -------------------------------------------------------------
@@ -137,7 +137,10 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        self._fresh = True
+        if self._received is not None:
+            # The server was heard now, whenever the reader gets to the frames: a read timeout
+            # measures the server's silence, not how long this process took over a burst.
+            self._received()
         _wake(self._readable)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -198,10 +201,11 @@ class Connection(asyncio.Protocol):
         return frame
 
     async def pump(self, dispatch: Callable[[bytes], None], received: Callable[[], None]) -> None:
-        """Read frames into ``dispatch`` (``received`` after each read) until the connection
+        """Read frames into ``dispatch`` (``received`` as bytes come) until the connection
         ends or sends garbage; then it is broken. Dispatched in this task, not in the protocol's
         callback: what a reply or a watch event sets off (anyio events, a session's death) needs
         a task."""
+        self._received = received
         try:
             while True:
                 while (frame := self.next_frame()) is not None:
@@ -209,11 +213,10 @@ class Connection(asyncio.Protocol):
                 if self._lost.done():
                     break
                 await self._readable_or_lost()
-                if self._fresh:
-                    self._fresh = False
-                    received()
         except (ValueError, struct.error, KeyError) as exc:
             logger.warning("asynclock: malformed reply from ZooKeeper %s: %r", self.address, exc)
+        finally:
+            self._received = None
         self.broken()
 
     def broken(self) -> None:
