@@ -289,8 +289,9 @@ class Lane:
         behind other processes' waiters that asked after them. And asyncpg ends that round trip
         with a Flush, not a Sync: until the statement's Sync the server does not count the
         session idle, so its idle timer (the lease) is off. Here that gap falls before the
-        lane holds a lock, and it ends with the renewal, a simple query (ends in a Sync). One that cannot
-        be prepared is left to asyncpg's statement cache (a failed parse ends with a Sync)."""
+        lane holds a lock, and it ends with the renewal, a simple query (it ends in a Sync).
+        One that cannot be prepared is left to asyncpg's statement cache (a failed parse ends
+        with a Sync)."""
         connection = self.connection
         self.busy = True  # closing terminates the connection, never waits for this
         try:

@@ -324,8 +324,9 @@ class Session:
         """Send ``requests`` in one write and return their replies (errors as values).
 
         Raises ``ConnectionLoss`` when the outcome is unknown (no connection within
-        ``op_timeout``, the connection broke, or no reply within ``op_timeout``: the connection
-        is then dropped) and ``SessionGone`` when the session is dead.
+        ``op_timeout``, the connection broke, or no reply while the server said nothing for
+        ``op_timeout`` or answered a later request: the connection is then dropped) and
+        ``SessionGone`` when the session is dead.
         """
         if not requests:
             return []
