@@ -661,7 +661,9 @@ async def test_only_a_holders_release_hands_over_on_the_event_alone(
                     ),
                     5,
                 )
-                assert len(listings) > listed
+                # The server keeps the cancelled waiter's watch on "first" until it fires, so
+                # the watches above can match before "second" listed: wait for its listing.
+                await until(lambda: len(listings) > listed, 5)
             # The foreign session closed and its nodes went with it: "first" watched the last.
             await until(lambda: zk.has_children("mark", 3))
             await anyio.sleep(0.3)
