@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import re
 import time
 import unicodedata
@@ -444,6 +445,31 @@ async def test_a_client_closed_right_after_a_connection_reset_still_deletes_its_
             proxy.reset()
             await until(lambda: backend_of(locks)._connected() is None, 2)
             tg.start_soon(reconnect_during_the_close, proxy)
+    assert await zk.tree() == []
+
+
+async def test_parents_whose_delete_got_no_answer_are_deleted_once_the_server_answers(
+    zk: Zk, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The janitor's delete of an unused parent that gets no answer leaves the parent known to
+    the client, which deletes it once the server answers again (here at the close): it used
+    to forget it, and the parent stayed until the server's container check, a minute later
+    (CI: a burst of 1,000 waiters held up the answers to another session's pings)."""
+    caplog.set_level(logging.DEBUG, "asynclock.zookeeper")
+    async with zk.proxied(session_timeout=10, op_timeout=0.5) as (proxy, locks):
+        await (await locks.acquire("unanswered", ttl=5)).release()
+        backend = backend_of(locks)
+        session = backend._connected()
+        proxy.blackhole()
+        # The janitor's pass, made now: its own comes once the parent has been unused for a
+        # while, and by then the session's read timeout (0.7 s here) dropped the connection.
+        await backend._tree.delete_parents(session, list(backend._tree.parents))
+        assert "deleting empty lock parents failed" in caplog.text
+        assert backend.extra_info()["known_parents"] == 1
+        proxy.reset()
+        proxy.pass_through()
+        assert session is not None
+        await until(lambda: session.reconnects == 1 and session.state == "connected", 5)
     assert await zk.tree() == []
 
 

@@ -61,13 +61,23 @@ class Tree:
                     raise reply
 
     async def delete_parents(self, session: Session | None, parents: list[str]) -> None:
-        """Delete these lock parents if they are empty (one pipelined round trip)."""
+        """Delete these lock parents if they are empty (one pipelined round trip).
+
+        A parent in use again (not empty) is forgotten: whoever uses it touches it again. One
+        whose delete got no answer (the connection broke, the session ended) is kept, with
+        its old time, for the janitor's next pass and for ``aclose()``: forgotten, it stayed on
+        the server until its container check, a minute later (the scale test's parents, once
+        a burst of 1,000 waiters kept the server from answering this client's pings).
+        """
         if session is None or not parents:
             return
-        for parent in parents:
-            self.parents.pop(parent, None)
+        used = {parent: self.parents.pop(parent, now()) for parent in parents}
         try:
-            await session.call(*(zk.DeleteRequest(path=parent, version=-1) for parent in parents))
+            await session.call_retrying(
+                *(zk.DeleteRequest(path=parent, version=-1) for parent in parents)
+            )
         except (ConnectionLoss, SessionGone) as exc:
-            # Container nodes: the server deletes them once empty in any case.
             logger.debug("asynclock: deleting empty lock parents failed: %r", exc)
+            for parent, when in used.items():
+                # A touch meanwhile (a new acquisition) has the later time.
+                self.parents.setdefault(parent, when)
