@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import logging
 import re
+import struct
 import time
 import unicodedata
 import uuid
@@ -21,7 +22,7 @@ from aiozk import exc, protocol
 
 import asynclock
 from asynclock.abc import LockInfo, LockRequest
-from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, encode_name
+from asynclock.backends.zookeeper import ZooKeeperBackend, ZooKeeperGrant, _proto, encode_name
 from asynclock.backends.zookeeper._lease import LockSession
 from asynclock.backends.zookeeper._wire import Connection, frame
 from asynclock.testing import FaultProxy, ZooKeeperEnsemble
@@ -40,6 +41,62 @@ from tests.contract.harness import until
 pytestmark = pytest.mark.anyio
 
 # -- URLs and names (no server) ----------------------------------------------------------------
+
+
+def test_the_requests_and_replies_encode_as_aiozks_classes_do() -> None:
+    """``_proto`` writes the bytes aiozk's generic classes write, and reads what they render."""
+    from aiozk import ACL as ZkACL
+    from aiozk.protocol.create import Create2Request
+
+    path = "/locks/ünï%2Fname/_c_0123-lock-0000000007"
+    acls = [protocol.UNRESTRICTED_ACCESS, ZkACL.make("auth", "", True, True, True, True, True)]
+    acl = _proto.encode_acl(acls)
+    pairs = [
+        (
+            _proto.create(path, b"v", acl, 3),
+            Create2Request(path=path, data=b"v", acl=acls, flags=3),
+        ),
+        (_proto.get_children(path, watch=True), protocol.GetChildrenRequest(path=path, watch=True)),
+        (_proto.get_data(path, watch=True), protocol.GetDataRequest(path=path, watch=True)),
+        (_proto.exists(path), protocol.ExistsRequest(path=path, watch=False)),
+        (_proto.delete(path), protocol.DeleteRequest(path=path, version=-1)),
+        (_proto.close(), protocol.CloseRequest()),
+    ]
+    transaction = protocol.TransactionRequest()
+    transaction.add(protocol.SetDataRequest(path=path, data=b"r", version=-1))
+    transaction.add(protocol.DeleteRequest(path=path, version=-1))
+    pairs.append((_proto.release(path, b"r"), transaction))
+    for ours, theirs in pairs:
+        assert ours.serialize(7) == theirs.serialize(7), type(theirs).__name__
+    container = _proto.create(path, b"", acl, _proto.CONTAINER)
+    assert container.opcode == 19  # createContainer; its body is create2's
+    assert container.body == Create2Request(path=path, data=b"", acl=acls, flags=4).serialize(7)[8:]
+
+    def rendered(part: Any) -> bytes:
+        fmt, values = part.render()
+        return struct.pack("!" + fmt, *values)
+
+    stat = _proto.Stat(*range(1, 12))
+    theirs = protocol.stat.Stat(**stat._asdict())
+    created = rendered(protocol.Create2Response(path=path, stat=theirs))
+    assert container.read(created) == _proto.Created(path, stat)
+    node = rendered(protocol.GetDataResponse(data=b"x", stat=theirs))
+    assert _proto.get_data(path).read(node) == _proto.Node(b"x", stat)
+    exists = rendered(protocol.ExistsResponse(stat=theirs))
+    assert _proto.exists(path).read(exists) == _proto.Node(None, stat)
+    children = rendered(protocol.GetChildrenResponse(children=["a", "ü"]))
+    assert _proto.get_children(path).read(children) == _proto.Children(["a", "ü"])
+    event = rendered(protocol.WatchEvent(type=2, state=3, path=path))
+    assert _proto.read_event(event) == _proto.Event(2, 3, path)
+    # A multi's reply: each operation's header, then its result; one that failed, its code.
+    header = struct.Struct("!i?i")
+    stat_bytes = struct.pack("!qqqqiiiqiiq", *stat)
+    done = header.pack(-1, True, -1)
+    applied = header.pack(5, False, 0) + stat_bytes + header.pack(2, False, 0) + done
+    assert _proto.release(path, b"r").read(applied) == [stat, None]
+    refused = header.pack(-1, False, -101) + struct.pack("!i", -101) + header.pack(-1, False, -2)
+    marked, deleted = _proto.release(path, b"r").read(refused + struct.pack("!i", -2) + done)
+    assert isinstance(marked, exc.NoNode) and isinstance(deleted, exc.RuntimeInconsistency)
 
 
 def test_url_with_servers_chroot_credentials_and_options() -> None:
@@ -639,8 +696,12 @@ async def test_only_a_holders_release_hands_over_on_the_event_alone(
     listings: list[str] = []
     call = LockSession.call
 
-    async def counting_call(self: LockSession, *requests: Any) -> list[Any]:
-        listings.extend(r.path for r in requests if isinstance(r, protocol.GetChildrenRequest))
+    async def counting_call(self: LockSession, *requests: _proto.Request) -> list[Any]:
+        for request in requests:
+            if request.opcode == _proto.get_children("/").opcode:
+                # The body starts with the path: its length, then its bytes.
+                size = int.from_bytes(request.body[:4], "big")
+                listings.append(request.body[4 : 4 + size].decode())
         return await call(self, *requests)
 
     monkeypatch.setattr(LockSession, "call", counting_call)

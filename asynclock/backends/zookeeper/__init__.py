@@ -31,8 +31,8 @@ The recipe is Curator's ``InterProcessMutex``:
 * An election is an exclusive lock under ``<chroot>/%election-<name>`` whose nodes carry the
   candidates' values: the first node is the leader, and ``wait_for_change`` watches it.
 
-The wire protocol (jute serialisation, request and response types, error codes) is aiozk's;
-the session, connection and watch handling are our own, because aiozk's ``ZKClient`` retries
+The requests and replies are encoded here (``_proto.py``); aiozk supplies the handshake's
+messages and the error classes. The session, connection and watch handling are our own, because aiozk's ``ZKClient`` retries
 calls forever while disconnected, replaces an expired session silently, cannot authenticate and
 starts tasks nobody owns. Everything here runs in tasks owned by the backend and every server
 call is bounded by ``op_timeout``.
@@ -47,6 +47,7 @@ The package, imported in one direction (each file only from those below it):
 * ``_lease.py``: :class:`ZooKeeperGrant` and the held nodes of a session (watched for loss);
 * ``_session.py``: a session over reconnects, its calls, watches and pings;
 * ``_wire.py``: one framed connection and the handshake;
+* ``_proto.py``: the requests and replies, encoded;
 * ``_urls.py``: the URL and the settings; ``_names.py``: znode names and namespaces;
 * ``_errors.py``: the private exceptions and their translation (``zk_errors``).
 """

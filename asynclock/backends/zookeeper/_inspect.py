@@ -17,9 +17,9 @@ from urllib.parse import unquote
 
 import anyio
 from aiozk import exc as zk_exc
-from aiozk import protocol as zk
 
 from .._kit import HolderInfo, Kind, LockInfo
+from . import _proto
 from ._names import SHARED, permits_of
 from ._order import Queued, queue
 from ._session import ATTEMPTS, Session
@@ -60,7 +60,7 @@ async def _read(
     if not holding:
         return LockInfo.of(name, kind, (), waiters=len(entries), permits=permits)
     replies = await session.call_retrying(
-        *(zk.GetDataRequest(path=f"{parent}/{entry.child}", watch=False) for entry in holding)
+        *(_proto.get_data(f"{parent}/{entry.child}", watch=False) for entry in holding)
     )
     holders: list[HolderInfo] = []
     for entry, reply in zip(holding, replies, strict=True):
@@ -96,7 +96,7 @@ async def inspect(session: Session, tree: Tree, name: str, kind: Kind) -> LockIn
 
 async def _children(session: Session, parent: str, *, watch: bool) -> list[str] | None:
     """The children of ``parent``; None if it does not exist."""
-    (listed,) = await session.call_retrying(zk.GetChildrenRequest(path=parent, watch=watch))
+    (listed,) = await session.call_retrying(_proto.get_children(parent, watch=watch))
     if isinstance(listed, zk_exc.NoNode):
         return None
     if isinstance(listed, Exception):
@@ -167,13 +167,13 @@ async def _changed(
 ) -> bool:
     """Register the watch and say whether the state already differs from ``seen``."""
     if kind == "election":
-        (listed,) = await session.call_retrying(zk.GetChildrenRequest(path=parent, watch=False))
+        (listed,) = await session.call_retrying(_proto.get_children(parent, watch=False))
         entries = [] if isinstance(listed, Exception) else queue(listed.children)
         if entries:
             # The leader changes only when its node goes: nodes are never created ahead of it.
             leader = f"{parent}/{entries[0].child}"
             watch(leader)
-            (reply,) = await session.call_retrying(zk.GetDataRequest(path=leader, watch=True))
+            (reply,) = await session.call_retrying(_proto.get_data(leader, watch=True))
             if isinstance(reply, Exception):
                 return True  # gone already (or unreadable: let the caller's inspect say)
             return not seen.held or seen.token != int(reply.stat.created_zxid)
@@ -184,7 +184,7 @@ async def _changed(
             return True
         # A child watch is not left on a missing node; an existence watch is (it fires when
         # the parent is made).
-        (reply,) = await session.call_retrying(zk.ExistsRequest(path=parent, watch=True))
+        (reply,) = await session.call_retrying(_proto.exists(parent, watch=True))
         return not isinstance(reply, zk_exc.NoNode)
     info = await _read(session, parent, name, kind, children)
     return info is None or not _same(info, seen)

@@ -17,6 +17,7 @@ from aiozk import exc as zk_exc
 from aiozk import protocol as zk
 
 from .._kit import Grant
+from . import _proto
 from ._errors import SERVER_ERRORS, ConnectionLoss, SessionGone
 from ._names import EXCLUSIVE
 from ._session import Context, Session
@@ -113,7 +114,7 @@ class LockSession(Session):
             return
         for path in paths:
             self.add_watch(path, self._held[path].callback)
-        replies = await self.call(*(zk.GetDataRequest(path=path, watch=True) for path in paths))
+        replies = await self.call(*(_proto.get_data(path, watch=True) for path in paths))
         for path, reply in zip(paths, replies, strict=True):
             if path not in self._held:
                 continue
@@ -176,7 +177,7 @@ class LockSession(Session):
 
     async def delete_matching(self, parent: str, prefix: str) -> None:
         """Delete our nodes under ``parent`` whose names start with ``prefix``."""
-        (children,) = await self.call_retrying(zk.GetChildrenRequest(path=parent, watch=False))
+        (children,) = await self.call_retrying(_proto.get_children(parent))
         if isinstance(children, Exception):
             return
         mine = [f"{parent}/{child}" for child in children.children if child.startswith(prefix)]
@@ -190,9 +191,7 @@ class LockSession(Session):
         backend's janitor once it has been unused for a while.
         """
         if paths:
-            replies = await self.call_retrying(
-                *(zk.DeleteRequest(path=path, version=-1) for path in paths)
-            )
+            replies = await self.call_retrying(*(_proto.delete(path) for path in paths))
             for reply in replies:
                 if isinstance(reply, Exception) and not isinstance(reply, zk_exc.NoNode):
                     raise reply
@@ -212,13 +211,10 @@ class LockSession(Session):
         if not mark:
             await self.delete([path], parent)
             return
-        transaction = zk.TransactionRequest()
-        transaction.add(zk.SetDataRequest(path=path, data=RELEASED, version=-1))
-        transaction.add(zk.DeleteRequest(path=path, version=-1))
-        (reply,) = await self.call_retrying(transaction)
+        (reply,) = await self.call_retrying(_proto.release(path, RELEASED))
         if isinstance(reply, Exception):
             raise reply
-        marked, deleted = reply.responses
+        marked, deleted = reply
         if isinstance(deleted, Exception) and not isinstance(marked, zk_exc.NoNode):
             # Refused as a whole, and not because the node is gone already (a retry after a
             # lost reply, a revoke): the plain delete raises what it refuses.

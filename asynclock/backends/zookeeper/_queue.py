@@ -24,16 +24,17 @@ from typing import Any, Final
 import anyio
 from aiozk import exc as zk_exc
 from aiozk import protocol as zk
-from aiozk.protocol.create import Create2Request
 
 from .._kit import BackendUnavailable, LockRequest, finish, now
+from . import _proto
 from ._errors import SERVER_ERRORS, ConnectionLoss, NotConnected, SessionGone
 from ._lease import LockSession, ZooKeeperGrant
 from ._names import EXCLUSIVE, PROTECTED, SHARED, encode_name, semaphore_kind
 from ._order import blockers, permit_blockers, queue, sequence
+from ._proto import CONTAINER, EPHEMERAL_SEQUENTIAL
 from ._session import ATTEMPTS
 from ._tree import Tree
-from ._wire import CONTAINER, EPHEMERAL_SEQUENTIAL, NO_EVENT, CreateContainerRequest
+from ._wire import NO_EVENT
 
 __all__ = ("Attempt", "node_kind")
 
@@ -116,9 +117,7 @@ class Attempt:
                     if granted_at is not None:
                         return self._granted(czxid, granted_at)
                 listed_at = now()
-                (reply,) = await session.call_retrying(
-                    zk.GetChildrenRequest(path=self.parent, watch=False)
-                )
+                (reply,) = await session.call_retrying(_proto.get_children(self.parent))
                 children = [] if isinstance(reply, zk_exc.NoNode) else _checked(reply).children
         finally:
             session.users -= 1
@@ -189,30 +188,21 @@ class Attempt:
         self.node = None  # handed over: nothing to clean up
         return grant
 
-    def _requests(self) -> list[Any]:
-        requests: list[Any] = [
-            Create2Request(
-                path=f"{self.parent}/{self.prefix}",
-                # An election's candidate keeps its value in its node: the leader's is read
-                # from the first node (``inspect``).
-                data=self.request.value if self.request.kind == "election" else b"",
-                acl=self.tree.acl,
-                flags=EPHEMERAL_SEQUENTIAL,
+    def _requests(self) -> list[_proto.Request]:
+        # An election's candidate keeps its value in its node: the leader's is read from the
+        # first node (``inspect``).
+        value = self.request.value if self.request.kind == "election" else b""
+        requests = [
+            _proto.create(
+                f"{self.parent}/{self.prefix}", value, self.tree.acl, EPHEMERAL_SEQUENTIAL
             ),
-            zk.GetChildrenRequest(path=self.parent, watch=False),
+            _proto.get_children(self.parent),
         ]
         # The parent is a container node: created here when we do not know it exists,
         # deleted by the janitor (or by the server) once empty.
         if self.parent not in self.tree.parents:
-            requests.insert(
-                0,
-                CreateContainerRequest(
-                    path=self.parent,
-                    data=self.request.name.encode(),
-                    acl=self.tree.acl,
-                    flags=CONTAINER,
-                ),
-            )
+            name = self.request.name.encode()
+            requests.insert(0, _proto.create(self.parent, name, self.tree.acl, CONTAINER))
         return requests
 
     async def _enqueue(self) -> tuple[int, list[str], float]:
@@ -255,9 +245,7 @@ class Attempt:
     async def _find_own(self) -> tuple[int, list[str], float] | None:
         """After a create whose reply was lost: find the node it made, if it made one."""
         sent_at = now()
-        (listed,) = await self.session.call_retrying(
-            zk.GetChildrenRequest(path=self.parent, watch=False)
-        )
+        (listed,) = await self.session.call_retrying(_proto.get_children(self.parent))
         if isinstance(listed, zk_exc.NoNode):
             self.unsure = False
             return None
@@ -273,9 +261,7 @@ class Attempt:
             await self.session.delete([f"{self.parent}/{extra}" for extra in mine[1:]], self.parent)
             children = [c for c in children if c not in mine[1:]]
         self.unsure = False
-        (stat,) = await self.session.call_retrying(
-            zk.ExistsRequest(path=f"{self.parent}/{self.node}", watch=False)
-        )
+        (stat,) = await self.session.call_retrying(_proto.exists(f"{self.parent}/{self.node}"))
         if isinstance(stat, zk_exc.NoNode):
             self.node = None
             return None
@@ -297,7 +283,7 @@ class Attempt:
         try:
             sent_at = now()
             replies = await session.call_retrying(
-                *(zk.GetDataRequest(path=path, watch=True) for path in paths)
+                *(_proto.get_data(path, watch=True) for path in paths)
             )
             if any(isinstance(reply, zk_exc.NoNode) for reply in replies):
                 return sent_at, False

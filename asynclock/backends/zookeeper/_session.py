@@ -20,6 +20,7 @@ import anyio
 from aiozk import protocol as zk
 
 from .._kit import BackendUnavailable, TaskHost, now
+from . import _proto
 from ._errors import ConnectionLoss, NotConnected, SessionGone
 from ._urls import Settings
 from ._wire import (
@@ -249,7 +250,7 @@ class Session:
             if self.state == "connected":
                 with anyio.move_on_after(min(self._settings.op_timeout, 2.0)):
                     with contextlib.suppress(Exception):
-                        await self.call(zk.CloseRequest())
+                        await self.call(_proto.close())
         finally:
             # Also when a native cancellation cut the close short: the tasks and the
             # connection end (the server then expires the session after its timeout).
@@ -270,7 +271,7 @@ class Session:
             self._id.last_zxid = max(self._id.last_zxid, zxid)
         body = data[16:]
         if xid == WATCH_XID:
-            event = zk.WatchEvent.deserialize(body)
+            event = _proto.read_event(body)
             if event.type == NO_EVENT or not event.type:
                 if event.state in (zk.WatchEvent.SESSION_EXPIRED, zk.WatchEvent.AUTH_FAILED):
                     self._die(
@@ -320,7 +321,7 @@ class Session:
 
     # -- calls -------------------------------------------------------------------------------
 
-    async def call(self, *requests: Any) -> list[Any]:
+    async def call(self, *requests: _proto.Request) -> list[Any]:
         """Send ``requests`` in one write and return their replies (errors as values).
 
         Raises ``ConnectionLoss`` when the outcome is unknown (no connection within
@@ -380,7 +381,7 @@ class Session:
                     f"not connected to ZooKeeper for {self._settings.op_timeout:g} s (op_timeout)"
                 )
 
-    async def call_retrying(self, *requests: Any) -> list[Any]:
+    async def call_retrying(self, *requests: _proto.Request) -> list[Any]:
         """``call`` for requests that are safe to repeat (reads, deletes, parent creates)."""
         for attempt in range(ATTEMPTS):
             try:

@@ -15,6 +15,7 @@ from aiozk import exc as zk_exc
 from aiozk import protocol as zk
 
 from .._kit import now, translate
+from . import _proto
 from ._errors import ConnectionLoss, SessionGone, zk_errors
 from ._names import encode_name, namespace_prefix
 from ._session import Session
@@ -32,10 +33,12 @@ class Tree:
         #: Lock parent nodes this client created or used lately, and when it last did.
         self.parents: dict[str, float] = {}
         if settings.user is None:
-            self.acl = [zk.UNRESTRICTED_ACCESS]
+            acl = zk.UNRESTRICTED_ACCESS
         else:
             # "auth" with an empty id: the server puts in the digest of our credentials.
-            self.acl = [ZkACL.make("auth", "", True, True, True, True, True)]
+            acl = ZkACL.make("auth", "", True, True, True, True, True)
+        #: Every node's ACL, encoded (``_proto.encode_acl``).
+        self.acl = _proto.encode_acl([acl])
 
     def parent(self, name: str, kind: str = "lock") -> str:
         """The parent node of ``name`` of ``kind`` (``abc.Kind``: each kind its own namespace)."""
@@ -54,7 +57,7 @@ class Tree:
         paths = ["/" + "/".join(parts[: index + 1]) for index in range(len(parts))]
         with translate(zk_errors, f"creating the chroot {self.chroot} on {self.where}"):
             replies = await session.call_retrying(
-                *(zk.CreateRequest(path=path, data=b"", acl=self.acl, flags=0) for path in paths)
+                *(_proto.create(path, b"", self.acl, _proto.PERSISTENT) for path in paths)
             )
             for reply in replies:
                 if isinstance(reply, Exception) and not isinstance(reply, zk_exc.NodeExists):
@@ -73,9 +76,7 @@ class Tree:
             return
         used = {parent: self.parents.pop(parent, now()) for parent in parents}
         try:
-            await session.call_retrying(
-                *(zk.DeleteRequest(path=parent, version=-1) for parent in parents)
-            )
+            await session.call_retrying(*(_proto.delete(parent) for parent in parents))
         except (ConnectionLoss, SessionGone) as exc:
             logger.debug("asynclock: deleting empty lock parents failed: %r", exc)
             for parent, when in used.items():

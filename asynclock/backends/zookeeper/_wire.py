@@ -1,8 +1,8 @@
 """The wire: one TCP connection to one server, framed, and the handshake that opens or
 resumes a session on it.
 
-The serialisation (jute, request and response types, error codes) is aiozk's; the connection
-and handshake are our own (see the package's docstring for why).
+The requests and replies are ``_proto.py``'s; the handshake's (connect, credentials) and the
+ping's are aiozk's classes, as are the error codes.
 """
 
 from __future__ import annotations
@@ -19,36 +19,29 @@ from typing import Any, Final
 import anyio
 import anyio.lowlevel
 from aiozk import protocol as zk
-from aiozk.protocol.create import Create2Request
 
 from .._kit import BackendUnavailable, HostPort, RetryPolicy, now
 from ._errors import SessionGone, error_for
+from ._proto import Request
 from ._urls import Settings
 
 __all__ = (
     "AUTH_XID",
-    "CONTAINER",
-    "EPHEMERAL_SEQUENTIAL",
     "LOST",
     "NO_EVENT",
     "PING_XID",
     "WATCH_XID",
-    "Children",
     "Connection",
-    "CreateContainerRequest",
     "Identity",
     "Pending",
     "Reply",
     "Watches",
     "connect",
     "frame",
-    "response_class",
 )
 
 logger = logging.getLogger("asynclock.zookeeper")
 
-EPHEMERAL_SEQUENTIAL = 3
-CONTAINER = 4
 PING_XID = -2
 AUTH_XID = -4
 WATCH_XID = -1
@@ -62,43 +55,6 @@ _INT = struct.Struct("!i")
 #: leader kill although the election took 0.35 s. An attempt on a member that refuses costs a
 #: TCP connect and close; the session timeout bounds how long it goes on.
 RETRY = RetryPolicy(first=0.02, cap=0.1, factor=2.0, jitter=0.5)
-
-
-class CreateContainerRequest(Create2Request):  # type: ignore[misc]
-    """``createContainer`` (ZooKeeper 3.5+): a parent the server deletes once it is empty."""
-
-    opcode = 19
-
-
-class Children:
-    """A ``getChildren`` reply, read in one tight loop: aiozk's generic reader takes five times
-    as long, and every waiter reads a listing (a name per node of its queue) when it queues."""
-
-    __slots__ = ("children",)
-    opcode = zk.GetChildrenRequest.opcode
-
-    def __init__(self, children: list[str]) -> None:
-        self.children = children
-
-    @classmethod
-    def deserialize(cls, body: bytes) -> Children:
-        (count,) = _INT.unpack_from(body)
-        children: list[str] = []
-        offset = 4
-        for _ in range(count):
-            (size,) = _INT.unpack_from(body, offset)
-            offset += 4
-            children.append(body[offset : offset + size].decode())
-            offset += size
-        return cls(children)
-
-
-def response_class(opcode: int) -> Any:
-    if opcode == CreateContainerRequest.opcode:
-        return zk.Create2Response
-    if opcode == Children.opcode:
-        return Children
-    return zk.response_xref[opcode]
 
 
 def frame(payload: bytes) -> bytes:
@@ -244,10 +200,11 @@ def _wake(future: asyncio.Future[None] | None) -> None:
 
 
 class Reply:
-    __slots__ = ("event", "opcode", "sent_at", "value")
+    __slots__ = ("event", "read", "sent_at", "value")
 
-    def __init__(self, opcode: int) -> None:
-        self.opcode = opcode
+    def __init__(self, read: Callable[[bytes], Any]) -> None:
+        #: Reads the reply's body (the request's ``read``, ``_proto.py``).
+        self.read = read
         self.event = anyio.Event()
         self.value: Any = None
         self.sent_at = 0.0
@@ -267,13 +224,13 @@ class Pending:
     def __len__(self) -> int:
         return len(self._replies)
 
-    def add(self, requests: Sequence[Any]) -> tuple[list[tuple[int, Reply]], bytes]:
+    def add(self, requests: Sequence[Request]) -> tuple[list[tuple[int, Reply]], bytes]:
         """Register ``requests``: their (xid, reply) pairs and the frames to send."""
         entries: list[tuple[int, Reply]] = []
         chunks: list[bytes] = []
         for request in requests:
             self._xid = self._xid % 0x7FFFFFFF + 1
-            reply = Reply(request.opcode)
+            reply = Reply(request.read)
             self._replies[self._xid] = reply
             entries.append((self._xid, reply))
             chunks.append(frame(request.serialize(self._xid)))
@@ -283,7 +240,7 @@ class Pending:
         """The reply ``xid`` came (None: its caller gave up): an error or a response."""
         reply = self._replies.pop(xid, None)
         if reply is not None:
-            reply.value = error_for(err) if err else response_class(reply.opcode).deserialize(body)
+            reply.value = error_for(err) if err else reply.read(body)
             reply.event.set()
         return reply
 

@@ -9,7 +9,6 @@ from typing import Any, Literal, Self
 
 import anyio
 from aiozk import exc as zk_exc
-from aiozk import protocol as zk
 
 from .._kit import (
     Backend,
@@ -30,7 +29,7 @@ from .._kit import (
     now,
     translate,
 )
-from . import _inspect
+from . import _inspect, _proto
 from ._errors import SessionGone, zk_errors
 from ._lease import LockSession, ZooKeeperGrant
 from ._queue import Attempt
@@ -278,7 +277,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         try:
             with translate(zk_errors, f"renewing on {self.describe()}"):
                 replies = await session.call(
-                    *(zk.ExistsRequest(path=grants[index].path, watch=False) for index in indexes)
+                    *(_proto.exists(grants[index].path, watch=False) for index in indexes)
                 )
         except ProvenGone:
             return [Lost(f"its ZooKeeper session is gone: {session.dead_reason}")] * len(indexes)
