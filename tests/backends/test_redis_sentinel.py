@@ -108,9 +108,8 @@ async def test_replicated_holds_survive_the_masters_death_and_an_unreplicated_lo
                 await replicated(group.replicas()[0], lua.lock_key(prefix, each))
             for each, kind in ((f"{name}/r", "lock"), (name, "semaphore"), (name, "election")):
                 await replicated(group.replicas()[0], lua.holds_key(prefix, each, kind))
-            # Stand-in for "not replicated yet": the replica forgets the key just before the crash.
-            group.forget_on_replicas(lua.lock_key(prefix, f"{name}/u"))
-            old = group.kill_master()
+            # Stand-in for "not replicated yet": the replica forgets the key as the master dies.
+            old = group.fail_over_losing(lua.lock_key(prefix, f"{name}/u"))
             try:
                 new = await anyio.to_thread.run_sync(group.wait_for_failover, old)
                 assert new is not old
