@@ -298,14 +298,6 @@ class RedisSentinelGroup(StartStop):
 
         _wait(f"{node!r} is a replica again", back, timeout)
 
-    def forget_on_replicas(self, *patterns: str) -> int:
-        """Delete the keys matching ``patterns`` on every replica (not on the master), as if
-        the master's last writes had not reached them; returns how many were deleted.
-
-        :meth:`fail_over_losing` plays "the master acknowledged a lock and failed before
-        replicating it" with it, on demand (real lag is a matter of microseconds on loopback)."""
-        return _forget(self.replicas(), patterns)
-
     def fail_over_losing(self, *patterns: str) -> RedisNode:
         """The failover nemesis: the master is killed, then the replicas lose the keys matching
         ``patterns`` (what the master had not replicated yet); the sentinels promote a replica
@@ -323,7 +315,19 @@ class RedisSentinelGroup(StartStop):
             if time.monotonic() > deadline:
                 raise ServerError("a replica still sees its master up 5 s after it was killed")
             time.sleep(0.002)
-        _forget(replicas, patterns)
+        for node in replicas:
+            node.call("CONFIG", "SET", "replica-read-only", "no")
+            try:
+                for pattern in patterns:
+                    cursor = "0"
+                    while True:
+                        cursor, keys = node.call("SCAN", cursor, "MATCH", pattern, "COUNT", "1000")
+                        if keys:
+                            node.call("DEL", *keys)
+                        if cursor == "0":
+                            break
+            finally:
+                node.call("CONFIG", "SET", "replica-read-only", "yes")
         return master
 
     def fail_over(self, attempts: int = 3) -> tuple[RedisNode, RedisNode]:
@@ -356,25 +360,6 @@ class RedisSentinelGroup(StartStop):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
-
-
-def _forget(nodes: list[RedisNode], patterns: tuple[str, ...]) -> int:
-    """Delete the keys matching ``patterns`` on ``nodes`` (replicas: made writable meanwhile)."""
-    deleted = 0
-    for node in nodes:
-        node.call("CONFIG", "SET", "replica-read-only", "no")
-        try:
-            for pattern in patterns:
-                cursor = "0"
-                while True:
-                    cursor, keys = node.call("SCAN", cursor, "MATCH", pattern, "COUNT", "1000")
-                    if keys:
-                        deleted += int(node.call("DEL", *keys))
-                    if cursor == "0":
-                        break
-        finally:
-            node.call("CONFIG", "SET", "replica-read-only", "yes")
-    return deleted
 
 
 def _link_up(node: RedisNode) -> bool:
