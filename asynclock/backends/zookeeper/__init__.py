@@ -32,9 +32,9 @@ The recipe is Curator's ``InterProcessMutex``:
   candidates' values: the first node is the leader, and ``wait_for_change`` watches it.
 
 The requests and replies are encoded here (``_proto.py``); aiozk supplies the handshake's
-messages and the error classes. The session, connection and watch handling are our own, because aiozk's ``ZKClient`` retries
-calls forever while disconnected, replaces an expired session silently, cannot authenticate and
-starts tasks nobody owns. Everything here runs in tasks owned by the backend and every server
+messages and the error classes. The session, connection and watch handling are our own,
+because aiozk's ``ZKClient`` retries calls forever while disconnected, replaces an expired
+session silently, cannot authenticate and starts tasks nobody owns. Everything here runs in tasks owned by the backend and every server
 call is bounded by ``op_timeout``.
 
 The package, imported in one direction (each file only from those below it):
