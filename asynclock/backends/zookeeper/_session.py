@@ -26,6 +26,7 @@ from ._urls import Settings
 from ._wire import (
     LOST,
     NO_EVENT,
+    PENDING,
     PING_XID,
     WATCH_XID,
     Connection,
@@ -335,6 +336,7 @@ class Session:
         conn = await self._wait_connected(now() + op_timeout)
         entries, data = self._pending.add(requests)
         replies = [reply for _, reply in entries]
+        last = replies[-1]
         try:
             sent_at = now()
             for reply in replies:
@@ -345,11 +347,9 @@ class Session:
             # while those come. The server answers a session's requests in order, so once it
             # answered one sent after ours (a ping, say), ours is lost: given up then.
             deadline = sent_at + op_timeout
-            while True:
-                with anyio.move_on_at(deadline):
-                    for reply in replies:
-                        await reply.event.wait()
-                if replies[-1].event.is_set():
+            while last.value is PENDING:
+                await last.wait(deadline)
+                if last.value is not PENDING:
                     break
                 heard = max(sent_at, self._last_received)
                 if self.heard_sent_at > sent_at or now() - heard >= op_timeout:
@@ -359,6 +359,10 @@ class Session:
         finally:
             self._pending.discard(entries)
         values = [reply.value for reply in replies]
+        if any(value is PENDING for value in values):
+            # The last one came before an earlier one: not the order the server keeps.
+            conn.broken()
+            raise ConnectionLoss(f"{conn.address} answered out of order")
         if any(value is LOST for value in values):
             if self.state == "dead":
                 raise SessionGone(self.dead_reason)
