@@ -192,7 +192,10 @@ def sections(data: dict[str, Any]) -> list[str]:
             "called acquire, and the latest call after its scheduled start: on a loaded machine "
             "a process can be descheduled for longer than the spacing, and the calls then reach "
             "the lock out of the schedule's order (against the calls is closer to the lock's own "
-            "order).",
+            "order). Every worker process (asynclock's and each peer's) freezes its heap after "
+            "set-up (`gc.freeze()`): identical workers otherwise collect their oldest generation "
+            "at the same moment, a pause of 40-90 ms in each that makes their calls late "
+            "together.",
             "",
             *_table(
                 [

@@ -14,6 +14,7 @@ order a line on stdin:
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import threading
@@ -126,6 +127,7 @@ async def _main(config: dict[str, Any]) -> None:
 
 async def _serve(factory: AsyncWorkerFactory) -> None:
     async with factory(0) as hold, AsyncExitStack() as stack:
+        _freeze_heap()
         _say({"ready": True})
         prepared: list[AsyncHold] = []
 
@@ -136,6 +138,7 @@ async def _serve(factory: AsyncWorkerFactory) -> None:
                 prepared[:] = [
                     await stack.enter_async_context(factory(i)) for i in order["prepare"]
                 ]
+                _freeze_heap()
                 return {"prepared": len(prepared)}
             if "fairness" in order:
                 spec = order["fairness"]
@@ -151,6 +154,17 @@ async def _serve(factory: AsyncWorkerFactory) -> None:
             return await _contend(hold, order)
 
         await _orders(answer)
+
+
+def _freeze_heap() -> None:
+    """Keep what is set up out of the garbage collector's scans (``gc.freeze``), for asynclock
+    and every peer alike. Worker processes that do the same work collect their oldest
+    generation at the same moment: in a fairness run over 4 processes, 4 collections of 42-90
+    ms within 30 ms of each other, 1.7 s in (the waiters of 3 processes called acquire up to
+    87 ms late, and were granted up to 25 places out of order). Frozen, a collection scans only
+    what the run made since."""
+    gc.collect()
+    gc.freeze()
 
 
 def _main_sync(peer: Any, name: str) -> None:
