@@ -193,9 +193,9 @@ def sections(data: dict[str, Any]) -> list[str]:
             "a process can be descheduled for longer than the spacing, and the calls then reach "
             "the lock out of the schedule's order (against the calls is closer to the lock's own "
             "order). Every worker process (asynclock's and each peer's) freezes its heap after "
-            "set-up (`gc.freeze()`): identical workers otherwise collect their oldest generation "
-            "at the same moment, a pause of 40-90 ms in each that makes their calls late "
-            "together.",
+            "set-up (`gc.freeze()`), and so does the benchmark's process for a run in one client: "
+            "identical workers otherwise collect their oldest generation at the same moment, a "
+            "pause of 40-90 ms in each that makes their calls late together.",
             "",
             *_table(
                 [
