@@ -149,7 +149,7 @@ async def in_one_client(opener: Opener, name: str, setting: Fairness) -> dict[st
     async with opener(name) as factory, AsyncExitStack() as stack:
         holds = [await stack.enter_async_context(factory(i)) for i in range(setting.waiters)]
         # As the worker processes do (``_worker._freeze_heap``): this process's heap holds
-        # every library and result so far, and one collection of it made a run's calls 30-60
+        # every library and result so far, and one collection of it made a run's calls 30-90
         # ms late together.
         gc.collect()
         gc.freeze()

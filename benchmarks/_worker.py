@@ -170,6 +170,7 @@ def _freeze_heap() -> None:
 def _main_sync(peer: Any, name: str) -> None:
     make: Callable[[str], SyncWorkerFactory]
     with peer.session() as make, make(name)(0) as hold:
+        _freeze_heap()
         _say({"ready": True})
         for line in sys.stdin:
             order = json.loads(line)
