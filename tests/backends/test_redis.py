@@ -624,3 +624,23 @@ async def test_a_connection_that_connects_after_aclose_is_closed_not_kept() -> N
         await host.aclose()
         stub.close()
         await stub.wait_closed()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("EVALSHA", "a" * 40, 2, "asynclock:{name}", "asynclock:{name}:queue", "owner", 9000),
+        ("SET", "k", b"\x00\xff", "PX", 1.5, "é", ""),
+        ["PING"],  # a list: hiredis takes tuples only
+    ],
+)
+def test_commands_are_written_as_redis_py_writes_them(args: Any) -> None:
+    """``_wire.pack`` (hiredis's, or the Python one for what hiredis refuses) against
+    redis-py's own ``pack_command``."""
+    from redis.asyncio.connection import Connection
+
+    from asynclock.backends.redis._wire import pack
+
+    assert pack(args) == b"".join(Connection().pack_command(*args))
+    # redis-py refuses a bool; ours writes it as Python does, as it always did.
+    assert pack(("SET", "k", True)) == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\nTrue\r\n"

@@ -33,12 +33,17 @@ import select
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import anyio
 import redis.asyncio
 import redis.exceptions
 from redis.asyncio.connection import AbstractConnection
+
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - hiredis comes with the redis extra
+    _hiredis_pack = None  # type: ignore[assignment]
 
 from .._kit import TaskHost
 from ._scripts import Arg, Script
@@ -66,8 +71,13 @@ CLOSE_GRACE: Final = 0.5
 
 
 def pack(args: Sequence[str | int | float | bytes]) -> bytes:
-    """One command in RESP, the way redis-py's ``pack_command`` writes it but without its
-    per-argument encoder calls (a third of a call's client-side time)."""
+    """One command in RESP: by hiredis (a lock script's call 1.1 us) unless it refuses ``args``
+    (a list, a bool); else as redis-py writes it but without its per-argument encoders (4.8 us)."""
+    if _hiredis_pack is not None and type(args) is tuple:
+        try:
+            return cast("bytes", _hiredis_pack(args))
+        except TypeError:
+            pass
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
         data = arg if isinstance(arg, bytes) else str(arg).encode()
