@@ -10,6 +10,7 @@ things are the running loop's ``time()``, anyio's asyncio scope class, and ``asy
 from __future__ import annotations
 
 import asyncio
+import math
 import types
 from collections.abc import Awaitable, Callable, Generator
 
@@ -30,18 +31,19 @@ def now() -> float:
         return anyio.current_time()
 
 
-def cancel_scope(*, shield: bool = False) -> anyio.CancelScope:
-    """``anyio.CancelScope(shield=shield)``, without looking up the event loop library."""
+def cancel_scope(*, shield: bool = False, deadline: float = math.inf) -> anyio.CancelScope:
+    """``anyio.CancelScope(shield=shield, deadline=deadline)``, without looking up the event
+    loop library (2 us of the 6 a scope with a deadline costs)."""
     global _asyncio_scope
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return anyio.CancelScope(shield=shield)
+        return anyio.CancelScope(shield=shield, deadline=deadline)
     if _asyncio_scope is None:
-        scope = anyio.CancelScope(shield=shield)
+        scope = anyio.CancelScope(shield=shield, deadline=deadline)
         _asyncio_scope = type(scope)
         return scope
-    return _asyncio_scope(shield=shield)
+    return _asyncio_scope(shield=shield, deadline=deadline)
 
 
 def checkpoint() -> Awaitable[None]:

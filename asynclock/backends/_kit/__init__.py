@@ -14,7 +14,7 @@ A backend imports from here (and from its driver), nothing else of asynclock:
 - :data:`RENEWAL`: when leases are renewed (for a backend-side keepalive).
 """
 
-from ..._clock import checkpoint, now
+from ..._clock import cancel_scope, checkpoint, now
 from ..._errors import (
     AcquireTimeout,
     BackendTimeout,
@@ -96,6 +96,7 @@ __all__ = (
     "UnsupportedFeature",
     "WaiterRegistry",
     "bracket",
+    "cancel_scope",
     "checkpoint",
     "finish",
     "now",

@@ -45,7 +45,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis comes with the redis extra
     _hiredis_pack = None  # type: ignore[assignment]
 
-from .._kit import TaskHost
+from .._kit import TaskHost, cancel_scope, now
 from ._scripts import Arg, Script
 
 logger = logging.getLogger("asynclock")
@@ -300,7 +300,7 @@ class Lane:
         # read_response() itself, not read(): one coroutine frame less on every call.
         if limit == math.inf:
             return await conn.read_response(timeout=None, disconnect_on_error=False)
-        with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+        with cancel_scope(deadline=now() + limit) as scope:
             return await conn.read_response(timeout=None, disconnect_on_error=False)
         if anyio.current_time() - scope.deadline > LATE_TIMER or received(conn):
             # The timer ran well after its deadline, after a stall in which the reply may well
