@@ -286,10 +286,10 @@ class Lane:
         # The handshake (AUTH, CLIENT SETNAME, SELECT) reads replies with no socket timeout of
         # its own: bound it, or a frozen server would hold us for ever.
         limit = math.inf if self.connecting else self._op_timeout
-        with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+        with cancel_scope(deadline=now() + limit) as scope:
             await conn.connect()  # type: ignore[no-untyped-call]
             return
-        late = anyio.current_time() - scope.deadline > LATE_TIMER or received(conn)
+        late = now() - scope.deadline > LATE_TIMER or received(conn)
         # Fired late, or the server did answer: a stalled loop, not a slow server. The state of
         # the half-done handshake is unknown, so it is not resumed; the caller gets a connection
         # error and tries a new connection.
@@ -302,7 +302,7 @@ class Lane:
             return await conn.read_response(timeout=None, disconnect_on_error=False)
         with cancel_scope(deadline=now() + limit) as scope:
             return await conn.read_response(timeout=None, disconnect_on_error=False)
-        if anyio.current_time() - scope.deadline > LATE_TIMER or received(conn):
+        if now() - scope.deadline > LATE_TIMER or received(conn):
             # The timer ran well after its deadline, after a stall in which the reply may well
             # have come, or the reply is here already (the stall ended just after the deadline):
             # it is in the socket, just not read yet. Read what has arrived.
