@@ -14,7 +14,6 @@ order a line on stdin:
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import threading
@@ -27,7 +26,7 @@ import anyio
 import anyio.to_thread
 
 from ._contend import AsyncHold, AsyncWorkerFactory, SyncHold, SyncWorkerFactory
-from ._fairness import run_waiters
+from ._fairness import freeze_heap, run_waiters
 
 
 def _say(message: dict[str, Any]) -> None:
@@ -127,7 +126,7 @@ async def _main(config: dict[str, Any]) -> None:
 
 async def _serve(factory: AsyncWorkerFactory) -> None:
     async with factory(0) as hold, AsyncExitStack() as stack:
-        _freeze_heap()
+        freeze_heap()
         _say({"ready": True})
         prepared: list[AsyncHold] = []
 
@@ -138,7 +137,7 @@ async def _serve(factory: AsyncWorkerFactory) -> None:
                 prepared[:] = [
                     await stack.enter_async_context(factory(i)) for i in order["prepare"]
                 ]
-                _freeze_heap()
+                freeze_heap()
                 return {"prepared": len(prepared)}
             if "fairness" in order:
                 spec = order["fairness"]
@@ -156,21 +155,10 @@ async def _serve(factory: AsyncWorkerFactory) -> None:
         await _orders(answer)
 
 
-def _freeze_heap() -> None:
-    """Keep what is set up out of the garbage collector's scans (``gc.freeze``), for asynclock
-    and every peer alike. Worker processes that do the same work collect their oldest
-    generation at the same moment: in a fairness run over 4 processes, 4 collections of 42-90
-    ms within 30 ms of each other, 1.7 s in (the waiters of 3 processes called acquire up to
-    87 ms late, and were granted up to 25 places out of order). Frozen, a collection scans only
-    what the run made since."""
-    gc.collect()
-    gc.freeze()
-
-
 def _main_sync(peer: Any, name: str) -> None:
     make: Callable[[str], SyncWorkerFactory]
     with peer.session() as make, make(name)(0) as hold:
-        _freeze_heap()
+        freeze_heap()
         _say({"ready": True})
         for line in sys.stdin:
             order = json.loads(line)
