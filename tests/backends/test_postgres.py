@@ -26,7 +26,7 @@ import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, lock_key
 from asynclock.backends.postgres._kinds import kind_key, permits_class
-from asynclock.backends.postgres._lease import QUERY, PostgresGrant
+from asynclock.backends.postgres._lease import QUERY, TAKE, PostgresGrant
 from asynclock.extras.postgres import transaction_lock
 from asynclock.testing import FaultProxy, PgBouncerServer, PostgresServer, free_port
 from asynclock.testing._safety import SafetyConfig, run_safety
@@ -378,6 +378,38 @@ async def test_a_lane_statement_whose_caller_left_before_it_was_sent_is_not_sent
         probe = lane.submit(QUERY, 0, "SELECT current_setting('asynclock.test', true)")
         row = await probe.future
         assert row[0] in (None, "")
+
+
+@pytest.mark.parametrize("cancels", [1, 3])
+async def test_native_cancels_of_a_take_in_flight_leave_its_lane_working(
+    pg: Pg, cancels: int
+) -> None:
+    """A take on an idle lane is sent from its caller's call, and the lane drives it from there
+    (``Lane._step``): ``Task.cancel()``, once or several times while the reply is on its way,
+    ends the caller's wait, never the statement. The lane keeps its connection (its other locks
+    with it), and the take that succeeded behind the cancelled caller is undone."""
+    async with pg.connect() as locks, asynclock.connect(pg.server.url) as other:
+        kept = await locks.acquire(f"{pg.name}/kept", ttl=10)
+        lane = kept.grant.lane  # type: ignore[attr-defined]
+        sent = lane.renewals, lane.pid
+
+        async def take() -> None:
+            await locks.acquire(pg.name, ttl=10)
+
+        task = asyncio.get_running_loop().create_task(take())
+        await asyncio.sleep(0)  # its first step sends the take (the lane is idle)
+        assert lane._current is not None and lane._current.kind == TAKE
+        for _ in range(cancels):
+            task.cancel()
+            await asyncio.sleep(0)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async with other.lock(pg.name, ttl=10, timeout=5):
+            pass  # undone behind the cancelled caller
+        assert lane.dead is None and (lane.renewals, lane.pid) == sent
+        assert not lane.pending and lane.keys == {kept.grant.key}  # type: ignore[attr-defined]
+        assert await pg.holders(kept.name) == [lane.pid]
+        await kept.release()
 
 
 async def test_a_holding_connection_without_locks_is_closed_before_its_idle_timer_fires(

@@ -98,9 +98,9 @@ class Lanes:
     async def take(
         self, request: LockRequest, key: int, ttl_ms: int, mode: Mode, channel: str
     ) -> PostgresGrant | None:
-        """One try-lock on the lane of ``ttl_ms``, run by the lane's task: a caller that is
-        cancelled or times out stops waiting, and a take that succeeded behind it is undone
-        (``Lane._execute``, or here when the cancellation came with the reply). A lane found
+        """One try-lock on the lane of ``ttl_ms``, run by the lane, not by the caller: a caller
+        that is cancelled or times out stops waiting, and a take that succeeded behind it is
+        undone (``Lane._end``, or here when the cancellation came with the reply). A lane found
         dead (closed by the server or the network) is replaced and the take starts again."""
         for attempt in range(3):
             lane = self.lane(ttl_ms)
@@ -191,8 +191,8 @@ class Lanes:
         return outcomes
 
     async def renew(self, lane: Lane, grants: Sequence[PostgresGrant]) -> list[RenewOutcome]:
-        """One statement restarts the idle timer of every lock on the lane. It runs in the
-        lane's task and is shared by every renewal that comes while it is queued or in flight:
+        """One statement restarts the idle timer of every lock on the lane. It runs on the
+        lane and is shared by every renewal that comes while it is queued or in flight:
         a renewal that waited in the network still renews from its send time."""
         op = lane.renewal
         if op is None and lane.dead is None:
@@ -234,7 +234,7 @@ class Lanes:
         return renewed(same, lane.pid, sent_at, lane.ttl)
 
     async def release(self, grant: PostgresGrant, lane: Lane) -> None:
-        """Unlock the key only (the lane holds other locks), in the lane's task: a cancelled
+        """Unlock the key only (the lane holds other locks), run by the lane: a cancelled
         caller stops waiting, the unlock still runs. A lane that is gone took the lock with
         its session. One that does not answer keeps the unlock queued, and it is applied when
         the server answers; a session that ends meanwhile frees the lock anyway."""

@@ -170,7 +170,7 @@ class Queue:
 
     def _leave(self, entry: _Entry, ttl_ms: int) -> Op | None:
         """Give the place up (granted, or the wait ended otherwise) without an await: the
-        statement runs in the lane's task; the next waiter of the key checks its turn."""
+        statement runs on the lane; the next waiter of the key checks its turn."""
         entries = self.entries.get(entry.key, [])
         if entry in entries:
             entries.remove(entry)
