@@ -59,6 +59,9 @@ class InFlight:
     def __init__(self) -> None:
         self.scopes: set[anyio.CancelScope] = set()
         self._ended: anyio.Event | None = None
+        #: The client's close has cancelled them (an acquire's scope that ends cancelled
+        #: without it reached its deadline).
+        self.closing = False
 
     def done(self, scope: anyio.CancelScope) -> None:
         self.scopes.discard(scope)
@@ -67,6 +70,7 @@ class InFlight:
 
     async def end(self, timeout: float) -> None:
         """Cancel every acquire in flight and wait (up to ``timeout``) until each has ended."""
+        self.closing = True
         if not self.scopes:
             return
         self._ended = anyio.Event()
