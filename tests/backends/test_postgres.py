@@ -27,6 +27,7 @@ from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, lock_key
 from asynclock.backends.postgres._kinds import kind_key, permits_class
 from asynclock.backends.postgres._lease import QUERY, TAKE, PostgresGrant
+from asynclock.backends.postgres._queue import FREE_BEFORE_LANE
 from asynclock.extras.postgres import transaction_lock
 from asynclock.testing import FaultProxy, PgBouncerServer, PostgresServer, free_port
 from asynclock.testing._safety import SafetyConfig, run_safety
@@ -980,8 +981,9 @@ async def test_no_connection_leaks_after_acquire_cancel_cycles(
 
 async def test_a_lock_the_client_waited_for_goes_straight_to_the_servers_queue(pg: Pg) -> None:
     """After a wait, the client's next acquire of the lock is one statement in the server's
-    queue, which takes it when free (and the acquire after that tries on the lane again); such a
-    wait, timed out or cancelled anywhere, leaves nothing behind."""
+    queue, which takes it when free; the acquire after ``FREE_BEFORE_LANE`` such ones in a row
+    tries on the lane again, and a wait in between starts the count again. Such a wait, timed
+    out or cancelled anywhere, leaves nothing behind."""
     rng = random.Random(11)
     async with pg.connect() as locks, asynclock.connect(pg.server.url) as other:
         contended = locks._backend._waiter.contended  # type: ignore[attr-defined]
@@ -1002,8 +1004,18 @@ async def test_a_lock_the_client_waited_for_goes_straight_to_the_servers_queue(p
             await leases[0].release()
 
         await wait_once()
-        lease = await locks.acquire(pg.name, ttl=10, timeout=5)  # free: direct, then the lane
+        for free in range(1, FREE_BEFORE_LANE):
+            async with locks.lock(pg.name, ttl=10, timeout=5) as lease:
+                assert lease.grant.lane is None  # type: ignore[attr-defined]
+            assert contended[key] == free
+        await wait_once()
+        assert contended[key] == 0
+        for _ in range(FREE_BEFORE_LANE):
+            async with locks.lock(pg.name, ttl=10, timeout=5) as lease:
+                assert lease.grant.lane is None  # type: ignore[attr-defined]
         assert key not in contended
+        lease = await locks.acquire(pg.name, ttl=10, timeout=5)  # on the lane again
+        assert lease.grant.lane is not None  # type: ignore[attr-defined]
         token = lease.token
         await lease.release()
         await wait_once()

@@ -42,6 +42,12 @@ DIRECT_GRACE = 0.01
 ENTERED_POLL = 0.001
 #: Keys a client remembers as contended (forgotten all at once beyond this).
 _CONTENDED_KEYS = 1024
+#: Direct acquires in a row that found a contended lock free before the next one tries on the
+#: lane again. Not one: between two clients that take turns, the next statement of the one that
+#: just released often reaches the server before the other's, which was not waiting yet; with
+#: one, six acquires in ten then paid a try on the lane before their wait, a statement more
+#: (2 processes: 16 gave 13-16 % more acquisitions/s, 14-16 % less client CPU each).
+FREE_BEFORE_LANE = 16
 
 
 class Waits:
@@ -238,8 +244,9 @@ class Waiting:
         self.channel = channel
         #: Our waiters of each key.
         self.waiting: dict[int, int] = {}
-        #: Exclusive locks whose last acquire here waited for them (``remember``).
-        self.contended: set[int] = set()
+        #: Exclusive locks an acquire here waited for, and how many direct acquires in a row
+        #: found each free since (``remember``).
+        self.contended: dict[int, int] = {}
         #: Who places a waiter of a key next (``PostgresBackend._take``).
         self.placing = CallOrder()
 
@@ -331,12 +338,19 @@ class Waiting:
 
     def remember(self, request: LockRequest, key: int, waited: bool, direct: bool) -> None:
         """Whether the next acquire of an exclusive lock goes straight to the server's queue:
-        this one waited for it; or it tries on the lane first: this direct one found it free."""
+        this one waited for it, or fewer than ``FREE_BEFORE_LANE`` direct ones in a row found
+        it free since; or it tries on the lane first."""
         if request.kind != "lock" or request.shared:
             return
         if waited:
             if len(self.contended) >= _CONTENDED_KEYS:
                 self.contended.clear()
-            self.contended.add(key)
+            self.contended[key] = 0
         elif direct:
-            self.contended.discard(key)
+            free = self.contended.get(key)
+            if free is None:
+                return
+            if free + 1 >= FREE_BEFORE_LANE:
+                del self.contended[key]
+            else:
+                self.contended[key] = free + 1
