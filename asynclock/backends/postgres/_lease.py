@@ -394,8 +394,9 @@ class Lane:
 
     def _step(self, call: Coroutine[Any, Any, Any], op: Op, _: object = None) -> None:
         """Run ``call`` up to its next wait for the server; called again (a future's callback)
-        when that wait ends. No caller's task ever drives it, so no caller's cancellation can
-        reach it: only the connection's end stops it (asyncpg fails its wait then)."""
+        when that wait ends. The first step runs within ``submit`` (no await there), the others
+        in callbacks: no caller's task awaits the call, so no caller's cancellation can reach
+        it. Only the connection's end stops it (asyncpg fails its wait then)."""
         try:
             waiting = call.send(None)
         except StopIteration as stop:
