@@ -381,6 +381,25 @@ async def test_a_lane_statement_whose_caller_left_before_it_was_sent_is_not_sent
         assert row[0] in (None, "")
 
 
+async def test_a_lanes_statements_run_one_at_a_time_in_the_order_they_came(pg: Pg) -> None:
+    """The first statement on an idle lane is sent at once; those that come while it is in
+    flight wait their turn, each sent when the one before it ended (``Lane._pump``)."""
+    async with pg.connect() as locks:
+        async with locks.lock(pg.name, ttl=10) as lease:
+            lane = lease.grant.lane  # type: ignore[attr-defined]
+            ops = [
+                lane.submit(QUERY, 0, f"SELECT set_config('asynclock.test', '{n}', false)")
+                for n in range(5)
+            ]
+            assert lane._current is ops[0] and list(lane._ops) == ops[1:]
+            probe = lane.submit(QUERY, 0, "SELECT current_setting('asynclock.test')")
+            rows = [await op.future for op in ops]
+            assert [row[0] for row in rows] == [str(n) for n in range(5)]
+            assert (await probe.future)[0] == "4"
+            assert not lane.pending and lane.dead is None
+            assert [op.sent_at for op in ops] == sorted(op.sent_at for op in ops)
+
+
 @pytest.mark.parametrize("cancels", [1, 3])
 async def test_native_cancels_of_a_take_in_flight_leave_its_lane_working(
     pg: Pg, cancels: int
