@@ -425,9 +425,11 @@ class Lane:
             self.renewal = None
         if error is not None:
             if not isinstance(error, Exception) or connection_broken(self.connection, error):
+                # A CancelledError out of the driver is not the caller's: it gets an error.
+                ended = error if isinstance(error, Exception) else BackendUnavailable(repr(error))
                 if not op.future.done():
-                    op.future.set_exception(error)
-                self.die(error if isinstance(error, Exception) else BackendUnavailable(repr(error)))
+                    op.future.set_exception(ended)
+                self.die(ended)
                 return
             if op.kind == TAKE:
                 # A session lock outlives the statement that failed after taking it.
