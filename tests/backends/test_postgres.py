@@ -432,6 +432,43 @@ async def test_native_cancels_of_a_take_in_flight_leave_its_lane_working(
         await kept.release()
 
 
+@pytest.mark.expect_log(r"a lane to .* failed \(RuntimeError\('a bug in the lane'\)\)")
+@pytest.mark.expect_log(r"lease on '.*/kept' lost: the connection holding the advisory lock")
+async def test_a_lane_whose_own_bookkeeping_fails_ends_rather_than_hangs(
+    pg: Pg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error in the lane's handling of a reply (``Lane._end``, run from a future's callback,
+    where an exception reaches only the loop's handler) ends the lane as a broken connection
+    does: the caller gets BackendUnavailable at once (after the take was tried on two more
+    lanes, as after any lane that died under it), not a wait until op_timeout; the other lock
+    on the lane is reported lost; the server frees both; the next take opens a new lane."""
+    async with pg.connect(op_timeout=30) as locks, asynclock.connect(pg.server.url) as other:
+        kept = await locks.acquire(f"{pg.name}/kept", ttl=10)
+        lane = kept.grant.lane  # type: ignore[attr-defined]
+        real_end = type(lane)._end
+
+        def failing_end(self: Any, op: Any, result: Any, error: BaseException | None) -> None:
+            if op.kind == TAKE:
+                raise RuntimeError("a bug in the lane")
+            real_end(self, op, result, error)
+
+        monkeypatch.setattr(type(lane), "_end", failing_end)
+        with anyio.fail_after(5):
+            with pytest.raises(asynclock.BackendUnavailable, match="a bug in the lane"):
+                await locks.acquire(pg.name, ttl=10)
+        monkeypatch.undo()
+        assert lane.dead is not None and not lane.busy
+        with anyio.fail_after(5):
+            while not kept.lost:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        for name in (pg.name, kept.name):
+            async with other.lock(name, ttl=10, timeout=5):
+                pass  # freed with the session
+        async with locks.lock(pg.name, ttl=10) as again:
+            assert again.grant.lane is not lane  # type: ignore[attr-defined]
+        await kept.release()
+
+
 async def test_a_holding_connection_without_locks_is_closed_before_its_idle_timer_fires(
     pg: Pg,
 ) -> None:

@@ -149,8 +149,7 @@ class Lane:
 
     def __init__(self, lanes: Owner, ttl_ms: int) -> None:
         self._lanes = lanes
-        self.ttl_ms = ttl_ms
-        self.ttl = ttl_ms / 1000.0
+        self.ttl_ms, self.ttl = ttl_ms, ttl_ms / 1000.0
         self.connection: Any = None
         self.pid = 0
         #: Keys this lane holds or is taking (a queued unlock removes its key).
@@ -179,8 +178,7 @@ class Lane:
         self._empty_since: float | None = now()
         self._closing = False
         self._tick_handle: asyncio.TimerHandle | None = None
-        #: The watchdog's timer (armed while statements are pending), and the statement in
-        #: flight.
+        #: The watchdog's timer (armed while statements are pending); the statement in flight.
         self._watch: asyncio.TimerHandle | None = None
         self._current: Op | None = None
         #: Set once the lane is connected, or dead (``PostgresBackend.open`` waits for it).
@@ -345,7 +343,11 @@ class Lane:
         self._pumping = True
         try:
             while self._ready and not self.busy and self._ops and self.dead is None:
-                self._start(self._ops.popleft())
+                op = self._ops.popleft()
+                try:
+                    self._start(op)
+                except Exception as exc:
+                    self._broke(exc, op)
         finally:
             self._pumping = False
 
@@ -397,15 +399,16 @@ class Lane:
         when that wait ends. The first step runs within ``submit`` (no await there), the others
         in callbacks: no caller's task awaits the call, so no caller's cancellation can reach
         it. Only the connection's end stops it (asyncpg fails its wait then)."""
+        result: Any = None
+        error: BaseException | None = None
         try:
             waiting = call.send(None)
         except StopIteration as stop:
-            result = stop.value
-            self._end(op, result == RENEWED if op.kind == RENEWAL else result, None)
+            result = stop.value == RENEWED if op.kind == RENEWAL else stop.value
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # asyncpg's error; a CancelledError only if it cancelled
-            self._end(op, None, exc)
+            error = exc
         else:
             resume = functools.partial(self._step, call, op)
             if waiting is None:  # a bare yield (sleep(0)): go on at the next pass of the loop
@@ -413,6 +416,11 @@ class Lane:
             else:  # a future, as a task would take it from an await
                 waiting._asyncio_future_blocking = False
                 waiting.add_done_callback(resume, context=self._context)
+            return
+        try:
+            self._end(op, result, error)
+        except Exception as exc:
+            self._broke(exc, op)
             return
         self._pump()
 
@@ -446,6 +454,16 @@ class Lane:
                 self.unlock_behind(op.key, first=True)  # its caller is gone: undone now
         if not op.future.done():
             op.future.set_result(result)
+
+    def _broke(self, exc: Exception, op: Op) -> None:
+        """A bug in the lane's own handling of ``op``: it ends as on a broken connection, not
+        left busy (from a reply's callback, the error would reach only the loop's handler)."""
+        logger.error("asynclock: a lane to %s failed (%r)", self._lanes.server, exc, exc_info=exc)
+        error = BackendUnavailable(f"a holding connection failed: {exc!r}")
+        self.busy, self._current = False, None
+        if not op.future.done():
+            op.future.set_exception(error)
+        self.die(error)
 
     def die(self, error: BaseException) -> None:
         """The connection closed or failed: every lock on it ended with the session."""
