@@ -145,7 +145,7 @@ def _drop(future: asyncio.Future[Any]) -> None:
 
 
 class Lane:
-    """One holding connection, the locks on it, and the task that runs its statements."""
+    """One holding connection, the locks on it, and the statements it runs (one at a time)."""
 
     def __init__(self, lanes: Owner, ttl_ms: int) -> None:
         self._lanes = lanes
