@@ -28,7 +28,7 @@ from ._fairness import Fairness
 from ._peers import PEERS, Peer
 from ._plan import Plan
 from ._servers import BACKENDS, Endpoint, NotAvailable, start_all
-from ._suite import LogCounter, Settings, measure_peer, measure_target
+from ._suite import LogCounter, Settings, measure_alternated, measure_peer, measure_target
 from ._targets import TARGETS, Target, make_target, package_version
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -342,10 +342,12 @@ def run(
                 continue
             available_peers.append(peer)
         # Stopping the servers comes out of the budget too (well under a second each here).
+        names = {target.name for target in targets}
         plan = Plan.make(
             settings.deadline - (STOP_RESERVE if data["servers"]["started"] else 0.2),
             [target.name for target in targets],
             [peer.name for peer in available_peers],
+            [p.name for p in available_peers if p.alternated and p.compare_with in names],
         )
         say(
             f"plan: {len(targets)} backends, {len(available_peers)} peers in "
@@ -431,6 +433,11 @@ async def _measure_all(
                 results["peers"][peer.name] = await measure_peer(
                     peer, share(f"peer {peer.name}"), tag
                 )
+                if peer.alternated:
+                    results["peers"][peer.name]["alternated"] = await measure_alternated(
+                        target, peer, entry, results["peers"][peer.name],
+                        share(f"alternated {peer.name}"), tag,
+                    )  # fmt: skip
                 counter.take()
                 done.add(peer.name)
     # Peers whose asynclock backend was not measured still run, with a floor of their own.

@@ -104,19 +104,21 @@ async def in_process(
         # Connecting N clients takes time too (ZooKeeper, etcd: tens of ms each).
         if index and not fits(run.duration + 0.1 * run.contenders + 0.3):
             break
-        name = name_of("clients")
-        if isinstance(unit, SyncPeer):
-            record = await anyio.to_thread.run_sync(
-                contend_threads, own_sync_clients(unit, name), run
-            )
-        else:
-            opener = (
-                target_opener(unit, CLIENT_TTL) if isinstance(unit, Target) else peer_opener(unit)  # type: ignore[arg-type]
-            )
-            record = await contend_tasks(own_clients(opener, name), run)
+        record = await one_in_process(unit, run, name_of("clients"))
         records.append({**record, "clients": "own, one process"})
         settings.progress(_line("clients", records[-1]))
     return sorted(records, key=lambda record: record["contenders"])
+
+
+async def one_in_process(unit: Target | Peer, run: Run, name: str) -> dict[str, Any]:
+    """One ``run`` on lock ``name`` with each contender its own client of ``unit``, on this
+    event loop (threads for a blocking peer)."""
+    if isinstance(unit, SyncPeer):
+        return await anyio.to_thread.run_sync(contend_threads, own_sync_clients(unit, name), run)
+    opener = (
+        target_opener(unit, CLIENT_TTL) if isinstance(unit, Target) else peer_opener(unit)  # type: ignore[arg-type]
+    )
+    return await contend_tasks(own_clients(opener, name), run)
 
 
 def worker_config(unit: Target | Peer, name: str) -> dict[str, Any]:

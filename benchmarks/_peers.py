@@ -43,6 +43,9 @@ class Peer(ABC):
     queues: ClassVar[bool] = False
     #: The most waiters a fairness run gives it (asyncpg: a connection per waiter).
     max_waiters: ClassVar[int | None] = None
+    #: Issue #29's peer of its backend: the two are also measured in alternated rounds
+    #: (``_alternate``).
+    alternated: ClassVar[bool] = False
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
@@ -145,6 +148,7 @@ class PythonRedisLock(SyncPeer):
     name = "python-redis-lock"
     server = "redis"
     compare_with = "redis"
+    alternated = True
     distribution = "python-redis-lock"
     modules = ("redis_lock",)
     note = f"sync, in threads; BLPOP wake-up on release; expire={PEER_TTL} s, no auto-renewal"
@@ -271,6 +275,7 @@ class AetcdLock(AsyncPeer):
     name = "aetcd Lock"
     server = "etcd"
     compare_with = "etcd"
+    alternated = True
     distribution = "aetcd"
     modules = ("aetcd",)
     note = f"a new lease per attempt (never revoked), watch on DELETE; ttl={PEER_TTL} s"
@@ -318,6 +323,7 @@ class AiozkLock(AsyncPeer):
     name = "aiozk Lock"
     server = "zookeeper"
     compare_with = "zookeeper"
+    alternated = True
     distribution = "aiozk"
     modules = ("aiozk",)
     note = "recipe Lock, one object per task, watches the predecessor"
@@ -409,6 +415,7 @@ class AsyncpgAdvisory(AsyncPeer):
     name = "asyncpg advisory pair"
     server = "postgres"
     compare_with = "postgres"
+    alternated = True
     distribution = "asyncpg"
     modules = ("asyncpg",)
     note = (

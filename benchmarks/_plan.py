@@ -13,6 +13,7 @@ others (more contention runs, processes, memory, renewal) run only while the sha
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 #: What a peer's share weighs against a backend's (a peer runs two of a backend's phases).
@@ -28,14 +29,18 @@ class Plan:
     weights: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def make(cls, deadline: float, backends: list[str], peers: list[str]) -> Plan:
+    def make(
+        cls, deadline: float, backends: list[str], peers: list[str], alternated: Sequence[str] = ()
+    ) -> Plan:
         weights = {f"backend {name}": 1.0 for name in backends}
         weights.update({f"peer {name}": PEER_WEIGHT for name in peers})
+        weights.update({f"alternated {name}": PEER_WEIGHT for name in alternated})
         return cls(deadline, weights)
 
     def share(self, unit: str) -> float:
-        """The deadline of ``unit`` ("backend NAME" or "peer NAME"), which starts now: its
-        weight's part of the time left. Each unit gets one share; asking again is an error."""
+        """The deadline of ``unit`` ("backend NAME", "peer NAME", or "alternated NAME": a peer's
+        rounds against its backend, ``_alternate``), which starts now: its weight's part of the
+        time left. Each unit gets one share; asking again is an error."""
         weight = self.weights.pop(unit)
         now = time.monotonic()
         left = max(0.0, self.deadline - now)

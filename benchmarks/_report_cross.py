@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _alternate
 from ._report import CONTENTION_COLUMNS, _contention_rows, _phase_note, _table, ms, ratio
 
 #: (key, what) of the runs across clients, in the order the report shows them.
@@ -172,6 +173,30 @@ def sections(data: dict[str, Any]) -> list[str]:
                     "8 clients retaken",
                 ],
                 ratios,
+            ),
+            "",
+        ]
+    alternated = _alternate.rows(data)
+    if alternated:
+        out += [
+            "### asynclock over its peer, alternated rounds",
+            "",
+            "The two take turns on the same servers with the same harness (clients in one "
+            "process, 0 ms hold), the order flipped every round, so that the machine's drift "
+            "from one minute to the next falls on both: each round's acquisitions/s ratio "
+            "(below 1x is behind), their median, the rates and the shares retaken by the "
+            "releaser, asynclock / the peer.",
+            "",
+            *_table(
+                [
+                    "backend / peer",
+                    "clients",
+                    "median",
+                    "ratio per round",
+                    "acq/s per round",
+                    "retaken per round",
+                ],
+                alternated,
             ),
             "",
         ]

@@ -25,7 +25,7 @@ import anyio.to_thread
 import asynclock
 from asynclock._registry import redact
 
-from . import _cross
+from . import _alternate, _cross
 from ._contend import (
     Budget,
     Run,
@@ -780,6 +780,44 @@ async def measure_peer(peer: Peer, settings: Settings, tag: str) -> dict[str, An
         return result
     await _cross_phases(peer, settings, tag, share, result, first=True)
     await _cross_phases(peer, settings, tag, share, result, first=False)
+    return result
+
+
+async def measure_alternated(
+    target: Target,
+    peer: Peer,
+    ours: dict[str, Any],
+    theirs: dict[str, Any],
+    settings: Settings,
+    tag: str,
+) -> dict[str, Any]:
+    """asynclock and ``peer`` in alternated rounds (``_alternate``), within the share given
+    by ``settings.deadline``: the first round always, once both were measured."""
+    if ours.get("status") != "measured" or theirs.get("status") != "measured":
+        return {"skipped": "asynclock or the peer was not measured"}
+    duration = settings.duration
+    first = _alternate.round_seconds(duration)
+    settings.progress(
+        f"alternated rounds, {target.name} / {peer.name} (share {max(0.0, left(settings)):.1f} s)"
+    )
+    result: dict[str, Any] = await phase(
+        settings,
+        "alternated rounds",
+        _alternate.ROUNDS * (first + 10 * len(_alternate.CLIENTS)) + 60,
+        lambda: _alternate.alternated(
+            target,
+            peer,
+            duration=duration,
+            grace=settings.grace,
+            name_of=lambda what: _name(tag, what),
+            fits=lambda seconds: fits(settings, seconds),
+        ),
+        essential=True,
+    )
+    for count, row in result.get("clients", {}).items():
+        ratios = ", ".join("-" if value is None else f"{value:.2f}" for value in row["ratios"])
+        median = "-" if row["median"] is None else f"{row['median']:.2f}x"
+        settings.progress(f"    alternated x{count}: {ratios}; median {median}")
     return result
 
 

@@ -169,6 +169,51 @@ def test_the_targets_say_met_missed_by_how_much_or_why_not_measured_and_cells_th
     assert postgres["met"] is None and "not measured" in postgres["measured"]
 
 
+@pytest.mark.anyio
+async def test_alternated_rounds_flip_the_order_and_give_a_ratio_per_round() -> None:
+    """asynclock and its peer take turns, the order flipped every round; each round gives
+    asynclock's acquisitions/s over the peer's per client count (None when the peer made
+    none), the median of those; rounds after the first run only while they fit."""
+    from benchmarks import _alternate
+    from benchmarks._contend import Run
+
+    ours, peer = object(), object()
+    calls: list[tuple[str, int, str]] = []
+    rates = iter([100.0, 200.0, 300.0, 100.0, 150.0, 100.0, 0.0, 50.0])  # in call order
+
+    async def measure(unit: object, run: Run, name: str) -> dict[str, Any]:
+        calls.append(("ours" if unit is ours else "peer", run.contenders, name))
+        return {"per_second": next(rates), "retaken_share": 0.0 if unit is ours else 0.1}
+
+    fitting = iter([True, False])
+    record = await _alternate.alternated(
+        ours,  # type: ignore[arg-type]
+        peer,  # type: ignore[arg-type]
+        duration=0.5,
+        grace=1.0,
+        name_of=lambda what: f"bench/{what}",
+        fits=lambda seconds: next(fitting),
+        measure=measure,
+    )
+    sides = [(side, count) for side, count, _ in calls]
+    assert sides == [
+        ("ours", 2), ("peer", 2), ("ours", 8), ("peer", 8),  # round 0: asynclock first
+        ("peer", 2), ("ours", 2), ("peer", 8), ("ours", 8),  # round 1: the peer first
+    ]  # fmt: skip
+    assert len({name for _, _, name in calls}) == len(calls)  # a lock name of its own each
+    assert record["rounds"] == 2  # the third did not fit
+    two, eight = record["clients"]["2"], record["clients"]["8"]
+    assert (two["ours"], two["peer"]) == ([100.0, 100.0], [200.0, 150.0])
+    assert two["ratios"] == [0.5, 100.0 / 150.0] and two["median"] == (0.5 + 100.0 / 150.0) / 2
+    assert eight["ratios"] == [3.0, None] and eight["median"] == 3.0
+    assert two["peer_retaken"] == [0.1, 0.1] and two["ours_retaken"] == [0.0, 0.0]
+    rows = _alternate.rows(
+        {"peers": {"p": {"compare_with": "redis", "alternated": record}, "q": {"status": "x"}}}
+    )
+    assert rows[1][:4] == ["redis / p", "8", "3.00x", "3.00, -"]
+    assert rows[0][4] == "100 / 200, 100 / 150" and rows[0][5] == "0% / 10%, 0% / 10%"
+
+
 def test_fairness_is_the_grant_order_against_the_start_order() -> None:
     from benchmarks._fairness import Fairness, analyse, schedule
 
