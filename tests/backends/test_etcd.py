@@ -178,6 +178,47 @@ async def test_one_lease_per_ttl_and_one_keepalive_per_lease_for_any_number_of_l
     assert not ids & lease_ids(etcd.server)  # ... and revoked on close
 
 
+async def test_a_lease_an_acquire_used_lately_stays_fresh_for_the_next_one_then_lapses(
+    etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing held on it, the lease of a ttl an acquire asked for lately is kept alive in
+    the background, so the next acquire of that ttl, past half the ttl later, puts its key at
+    once: no keepalive (the first one on a client took 250-350 ms) nor grant first. A lease
+    unused for ``KEEP_IDLE`` lapses: etcd expires it."""
+    from asynclock.backends.etcd import _lease
+
+    monkeypatch.setattr(_lease, "KEEP_IDLE", 2.5)
+    async with etcd.connect() as locks, etcd.raw() as direct:
+        await (await locks.acquire("a", ttl=2)).release()
+        leases = locks._backend._leases  # type: ignore[attr-defined]
+        (lease,) = leases.current.values()
+        first = lease.valid_from
+        calls: list[tuple[str, object]] = []
+        for name in ("_refresh", "_grant"):
+            real = getattr(leases, name)
+
+            async def recorded(*args: Any, _real: Any = real, _name: str = name) -> Any:
+                calls.append((_name, asyncio.current_task()))
+                return await _real(*args)
+
+            monkeypatch.setattr(leases, name, recorded)
+        await anyio.sleep(1.6)  # past half the ttl: fresh only if kept alive meanwhile
+        assert lease.valid_from > first and lease.fresh(anyio.current_time())
+        acquiring = asyncio.current_task()
+        await (await locks.acquire("a", ttl=2)).release()
+        assert [name for name, task in calls if task is acquiring] == []
+        assert calls and all(name == "_refresh" for name, _ in calls)  # the keeper's
+        # Unused for KEEP_IDLE (2.5 s) since, then not kept alive: etcd ends it within its ttl.
+        with anyio.fail_after(8):
+            while (  # noqa: ASYNC110 - polling the server, nothing here to wait on
+                await direct.leases.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease.id))
+            ).TTL > 0:
+                await anyio.sleep(0.2)
+        renewed = len(calls)
+        await anyio.sleep(1.0)
+        assert len(calls) == renewed
+
+
 async def test_a_lease_with_held_locks_and_waiters_is_kept_alive_on_one_schedule(
     etcd: Etcd,
 ) -> None:
@@ -239,7 +280,13 @@ async def test_revoking_the_lease_cancels_every_body_on_it_and_the_client_recove
         await again.release()
 
 
-async def test_an_idle_lease_that_expired_is_replaced(etcd: Etcd) -> None:
+async def test_an_idle_lease_that_expired_is_replaced(
+    etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asynclock.backends.etcd import _lease
+
+    # Not kept alive once unused (KEEP_IDLE 0: as a lease unused for 5 minutes).
+    monkeypatch.setattr(_lease, "KEEP_IDLE", 0.0)
     async with etcd.connect() as locks:
         first = await locks.acquire("a", ttl=2)
         await first.release()

@@ -2,13 +2,18 @@
 
 Renewal is decided in one place, :data:`RENEWAL`: a lease is kept alive ``RENEWAL.next_after``
 its last proof of life, whether locks are held on it (the client's supervisor calls
-``renew``) or only waiters' keys ride on it (the waiters keep it alive, one at a time). Either
-keepalive moves ``valid_from``, and the other one then has nothing to send.
+``renew``), only waiters' keys ride on it (the waiters keep it alive, one at a time), or
+nothing does but an acquire of its ttl came within :data:`KEEP_IDLE` (``Leases.keep``, as
+etcd's Go session keeps its lease: the next acquire then puts its key at once, where it first
+waited for a keepalive, or for a grant once the lease had lapsed). Any keepalive moves
+``valid_from``, and the others then have nothing to send.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +28,12 @@ from ._errors import Superseded
 from ._wire import Metadata, Wire
 
 __all__ = ("ClientLease", "EtcdGrant", "Leases", "lease_gone")
+
+logger = logging.getLogger("asynclock")
+
+#: How long after the last acquire of its ttl a lease with nothing on it is still kept alive
+#: (``Leases.keep``); then it lapses, and the next acquire of that ttl grants a new one.
+KEEP_IDLE = 300.0
 
 
 @dataclass(eq=False, slots=True)
@@ -96,9 +107,13 @@ class Leases:
         #: answer never came (we choose the id, so a lost answer leaks nothing).
         self._granted: set[int] = set()
         self._granting: dict[int, anyio.Lock] = {}
+        #: When an acquire last asked for each bucket's lease (``keep``).
+        self._used: dict[int, float] = {}
+        self._wake = anyio.Event()
 
     async def lease_for(self, bucket: int) -> ClientLease:
         """A live lease for ``bucket``, refreshed within the last half of its ttl."""
+        self._used[bucket] = anyio.current_time()
         lease = self.current.get(bucket)
         if lease is not None and lease.fresh(anyio.current_time()):
             return lease
@@ -152,7 +167,35 @@ class Leases:
     def _adopt(self, lease: ClientLease) -> ClientLease:
         self.by_id[lease.id] = lease
         self.current[lease.bucket] = lease
+        self._wake.set()  # ``keep`` learns of it
         return lease
+
+    async def keep(self) -> None:
+        """Keep alive, on :data:`RENEWAL`'s schedule, the leases with nothing held on them whose
+        ttl an acquire asked for within :data:`KEEP_IDLE` (the supervisor renews the others), so
+        that they stay fresh for the next acquire. Runs in the backend's task host until it
+        closes; a keepalive that fails is tried again later (``refresh_if_due``), quietly."""
+        while True:
+            now = anyio.current_time()
+            wake_at = math.inf
+            for bucket, lease in list(self.current.items()):
+                if lease.dead or now - self._used.get(bucket, -math.inf) > KEEP_IDLE:
+                    continue
+                if lease.held or lease.refreshing:
+                    # Kept alive by another, for now: looked at again well within its
+                    # freshness (half its ttl), as its last lock may be released at any time.
+                    wake_at = min(wake_at, now + lease.ttl / 8.0)
+                    continue
+                if lease.refresh_due() <= now:
+                    try:
+                        await self.refresh_if_due(lease)
+                    except Exception as exc:  # never end the task host for a keepalive
+                        logger.debug("asynclock: keeping lease %016x alive: %r", lease.id, exc)
+                        lease.retry_at = RENEWAL.retry_at(anyio.current_time(), lease.ttl)
+                wake_at = min(wake_at, lease.refresh_due())
+            self._wake = anyio.Event()
+            with anyio.move_on_at(wake_at):
+                await self._wake.wait()
 
     async def refresh(self, lease: ClientLease) -> bool:
         """One keepalive: True if etcd extended the lease, False if it is gone. While one is in

@@ -94,6 +94,7 @@ class EtcdBackend(Backend[EtcdGrant]):
         await self._host.open()
         try:
             await self._wire.open()
+            self._host.start_soon(self._leases.keep, name="asynclock: etcd idle leases")
         except BaseException:
             # Not in a shield scope: the task host's group, entered above, is left in there
             # (the steps of aclose() that must finish are shielded one by one).
