@@ -176,6 +176,8 @@ class Leases:
         that they stay fresh for the next acquire. Runs in the backend's task host until it
         closes; a keepalive that fails is tried again later (``refresh_if_due``), quietly."""
         while True:
+            # Before the look: a lease granted while a keepalive below is awaited wakes it.
+            self._wake = wake = anyio.Event()
             now = anyio.current_time()
             wake_at = math.inf
             for bucket, lease in list(self.current.items()):
@@ -193,9 +195,8 @@ class Leases:
                         logger.debug("asynclock: keeping lease %016x alive: %r", lease.id, exc)
                         lease.retry_at = RENEWAL.retry_at(anyio.current_time(), lease.ttl)
                 wake_at = min(wake_at, lease.refresh_due())
-            self._wake = anyio.Event()
             with anyio.move_on_at(wake_at):
-                await self._wake.wait()
+                await wake.wait()
 
     async def refresh(self, lease: ClientLease) -> bool:
         """One keepalive: True if etcd extended the lease, False if it is gone. While one is in
