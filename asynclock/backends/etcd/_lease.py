@@ -113,9 +113,9 @@ class Leases:
 
     async def lease_for(self, bucket: int) -> ClientLease:
         """A live lease for ``bucket``, refreshed within the last half of its ttl."""
-        self._used[bucket] = anyio.current_time()
+        now = self._used[bucket] = anyio.current_time()
         lease = self.current.get(bucket)
-        if lease is not None and lease.fresh(anyio.current_time()):
+        if lease is not None and lease.fresh(now):
             return lease
         async with self._granting.setdefault(bucket, anyio.Lock()):
             lease = self.current.get(bucket)
