@@ -328,6 +328,31 @@ async def test_keepalives_failing_within_op_timeout_end_the_body_by_the_local_de
         assert await direct.count(etcd.prefix.encode()) == 0
 
 
+async def test_the_idle_lease_keeper_stays_quiet_through_a_partition_and_resumes(
+    etcd: Etcd,
+) -> None:
+    """The keepalives of an idle lease fail while the network is down (each after op_timeout)
+    and the lease expires on the server: nothing is logged, nothing is lost (nothing is held),
+    the keeper goes on; once the network is back, the next acquire works on a new lease, and
+    that lease is kept fresh again with nothing held on it."""
+    async with FaultProxy(etcd.server.host, etcd.server.port) as proxy:
+        async with etcd.connect(f"etcd://{proxy.address}", op_timeout=0.5) as locks:
+            await (await locks.acquire("a", ttl=2)).release()
+            leases = locks._backend._leases  # type: ignore[attr-defined]
+            (old,) = leases.current.values()
+            proxy.blackhole()
+            await anyio.sleep(3.0)  # past the 2 s lease: etcd expires it
+            proxy.pass_through()
+            with anyio.fail_after(5):
+                lease = await locks.acquire("a", ttl=2)
+            assert lease.grant.lease_id != old.id  # type: ignore[attr-defined]
+            await lease.release()
+            (new,) = (x for x in leases.current.values() if not x.dead)
+            granted = new.valid_from
+            await anyio.sleep(1.6)  # past half its ttl: fresh only if the keeper still runs
+            assert new.valid_from > granted and new.fresh(anyio.current_time())
+
+
 @pytest.mark.expect_log(r"releasing 'stuck' on etcd://\S+ did not complete \(MayHaveApplied")
 async def test_a_failed_release_is_retried_by_the_next_renewal(etcd: Etcd) -> None:
     """The client's lease lives on for its other locks, so a key whose delete failed must not
