@@ -117,6 +117,9 @@ class Leases:
         lease = self.current.get(bucket)
         if lease is not None and lease.fresh(now):
             return lease
+        # A bucket unused for KEEP_IDLE is back in use: ``keep`` looks at it again (a grant
+        # below would wake it too, a lease that outlived KEEP_IDLE would not).
+        self._wake.set()
         async with self._granting.setdefault(bucket, anyio.Lock()):
             lease = self.current.get(bucket)
             if lease is not None and lease.fresh(anyio.current_time()):
