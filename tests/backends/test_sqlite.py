@@ -26,7 +26,7 @@ import asynclock
 from asynclock.abc import Kind, LockRequest, Lost, Renewed
 from asynclock.backends.sqlite import SQLiteBackend, _sql
 from asynclock.backends.sqlite._sql import BOOT_ID, WAITER_TTL, HoldRef, Want
-from tests.contract.harness import sqlite_write_locked
+from tests.contract.harness import sqlite_write_locked, stop_process
 
 pytestmark = pytest.mark.anyio
 
@@ -143,10 +143,6 @@ def held_line(process: subprocess.Popen[str]) -> int:
     return int(line[1])
 
 
-def stopped(process: subprocess.Popen[str]) -> bool:
-    return Path(f"/proc/{process.pid}/stat").read_text().split(") ")[1][0] == "T"
-
-
 async def stop(process: subprocess.Popen[str], path: Path) -> None:
     """Kill the other process and delete the lock it held (it would only lapse in its ttl)."""
     process.kill()
@@ -179,11 +175,7 @@ async def test_a_stopped_waiter_holds_up_the_queue_for_waiter_ttl_at_most(
     await wait_until_queued(store, "st", 1, "lock")
     # Stopped inside a write transaction of its poll, it would keep the file write-locked (and
     # every statement here waiting) until it runs again: stop it while the file is ours.
-    with sqlite_write_locked(str(path)):
-        waiter.send_signal(signal.SIGSTOP)
-        with anyio.fail_after(5):
-            while not stopped(waiter):  # noqa: ASYNC110 - another process's state
-                await anyio.sleep(0.01)
+    await stop_process(waiter.pid, between=sqlite_write_locked(str(path)))
     try:
         await store.release(holder)
         stopped_at = time.monotonic()

@@ -43,4 +43,5 @@ def sqlite_backend(tmp_path: Path) -> BackendUnderTest:
         revoke,
         leftovers,
         hang=lambda client: sqlite_write_locked(str(path)),
+        between_writes=lambda: sqlite_write_locked(str(path)),
     )

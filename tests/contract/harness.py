@@ -6,10 +6,16 @@ import asyncio
 import inspect
 import json
 import os
+import signal
 import sqlite3
 import threading
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    contextmanager,
+    nullcontext,
+)
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +69,13 @@ class BackendUnderTest:
     #: most of the test's time (ZooKeeper: 8-16 s of each 1,000 queued, 1.5-4.5 s to pass them).
     #: None: inspect().waiters.
     counter: Callable[[], AbstractAsyncContextManager[WaiterCount]] | None = None
+    #: Hold back every client process from writing to the store for the ``with`` block, so
+    #: that a process stopped inside it holds nothing that stops the others. A process stopped
+    #: inside one of SQLite's write transactions (a millisecond, more while the disk syncs)
+    #: keeps the file write-locked: every client of the file then waits for it, up to its
+    #: busy_timeout, as all clients of a stopped server would (that is ``hang``'s case, not a
+    #: stopped holder's). None: a server finishes what a stopped client sent.
+    between_writes: Callable[[], AbstractContextManager[None]] | None = None
 
     def connect(self, **options: Any) -> asynclock.LockClient:
         return asynclock.connect(self.url, **{**self.options, **options})
@@ -75,6 +88,32 @@ class BackendUnderTest:
         if self.hang is not None:
             return self.hang(client)
         return paused(self.servers)
+
+    async def stop_client(self, pid: int) -> None:
+        """SIGSTOP the client process ``pid`` between two of its writes to the store, and
+        return once every thread of it has stopped."""
+        between = self.between_writes() if self.between_writes is not None else nullcontext()
+        await stop_process(pid, between=between)
+
+
+async def stop_process(pid: int, *, between: AbstractContextManager[None]) -> None:
+    """SIGSTOP ``pid`` inside ``between``; return once every thread of it has stopped (one
+    still running could write as ``between`` ends)."""
+    with between:
+        os.kill(pid, signal.SIGSTOP)
+        with anyio.fail_after(5):
+            while not stopped(pid):  # noqa: ASYNC110 - another process's state
+                await anyio.sleep(0.002)
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (SIGSTOP), as /proc says."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat", encoding="ascii") as stat:
+            # "pid (comm) S ...": the state follows the command's closing parenthesis.
+            if stat.read().rpartition(") ")[2][:1] != "T":
+                return False
+    return True
 
 
 def report(

@@ -256,7 +256,10 @@ async def test_client_processes_paused_past_their_ttl_keep_the_resource_safe(
             await anyio.sleep(max(0.0, began + at * step - anyio.current_time()))
             # Pause i stops worker i % PAUSE_WORKERS, which has run since its own last resume.
             pid = workers[pause_number % PAUSE_WORKERS].pid
-            os.kill(pid, signal.SIGCONT if resume else signal.SIGSTOP)
+            if resume:
+                os.kill(pid, signal.SIGCONT)
+            else:
+                await backend.stop_client(pid)
         last_resume = time.time()
         stop_file.with_suffix(".tmp").write_text(repr(last_resume))
         stop_file.with_suffix(".tmp").replace(stop_file)

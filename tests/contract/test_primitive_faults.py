@@ -163,7 +163,7 @@ async def test_a_paused_holder_process_loses_only_its_permit_and_its_late_writes
             mine = [await sem.acquire(ttl=ttl, timeout=5) for _ in range(2)]
             for lease in mine:
                 server.handle({"op": "write", "who": "test", "token": lease.token})
-            os.kill(holder.pid, signal.SIGSTOP)
+            await backend.stop_client(holder.pid)
             try:
                 # Its permit is free once its lease expires on the server; a newer holder takes
                 # it and uses the resource, which evicts the paused token from the guard.
@@ -299,7 +299,7 @@ async def test_election_leader_paused_past_its_ttl_is_replaced_and_fenced(
                     index = len(terms(server)) - 1
                     first = terms(server)[index]
                     assert first["who"].startswith("0/"), "the first process leads alone"
-                    os.kill(paused.pid, signal.SIGSTOP)
+                    await backend.stop_client(paused.pid)
                     stopped_at = anyio.current_time()
                     try:
                         await server.wait_for(lambda: len(terms(server)) > index + 1, ttl * 3 + 2)
