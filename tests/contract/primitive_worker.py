@@ -113,9 +113,15 @@ class ResourceServer:
 
     async def wait_for(self, condition: Callable[[], object], timeout: float) -> None:
         """Until ``condition()`` is true, re-checked at each event; fails after ``timeout``."""
-        with anyio.fail_after(timeout):
-            while not condition():
-                await self._changed.wait()
+        try:
+            with anyio.fail_after(timeout):
+                while not condition():
+                    await self._changed.wait()
+        except TimeoutError:
+            print(f"--- the resource's last events, of {len(self.events)}:")
+            for event in self.events[-20:]:
+                print(event)
+            raise
 
 
 #: Set in a worker when the resource says the test is done (see ``ResourceServer.stopping``).

@@ -67,6 +67,15 @@ def workers(
                     )
                 )
         yield processes
+    except BaseException:
+        for process in processes:
+            process.close()
+        # What the workers saw, for the failure's report (pytest shows what a failed test
+        # printed).
+        for index in range(first, first + len(processes)):
+            output = (tmp_path / f"worker-{index}.log").read_text(errors="replace")[-3000:]
+            print(f"--- worker {index}:\n{output}")
+        raise
     finally:
         for process in processes:
             process.close()
