@@ -505,6 +505,41 @@ async def test_a_client_closed_right_after_a_connection_reset_still_deletes_its_
     assert await zk.tree() == []
 
 
+async def test_the_parent_janitor_sleeps_while_the_client_has_no_parents(
+    zk: Zk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that locks nothing is not woken by its janitor (8 idle clients' janitors were a
+    third of their CPU); a parent used wakes it, and it deletes that parent once unused."""
+    linger = 0.4
+    monkeypatch.setattr("asynclock.backends.zookeeper.backend._PARENT_LINGER", linger)
+    async with zk.connect() as locks:
+        tree = backend_of(locks)._tree
+        passes = 0
+        stale = tree.stale
+
+        def counted(linger: float) -> list[str]:
+            nonlocal passes
+            passes += 1
+            return stale(linger)
+
+        monkeypatch.setattr(tree, "stale", counted)
+        await anyio.sleep(linger * 2.5)  # two passes and more, were it on a timer
+        assert passes == 0
+        await (await locks.acquire("janitor", ttl=5)).release()
+        await until(lambda: not tree.parents, linger * 5)
+
+        async def tree_empty() -> bool:
+            # Forgotten as its delete is sent; read here through another session, whose reads
+            # ZooKeeper does not order after that delete.
+            return not await zk.tree()
+
+        await until(tree_empty, 2)
+        done = passes
+        assert done >= 1
+        await anyio.sleep(linger * 2.5)
+        assert passes == done, "no parents left: the janitor sleeps again"
+
+
 async def test_parents_whose_delete_got_no_answer_are_deleted_once_the_server_answers(
     zk: Zk, caplog: pytest.LogCaptureFixture
 ) -> None:

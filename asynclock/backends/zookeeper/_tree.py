@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import anyio
 from aiozk import ACL as ZkACL
 from aiozk import exc as zk_exc
 from aiozk import protocol as zk
@@ -32,6 +33,8 @@ class Tree:
         self.where = where
         #: Lock parent nodes this client created or used lately, and when it last did.
         self.parents: dict[str, float] = {}
+        #: Set by the next ``touch`` (``wait_for_parents``).
+        self._touched: anyio.Event | None = None
         if settings.user is None:
             acl = zk.UNRESTRICTED_ACCESS
         else:
@@ -46,6 +49,16 @@ class Tree:
 
     def touch(self, parent: str) -> None:
         self.parents[parent] = now()
+        if self._touched is not None:
+            self._touched.set()
+            self._touched = None
+
+    async def wait_for_parents(self) -> None:
+        """Until this client has a lock parent to look after: the janitor of a client that
+        locks nothing does not wake (idle, 8 clients' janitors cost a third of their CPU)."""
+        if not self.parents:
+            self._touched = touched = anyio.Event()
+            await touched.wait()
 
     def stale(self, linger: float) -> list[str]:
         """The parents nobody of this client used for ``linger`` seconds."""

@@ -145,6 +145,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
 
     async def _parent_janitor(self) -> None:
         while True:
+            await self._tree.wait_for_parents()
             await anyio.sleep(_PARENT_LINGER / 2)
             stale = self._tree.stale(_PARENT_LINGER)
             if stale:
