@@ -22,7 +22,7 @@ import gc
 import ipaddress
 import math
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any, Final, Protocol, TypeVar
 
 import anyio
@@ -406,32 +406,6 @@ class Wire:
         elif self._probing is not None:
             await self._probing.wait()
         return self._leader_term > term
-
-    async def detached(
-        self, func: Callable[..., Coroutine[Any, Any, T]], *args: object, name: str
-    ) -> T:
-        """``await func(*args)`` in a task of the backend's :class:`TaskHost`, for gRPC streaming
-        work (for the reason given in :meth:`_await_unary`): the caller waits on an anyio event,
-        and a caller that is cancelled leaves the work to end by its own deadline."""
-        box: list[T] = []
-        errors: list[Exception] = []
-        done = anyio.Event()
-
-        async def run() -> None:
-            try:
-                box.append(await func(*args))
-            except Exception as exc:
-                errors.append(exc)
-            finally:
-                done.set()
-
-        self._host.start_soon(run, name=f"asynclock: {name}")
-        await done.wait()
-        if errors:
-            raise errors[0]
-        if not box:
-            raise BackendUnavailable(f"{name}: the gRPC call was cancelled")
-        return box[0]
 
 
 async def ended(call: Any, timeout: float) -> bool:

@@ -53,7 +53,7 @@ class EtcdBackend(Backend[EtcdGrant]):
         self.user, self.tls = settings.user, settings.tls
         self._host = TaskHost(cleanup_timeout=settings.op_timeout)
         self._wire = Wire(settings, self._host)
-        self._leases = Leases(self._wire)
+        self._leases = Leases(self._wire, self._host)
         self._keys = Keys(self._wire)
         self._hub = WatchHub(self._wire, self._host)
         prefix = settings.prefix.encode()
@@ -112,6 +112,7 @@ class EtcdBackend(Backend[EtcdGrant]):
                     await self._leases.revoke_all()
                 # Ends the watch stream's tasks, and wakes every waiter still on it.
                 await self._hub.aclose()
+            self._leases.stream.close()  # its tasks end with the call
             # Deferred deletes still pending find their keys gone with the leases.
             await self._host.aclose()
         finally:
