@@ -406,6 +406,27 @@ async def test_keepalives_share_one_stream_through_native_cancels_and_a_new_one_
                 await lease.release()
 
 
+async def test_a_keepalive_while_the_backend_closes_fails_as_unavailable_and_opens_nothing(
+    etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the end of the keepalive stream and the channel's, in ``aclose()``, the task
+    host takes no more tasks: a keepalive then (the idle-lease keeper's, say) gets
+    ``BackendUnavailable``, not the host's RuntimeError, and leaves no stream open."""
+    async with etcd.connect() as locks:
+        await (await locks.acquire("closing", ttl=5)).release()
+        backend = locks._backend
+        assert isinstance(backend, EtcdBackend)
+        leases = backend._leases
+        (lease,) = leases.current.values()
+        leases.stream.close()
+        with monkeypatch.context() as patch:
+            # The host as its aclose() leaves it first (it then waits for deferred deletes).
+            patch.setattr(backend._host, "_group", None)
+            with pytest.raises(asynclock.BackendUnavailable, match="is closing"):
+                await leases.stream.keepalive(lease.id, backend._wire.metadata, 1.0)
+        assert leases.stream._call is None
+
+
 @pytest.mark.expect_log(r"releasing 'stuck' on etcd://\S+ did not complete \(MayHaveApplied")
 async def test_a_failed_release_is_retried_by_the_next_renewal(etcd: Etcd) -> None:
     """The client's lease lives on for its other locks, so a key whose delete failed must not

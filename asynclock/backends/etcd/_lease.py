@@ -153,12 +153,17 @@ class KeepaliveStream:
         return int(asked.reply.TTL)
 
     def _open(self, metadata: Metadata) -> None:
-        self._call = call = self._wire.lease.LeaseKeepAlive(metadata=metadata)
-        self._metadata = metadata
+        call = self._wire.lease.LeaseKeepAlive(metadata=metadata)
         asked: deque[_Asked] = deque()
-        self._asked = asked
-        self._requests, requests = anyio.create_memory_object_stream[Any](math.inf)
-        self._host.start_soon(self._run, call, asked, requests, name="asynclock: keepalives")
+        send, receive = anyio.create_memory_object_stream[Any](math.inf)
+        try:
+            self._host.start_soon(self._run, call, asked, receive, name="asynclock: keepalives")
+        except RuntimeError:  # the backend is closing: its task host takes no more tasks
+            call.cancel()
+            send.close()
+            receive.close()
+            raise BackendUnavailable(f"{self._wire.describe} is closing") from None
+        self._call, self._metadata, self._asked, self._requests = call, metadata, asked, send
 
     def close(self) -> None:
         """End the stream (its keepalives outstanding fail); the next keepalive opens one.
