@@ -336,6 +336,7 @@ class BackendHost:
         with self._renewal_scope:
             async with anyio.create_task_group() as watchers:
                 watchers.start_soon(self.deadlines.run, name="asynclock deadlines")
+                watchers.start_soon(self.supervisor.watch, name="asynclock renewal watch")
                 await self.supervisor.run()
 
 

@@ -147,6 +147,39 @@ async def test_a_hung_renewal_cancels_each_body_at_its_own_deadline_before_the_s
         assert not long_lease.lost
 
 
+async def test_a_renewal_unanswered_past_its_retry_spacing_suspends_the_client_and_not_before(
+    locks: asynclock.LockClient,
+) -> None:
+    # ttl 2.4 s: renewed 0.8 s after the acquire, suspected 0.2 s into a renewal (a quarter of
+    # the interval). The watcher sleeps through each renewal's window, so it is checked over
+    # several renewals: answered in time twice, then late once.
+    changes = locks.state_changes()
+    faults = memory(locks).faults
+    async with locks.lock("a", ttl=2.4) as lease:
+        for _ in range(2):
+            renewed_at = lease.next_renewal
+            await anyio.sleep_until(renewed_at - 0.05)
+            faults.paused = True  # the renewal waits about 0.05 s for an answer
+            await anyio.sleep(0.1)
+            faults.paused = False
+            with anyio.fail_after(1):
+                while lease.next_renewal == renewed_at:  # noqa: ASYNC110 - no event to wait on
+                    await anyio.sleep(0.01)
+        assert locks.state is asynclock.ConnectionState.CONNECTED
+        renewed_at = lease.next_renewal
+        await anyio.sleep_until(renewed_at - 0.05)
+        faults.paused = True
+        with anyio.fail_after(1):
+            change = await anext(changes)
+        suspended_at = anyio.current_time()
+        assert change.state is asynclock.ConnectionState.SUSPENDED
+        assert renewed_at + 0.2 <= suspended_at < lease.deadline
+        faults.paused = False
+        with anyio.fail_after(1):
+            assert (await anext(changes)).state is asynclock.ConnectionState.RECONNECTED
+    assert not lease.lost
+
+
 @pytest.mark.expect_log(LOST.format("a", DEADLINE))
 @pytest.mark.expect_log(LOST.format("a", INJECTED))
 @pytest.mark.expect_log(LOST.format("a", REMOVED))
