@@ -411,7 +411,7 @@ async def test_a_keepalive_while_the_backend_closes_fails_as_unavailable_and_ope
 ) -> None:
     """Between the end of the keepalive stream and the channel's, in ``aclose()``, the task
     host takes no more tasks: a keepalive then (the idle-lease keeper's, say) gets
-    ``BackendUnavailable``, not the host's RuntimeError, and leaves no stream open."""
+    ``BackendUnavailable`` from the host and leaves no stream open."""
     async with etcd.connect() as locks:
         await (await locks.acquire("closing", ttl=5)).release()
         backend = locks._backend
@@ -422,7 +422,7 @@ async def test_a_keepalive_while_the_backend_closes_fails_as_unavailable_and_ope
         with monkeypatch.context() as patch:
             # The host as its aclose() leaves it first (it then waits for deferred deletes).
             patch.setattr(backend._host, "_group", None)
-            with pytest.raises(asynclock.BackendUnavailable, match="is closing"):
+            with pytest.raises(asynclock.BackendUnavailable, match="is closed"):
                 await leases.stream.keepalive(lease.id, backend._wire.metadata, 1.0)
         assert leases.stream._call is None
 

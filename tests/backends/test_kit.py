@@ -171,7 +171,7 @@ async def test_task_host_owns_its_tasks_and_abandons_late_work() -> None:
     await host.aclose()
     await host.aclose()  # idempotent
     assert stopped.is_set()
-    with pytest.raises(RuntimeError, match="not open"):
+    with pytest.raises(asynclock.BackendUnavailable, match="the backend is closed"):
         host.start_soon(forever, name="late")
 
 

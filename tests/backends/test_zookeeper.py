@@ -505,6 +505,24 @@ async def test_a_client_closed_right_after_a_connection_reset_still_deletes_its_
     assert await zk.tree() == []
 
 
+async def test_a_session_made_while_the_backend_closes_fails_as_unavailable_and_leaves_no_connection(
+    zk: Zk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session whose connection is made as ``aclose()`` begins (the task host takes no more
+    tasks) gets ``BackendUnavailable`` and closes its connection, not left open to the server
+    until its timeout."""
+    async with zk.proxied() as (proxy, locks):
+        await (await locks.acquire("open", ttl=5)).release()
+        backend = backend_of(locks)
+        before = proxy.connections
+        with monkeypatch.context() as patch:
+            # The host as its aclose() leaves it first (it then waits for deferred deletes).
+            patch.setattr(backend._host, "_group", None)
+            with pytest.raises(asynclock.BackendUnavailable, match="the backend is closed"):
+                await backend._new_session(4000)
+        await until(lambda: proxy.connections == before, 2)
+
+
 async def test_the_parent_janitor_sleeps_while_the_client_has_no_parents(
     zk: Zk, monkeypatch: pytest.MonkeyPatch
 ) -> None:

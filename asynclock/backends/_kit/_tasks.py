@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import anyio
 from anyio.abc import TaskGroup
 
+from ..._errors import BackendUnavailable
 from ..._shield import Deferred
 
 __all__ = ("TaskHost",)
@@ -53,9 +54,11 @@ class TaskHost:
     def start_soon(
         self, func: Callable[..., Coroutine[Any, Any, Any]], *args: object, name: str
     ) -> None:
-        """Run ``func(*args)`` until it returns or the backend closes."""
+        """Run ``func(*args)`` until it returns or the backend closes. Refused with
+        ``BackendUnavailable`` once the backend closes (or before it opened): the caller's
+        operation fails as any other on a closed backend does."""
         if self._group is None:
-            raise RuntimeError(f"{name}: the backend is not open")
+            raise BackendUnavailable(f"the backend is closed: it starts no {name!r}")
         self._group.start_soon(func, *args, name=name)
 
     async def start(
@@ -63,7 +66,7 @@ class TaskHost:
     ) -> Any:
         """Like :meth:`start_soon`, and wait until ``func`` calls ``task_status.started()``."""
         if self._group is None:
-            raise RuntimeError(f"{name}: the backend is not open")
+            raise BackendUnavailable(f"the backend is closed: it starts no {name!r}")
         return await self._group.start(func, *args, name=name)
 
     @staticmethod

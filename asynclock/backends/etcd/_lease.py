@@ -158,11 +158,11 @@ class KeepaliveStream:
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         try:
             self._host.start_soon(self._run, call, asked, receive, name="asynclock: keepalives")
-        except RuntimeError:  # the backend is closing: its task host takes no more tasks
+        except BackendUnavailable:  # the backend is closing: its task host takes no more tasks
             call.cancel()
             send.close()
             receive.close()
-            raise BackendUnavailable(f"{self._wire.describe} is closing") from None
+            raise
         self._call, self._metadata, self._asked, self._requests = call, metadata, asked, send
 
     def close(self) -> None:

@@ -148,11 +148,11 @@ class Session:
         self._install(conn)
         try:
             self._host.start_soon(self._run, name="asynclock zookeeper session")
-        except RuntimeError as exc:  # the backend closed while the session was made
+        except BackendUnavailable:  # the backend closed while the session was made
             self.state = "dead"
             self._finished.set()
             await conn.aclose()
-            raise BackendUnavailable(f"the lock client for {self.where} is closed") from exc
+            raise
 
     async def _connect(self, deadline: float, *, first: bool) -> Connection:
         conn, sent_at = await connect(self._settings, self._id, self.where, deadline, first=first)
