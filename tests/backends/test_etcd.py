@@ -424,7 +424,7 @@ async def test_a_keepalive_while_the_backend_closes_fails_as_unavailable_and_ope
             patch.setattr(backend._host, "_group", None)
             with pytest.raises(asynclock.BackendUnavailable, match="is closed"):
                 await leases.stream.keepalive(lease.id, backend._wire.metadata, 1.0)
-        assert leases.stream._call is None
+        assert leases.stream._stream is None
 
 
 @pytest.mark.expect_log(r"releasing 'stuck' on etcd://\S+ did not complete \(MayHaveApplied")

@@ -10,10 +10,14 @@ etcd answers the create requests of one stream in the order they were sent, and 
 watch's events only after its "created" answer (as Go's client relies on), so each "created"
 belongs to the oldest create still unanswered; no client-chosen watch ids (etcd < 3.4 ignores
 them).
+
+:class:`BidiStream` is the shape of both long-lived calls of a client: the watch stream here,
+and the keepalive stream (``_lease.py``).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, Protocol
@@ -26,7 +30,7 @@ from .._kit import BackendUnavailable, TaskHost
 from ._proto import prefix_end
 from ._wire import Wire
 
-__all__ = ("NameWatch", "Stream", "Subscriber", "WatchHub", "delete_watch")
+__all__ = ("BidiStream", "NameWatch", "Stream", "Subscriber", "WatchHub", "delete_watch")
 
 #: A lock name's watch (:class:`NameWatch`) outlives its last waiter by this long, so that a
 #: task taking a lock over and over does not create and cancel it every time.
@@ -178,24 +182,114 @@ class WatchHub:
         return 0 if stream is None or stream.dead else stream.watches
 
 
-class Stream:
-    """One gRPC Watch call, its writer and its reader."""
+class BidiStream(ABC):
+    """One bidirectional gRPC call (a watch or a keepalive stream), its writer and its reader,
+    run by :meth:`run` in the backend's task host. A request is queued (:meth:`send`, no await)
+    and written in order by the writer: no caller awaits the call, so no caller's cancellation
+    reaches it (gRPC ends a call whose read or write is cancelled). Each reply goes to
+    :meth:`_received`. :meth:`end` cancels the call and fails what waits on it
+    (:meth:`_ended`), once; so does an error of the call or its end on the server."""
 
-    def __init__(self, wire: Wire) -> None:
-        # hasleader: a member cut off from the cluster ends the stream instead of going quiet.
-        self._call = wire.watch.Watch(metadata=(*wire.metadata, ("hasleader", "true")))
-        self._describe = wire.describe
+    #: What the stream carries, for messages.
+    kind = "bidirectional"
+
+    def __init__(self, call: Any, describe: str) -> None:
+        self._call = call
+        self._describe = describe
         self.dead = False
         self._out: deque[Any] = deque()
         self._more = anyio.Event()
+        #: Set once the reader and the writer are done with the call.
+        self.stopped = anyio.Event()
+
+    @abstractmethod
+    def _received(self, response: Any) -> None:
+        """A reply of the server (the call is live)."""
+
+    @abstractmethod
+    def _ended(self, error: BaseException) -> None:
+        """The stream is done: fail what waits on it with ``error``."""
+
+    def _idle_after(self) -> float | None:
+        """How long the writer waits for a request before :meth:`_idle` (None: for ever)."""
+        return None
+
+    def _idle(self) -> None:  # noqa: B027 - a hook, with nothing to do by default
+        """The writer has written all it had (or waited ``_idle_after``)."""
+
+    def send(self, request: Any) -> None:
+        self._out.append(request)
+        self._more.set()
+
+    def end(self, error: BaseException) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        self._call.cancel()
+        self._more.set()
+        self._ended(error)
+
+    async def run(self) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write)
+                await self._read()
+        finally:
+            self.stopped.set()
+
+    async def _write(self) -> None:
+        try:
+            while not self.dead:
+                while self._out and not self.dead:
+                    await self._call.write(self._out.popleft())
+                self._more = anyio.Event()
+                if not self._out and not self.dead:
+                    with anyio.move_on_after(self._idle_after()):
+                        await self._more.wait()
+                self._idle()
+        except BaseException as exc:
+            self._failed(exc)
+
+    async def _read(self) -> None:
+        try:
+            while not self.dead:
+                response = await self._call.read()
+                if response is grpc.aio.EOF:
+                    self.end(BackendUnavailable(f"{self._describe}: the {self.kind} stream ended"))
+                    return
+                self._received(response)
+        except BaseException as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """The reader or the writer raised: the call failed, or :meth:`end` cancelled it under
+        them (gRPC raises a bare ``CancelledError`` then: ours, swallowed), or the backend is
+        closing (re-raised)."""
+        ours = self.dead
+        if isinstance(exc, Exception):
+            self.end(exc)
+            return
+        self.end(BackendUnavailable(f"{self._describe}: the {self.kind} stream was cancelled"))
+        if not ours:
+            raise exc
+
+
+class Stream(BidiStream):
+    """The Watch call: its watches, created in the order they were asked for."""
+
+    kind = "watch"
+
+    def __init__(self, wire: Wire) -> None:
+        # hasleader: a member cut off from the cluster ends the stream instead of going quiet.
+        super().__init__(
+            wire.watch.Watch(metadata=(*wire.metadata, ("hasleader", "true"))), wire.describe
+        )
         #: Creates sent and not answered yet, oldest first: their subscriber (None: dropped).
         self._pending: deque[list[Subscriber | None]] = deque()
         self._by_id: dict[int, Subscriber] = {}
         self._ids: dict[Subscriber, list[int]] = {}
         self._slots: dict[Subscriber, list[list[Subscriber | None]]] = {}
         self._names: dict[bytes, NameWatch] = {}
-        #: Set once the reader and the writer are done with the call.
-        self.stopped = anyio.Event()
 
     @property
     def watches(self) -> int:
@@ -210,8 +304,7 @@ class Stream:
             slot: list[Subscriber | None] = [subscriber]
             slots.append(slot)
             self._pending.append(slot)
-            self._out.append(rpc.WatchRequest(create_request=request))
-        self._more.set()
+            self.send(rpc.WatchRequest(create_request=request))
 
     def name_watch(self, prefix: bytes, start: int) -> NameWatch:
         """The watch on the deletes of the keys under ``prefix`` (one lock name), made from
@@ -226,7 +319,10 @@ class Stream:
         """The name watch of ``prefix`` on this stream, if there is one."""
         return None if self.dead else self._names.get(prefix)
 
-    def _reap(self) -> None:
+    def _idle_after(self) -> float | None:
+        return NAME_WATCH_LINGER if self._names else None
+
+    def _idle(self) -> None:
         """Cancel the name watches that have had no waiter for a while."""
         now = anyio.current_time()
         for prefix, watch in list(self._names.items()):
@@ -245,16 +341,10 @@ class Stream:
         self._by_id.pop(watch_id, None)
         if not self.dead:
             request = rpc.WatchCancelRequest(watch_id=watch_id)
-            self._out.append(rpc.WatchRequest(cancel_request=request))
-            self._more.set()
+            self.send(rpc.WatchRequest(cancel_request=request))
 
-    def end(self, error: BaseException) -> None:
-        """The stream is done: every subscriber still on it is told."""
-        if self.dead:
-            return
-        self.dead = True
-        self._call.cancel()
-        self._more.set()
+    def _ended(self, error: BaseException) -> None:
+        """Every subscriber still on the stream is told."""
         subscribers = list(self._slots) + [sub for sub in self._ids if sub not in self._slots]
         self._pending.clear()
         self._by_id.clear()
@@ -264,51 +354,7 @@ class Stream:
         for subscriber in subscribers:
             subscriber.on_failed(error)
 
-    async def run(self) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._write)
-                await self._read()
-        finally:
-            self.stopped.set()
-
-    async def _write(self) -> None:
-        try:
-            while not self.dead:
-                while self._out and not self.dead:
-                    await self._call.write(self._out.popleft())
-                self._more = anyio.Event()
-                if not self._out and not self.dead:
-                    with anyio.move_on_after(NAME_WATCH_LINGER if self._names else None):
-                        await self._more.wait()
-                self._reap()
-        except BaseException as exc:
-            self._failed(exc)
-
-    async def _read(self) -> None:
-        try:
-            while not self.dead:
-                response = await self._call.read()
-                if response is grpc.aio.EOF:
-                    self.end(BackendUnavailable(f"{self._describe}: the watch stream ended"))
-                    return
-                self._dispatch(response)
-        except BaseException as exc:
-            self._failed(exc)
-
-    def _failed(self, exc: BaseException) -> None:
-        """The reader or the writer raised: the stream failed, or :meth:`end` cancelled the
-        call under it (gRPC raises a bare ``CancelledError`` then: ours, swallowed), or the
-        backend is closing (re-raised)."""
-        ours = self.dead
-        if isinstance(exc, Exception):
-            self.end(exc)
-            return
-        self.end(BackendUnavailable(f"{self._describe}: the watch stream was cancelled"))
-        if not ours:
-            raise exc
-
-    def _dispatch(self, response: Any) -> None:
+    def _received(self, response: Any) -> None:
         watch_id = int(response.watch_id)
         if response.created:
             slot: list[Subscriber | None] = self._pending.popleft() if self._pending else [None]

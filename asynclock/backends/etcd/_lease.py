@@ -23,10 +23,10 @@ from typing import Any
 import anyio
 import grpc
 from aetcd import rpc
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._kit import RENEWAL, BackendUnavailable, Grant, LockError, ProvenGone, TaskHost
 from ._errors import Superseded
+from ._hub import BidiStream
 from ._wire import Metadata, Wire
 
 __all__ = ("ClientLease", "EtcdGrant", "KeepaliveStream", "Leases", "lease_gone")
@@ -104,117 +104,89 @@ class _Asked:
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.reply: Any = None
-        self.error: Exception | None = None
+        self.error: BaseException | None = None
+
+
+class _Keepalives(BidiStream):
+    """One LeaseKeepAlive call. etcd answers its requests one at a time, in order: each
+    answer is that of the oldest keepalive outstanding."""
+
+    kind = "keepalive"
+
+    def __init__(self, call: Any, describe: str) -> None:
+        super().__init__(call, describe)
+        self.asked: deque[_Asked] = deque()
+
+    def _received(self, response: Any) -> None:
+        if not self.asked:  # an answer matched to nobody: the order is lost
+            self.end(BackendUnavailable(f"{self._describe}: an unasked keepalive answer"))
+            return
+        answered = self.asked.popleft()
+        answered.reply = response
+        answered.done.set()
+
+    def _ended(self, error: BaseException) -> None:
+        for left in self.asked:
+            left.error = error
+            left.done.set()
+        self.asked.clear()
 
 
 class KeepaliveStream:
     """The client's one LeaseKeepAlive stream, opened for the first keepalive and again after
     it ends. A stream per keepalive (gRPC's call set-up, a task and a task group each) cost
-    0.65-0.90 ms of CPU a keepalive, this 0.29-0.32. etcd answers a stream's requests one at a
-    time, in order: each answer is that of the oldest keepalive outstanding, which etcd got
-    before it renewed (so its send time is a safe start for the lease's new ttl).
-
-    Its reader and writer run in the backend's tasks: a caller waits on an event, and its
-    cancellation leaves the stream whole (gRPC turns a cancelled read or write into the end of
-    the call). A keepalive not answered in time ends the stream, for every keepalive on it."""
+    0.65-0.90 ms of CPU a keepalive, this 0.29-0.32. Each answer is that of the oldest
+    keepalive outstanding, which etcd got before it renewed (so its send time is a safe start
+    for the lease's new ttl). A keepalive not answered in time ends the stream, for every
+    keepalive on it."""
 
     def __init__(self, wire: Wire, host: TaskHost) -> None:
         self._wire = wire
         self._host = host
-        self._call: Any = None
+        self._stream: _Keepalives | None = None
         self._metadata: Metadata = ()
-        self._asked: deque[_Asked] = deque()
-        self._requests: MemoryObjectSendStream[Any] | None = None
 
     async def keepalive(self, lease_id: int, metadata: Metadata, timeout: float | None) -> int:
         """The ttl etcd answered (0: the lease is gone). Like a unary call, it is given up,
         to be sent again, when it is slow and etcd has elected a new leader since it was sent."""
-        if self._call is None or self._metadata != metadata:
+        stream = self._stream
+        if stream is None or stream.dead or self._metadata != metadata:
             self.close()  # a new token (re-authenticated) goes on a new stream
-            self._open(metadata)
-        assert self._requests is not None
-        call, asked = self._call, _Asked()
-        self._asked.append(asked)
-        self._requests.send_nowait(rpc.LeaseKeepAliveRequest(ID=lease_id))
+            stream = self._open(metadata)
+        asked = _Asked()
+        stream.asked.append(asked)
+        stream.send(rpc.LeaseKeepAliveRequest(ID=lease_id))
         term = self._wire.term
         superseded = False
         with anyio.move_on_after(timeout):
             superseded = await self._wire.superseded(asked.done, term)
         if not asked.done.is_set():
-            if self._call is call:
-                self.close()  # its answer would come late, matched to nobody
+            # Its answer would come late, matched to nobody: the stream goes with it.
+            stream.end(BackendUnavailable(f"{self._wire.describe} did not answer a keepalive"))
             if superseded:
                 raise Superseded
-            raise BackendUnavailable(f"{self._wire.describe} did not answer a keepalive")
         if asked.error is not None:
             raise asked.error
-        if asked.reply is None:
-            raise BackendUnavailable(f"{self._wire.describe} closed the keepalive stream")
         return int(asked.reply.TTL)
 
-    def _open(self, metadata: Metadata) -> None:
-        call = self._wire.lease.LeaseKeepAlive(metadata=metadata)
-        asked: deque[_Asked] = deque()
-        send, receive = anyio.create_memory_object_stream[Any](math.inf)
+    def _open(self, metadata: Metadata) -> _Keepalives:
+        stream = _Keepalives(
+            self._wire.lease.LeaseKeepAlive(metadata=metadata), self._wire.describe
+        )
         try:
-            self._host.start_soon(self._run, call, asked, receive, name="asynclock: keepalives")
-        except BackendUnavailable:  # the backend is closing: its task host takes no more tasks
-            call.cancel()
-            send.close()
-            receive.close()
+            self._host.start_soon(stream.run, name="asynclock: keepalives")
+        except BackendUnavailable as exc:  # the backend is closing: it takes no more tasks
+            stream.end(exc)
             raise
-        self._call, self._metadata, self._asked, self._requests = call, metadata, asked, send
+        self._stream, self._metadata = stream, metadata
+        return stream
 
     def close(self) -> None:
         """End the stream (its keepalives outstanding fail); the next keepalive opens one.
         Idempotent."""
-        call, self._call = self._call, None
-        if self._requests is not None:
-            self._requests.close()
-            self._requests = None
-        if call is not None:
-            call.cancel()  # ends its read and write: never cancel the reader's task
-
-    async def _run(
-        self, call: Any, asked: deque[_Asked], requests: MemoryObjectReceiveStream[Any]
-    ) -> None:
-        error: Exception | None = None
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._write, call, requests)
-                while (reply := await call.read()) is not grpc.aio.EOF and asked:
-                    answered = asked.popleft()
-                    answered.reply = reply
-                    answered.done.set()
-                if self._call is call:
-                    self.close()  # etcd ended it: the writer stops too
-        except Exception as exc:
-            error = exc
-            if self._call is call:
-                self.close()
-        except BaseException:
-            if not call.cancelled():  # ours, in close(): the read ends, nothing to report
-                raise
-        finally:
-            requests.close()
-            for left in asked:
-                left.error = error
-                left.done.set()
-            asked.clear()
-
-    @staticmethod
-    async def _write(call: Any, requests: MemoryObjectReceiveStream[Any]) -> None:
-        with requests:
-            async for request in requests:
-                try:
-                    await call.write(request)
-                except Exception:
-                    call.cancel()  # the call has ended: the reader reports it
-                    return
-                except BaseException:
-                    if not call.cancelled():  # ours, in close()
-                        raise
-                    return
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.end(BackendUnavailable(f"{self._wire.describe} closed the keepalive stream"))
 
 
 class Leases:
