@@ -337,13 +337,19 @@ async def test_native_cancellation_at_random_moments_strands_nothing(
             body = rng.uniform(0, round_trip)
             use_timeout = cycle % 5 == 4
 
-            async def hold(body: float = body, use_timeout: bool = use_timeout) -> None:
+            entered: list[bool] = []  # whether the cancels came after the acquire
+
+            async def hold(
+                body: float = body, use_timeout: bool = use_timeout, entered: list[bool] = entered
+            ) -> None:
                 if use_timeout:
                     async with asyncio.timeout(rng.uniform(0, 3 * round_trip)):
                         async with locks.lock(name, ttl=ttl):
+                            entered.append(True)
                             await asyncio.sleep(body)
                 else:
                     async with locks.lock(name, ttl=ttl):
+                        entered.append(True)
                         await asyncio.sleep(body)
 
             task = asyncio.create_task(hold())
@@ -363,9 +369,15 @@ async def test_native_cancellation_at_random_moments_strands_nothing(
                     await probe.release()
                     break
                 if anyio.current_time() - ended > 0.1:
-                    stranded.append(f"cycle {cycle} ({cancels} cancels, timeout={use_timeout})")
-                    # Let it free itself (its ttl), so that the next cycles still count.
-                    await wait_until_free(backend, other, name, within=ttl * 2)
+                    # Let it free itself (its ttl), so that the next cycles still count. When
+                    # it did says which it was: a late undo (soon) or a strand (at the ttl).
+                    late = await wait_until_free(backend, other, name, within=ttl * 2)
+                    stranded.append(
+                        f"cycle {cycle} ({cancels} cancels, timeout={use_timeout}, "
+                        f"body entered: {bool(entered)}): free "
+                        f"{anyio.current_time() - ended:.3f} s after the task ended "
+                        f"({late:.3f} s after the last probe; ttl {ttl:g} s)"
+                    )
                     break
                 await anyio.sleep(0.005)
     # Closing the clients ended every task they started (sessions, watches, retries).
