@@ -149,7 +149,7 @@ class Supervisor:
         """Turn the client's state SUSPENDED when a renewal goes unanswered past its time.
 
         One task for the client's life, whose sleep each renewal moves (two timer changes): a
-        task and a task group per renewal made about a third of a quiet renewal's work."""
+        task and a task group per renewal made about half of a quiet renewal's Python calls."""
         while True:
             with anyio.move_on_at(self._suspect_at) as self._suspect_sleep:
                 await anyio.sleep_forever()
