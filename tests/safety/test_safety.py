@@ -10,6 +10,7 @@ testing toolkit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import asynclock
 from asynclock._registry import make_backend
 from asynclock.testing import EtcdServer, PostgresServer, RedisServer, ZooKeeperServer, _forked
+from asynclock.testing._host import log_tail
 from asynclock.testing._safety import SafetyConfig, SafetyReport, run_safety
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -198,13 +200,28 @@ async def test_a_run_cancelled_natively_leaves_no_worker_process_and_no_files(
     """``task.cancel()`` (once, and again while the first unwinds) as the workers run: every
     worker is killed and reaped, and the run's directory is gone."""
     run = asyncio.create_task(run_safety(config(sqlite_url, 0.6, redis_server.url, duration=60)))
-    with anyio.fail_after(30):
-        while len(workers := forked_workers()) < 4:  # noqa: ASYNC110
-            await anyio.sleep(0.02)
-        # Each worker's standard output is its log, in the run's directory.
-        directory = Path(os.readlink(f"/proc/{min(workers)}/fd/1")).parent
-        while not (directory / "go").exists():  # noqa: ASYNC110
-            await anyio.sleep(0.02)
+    directory = None
+    try:
+        with anyio.fail_after(30):
+            while len(workers := forked_workers()) < 4:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+            # Each worker's standard output is its log, in the run's directory.
+            directory = Path(os.readlink(f"/proc/{min(workers)}/fd/1")).parent
+            while not (directory / "go").exists():  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+    except TimeoutError:
+        # Once in a CI run the workers were not all ready within 30 s: say what they did
+        # (read before the cancelled run removes its directory).
+        found = sorted(directory.glob("*")) if directory is not None else []
+        said = (
+            f"the run did not start within 30 s; workers {sorted(forked_workers())}, run "
+            f"directory {directory}: {[path.name for path in found]}\n"
+            + log_tail(path for path in found if path.suffix == ".log")
+        )
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+        pytest.fail(said, pytrace=False)
     assert len(workers) == 4, workers
     await anyio.sleep(0.3)  # holds under way
     for _ in range(cancels):
