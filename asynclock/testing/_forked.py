@@ -293,6 +293,9 @@ def _run(module: str, argv: list[str]) -> int:
     import traceback
 
     sys.argv = [module, *argv]
+    # Preloaded for what it imports; as ``python -m`` would, run its code afresh as __main__
+    # (runpy warns, in the worker's log, when that module was imported already).
+    sys.modules.pop(module, None)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
