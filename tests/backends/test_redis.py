@@ -440,12 +440,12 @@ async def test_a_reply_that_came_while_the_event_loop_stalled_is_read_not_timed_
         assert isinstance(outcome, Renewed)
         await stalled(lease.release())
         assert await raw_redis.exists(lua.lock_key(prefix, name)) == 0
-        # A waiter blocked in BLPOP (bounded by its wait plus op_timeout) through a stall.
+        # A waiter waiting for its wake (on the client's wake channel) through a stall.
         holder = await other.acquire(name, ttl=5)
         waiter = asyncio.ensure_future(locks.acquire(name, ttl=5, timeout=10))
         await wait_for_queue(raw_redis, prefix, name, 1)
         await asyncio.sleep(0.05)
-        time.sleep(1.0)  # noqa: ASYNC251 (a stall while the waiter blocks in BLPOP)
+        time.sleep(1.0)  # noqa: ASYNC251 (a stall while the waiter waits for its wake)
         await asyncio.sleep(0.3)
         await holder.release()
         taken = await waiter

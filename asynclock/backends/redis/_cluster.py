@@ -214,7 +214,6 @@ class ClusterLane(Lane):
     async def call(
         self,
         *args: str | int | float | bytes,
-        timeout: float | None = None,
         undo: Undo | None = None,
         wait: Wait | None = None,
     ) -> Any:
@@ -224,9 +223,9 @@ class ClusterLane(Lane):
         if args and args[0] == "SCRIPT":
             reply = None
             for address in self._masters:
-                reply = await self._lane(address).call(*args, timeout=timeout)
+                reply = await self._lane(address).call(*args)
             return reply
-        return await self._lane(self._masters[0]).call(*args, timeout=timeout, undo=undo, wait=wait)
+        return await self._lane(self._masters[0]).call(*args, undo=undo, wait=wait)
 
     async def script(
         self,

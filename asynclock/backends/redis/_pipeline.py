@@ -173,11 +173,10 @@ class Master:
         self._connecting = False
         self._backlog: deque[_Request] = deque()
         self._closed = False
-        #: Connections made so far, open now, and the most open at once (for tests and
-        #: ``extra_info``): one, except for a moment while a dead one is replaced.
+        #: Connections made so far (tests read it), and open now (``extra_info`` shows it):
+        #: one, except for a moment while a dead one is replaced.
         self.connections_made = 0
         self.open_connections = 0
-        self.peak_connections = 0
 
     def submit(
         self, args: Sequence[str | int | float | bytes], *, keep: bool = False
@@ -258,7 +257,6 @@ class Master:
         self._link = link
         self.connections_made += 1
         self.open_connections += 1
-        self.peak_connections = max(self.peak_connections, self.open_connections)
         for scope in (
             self._spawn(link.read_replies, f"reading replies of Redis master {self.address}"),
             self._spawn(link.watch, f"watching Redis master {self.address}"),

@@ -77,24 +77,10 @@ def queue_key(prefix: str, name: str, kind: str = "lock") -> str:
     return _key(prefix, QUEUE_TAG, name, kind)
 
 
-def queue_ttl_key(prefix: str, name: str, kind: str = "lock") -> str:
-    """Sorted set of the same waiters, scored by when their place expires (server ms)."""
-    return _key(prefix, QUEUE_TTL_TAG, name, kind)
-
-
 def wake_prefix(prefix: str) -> str:
     """Prefix of the clients' wake channels (``<prefix>wake:<client id>``): Pub/Sub channels,
     not keys, so they belong to no hash slot."""
     return f"{prefix}{WAKE_TAG}"
-
-
-def queue_member(
-    client: str, ttl_ms: int, place_ms: int, owner: str, mode: str = "x", value: bytes = b""
-) -> bytes:
-    """A waiter's entry in the queue: its client (whose channel is told when the lock is handed
-    to it), the ttl its lease gets, how long its place lasts unrefreshed, its mode, its owner id
-    and its value. Built the same way by the scripts."""
-    return f"{client} {ttl_ms} {place_ms} {mode} {owner} ".encode() + value
 
 
 def hold_member(token: int, owner: str, value: bytes = b"") -> bytes:

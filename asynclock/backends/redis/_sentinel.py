@@ -58,8 +58,6 @@ class MasterLocator:
         #: A call got no reply in time: the next read on any connection asks the sentinels
         #: first (a frozen master gives no error that would make a connection ask).
         self.suspect = False
-        #: How many times the sentinels were asked (tests and ``extra_info`` read it).
-        self.lookups = 0
 
     @property
     def current(self) -> HostPort | None:
@@ -176,7 +174,6 @@ class MasterLocator:
         )
 
     async def _ask(self, sentinel: HostPort) -> HostPort | None:
-        self.lookups += 1
         conn = self._connection(sentinel)
         try:
             # One bound for connect and reply: a paused sentinel must not hold the lookup.

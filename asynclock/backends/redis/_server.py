@@ -17,7 +17,7 @@ from ._wire import Lane
 
 logger = logging.getLogger("asynclock")
 
-#: Oldest server with what the scripts need (TIME in scripts, fractional BLPOP timeouts).
+#: Oldest server with what the backends need (TIME in scripts, a user name in AUTH).
 MIN_VERSION: Final = (6, 0)
 
 

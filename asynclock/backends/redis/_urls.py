@@ -69,8 +69,9 @@ class Settings:
     ) -> redis.asyncio.ConnectionPool:
         """A redis-py connection factory for ``address`` (no I/O yet), for :mod:`._wire`.
 
-        Reads have no socket timeout of their own: :mod:`._wire` bounds each call (BLPOP waits
-        longer than ``op_timeout`` by design; Redlock's link bounds its oldest request). A failed connect is retried once, at once.
+        Reads have no socket timeout of their own: :mod:`._wire` bounds each call (the wake
+        channel's reads wait for messages for ever by design, :mod:`._wakes`; Redlock's link
+        bounds its oldest request). A failed connect is retried once, at once.
         ``connection_class`` and ``connection_kwargs``: a connection that finds its server by
         itself (Sentinel's), with what it needs for that.
         """

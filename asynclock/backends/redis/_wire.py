@@ -313,18 +313,17 @@ class Lane:
     async def call(
         self,
         *args: str | int | float | bytes,
-        timeout: float | None = None,
         undo: Undo | None = None,
         wait: Wait | None = None,
     ) -> Any:
         """Send one command and return its reply.
 
-        The reply must come within ``timeout`` seconds (``op_timeout`` by default; ``math.inf``
-        waits for ever, for blocking commands that the caller bounds). With ``undo``, a call
-        interrupted after its command went out (timeout, cancellation) writes the undo behind
-        it on the same connection before the error propagates (see :class:`Undo`). With
-        ``wait``, ``WAIT`` follows the command on its connection, and fewer replicas than
-        asked raise :class:`NotReplicated` after the command ran (if ``wait.needed(reply)``).
+        The reply must come within ``op_timeout`` seconds (while :attr:`connecting`, within the
+        caller's scope). With ``undo``, a call interrupted after its command went out (timeout,
+        cancellation) writes the undo behind it on the same connection before the error
+        propagates (see :class:`Undo`). With ``wait``, ``WAIT`` follows the command on its
+        connection, and fewer replicas than asked raise :class:`NotReplicated` after the command
+        ran (if ``wait.needed(reply)``).
         """
         if self._closed:
             raise redis.exceptions.ConnectionError("the lock backend is closed")
@@ -333,7 +332,7 @@ class Lane:
         else:
             await self._wait_for_turn()
         try:
-            return await self._call(args, timeout, undo, wait)
+            return await self._call(args, undo, wait)
         finally:
             self._end_turn()
 
@@ -359,15 +358,12 @@ class Lane:
     async def _call(
         self,
         args: tuple[str | int | float | bytes, ...],
-        timeout: float | None,
         undo: Undo | None,
         wait: Wait | None = None,
     ) -> Any:
         if self._closed:  # closed while this call waited for its turn
             raise redis.exceptions.ConnectionError("the lock backend is closed")
-        limit = self._op_timeout if timeout is None else timeout
-        if self.connecting:
-            limit = math.inf
+        limit = math.inf if self.connecting else self._op_timeout
         packed = pack(args)
         if wait is not None:
             packed += pack(("WAIT", wait.replicas, wait.timeout_ms))
