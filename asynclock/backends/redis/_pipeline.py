@@ -29,7 +29,7 @@ import anyio
 import redis.exceptions
 from redis.asyncio.connection import AbstractConnection
 
-from .._kit import BackendTimeout, BackendUnavailable, HostPort, TaskHost
+from .._kit import BackendTimeout, BackendUnavailable, HostPort, TaskHost, now
 from ._urls import Settings
 from ._wire import close_now, closing, pack, read, write_now
 
@@ -46,10 +46,6 @@ class Failed:
 
     def __repr__(self) -> str:
         return f"<failed: {self.error!r}>"
-
-
-def _now() -> float:
-    return asyncio.get_running_loop().time()
 
 
 class _Request:
@@ -93,7 +89,7 @@ class _Link:
 
     def send(self, request: _Request) -> None:
         request.attempts += 1
-        request.sent_at = _now()
+        request.sent_at = now()
         self.pending.append(request)
         write_now(self.conn, request.data)
         self._busy.set()
@@ -129,7 +125,7 @@ class _Link:
                 await self._busy.wait()
                 continue
             head = self.pending[0]
-            left = head.sent_at + limit - _now()
+            left = head.sent_at + limit - now()
             if left > 0:
                 await asyncio.sleep(left)
                 continue
@@ -285,12 +281,15 @@ class Master:
             raise
         return conn
 
-    def lost(self, link: _Link, error: BaseException, *, retry: bool) -> None:
+    def lost(
+        self, link: _Link, error: BaseException, *, retry: bool
+    ) -> asyncio.StreamWriter | None:
         """``link`` died: close it, and send its requests again once (``retry``: the server
-        closed it, so none of them runs later) or fail them."""
+        closed it, so none of them runs later) or fail them. Returns its writer, to wait for
+        (see ``finish_closing``), or None if it was closed already."""
         if not link.alive:
-            return
-        link.close()
+            return None
+        writer = link.close()
         self.open_connections -= 1
         if self._link is link:
             self._link = None
@@ -301,6 +300,7 @@ class Master:
                 self._enqueue(request)
             else:
                 request.fail(error)
+        return writer
 
     @property
     def busy(self) -> bool:
@@ -312,13 +312,7 @@ class Master:
         self._closed = True
         link, self._link = self._link, None
         error = BackendUnavailable(f"the connection to Redis master {self.address} is closed")
-        writer = None
-        if link is not None and link.alive:
-            writer = link.close()
-            self.open_connections -= 1
-            pending, link.pending = link.pending, deque()
-            for request in pending:
-                request.fail(error)
+        writer = None if link is None else self.lost(link, error, retry=False)
         self._fail_backlog(error)
         return writer
 
@@ -342,7 +336,7 @@ async def gather(
     ``timeout``; those still out are abandoned (their requests run on, their replies are
     dropped) and count as failed."""
     results: list[Any] = [None] * len(futures)
-    deadline = _now() + timeout
+    deadline = now() + timeout
     settled = second_look = False
     try:
         while True:
@@ -355,8 +349,8 @@ async def gather(
                 settled = True
                 if grace <= 0:
                     break
-                deadline = min(deadline, _now() + grace)
-            left = deadline - _now()
+                deadline = min(deadline, now() + grace)
+            left = deadline - now()
             if left <= 0:
                 if second_look:
                     break
