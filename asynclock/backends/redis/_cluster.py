@@ -120,22 +120,10 @@ class ClusterLane(Lane):
         self._slots: list[HostPort | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         self._masters: list[HostPort] = []
         self._lookup: anyio.Lock | None = None
-        self._wait: dict[str, Wait] = {}
         #: How many times the slot map was read (tests read it).
         self.lookups = 0
 
     # -- nodes and slots -----------------------------------------------------------------------
-
-    @property
-    def wait_for(self) -> dict[str, Wait]:
-        return self._wait
-
-    @wait_for.setter
-    def wait_for(self, value: dict[str, Wait]) -> None:
-        # Lane.__init__ sets it too, before the lanes exist.
-        self._wait = value
-        for lane in getattr(self, "_lanes", {}).values():
-            lane.wait_for = value
 
     @property
     def masters(self) -> list[HostPort]:
@@ -158,7 +146,7 @@ class ClusterLane(Lane):
                 raise redis.exceptions.ConnectionError("the lock backend is closed")
             pool = Settings.pool(self._settings, address)
             lane = Lane(pool, self._settings.op_timeout, self._host)
-            lane.wait_for = self._wait
+            lane.wait_for = self.wait_for  # one dict: ReplicaWait.install fills it in place
             self._lanes[address] = lane
         return lane
 

@@ -50,13 +50,12 @@ class ReplicaWait:
         return cls(replicas, max(1, lua.ttl_ms(seconds)))
 
     def install(self, lane: Lane) -> None:
-        """Make ``lane`` send ``WAIT`` behind every take and renewal."""
+        """Make ``lane`` send ``WAIT`` behind every take and renewal (in place: a cluster's
+        lanes share its dict)."""
         if not self.replicas:
             return
-        lane.wait_for = {
-            _queue.TAKE.sha: Wait(self.replicas, self.timeout_ms, _took),
-            lua.RENEW.sha: Wait(self.replicas, self.timeout_ms, _renewed),
-        }
+        lane.wait_for[_queue.TAKE.sha] = Wait(self.replicas, self.timeout_ms, _took)
+        lane.wait_for[lua.RENEW.sha] = Wait(self.replicas, self.timeout_ms, _renewed)
 
     def info(self) -> dict[str, Any]:
         return {"wait_replicas": self.replicas, "wait_timeout": self.timeout_ms / 1000}
