@@ -14,9 +14,9 @@ Fencing tokens keep that safe; ``wait_replicas`` narrows the window.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any, Final, Self
 
 from .._kit import HostPort, InvalidURL, Options, WaiterRegistry, parse_hosts, redact
@@ -24,14 +24,13 @@ from . import _scripts as lua
 from ._cluster import ClusterLane, ClusterSettings
 from ._records import RedisWaiters
 from ._replicas import ReplicaWait, topology_options
-from ._urls import DEFAULT_PORT, Settings, common_settings, split_url
+from ._urls import DEFAULT_PORT, common_settings, split_url
 from .backend import RedisBackend
 
 __all__ = ("RedisClusterBackend",)
 
 _EXAMPLE: Final = "redis+cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002"
 _SCHEMES: Final = ("redis+cluster", "rediss+cluster")
-_SETTINGS: Final = tuple(field.name for field in dataclasses.fields(Settings))
 
 
 class RedisClusterBackend(RedisBackend):
@@ -65,7 +64,9 @@ class RedisClusterBackend(RedisBackend):
         opts = Options(options, source)
         tls = parts.scheme == "rediss+cluster"
         base = common_settings(opts, source=source, url=parts, tls=tls)
-        settings = ClusterSettings(**{f: getattr(base, f) for f in _SETTINGS}, nodes=seeds)
+        settings = ClusterSettings(
+            **{field.name: getattr(base, field.name) for field in fields(base)}, nodes=seeds
+        )
         return cls(seeds, settings, **topology_options(opts, source, base.op_timeout))
 
     def describe(self) -> str:

@@ -15,6 +15,7 @@ one's), and ``wait_replicas`` narrows the window (see ``docs/backends/redis-sent
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any, Final, Self
 
 from .._kit import HostPort, InvalidURL, Options, parse_hosts
@@ -68,14 +69,7 @@ class RedisSentinelBackend(RedisBackend):
             password=opts.optional_text("sentinel_password"),
         )
         settings = SentinelSettings(
-            db=base.db,
-            username=base.username,
-            password=base.password,
-            tls=False,
-            prefix=base.prefix,
-            op_timeout=base.op_timeout,
-            client_name=base.client_name,
-            locator=locator,
+            **{field.name: getattr(base, field.name) for field in fields(base)}, locator=locator
         )
         kwargs = topology_options(opts, source, base.op_timeout, _OWN_OPTIONS)
         return cls(sentinels, settings, locator, **kwargs)
