@@ -23,6 +23,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -36,30 +37,26 @@ from ._wire import close_now, closing, pack, read, write_now
 logger = logging.getLogger("asynclock")
 
 
+@dataclass(slots=True, eq=False)
 class Failed:
     """A master that did not answer (or answered with an error) in time."""
 
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+    error: BaseException
 
     def __repr__(self) -> str:
         return f"<failed: {self.error!r}>"
 
 
+@dataclass(slots=True, eq=False)
 class _Request:
     """One command for one master. ``keep``: send it even if its caller stopped waiting (a
     release must reach the server; a take that nobody waits for any more need not)."""
 
-    __slots__ = ("attempts", "data", "future", "keep", "sent_at")
-
-    def __init__(self, data: bytes, future: asyncio.Future[Any], keep: bool) -> None:
-        self.data = data
-        self.future = future
-        self.keep = keep
-        self.attempts = 0
-        self.sent_at = 0.0
+    data: bytes
+    future: asyncio.Future[Any]
+    keep: bool
+    attempts: int = 0
+    sent_at: float = 0.0
 
     @property
     def wanted(self) -> bool:

@@ -8,6 +8,7 @@ import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
@@ -47,15 +48,13 @@ def majority_answered(results: list[Any], *, quorum: int) -> bool:
     return answered >= quorum
 
 
+@dataclass(slots=True, eq=False)
 class RenewVotes:
     """The replies of ``count`` masters to one RENEW of ``size`` locks."""
 
-    __slots__ = ("count", "quorum", "size")
-
-    def __init__(self, count: int, quorum: int, size: int) -> None:
-        self.count = count
-        self.quorum = quorum
-        self.size = size
+    count: int
+    quorum: int
+    size: int
 
     def codes(self, result: Any) -> list[int] | None:
         if isinstance(result, list) and len(result) == self.size:
