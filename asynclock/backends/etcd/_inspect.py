@@ -99,11 +99,10 @@ class Inspector:
         found: dict[int, float | None] = {}
 
         async def one(lease_id: int) -> None:
-            reply = await wire.call(
+            reply = await wire.unary(
                 f"reading lease {lease_id:016x}",
-                lambda md, timeout: wire.lease.LeaseTimeToLive(
-                    rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=timeout, metadata=md
-                ),
+                wire.lease.LeaseTimeToLive,
+                rpc.LeaseTimeToLiveRequest(ID=lease_id),
             )
             found[lease_id] = float(reply.TTL) if int(reply.TTL) >= 0 else None
 

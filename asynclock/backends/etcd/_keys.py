@@ -142,12 +142,7 @@ class Keys:
                 what, rpc.TxnRequest(compare=[create_is(key, rev)], success=[delete_op(key)])
             )
         else:
-            await self._wire.call(
-                what,
-                lambda md, timeout: self._wire.kv.DeleteRange(
-                    rpc.DeleteRangeRequest(key=key), timeout=timeout, metadata=md
-                ),
-            )
+            await self._wire.unary(what, self._wire.kv.DeleteRange, rpc.DeleteRangeRequest(key=key))
         # Gone (or, guarded on a create revision, no longer the key that was ours).
         self.gone(key)
 
