@@ -70,7 +70,8 @@ class Attempt:
     node: str | None = field(default=None, init=False)
     #: A create was sent whose outcome we do not know.
     unsure: bool = field(default=False, init=False)
-    #: Told when our node is queued (``LockRequest.answered``; the backend calls it once).
+    #: Told when our node is queued (``LockRequest.answered``), then cleared: told once, also
+    #: over the backend's attempts (it hands an untold one on to the next).
     answered: Callable[[], None] | None = None
     #: Whether any node was ever seen ahead of ours: then its release marks the hand-over.
     waited: bool = field(default=False, init=False)
