@@ -47,50 +47,38 @@ def bracket(host: str) -> str:
 
 def parse_host(text: str, *, default_port: int, url: str, example: str) -> HostPort:
     """One ``host[:port]`` entry; IPv6 addresses in brackets, ports 1-65535."""
-    shown = redact(url)
+
+    def bad(problem: str) -> InvalidURL:
+        """The error for ``problem``, which follows the URL (``" names ..."``, ``": ..."``)."""
+        return InvalidURL(f"{redact(url)!r}{problem}; expected for example {example}")
+
     entry = text.strip()
     if not entry:
-        raise InvalidURL(f"{shown!r} names an empty host; expected for example {example}")
+        raise bad(" names an empty host")
     if entry.startswith("["):
         host, closed, rest = entry[1:].partition("]")
         if not closed or not host:
-            raise InvalidURL(
-                f"{shown!r}: unbalanced '[' in {entry!r}; expected for example {example}"
-            )
+            raise bad(f": unbalanced '[' in {entry!r}")
         if rest and not rest.startswith(":"):
-            raise InvalidURL(
-                f"{shown!r}: unexpected {rest!r} after [{host}]; expected for example {example}"
-            )
+            raise bad(f": unexpected {rest!r} after [{host}]")
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise InvalidURL(
-                f"{shown!r}: [{host}] is not an IPv6 address; expected for example {example}"
-            ) from None
+            raise bad(f": [{host}] is not an IPv6 address") from None
         port_text = rest[1:] if rest else None
     else:
         if entry.count(":") > 1:
-            raise InvalidURL(
-                f"{shown!r}: IPv6 addresses go in brackets, as in [::1]:{default_port}; "
-                f"expected for example {example}"
-            )
+            raise bad(f": IPv6 addresses go in brackets, as in [::1]:{default_port}")
         host, colon, port_text_or_empty = entry.partition(":")
         port_text = port_text_or_empty if colon else None
         if not host:
-            raise InvalidURL(
-                f"{shown!r} names no host in {entry!r}; expected for example {example}"
-            )
+            raise bad(f" names no host in {entry!r}")
         if not all(char.isalnum() or char in "-._%" for char in host):
-            raise InvalidURL(
-                f"{shown!r}: {host!r} is not a host name or address; expected for example {example}"
-            )
+            raise bad(f": {host!r} is not a host name or address")
     if port_text is None:
         return HostPort(host, default_port)
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise InvalidURL(
-            f"{shown!r}: port {port_text!r} is not a number from 1 to 65535; expected for "
-            f"example {example}"
-        )
+        raise bad(f": port {port_text!r} is not a number from 1 to 65535")
     return HostPort(host, int(port_text))
 
 

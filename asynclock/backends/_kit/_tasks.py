@@ -61,14 +61,6 @@ class TaskHost:
             raise BackendUnavailable(f"the backend is closed: it starts no {name!r}")
         self._group.start_soon(func, *args, name=name)
 
-    async def start(
-        self, func: Callable[..., Coroutine[Any, Any, Any]], *args: object, name: str
-    ) -> Any:
-        """Like :meth:`start_soon`, and wait until ``func`` calls ``task_status.started()``."""
-        if self._group is None:
-            raise BackendUnavailable(f"the backend is closed: it starts no {name!r}")
-        return await self._group.start(func, *args, name=name)
-
     @staticmethod
     async def within(timeout: float, func: Callable[[], Awaitable[T]], what: str) -> T | None:
         """``await func()``, abandoned (cancelled) after ``timeout`` seconds: then None."""

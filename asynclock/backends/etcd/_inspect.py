@@ -12,7 +12,7 @@ from aetcd import rpc
 from .._kit import HolderInfo, Kind, LockError, LockInfo
 from ._hub import WatchHub
 from ._names import is_shared, lease_of, name_prefix, owner_of, permits_of, waiting_permit
-from ._proto import prefix_end
+from ._proto import prefix_end, range_op
 from ._wire import Wire
 
 __all__ = ("Inspector",)
@@ -62,15 +62,9 @@ class Inspector:
         # permits and waiting marks (a few bytes each), and only the leader's of an election
         # (a candidate's may be 64 KiB). A lock's values are its owners (its key's name may be
         # an earlier acquisition's: see Keys.reuse).
-        def oldest_first(**fields: Any) -> Any:
-            sort = {"sort_target": rpc.RangeRequest.CREATE, "sort_order": rpc.RangeRequest.ASCEND}
-            return rpc.RequestOp(
-                request_range=rpc.RangeRequest(key=prefix, range_end=end, **sort, **fields)
-            )
-
-        reads = [oldest_first(keys_only=kind == "election")]
+        reads = [range_op(prefix, end, values=kind != "election", first="oldest")]
         if kind == "election":
-            reads.append(oldest_first(limit=1))
+            reads.append(range_op(prefix, end, values=True, first="oldest", limit=1))
         reply = await wire.txn(f"inspecting {kind} {name!r}", rpc.TxnRequest(success=reads))
         ranges = [response.response_range for response in reply.responses]
         kvs = list(ranges[0].kvs)
@@ -99,11 +93,10 @@ class Inspector:
         found: dict[int, float | None] = {}
 
         async def one(lease_id: int) -> None:
-            reply = await wire.call(
+            reply = await wire.unary(
                 f"reading lease {lease_id:016x}",
-                lambda md, timeout: wire.lease.LeaseTimeToLive(
-                    rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=timeout, metadata=md
-                ),
+                wire.lease.LeaseTimeToLive,
+                rpc.LeaseTimeToLiveRequest(ID=lease_id),
             )
             found[lease_id] = float(reply.TTL) if int(reply.TTL) >= 0 else None
 

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from aetcd import rpc
 
+from ._names import name_of
 from ._proto import create_is, delete_op
 from ._wire import Wire
 
@@ -91,7 +92,7 @@ class Keys:
         self._recent.pop(key, None)
         if key not in self.local:
             self.local[key] = []
-            name = _name_of(key)
+            name = name_of(key)
             self.by_name.setdefault(name, []).append(key)
             self._unsettled.add(key)
             self.unsettled[name] = self.unsettled.get(name, 0) + 1
@@ -100,7 +101,7 @@ class Keys:
         """We know where ``key`` stands in its queue."""
         if key in self._unsettled:
             self._unsettled.discard(key)
-            name = _name_of(key)
+            name = name_of(key)
             if self.unsettled[name] == 1:
                 del self.unsettled[name]
             else:
@@ -127,7 +128,7 @@ class Keys:
             self._recent[key] = None
             if len(self._recent) > _RECENT:
                 del self._recent[next(iter(self._recent))]
-        name = _name_of(key)
+        name = name_of(key)
         keys = self.by_name.get(name)
         if keys is not None and key in keys:
             keys.remove(key)
@@ -142,12 +143,7 @@ class Keys:
                 what, rpc.TxnRequest(compare=[create_is(key, rev)], success=[delete_op(key)])
             )
         else:
-            await self._wire.call(
-                what,
-                lambda md, timeout: self._wire.kv.DeleteRange(
-                    rpc.DeleteRangeRequest(key=key), timeout=timeout, metadata=md
-                ),
-            )
+            await self._wire.unary(what, self._wire.kv.DeleteRange, rpc.DeleteRangeRequest(key=key))
         # Gone (or, guarded on a create revision, no longer the key that was ours).
         self.gone(key)
 
@@ -167,9 +163,3 @@ class Keys:
         await self.delete(key, rev, "deleting the lock key of a cancelled acquire")
         if self.orphans.get(key) == rev:
             del self.orphans[key]
-
-
-def _name_of(key: bytes) -> bytes:
-    """The prefix of every key of ``key``'s lock name: up to its last "/" (the percent-encoded
-    name and the "<lease>-<owner>" part have none)."""
-    return key[: key.rindex(b"/") + 1]

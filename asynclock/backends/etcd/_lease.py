@@ -11,7 +11,6 @@ waited for a keepalive, or for a grant once the lease had lapsed). Any keepalive
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import secrets
@@ -234,9 +233,10 @@ class Leases:
             self._granted.add(lease_id)
             sent_at = anyio.current_time()
             try:
-                reply = await self._wire.call(
+                reply = await self._wire.unary(
                     f"granting a {bucket} s lease",
-                    functools.partial(self._grant_rpc, bucket, lease_id),
+                    self._wire.lease.LeaseGrant,
+                    rpc.LeaseGrantRequest(TTL=bucket, ID=lease_id),
                 )
             except BackendUnavailable as exc:
                 cause = exc.__cause__
@@ -257,11 +257,6 @@ class Leases:
                 )
             return self._adopt(ClientLease(int(reply.ID), bucket, int(reply.TTL), sent_at))
         raise BackendUnavailable(f"{self._wire.describe} refused three random lease ids")
-
-    def _grant_rpc(self, bucket: int, lease_id: int, metadata: Metadata, timeout: float) -> Any:
-        return self._wire.lease.LeaseGrant(
-            rpc.LeaseGrantRequest(TTL=bucket, ID=lease_id), timeout=timeout, metadata=metadata
-        )
 
     def _adopt(self, lease: ClientLease) -> ClientLease:
         self.by_id[lease.id] = lease
@@ -363,11 +358,10 @@ class Leases:
 
     async def _revoke(self, lease_id: int) -> None:
         try:
-            await self._wire.call(
+            await self._wire.unary(
                 f"revoking lease {lease_id:016x}",
-                lambda md, timeout: self._wire.lease.LeaseRevoke(
-                    rpc.LeaseRevokeRequest(ID=lease_id), timeout=timeout, metadata=md
-                ),
+                self._wire.lease.LeaseRevoke,
+                rpc.LeaseRevokeRequest(ID=lease_id),
             )
         except ProvenGone:
             pass

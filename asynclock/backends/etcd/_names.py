@@ -29,7 +29,6 @@ __all__ = (
     "blockers",
     "is_shared",
     "key_base",
-    "kind_of",
     "lease_of",
     "name_of",
     "name_prefix",
@@ -53,15 +52,6 @@ _NAMESPACES: Final[dict[str, bytes]] = {
 def name_prefix(prefix: bytes, name: str, kind: Kind) -> bytes:
     """The prefix of every key of ``name`` of ``kind``, ending in "/"."""
     return prefix + _NAMESPACES[kind] + quote(name, safe="").encode("ascii") + b"/"
-
-
-def kind_of(key: bytes, prefix: bytes) -> Kind:
-    rest = key[len(prefix) :]
-    if rest.startswith(_NAMESPACES["semaphore"]):
-        return "semaphore"
-    if rest.startswith(_NAMESPACES["election"]):
-        return "election"
-    return "lock"
 
 
 def name_of(key: bytes) -> bytes:

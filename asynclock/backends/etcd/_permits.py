@@ -36,16 +36,11 @@ from ._hub import delete_watch
 from ._lease import ClientLease
 from ._names import permit_value, permit_values
 from ._order import Rule, check_permits, may_try, read_limit
-from ._proto import create_is, mod_below, newest_op, put_op, values_within
+from ._proto import create_is, mod_below, put_op, range_op, values_within
 from ._watch import UNSYNCED_POLLS, Wait, raise_failure
 from ._wire import Wire
 
 __all__ = ("PermitWait", "enqueue_op", "entered", "free_guard", "grant_request")
-
-
-def _read(key: bytes, end: bytes, **fields: Any) -> Any:
-    """A read of keys with their values (``range_op`` reads keys only)."""
-    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key, range_end=end, **fields))
 
 
 async def free_guard(wire: Wire, name: str, rule: Rule) -> Any | None:
@@ -54,7 +49,7 @@ async def free_guard(wire: Wire, name: str, rule: Rule) -> Any | None:
     permit is free. (etcd cannot compare a count: hence the read.)"""
     seen = await wire.txn(
         f"reading semaphore {name!r}",
-        rpc.TxnRequest(success=[_read(rule.low, rule.high, limit=rule.permits)]),
+        rpc.TxnRequest(success=[range_op(rule.low, rule.high, values=True, limit=rule.permits)]),
     )
     found = seen.responses[0].response_range
     values = [bytes(kv.value) for kv in found.kvs]
@@ -70,13 +65,15 @@ def enqueue_op(rule: Rule, own: bytes, lease_id: int) -> Any:
     there is none), and read it and the keys before it (see :func:`entered`)."""
     then = [
         put_op(own, permit_value(rule.permits, waiting=True), lease_id),
-        newest_op(rule.low, rule.high, read_limit(rule, enqueue=True), values=True),
+        range_op(
+            rule.low, rule.high, values=True, first="newest", limit=read_limit(rule, enqueue=True)
+        ),
     ]
     if_empty = rpc.TxnRequest(
         compare=[create_is(rule.low, 0, range_end=rule.high)],
         success=then,
         # One key, with its value: the number it was created with.
-        failure=[_read(rule.low, rule.high, limit=1)],
+        failure=[range_op(rule.low, rule.high, values=True, limit=1)],
     )
     same = rpc.TxnRequest(
         compare=values_within(rule.low, *permit_values(rule.permits), rule.high),

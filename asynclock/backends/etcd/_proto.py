@@ -3,7 +3,7 @@ conversion of ``aetcd`` transaction operations into them (for fenced transaction
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final, Literal
 
 from aetcd import rpc
 from aetcd import transactions as aetcd_transactions
@@ -15,7 +15,6 @@ __all__ = (
     "delete_op",
     "mod_below",
     "move_op",
-    "newest_op",
     "prefix_end",
     "put_op",
     "range_op",
@@ -57,25 +56,24 @@ def values_within(key: bytes, low: bytes, high: bytes, range_end: bytes = b"") -
     ]
 
 
-def range_op(key: bytes, range_end: bytes = b"", **fields: Any) -> Any:
-    return rpc.RequestOp(
-        request_range=rpc.RangeRequest(key=key, range_end=range_end, keys_only=True, **fields)
-    )
+_FIRST: Final = {"oldest": rpc.RangeRequest.ASCEND, "newest": rpc.RangeRequest.DESCEND}
 
 
-def newest_op(low: bytes, high: bytes, limit: int, *, values: bool, **fields: Any) -> Any:
-    """A read of the newest ``limit`` keys of [low, high), newest first (with their values, or
-    keys only)."""
+def range_op(
+    key: bytes,
+    range_end: bytes = b"",
+    *,
+    values: bool = False,
+    first: Literal["oldest", "newest"] | None = None,
+    **fields: Any,
+) -> Any:
+    """A read of ``key`` (of [key, range_end) with ``range_end``): keys only, or with their
+    ``values``; with ``first``, sorted by create revision, oldest or newest first."""
+    if first is not None:
+        fields["sort_target"] = rpc.RangeRequest.CREATE
+        fields["sort_order"] = _FIRST[first]
     return rpc.RequestOp(
-        request_range=rpc.RangeRequest(
-            key=low,
-            range_end=high,
-            keys_only=not values,
-            sort_target=rpc.RangeRequest.CREATE,
-            sort_order=rpc.RangeRequest.DESCEND,
-            limit=limit,
-            **fields,
-        )
+        request_range=rpc.RangeRequest(key=key, range_end=range_end, keys_only=not values, **fields)
     )
 
 

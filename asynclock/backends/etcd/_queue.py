@@ -35,7 +35,7 @@ from ._lease import ClientLease, EtcdGrant, Leases, lease_gone
 from ._names import SHARED_MARK, blockers, lease_of, name_of, name_prefix, permit_value
 from ._order import Rule, Standing, read_limit, rule, standing
 from ._permits import PermitWait, enqueue_op, entered, free_guard, grant_request
-from ._proto import create_is, delete_op, newest_op, prefix_end, put_op, range_op
+from ._proto import create_is, delete_op, prefix_end, put_op, range_op
 from ._urls import bucket
 from ._watch import TurnWait
 from ._wire import Wire, ended
@@ -343,14 +343,7 @@ class Queue:
             # A key of ours whose place is not known yet (its request is on its way): the
             # lowest key left, whoever's it is. (Only then: etcd reads every key of the name
             # to sort them.)
-            lowest_op = range_op(
-                prefix,
-                end,
-                sort_target=rpc.RangeRequest.CREATE,
-                sort_order=rpc.RangeRequest.ASCEND,
-                limit=1,
-            )
-            reads = [lowest_op]
+            reads = [range_op(prefix, end, first="oldest", limit=1)]
         keys.releasing.add(key)
         try:
             reply = await self._wire.txn(
@@ -389,7 +382,7 @@ class Queue:
             # Our key was created last, so the newest keys are ours (unless it is a reader's),
             # the one before, and whether there is one before that.
             limit = read_limit(order, enqueue=True)
-            queue = [attempt.put(), newest_op(order.low, order.high, limit, values=False)]
+            queue = [attempt.put(), range_op(order.low, order.high, first="newest", limit=limit)]
         reply = await self._wire.txn(
             attempt.what("queueing for"),
             rpc.TxnRequest(compare=[create_is(key, 0)], success=queue, failure=[range_op(key)]),
@@ -419,8 +412,13 @@ class Queue:
         """One linearizable read: ``None`` if our key is gone, else our place."""
         order = attempt.rule
         limit = read_limit(order, enqueue=False)
-        older = newest_op(
-            order.low, order.high, limit, values=order.marked, max_create_revision=attempt.rev - 1
+        older = range_op(
+            order.low,
+            order.high,
+            values=order.marked,
+            first="newest",
+            limit=limit,
+            max_create_revision=attempt.rev - 1,
         )
         reply = await self._wire.txn(
             attempt.what("checking our place for"),

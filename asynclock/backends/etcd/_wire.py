@@ -22,7 +22,7 @@ import gc
 import ipaddress
 import math
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Final, Protocol, TypeVar
 
 import anyio
@@ -170,23 +170,15 @@ class Wire:
         self.connecting = True
         if self.settings.user is not None:
             await self.authenticate()
-        status = await self.call(
-            "connecting",
-            lambda md, timeout: self._maintenance.Status(
-                rpc.StatusRequest(), timeout=timeout, metadata=md
-            ),
-        )
+        status = await self.unary("connecting", self._maintenance.Status, rpc.StatusRequest())
         self.server_version = str(status.version)
         # A linearizable read: proves there is a leader (a quorum), and, with auth, that we may
         # read our prefix.
         prefix = self.settings.prefix.encode("utf-8")
-        await self.call(
+        await self.unary(
             "reading the lock prefix",
-            lambda md, timeout: self.kv.Range(
-                rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True),
-                timeout=timeout,
-                metadata=md,
-            ),
+            self.kv.Range,
+            rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True),
         )
         self.connecting = False
 
@@ -264,15 +256,28 @@ class Wire:
 
     # -- calls -------------------------------------------------------------------------------
 
-    async def txn(
-        self, what: str, request: Any, *, keep: Keep | None = None, retry: bool = True
-    ) -> Any:
-        return await self.call(
+    def unary(
+        self,
+        what: str,
+        method: Callable[..., Any],
+        request: Any,
+        *,
+        keep: Keep | None = None,
+        retry: bool = True,
+    ) -> Coroutine[Any, Any, Any]:
+        """:meth:`call` of a stub's unary ``method`` with ``request`` (a plain function that
+        returns :meth:`call`'s coroutine: no coroutine of its own on every request)."""
+        return self.call(
             what,
-            lambda md, timeout: self.kv.Txn(request, timeout=timeout, metadata=md),
+            lambda md, timeout: method(request, timeout=timeout, metadata=md),
             keep=keep,
             retry=retry,
         )
+
+    def txn(
+        self, what: str, request: Any, *, keep: Keep | None = None, retry: bool = True
+    ) -> Coroutine[Any, Any, Any]:
+        return self.unary(what, self.kv.Txn, request, keep=keep, retry=retry)
 
     async def call(
         self, what: str, call: Call, *, keep: Keep | None = None, retry: bool = True

@@ -148,33 +148,27 @@ class EtcdBackend(Backend[EtcdGrant]):
         return self._queue.hand_over(attempt)
 
     async def renew(self, grants: Sequence[EtcdGrant]) -> Sequence[RenewOutcome]:
-        outcomes: dict[int, RenewOutcome] = {}
         leases: dict[int, ClientLease] = {}
-        for index, grant in enumerate(grants):
+        for grant in grants:
             lease = self._leases.by_id.get(grant.lease_id)
-            if lease is None or lease.dead:
-                outcomes[index] = Lost(lease_gone(grant.lease_id))
-            else:
+            if lease is not None and not lease.dead:
                 leases[lease.id] = lease
-        live = [grant for index, grant in enumerate(grants) if index not in outcomes]
+        live = [grant for grant in grants if grant.lease_id in leases]
         refreshed, present, checked = await self._renew_round(leases, live)
-        for index, grant in enumerate(grants):
-            if index in outcomes:
-                continue
-            lease = leases[grant.lease_id]
-            result = refreshed.get(lease.id, True)
-            if isinstance(result, BaseException):
-                outcomes[index] = Unknown(result)
-            elif not result:
-                outcomes[index] = Lost(lease_gone(lease.id))
+        outcomes: list[RenewOutcome] = []
+        for grant in grants:
+            # No lease (gone before this round), or its keepalive found it gone.
+            lease = leases.get(grant.lease_id)
+            result = refreshed.get(grant.lease_id, True)
+            if lease is None or not result:
+                outcomes.append(Lost(lease_gone(grant.lease_id)))
+            elif isinstance(result, BaseException):
+                outcomes.append(Unknown(result))
             elif grant.key in checked and present.get(grant.key) != grant.token:
-                outcomes[index] = Lost(
-                    f"the lock key {grant.key!r} was deleted on the server (by an operator or "
-                    "another client); someone else may hold the lock now"
-                )
+                outcomes.append(Lost(_key_deleted(grant.key)))
             else:
-                outcomes[index] = Renewed(lease.valid_from, float(lease.ttl))
-        return [outcomes[index] for index in range(len(grants))]
+                outcomes.append(Renewed(lease.valid_from, float(lease.ttl)))
+        return outcomes
 
     async def _renew_round(
         self, leases: Mapping[int, ClientLease], live: Sequence[EtcdGrant]
@@ -285,10 +279,7 @@ class EtcdBackend(Backend[EtcdGrant]):
             # it rode on a lease that expires).
             return Unknown(exc)
         if not reply.succeeded:
-            return Lost(
-                f"the lock key {grant.key!r} was deleted on the server (by an operator or "
-                "another client); someone else may hold the lock now"
-            )
+            return Lost(_key_deleted(grant.key))
         old.held.discard(grant)
         lease.held.add(grant)
         grant.lease_id, grant.ttl = lease.id, float(lease.ttl)
@@ -326,3 +317,10 @@ class EtcdBackend(Backend[EtcdGrant]):
             return None
         result = reply.responses[0].response_txn
         return bool(result.succeeded), list(result.responses)
+
+
+def _key_deleted(key: bytes) -> str:
+    return (
+        f"the lock key {key!r} was deleted on the server (by an operator or another client); "
+        "someone else may hold the lock now"
+    )

@@ -12,7 +12,6 @@ Server error replies are raised as aiozk exceptions: the backend translates them
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from urllib.parse import unquote
 
 import anyio
@@ -22,9 +21,8 @@ from .._kit import HolderInfo, Kind, LockInfo
 from . import _proto
 from ._names import SHARED, permits_of
 from ._order import Queued, queue
-from ._session import ATTEMPTS, Session
+from ._session import ATTEMPTS, Session, Wake
 from ._tree import Tree
-from ._wire import NO_EVENT
 
 __all__ = ("inspect", "wait_for_change")
 
@@ -99,20 +97,8 @@ async def _children(session: Session, parent: str, *, watch: bool) -> list[str] 
     (listed,) = await session.call_retrying(_proto.get_children(parent, watch=watch))
     if isinstance(listed, zk_exc.NoNode):
         return None
-    if isinstance(listed, Exception):
-        raise listed
-    children: list[str] = listed.children
+    children: list[str] = _proto.checked(listed).children
     return children
-
-
-@dataclass(eq=False, slots=True)
-class _Wake:
-    """Set by a watch event (called with its type) or a change of the session's state."""
-
-    event: anyio.Event
-
-    def __call__(self, event_type: int = NO_EVENT) -> None:
-        self.event.set()
 
 
 def _same(info: LockInfo, seen: LockInfo) -> bool:
@@ -138,7 +124,7 @@ async def wait_for_change(
     too: the caller inspects again.
     """
     parent = tree.parent(name, kind)
-    wake = _Wake(anyio.Event())
+    wake = Wake()
     watched: list[str] = []
 
     def watch(path: str) -> None:
@@ -150,7 +136,7 @@ async def wait_for_change(
         with anyio.move_on_after(timeout):
             if await _changed(session, parent, name, kind, seen, watch):
                 return
-            await wake.event.wait()
+            await wake.future
     finally:
         session.drop_listener(wake)
         for path in watched:

@@ -212,9 +212,7 @@ class LockSession(Session):
             await self.delete([path], parent)
             return
         (reply,) = await self.call_retrying(_proto.release(path, RELEASED))
-        if isinstance(reply, Exception):
-            raise reply
-        marked, deleted = reply
+        marked, deleted = _proto.checked(reply)
         if isinstance(deleted, Exception) and not isinstance(marked, zk_exc.NoNode):
             # Refused as a whole, and not because the node is gone already (a retry after a
             # lost reply, a revoke): the plain delete raises what it refuses.

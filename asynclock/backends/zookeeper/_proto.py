@@ -29,6 +29,7 @@ __all__ = (
     "Node",
     "Request",
     "Stat",
+    "checked",
     "close",
     "create",
     "delete",
@@ -232,6 +233,13 @@ def release(path: str, data: bytes) -> Request:
 
 def close() -> Request:
     return Request(_CLOSE, b"", _read_nothing)
+
+
+def checked(reply: Any) -> Any:
+    """``reply``; raised if it is an error reply (an exception)."""
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
 
 
 def read_event(body: bytes) -> Event:

@@ -15,11 +15,10 @@ are: the backend translates them (``_errors.zk_errors``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import anyio
 from aiozk import exc as zk_exc
@@ -31,10 +30,9 @@ from ._errors import SERVER_ERRORS, ConnectionLoss, NotConnected, SessionGone
 from ._lease import LockSession, ZooKeeperGrant
 from ._names import EXCLUSIVE, PROTECTED, SHARED, encode_name, semaphore_kind
 from ._order import blockers, permit_blockers, queue, sequence
-from ._proto import CONTAINER, EPHEMERAL_SEQUENTIAL
-from ._session import ATTEMPTS
+from ._proto import CONTAINER, EPHEMERAL_SEQUENTIAL, checked
+from ._session import ATTEMPTS, Wake
 from ._tree import Tree
-from ._wire import NO_EVENT
 
 __all__ = ("Attempt", "node_kind")
 
@@ -46,12 +44,6 @@ def node_kind(request: LockRequest) -> str:
     if request.kind == "semaphore":
         return semaphore_kind(request.permits)
     return SHARED if request.kind == "lock" and request.shared else EXCLUSIVE
-
-
-def _checked(reply: Any) -> Any:
-    if isinstance(reply, Exception):
-        raise reply
-    return reply
 
 
 @dataclass(eq=False, slots=True)
@@ -70,7 +62,8 @@ class Attempt:
     node: str | None = field(default=None, init=False)
     #: A create was sent whose outcome we do not know.
     unsure: bool = field(default=False, init=False)
-    #: Told when our node is queued (``LockRequest.answered``; the backend calls it once).
+    #: Told when our node is queued (``LockRequest.answered``), then cleared: told once, also
+    #: over the backend's attempts (it hands an untold one on to the next).
     answered: Callable[[], None] | None = None
     #: Whether any node was ever seen ahead of ours: then its release marks the hand-over.
     waited: bool = field(default=False, init=False)
@@ -118,7 +111,7 @@ class Attempt:
                         return self._granted(czxid, granted_at)
                 listed_at = now()
                 (reply,) = await session.call_retrying(_proto.get_children(self.parent))
-                children = [] if isinstance(reply, zk_exc.NoNode) else _checked(reply).children
+                children = [] if isinstance(reply, zk_exc.NoNode) else checked(reply).children
         finally:
             session.users -= 1
             if self.node is not None or self.unsure:
@@ -232,11 +225,11 @@ class Attempt:
                 self.unsure = False
                 tree.parents.pop(self.parent, None)
                 continue
-            _checked(created)
+            checked(created)
             self.unsure = False
             self.node = created.path.rpartition("/")[2]
             tree.touch(self.parent)
-            return created.stat.created_zxid, _checked(listed).children, sent_at
+            return created.stat.created_zxid, checked(listed).children, sent_at
         raise BackendUnavailable(
             f"acquiring {self.request.name!r} on {tree.where}: could not create the "
             f"lock node in {ATTEMPTS} attempts"
@@ -249,7 +242,7 @@ class Attempt:
         if isinstance(listed, zk_exc.NoNode):
             self.unsure = False
             return None
-        children = _checked(listed).children
+        children = checked(listed).children
         mine = sorted((c for c in children if c.startswith(self.prefix)), key=sequence)
         if not mine:
             self.unsure = False
@@ -266,7 +259,7 @@ class Attempt:
             self.node = None
             return None
         logger.info("asynclock: reusing lock node %s/%s after a lost reply", self.parent, self.node)
-        return _checked(stat).stat.created_zxid, children, sent_at
+        return checked(stat).stat.created_zxid, children, sent_at
 
     async def _wait_for(self, *paths: str) -> tuple[float, bool] | None:
         """Wait until one of ``paths`` is gone or changed, or the session's state changed.
@@ -275,7 +268,7 @@ class Attempt:
         after that (a valid ``valid_from``), and whether it went with its holder's release
         (:meth:`LockSession.release`); None when something else woke us.
         """
-        wake = _Wake()
+        wake = Wake()
         session = self.session
         for path in paths:
             session.add_watch(path, wake)
@@ -288,7 +281,7 @@ class Attempt:
             if any(isinstance(reply, zk_exc.NoNode) for reply in replies):
                 return sent_at, False
             for reply in replies:
-                _checked(reply)
+                checked(reply)
             await wake.future
             # The event came over a live connection of a live session; the last request the
             # server answered bounds when it last heard from us. A release deletes the node in
@@ -339,21 +332,3 @@ class Attempt:
 #: The watch events that say a watched lock node is gone: deleted, or written by its holder's
 #: release in the transaction that deletes it (:data:`RELEASED`).
 _GONE: Final = (zk.WatchEvent.DELETED, zk.WatchEvent.DATA_CHANGED)
-
-
-class _Wake:
-    """What a waiter waits for: the event of its watch (called with the event's type) or a
-    change of the session's state (called without). One small object and a future: an
-    ``anyio.Event`` is an ``asyncio.Event`` with its deque and a future on top, three times
-    the size, and one client may have thousands of waiters."""
-
-    __slots__ = ("event", "future")
-
-    def __init__(self) -> None:
-        self.event = NO_EVENT
-        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def __call__(self, event_type: int = NO_EVENT) -> None:
-        if not self.future.done():
-            self.event = event_type
-            self.future.set_result(None)

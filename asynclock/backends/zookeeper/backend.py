@@ -229,9 +229,9 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
         what = f"acquiring {request.kind} {request.name!r} on {self.describe()}"
         if request.kind == "semaphore" and request.permits < 1:
             raise InvalidArgument(f"{what}: permits must be at least 1, not {request.permits}")
-        # Told once, by the first attempt that queues (one whose session died before its
-        # create was answered leaves it to the next).
-        answered = _Once(request.answered) if wait and request.answered is not None else None
+        # Told once, by the first attempt that queues (an attempt clears its ``answered`` when
+        # it tells it; one whose session died before that hands it on to the next).
+        answered: Callable[[], None] | None = request.answered if wait else None
         with translate(zk_errors, what):
             for _ in range(ATTEMPTS):
                 session = await self._session_for(request.ttl)
@@ -239,6 +239,7 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
                 try:
                     return await attempt.run(wait)
                 except SessionGone as exc:
+                    answered = attempt.answered
                     logger.info("asynclock: %s: session gone (%s); starting again", what, exc)
         raise BackendUnavailable(f"{what}: the ZooKeeper session kept expiring")
 
@@ -322,20 +323,6 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             # lock, so it must not be forgotten while the session lives.
             session.add_orphan(parent, node)
             raise type(exc)(f"{exc}; it is deleted once the connection is back") from exc.__cause__
-
-
-class _Once:
-    """A callback that runs the first time it is called, and never again."""
-
-    __slots__ = ("_callback",)
-
-    def __init__(self, callback: Callable[[], None]) -> None:
-        self._callback: Callable[[], None] | None = callback
-
-    def __call__(self) -> None:
-        callback, self._callback = self._callback, None
-        if callback is not None:
-            callback()
 
 
 def _translated(error: Exception, context: str) -> Exception:
