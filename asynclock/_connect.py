@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import fields
 from typing import Any
 
 from . import _validate
@@ -10,18 +11,9 @@ from ._client import LockClient
 from ._errors import InvalidArgument, UnsupportedFeature
 from ._host import check_event_loop
 from ._registry import make_backend, redact
+from .abc import Capabilities
 
-_CAPABILITY_NAMES = (
-    "fencing",
-    "fifo",
-    "loss_detection",
-    "quorum",
-    "cross_process",
-    "shared_locks",
-    "semaphores",
-    "elections",
-    "ttl_change",
-)
+_CAPABILITY_NAMES = tuple(field.name for field in fields(Capabilities))
 
 
 def connect(

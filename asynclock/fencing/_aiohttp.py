@@ -18,9 +18,8 @@ from ._http import (
     Guard,
     Refusal,
     check_header_name,
-    enter,
+    entered,
     fencing_headers,
-    leave,
 )
 
 if TYPE_CHECKING:
@@ -77,36 +76,28 @@ def aiohttp_fencing_middleware(
         ) from exc
     from ..integrations.aiohttp import FENCING_RESOURCE, FENCING_TOKEN
 
-    door = Door(guard=guard, header=header, lock_header=lock_header, required=required)
-
-    def refuse(refusal: Refusal) -> web.Response:
-        return web.json_response(refusal.body, status=refusal.status)
+    door: Door[web.Request] = Door(
+        guard=guard,
+        header=header,
+        lock_header=lock_header,
+        required=required,
+        resource=resource,
+        path=lambda request: request.path,
+    )
 
     @web.middleware
     async def fencing_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        found = door.read(
+        checked = await door.check(
+            request,
             request.headers.getall(header, []),
             [] if lock_header is None else request.headers.getall(lock_header, []),
         )
-        if isinstance(found, Refusal):
-            return refuse(found)
-        token: int | None = None
-        name: str | None = None
-        if found is not None:
-            token, lock_name = found
-            if resource is not None:
-                name = resource(request)
-            else:
-                name = lock_name if lock_name is not None else request.path
-            refusal = await door.admit(name, token)
-            if refusal is not None:
-                return refuse(refusal)
+        if isinstance(checked, Refusal):
+            return web.json_response(checked.body, status=checked.status)
+        token, name = checked
         request[FENCING_TOKEN] = token
         request[FENCING_RESOURCE] = name
-        reset = enter(token)
-        try:
+        with entered(token):
             return await handler(request)
-        finally:
-            leave(reset)
 
     return fencing_middleware

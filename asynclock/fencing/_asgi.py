@@ -9,7 +9,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ._http import LOCK_HEADER, TOKEN_HEADER, Door, Guard, Refusal, enter, leave
+from ._http import LOCK_HEADER, TOKEN_HEADER, Door, Guard, Refusal, entered
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -57,8 +57,14 @@ class FencingMiddleware:
         required: bool = False,
     ) -> None:
         self.app = app
-        self._resource = resource
-        self._door = Door(guard=guard, header=header, lock_header=lock_header, required=required)
+        self._door = Door(
+            guard=guard,
+            header=header,
+            lock_header=lock_header,
+            required=required,
+            resource=resource,
+            path=lambda scope: str(scope["path"]),
+        )
         self._token_key = header.lower().encode("latin-1")
         self._lock_key = None if lock_header is None else lock_header.lower().encode("latin-1")
 
@@ -74,30 +80,16 @@ class FencingMiddleware:
                 token_values.append(bytes(value).decode("latin-1"))
             elif key == self._lock_key:
                 lock_values.append(bytes(value).decode("latin-1"))
-        found = self._door.read(token_values, lock_values)
-        if isinstance(found, Refusal):
-            await _refuse(send, found)
+        checked = await self._door.check(scope, token_values, lock_values)
+        if isinstance(checked, Refusal):
+            await _refuse(send, checked)
             return
-        token: int | None = None
-        resource: str | None = None
-        if found is not None:
-            token, lock_name = found
-            if self._resource is not None:
-                resource = self._resource(scope)
-            else:
-                resource = lock_name if lock_name is not None else str(scope["path"])
-            refusal = await self._door.admit(resource, token)
-            if refusal is not None:
-                await _refuse(send, refusal)
-                return
+        token, resource = checked
         state = scope.setdefault("state", {})
         state["fencing_token"] = token
         state["fencing_resource"] = resource
-        reset = enter(token)
-        try:
+        with entered(token):
             await self.app(scope, receive, send)
-        finally:
-            leave(reset)
 
 
 async def _refuse(send: Send, refusal: Refusal) -> None:

@@ -7,11 +7,12 @@ checks the token with a guard and refuses stale ones (see :mod:`._asgi` and :mod
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Awaitable, Callable, Sequence
-from contextvars import ContextVar, Token
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from urllib.parse import quote, unquote
 
 from .. import _validate
@@ -181,13 +182,28 @@ class Refusal:
     body: dict[str, object] = field(default_factory=dict)
 
 
-class Door:
-    """Reads the fencing headers of one request and checks the token with the guard."""
+#: The request, as a middleware sees it: an ASGI scope, an aiohttp request.
+R = TypeVar("R")
 
-    __slots__ = ("guard", "header", "lock_header", "required")
+
+class Door(Generic[R]):
+    """Reads the fencing headers of one request and checks the token with the guard.
+
+    The token is checked for ``resource(request)``, else the lock name sent in ``lock_header``,
+    else ``path(request)``.
+    """
+
+    __slots__ = ("guard", "header", "lock_header", "path", "required", "resource")
 
     def __init__(
-        self, *, guard: Guard | None, header: str, lock_header: str | None, required: bool
+        self,
+        *,
+        guard: Guard | None,
+        header: str,
+        lock_header: str | None,
+        required: bool,
+        resource: Callable[[R], str] | None,
+        path: Callable[[R], str],
     ) -> None:
         if guard is not None and not callable(getattr(guard, "check", None)):
             raise InvalidArgument(
@@ -199,6 +215,24 @@ class Door:
             None if lock_header is None else check_header_name(lock_header, "lock_header")
         )
         self.required = required
+        self.resource = resource
+        self.path = path
+
+    async def check(
+        self, request: R, token_values: Sequence[str], lock_values: Sequence[str]
+    ) -> tuple[int | None, str | None] | Refusal:
+        """The token and the resource to run ``request`` with (``None, None`` when it sent no
+        token and none is required), or the response to refuse it with (428, 400 or 409)."""
+        found = self.read(token_values, lock_values)
+        if found is None or isinstance(found, Refusal):
+            return (None, None) if found is None else found
+        token, lock_name = found
+        if self.resource is not None:
+            name = self.resource(request)
+        else:
+            name = lock_name if lock_name is not None else self.path(request)
+        refusal = await self.admit(name, token)
+        return (token, name) if refusal is None else refusal
 
     def read(
         self, token_values: Sequence[str], lock_values: Sequence[str]
@@ -260,10 +294,11 @@ class Door:
         return None
 
 
-def enter(token: int | None) -> Token[int | None]:
-    """Make ``token`` what :func:`incoming_token` returns until :func:`leave`."""
-    return _incoming.set(token)
-
-
-def leave(reset: Token[int | None]) -> None:
-    _incoming.reset(reset)
+@contextlib.contextmanager
+def entered(token: int | None) -> Iterator[None]:
+    """Make ``token`` what :func:`incoming_token` returns inside the block."""
+    reset = _incoming.set(token)
+    try:
+        yield
+    finally:
+        _incoming.reset(reset)

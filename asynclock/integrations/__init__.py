@@ -14,8 +14,10 @@ A plain asyncio worker pool needs no integration: decorate its job functions wit
 
 from __future__ import annotations
 
+import inspect
 import re
 import string
+from typing import Any
 
 from .._errors import InvalidArgument
 
@@ -40,3 +42,14 @@ def template_fields(template: str) -> set[str]:
             )
         names.add(name)
     return names
+
+
+def with_keyword(signature: inspect.Signature, name: str, **details: Any) -> inspect.Signature:
+    """``signature`` with a keyword-only parameter ``name`` added (``details``: its default or
+    annotation): last, but before ``**kwargs``, where a keyword-only parameter must come."""
+    parameters = list(signature.parameters.values())
+    at = len(parameters)
+    if parameters and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD:
+        at -= 1
+    parameters.insert(at, inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, **details))
+    return signature.replace(parameters=parameters)

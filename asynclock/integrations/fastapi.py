@@ -23,7 +23,7 @@ from typing import Any, ParamSpec, TypeVar, Unpack
 from .._decorator import ClientSource, lock_name_for, resolve_client
 from .._errors import InvalidArgument, UnsupportedFeature
 from .._lease import Lease
-from . import _web
+from . import _web, with_keyword
 from ._web import LEASE_LOST_HEADER, LockOptions
 
 try:
@@ -111,7 +111,9 @@ def locked(
             return result
 
         if own_response is None:
-            endpoint.__signature__ = _with_response(signature)  # type: ignore[attr-defined]
+            endpoint.__signature__ = with_keyword(  # type: ignore[attr-defined]
+                signature, _RESPONSE, annotation=Response
+            )
         return endpoint
 
     return decorate
@@ -209,14 +211,3 @@ def _response_parameter(func: Callable[..., object]) -> str | None:
         if isinstance(annotation, type) and issubclass(annotation, Response):
             return parameter.name
     return None
-
-
-def _with_response(signature: inspect.Signature) -> inspect.Signature:
-    parameters = list(signature.parameters.values())
-    extra = inspect.Parameter(_RESPONSE, inspect.Parameter.KEYWORD_ONLY, annotation=Response)
-    # A keyword-only parameter must come before **kwargs.
-    at = len(parameters)
-    if parameters and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD:
-        at -= 1
-    parameters.insert(at, extra)
-    return signature.replace(parameters=parameters)

@@ -24,12 +24,12 @@ taskiq's Redis brokers have no delayed delivery; it takes one of the worker's
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Awaitable, Callable
 
 import anyio
 
 from .._decorator import ClientSource
+from . import with_keyword
 from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient, requires
 
 with requires("taskiq"):
@@ -111,18 +111,9 @@ def locked(
 
         # The wrapper asks taskiq for its Context with a keyword-only parameter of its own; the
         # task's parameters are otherwise the function's, for taskiq's argument parsing.
-        context_parameter = inspect.Parameter(
-            _CONTEXT_PARAMETER,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=TaskiqDepends(Context),
+        task.__signature__ = with_keyword(  # type: ignore[attr-defined]
+            signature, _CONTEXT_PARAMETER, default=TaskiqDepends(Context)
         )
-        parameters = list(signature.parameters.values())
-        at = next(
-            (i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD),
-            len(parameters),
-        )
-        parameters.insert(at, context_parameter)
-        task.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
         return task
 
     return decorate

@@ -87,7 +87,7 @@ def free_port() -> int:
 
 
 def retry_on_port_clash(
-    start: Callable[[], None],
+    start: Callable[[], object],
     undo: Callable[[], None],
     new_ports: Callable[[], None],
     *,

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
 import signal
 from collections.abc import Mapping
 from typing import Literal
 
 from ._host import find_binary
-from ._postgres import _PG_BIN_DIRS, PostgresServer, os_user, pg_isready
-from ._process import SingleServer
+from ._postgres import PostgresFamily, PostgresServer
 
 
-class PgBouncerServer(SingleServer):
+class PgBouncerServer(PostgresFamily):
     """PgBouncer on 127.0.0.1 in front of ``backend``, as Debian ships it (no
     ``ignore_startup_parameters``), in one ``pool_mode`` with ``pool_size`` server connections
     per database and user. ``settings`` adds lines to its ``[pgbouncer]`` section.
@@ -22,7 +20,6 @@ class PgBouncerServer(SingleServer):
     """
 
     kind = "pgbouncer"
-    url_format = "postgresql://postgres@{address}/postgres"
     # SIGINT: shut down once the clients are gone; the base class SIGKILLs after stop_timeout.
     stop_signal = signal.SIGINT
 
@@ -38,20 +35,14 @@ class PgBouncerServer(SingleServer):
     ) -> None:
         # Debian installs it in /usr/sbin, which is not on every user's PATH.
         self._pgbouncer = find_binary("pgbouncer", "pgbouncer", extra_dirs=("/usr/sbin",))
-        self._pg_isready = find_binary("pg_isready", "postgresql", extra_dirs=_PG_BIN_DIRS)
         self.backend = backend
         self.pool_mode = pool_mode
         self.pool_size = pool_size
         self.settings = dict(settings or {})
-        self._os_user = os_user("PgBouncer")
-        super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
-
-    def _user(self) -> str | None:
-        return self._os_user
+        super().__init__("PgBouncer", start_timeout=start_timeout, stop_timeout=stop_timeout)
 
     def _prepare(self) -> None:
-        if self._os_user is not None:
-            shutil.chown(self.data_dir, self._os_user, self._os_user)
+        super()._prepare()
         (self.data_dir / "users.txt").write_text('"postgres" ""\n')
         lines = [
             "[databases]",
@@ -70,13 +61,5 @@ class PgBouncerServer(SingleServer):
         ]
         (self.data_dir / "pgbouncer.ini").write_text("\n".join(lines) + "\n")
 
-    def _launch(self) -> None:
-        super()._launch()
-        if self._os_user is not None:
-            shutil.chown(self._output_path, self._os_user, self._os_user)
-
     def _command(self) -> list[str]:
         return [self._pgbouncer, str(self.data_dir / "pgbouncer.ini")]
-
-    def _probe(self, timeout: float) -> bool:
-        return pg_isready(self._pg_isready, self.host, self.port, timeout)

@@ -19,7 +19,61 @@ _PG_BIN_DIRS: Final = ("/usr/lib/postgresql/*/bin",)
 _OS_USER: Final = "postgres"
 
 
-class PostgresServer(SingleServer):
+class PostgresFamily(SingleServer):
+    """What :class:`PostgresServer` and :class:`PgBouncerServer` share: ``pg_isready`` as the
+    probe, and the OS user to run as.
+
+    The OS user is ``postgres`` when we are root (PostgreSQL and PgBouncer, ``server``, refuse
+    root), else ourselves (None); it owns the data dir and the output file.
+    """
+
+    url_format = "postgresql://postgres@{address}/postgres"
+
+    def __init__(self, server: str, *, start_timeout: float, stop_timeout: float) -> None:
+        self._pg_isready = find_binary("pg_isready", "postgresql", extra_dirs=_PG_BIN_DIRS)
+        self._os_user: str | None = None
+        if os.geteuid() == 0:
+            try:
+                pwd.getpwnam(_OS_USER)
+            except KeyError:
+                raise ServerStartError(
+                    f"{server} refuses to run as root and there is no 'postgres' OS user (the "
+                    "postgresql package creates it)"
+                ) from None
+            self._os_user = _OS_USER
+        super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
+
+    def _user(self) -> str | None:
+        return self._os_user
+
+    def _prepare(self) -> None:
+        if self._os_user is not None:
+            shutil.chown(self.data_dir, self._os_user, self._os_user)
+
+    def _launch(self) -> None:
+        super()._launch()
+        if self._os_user is not None:
+            # Created by us as root; the server only writes through the inherited descriptor,
+            # but a human reading it as postgres should be able to.
+            shutil.chown(self._output_path, self._os_user, self._os_user)
+
+    def _probe(self, timeout: float) -> bool:
+        """Whether the server (or the pooler in front of one) accepts connections."""
+        command = [
+            self._pg_isready,
+            "-h", self.host,
+            "-p", str(self.port),
+            "-U", "postgres",
+            "-d", "postgres",
+            "-t", str(max(1, round(timeout))),
+        ]  # fmt: skip
+        result = subprocess.run(
+            command, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout + 5, check=False
+        )
+        return result.returncode == 0
+
+
+class PostgresServer(PostgresFamily):
     """A fresh PostgreSQL cluster on 127.0.0.1, user ``postgres`` with trust authentication.
 
     When run as root it runs as the ``postgres`` OS user (PostgreSQL refuses root). ``fsync``
@@ -30,7 +84,6 @@ class PostgresServer(SingleServer):
     """
 
     kind = "postgres"
-    url_format = "postgresql://postgres@{address}/postgres"
     # Fast shutdown: SIGTERM ("smart") waits for every client to disconnect.
     stop_signal = signal.SIGINT
 
@@ -43,22 +96,16 @@ class PostgresServer(SingleServer):
     ) -> None:
         self._postgres = find_binary("postgres", "postgresql", extra_dirs=_PG_BIN_DIRS)
         self._initdb = find_binary("initdb", "postgresql", extra_dirs=_PG_BIN_DIRS)
-        self._pg_isready = find_binary("pg_isready", "postgresql", extra_dirs=_PG_BIN_DIRS)
         self.max_connections = max_connections
-        self._os_user = os_user("PostgreSQL")
-        super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
+        super().__init__("PostgreSQL", start_timeout=start_timeout, stop_timeout=stop_timeout)
 
     @property
     def dsn(self) -> str:
         """The libpq/asyncpg connection string (the same as :attr:`url`)."""
         return self.url
 
-    def _user(self) -> str | None:
-        return self._os_user
-
     def _prepare(self) -> None:
-        if self._os_user is not None:
-            shutil.chown(self.data_dir, self._os_user, self._os_user)
+        super()._prepare()
         template = _initialised_cluster(self._initdb, self._os_user)
         # A copy of one cluster made once per process: initdb costs 0.8 s of CPU (a suite
         # starts about 30 servers), a copy of its 39 MB 0.08 s. cp -a keeps owner and modes
@@ -66,13 +113,6 @@ class PostgresServer(SingleServer):
         run_checked(
             ["cp", "-a", str(template), str(self.data_dir / "data")], what="copying the cluster"
         )
-
-    def _launch(self) -> None:
-        super()._launch()
-        if self._os_user is not None:
-            # Created by us as root; PostgreSQL only writes through the inherited descriptor,
-            # but a human reading it as postgres should be able to.
-            shutil.chown(self._output_path, self._os_user, self._os_user)
 
     def _command(self) -> list[str]:
         return [
@@ -89,9 +129,6 @@ class PostgresServer(SingleServer):
             # leaves them behind (42 of 1 MB in /dev/shm after a day of suite runs).
             "-c", "dynamic_shared_memory_type=mmap",
         ]  # fmt: skip
-
-    def _probe(self, timeout: float) -> bool:
-        return pg_isready(self._pg_isready, self.host, self.port, timeout)
 
 
 _templates: dict[tuple[str, str | None], Path] = {}
@@ -120,35 +157,3 @@ def _initialised_cluster(initdb: str, user: str | None) -> Path:
             run_checked(command, what="initdb", user=user, cwd=parent)
             template = _templates[(initdb, user)] = parent / "data"
         return template
-
-
-def os_user(server: str) -> str | None:
-    """The OS user to run ``server`` as: ``postgres`` when we are root (PostgreSQL and PgBouncer
-    refuse root), else ourselves (None)."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        pwd.getpwnam(_OS_USER)
-    except KeyError:
-        raise ServerStartError(
-            f"{server} refuses to run as root and there is no 'postgres' OS user (the "
-            "postgresql package creates it)"
-        ) from None
-    return _OS_USER
-
-
-def pg_isready(binary: str, host: str, port: int, timeout: float) -> bool:
-    """Whether a PostgreSQL server (or a pooler in front of one) at ``host:port`` accepts
-    connections, by ``pg_isready``."""
-    command = [
-        binary,
-        "-h", host,
-        "-p", str(port),
-        "-U", "postgres",
-        "-d", "postgres",
-        "-t", str(max(1, round(timeout))),
-    ]  # fmt: skip
-    result = subprocess.run(
-        command, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout + 5, check=False
-    )
-    return result.returncode == 0

@@ -245,9 +245,9 @@ class Server(StartStop):
             self._prepared = True
         self._launch()
 
-    def _finish_start(self, timeout: float | None = None) -> None:
+    def _finish_start(self) -> None:
         try:
-            self._wait_until_serving(self.start_timeout if timeout is None else timeout)
+            self._wait_until_serving(self.start_timeout)
         except ServerStartError:
             self._resources.kill()
             raise
@@ -296,40 +296,22 @@ class Server(StartStop):
             time.sleep(min(pause, max(0.0, remaining)))
             pause = min(pause * 2, 0.1)
 
-    def _signal_stop(self) -> None:
-        process = self._resources.process
-        if process is None or process.poll() is not None or self._stop_signalled == process.pid:
-            return
-        # Redis, for one, takes a second SIGTERM as "exit now, skip the clean shutdown".
-        self._stop_signalled = process.pid
-        # A stopped process would hold the shutdown signal pending forever.
-        if self._paused:
-            signal_tree(process.pid, signal.SIGCONT)
-        self._paused = False
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(self.stop_signal)
-
     def _terminate(self) -> None:
         process = self._resources.process
         if process is None or process.poll() is not None:
             return
-        self._signal_stop()
+        if self._stop_signalled != process.pid:
+            # Redis, for one, takes a second SIGTERM as "exit now, skip the clean shutdown".
+            self._stop_signalled = process.pid
+            # A stopped process would hold the shutdown signal pending forever.
+            if self._paused:
+                signal_tree(process.pid, signal.SIGCONT)
+            self._paused = False
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(self.stop_signal)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(self.stop_timeout)
         self._resources.kill()
-
-    def _start_fresh_on_clash(self, attempts: int = 3) -> None:
-        """First start, retrying on new ports if another process took a port in the meantime."""
-
-        def start() -> None:
-            self._begin_start()
-            self._finish_start()
-
-        def undo() -> None:
-            self._resources.cleanup()
-            self._prepared = False
-
-        retry_on_port_clash(start, undo, self._reallocate_ports, attempts=attempts)
 
 
 class SingleServer(Server):
@@ -337,10 +319,12 @@ class SingleServer(Server):
     ports if another process grabbed one between allocation and bind."""
 
     def start(self) -> Self:
-        if self.is_running:
-            return self
-        if self._prepared:
-            super().start()
-        else:
-            self._start_fresh_on_clash()
+        if self.is_running or self._prepared:
+            return super().start()
+
+        def undo() -> None:
+            self._resources.cleanup()
+            self._prepared = False
+
+        retry_on_port_clash(super().start, undo, self._reallocate_ports)
         return self

@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final, Self
+from typing import Any, BinaryIO, Final, Self
 
 from ._host import ServerError, find_binary, free_port, run_checked
 from ._lifecycle import StartStop
@@ -31,46 +31,32 @@ def command(host: str, port: int, *args: str, timeout: float = 2.0) -> Any:
     with socket.create_connection((host, port), timeout=timeout) as sock:
         payload = f"*{len(args)}\r\n" + "".join(f"${len(a.encode())}\r\n{a}\r\n" for a in args)
         sock.sendall(payload.encode())
-        return _Reader(sock).reply()
+        with sock.makefile("rb") as replies:
+            return _reply(replies)
 
 
-class _Reader:
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._buffer = b""
+def _read(replies: BinaryIO, size: int | None = None) -> bytes:
+    """A line, or ``size`` bytes and the CRLF after them; without the CRLF."""
+    data = replies.readline() if size is None else replies.read(size + 2)
+    if not data.endswith(b"\r\n"):
+        raise ServerError("the server closed the connection")
+    return data[:-2]
 
-    def _line(self) -> bytes:
-        while b"\r\n" not in self._buffer:
-            chunk = self._sock.recv(65536)
-            if not chunk:
-                raise ServerError("the server closed the connection")
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\r\n")
-        return line
 
-    def _exactly(self, size: int) -> bytes:
-        while len(self._buffer) < size + 2:
-            chunk = self._sock.recv(65536)
-            if not chunk:
-                raise ServerError("the server closed the connection")
-            self._buffer += chunk
-        data, self._buffer = self._buffer[:size], self._buffer[size + 2 :]
-        return data
-
-    def reply(self) -> Any:
-        line = self._line()
-        kind, rest = line[:1], line[1:].decode()
-        if kind in (b"+",):
-            return rest
-        if kind == b"-":
-            raise ServerError(rest)
-        if kind == b":":
-            return int(rest)
-        if kind == b"$":
-            return None if rest == "-1" else self._exactly(int(rest)).decode()
-        if kind == b"*":
-            return None if rest == "-1" else [self.reply() for _ in range(int(rest))]
-        raise ServerError(f"unexpected reply {line!r}")
+def _reply(replies: BinaryIO) -> Any:
+    line = _read(replies)
+    kind, rest = line[:1], line[1:].decode()
+    if kind in (b"+",):
+        return rest
+    if kind == b"-":
+        raise ServerError(rest)
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        return None if rest == "-1" else _read(replies, int(rest)).decode()
+    if kind == b"*":
+        return None if rest == "-1" else [_reply(replies) for _ in range(int(rest))]
+    raise ServerError(f"unexpected reply {line!r}")
 
 
 def _wait(what: str, check: Callable[[], bool], timeout: float) -> None:
@@ -157,16 +143,13 @@ class SentinelServer(SingleServer):
         return [self.data_dir / "sentinel.log", *super()._log_files()]
 
     def _probe(self, timeout: float) -> bool:
-        if command(self.host, self.port, "PING", timeout=timeout) != "PONG":
+        if self.call("PING", timeout=timeout) != "PONG":
             return False
         # Sentinel's own periods (INFO every 10 s, hello every 2 s) would make a test wait
         # for minutes in all; Redis 7 lets them be shortened at run time.
-        command(
-            self.host,
-            self.port,
-            "SENTINEL", "DEBUG", "info-period", "200", "publish-period", "200",
-            timeout=timeout,
-        )  # fmt: skip
+        self.call(
+            "SENTINEL", "DEBUG", "info-period", "200", "publish-period", "200", timeout=timeout
+        )
         return True
 
     def call(self, *args: str, timeout: float = 2.0) -> Any:

@@ -45,7 +45,7 @@ from ._forked import ForkedPython
 from ._safety_checks import check_lock, check_permits
 from ._safety_config import SafetyConfig as SafetyConfig
 from ._safety_config import SafetyReport as SafetyReport
-from ._safety_permits import PERMIT_LOG, OneConnection, permit_log, prepare_permits
+from ._safety_permits import PERMIT_LOG, OneConnection, permit_log, pg_connection, prepare_permits
 
 #: The module each worker process runs.
 _WORKER = "asynclock.testing._safety_worker"
@@ -142,11 +142,8 @@ async def open_resource(spec: str) -> AsyncIterator[Resource]:
     elif scheme == "redis":
         import redis.asyncio
 
-        client = redis.asyncio.Redis.from_url(url)
-        try:
+        async with redis.asyncio.Redis.from_url(url) as client:
             yield _RedisResource(client, run)
-        finally:
-            await client.aclose()
     else:
         raise ValueError(f"unknown resource {url!r}: use postgresql://... or redis://...")
 
@@ -154,17 +151,12 @@ async def open_resource(spec: str) -> AsyncIterator[Resource]:
 async def _prepare(spec: str) -> None:
     url, run = _split(spec)
     if urlsplit(url).scheme.startswith("postgres"):
-        import asyncpg
-
-        connection = await asyncpg.connect(url)
-        try:
+        async with pg_connection(url) as connection:
             await connection.execute(_PG_TABLES)
             await PostgresGuard(table="asynclock_safety_fences").create_table(connection)
             await connection.execute(
                 "INSERT INTO asynclock_safety_counter (run, value) VALUES ($1, 0)", run
             )
-        finally:
-            await connection.close()
 
 
 #: A lock's or an election's accepted writes in commit order, (token, value).
@@ -184,26 +176,18 @@ async def _resource_log(spec: str) -> list[tuple[int | None, int]]:
     """Accepted writes in commit order: (token of the writer's lease, value written)."""
     url, run = _split(spec)
     if urlsplit(url).scheme.startswith("postgres"):
-        import asyncpg
-
-        connection = await asyncpg.connect(url)
-        try:
+        async with pg_connection(url) as connection:
             rows = await connection.fetch(_LOCK_LOG, run)
             await connection.execute("DELETE FROM asynclock_safety_writes WHERE run = $1", run)
             await connection.execute("DELETE FROM asynclock_safety_counter WHERE run = $1", run)
             await connection.execute("DELETE FROM asynclock_safety_fences WHERE resource = $1", run)
-        finally:
-            await connection.close()
         return [(row["token"], int(row["value"])) for row in rows]
     import redis.asyncio
 
-    client = redis.asyncio.Redis.from_url(url)
-    try:
+    async with redis.asyncio.Redis.from_url(url) as client:
         key = f"asynclock:safety:{run}:writes"
         entries = await client.lrange(key, 0, -1)
         await client.delete(key, f"asynclock:safety:{run}:fence:counter")
-    finally:
-        await client.aclose()
     return _parse_redis_log(entries)
 
 
@@ -216,30 +200,22 @@ async def _log_reader(spec: str, semaphore: bool) -> AsyncIterator[LogReader]:
     """The runner's own connection to the resource, to watch its log during the run."""
     url, run = _split(spec)
     if urlsplit(url).scheme.startswith("postgres"):
-        import asyncpg
-
-        connection = await asyncpg.connect(url)
         query = PERMIT_LOG if semaphore else _LOCK_LOG
+        async with pg_connection(url) as connection:
 
-        async def read_rows() -> list[tuple[int | None, object]]:
-            return [(row[0], row[1]) for row in await connection.fetch(query, run)]
+            async def read_rows() -> list[tuple[int | None, object]]:
+                return [(row[0], row[1]) for row in await connection.fetch(query, run)]
 
-        try:
             yield read_rows
-        finally:
-            await connection.close()
         return
     import redis.asyncio
 
-    client = redis.asyncio.Redis.from_url(url)
+    async with redis.asyncio.Redis.from_url(url) as client:
 
-    async def read_list() -> list[tuple[int | None, int]]:
-        return _parse_redis_log(await client.lrange(f"asynclock:safety:{run}:writes", 0, -1))
+        async def read_list() -> list[tuple[int | None, int]]:
+            return _parse_redis_log(await client.lrange(f"asynclock:safety:{run}:writes", 0, -1))
 
-    try:
         yield read_list
-    finally:
-        await client.aclose()
 
 
 def _capable(url: str, capability: str) -> bool:

@@ -38,6 +38,18 @@ def _split(spec: str) -> tuple[str, str]:
     return url, run
 
 
+@contextlib.asynccontextmanager
+async def pg_connection(url: str) -> AsyncIterator[Any]:
+    """One asyncpg connection to ``url``, closed on exit."""
+    import asyncpg
+
+    connection = await asyncpg.connect(url)
+    try:
+        yield connection
+    finally:
+        await connection.close()
+
+
 class OneConnection:
     """A worker's one connection to a PostgreSQL resource, opened on first use."""
 
@@ -100,15 +112,10 @@ async def open_permits(spec: str, permits: int) -> AsyncIterator[PermitResource]
 
 
 async def prepare_permits(spec: str, permits: int) -> None:
-    import asyncpg
-
     url, _ = _split(spec)
-    connection = await asyncpg.connect(url)
-    try:
+    async with pg_connection(url) as connection:
         await connection.execute(_TABLES)
         await PostgresGuard(permits=permits, table=_fences(permits)).create_table(connection)
-    finally:
-        await connection.close()
 
 
 #: The accepted accesses of a run in commit order, (token, op).
@@ -117,14 +124,9 @@ PERMIT_LOG = "SELECT token, op FROM asynclock_safety_permit_writes WHERE run = $
 
 async def permit_log(spec: str, permits: int) -> list[tuple[int | None, str]]:
     """Accepted accesses in commit order, (token, op); the run's rows are deleted."""
-    import asyncpg
-
     url, run = _split(spec)
-    connection = await asyncpg.connect(url)
-    try:
+    async with pg_connection(url) as connection:
         rows = await connection.fetch(PERMIT_LOG, run)
         await connection.execute("DELETE FROM asynclock_safety_permit_writes WHERE run = $1", run)
         await connection.execute(f"DELETE FROM {_fences(permits)} WHERE resource = $1", run)
-    finally:
-        await connection.close()
     return [(row["token"], str(row["op"])) for row in rows]

@@ -23,7 +23,7 @@ from ._etcd import EtcdServer
 from ._host import ServerNotInstalled
 from ._postgres import PostgresServer
 from ._redis import RedisServer
-from ._safety import SafetyConfig, SafetyReport, run_safety
+from ._safety import SafetyConfig, SafetyReport, _capable, run_safety
 from ._zookeeper import ZooKeeperServer
 
 _PROFILES = {
@@ -99,29 +99,15 @@ def _servers() -> Iterator[dict[str, object]]:
         yield found
 
 
-def _capabilities(url: str) -> tuple[bool, bool]:
-    from .._registry import make_backend
-
-    capabilities = make_backend(url, {}).capabilities
-    return capabilities.semaphores, capabilities.elections
-
-
-def make_fencing(url: str) -> bool:
-    from .._registry import make_backend
-
-    return make_backend(url, {}).capabilities.fencing
-
-
 def _primitive_runs(base: SafetyConfig, resource: str) -> list[SafetyConfig]:
     """Semaphore (2 permits, 5 workers) and election runs, fenced and not, where the backend
     has them. A semaphore's resource is always PostgreSQL (its permit guard)."""
-    semaphores, elections = _capabilities(base.url)
-    fenced = [True, False] if make_fencing(base.url) else [False]
+    fenced = [True, False] if _capable(base.url, "fencing") else [False]
     runs = []
-    if semaphores:
+    if _capable(base.url, "semaphores"):
         sem = replace(base, primitive="semaphore", permits=2, workers=5, resource=resource)
         runs += [replace(sem, fencing=fencing) for fencing in fenced]
-    if elections:
+    if _capable(base.url, "elections"):
         runs += [replace(base, primitive="election", fencing=fencing) for fencing in fenced]
     return runs
 
