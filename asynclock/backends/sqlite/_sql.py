@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .._kit import Kind, permits_mismatch
@@ -131,26 +132,18 @@ class Taken:
     placed: bool = False
 
 
-def transaction(db: sqlite3.Connection) -> _Transaction:
-    return _Transaction(db)
-
-
-class _Transaction:
-    """``BEGIN IMMEDIATE`` .. ``COMMIT``, rolled back on any exception (a raise inside is how a
-    transaction refuses: nothing it wrote stays)."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.db.execute("BEGIN IMMEDIATE")
-        return self.db
-
-    def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        if exc is None:
-            self.db.execute("COMMIT")
-        elif self.db.in_transaction:
-            self.db.execute("ROLLBACK")
+@contextmanager
+def transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iterator[None]:
+    """``BEGIN IMMEDIATE`` (or ``begin``) .. ``COMMIT``, rolled back on any exception (a raise
+    inside is how a transaction refuses: nothing it wrote stays)."""
+    db.execute(begin)
+    try:
+        yield
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
 
 
 _LIVE = "boot_id = ? AND expires_at > ?"
@@ -349,54 +342,36 @@ def take(
         return Taken(None, min((hold.expires_at for hold in held), default=math.inf), placed)
 
 
-@dataclass(frozen=True, slots=True)
-class HoldRef:
-    """What renew and release need to find one hold."""
-
-    kind: Kind
-    name: str
-    owner: str
-    shared: bool
-    ttl: float
+def _row(want: Want) -> tuple[str, str, tuple[str, ...]]:
+    """The table of ``want``'s hold, and the WHERE clause (with its args) that finds it."""
+    if want.exclusive_lock:
+        return "asynclock_locks", "name = ? AND owner = ?", (want.name, want.owner)
+    where = "kind = ? AND name = ? AND owner = ?"
+    return "asynclock_holds", where, (want.kind, want.name, want.owner)
 
 
-def renew(db: sqlite3.Connection, refs: Sequence[HoldRef]) -> list[bool]:
+def renew(db: sqlite3.Connection, wants: Sequence[Want]) -> list[bool]:
     """Move each live hold's expiry to ``now + ttl``; False for those that are gone."""
     with transaction(db):
         now = time.monotonic()
         alive = []
-        for ref in refs:
-            if ref.kind == "lock" and not ref.shared:
-                cursor = db.execute(
-                    "UPDATE asynclock_locks SET expires_at = ? WHERE name = ? AND owner = ? "
-                    "AND boot_id = ? AND expires_at > ?",
-                    (now + ref.ttl, ref.name, ref.owner, BOOT_ID, now),
-                )
-            else:
-                cursor = db.execute(
-                    "UPDATE asynclock_holds SET expires_at = ? WHERE kind = ? AND name = ? "
-                    "AND owner = ? AND boot_id = ? AND expires_at > ?",
-                    (now + ref.ttl, ref.kind, ref.name, ref.owner, BOOT_ID, now),
-                )
+        for want in wants:
+            table, where, args = _row(want)
+            cursor = db.execute(
+                f"UPDATE {table} SET expires_at = ? WHERE {where} AND {_LIVE}",
+                (now + want.ttl, *args, BOOT_ID, now),
+            )
             alive.append(cursor.rowcount == 1)
     return alive
 
 
-def release(db: sqlite3.Connection, ref: HoldRef) -> None:
-    """Delete the hold and the queue row of ``ref.owner``, if there are any: also the undo of
+def release(db: sqlite3.Connection, want: Want) -> None:
+    """Delete the hold and the queue row of ``want.owner``, if there are any: also the undo of
     a take whose caller was cancelled, granted or queued."""
+    table, where, args = _row(want)
     with transaction(db):
-        if ref.kind == "lock" and not ref.shared:
-            db.execute(
-                "DELETE FROM asynclock_locks WHERE name = ? AND owner = ?",
-                (ref.name, ref.owner),
-            )
-        else:
-            db.execute(
-                "DELETE FROM asynclock_holds WHERE kind = ? AND name = ? AND owner = ?",
-                (ref.kind, ref.name, ref.owner),
-            )
-        db.execute("DELETE FROM asynclock_queue WHERE owner = ?", (ref.owner,))
+        db.execute(f"DELETE FROM {table} WHERE {where}", args)
+        db.execute("DELETE FROM asynclock_queue WHERE owner = ?", (want.owner,))
 
 
 def dequeue(db: sqlite3.Connection, owner: str) -> None:
@@ -417,8 +392,7 @@ class Look:
 def look(db: sqlite3.Connection, kind: Kind, name: str) -> Look:
     """The holds and waiters of ``name`` in one read."""
     # A deferred transaction: one snapshot for every read, without SQLite's write lock.
-    db.execute("BEGIN")
-    try:
+    with transaction(db, "BEGIN"):
         now = time.monotonic()
         live = f"FROM asynclock_queue WHERE kind = ? AND name = ? AND {_LIVE}"
         args = (kind, name, BOOT_ID, now)
@@ -426,8 +400,6 @@ def look(db: sqlite3.Connection, kind: Kind, name: str) -> Look:
         first = db.execute(f"SELECT permits {live} ORDER BY seq LIMIT 1", args).fetchone()
         permits = None if first is None else int(first[0])
         return Look(holds(db, kind, name, now), int(count), permits, now)
-    finally:
-        db.execute("COMMIT")
 
 
 def forget_other_boots(db: sqlite3.Connection) -> None:
