@@ -170,8 +170,6 @@ class Lane:
         self._context = contextvars.Context()
         #: Why the lane ended; nothing runs on it any more.
         self.dead: BaseException | None = None
-        #: A statement completed on it (a later death is not the server refusing us).
-        self.worked = False
         self.renewal: Op | None = None
         #: Renewal statements sent (one renews every lock on the lane).
         self.renewals = 0
@@ -445,7 +443,6 @@ class Lane:
             if not op.future.done():
                 op.future.set_exception(error)
             return
-        self.worked = True
         if op.kind == TAKE:
             if result is None:
                 self.keys.discard(op.key)

@@ -79,10 +79,6 @@ class Replacements:
     def __init__(self) -> None:
         self.fresh_failures = 0
 
-    def worked(self) -> None:
-        """The connection worked: a later death is its own."""
-        self.fresh_failures = 0
-
     def again(self, error: BaseException, *, broken: bool, reused: bool) -> bool:
         """Whether to take again on another connection after ``error``."""
         if not isinstance(error, Exception) or not broken:
