@@ -46,15 +46,6 @@ END_POLL = RetryPolicy(first=0.002, cap=0.01, factor=1.5, jitter=0.5)
 END_TIMEOUT = 1.0
 
 
-async def answered(request: LockRequest) -> None:
-    """An acquire's first round trip found the lock busy (``Backend.acquire_tries_first``):
-    the caller's timeout applies from now, and one already past ends the acquire here, before
-    anything is queued."""
-    if request.answered is not None:
-        request.answered()
-        await anyio.lowlevel.checkpoint_if_cancelled()
-
-
 @dataclass(eq=False, slots=True)
 class _Connect:
     """One connect in flight, in a task of the backend's own."""

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Self
 
 import anyio
@@ -165,7 +164,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._semaphores = Semaphores(wire, self._queue)
         if settings.statement_cache_size:  # (none: the user turned named statements off)
             lock = self._modes["lock", False]
-            self._lanes.prepare(lock.lane_take, lock.unlock, *self._queue.lane_statements)
+            self._lanes.statements = (lock.lane_take, lock.unlock, *self._queue.lane_statements)
         self._waiter = Waiting(
             self._waits, self._queue, self._host, self.max_waiting, self._channel
         )
@@ -234,7 +233,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             async with self._sessions.pool.connection() as connection:
                 await check_pooler(self._wire, self.pooler)
                 local = self._transactions is not None
-                with self._errors(CHECKING), anyio.fail_after(self.op_timeout):
+                with translate(self._translator, CHECKING), anyio.fail_after(self.op_timeout):
                     found = await check_server(connection, self._wire, local=local)
             self._server_version, self._holders_ready, checks = found
             if self._holders_ready and self._transactions is None:
@@ -410,6 +409,3 @@ class PostgresBackend(Backend[PostgresGrant]):
                 "restart, pg_terminate_backend, idle_session_timeout or a network failure); "
                 "the lock ends with the session"
             )
-
-    def _errors(self, what: str) -> AbstractContextManager[None]:
-        return translate(self._translator, what)
