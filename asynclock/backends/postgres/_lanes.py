@@ -144,7 +144,6 @@ class Lanes:
                 on_lost=request.on_lost,
                 space=request.kind,
                 lane=lane,
-                shared=mode.shared,
                 kept_key=key if mode.kept else None,
             )
             lane.grants[key] = grant

@@ -84,8 +84,6 @@ class PostgresGrant(Grant):
     released: bool = False
     #: The lane that holds it; None: a dedicated connection of its own.
     lane: Lane | None = field(default=None, repr=False)
-    #: A shared (read) hold.
-    shared: bool = False
     #: The name's key in the holders' table, for a hold that keeps a row there (all but
     #: exclusive locks): a release that finds the session gone deletes the row it left.
     kept_key: int | None = None

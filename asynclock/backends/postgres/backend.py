@@ -328,12 +328,10 @@ class PostgresBackend(Backend[PostgresGrant]):
                     request,
                     key,
                     ttl_ms,
+                    mode,
                     head=False,
                     sql=mode.try_dedicated,
                     args=(request.owner, request.value),
-                    release=(mode.release, ()),
-                    shared=True,
-                    kept=True,
                     bound=self.op_timeout,
                 )
             else:
