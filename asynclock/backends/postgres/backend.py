@@ -7,6 +7,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any, Self
 
 import anyio
@@ -181,18 +182,9 @@ class PostgresBackend(Backend[PostgresGrant]):
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
         settings = read_url(url, options)
-        return cls(
-            settings.dsn,
-            schema=settings.schema,
-            application_name=settings.application_name,
-            op_timeout=settings.op_timeout,
-            connect_timeout=settings.connect_timeout,
-            max_idle=settings.max_idle,
-            ssl_context=settings.ssl_context,
-            max_waiting=settings.max_waiting,
-            pooler=settings.pooler,
-            statement_cache_size=settings.statement_cache_size,
-        )
+        # Each field of Settings is an argument of the same name (not asdict(): it deep-copies,
+        # and an SSLContext cannot be copied).
+        return cls(**{field.name: getattr(settings, field.name) for field in fields(settings)})
 
     def describe(self) -> str:
         return self._described
