@@ -444,9 +444,14 @@ def lock_key(name: str, schema: str = "public") -> int:
     ``locktype = 'advisory' AND objsubid = 1 AND classid = (key >> 32) & 0xFFFFFFFF AND
     objid = key & 0xFFFFFFFF``.
     """
+    return hash_key(b"asynclock.pg", schema, name)
+
+
+def hash_key(person: bytes, schema: str, name: str, size: int = 8) -> int:
+    """The first ``size`` bytes of a BLAKE2b hash (``person``) of the schema and name, signed."""
     encoded_schema = schema.encode("utf-8")
     data = len(encoded_schema).to_bytes(2, "big") + encoded_schema + name.encode("utf-8")
-    digest = hashlib.blake2b(data, digest_size=8, person=b"asynclock.pg").digest()
+    digest = hashlib.blake2b(data, digest_size=size, person=person).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 
