@@ -22,7 +22,7 @@ from ._sql import (
     RELEASE_KEPT,
     SWEPT_ALONE,
     SWEPT_SHARED,
-    TRY_SHARED_DEDICATED,
+    TRY_DEDICATED_TAIL,
     UNLOCK,
     UNLOCK_KEPT,
     WAIT,
@@ -48,7 +48,7 @@ class Mode:
     election: bool = False
     #: Its holds keep a row in the holders' table (owner, token, value for inspect()).
     kept: bool = True
-    #: A shared try on a dedicated connection (``TRY_SHARED_DEDICATED``).
+    #: A shared try on a dedicated connection (``TRY_DEDICATED_TAIL``).
     try_dedicated: str = ""
 
     def take_args(self, owner: str, value: bytes, channel: str) -> tuple[object, ...]:
@@ -83,15 +83,17 @@ def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
         kept: bool,
         shared: bool = False,
         notify: bool = False,
+        tail: str = "",
     ) -> str:
         """``template`` (``LANE_TAKE`` or ``WAIT``) taking with ``lock``; a kept hold's owner and
-        value in ``$first`` and the next, an election's NOTIFY channel after them."""
+        value in ``$first`` and the next, an election's NOTIFY channel after them; ``tail``: more
+        columns of the row it returns."""
         return template.format(
             lock=lock,
             try_lock=lock.replace("pg_advisory", "pg_try_advisory", 1),
             queue=queue,
             keep=keep(first, first + 1, shared=shared) if kept else "",
-            notify=NOTIFY.format(channel=first + 2) if notify else "",
+            notify=(NOTIFY.format(channel=first + 2) if notify else "") + tail,
         )
 
     def unlock(function: str, *, notify: bool = False) -> str:
@@ -117,8 +119,13 @@ def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
             unlock=unlock("pg_advisory_unlock_shared"),
             release=release(),
             shared=True,
-            try_dedicated=TRY_SHARED_DEDICATED.format(
-                queue=queue, keep=keep(4, 5, shared=True)[1:]
+            try_dedicated=take(
+                LANE_TAKE,
+                "pg_try_advisory_lock_shared",
+                4,
+                kept=True,
+                shared=True,
+                tail=TRY_DEDICATED_TAIL,
             ),
         ),
         ("election", False): Mode(
