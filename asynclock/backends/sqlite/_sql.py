@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._kit import Kind, permits_mismatch
@@ -132,18 +131,24 @@ class Taken:
     placed: bool = False
 
 
-@contextmanager
-def transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iterator[None]:
+class Transaction:
     """``BEGIN IMMEDIATE`` (or ``begin``) .. ``COMMIT``, rolled back on any exception (a raise
-    inside is how a transaction refuses: nothing it wrote stays)."""
-    db.execute(begin)
-    try:
-        yield
-    except BaseException:
-        if db.in_transaction:
-            db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")
+    inside is how a transaction refuses: nothing it wrote stays). A class, not a generator: it
+    costs a third as much, on every take, renewal and release."""
+
+    __slots__ = ("begin", "db")
+
+    def __init__(self, db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> None:
+        self.db, self.begin = db, begin
+
+    def __enter__(self) -> None:
+        self.db.execute(self.begin)
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:
+            self.db.execute("ROLLBACK")
 
 
 _LIVE = "boot_id = ? AND expires_at > ?"
@@ -296,7 +301,7 @@ def take(
     """One attempt at ``want``. With ``wait``, a request that is not granted keeps (or takes)
     its place in the queue; ``keep`` names, at the transaction's time, the owners of this
     process's other waiters for the name whose places are refreshed in it."""
-    with transaction(db):
+    with Transaction(db):
         now = time.monotonic()
         # This process is running this transaction, so its waiters are alive: their places are
         # kept before the lapsed rows are swept. Swept first, a stall of this process or of
@@ -352,7 +357,7 @@ def _row(want: Want) -> tuple[str, str, tuple[str, ...]]:
 
 def renew(db: sqlite3.Connection, wants: Sequence[Want]) -> list[bool]:
     """Move each live hold's expiry to ``now + ttl``; False for those that are gone."""
-    with transaction(db):
+    with Transaction(db):
         now = time.monotonic()
         alive = []
         for want in wants:
@@ -369,7 +374,7 @@ def release(db: sqlite3.Connection, want: Want) -> None:
     """Delete the hold and the queue row of ``want.owner``, if there are any: also the undo of
     a take whose caller was cancelled, granted or queued."""
     table, where, args = _row(want)
-    with transaction(db):
+    with Transaction(db):
         db.execute(f"DELETE FROM {table} WHERE {where}", args)
         db.execute("DELETE FROM asynclock_queue WHERE owner = ?", (want.owner,))
 
@@ -392,7 +397,7 @@ class Look:
 def look(db: sqlite3.Connection, kind: Kind, name: str) -> Look:
     """The holds and waiters of ``name`` in one read."""
     # A deferred transaction: one snapshot for every read, without SQLite's write lock.
-    with transaction(db, "BEGIN"):
+    with Transaction(db, "BEGIN"):
         now = time.monotonic()
         live = f"FROM asynclock_queue WHERE kind = ? AND name = ? AND {_LIVE}"
         args = (kind, name, BOOT_ID, now)
@@ -404,6 +409,6 @@ def look(db: sqlite3.Connection, kind: Kind, name: str) -> Look:
 
 def forget_other_boots(db: sqlite3.Connection) -> None:
     """Delete every hold and waiter written before the last reboot: none can be live."""
-    with transaction(db):
+    with Transaction(db):
         for table in ("asynclock_holds", "asynclock_queue", "asynclock_locks"):
             db.execute(f"DELETE FROM {table} WHERE boot_id != ?", (BOOT_ID,))
