@@ -25,7 +25,7 @@ import pytest
 import asynclock
 from asynclock.abc import LockRequest, Lost, Renewed
 from asynclock.backends.postgres import PostgresBackend, lock_key
-from asynclock.backends.postgres._kinds import kind_key, permits_class
+from asynclock.backends.postgres._kinds import kind_key, permits_class, slot_keys
 from asynclock.backends.postgres._lease import QUERY, TAKE, PostgresGrant
 from asynclock.backends.postgres._queue import FREE_BEFORE_LANE
 from asynclock.extras.postgres import transaction_lock
@@ -103,6 +103,15 @@ def test_url_options_reach_the_driver_and_keys_depend_on_the_name_and_schema() -
     # Every kind has a key space of its own; a semaphore's permits class is an int4.
     assert len({kind_key("a", kind) for kind in ("lock", "semaphore", "election")}) == 3
     assert -(2**31) <= permits_class("a") < 2**31
+    # Every client and version of a schema must hash a name to the same keys.
+    assert lock_key("orders/42") == 7325485902339184980
+    assert lock_key("a", schema="ñ") == -1486353011935160441
+    assert [kind_key("a", kind) for kind in ("semaphore", "election")] == [
+        1316979843198686578,
+        3053381955136902804,
+    ]
+    assert slot_keys("a", 2) == (2250661849208546507, 5599826687813572684)
+    assert permits_class("orders/42") == -662521748
 
 
 def test_malformed_urls_options_and_ttls_are_refused_by_name() -> None:

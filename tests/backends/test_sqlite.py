@@ -25,7 +25,7 @@ import pytest
 import asynclock
 from asynclock.abc import Kind, LockRequest, Lost, Renewed
 from asynclock.backends.sqlite import SQLiteBackend, _sql
-from asynclock.backends.sqlite._sql import BOOT_ID, WAITER_TTL, HoldRef, Want
+from asynclock.backends.sqlite._sql import BOOT_ID, WAITER_TTL, Want
 from tests.contract.harness import sqlite_write_locked, stop_process
 
 pytestmark = pytest.mark.anyio
@@ -85,10 +85,10 @@ async def test_extend_changes_the_ttl_of_one_lease_and_renewals_keep_it(
     outcome = await store.extend(grant, 30.0)
     assert isinstance(outcome, Renewed) and outcome.ttl == 30.0
     assert isinstance((await store.renew([grant]))[0], Renewed)
-    info = await store.inspect("x", grant.kind)
+    info = await store.inspect("x", grant.space)
     assert info.expires_in is not None and 25 < info.expires_in <= 30
     assert isinstance(await store.extend(grant, 0.5), Renewed)
-    info = await store.inspect("x", grant.kind)
+    info = await store.inspect("x", grant.space)
     assert info.expires_in is not None and info.expires_in <= 0.5
     await anyio.sleep(0.6)
     assert isinstance(await store.extend(grant, 30.0), Lost)
@@ -280,7 +280,7 @@ async def test_a_place_in_the_queue_is_the_moment_of_the_request_not_of_its_writ
         assert _sql.take(db, late, wait=True).token is None
         token = _sql.take(db, early, wait=True).token
         assert token is not None and holder.token is not None and token > holder.token
-        _sql.release(db, HoldRef("lock", "q", "e", False, 5.0))
+        _sql.release(db, early)
         _sql.dequeue(db, "l")
 
 

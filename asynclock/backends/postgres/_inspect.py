@@ -31,56 +31,6 @@ CHANGE_POLL = 0.5
 SWEEP_WAIT = 1.0
 
 
-async def inspect_key(
-    connection: Any, name: str, kind: Kind, key: int, *, holds_sql: str, queue_sql: str
-) -> LockInfo:
-    """A lock (exclusive or shared holds) or an election."""
-    classid, objid = split(key)
-    rows = await connection.fetch(holds_sql, classid, objid, key)
-    queued = await connection.fetchval(queue_sql, key, classid, objid, *split(marker_key(key)))
-    granted = [row for row in rows if row["granted"]]
-    # In the server's queue, and in the queue table (its head, in both, once).
-    waiters = len(rows) - len(granted) + int(queued)
-    if not granted:
-        return LockInfo(name, held=False, waiters=waiters, kind=kind)
-    # Only the holds with a row (shared holds, leaders) are listed, lowest token first: an
-    # exclusive lock's token and owner live in its holder's session only, and the server's
-    # idle timer is not exposed to other sessions, so neither is shown for it.
-    holders = tuple(
-        HolderInfo(
-            owner=row["owner"],
-            token=row["token"],
-            shared=row["mode"] == "ShareLock",
-            value=bytes(row["value"]) if kind == "election" else None,
-        )
-        for row in granted
-        if row["owner"] is not None
-    )
-    if kind == "election" and not holders:
-        # Granted, but its take has not committed the leader's row yet (a hand-over in
-        # progress): no leader is known until it has, and its NOTIFY comes then. Shown as
-        # nobody, never as a leader without a value or token.
-        return LockInfo(name, held=False, waiters=waiters, kind=kind)
-    holder = f"{granted[0]['application_name'] or '?'} (backend pid {granted[0]['pid']})"
-    return LockInfo.of(name, kind, holders, waiters=waiters, held=True, holder=holder)
-
-
-async def inspect_semaphore(
-    connection: Any, name: str, key: int, klass: int, *, sql: str, permits_sql: str
-) -> LockInfo:
-    held, permits, waiters = await connection.fetchrow(sql, klass, key)
-    rows = await connection.fetch(permits_sql, key) if held else []
-    holders = (HolderInfo(owner=row["owner"], token=row["token"]) for row in rows)
-    return LockInfo.of(
-        name,
-        "semaphore",
-        holders,
-        waiters=int(waiters),
-        permits=None if permits is None else int(permits),
-        held=bool(held),
-    )
-
-
 def changed(now: LockInfo, seen: LockInfo) -> bool:
     """Whether the holders may have changed between two inspections."""
     return (now.held, now.owner, now.token, now.value, len(now.holders)) != (
@@ -118,24 +68,9 @@ class Inspector:
                     # Rows left by holders whose sessions ended go first (none are shown).
                     await connection.fetchval(self._sweep_sql, key, 0)
                     if kind == "semaphore":
-                        klass = permits_class(name, self._wire.schema)
-                        info = await inspect_semaphore(
-                            connection,
-                            name,
-                            key,
-                            klass,
-                            sql=self._semaphore_sql,
-                            permits_sql=self._permits_sql,
-                        )
+                        info = await self._inspect_semaphore(connection, name, key)
                     else:
-                        info = await inspect_key(
-                            connection,
-                            name,
-                            kind,
-                            key,
-                            holds_sql=self._holds_sql,
-                            queue_sql=self._queue_sql,
-                        )
+                        info = await self._inspect_key(connection, name, kind, key)
             except BaseException as exc:
                 broken = connection_broken(connection, exc)
                 self._sessions.discard(connection)  # holds no lock: closing it is all
@@ -144,6 +79,53 @@ class Inspector:
                 raise
             self._sessions.give_back(connection)
             return info
+
+    async def _inspect_key(self, connection: Any, name: str, kind: Kind, key: int) -> LockInfo:
+        """A lock (exclusive or shared holds) or an election."""
+        classid, objid = split(key)
+        rows = await connection.fetch(self._holds_sql, classid, objid, key)
+        queued = await connection.fetchval(
+            self._queue_sql, key, classid, objid, *split(marker_key(key))
+        )
+        granted = [row for row in rows if row["granted"]]
+        # In the server's queue, and in the queue table (its head, in both, once).
+        waiters = len(rows) - len(granted) + int(queued)
+        if not granted:
+            return LockInfo(name, held=False, waiters=waiters, kind=kind)
+        # Only the holds with a row (shared holds, leaders) are listed, lowest token first: an
+        # exclusive lock's token and owner live in its holder's session only, and the server's
+        # idle timer is not exposed to other sessions, so neither is shown for it.
+        holders = tuple(
+            HolderInfo(
+                owner=row["owner"],
+                token=row["token"],
+                shared=row["mode"] == "ShareLock",
+                value=bytes(row["value"]) if kind == "election" else None,
+            )
+            for row in granted
+            if row["owner"] is not None
+        )
+        if kind == "election" and not holders:
+            # Granted, but its take has not committed the leader's row yet (a hand-over in
+            # progress): no leader is known until it has, and its NOTIFY comes then. Shown as
+            # nobody, never as a leader without a value or token.
+            return LockInfo(name, held=False, waiters=waiters, kind=kind)
+        holder = f"{granted[0]['application_name'] or '?'} (backend pid {granted[0]['pid']})"
+        return LockInfo.of(name, kind, holders, waiters=waiters, held=True, holder=holder)
+
+    async def _inspect_semaphore(self, connection: Any, name: str, key: int) -> LockInfo:
+        klass = permits_class(name, self._wire.schema)
+        held, permits, waiters = await connection.fetchrow(self._semaphore_sql, klass, key)
+        rows = await connection.fetch(self._permits_sql, key) if held else []
+        holders = (HolderInfo(owner=row["owner"], token=row["token"]) for row in rows)
+        return LockInfo.of(
+            name,
+            "semaphore",
+            holders,
+            waiters=int(waiters),
+            permits=None if permits is None else int(permits),
+            held=bool(held),
+        )
 
     async def sweep(self, key: int, pid: int) -> None:
         """Delete the holders' rows of ``key`` whose sessions ended, waiting up to

@@ -10,7 +10,6 @@ table too.
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
 
 from .._kit import Kind, LockRequest, UnsupportedFeature
@@ -23,10 +22,11 @@ from ._sql import (
     RELEASE_KEPT,
     SWEPT_ALONE,
     SWEPT_SHARED,
-    TRY_SHARED_DEDICATED,
+    TRY_DEDICATED_TAIL,
     UNLOCK,
     UNLOCK_KEPT,
     WAIT,
+    hash_key,
     lock_key,
 )
 
@@ -48,7 +48,7 @@ class Mode:
     election: bool = False
     #: Its holds keep a row in the holders' table (owner, token, value for inspect()).
     kept: bool = True
-    #: A shared try on a dedicated connection (``TRY_SHARED_DEDICATED``).
+    #: A shared try on a dedicated connection (``TRY_DEDICATED_TAIL``).
     try_dedicated: str = ""
 
     def take_args(self, owner: str, value: bytes, channel: str) -> tuple[object, ...]:
@@ -83,15 +83,17 @@ def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
         kept: bool,
         shared: bool = False,
         notify: bool = False,
+        tail: str = "",
     ) -> str:
         """``template`` (``LANE_TAKE`` or ``WAIT``) taking with ``lock``; a kept hold's owner and
-        value in ``$first`` and the next, an election's NOTIFY channel after them."""
+        value in ``$first`` and the next, an election's NOTIFY channel after them; ``tail``: more
+        columns of the row it returns."""
         return template.format(
             lock=lock,
             try_lock=lock.replace("pg_advisory", "pg_try_advisory", 1),
             queue=queue,
             keep=keep(first, first + 1, shared=shared) if kept else "",
-            notify=NOTIFY.format(channel=first + 2) if notify else "",
+            notify=(NOTIFY.format(channel=first + 2) if notify else "") + tail,
         )
 
     def unlock(function: str, *, notify: bool = False) -> str:
@@ -117,8 +119,13 @@ def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
             unlock=unlock("pg_advisory_unlock_shared"),
             release=release(),
             shared=True,
-            try_dedicated=TRY_SHARED_DEDICATED.format(
-                queue=queue, keep=keep(4, 5, shared=True)[1:]
+            try_dedicated=take(
+                LANE_TAKE,
+                "pg_try_advisory_lock_shared",
+                4,
+                kept=True,
+                shared=True,
+                tail=TRY_DEDICATED_TAIL,
             ),
         ),
         ("election", False): Mode(
@@ -131,13 +138,6 @@ def modes(queue: str, holders: str) -> dict[tuple[Kind, bool], Mode]:
     }
 
 
-def _hash(person: bytes, schema: str, name: str, size: int = 8) -> int:
-    encoded_schema = schema.encode("utf-8")
-    data = len(encoded_schema).to_bytes(2, "big") + encoded_schema + name.encode("utf-8")
-    digest = hashlib.blake2b(data, digest_size=size, person=person).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
 @functools.lru_cache(maxsize=4096)
 def kind_key(name: str, kind: Kind, schema: str = "public") -> int:
     """The advisory lock key of ``name`` of ``kind``: :func:`lock_key` for locks; for the others
@@ -145,20 +145,22 @@ def kind_key(name: str, kind: Kind, schema: str = "public") -> int:
     that serialises its takes)."""
     if kind == "lock":
         return lock_key(name, schema)
-    return _hash(b"asynclock.pg." + kind[:3].encode(), schema, name)
+    return hash_key(b"asynclock.pg." + kind[:3].encode(), schema, name)
 
 
 @functools.lru_cache(maxsize=1024)
 def slot_keys(name: str, permits: int, schema: str = "public") -> tuple[int, ...]:
     """The advisory lock keys of a semaphore's permits, one per slot."""
-    return tuple(_hash(b"asynclock.pgslot", schema, f"{slot}\0{name}") for slot in range(permits))
+    return tuple(
+        hash_key(b"asynclock.pgslot", schema, f"{slot}\0{name}") for slot in range(permits)
+    )
 
 
 @functools.lru_cache(maxsize=1024)
 def permits_class(name: str, schema: str = "public") -> int:
     """The first key (a signed int4) of the shared two-int4 lock ``(class, permits)`` that every
     holder of a semaphore holds: ``pg_locks`` shows the permits of the holders (``objid``)."""
-    return _hash(b"asynclock.pgsemn", schema, name, size=4)
+    return hash_key(b"asynclock.pgsemn", schema, name, size=4)
 
 
 def split(key: int) -> tuple[int, int]:
@@ -169,9 +171,16 @@ def split(key: int) -> tuple[int, int]:
 
 def no_holders_table(request: LockRequest, server: str, holders: str) -> UnsupportedFeature:
     """The refusal of a kind that needs the holders' table, which open() could not create."""
-    create = " ".join(CREATE_HOLDERS.format(holders=holders).split())
     return UnsupportedFeature(
         f"{request.kind} {request.name!r}: shared locks, semaphores and elections on {server} "
-        f"need the table {holders}, which this user may not create: create it once as its "
-        f"owner with {create}, and GRANT SELECT, INSERT, UPDATE, DELETE ON it TO the lock users"
+        f"need the table {holders}, which this user may not create: {holders_advice(holders)}"
+    )
+
+
+def holders_advice(holders: str) -> str:
+    """What the owner of the schema does for the holders' table (for a message)."""
+    create = " ".join(CREATE_HOLDERS.format(holders=holders).split())
+    return (
+        f"create it once as its owner with {create}, and GRANT SELECT, INSERT, UPDATE, DELETE "
+        "ON it TO the lock users"
     )

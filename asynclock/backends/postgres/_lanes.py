@@ -41,13 +41,9 @@ class Lanes:
         self.close = wire.sessions.close
         self.by_ttl: dict[int, Lane] = {}
         self.by_connection: dict[Any, Lane] = {}
-        #: The statements a new lane prepares as it connects (``prepare``).
+        #: The statements every new lane prepares as it connects, before it takes anything
+        #: (``Lane._prepare``; the renewal is a simple query, never parsed apart).
         self.statements: tuple[str, ...] = ()
-
-    def prepare(self, *statements: str) -> None:
-        """Have every new lane prepare ``statements`` as it connects, before it takes anything
-        (``Lane._prepare``; the renewal is a simple query, never parsed apart)."""
-        self.statements = statements
 
     def lane(self, ttl_ms: int) -> Lane:
         lane = self.by_ttl.get(ttl_ms)
@@ -148,7 +144,6 @@ class Lanes:
                 on_lost=request.on_lost,
                 space=request.kind,
                 lane=lane,
-                shared=mode.shared,
                 kept_key=key if mode.kept else None,
             )
             lane.grants[key] = grant

@@ -84,8 +84,6 @@ class PostgresGrant(Grant):
     released: bool = False
     #: The lane that holds it; None: a dedicated connection of its own.
     lane: Lane | None = field(default=None, repr=False)
-    #: A shared (read) hold.
-    shared: bool = False
     #: The name's key in the holders' table, for a hold that keeps a row there (all but
     #: exclusive locks): a release that finds the session gone deletes the row it left.
     kept_key: int | None = None
@@ -170,8 +168,6 @@ class Lane:
         self._context = contextvars.Context()
         #: Why the lane ended; nothing runs on it any more.
         self.dead: BaseException | None = None
-        #: A statement completed on it (a later death is not the server refusing us).
-        self.worked = False
         self.renewal: Op | None = None
         #: Renewal statements sent (one renews every lock on the lane).
         self.renewals = 0
@@ -445,7 +441,6 @@ class Lane:
             if not op.future.done():
                 op.future.set_exception(error)
             return
-        self.worked = True
         if op.kind == TAKE:
             if result is None:
                 self.keys.discard(op.key)

@@ -68,20 +68,20 @@ class Waits:
         request: LockRequest,
         key: int,
         ttl_ms: int,
+        mode: Mode,
         *,
         head: bool,
         sql: str,
         args: tuple[object, ...] = (),
-        release: tuple[str, tuple[object, ...]] = (RELEASE, ()),
-        shared: bool = False,
-        kept: bool = False,
         bound: float | None = None,
         sent: Callable[[int | None], object] | None = None,
     ) -> PostgresGrant | None:
         """Wait in the server's queue on a dedicated connection, which then holds the lock;
         unless the queue table has places for the key (None: wait there, ``_table.py``), or
         ``head``: this waiter is the table's head (None: its connection died; it checks its
-        place again before it comes back, which may have expired meanwhile).
+        place again before it comes back, which may have expired meanwhile). The statement is
+        ``sql`` (``mode.wait``, or ``mode.try_dedicated``) with ``args`` after the key, the
+        sequence and the ttl; the hold is released with ``mode``'s statement.
 
         A statement that fails or is cancelled half-way leaves its connection in a state nobody
         knows (asyncpg's protocol may still expect the reply), so that connection is closed, never
@@ -135,10 +135,9 @@ class Waits:
                     token=row[0],
                     pid=row[1],
                     sent_at=sent_at,
-                    shared=shared,
-                    kept_key=key if kept else None,
-                    release_sql=release[0],
-                    release_args=release[1],
+                    kept_key=key if mode.kept else None,
+                    release_sql=mode.release,
+                    release_args=mode.release_args(key, self._wire.channel),
                     waited=row[2] is True,
                 )
         finally:
@@ -268,12 +267,10 @@ class Waiting:
                     request,
                     key,
                     ttl_ms,
+                    mode,
                     head=head,
                     sql=mode.wait,
                     args=(head, marker_key(key), own, *extra),
-                    release=(mode.release, mode.release_args(key, self.channel)),
-                    shared=mode.shared,
-                    kept=mode.kept,
                     sent=sent,
                 )
 

@@ -15,9 +15,10 @@ import anyio
 from .._kit import LockRequest, now, permits_mismatch, translate
 from ._kinds import kind_key, permits_class, slot_keys
 from ._lease import PostgresGrant
+from ._queue import Answer
 from ._sql import BEGIN_SEMAPHORE, RELEASE_SEMAPHORE, TAKE_SEMAPHORE, timeout_ms
 from ._table import Queue
-from ._wire import Replacements, Wire, answered
+from ._wire import Replacements, Wire
 
 
 class Semaphores:
@@ -40,7 +41,7 @@ class Semaphores:
         grant = await self._try(request, key, ttl_ms, permits, head=False)
         if grant is not None or not wait:
             return grant
-        await answered(request)
+        await Answer(request).now()  # the caller's timeout applies from here
         return await self._queue.wait(
             request,
             key,

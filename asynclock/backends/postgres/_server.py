@@ -11,6 +11,7 @@ import asyncpg
 
 from .._kit import BackendUnavailable, UnsupportedFeature, translate
 from ._errors import CHECKING
+from ._kinds import holders_advice
 from ._sql import CREATE, CREATE_HOLDERS, CREATE_QUEUE, SWEEP, lock_key
 from ._wire import Wire
 
@@ -135,19 +136,16 @@ async def ensure_holders(connection: Any, wire: Wire) -> bool:
     no client ran; False (with a warning) if this user may not: exclusive locks need no table,
     so a client whose owner has not created it yet still opens, and refuses the other kinds."""
     holders = wire.holders
-    create = CREATE_HOLDERS.format(holders=holders)
     try:
-        await ensure(connection, wire, holders, create)
+        await ensure(connection, wire, holders, CREATE_HOLDERS.format(holders=holders))
         await connection.fetchval(SWEEP.format(holders=holders), None, 0)
     except asyncpg.InsufficientPrivilegeError as exc:
         logger.warning(
-            "asynclock: %s: %s; shared locks, semaphores and elections need the table %s "
-            "(create it once as its owner with %s, and GRANT SELECT, INSERT, UPDATE, DELETE "
-            "ON it TO the lock users)",
+            "asynclock: %s: %s; shared locks, semaphores and elections need the table %s (%s)",
             wire.errors.server,
             exc,
             holders,
-            " ".join(create.split()),
+            holders_advice(holders),
         )
         return False
     return True

@@ -248,18 +248,10 @@ SELECT token, pg_backend_pid(), waited, set_config('idle_session_timeout', $3, f
 FROM token
 """
 # One try on a dedicated connection (a shared hold while the lane holds the key shared already:
-# the lane refuses a re-entrant take, as the server would let it jump a waiting writer).
-# $1 key, $2 sequence, $3 ttl ms, $4 owner, $5 value. Returns (token, pid, false, ...) as WAIT.
-TRY_SHARED_DEDICATED = """
-WITH attempt AS MATERIALIZED (
-    SELECT pg_try_advisory_lock_shared($1) AS taken
-    WHERE NOT EXISTS (SELECT 1 FROM {queue} WHERE key = $1 AND expires_at > now())
-),
-token AS MATERIALIZED (SELECT nextval($2::regclass) AS token FROM attempt WHERE attempt.taken),
-{keep}
-SELECT token, pg_backend_pid(), false, set_config('idle_session_timeout', $3, false)
-FROM token
-"""
+# the lane refuses a re-entrant take, as the server would let it jump a waiting writer):
+# LANE_TAKE with this tail of its row. $1 key, $2 sequence, $3 ttl ms, $4 owner, $5 value.
+# Returns (token, pid, false, ...) as WAIT.
+TRY_DEDICATED_TAIL = ", pg_backend_pid(), false, set_config('idle_session_timeout', $3, false)"
 # A lane's unlock of one key ($1; NOTIFY: $2 channel), and its row with it (ours only).
 UNLOCK_KEPT = """
 WITH gone AS (DELETE FROM {holders} WHERE held = $1 AND pid = pg_backend_pid())
@@ -444,9 +436,14 @@ def lock_key(name: str, schema: str = "public") -> int:
     ``locktype = 'advisory' AND objsubid = 1 AND classid = (key >> 32) & 0xFFFFFFFF AND
     objid = key & 0xFFFFFFFF``.
     """
+    return hash_key(b"asynclock.pg", schema, name)
+
+
+def hash_key(person: bytes, schema: str, name: str, size: int = 8) -> int:
+    """The first ``size`` bytes of a BLAKE2b hash (``person``) of the schema and name, signed."""
     encoded_schema = schema.encode("utf-8")
     data = len(encoded_schema).to_bytes(2, "big") + encoded_schema + name.encode("utf-8")
-    digest = hashlib.blake2b(data, digest_size=8, person=b"asynclock.pg").digest()
+    digest = hashlib.blake2b(data, digest_size=size, person=person).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 

@@ -30,8 +30,9 @@ import anyio
 
 from .._kit import Capabilities, LockRequest, now, translate
 from ._lease import FRESH_WAIT, PostgresGrant
+from ._queue import Answer
 from ._sql import XACT_TAKE, XACT_WAIT, renew
-from ._wire import Replacements, Wire, answered
+from ._wire import Replacements, Wire
 
 logger = logging.getLogger("asynclock")
 
@@ -108,7 +109,7 @@ class TransactionHolds:
                     if not taken:
                         # In the server's queue; the caller's cancel scope bounds the wait,
                         # from now on (the try was its first answer).
-                        await answered(request)
+                        await Answer(request).now()
                         sent_at = now()
                         token = await connection.fetchval(XACT_WAIT, key, self._wire.sequence)
                         if now() - sent_at > ttl_ms * FRESH_WAIT / 1000.0:

@@ -46,15 +46,6 @@ END_POLL = RetryPolicy(first=0.002, cap=0.01, factor=1.5, jitter=0.5)
 END_TIMEOUT = 1.0
 
 
-async def answered(request: LockRequest) -> None:
-    """An acquire's first round trip found the lock busy (``Backend.acquire_tries_first``):
-    the caller's timeout applies from now, and one already past ends the acquire here, before
-    anything is queued."""
-    if request.answered is not None:
-        request.answered()
-        await anyio.lowlevel.checkpoint_if_cancelled()
-
-
 @dataclass(eq=False, slots=True)
 class _Connect:
     """One connect in flight, in a task of the backend's own."""
@@ -77,10 +68,6 @@ class Replacements:
     __slots__ = ("fresh_failures",)
 
     def __init__(self) -> None:
-        self.fresh_failures = 0
-
-    def worked(self) -> None:
-        """The connection worked: a later death is its own."""
         self.fresh_failures = 0
 
     def again(self, error: BaseException, *, broken: bool, reused: bool) -> bool:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from dataclasses import fields
 from typing import Any, Self
 
 import anyio
@@ -165,7 +165,7 @@ class PostgresBackend(Backend[PostgresGrant]):
         self._semaphores = Semaphores(wire, self._queue)
         if settings.statement_cache_size:  # (none: the user turned named statements off)
             lock = self._modes["lock", False]
-            self._lanes.prepare(lock.lane_take, lock.unlock, *self._queue.lane_statements)
+            self._lanes.statements = (lock.lane_take, lock.unlock, *self._queue.lane_statements)
         self._waiter = Waiting(
             self._waits, self._queue, self._host, self.max_waiting, self._channel
         )
@@ -182,18 +182,9 @@ class PostgresBackend(Backend[PostgresGrant]):
     @classmethod
     def from_url(cls, url: str, options: Mapping[str, object]) -> Self:
         settings = read_url(url, options)
-        return cls(
-            settings.dsn,
-            schema=settings.schema,
-            application_name=settings.application_name,
-            op_timeout=settings.op_timeout,
-            connect_timeout=settings.connect_timeout,
-            max_idle=settings.max_idle,
-            ssl_context=settings.ssl_context,
-            max_waiting=settings.max_waiting,
-            pooler=settings.pooler,
-            statement_cache_size=settings.statement_cache_size,
-        )
+        # Each field of Settings is an argument of the same name (not asdict(): it deep-copies,
+        # and an SSLContext cannot be copied).
+        return cls(**{field.name: getattr(settings, field.name) for field in fields(settings)})
 
     def describe(self) -> str:
         return self._described
@@ -234,7 +225,7 @@ class PostgresBackend(Backend[PostgresGrant]):
             async with self._sessions.pool.connection() as connection:
                 await check_pooler(self._wire, self.pooler)
                 local = self._transactions is not None
-                with self._errors(CHECKING), anyio.fail_after(self.op_timeout):
+                with translate(self._translator, CHECKING), anyio.fail_after(self.op_timeout):
                     found = await check_server(connection, self._wire, local=local)
             self._server_version, self._holders_ready, checks = found
             if self._holders_ready and self._transactions is None:
@@ -329,12 +320,10 @@ class PostgresBackend(Backend[PostgresGrant]):
                     request,
                     key,
                     ttl_ms,
+                    mode,
                     head=False,
                     sql=mode.try_dedicated,
                     args=(request.owner, request.value),
-                    release=(mode.release, ()),
-                    shared=True,
-                    kept=True,
                     bound=self.op_timeout,
                 )
             else:
@@ -410,6 +399,3 @@ class PostgresBackend(Backend[PostgresGrant]):
                 "restart, pg_terminate_backend, idle_session_timeout or a network failure); "
                 "the lock ends with the session"
             )
-
-    def _errors(self, what: str) -> AbstractContextManager[None]:
-        return translate(self._translator, what)

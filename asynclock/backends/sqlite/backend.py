@@ -39,7 +39,7 @@ from .._kit import (
     translate,
 )
 from . import _sql
-from ._sql import BOOT_ID, SCHEMA, WAITER_TTL, HoldRef, Want
+from ._sql import BOOT_ID, SCHEMA, WAITER_TTL, Want
 
 __all__ = ("SQLiteBackend", "SQLiteGrant")
 
@@ -64,13 +64,12 @@ _local: weakref.WeakValueDictionary[int, SQLiteBackend] = weakref.WeakValueDicti
 class SQLiteGrant(Grant):
     """A hold, with what finds its row again."""
 
-    kind: Kind = "lock"
     shared: bool = False
 
-    def ref(self, ttl: float | None = None) -> HoldRef:
-        return HoldRef(
-            self.kind, self.name, self.owner, self.shared, self.ttl if ttl is None else ttl
-        )
+    def want(self, ttl: float | None = None) -> Want:
+        """What renew and release need to find the hold (with ``ttl``, for ``extend``)."""
+        ttl = self.ttl if ttl is None else ttl
+        return Want(self.space, self.name, self.owner, ttl, shared=self.shared)
 
 
 def _want(request: LockRequest, since: int | None = None) -> Want:
@@ -355,9 +354,8 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             taken = await self._run(lambda: self._take_sync(want, wait, keep))
         except BaseException:
             self._abandon(request)
-            undo = HoldRef(want.kind, want.name, want.owner, want.shared, want.ttl)
             await finish(
-                functools.partial(self._run, lambda: _sql.release(self._db(), undo)),
+                functools.partial(self._run, lambda: _sql.release(self._db(), want)),
                 timeout=self._busy_timeout,
                 what=f"undoing a cancelled take of {request.name!r}",
             )
@@ -370,15 +368,15 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             taken.token,
             sent_at,
             request.ttl,
-            kind=want.kind,
+            space=want.kind,
             shared=want.shared,
         )
         return grant, 0.0
 
     async def renew(self, grants: Sequence[SQLiteGrant]) -> Sequence[RenewOutcome]:
         sent_at = anyio.current_time()
-        refs = [grant.ref() for grant in grants]
-        alive = await self._run(lambda: _sql.renew(self._db(), refs))
+        wants = [grant.want() for grant in grants]
+        alive = await self._run(lambda: _sql.renew(self._db(), wants))
         return [
             Renewed(sent_at, grant.ttl) if ok else _gone()
             for grant, ok in zip(grants, alive, strict=True)
@@ -388,17 +386,17 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         # Each hold has its own expiry: the new ttl is this one lease's, and renewals after
         # this one apply it too (the core copies Renewed.ttl into the grant; so do we, in case).
         sent_at = anyio.current_time()
-        ref = grant.ref(ttl)
-        (ok,) = await self._run(lambda: _sql.renew(self._db(), [ref]))
+        want = grant.want(ttl)
+        (ok,) = await self._run(lambda: _sql.renew(self._db(), [want]))
         if not ok:
             return _gone()
         grant.ttl = ttl
         return Renewed(sent_at, ttl)
 
     async def release(self, grant: SQLiteGrant) -> None:
-        ref = grant.ref()
-        await self._run(lambda: _sql.release(self._db(), ref))
-        key = (ref.kind, ref.name)
+        want = grant.want()
+        await self._run(lambda: _sql.release(self._db(), want))
+        key = (grant.space, grant.name)
         for backend in list(_local.values()):
             if backend.path == self.path:
                 backend._wake(key)
