@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,24 +141,3 @@ class RedisDurabilityWarning(UserWarning):
     either way: no token is below the server's clock in microseconds. Silence it with the option
     ``durability_warning=false`` once you have decided that this is acceptable.
     """
-
-
-ExceptionMapping = Mapping[type[BaseException], type[LockError]]
-
-
-@contextmanager
-def map_exceptions(mapping: ExceptionMapping, context: str) -> Iterator[None]:
-    """Translate driver exceptions into asynclock's hierarchy, keeping the original as the cause.
-
-    The first matching entry wins, so list subclasses before their bases. ``context`` says what was
-    being done ("renewing 3 locks on redis://127.0.0.1:6379"), which the driver's error rarely says.
-    """
-    try:
-        yield
-    except LockError:
-        raise
-    except Exception as exc:
-        for source, target in mapping.items():
-            if isinstance(exc, source):
-                raise target(f"{context}: {type(exc).__name__}: {exc}") from exc
-        raise

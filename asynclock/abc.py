@@ -307,7 +307,7 @@ class Backend(AsyncResource, Generic[G]):
     Every method may be cancelled at any await. ``acquire`` and ``try_acquire`` must then leave
     nothing behind (clean up in a shielded scope) and must not return a grant they have not handed
     over. Driver exceptions are translated to :class:`asynclock.LockError` subclasses here, at the
-    boundary (see :func:`asynclock._errors.map_exceptions`).
+    boundary (the built-in backends use ``asynclock.backends._kit.translate``).
     """
 
     capabilities: Capabilities
