@@ -33,6 +33,7 @@ import math
 import random
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Final
 
 import anyio
@@ -61,45 +62,31 @@ def line_of(kind: str, name: str) -> str:
     return f"{kind} {name}"
 
 
+@dataclass(eq=False, slots=True)
 class Waiter:
     """The mailbox of one waiting acquire: what its client's channel told it."""
 
-    __slots__ = (
-        "_future",
-        "_timer",
-        "ahead",
-        "deadline",
-        "floor",
-        "handed",
-        "in_line",
-        "name",
-        "owner",
-        "poked",
-        "sent_at",
-    )
-
-    def __init__(self, owner: str, name: str) -> None:
-        self.owner = owner
-        self.name = name
-        #: (token, px, fresh): the lock was handed to us, with this token and expiry (ms),
-        #: started after the local time ``fresh``.
-        self.handed: tuple[int, int, float] | None = None
-        #: Our last take left us in line, and every hand-over after it has a token above
-        #: this: one told with a lower token (read late, after a stall) came before that
-        #: take, which found it gone already (else it would have returned the lock).
-        self.floor = -1
-        #: When to take again: to refresh our place, and (told "f": we are first) just after
-        #: the lease ahead of us expires, in case its holder died.
-        self.deadline = math.inf
-        self.ahead = math.inf
-        #: The channel was (re)connected or broke: a wake may have been lost, take again.
-        self.poked = False
-        #: When our last take was sent (it precedes any hand-over to us).
-        self.sent_at = -math.inf
-        #: Our place in the queue was taken (so a try of this name by this client must fail).
-        self.in_line = False
-        self._future: asyncio.Future[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+    owner: str
+    name: str
+    #: (token, px, fresh): the lock was handed to us, with this token and expiry (ms),
+    #: started after the local time ``fresh``.
+    handed: tuple[int, int, float] | None = None
+    #: Our last take left us in line, and every hand-over after it has a token above
+    #: this: one told with a lower token (read late, after a stall) came before that
+    #: take, which found it gone already (else it would have returned the lock).
+    floor: int = -1
+    #: When to take again: to refresh our place, and (told "f": we are first) just after
+    #: the lease ahead of us expires, in case its holder died.
+    deadline: float = math.inf
+    ahead: float = math.inf
+    #: The channel was (re)connected or broke: a wake may have been lost, take again.
+    poked: bool = False
+    #: When our last take was sent (it precedes any hand-over to us).
+    sent_at: float = -math.inf
+    #: Our place in the queue was taken (so a try of this name by this client must fail).
+    in_line: bool = False
+    _future: asyncio.Future[None] | None = None
+    _timer: asyncio.TimerHandle | None = None
 
     @property
     def due(self) -> bool:
@@ -345,17 +332,12 @@ class WakeChannel:
         """Some task of this client has a place in the queue of ``name``."""
         return name in self._lines
 
-    def _poke_all(self) -> None:
-        for waiter in self.waiters.values():
-            waiter.poked = True
-            waiter.notify()
-
     def close(self) -> None:
         """Wake every waiter (their next take finds the backend closed)."""
         opened, self._opened = self._opened, None
         if opened is not None:
             close_now(opened)
-        self._poke_all()
+        self.poke()
 
     def hand(self, owner: str, token: int, px: int, fresh: float) -> bool:
         """The lock was handed to our waiter ``owner`` (a RELEASE of this client said so, sent
@@ -364,10 +346,11 @@ class WakeChannel:
         waiter = self.waiters.get(owner)
         return waiter is not None and waiter.hand(token, px, fresh)
 
-    def poke(self, name: str) -> None:
-        """Every waiter of ``name`` takes again (a hand-over to one of them may be unknown)."""
+    def poke(self, name: str | None = None) -> None:
+        """Every waiter of ``name`` (None: every waiter) takes again (a hand-over to one of
+        them may be unknown)."""
         for waiter in self.waiters.values():
-            if waiter.name == name:
+            if name is None or waiter.name == name:
                 waiter.poked = True
                 waiter.notify()
 
@@ -416,7 +399,7 @@ class WakeChannel:
         restarted = self.run_id is not None and run_id != self.run_id
         self.run_id = run_id
         # Anything published while we were not subscribed is lost: every waiter looks again.
-        self._poke_all()
+        self.poke()
         if restarted or (run_id is None and self._connected_before):
             try:
                 await self._on_restart()
@@ -447,7 +430,7 @@ class WakeChannel:
                 if conn is not None:
                     close_now(conn)
                     conn = None
-            self._poke_all()  # their next take finds out whether the server is there
+            self.poke()  # their next take finds out whether the server is there
             await anyio.sleep(backoff.next_delay())
 
     async def _read(self, conn: AbstractConnection) -> None:
