@@ -4,9 +4,8 @@ renews, extends, releases, and checks after the server restarted."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 
@@ -15,9 +14,6 @@ from . import _queue
 from . import _scripts as lua
 from ._urls import Settings
 from ._wakes import WakeChannel, line_of
-
-#: Runs a script on the server, its errors translated: (script, keys, args, what it does).
-Run = Callable[[lua.Script, Sequence[str], Sequence[lua.Arg], str], Awaitable[Any]]
 
 
 def mode_of(request: LockRequest) -> str:
@@ -71,7 +67,7 @@ class Leases:
     """The leases a client was granted and has not released: renewed, extended and released
     here, and reported lost at once when a restart of the server lost them."""
 
-    _script: Run
+    _script: lua.Run
     settings: Settings
     describe: Callable[[], str]
     #: The client's wake channel, once it has one (a release hands the lock to its waiters).

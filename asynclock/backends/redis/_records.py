@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
-
 from .._kit import WaiterRegistry
 from ._scripts import (
     PUBLISH_WAITER,
@@ -12,20 +9,16 @@ from ._scripts import (
     WAITERS_KEY,
     WAITERS_TTL_KEY,
     WITHDRAW_WAITER,
-    Arg,
-    Script,
+    Run,
     as_text,
     ttl_ms,
 )
-
-#: The backend's way to run a script: (script, keys, args, what it is doing) -> reply.
-RunScript = Callable[[Script, Sequence[str], Sequence[Arg], str], Awaitable[Any]]
 
 
 class RedisWaiters(WaiterRegistry):
     """Deadlock detection's records on the same server as the locks (see ``asynclock._deadlock``)."""
 
-    def __init__(self, script: RunScript, prefix: str) -> None:
+    def __init__(self, script: Run, prefix: str) -> None:
         self._run = script
         self._keys = [f"{prefix}{WAITERS_KEY}", f"{prefix}{WAITERS_TTL_KEY}"]
 

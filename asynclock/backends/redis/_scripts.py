@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from .._kit import BackendUnavailable, InvalidArgument
 
@@ -97,6 +98,10 @@ class Script:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sha", hashlib.sha1(self.text.encode()).hexdigest())
+
+
+#: Runs a script on the server, its errors translated: (script, keys, args, what it does).
+Run: TypeAlias = Callable[[Script, Sequence[str], Sequence[Arg], str], Awaitable[Any]]
 
 
 # -- Lua ------------------------------------------------------------------------------------
