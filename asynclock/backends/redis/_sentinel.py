@@ -200,20 +200,16 @@ class MasterConnection(Dialled):
     def __init__(self, *, locator: MasterLocator, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._locator = locator
-        self._address: HostPort | None = None
-
-    @property
-    def address(self) -> HostPort | None:
-        """The server this connection was made to."""
-        return self._address
+        #: The server this connection was made to.
+        self.address: HostPort | None = None
 
     async def dial(self, open_socket: Callable[[], Any]) -> None:
-        self._address = await self._locator.master()
-        self.host, self.port = self._address.host, self._address.port
+        self.address = await self._locator.master()
+        self.host, self.port = self.address.host, self.address.port
         try:
             await open_socket()
         except BaseException:
-            self._locator.forget(self._address)
+            self._locator.forget(self.address)
             raise
         self._locator.register(self)
 
@@ -223,36 +219,36 @@ class MasterConnection(Dialled):
             await self.send_command("ROLE")
             role = await self.read_response()
         except BaseException:
-            self._locator.forget(self._address)
+            self._locator.forget(self.address)
             raise
         if not isinstance(role, list) or not role or as_text(role[0]) != "master":
-            self._locator.forget(self._address)
+            self._locator.forget(self.address)
             shown = as_text(role[0]) if isinstance(role, list) and role else role
             raise redis.exceptions.ConnectionError(
-                f"{self._address} is a {shown}, not the master of "
+                f"{self.address} is a {shown}, not the master of "
                 f"{self._locator.service!r} (a failover is under way)"
             )
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         if self._locator.suspect:
             master = await self._locator.verify()
-            if master is not None and master != self._address:
+            if master is not None and master != self.address:
                 raise redis.exceptions.ConnectionError(
-                    f"{self._address} is no longer the master of {self._locator.service!r}: "
+                    f"{self.address} is no longer the master of {self._locator.service!r}: "
                     f"the sentinels name {master}"
                 )
         try:
             return await super().read_response(*args, **kwargs)
         except redis.exceptions.ReadOnlyError as exc:
-            self._locator.forget(self._address)
+            self._locator.forget(self.address)
             raise redis.exceptions.ConnectionError(
-                f"{self._address} was the master of {self._locator.service!r} and is a "
+                f"{self.address} was the master of {self._locator.service!r} and is a "
                 "replica now (READONLY)"
             ) from exc
         except redis.exceptions.BusyLoadingError:
             raise  # the right server, still loading its data: retried as a connection error
         except (OSError, redis.exceptions.ConnectionError):
-            self._locator.forget(self._address)
+            self._locator.forget(self.address)
             raise
         except anyio.get_cancelled_exc_class():
             # The lane's bound ran out (or the caller gave up): perhaps a frozen master.
