@@ -278,13 +278,12 @@ class MemoryBackend(Backend[Grant]):
         lock = self._store.get(name, kind)
         at = anyio.current_time()
         holds = lock.all_holds(at)
-        waiting = len(lock.waiters)
-        permits = lock.permits if kind == "semaphore" and (holds or waiting) else None
         holders = (
             HolderInfo(held.owner, held.token, held.expires_at - at, held.shared, held.value)
             for held in holds
         )
-        return LockInfo.of(name, kind, holders, waiters=waiting, permits=permits)
+        # LockInfo.of shows a semaphore's permits while anyone holds or waits.
+        return LockInfo.of(name, kind, holders, waiters=len(lock.waiters), permits=lock.permits)
 
     async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
         lock = self._store.get(name, kind)

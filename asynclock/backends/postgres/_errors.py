@@ -10,7 +10,7 @@ becomes a BackendUnavailable (a BackendTimeout when it timed out) naming what wa
 from __future__ import annotations
 
 import ssl
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import asyncpg
 
@@ -30,8 +30,8 @@ DRIVER_ERRORS = (
     asyncpg.InternalClientError,
 )
 
-# (context, errors, class, message); fields: {server}, {error}, {connect_timeout}, {schema},
-# {sequence}, {create}.
+# (context, errors, class, message); fields: {server}, {error}, {kind}, {connect_timeout},
+# {schema}, {sequence}, {create}.
 _TABLE: tuple[tuple[str, tuple[type[BaseException], ...], type[LockError], str], ...] = (
     (
         CONNECTING,
@@ -119,18 +119,10 @@ class Errors:
     def __call__(self, error: Exception, context: str) -> LockError | None:
         for kind, sources, target, message in _TABLE:
             if kind == context and isinstance(error, sources):
-                return target(
-                    message.format(
-                        server=self.server,
-                        error=error,
-                        kind=type(error).__name__,
-                        connect_timeout=self.connect_timeout,
-                        schema=self.schema,
-                        sequence=self.sequence,
-                        create=self.create,
-                    )
-                    + self._pool_hint(target)
-                )
+                # The message's fields are this translator's, with the error and its kind.
+                fields = asdict(self)
+                text = message.format(error=error, kind=type(error).__name__, **fields)
+                return target(text + self._pool_hint(target))
         if not isinstance(error, DRIVER_ERRORS):
             return None
         if not isinstance(error, TimeoutError):

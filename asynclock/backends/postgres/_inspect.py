@@ -31,15 +31,9 @@ CHANGE_POLL = 0.5
 SWEEP_WAIT = 1.0
 
 
-def changed(now: LockInfo, seen: LockInfo) -> bool:
-    """Whether the holders may have changed between two inspections."""
-    return (now.held, now.owner, now.token, now.value, len(now.holders)) != (
-        seen.held,
-        seen.owner,
-        seen.token,
-        seen.value,
-        len(seen.holders),
-    )
+def shown(info: LockInfo) -> tuple[object, ...]:
+    """What two inspections compare: the holders may have changed if it differs."""
+    return (info.held, info.owner, info.token, info.value, len(info.holders))
 
 
 class Inspector:
@@ -164,7 +158,7 @@ class Inspector:
                     if not self._sessions.open:
                         return
                     raise
-                if changed(now, seen):
+                if shown(now) != shown(seen):
                     return
                 with anyio.move_on_after(CHANGE_POLL):
                     await event.wait()

@@ -60,8 +60,6 @@ class Mode:
         return (channel,) if self.election else ()
 
     def release_args(self, key: int, channel: str) -> tuple[object, ...]:
-        if not self.kept:
-            return ()
         return (key, channel) if self.election else ()
 
 

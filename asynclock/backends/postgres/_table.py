@@ -49,9 +49,6 @@ class _Entry:
     ticket: int = 0
     wake: anyio.Event = field(default_factory=anyio.Event)
 
-    def __lt__(self, other: _Entry) -> bool:
-        return self.ticket < other.ticket
-
 
 class Queue:
     """The places of one client's waiters in the queue table, its listener and its refresher."""
@@ -166,7 +163,7 @@ class Queue:
 
     def _place(self, entry: _Entry, ticket: int) -> None:
         entry.ticket = ticket
-        bisect.insort(self.entries.setdefault(entry.key, []), entry)
+        bisect.insort(self.entries.setdefault(entry.key, []), entry, key=lambda e: e.ticket)
 
     def _leave(self, entry: _Entry, ttl_ms: int) -> Op | None:
         """Give the place up (granted, or the wait ended otherwise) without an await: the

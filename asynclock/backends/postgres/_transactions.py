@@ -24,7 +24,6 @@ and its transaction's start, which no later client's transaction on that process
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
 import anyio
 
@@ -63,15 +62,12 @@ class TransactionHolds:
     def __init__(self, wire: Wire) -> None:
         self._wire = wire
         self._sessions = wire.sessions
-        self._settings = dict(_LOCAL_SETTINGS)
-
-    def add_settings(self, settings: Mapping[str, str]) -> None:
-        """More settings for every hold's transaction (what open() found the server has)."""
-        self._settings.update(settings)
+        #: What every hold's transaction sets (open() adds what it found the server has).
+        self.settings = dict(_LOCAL_SETTINGS)
 
     def _begin(self, ttl_ms: int) -> str:
         # One simple query, values inlined: they are ours (integers and fixed words).
-        settings = {**self._settings, "idle_in_transaction_session_timeout": str(ttl_ms)}
+        settings = {**self.settings, "idle_in_transaction_session_timeout": str(ttl_ms)}
         return "BEGIN; " + " ".join(
             f"SET LOCAL {name} = '{value}';" for name, value in settings.items()
         )

@@ -270,7 +270,7 @@ class Sessions:
 
     def _adopt(self, connection: Any) -> None:
         self.all.add(connection)
-        connection.add_termination_listener(self._closed_by_driver)
+        connection.add_termination_listener(self.closed_by_driver)
 
     def _adopt_abandoned(self, pending: _Connect) -> None:
         """Take over the connection of a connect whose caller stopped waiting for it."""
@@ -283,7 +283,7 @@ class Sessions:
         else:
             connection.terminate()
 
-    def _closed_by_driver(self, connection: Any) -> None:
+    def closed_by_driver(self, connection: Any) -> None:
         """asyncpg's termination listener: the connection closed, for whatever reason."""
         self.all.discard(connection)
         self._on_closed(connection)
@@ -434,8 +434,6 @@ class Wire:
     channel: str
     op_timeout: float
     held: dict[Any, PostgresGrant]
-    #: The backend's: a connection closed (asyncpg's termination listener).
-    on_closed: Callable[[Any], None]
 
     def hold(
         self,
@@ -467,5 +465,5 @@ class Wire:
         self.held[connection] = grant
         if connection.is_closed():
             # Closed between the reply and now: the listener may have run already.
-            self.on_closed(connection)
+            self.sessions.closed_by_driver(connection)
         return grant

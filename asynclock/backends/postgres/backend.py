@@ -157,7 +157,6 @@ class PostgresBackend(Backend[PostgresGrant]):
             channel=self._channel,
             op_timeout=settings.op_timeout,
             held=self._held,
-            on_closed=self._connection_closed,
         )
         self._lanes = Lanes(wire)
         self._waits = Waits(wire)
@@ -232,7 +231,7 @@ class PostgresBackend(Backend[PostgresGrant]):
                 self._sessions.sweep_sql = SWEEP_SESSION.format(holders=self.holders)
             self._server_settings.update(checks)
             if self._transactions is not None:
-                self._transactions.add_settings(checks)
+                self._transactions.settings.update(checks)
             elif self.pooler is None and not self._sessions.pooled:
                 # The holding connection of the default ttl connects now: a first acquire
                 # would open it (a connection and its setup: 11-12 ms of a first lock() here,
@@ -388,8 +387,7 @@ class PostgresBackend(Backend[PostgresGrant]):
     # -- loss --------------------------------------------------------------------------------
 
     def _connection_closed(self, connection: Any) -> None:
-        """The connection closed, for whatever reason (asyncpg's termination listener)."""
-        self._sessions.all.discard(connection)
+        """The connection closed, for whatever reason (``Sessions.closed_by_driver``)."""
         if self._lanes.closed(connection) or self._queue.closed(connection):
             return
         grant = self._held.pop(connection, None)

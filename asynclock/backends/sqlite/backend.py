@@ -241,22 +241,21 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             raise BackendUnavailable(
                 f"cannot open {self.describe()}: the directory {directory!r} does not exist"
             )
-        with translate(_ERRORS, f"cannot open {self.describe()}"):
-            self._connection = self._connect_sync()
-
-    def _connect_sync(self) -> sqlite3.Connection:
         # Processes opening a new file at once race to switch it to WAL, and SQLite reports
         # that race as "database is locked" without waiting on its busy handler: retry, within
         # busy_timeout.
         pauses = _OPEN_RACE.backoff()
         deadline = time.monotonic() + self._busy_timeout
-        while True:
-            try:
-                return self._connect_once()
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) or time.monotonic() >= deadline:
-                    raise
-            time.sleep(pauses.next_delay())  # in the worker thread
+        with translate(_ERRORS, f"cannot open {self.describe()}"):
+            while True:
+                try:
+                    self._connection = self._connect_once()
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) or time.monotonic() >= deadline:
+                        raise
+                else:
+                    return
+                time.sleep(pauses.next_delay())  # in the worker thread
 
     def _connect_once(self) -> sqlite3.Connection:
         connection = sqlite3.connect(
@@ -404,7 +403,7 @@ class SQLiteBackend(Backend[SQLiteGrant]):
     async def inspect(self, name: str, kind: Kind = "lock") -> LockInfo:
         seen = await self._run(lambda: _sql.look(self._db(), kind, name))
         held, now = seen.holds, seen.at
-        holders = tuple(
+        holders = (
             HolderInfo(
                 owner=hold.owner,
                 token=hold.token,
@@ -414,9 +413,8 @@ class SQLiteBackend(Backend[SQLiteGrant]):
             )
             for hold in held
         )
-        permits = None
-        if kind == "semaphore":
-            permits = held[0].permits if held else seen.permits
+        # A semaphore's (LockInfo.of shows them for semaphores only, while anyone holds or waits).
+        permits = held[0].permits if held else seen.permits
         return LockInfo.of(name, kind, holders, waiters=seen.waiters, permits=permits)
 
     async def wait_for_change(self, name: str, kind: Kind, seen: LockInfo, timeout: float) -> None:
