@@ -25,8 +25,8 @@ from ..._errors import (
     RedisDurabilityWarning,
     UnsupportedFeature,
 )
-from ..._renewal import RENEWAL, RenewalPolicy
-from ..._shield import Deferred, finish
+from ..._renewal import RENEWAL
+from ..._shield import finish
 from ..._validate import DEFAULT_TTL, Options, redact
 from ...abc import (
     Backend,
@@ -45,8 +45,6 @@ from ...abc import (
 )
 from ._address import (
     HostPort,
-    ServerURL,
-    bracket,
     parse_host,
     parse_hosts,
     split_server_url,
@@ -68,7 +66,6 @@ __all__ = (
     "Backoff",
     "CallOrder",
     "Capabilities",
-    "Deferred",
     "Grant",
     "HolderInfo",
     "HostPort",
@@ -85,17 +82,14 @@ __all__ = (
     "ProvenGone",
     "RedisDurabilityWarning",
     "RenewOutcome",
-    "RenewalPolicy",
     "Renewed",
     "RetryPolicy",
-    "ServerURL",
     "TaskHost",
     "Translator",
     "Turn",
     "Unknown",
     "UnsupportedFeature",
     "WaiterRegistry",
-    "bracket",
     "cancel_scope",
     "checkpoint",
     "finish",

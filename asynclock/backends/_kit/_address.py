@@ -15,7 +15,6 @@ from ..._validate import redact
 __all__ = (
     "HostPort",
     "ServerURL",
-    "bracket",
     "parse_host",
     "parse_hosts",
     "split_server_url",
@@ -29,7 +28,9 @@ class HostPort:
     port: int
 
     def __str__(self) -> str:
-        return f"{bracket(self.host)}:{self.port}"
+        # IPv6 addresses in brackets, as a URL writes them.
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
 
     @property
     def family(self) -> int | None:
@@ -38,11 +39,6 @@ class HostPort:
             return ipaddress.ip_address(self.host).version
         except ValueError:
             return None
-
-
-def bracket(host: str) -> str:
-    """The host as it is written in a URL: IPv6 addresses in brackets."""
-    return f"[{host}]" if ":" in host else host
 
 
 def parse_host(text: str, *, default_port: int, url: str, example: str) -> HostPort:

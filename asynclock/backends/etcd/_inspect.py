@@ -4,6 +4,7 @@ it (``wait_for_change``, through the client's watch stream)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import takewhile
 from typing import Any, Final
 
 import anyio
@@ -32,10 +33,7 @@ def _holding(kvs: Sequence[Any], kind: Kind) -> tuple[Sequence[Any], int | None]
         return [kv for kv in first if not waiting_permit(bytes(kv.value))], permits
     if kind == "lock" and is_shared(bytes(kvs[0].key)):
         # Readers hold up to the oldest writer (which waits for them, as do all after it).
-        count = 0
-        while count < len(kvs) and is_shared(bytes(kvs[count].key)):
-            count += 1
-        return kvs[:count], None
+        return list(takewhile(lambda kv: is_shared(bytes(kv.key)), kvs)), None
     return kvs[:1], None
 
 

@@ -96,11 +96,6 @@ class Attempt:
         noun = "semaphore" if self.rule.marked else "lock"
         return f"{doing} {noun} {self.request.name!r}"
 
-    def requeue(self) -> None:
-        """Our key is gone (its lease expired or was revoked, or someone deleted it)."""
-        self.key = None
-        self.rev = 0
-
     def grant(self) -> EtcdGrant:
         """The grant of our key, which holds (its lease keeps it)."""
         lease, key = self.lease, self.key
@@ -149,10 +144,11 @@ class Queue:
         return attempt.key
 
     def requeue(self, attempt: Attempt) -> None:
-        """Our key is gone (its lease expired or was revoked, or someone deleted it)."""
+        """Our key is gone (its lease expired or was revoked, or someone deleted it), or was
+        never created: forget it."""
         if attempt.key is not None:
             self._keys.gone(attempt.key)
-        attempt.requeue()
+        attempt.key, attempt.rev = None, 0
 
     def hand_over(self, attempt: Attempt) -> EtcdGrant:
         grant = attempt.grant()
@@ -201,8 +197,7 @@ class Queue:
                     keep=attempt,
                 )
             except ProvenGone:
-                self._keys.gone(key)
-                attempt.key = None
+                self.requeue(attempt)
                 self._leases.died(lease, lease_gone(lease.id))
                 gone += 1
                 continue
@@ -402,8 +397,7 @@ class Queue:
                 kvs = entered(attempt.request.name, order, reply.responses[0].response_txn)
             except LockError:
                 # Nothing was created: forget the key before the caller withdraws it.
-                self._keys.gone(key)
-                attempt.key = None
+                self.requeue(attempt)
                 raise
         attempt.rev = int(reply.header.revision)
         return _standing(order, kvs[1:] if order.own_in_range else kvs, attempt.rev)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Final
 from urllib.parse import quote, unquote
 
@@ -30,17 +30,6 @@ MIN_TTL: Final = 2
 MAX_TTL: Final = 9_000_000_000
 
 URL_EXAMPLE: Final = "etcd://127.0.0.1:2379 or etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379"
-_KNOWN_OPTIONS = (
-    "prefix",
-    "op_timeout",
-    "user",
-    "password",
-    "tls",
-    "ca_cert",
-    "cert_cert",
-    "cert_key",
-    "tls_server_name",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +92,8 @@ def read_settings(url: str, options: Mapping[str, object]) -> Settings:
         cert_key=opts.optional_text("cert_key"),
         tls_server_name=opts.optional_text("tls_server_name"),
     )
-    opts.finish(_KNOWN_OPTIONS)
+    # Every setting but the hosts is an option of its name.
+    opts.finish(tuple(each.name for each in fields(Settings) if each.name != "hosts"))
     return settings
 
 

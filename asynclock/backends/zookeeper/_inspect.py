@@ -12,6 +12,7 @@ Server error replies are raised as aiozk exceptions: the backend translates them
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import takewhile
 from urllib.parse import unquote
 
 import anyio
@@ -36,17 +37,13 @@ def _holding(entries: list[Queued], kind: Kind) -> tuple[list[Queued], int | Non
         permits = permits_of(first.kind)
         if permits is None:
             return [], None
-        count = 0
         # As a node decides (``_order.permit_blockers``): among the first N, behind no node
         # with another number.
-        while count < min(permits, len(entries)) and permits_of(entries[count].kind) == permits:
-            count += 1
-        return entries[:count], permits
-    count = 1
+        holding = takewhile(lambda entry: permits_of(entry.kind) == permits, entries[:permits])
+        return list(holding), permits
     if kind == "lock" and first.kind == SHARED:  # every reader before the first writer
-        while count < len(entries) and entries[count].kind == SHARED:
-            count += 1
-    return entries[:count], None
+        return list(takewhile(lambda entry: entry.kind == SHARED, entries)), None
+    return entries[:1], None
 
 
 async def _read(

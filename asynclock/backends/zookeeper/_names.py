@@ -60,22 +60,19 @@ def permits_of(kind: str) -> int | None:
     return int(digits)
 
 
-#: Any character that :func:`forbidden` refuses.
+#: What ZooKeeper refuses in a znode name, and ``%`` and ``/``: its PathUtils.validatePath
+#: works on UTF-16 code units, so characters outside the BMP are surrogate pairs there, which
+#: it refuses too.
 _FORBIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\uf8ff\ufff0-\U0010ffff%/]")
 
 
 def forbidden(char: str) -> bool:
     """Whether ZooKeeper refuses ``char`` in a znode name (or it is ``%`` or ``/``)."""
-    # ZooKeeper's PathUtils.validatePath, on UTF-16 code units: characters outside the BMP
-    # are surrogate pairs there, which it refuses too.
-    code = ord(char)
-    return (
-        code < 0x20
-        or 0x7F <= code <= 0x9F
-        or 0xD800 <= code <= 0xF8FF
-        or code >= 0xFFF0
-        or char in "%/"
-    )
+    return _FORBIDDEN.fullmatch(char) is not None
+
+
+def _escape(match: re.Match[str]) -> str:
+    return "".join(f"%{byte:02X}" for byte in match[0].encode("utf-8"))
 
 
 def encode_name(name: str) -> str:
@@ -86,13 +83,8 @@ def encode_name(name: str) -> str:
     ``zookeeper`` get their first character escaped. Decoding is plain percent-decoding, so
     distinct names always give distinct znodes.
     """
-    if _FORBIDDEN.search(name) is None:
-        encoded = name  # the common case, without a look at each character
-    else:
-        encoded = "".join(
-            "".join(f"%{byte:02X}" for byte in char.encode("utf-8")) if forbidden(char) else char
-            for char in name
-        )
+    # The common case, a name with nothing to escape, is only searched.
+    encoded = name if _FORBIDDEN.search(name) is None else _FORBIDDEN.sub(_escape, name)
     if encoded in (".", "..", "zookeeper"):
         encoded = f"%{ord(encoded[0]):02X}{encoded[1:]}"
     return encoded

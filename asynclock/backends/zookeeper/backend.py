@@ -245,12 +245,10 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
 
     async def renew(self, grants: Sequence[ZooKeeperGrant]) -> Sequence[RenewOutcome]:
         outcomes: list[RenewOutcome] = [Unknown(RuntimeError())] * len(grants)
-        by_session: dict[int, list[int]] = {}
-        sessions: dict[int, LockSession] = {}
+        by_session: dict[LockSession, list[int]] = {}
         for index, grant in enumerate(grants):
             assert grant.session is not None
-            by_session.setdefault(id(grant.session), []).append(index)
-            sessions[id(grant.session)] = grant.session
+            by_session.setdefault(grant.session, []).append(index)
 
         async def renew_session(session: LockSession, indexes: list[int]) -> None:
             for index, outcome in zip(
@@ -259,8 +257,8 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
                 outcomes[index] = outcome
 
         async with anyio.create_task_group() as tg:
-            for key, indexes in by_session.items():
-                tg.start_soon(renew_session, sessions[key], indexes)
+            for session, indexes in by_session.items():
+                tg.start_soon(renew_session, session, indexes)
         return outcomes
 
     async def _renew_session(
@@ -296,7 +294,9 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
                     )
                 )
             elif isinstance(reply, Exception):
-                outcomes.append(Unknown(_translated(reply, f"renewing on {self.describe()}")))
+                outcomes.append(
+                    Unknown(zk_errors(reply, f"renewing on {self.describe()}") or reply)
+                )
             elif reply.stat.ephemeral_owner != session.session_id:
                 outcomes.append(Lost(f"its znode {path} belongs to another session now"))
             else:
@@ -323,10 +323,6 @@ class ZooKeeperBackend(Backend[ZooKeeperGrant]):
             # lock, so it must not be forgotten while the session lives.
             session.add_orphan(parent, node)
             raise type(exc)(f"{exc}; it is deleted once the connection is back") from exc.__cause__
-
-
-def _translated(error: Exception, context: str) -> Exception:
-    return zk_errors(error, context) or error
 
 
 def _ttl_refusal(ttl: float, where: str, low: int | None, high: int | None) -> str:
