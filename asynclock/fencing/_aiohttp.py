@@ -44,8 +44,7 @@ def aiohttp_client_middleware(
         request: ClientRequest, handler: ClientHandlerType
     ) -> ClientResponse:
         if header not in request.headers:
-            for key, value in fencing_headers(lock, header=header, lock_header=lock_header).items():
-                request.headers[key] = value
+            request.headers.update(fencing_headers(lock, header=header, lock_header=lock_header))
         return await handler(request)
 
     return fencing_client_middleware

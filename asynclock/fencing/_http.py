@@ -154,10 +154,8 @@ def httpx_request_hook(
         check_header_name(lock_header, "lock_header")
 
     async def fencing_hook(request: httpx.Request) -> None:
-        if header in request.headers:
-            return
-        for key, value in fencing_headers(lock, header=header, lock_header=lock_header).items():
-            request.headers[key] = value
+        if header not in request.headers:
+            request.headers.update(fencing_headers(lock, header=header, lock_header=lock_header))
 
     return fencing_hook
 
@@ -223,21 +221,6 @@ class Door(Generic[R]):
     ) -> tuple[int | None, str | None] | Refusal:
         """The token and the resource to run ``request`` with (``None, None`` when it sent no
         token and none is required), or the response to refuse it with (428, 400 or 409)."""
-        found = self.read(token_values, lock_values)
-        if found is None or isinstance(found, Refusal):
-            return (None, None) if found is None else found
-        token, lock_name = found
-        if self.resource is not None:
-            name = self.resource(request)
-        else:
-            name = lock_name if lock_name is not None else self.path(request)
-        refusal = await self.admit(name, token)
-        return (token, name) if refusal is None else refusal
-
-    def read(
-        self, token_values: Sequence[str], lock_values: Sequence[str]
-    ) -> tuple[int, str | None] | Refusal | None:
-        """The token and lock name sent, a 400/428 refusal, or None (no token, not required)."""
         if not token_values:
             if self.required:
                 return Refusal(
@@ -247,11 +230,30 @@ class Door(Generic[R]):
                         "detail": f"this service needs a {self.header} header on every request",
                     },
                 )
-            return None
+            return None, None
         try:
-            return self._parse(token_values, lock_values)
+            token, lock_name = self._parse(token_values, lock_values)
         except InvalidArgument as exc:
             return Refusal(400, {"error": "invalid_fencing_header", "detail": str(exc)})
+        if self.resource is not None:
+            name = self.resource(request)
+        else:
+            name = lock_name if lock_name is not None else self.path(request)
+        if self.guard is not None:
+            try:
+                await self.guard.check(name, token)
+            except StaleToken as exc:
+                return Refusal(
+                    409,
+                    {
+                        "error": "stale_fencing_token",
+                        "detail": str(exc),
+                        "resource": exc.resource,
+                        "token": exc.token,
+                        "highest": exc.highest,
+                    },
+                )
+        return token, name
 
     def _parse(
         self, token_values: Sequence[str], lock_values: Sequence[str]
@@ -274,24 +276,6 @@ class Door(Generic[R]):
             return token, parse_lock_name(lock_values[0])
         except InvalidArgument as exc:
             raise InvalidArgument(f"{self.lock_header}: {exc}") from None
-
-    async def admit(self, resource: str, token: int) -> Refusal | None:
-        if self.guard is None:
-            return None
-        try:
-            await self.guard.check(resource, token)
-        except StaleToken as exc:
-            return Refusal(
-                409,
-                {
-                    "error": "stale_fencing_token",
-                    "detail": str(exc),
-                    "resource": exc.resource,
-                    "token": exc.token,
-                    "highest": exc.highest,
-                },
-            )
-        return None
 
 
 @contextlib.contextmanager

@@ -17,11 +17,26 @@ from __future__ import annotations
 import inspect
 import re
 import string
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from .._errors import InvalidArgument
+from .._errors import InvalidArgument, MissingDependency
 
 __all__ = ()
+
+
+@contextmanager
+def requires(module: str, framework: str | None = None) -> Iterator[None]:
+    """Import ``framework`` (default: ``module``, the name of the integration and its extra) in
+    this block; if it is missing, name the extra to install."""
+    try:
+        yield
+    except ImportError as exc:  # pragma: no cover - every framework is installed in the tests
+        raise MissingDependency(
+            f"asynclock.integrations.{module} needs {framework or module}: "
+            f"pip install 'asynclock[{module}]'"
+        ) from exc
 
 
 def template_fields(template: str) -> set[str]:

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import inspect
 import random
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, ParamSpec, TypeVar
 
 from .. import _validate
 from .._client import LockClient
 from .._connect import connect
 from .._decorator import ClientSource, lock_name_for, resolve_client
-from .._errors import AcquireTimeout, InvalidArgument, LeaseLost, MissingDependency
+from .._errors import AcquireTimeout, InvalidArgument, LeaseLost
 from . import template_fields
 
 P = ParamSpec("P")
@@ -27,17 +26,6 @@ R = TypeVar("R")
 #: Where the lifecycle helpers put the worker's client: ``ctx["asynclock"]`` for arq and saq,
 #: ``broker.state.asynclock`` for taskiq.
 CONTEXT_KEY: Final = "asynclock"
-
-
-@contextmanager
-def requires(queue: str) -> Iterator[None]:
-    """Import the queue's package in this block; if it is missing, name the extra to install."""
-    try:
-        yield
-    except ImportError as exc:  # pragma: no cover - every queue is installed in the tests
-        raise MissingDependency(
-            f"asynclock.integrations.{queue} needs {queue}: pip install 'asynclock[{queue}]'"
-        ) from exc
 
 
 class RunAgain(Exception):

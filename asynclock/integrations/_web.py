@@ -36,7 +36,6 @@ from .._errors import (
     InvalidArgument,
     LeaseLost,
     LockError,
-    MissingDependency,
 )
 from .._lease import Lease
 from . import template_fields
@@ -102,13 +101,6 @@ class Settings:
             retry_after=_retry_after(options.get("retry_after", defaults.retry_after)),
             permits=_permits(options.get("permits")),
         )
-
-
-def missing(module: str, framework: str, extra: str) -> MissingDependency:
-    """The error for an integration whose framework is not installed: it names the extra."""
-    return MissingDependency(
-        f"asynclock.integrations.{module} needs {framework}: pip install 'asynclock[{extra}]'"
-    )
 
 
 def _status(value: object, what: str) -> int:

@@ -21,13 +21,11 @@ from collections.abc import Awaitable, Callable
 from typing import ParamSpec, Unpack
 
 from .._decorator import ClientSource, resolve_client
-from . import _web
+from . import _web, requires
 from ._web import LEASE_LOST_HEADER, LockOptions
 
-try:
+with requires("aiohttp"):
     from aiohttp import web
-except ImportError as exc:  # pragma: no cover - aiohttp is installed in the test environment
-    raise _web.missing("aiohttp", "aiohttp", "aiohttp") from exc
 
 __all__ = ("FENCING_RESOURCE", "FENCING_TOKEN", "LEASE_LOST_HEADER", "LockOptions", "locked")
 

@@ -27,7 +27,8 @@ from typing import Any, Concatenate
 
 from .._decorator import ClientSource
 from .._errors import InvalidArgument
-from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient, requires
+from . import requires
+from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient
 
 with requires("arq"):
     from arq import Retry

@@ -23,15 +23,13 @@ from typing import Any, ParamSpec, TypeVar, Unpack
 from .._decorator import ClientSource, lock_name_for, resolve_client
 from .._errors import InvalidArgument, UnsupportedFeature
 from .._lease import Lease
-from . import _web, with_keyword
+from . import _web, requires, with_keyword
 from ._web import LEASE_LOST_HEADER, LockOptions
 
-try:
+with requires("fastapi", "FastAPI"):
     from fastapi import Depends, HTTPException, Request, Response
     from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
-except ImportError as exc:  # pragma: no cover - FastAPI is installed in the test environment
-    raise _web.missing("fastapi", "FastAPI", "fastapi") from exc
 
 __all__ = ("LEASE_LOST_HEADER", "LeaseLossHeaders", "LockOptions", "lock_dependency", "locked")
 

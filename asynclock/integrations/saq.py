@@ -34,7 +34,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Concatenate, TypeVar, cast
 
 from .._decorator import ClientSource
-from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient, requires
+from . import requires
+from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient
 
 with requires("saq"):
     from saq.job import Job

@@ -29,8 +29,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from .._decorator import ClientSource
-from . import with_keyword
-from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient, requires
+from . import requires, with_keyword
+from ._jobs import CONTEXT_KEY, JobLock, P, R, RunAgain, WorkerClient
 
 with requires("taskiq"):
     from taskiq import AsyncBroker, Context, TaskiqDepends, TaskiqEvents, TaskiqState

@@ -46,7 +46,7 @@ def _read(replies: BinaryIO, size: int | None = None) -> bytes:
 def _reply(replies: BinaryIO) -> Any:
     line = _read(replies)
     kind, rest = line[:1], line[1:].decode()
-    if kind in (b"+",):
+    if kind == b"+":
         return rest
     if kind == b"-":
         raise ServerError(rest)
@@ -73,11 +73,9 @@ def _wait(what: str, check: Callable[[], bool], timeout: float) -> None:
 class RedisNode(RedisServer):
     """A :class:`RedisServer` with extra command-line settings (replication, cluster mode)."""
 
-    kind = "redis"
-
-    def __init__(self, *extra: str, start_timeout: float = 30.0) -> None:
+    def __init__(self, *extra: str) -> None:
         self._extra = list(extra)
-        super().__init__(start_timeout=start_timeout)
+        super().__init__()
 
     def _command(self) -> list[str]:
         # Diskless replication: a replica is in sync in milliseconds, not after an RDB file.
@@ -93,20 +91,19 @@ class RedisNode(RedisServer):
         return command(self.host, self.port, *args, timeout=timeout)
 
     def role(self) -> str:
-        reply = self.call("ROLE")
-        return str(reply[0])
+        return str(self.call("ROLE")[0])
 
 
 class SentinelServer(SingleServer):
-    """``redis-server <conf> --sentinel`` monitoring ``master_port`` as :data:`SERVICE`."""
+    """``redis-server <conf> --sentinel`` monitoring ``master_port`` as :data:`SERVICE`, with a
+    quorum of 2."""
 
     kind = "redis-sentinel"
 
-    def __init__(self, master_port: int, *, quorum: int = 2) -> None:
+    def __init__(self, master_port: int) -> None:
         self._binary = find_binary("redis-server", "redis-server")
         self._master_port = master_port
-        self._quorum = quorum
-        super().__init__(start_timeout=30.0)
+        super().__init__()
 
     @property
     def url(self) -> str:
@@ -126,7 +123,7 @@ class SentinelServer(SingleServer):
                     f"bind {self.host}",
                     f"dir {self.data_dir}",
                     f"logfile {self.data_dir / 'sentinel.log'}",
-                    f"sentinel monitor {SERVICE} {self.host} {self._master_port} {self._quorum}",
+                    f"sentinel monitor {SERVICE} {self.host} {self._master_port} 2",
                     f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}",
                     # Long enough that a loaded machine does not abort a failover half-way.
                     f"sentinel failover-timeout {SERVICE} 4000",

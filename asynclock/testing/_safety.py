@@ -134,11 +134,8 @@ async def open_resource(spec: str) -> AsyncIterator[Resource]:
     url, run = _split(spec)
     scheme = urlsplit(url).scheme
     if scheme in ("postgresql", "postgres"):
-        resource = _PostgresResource(url, run)
-        try:
+        async with contextlib.aclosing(_PostgresResource(url, run)) as resource:
             yield resource
-        finally:
-            await resource.aclose()
     elif scheme == "redis":
         import redis.asyncio
 

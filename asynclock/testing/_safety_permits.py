@@ -104,11 +104,8 @@ class PermitResource(OneConnection):
 @contextlib.asynccontextmanager
 async def open_permits(spec: str, permits: int) -> AsyncIterator[PermitResource]:
     url, run = _split(spec)
-    resource = PermitResource(url, run, permits)
-    try:
+    async with contextlib.aclosing(PermitResource(url, run, permits)) as resource:
         yield resource
-    finally:
-        await resource.aclose()
 
 
 async def prepare_permits(spec: str, permits: int) -> None:

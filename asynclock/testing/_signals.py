@@ -12,9 +12,12 @@ from collections.abc import Iterable
 __all__ = ("signal_tree",)
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+def _signal(ids: Iterable[int], sig: signal.Signals) -> None:
+    """Send ``sig`` to each process id, or process group for a negative id (as kill(2) does),
+    that still exists."""
+    for target in ids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(target, sig)
 
 
 def _descendants(root: int) -> list[int]:
@@ -47,25 +50,17 @@ def signal_tree(pid: int, sig: signal.Signals) -> None:
     """
     if sig == signal.SIGCONT:
         # Children first, so that a resumed parent finds its children running.
-        for child in reversed(_descendants(pid)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(child, sig)
-        _signal_group(pid, sig)
+        _signal([*reversed(_descendants(pid)), -pid], sig)
         return
     # Freeze the parent first, so that it forks no child we would miss, and list the children
     # before a SIGKILL reparents them to init.
-    _signal_group(pid, signal.SIGSTOP)
+    _signal([-pid], signal.SIGSTOP)
     descendants = _descendants(pid)
-    for child in descendants:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, signal.SIGSTOP)
+    _signal(descendants, signal.SIGSTOP)
     if sig == signal.SIGSTOP:
         _wait_stopped([pid, *descendants])
         return
-    _signal_group(pid, sig)
-    for child in descendants:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, sig)
+    _signal([-pid, *descendants], sig)
 
 
 def _wait_stopped(pids: Iterable[int], timeout: float = 2.0) -> None:

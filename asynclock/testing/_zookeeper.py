@@ -29,24 +29,6 @@ log4j.appender.FILE.layout.ConversionPattern=%d{{ISO8601}} [myid:%X{{myid}}] %-5
 """
 
 
-def four_letter_word(host: str, port: int, word: str, timeout: float) -> str:
-    """Send a ZooKeeper four-letter command (``srvr``, ``mntr``, ``ruok``...) and return the
-    answer."""
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.sendall(word.encode("ascii"))
-        chunks = []
-        while chunk := sock.recv(4096):
-            chunks.append(chunk)
-    return b"".join(chunks).decode("utf-8", "replace")
-
-
-def _mode(answer: str) -> str | None:
-    for line in answer.splitlines():
-        if line.startswith("Mode: "):
-            return line.removeprefix("Mode: ").strip()
-    return None
-
-
 class _ZooKeeperProcess(Server):
     kind = "zookeeper"
     url_format = "zookeeper://{address}"
@@ -79,11 +61,19 @@ class _ZooKeeperProcess(Server):
 
     def four_letter_word(self, word: str, timeout: float = 1.0) -> str:
         """Send a four-letter command such as ``srvr`` or ``mntr`` and return the answer."""
-        return four_letter_word(self.host, self.port, word, timeout)
+        with socket.create_connection((self.host, self.port), timeout=timeout) as sock:
+            sock.sendall(word.encode("ascii"))
+            chunks = []
+            while chunk := sock.recv(4096):
+                chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", "replace")
 
     def mode(self, timeout: float = 1.0) -> str | None:
         """``standalone``, ``leader`` or ``follower``; None while it does not serve."""
-        return _mode(self.four_letter_word("srvr", timeout))
+        for line in self.four_letter_word("srvr", timeout).splitlines():
+            if line.startswith("Mode: "):
+                return line.removeprefix("Mode: ").strip()
+        return None
 
     def _prepare(self) -> None:
         conf = self.data_dir / "conf"
