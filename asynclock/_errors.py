@@ -1,4 +1,4 @@
-"""One exception hierarchy for every backend, and the translation helper used at their boundary."""
+"""One exception hierarchy for every backend (the kit's ``translate`` maps driver errors to it)."""
 
 from __future__ import annotations
 

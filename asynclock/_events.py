@@ -104,10 +104,6 @@ class Observer:
         """A body ran to completion although its lease was lost: its result is kept
         (``async with`` does not raise), and this is where the loss is reported."""
 
-    def reached(self, source: Source, ok: bool, error: BaseException | None) -> None:
-        """A call reached the server (``ok``) or failed for a reason that proves nothing about
-        the locks (unreachable, timed out): what connection state is made of."""
-
     def state_changed(self, source: Source, change: StateChange) -> None:
         """The client's :class:`ConnectionState` changed."""
 

@@ -84,7 +84,8 @@ class LeaderTask:
         #: How many terms this replica has led.
         self.terms = 0
         self._task: Any = None
-        self._stop: anyio.Event | None = None
+        #: Entered by the task, cancelled by ``aclose()`` (from any task, even before it runs).
+        self._stop: anyio.CancelScope | None = None
         self._done: anyio.Event | None = None
         self._failure: Exception | None = None
 
@@ -101,14 +102,14 @@ class LeaderTask:
         """Start campaigning in a task of its own; :meth:`aclose` stops it (from any task)."""
         if self._task is not None:
             raise RuntimeError(f"LeaderTask {self.name!r} runs already; make a new one")
-        self._stop, self._done = anyio.Event(), anyio.Event()
+        self._stop, self._done = anyio.CancelScope(), anyio.Event()
         self._task = _spawn(self._own, f"asynclock leader task {self.name!r}")
 
     async def aclose(self) -> None:
         """Stop: cancel the job, resign the term, and wait for both (idempotent)."""
         if self._stop is None or self._done is None:
             return
-        self._stop.set()
+        self._stop.cancel()
         await finish(self._done.wait, timeout=_STOP_TIMEOUT, what=f"stopping {self.name!r}")
         failure, self._failure = self._failure, None
         if failure is not None:
@@ -124,14 +125,7 @@ class LeaderTask:
     async def _own(self) -> None:
         assert self._stop is not None and self._done is not None
         try:
-            async with anyio.create_task_group() as task_group:
-
-                async def stop_when_told() -> None:
-                    assert self._stop is not None
-                    await self._stop.wait()
-                    task_group.cancel_scope.cancel()
-
-                task_group.start_soon(stop_when_told)
+            with self._stop:
                 await self._campaign_for_ever()
         except Exception as exc:  # not the job's (those are logged): aclose() raises it
             self._failure = exc

@@ -14,6 +14,7 @@ from .abc import Backend, Grant
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
+    #: The module (relative to ``asynclock.backends`` when it starts with a dot) and its class.
     module: str
     cls: str
     #: The pip extra that installs the driver, and the driver's top-level modules.
@@ -22,28 +23,18 @@ class _Entry:
 
 
 _BACKENDS: dict[str, _Entry] = {
-    "memory": _Entry("asynclock.backends.memory", "MemoryBackend"),
-    "sqlite": _Entry("asynclock.backends.sqlite", "SQLiteBackend"),
-    "redis": _Entry("asynclock.backends.redis", "RedisBackend", "redis", ("redis",)),
-    "rediss": _Entry("asynclock.backends.redis", "RedisBackend", "redis", ("redis",)),
-    "redis+sentinel": _Entry(
-        "asynclock.backends.redis.sentinel", "RedisSentinelBackend", "redis", ("redis",)
-    ),
-    "redis+cluster": _Entry(
-        "asynclock.backends.redis.cluster", "RedisClusterBackend", "redis", ("redis",)
-    ),
-    "rediss+cluster": _Entry(
-        "asynclock.backends.redis.cluster", "RedisClusterBackend", "redis", ("redis",)
-    ),
-    "redlock": _Entry("asynclock.backends.redis", "RedlockBackend", "redis", ("redis",)),
-    "etcd": _Entry("asynclock.backends.etcd", "EtcdBackend", "etcd", ("aetcd", "grpc")),
-    "zookeeper": _Entry(
-        "asynclock.backends.zookeeper", "ZooKeeperBackend", "zookeeper", ("aiozk",)
-    ),
-    "postgresql": _Entry(
-        "asynclock.backends.postgres", "PostgresBackend", "postgres", ("asyncpg",)
-    ),
-    "postgres": _Entry("asynclock.backends.postgres", "PostgresBackend", "postgres", ("asyncpg",)),
+    "memory": _Entry(".memory", "MemoryBackend"),
+    "sqlite": _Entry(".sqlite", "SQLiteBackend"),
+    "redis": _Entry(".redis", "RedisBackend", "redis", ("redis",)),
+    "rediss": _Entry(".redis", "RedisBackend", "redis", ("redis",)),
+    "redis+sentinel": _Entry(".redis.sentinel", "RedisSentinelBackend", "redis", ("redis",)),
+    "redis+cluster": _Entry(".redis.cluster", "RedisClusterBackend", "redis", ("redis",)),
+    "rediss+cluster": _Entry(".redis.cluster", "RedisClusterBackend", "redis", ("redis",)),
+    "redlock": _Entry(".redis", "RedlockBackend", "redis", ("redis",)),
+    "etcd": _Entry(".etcd", "EtcdBackend", "etcd", ("aetcd", "grpc")),
+    "zookeeper": _Entry(".zookeeper", "ZooKeeperBackend", "zookeeper", ("aiozk",)),
+    "postgresql": _Entry(".postgres", "PostgresBackend", "postgres", ("asyncpg",)),
+    "postgres": _Entry(".postgres", "PostgresBackend", "postgres", ("asyncpg",)),
 }
 
 _EXAMPLES = (
@@ -90,7 +81,7 @@ def split_url(url: object) -> tuple[str, dict[str, str]]:
 def backend_class(scheme: str) -> type[Backend[Grant]]:
     entry = _BACKENDS[scheme]
     try:
-        module = importlib.import_module(entry.module)
+        module = importlib.import_module(entry.module, "asynclock.backends")
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").split(".")[0]
         if entry.extra and missing in entry.drivers:

@@ -144,7 +144,6 @@ async def run_locked(
     url: str, name: str, ttl: float, timeout: float | None, grace: float, command: Sequence[str]
 ) -> int:
     async with connect(url) as locks:
-        lease_lost: LeaseLost | None = None
         try:
             async with locks.lock(name, ttl=ttl, timeout=timeout) as lease:
                 env = {**os.environ, "ASYNCLOCK_NAME": name, "ASYNCLOCK_URL": _registry.redact(url)}
@@ -164,12 +163,7 @@ async def run_locked(
                     await _terminate(process, grace)
                     os.close(alive)
         except LeaseLost as exc:
-            lease_lost = exc
-        if lease_lost is not None:
-            print(
-                f"asynclock run: {lease_lost}; the command was terminated",
-                file=sys.stderr,
-            )
+            print(f"asynclock run: {exc}; the command was terminated", file=sys.stderr)
             return EXIT_LEASE_LOST
         code = process.returncode
         assert code is not None
