@@ -210,14 +210,19 @@ async def test_durability_warning_without_an_append_only_file_on_eviction_and_no
 
 @pytest.mark.parametrize(
     ("tls_ports", "scheme", "options"),
-    [(1, "rediss", {"durability_warning": False}), (3, "redlock", {"tls": True})],
+    [
+        (1, "rediss", {"durability_warning": False}),
+        (3, "redlock", {"tls": True}),
+        ("cluster", "rediss+cluster", {"durability_warning": False}),
+    ],
     indirect=["tls_ports"],
 )
 async def test_tls_with_our_ca_or_unverified_and_an_unknown_certificate_is_refused(
     tls_ports: tuple[list[int], Path], scheme: str, options: dict[str, Any], prefix: str, name: str
 ) -> None:
     ports, ca = tls_ports
-    url = f"{scheme}://" + ",".join(f"127.0.0.1:{port}" for port in ports) + "/0"
+    url = f"{scheme}://" + ",".join(f"127.0.0.1:{port}" for port in ports)
+    url += "" if scheme.endswith("cluster") else "/0"  # a cluster has one database
     # ssl_cert_reqs=none: encrypted, not verified.
     for trust in ({"ssl_ca_certs": str(ca)}, {"ssl_cert_reqs": "none"}):
         async with asynclock.connect(url, prefix=prefix, **options | trust) as locks:

@@ -4,6 +4,7 @@ Sentinel, Cluster and Redlock test files share (this module is a plugin: see tes
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -21,7 +22,13 @@ from asynclock.backends.redis import RedisBackend
 from asynclock.backends.redis import _scripts as lua
 from asynclock.backends.redis._wire import Lane
 from asynclock.testing import RedisServer, free_port
-from asynclock.testing._redis_topologies import RedisClusterNodes, RedisNode, RedisSentinelGroup
+from asynclock.testing._redis_topologies import (
+    RedisClusterNodes,
+    RedisNode,
+    RedisSentinelGroup,
+    command,
+)
+from asynclock.testing._redis_topologies import _wait as wait
 from tests.contract.harness import BackendUnderTest, until
 
 
@@ -217,22 +224,35 @@ class RedisServerWith(RedisServer):
         return [*super()._command(), *self.arguments]
 
 
+def serves(server: RedisServer) -> bool:
+    """A Redis Cluster's node says the cluster serves every slot."""
+    return "cluster_state:ok" in command(server.host, server.port, "CLUSTER", "INFO")
+
+
 @pytest.fixture
 def tls_ports(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[list[int], Path]]:
     """redis-servers that also speak TLS, with a self-signed certificate for 127.0.0.1: their
     TLS ports and the certificate, which is its own CA. Three, or as many as an indirect
-    parametrisation of ``tls_ports`` says."""
+    parametrisation of ``tls_ports`` says; ``"cluster"``: one that is a whole Redis Cluster
+    (every slot), its cluster bus on TLS too."""
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
          "-nodes", "-keyout", "server.key", "-out", "server.pem", "-days", "1",
          "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
         cwd=tmp_path, check=True, capture_output=True,
     )  # fmt: skip
-    ports = [free_port() for _ in range(getattr(request, "param", 3))]
+    param = getattr(request, "param", 3)
+    ports = [free_port() for _ in range(1 if param == "cluster" else param)]
     tls = ["--tls-auth-clients", "no", "--tls-ca-cert-file", str(tmp_path / "server.pem")]
     tls += ["--tls-cert-file", str(tmp_path / "server.pem")]
     tls += ["--tls-key-file", str(tmp_path / "server.key")]
+    if param == "cluster":
+        tls += ["--tls-cluster", "yes", "--cluster-enabled", "yes"]
+        tls += ["--cluster-port", str(free_port()), "--cluster-config-file", "nodes.conf"]
     with ExitStack() as stack:
         for port in ports:
-            stack.enter_context(RedisServerWith("--tls-port", str(port), *tls))
+            server = stack.enter_context(RedisServerWith("--tls-port", str(port), *tls))
+            if param == "cluster":
+                command(server.host, server.port, "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+                wait("the cluster serves every slot", functools.partial(serves, server), 10.0)
         yield ports, tmp_path / "server.pem"

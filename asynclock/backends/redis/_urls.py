@@ -79,7 +79,7 @@ class Settings:
         if connection_class is None:
             connection_class = redis.asyncio.Connection
         if self.tls:
-            connection_class = redis.asyncio.SSLConnection
+            connection_class = _over_tls(connection_class)
             extra |= {
                 "ssl_ca_certs": self.ssl_ca_certs,
                 "ssl_certfile": self.ssl_certfile,
@@ -102,6 +102,23 @@ class Settings:
             client_name=self.client_name or None,
             **extra,
         )
+
+
+def _over_tls(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``connection_class`` speaking TLS. redis-py's ``SSLConnection`` is its ``Connection``
+    with TLS: a connection of ours that chooses its server (Cluster's, which tries one node
+    after another) keeps its own steps and takes the TLS ones from there."""
+    if issubclass(connection_class, redis.asyncio.SSLConnection):
+        return connection_class
+    if connection_class is redis.asyncio.Connection:
+        return redis.asyncio.SSLConnection
+    if connection_class not in _TLS:
+        name = f"TLS{connection_class.__name__}"
+        _TLS[connection_class] = type(name, (connection_class, redis.asyncio.SSLConnection), {})
+    return _TLS[connection_class]
+
+
+_TLS: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 
 @dataclass(frozen=True, slots=True)
