@@ -16,14 +16,22 @@ from .abc import Capabilities
 _CAPABILITY_NAMES = tuple(field.name for field in fields(Capabilities))
 
 
+class _Default(float):
+    """A default of :func:`connect`, told apart from the same number given: a keyword that is
+    an option of the backend too reaches the backend only when given."""
+
+
+_DRIFT, _CONNECT_TIMEOUT = _Default(0.01), _Default(10.0)
+
+
 def connect(
     url: str,
     /,
     *,
     require: Collection[str] = (),
-    drift: float = 0.01,
+    drift: float = _DRIFT,
     margin: float | None = None,
-    connect_timeout: float = 10.0,
+    connect_timeout: float = _CONNECT_TIMEOUT,
     release_timeout: float = 5.0,
     deadlock_detection: bool = False,
     deadlock_interval: float = 0.5,
@@ -47,7 +55,8 @@ def connect(
     ``connect_timeout`` bounds entering the client: a server that accepts connections but is
     slow to answer (many clients starting at once, a loaded host) is waited for until then,
     while one that refuses them fails at once. Once connected, each call is bounded by the
-    backend's ``op_timeout``.
+    backend's ``op_timeout``. Where a backend has an option of the same name (PostgreSQL's
+    ``connect_timeout``, Redlock's ``drift``), the keyword, when given, sets it too.
 
     Nothing connects until the client is entered, and bad input is refused at once:
 
@@ -63,6 +72,7 @@ def connect(
     :class:`DeadlockDetected` (within about three intervals). ``label`` names this client in those
     records and errors (default: the host name).
     """
+    given = _given(drift=drift, connect_timeout=connect_timeout)
     drift = _validate.positive_seconds(drift, "drift") if drift else 0.0
     if drift >= 0.5:
         raise InvalidArgument(f"drift is a share of the ttl below 0.5, got {drift!r}")
@@ -74,19 +84,14 @@ def connect(
     deadlock_interval = _validate.positive_seconds(deadlock_interval, "deadlock_interval")
     if label is not None and (not isinstance(label, str) or "/" in label or not label):
         raise InvalidArgument(f"label must be a non-empty str without '/', got {label!r}")
-    backend = make_backend(url, options)
+    backend = make_backend(url, options, given)
     check_event_loop(backend, url)
     if deadlock_detection and backend.waiter_registry() is None:
         raise UnsupportedFeature(
             f"{redact(url)} has no place for deadlock detection's records; use lock_all() or "
             "timeouts instead, or a backend that has one (see the multi-lock guide)"
         )
-    missing = [name for name in require if not getattr(backend.capabilities, name)]
-    if missing:
-        raise UnsupportedFeature(
-            f"{redact(url)} does not provide {', '.join(missing)}; see the backend guide for one "
-            "that does (etcd, ZooKeeper and PostgreSQL provide fencing and loss detection)"
-        )
+    _check_provided(backend.capabilities, require, url)
     return LockClient(
         backend,
         drift=drift,
@@ -96,6 +101,20 @@ def connect(
         deadlock_interval=deadlock_interval if deadlock_detection else None,
         label=label,
     )
+
+
+def _given(**keywords: float) -> dict[str, float]:
+    """Those of ``keywords`` (of :func:`connect`) that its caller gave."""
+    return {name: value for name, value in keywords.items() if not isinstance(value, _Default)}
+
+
+def _check_provided(capabilities: Capabilities, require: Collection[str], url: str) -> None:
+    missing = [name for name in require if not getattr(capabilities, name)]
+    if missing:
+        raise UnsupportedFeature(
+            f"{redact(url)} does not provide {', '.join(missing)}; see the backend guide for one "
+            "that does (etcd, ZooKeeper and PostgreSQL provide fencing and loss detection)"
+        )
 
 
 def _capability_names(require: Collection[str]) -> tuple[str, ...]:

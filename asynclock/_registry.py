@@ -94,12 +94,20 @@ def backend_class(scheme: str) -> type[Backend[Grant]]:
     return cls
 
 
-def make_backend(url: str, options: Mapping[str, object]) -> Backend[Grant]:
+def make_backend(
+    url: str, options: Mapping[str, object], client: Mapping[str, object] | None = None
+) -> Backend[Grant]:
+    """The backend of ``url``, with the query's options, then ``options`` (keywords win), and
+    those of ``client`` (``connect()``'s own keywords, as given) that it reads too."""
     scheme, query = split_url(url)
+    cls = backend_class(scheme)
     merged: dict[str, object] = dict(query)
+    merged.update(
+        (name, value) for name, value in (client or {}).items() if name in cls.client_keywords
+    )
     merged.update(options)
     base = url.split("?", 1)[0]
-    return backend_class(scheme).from_url(base, merged)
+    return cls.from_url(base, merged)
 
 
 __all__ = ("backend_class", "make_backend", "redact", "schemes", "split_url")

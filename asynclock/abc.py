@@ -321,6 +321,9 @@ class Backend(AsyncResource, Generic[G]):
     event_loops: frozenset[str] = frozenset({"asyncio"})
     #: The driver's name, for messages ("redis-py", "asyncpg").
     driver: str = "its driver"
+    #: Keywords of :func:`asynclock.connect` that are options of this backend too (PostgreSQL's
+    #: ``connect_timeout``, Redlock's ``drift``): given to ``connect()``, they reach both.
+    client_keywords: frozenset[str] = frozenset()
     #: How often an election's ``observe()`` looks when ``wait_for_change`` cannot push (s).
     poll_interval: float = 0.1
     #: True when ``acquire``'s first round trip takes a free lock at the cost of

@@ -67,6 +67,7 @@ _SERVER_SETTINGS = {
 
 class PostgresBackend(Backend[PostgresGrant]):
     driver = "asyncpg"
+    client_keywords = frozenset({"connect_timeout"})
     #: A ttl is renewed every ttl / 3 with one round trip per held connection, which must be
     #: back before the local deadline (about 0.89 ttl). At 0.1 s that left some 55 ms, and 2 s
     #: holds were lost on a busy 2-core host (the fresh-clone runs, more than once): an event

@@ -139,6 +139,7 @@ class RedlockBackend(Backend[RedlockGrant]):
     masters being down, paused or partitioned away."""
 
     driver = "asyncio streams, plus redis-py"
+    client_keywords = frozenset({"drift"})
     #: No shared holds, semaphores or elections: without a counter shared by the masters there
     #: is no token to order them, and a semaphore's permits would need a majority's agreement on
     #: a set, which independent masters cannot give atomically. ``extend`` applies a new ttl on
