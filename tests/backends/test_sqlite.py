@@ -321,6 +321,24 @@ async def test_waiters_keep_their_places_through_a_stall_longer_than_waiter_ttl(
     assert [index for index in order if index < 3] == [0, 1, 2]
 
 
+async def test_a_take_on_a_file_locked_past_busy_timeout_fails_within_busy_timeout(
+    tmp_path: Path,
+) -> None:
+    """The docs' promise: a client waits up to ``busy_timeout`` for a file another process
+    keeps locked. A take that gave up was rolled back, so nothing is undone after it (the undo
+    waited for the lock as long again: twice ``busy_timeout`` in all)."""
+    path = tmp_path / "locks.db"
+    async with asynclock.connect(f"sqlite://{path}?busy_timeout=0.5") as locks:
+        with sqlite_write_locked(str(path)):
+            for timeout in (0, 10):
+                started = anyio.current_time()
+                with pytest.raises(asynclock.BackendUnavailable):
+                    await locks.acquire("busy", timeout=timeout)
+                assert 0.5 <= anyio.current_time() - started < 0.85
+        async with locks.lock("busy", timeout=0):  # and nothing was left behind
+            pass
+
+
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_every_kind_runs_on_trio(store: SQLiteBackend, other: SQLiteBackend) -> None:
     reader = await store.acquire(request("t", shared=True))

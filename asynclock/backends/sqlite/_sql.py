@@ -146,7 +146,13 @@ class Transaction:
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         if exc is None:
-            self.db.execute("COMMIT")
+            try:
+                self.db.execute("COMMIT")
+            except BaseException:
+                # A COMMIT refused as busy leaves the transaction open: nothing of it stays.
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                raise
         elif self.db.in_transaction:
             self.db.execute("ROLLBACK")
 

@@ -348,9 +348,12 @@ class SQLiteBackend(Backend[SQLiteGrant]):
         # anyio's cancellation waits for the statement (see _run), and nothing awaits between a
         # successful take and the return. A native Task.cancel() does not wait: the statement
         # may still run in the thread, so it is marked abandoned and undone (hold and queue
-        # row alike). A refusal (permits that differ) left nothing, and is undone the same way.
+        # row alike). A statement that raised (the file locked past busy_timeout, a refusal of
+        # permits that differ) was rolled back: nothing to undo, and no second busy_timeout.
         try:
             taken = await self._run(lambda: self._take_sync(want, wait, keep))
+        except Exception:
+            raise
         except BaseException:
             self._abandon(request)
             await finish(
