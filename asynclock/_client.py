@@ -201,7 +201,7 @@ class LockClient(ClientCore, AsyncOnly):
         ``holders`` lists every hold (readers, a semaphore's permits); ``kind`` picks the
         namespace (``"lock"``, ``"semaphore"``, ``"election"``).
 
-        Raises :class:`UnsupportedFeature` on backends that cannot tell (Redlock).
+        Redlock answers with what a majority of its masters say (no token, no waiters).
         """
         name = _validate.lock_name(name)
         if kind not in ("lock", "semaphore", "election"):

@@ -18,6 +18,7 @@ from asynclock._cli import (
     EXIT_NOT_EXECUTABLE,
     EXIT_NOT_FOUND,
     EXIT_TIMEOUT,
+    EXIT_UNAVAILABLE,
     EXIT_USAGE,
 )
 from tests.testing._helpers import process_gone
@@ -85,6 +86,10 @@ def test_usage_errors_the_demo_and_status_lines_of_readers_permits_and_leaders(
     assert result.returncode == EXIT_USAGE and "unknown lock backend 'nosuch'" in result.stderr
     result = run("run", "job")
     assert result.returncode == 2 and "run needs a command" in result.stderr
+    # The demo prints fencing tokens: a backend without them is refused before it starts.
+    result = run("demo", "--url", "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3")
+    assert result.returncode == EXIT_UNAVAILABLE and "does not provide fencing" in result.stderr
+    assert "contend" not in result.stdout
     # And the demo: exclusive holds with increasing tokens.
     result = run("demo", "--workers", "3", "--rounds", "3", "--hold", "0.02")
     assert result.returncode == 0, result.stderr

@@ -36,6 +36,7 @@ def demo_worker(url: str, worker: int, rounds: int, hold: float) -> None:
 def demo(url: str | None, workers: int, rounds: int, hold: float) -> int:
     with tempfile.TemporaryDirectory(prefix="asynclock-demo-") as directory:
         url = url or f"sqlite://{directory}/locks.db"
+        connect(url, require=("fencing",))  # it prints tokens: refused before a worker starts
         print(f"{workers} processes contend for the lock 'demo' on {_registry.redact(url)}")
         command = [sys.executable, "-m", "asynclock", "_demo-worker", url]
         children = [
@@ -64,6 +65,6 @@ def demo(url: str | None, workers: int, rounds: int, hold: float) -> int:
         increasing = all(a < b for a, b in itertools.pairwise(tokens))
         print(
             f"{len(lines)} holds, {overlaps} overlapping, tokens strictly increasing: "
-            f"{'yes' if increasing else 'NO'}"
+            f"{'yes' if increasing else 'NO'}" + (f"; {failed} worker(s) FAILED" if failed else "")
         )
         return 1 if failed or overlaps or not increasing else 0
