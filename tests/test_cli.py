@@ -77,6 +77,23 @@ def test_run_exports_the_token_returns_the_exit_code_and_kills_the_group_when_re
             time.sleep(0.05)
 
 
+def test_the_url_defaults_to_asynclock_url_which_the_command_gets_too(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path}/from-env.db"
+    show = "import os; print(os.environ['ASYNCLOCK_URL'], os.environ['ASYNCLOCK_TOKEN'])"
+    result = subprocess.run(
+        [*ASYNCLOCK, "run", "job", "--", sys.executable, "-c", show],
+        env={**os.environ, "ASYNCLOCK_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    seen_url, token = result.stdout.split()
+    assert seen_url == url and int(token) >= 1
+    assert (tmp_path / "from-env.db").exists()  # the lock was taken there
+
+
 def test_usage_errors_the_demo_and_status_lines_of_readers_permits_and_leaders(
     tmp_path: Path,
 ) -> None:

@@ -235,6 +235,23 @@ async def test_tls_with_our_ca_or_unverified_and_an_unknown_certificate_is_refus
             pytest.fail("trusted a certificate from an unknown CA")
 
 
+@pytest.mark.parametrize("tls_ports", ["client-auth"], indirect=True)
+async def test_tls_with_a_client_certificate_where_the_server_asks_for_one(
+    tls_ports: tuple[list[int], Path], prefix: str, name: str
+) -> None:
+    (port,), certificate = tls_ports
+    url = f"rediss://127.0.0.1:{port}/0"
+    trust: dict[str, Any] = {"ssl_ca_certs": str(certificate), "durability_warning": False}
+    mine: dict[str, Any] = {"ssl_certfile": str(certificate)}
+    mine["ssl_keyfile"] = str(certificate.with_suffix(".key"))
+    async with asynclock.connect(url, prefix=prefix, **trust, **mine) as locks:
+        async with locks.lock(name, ttl=2) as lease:
+            assert lease.held
+    with pytest.raises(asynclock.BackendUnavailable):
+        async with asynclock.connect(url, prefix=prefix, **trust):
+            pytest.fail("connected without the certificate the server asks for")
+
+
 async def test_take_sets_the_owner_with_an_expiry_and_the_token_comes_from_the_counter(
     redis_server: RedisServer, raw_redis: redis.asyncio.Redis, prefix: str, name: str
 ) -> None:

@@ -234,7 +234,8 @@ def tls_ports(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[
     """redis-servers that also speak TLS, with a self-signed certificate for 127.0.0.1: their
     TLS ports and the certificate, which is its own CA. Three, or as many as an indirect
     parametrisation of ``tls_ports`` says; ``"cluster"``: one that is a whole Redis Cluster
-    (every slot), its cluster bus on TLS too."""
+    (every slot), its cluster bus on TLS too; ``"client-auth"``: one that asks clients for a
+    certificate (the same one will do)."""
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
          "-nodes", "-keyout", "server.key", "-out", "server.pem", "-days", "1",
@@ -242,8 +243,10 @@ def tls_ports(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[
         cwd=tmp_path, check=True, capture_output=True,
     )  # fmt: skip
     param = getattr(request, "param", 3)
-    ports = [free_port() for _ in range(1 if param == "cluster" else param)]
-    tls = ["--tls-auth-clients", "no", "--tls-ca-cert-file", str(tmp_path / "server.pem")]
+    ports = [free_port() for _ in range(param if isinstance(param, int) else 1)]
+    # "client-auth": the server asks for a client certificate signed by its CA (itself).
+    asks = "yes" if param == "client-auth" else "no"
+    tls = ["--tls-auth-clients", asks, "--tls-ca-cert-file", str(tmp_path / "server.pem")]
     tls += ["--tls-cert-file", str(tmp_path / "server.pem")]
     tls += ["--tls-key-file", str(tmp_path / "server.key")]
     if param == "cluster":
