@@ -352,6 +352,30 @@ REDLOCK = "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
 
 
 @pytest.mark.parametrize(
+    ("url", "option", "default", "in_url", "given"),
+    [
+        ("postgresql://app@db.internal/orders", "connect_timeout", 5.0, 2.0, 7.0),
+        ("redlock://h1,h2,h3/0", "drift", 0.01, 0.03, 0.05),
+    ],
+)
+def test_a_keyword_of_connect_that_is_a_backend_option_too_sets_both_when_given(
+    url: str, option: str, default: float, in_url: float, given: float
+) -> None:
+    """connect()'s own keyword (PostgreSQL's connect_timeout, Redlock's drift), when given, sets
+    the backend's option of the same name (keywords win over the URL, as for every option); not
+    given, the URL's value or the backend's default holds."""
+
+    def backend_option(url: str, **options: Any) -> float:
+        value = getattr(asynclock.connect(url, **options)._backend, option)
+        assert isinstance(value, float)
+        return value
+
+    assert backend_option(url) == default
+    assert backend_option(f"{url}?{option}={in_url:g}") == in_url
+    assert backend_option(f"{url}?{option}={in_url:g}", **{option: given}) == given
+
+
+@pytest.mark.parametrize(
     ("url", "options", "error", "message"),
     [
         ("", {}, asynclock.InvalidURL, "not a lock URL"),

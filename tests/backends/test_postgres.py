@@ -167,21 +167,6 @@ async def test_connect_errors_say_what_is_wrong_within_the_connect_timeout(pg: P
         assert anyio.current_time() - started < 2.0
 
 
-def test_connect_timeout_given_to_connect_is_the_backends_too() -> None:
-    """connect()'s own keyword, when given, sets the option of the same name (keywords win over
-    the URL, as for every option); not given, the URL's or the backend's default holds."""
-    url = "postgresql://app@db.internal/orders"
-
-    def connect_timeout(url: str, **options: Any) -> float:
-        backend = asynclock.connect(url, **options)._backend
-        assert isinstance(backend, PostgresBackend)
-        return backend.connect_timeout
-
-    assert connect_timeout(url) == 5.0
-    assert connect_timeout(f"{url}?connect_timeout=2") == 2.0
-    assert connect_timeout(f"{url}?connect_timeout=2", connect_timeout=7) == 7.0
-
-
 async def test_tls_with_sslmode_and_with_an_ssl_context(pg: Pg, tmp_path: Path) -> None:
     with TLSPostgresServer(max_connections=20) as server:
         ca = tmp_path / "ca.pem"

@@ -61,21 +61,6 @@ def test_url_lists_masters_with_shared_db_credentials_and_options() -> None:
     assert RedlockBackend.from_url("redlock://a:1,b:2,c:3,d:4,e:5", {}).quorum == 3
 
 
-def test_drift_given_to_connect_is_redlocks_too() -> None:
-    """connect()'s ``drift`` (the core's local deadline) is Redlock's validity allowance too
-    when given, over the URL's; not given, the URL's or Redlock's default holds."""
-    url = "redlock://h1,h2,h3/0"
-
-    def drift(url: str, **options: Any) -> float:
-        backend = asynclock.connect(url, **options)._backend
-        assert isinstance(backend, RedlockBackend)
-        return backend.drift
-
-    assert drift(url) == 0.01
-    assert drift(f"{url}?drift=0.03") == 0.03
-    assert drift(f"{url}?drift=0.03", drift=0.05) == 0.05
-
-
 @pytest.mark.parametrize("count", [1, 2])
 def test_fewer_than_three_masters_are_refused_with_the_reason(count: int) -> None:
     url = redlock_url([f"127.0.0.1:{7000 + index}" for index in range(count)])
