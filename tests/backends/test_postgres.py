@@ -165,6 +165,15 @@ async def test_connect_errors_say_what_is_wrong_within_the_connect_timeout(pg: P
             async with asynclock.connect(url):
                 pytest.fail("connected through a blackhole")
         assert anyio.current_time() - started < 2.0
+        # connect()'s own keyword sets it too, over the URL's: a server silent for 1.5 s is
+        # waited for.
+        proxy.pass_through()
+        started = anyio.current_time()
+        proxy.cut(1.5)
+        async with asynclock.connect(url, connect_timeout=5.0) as locks:
+            assert anyio.current_time() - started >= 1.5
+            async with locks.lock("after-the-cut", ttl=2):
+                pass
 
 
 async def test_tls_with_sslmode_and_with_an_ssl_context(pg: Pg, tmp_path: Path) -> None:
